@@ -1,0 +1,50 @@
+#include "convert.hpp"
+#include "seqpack/dynamic_batching.hpp"
+
+namespace seqpack::bindings {
+
+void init_dynamic_batching(py::module_& m) {
+  m.def(
+      "plan_dynamic_batching",
+      [](py::handle lengths, const std::string& rule, int64_t shards, int64_t batch_size, int64_t max_tokens,
+         int64_t round, int64_t max_seqlen, int64_t pp_size) {
+        DynamicBatchingRule r;
+        if (rule == "nemo_rl") r = DynamicBatchingRule::NemoRL;
+        else if (rule == "roll") r = DynamicBatchingRule::Roll;
+        else if (rule == "optimal") r = DynamicBatchingRule::Optimal;
+        else throw py::value_error("rule must be one of 'nemo_rl', 'roll', 'optimal', got '" + rule + "'");
+        LengthsArg arg(lengths, "input_lengths");
+        DynamicBatchingOptions o{shards, batch_size, max_tokens, round, max_seqlen, pp_size};
+        DynamicBatchingPlan plan;
+        {
+          py::gil_scoped_release release;
+          plan = plan_dynamic_batching(arg.view(), o, r);
+        }
+        py::list indices, lens;
+        for (const auto& chunk : plan.chunks) {
+          py::list ci, cl;
+          for (const auto& range : chunk) {
+            py::list pair;
+            pair.append(range.start);
+            pair.append(range.end);
+            ci.append(pair);
+            cl.append(range.length);
+          }
+          indices.append(ci);
+          lens.append(cl);
+        }
+        py::dict out;
+        out["sorted_indices"] = py::cast(plan.sorted_indices);
+        out["micro_batch_indices"] = indices;
+        out["micro_batch_lengths"] = lens;
+        out["shard_chunk_size"] = plan.shard_chunk_size;
+        out["padded_tokens"] = plan.padded_tokens;
+        out["valid_tokens"] = plan.valid_tokens;
+        return out;
+      },
+      py::arg("input_lengths"), py::arg("rule"), py::arg("shards"), py::arg("batch_size"),
+      py::arg("max_tokens_per_microbatch"), py::arg("sequence_length_round"), py::arg("max_seqlen") = 0,
+      py::arg("pp_size") = 1);
+}
+
+}  // namespace seqpack::bindings

@@ -1,0 +1,88 @@
+#include "convert.hpp"
+
+#include <limits>
+#include <string>
+
+namespace seqpack::bindings {
+
+namespace {
+
+template <typename T>
+void copy_as_int64(const py::array& a, std::vector<int64_t>& out, const char* name) {
+  const auto n = static_cast<size_t>(a.shape(0));
+  const auto stride = a.strides(0);
+  const char* base = static_cast<const char*>(a.data());
+  out.resize(n);
+  for (size_t i = 0; i < n; ++i) {
+    const T v = *reinterpret_cast<const T*>(base + static_cast<py::ssize_t>(i) * stride);
+    if constexpr (std::is_unsigned_v<T> && sizeof(T) == 8) {
+      if (v > static_cast<T>(std::numeric_limits<int64_t>::max()))
+        throw py::value_error(std::string(name) + "[" + std::to_string(i) + "] does not fit in int64");
+    }
+    out[i] = static_cast<int64_t>(v);
+  }
+}
+
+}  // namespace
+
+LengthsArg::LengthsArg(py::handle obj, const char* name) {
+  array_ = py::array::ensure(obj);
+  if (!array_) throw py::type_error(std::string(name) + " must be a 1-D sequence of integers");
+  if (array_.ndim() != 1)
+    throw py::value_error(std::string(name) + " must be 1-D, got " + std::to_string(array_.ndim()) + " dimensions");
+  const char kind = array_.dtype().kind();
+  if (array_.shape(0) == 0) return;  // [] arrives as float64; an empty list is fine
+  if (kind != 'i' && kind != 'u')
+    throw py::type_error(std::string(name) + " must hold integers, got dtype " +
+                         std::string(py::str(array_.dtype())));
+  const auto size = array_.itemsize();
+  const bool c_contig = array_.flags() & py::array::c_style;
+  if (kind == 'i' && size == 8 && c_contig) {
+    view_ = Lengths(static_cast<const int64_t*>(array_.data()), static_cast<size_t>(array_.shape(0)));
+    return;
+  }
+  switch (size * (kind == 'u' ? -1 : 1)) {
+    case 1: copy_as_int64<int8_t>(array_, owned_, name); break;
+    case 2: copy_as_int64<int16_t>(array_, owned_, name); break;
+    case 4: copy_as_int64<int32_t>(array_, owned_, name); break;
+    case 8: copy_as_int64<int64_t>(array_, owned_, name); break;
+    case -1: copy_as_int64<uint8_t>(array_, owned_, name); break;
+    case -2: copy_as_int64<uint16_t>(array_, owned_, name); break;
+    case -4: copy_as_int64<uint32_t>(array_, owned_, name); break;
+    case -8: copy_as_int64<uint64_t>(array_, owned_, name); break;
+    default: throw py::type_error(std::string(name) + ": unsupported integer width");
+  }
+  view_ = Lengths(owned_);
+}
+
+py::list to_list(const IndexGroups& groups) {
+  py::list out(groups.size());
+  for (size_t g = 0; g < groups.size(); ++g) {
+    const auto items = groups.group(g);
+    py::list inner(items.size());
+    for (size_t j = 0; j < items.size(); ++j) inner[j] = py::int_(items[j]);
+    out[g] = std::move(inner);
+  }
+  return out;
+}
+
+IndexGroups groups_from(py::handle nested, const char* name) {
+  if (!py::isinstance<py::sequence>(nested) || py::isinstance<py::str>(nested))
+    throw py::type_error(std::string(name) + " must be a list of lists of indices");
+  IndexGroups out;
+  for (py::handle g : nested) {
+    if (!py::isinstance<py::sequence>(g) && !py::isinstance<py::array>(g))
+      throw py::type_error(std::string(name) + " must be a list of lists of indices");
+    for (py::handle i : g) out.indices.push_back(py::cast<int64_t>(i));
+    out.offsets.push_back(static_cast<int64_t>(out.indices.size()));
+  }
+  return out;
+}
+
+py::array_t<int64_t> to_array(std::vector<int64_t>&& values) {
+  auto* owner = new std::vector<int64_t>(std::move(values));
+  py::capsule free_owner(owner, [](void* p) { delete static_cast<std::vector<int64_t>*>(p); });
+  return py::array_t<int64_t>({static_cast<py::ssize_t>(owner->size())}, owner->data(), free_owner);
+}
+
+}  // namespace seqpack::bindings

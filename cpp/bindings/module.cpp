@@ -1,0 +1,36 @@
+// seqpack._core: thin bindings over the C++ core. Arguments are converted while
+// holding the GIL; every core call then runs with the GIL released. The core
+// throws std::invalid_argument, which pybind11 raises as ValueError.
+#include <pybind11/pybind11.h>
+
+#ifdef SEQPACK_WITH_CUDA
+#include "seqpack/cuda_device.hpp"
+#endif
+
+namespace py = pybind11;
+
+namespace seqpack::bindings {
+void init_packing(py::module_& m);
+void init_partition(py::module_& m);
+void init_dynamic_batching(py::module_& m);
+void init_metrics(py::module_& m);
+}  // namespace seqpack::bindings
+
+PYBIND11_MODULE(_core, m) {
+  m.doc() = "seqpack C++ core (planning); use the seqpack package, not this module.";
+  seqpack::bindings::init_packing(m);
+  seqpack::bindings::init_partition(m);
+  seqpack::bindings::init_dynamic_batching(m);
+  seqpack::bindings::init_metrics(m);
+#ifdef SEQPACK_WITH_CUDA
+  m.attr("built_with_cuda") = true;
+  m.def("cuda_device_count", &seqpack::cuda::device_count);
+  m.def("cuda_runtime_version", &seqpack::cuda::runtime_version);
+  m.def("cuda_device_name", &seqpack::cuda::device_name, py::arg("index") = 0);
+#else
+  m.attr("built_with_cuda") = false;
+  m.def("cuda_device_count", []() { return 0; });
+  m.def("cuda_runtime_version", []() { return 0; });
+  m.def("cuda_device_name", [](int) { return std::string(); }, py::arg("index") = 0);
+#endif
+}

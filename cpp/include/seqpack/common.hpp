@@ -1,0 +1,68 @@
+#pragma once
+// Shared types of the planning core. Nothing here (or anywhere under cpp/include)
+// includes Python or CUDA headers.
+//
+// Errors: every public function validates its arguments and throws
+// std::invalid_argument("[seqpack.<function>] <argument>: <rule broken>"), which
+// the bindings surface as ValueError.
+#include <cstdint>
+#include <span>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace seqpack {
+
+using Lengths = std::span<const int64_t>;
+
+// A list of groups of input indices stored as CSR: group g holds
+// indices[offsets[g] .. offsets[g+1]). Used for bins, partitions and micro-batches.
+struct IndexGroups {
+  std::vector<int64_t> offsets{0};
+  std::vector<int64_t> indices;
+
+  size_t size() const { return offsets.size() - 1; }
+  int64_t group_size(size_t g) const { return offsets[g + 1] - offsets[g]; }
+  std::span<const int64_t> group(size_t g) const {
+    return {indices.data() + offsets[g], static_cast<size_t>(group_size(g))};
+  }
+  void push_group(std::span<const int64_t> items) {
+    indices.insert(indices.end(), items.begin(), items.end());
+    offsets.push_back(static_cast<int64_t>(indices.size()));
+  }
+  static IndexGroups from_nested(const std::vector<std::vector<int64_t>>& nested);
+  std::vector<std::vector<int64_t>> to_nested() const;
+  bool operator==(const IndexGroups&) const = default;
+};
+
+// Sum of values[i] over each group.
+std::vector<int64_t> group_sums(const IndexGroups& groups, Lengths values);
+
+[[noreturn]] void throw_invalid(const char* function, const std::string& message);
+
+// Validation helpers; each throws with the argument name and the rule broken.
+void check_positive(const char* function, const char* name, int64_t value);
+void check_non_negative_lengths(const char* function, const char* name, Lengths lengths);
+void check_positive_lengths(const char* function, const char* name, Lengths lengths);
+void check_lengths_fit(const char* function, const char* name, Lengths lengths,
+                       int64_t capacity, const char* capacity_name);
+
+// Adds with an overflow check (sums of lengths/workloads stay in int64).
+int64_t checked_add(const char* function, int64_t a, int64_t b);
+int64_t checked_mul(const char* function, int64_t a, int64_t b);
+
+inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+inline int64_t round_up(int64_t a, int64_t multiple) { return ceil_div(a, multiple) * multiple; }
+
+// A portable, seeded PRNG (SplitMix64) with an unbiased bounded draw, so a seed
+// gives the same stream on every platform and standard library.
+class Rng {
+ public:
+  explicit Rng(uint64_t seed) : state_(seed) {}
+  uint64_t next();
+  uint64_t below(uint64_t bound);  // uniform in [0, bound), bound > 0
+ private:
+  uint64_t state_;
+};
+
+}  // namespace seqpack

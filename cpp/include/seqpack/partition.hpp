@@ -1,0 +1,37 @@
+#pragma once
+// Partitioning of items (sequence lengths or workloads) into k groups with
+// balanced sums: data-parallel balance and micro-batch balance.
+#include <cstdint>
+#include <vector>
+
+#include "seqpack/common.hpp"
+
+namespace seqpack {
+
+// Karmarkar-Karp largest differencing method for k-way partitioning.
+//
+// Bit-for-bit the partitions of verl's `karmarkar_karp` (the version ROLL ships
+// too): same initial states (items by (value, index) ascending; with equal_size
+// one state per k consecutive items), the same heap discipline as Python's heapq,
+// and the same tie-breaks (largest spread first, then the state whose largest
+// set is larger by (sum, count, first item)). Groups come in verl's order (sets
+// by decreasing sum) with items in merge order; `sort_groups` sorts the indices
+// inside each group instead, as `get_seqlen_balanced_partitions` returns them.
+//
+// Unlike the Python version, a state keeps only its non-empty sets, so a merge
+// costs O((a + b) log(a + b)) for a and b non-empty sets rather than O(k log k),
+// and the item lists are spliced in O(1).
+// Requires 1 <= k <= n; with equal_size, n % k == 0 and every group gets n / k items.
+IndexGroups karmarkar_karp(Lengths values, int64_t k, bool equal_size, bool sort_groups = false);
+
+// Longest-processing-time greedy: items by (value desc, index asc), each to the
+// group with the smallest sum (ties: lowest group index); with equal_size a group
+// stops receiving items once it has n / k. Groups' indices are sorted.
+IndexGroups greedy_lpt_partition(Lengths values, int64_t k, bool equal_size);
+
+// Sort by (value, index) ascending and deal out round-robin: group g receives the
+// sorted positions g, g + k, g + 2k, ... (NeMo-RL's dynamic-batching stride).
+// Groups' indices are kept in that sorted order.
+IndexGroups sorted_stride_partition(Lengths values, int64_t k);
+
+}  // namespace seqpack

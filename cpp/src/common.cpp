@@ -1,0 +1,91 @@
+#include "seqpack/common.hpp"
+
+#include <limits>
+
+namespace seqpack {
+
+IndexGroups IndexGroups::from_nested(const std::vector<std::vector<int64_t>>& nested) {
+  IndexGroups out;
+  for (const auto& g : nested) out.push_group(g);
+  return out;
+}
+
+std::vector<std::vector<int64_t>> IndexGroups::to_nested() const {
+  std::vector<std::vector<int64_t>> out(size());
+  for (size_t g = 0; g < size(); ++g) {
+    auto items = group(g);
+    out[g].assign(items.begin(), items.end());
+  }
+  return out;
+}
+
+std::vector<int64_t> group_sums(const IndexGroups& groups, Lengths values) {
+  std::vector<int64_t> sums(groups.size(), 0);
+  for (size_t g = 0; g < groups.size(); ++g)
+    for (int64_t i : groups.group(g)) sums[g] += values[static_cast<size_t>(i)];
+  return sums;
+}
+
+void throw_invalid(const char* function, const std::string& message) {
+  throw std::invalid_argument(std::string("[seqpack.") + function + "] " + message);
+}
+
+void check_positive(const char* function, const char* name, int64_t value) {
+  if (value <= 0)
+    throw_invalid(function, std::string(name) + " must be positive, got " + std::to_string(value));
+}
+
+void check_non_negative_lengths(const char* function, const char* name, Lengths lengths) {
+  for (size_t i = 0; i < lengths.size(); ++i)
+    if (lengths[i] < 0)
+      throw_invalid(function, std::string(name) + "[" + std::to_string(i) + "] = " +
+                                  std::to_string(lengths[i]) + " is negative; lengths must be >= 0");
+}
+
+void check_positive_lengths(const char* function, const char* name, Lengths lengths) {
+  for (size_t i = 0; i < lengths.size(); ++i)
+    if (lengths[i] <= 0)
+      throw_invalid(function, std::string(name) + "[" + std::to_string(i) + "] = " +
+                                  std::to_string(lengths[i]) + "; lengths must be positive");
+}
+
+void check_lengths_fit(const char* function, const char* name, Lengths lengths, int64_t capacity,
+                       const char* capacity_name) {
+  for (size_t i = 0; i < lengths.size(); ++i)
+    if (lengths[i] > capacity)
+      throw_invalid(function, std::string(name) + "[" + std::to_string(i) + "] = " +
+                                  std::to_string(lengths[i]) + " exceeds " + capacity_name + " = " +
+                                  std::to_string(capacity));
+}
+
+int64_t checked_add(const char* function, int64_t a, int64_t b) {
+  int64_t out;
+  if (__builtin_add_overflow(a, b, &out))
+    throw_invalid(function, "sum of lengths overflows int64");
+  return out;
+}
+
+int64_t checked_mul(const char* function, int64_t a, int64_t b) {
+  int64_t out;
+  if (__builtin_mul_overflow(a, b, &out))
+    throw_invalid(function, "product overflows int64");
+  return out;
+}
+
+uint64_t Rng::next() {
+  uint64_t z = (state_ += 0x9E3779B97F4A7C15ull);
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+
+uint64_t Rng::below(uint64_t bound) {
+  // Rejection sampling on the top of the range: unbiased and portable.
+  const uint64_t limit = std::numeric_limits<uint64_t>::max() -
+                         std::numeric_limits<uint64_t>::max() % bound;
+  uint64_t x;
+  do x = next(); while (x >= limit);
+  return x % bound;
+}
+
+}  // namespace seqpack

@@ -1,0 +1,186 @@
+#include "seqpack/dynamic_batching.hpp"
+
+#include <algorithm>
+#include <limits>
+#include <numeric>
+
+namespace seqpack {
+namespace {
+
+constexpr const char* kFn = "plan_dynamic_batching";
+
+// Greedy ranges exactly as NeMo-RL / ROLL build them.
+std::vector<MicroBatchRange> greedy_ranges(const std::vector<int64_t>& padded, int64_t cap, int64_t initial_max) {
+  std::vector<MicroBatchRange> ranges{{0, 0, 0}};
+  int64_t running_max = initial_max;
+  for (size_t j = 0; j < padded.size(); ++j) {
+    const auto pos = static_cast<int64_t>(j);
+    MicroBatchRange& cur = ranges.back();
+    const int64_t rows = cur.end - cur.start + 1;
+    running_max = std::max(running_max, padded[j]);
+    if (rows * running_max <= cap) {
+      cur.end += 1;
+      cur.length = running_max;
+    } else {
+      running_max = padded[j];
+      ranges.push_back({pos, pos + 1, running_max});
+    }
+  }
+  return ranges;
+}
+
+// Minimum padded tokens over contiguous ranges with rows * max <= cap, then the
+// fewest ranges, with the count a multiple of `multiple`. O(n * w * multiple),
+// w = the longest admissible range.
+std::vector<MicroBatchRange> optimal_ranges(const std::vector<int64_t>& padded, int64_t cap, int64_t multiple) {
+  const size_t n = padded.size();
+  if (n == 0) return {};
+  const auto m = static_cast<size_t>(multiple);
+  constexpr int64_t kInf = std::numeric_limits<int64_t>::max();
+  struct Cell {
+    int64_t tokens = kInf, count = 0, prev = -1;
+  };
+  // cell[j * m + r]: best split of the first j rows into a count == r (mod m).
+  std::vector<Cell> cell((n + 1) * m);
+  cell[0] = {0, 0, -1};
+  for (size_t j = 1; j <= n; ++j) {
+    int64_t run_max = 0;
+    for (size_t i = j; i-- > 0;) {
+      run_max = std::max(run_max, padded[i]);
+      const auto rows = static_cast<int64_t>(j - i);
+      if (rows * run_max > cap) break;
+      const int64_t cost = rows * run_max;
+      for (size_t r = 0; r < m; ++r) {
+        const Cell& from = cell[i * m + r];
+        if (from.tokens == kInf) continue;
+        Cell& to = cell[j * m + (r + 1) % m];
+        const int64_t t = from.tokens + cost, c = from.count + 1;
+        if (t < to.tokens || (t == to.tokens && c < to.count)) to = {t, c, static_cast<int64_t>(i)};
+      }
+    }
+  }
+  if (cell[n * m].tokens == kInf)
+    throw_invalid(kFn, "no plan has a micro-batch count that is a multiple of pp_size=" + std::to_string(multiple) +
+                           " with only " + std::to_string(n) + " rows per shard");
+  std::vector<MicroBatchRange> ranges;
+  size_t j = n, r = 0;
+  while (j > 0) {
+    const Cell& c = cell[j * m + r];
+    const auto i = static_cast<size_t>(c.prev);
+    ranges.push_back({static_cast<int64_t>(i), static_cast<int64_t>(j),
+                      *std::max_element(padded.begin() + static_cast<std::ptrdiff_t>(i),
+                                        padded.begin() + static_cast<std::ptrdiff_t>(j))});
+    j = i;
+    r = (r + m - 1) % m;
+  }
+  std::reverse(ranges.begin(), ranges.end());
+  return ranges;
+}
+
+// ROLL's VPP split: halve the ranges with the most tokens (more than one row,
+// ties to the earlier range) until the count is a multiple of pp_size. ROLL splits
+// each range at most once and asserts; here rounds repeat while rows allow.
+void split_to_multiple(std::vector<MicroBatchRange>& ranges, int64_t pp_size, int64_t rows_per_shard) {
+  const auto target = round_up(static_cast<int64_t>(ranges.size()), pp_size);
+  if (target > rows_per_shard)
+    throw_invalid(kFn, "cannot split " + std::to_string(ranges.size()) + " micro-batches into a multiple of pp_size=" +
+                           std::to_string(pp_size) + " with only " + std::to_string(rows_per_shard) +
+                           " sequences per shard");
+  int64_t needed = target - static_cast<int64_t>(ranges.size());
+  while (needed > 0) {
+    std::vector<size_t> splittable;
+    for (size_t i = 0; i < ranges.size(); ++i)
+      if (ranges[i].end - ranges[i].start > 1) splittable.push_back(i);
+    std::stable_sort(splittable.begin(), splittable.end(), [&](size_t a, size_t b) {
+      return (ranges[a].end - ranges[a].start) * ranges[a].length > (ranges[b].end - ranges[b].start) * ranges[b].length;
+    });
+    const auto take = std::min<size_t>(splittable.size(), static_cast<size_t>(needed));
+    std::vector<MicroBatchRange> added;
+    std::vector<char> dropped(ranges.size(), 0);
+    for (size_t t = 0; t < take; ++t) {
+      const MicroBatchRange r = ranges[splittable[t]];
+      const int64_t mid = r.start + (r.end - r.start) / 2;
+      dropped[splittable[t]] = 1;
+      added.push_back({r.start, mid, r.length});
+      added.push_back({mid, r.end, r.length});
+    }
+    std::vector<MicroBatchRange> next;
+    for (size_t i = 0; i < ranges.size(); ++i)
+      if (!dropped[i]) next.push_back(ranges[i]);
+    next.insert(next.end(), added.begin(), added.end());
+    std::sort(next.begin(), next.end(), [](const MicroBatchRange& a, const MicroBatchRange& b) {
+      return a.start != b.start ? a.start < b.start : a.end < b.end;
+    });
+    ranges = std::move(next);
+    needed -= static_cast<int64_t>(take);
+  }
+}
+
+}  // namespace
+
+DynamicBatchingPlan plan_dynamic_batching(Lengths lengths, const DynamicBatchingOptions& o, DynamicBatchingRule rule) {
+  check_positive(kFn, "shards", o.shards);
+  check_positive(kFn, "max_tokens_per_microbatch", o.max_tokens_per_microbatch);
+  check_positive(kFn, "sequence_length_round", o.sequence_length_round);
+  check_positive(kFn, "pp_size", o.pp_size);
+  if (o.batch_size < 0) throw_invalid(kFn, "batch_size must be >= 0 (0: the whole batch)");
+  if (o.max_seqlen < 0) throw_invalid(kFn, "max_seqlen must be >= 0 (0: no clamp)");
+  check_non_negative_lengths(kFn, "lengths", lengths);
+  const auto n = static_cast<int64_t>(lengths.size());
+  const int64_t chunk = o.batch_size == 0 ? n : o.batch_size;
+  if (chunk > 0 && n % chunk != 0)
+    throw_invalid(kFn, "the number of sequences (" + std::to_string(n) + ") must be a multiple of batch_size (" +
+                           std::to_string(chunk) + ")");
+  if (chunk % o.shards != 0)
+    throw_invalid(kFn, "batch_size (" + std::to_string(chunk) + ") must be a multiple of shards (" +
+                           std::to_string(o.shards) + ")");
+  if (rule == DynamicBatchingRule::NemoRL && o.max_seqlen > 0)
+    check_lengths_fit(kFn, "lengths", lengths, o.max_seqlen, "max_seqlen");
+
+  DynamicBatchingPlan plan;
+  const int64_t num_chunks = chunk == 0 ? 0 : n / chunk;
+  const int64_t per_shard = chunk / std::max<int64_t>(o.shards, 1);
+  plan.shard_chunk_size = per_shard;
+  std::vector<int64_t> order(static_cast<size_t>(chunk));
+  std::vector<int64_t> padded(static_cast<size_t>(per_shard));
+  for (int64_t c = 0; c < num_chunks; ++c) {
+    const int64_t base = c * chunk;
+    std::iota(order.begin(), order.end(), base);
+    std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return lengths[a] < lengths[b]; });
+    std::fill(padded.begin(), padded.end(), 0);
+    // Sorted position p goes to shard p % shards as its row p / shards; the data
+    // order is chunk by chunk, shard by shard within a chunk (as NeMo-RL's).
+    for (int64_t s = 0; s < o.shards; ++s)
+      for (int64_t p = s; p < chunk; p += o.shards) plan.sorted_indices.push_back(order[p]);
+    for (int64_t p = 0; p < chunk; ++p)
+      padded[p / o.shards] = std::max(padded[p / o.shards], lengths[order[p]]);
+    for (int64_t j = 0; j < per_shard; ++j) {
+      int64_t v = round_up(padded[j], o.sequence_length_round);
+      if (rule == DynamicBatchingRule::NemoRL && o.max_seqlen > 0) v = std::min(v, o.max_seqlen);
+      if (v > o.max_tokens_per_microbatch)
+        throw_invalid(kFn, "a sequence padded to " + std::to_string(v) + " tokens (sequence_length_round=" +
+                               std::to_string(o.sequence_length_round) + ") exceeds max_tokens_per_microbatch=" +
+                               std::to_string(o.max_tokens_per_microbatch));
+      padded[j] = v;
+    }
+    std::vector<MicroBatchRange> ranges;
+    switch (rule) {
+      case DynamicBatchingRule::NemoRL:
+        ranges = greedy_ranges(padded, o.max_tokens_per_microbatch, 0);
+        break;
+      case DynamicBatchingRule::Roll:
+        ranges = greedy_ranges(padded, o.max_tokens_per_microbatch, o.sequence_length_round);
+        if (o.pp_size > 1) split_to_multiple(ranges, o.pp_size, per_shard);
+        break;
+      case DynamicBatchingRule::Optimal:
+        ranges = optimal_ranges(padded, o.max_tokens_per_microbatch, o.pp_size);
+        break;
+    }
+    for (const auto& r : ranges) plan.padded_tokens += (r.end - r.start) * r.length * o.shards;
+    plan.chunks.push_back(std::move(ranges));
+  }
+  for (int64_t s : lengths) plan.valid_tokens = checked_add(kFn, plan.valid_tokens, s);
+  return plan;
+}
+
+}  // namespace seqpack
