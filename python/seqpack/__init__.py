@@ -1,0 +1,65 @@
+"""seqpack: balance, pack and shard variable-length sequences for LLM training.
+
+The planning layer (this release) decides which sequences go together:
+
+    >>> import seqpack
+    >>> seqpack.get_packer("modified_first_fit_decreasing", bin_capacity=100).pack([30, 30, 30, 30, 30])
+    [[3, 4], [0, 1, 2]]
+    >>> seqpack.get_seqlen_balanced_partitions([5, 3, 8, 1, 9, 2], k_partitions=2, equal_size=True)
+    [[1, 4, 5], [0, 2, 3]]
+
+``import seqpack`` never imports torch; functions accept lists, NumPy arrays and
+1-D torch tensors alike.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict
+
+from . import _core
+from .balance import (
+    MicroBatchPlan,
+    get_seqlen_balanced_partitions,
+    greedy_lpt_partition,
+    karmarkar_karp,
+    log_seqlen_unbalance,
+    plan_micro_batches,
+    sequence_workloads,
+    sorted_stride_partition,
+)
+from .dynamic_batching import DynamicBatchingPlan, plan_dynamic_batching
+from .metrics import PackingMetrics, dp_balance_metrics, dynamic_batching_metrics
+from .packing import PackingAlgorithm, SequencePacker, adjust_bin_count, get_packer
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "DynamicBatchingPlan",
+    "MicroBatchPlan",
+    "PackingAlgorithm",
+    "PackingMetrics",
+    "SequencePacker",
+    "adjust_bin_count",
+    "build_info",
+    "dp_balance_metrics",
+    "dynamic_batching_metrics",
+    "get_packer",
+    "get_seqlen_balanced_partitions",
+    "greedy_lpt_partition",
+    "karmarkar_karp",
+    "log_seqlen_unbalance",
+    "plan_dynamic_batching",
+    "plan_micro_batches",
+    "sequence_workloads",
+    "sorted_stride_partition",
+]
+
+
+def build_info() -> Dict[str, Any]:
+    """How the extension was built and what it sees: version, CUDA objects, devices."""
+    return {
+        "version": __version__,
+        "built_with_cuda": bool(_core.built_with_cuda),
+        "cuda_runtime_version": _core.cuda_runtime_version(),
+        "cuda_device_count": _core.cuda_device_count(),
+    }
