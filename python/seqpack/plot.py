@@ -1,0 +1,57 @@
+"""Matplotlib figures for plans (optional: ``pip install seqpack[plot]``)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Optional
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .report import Report
+
+
+def _pyplot():
+    try:
+        import matplotlib.pyplot as plt
+    except ImportError as e:  # pragma: no cover - exercised when matplotlib is absent
+        raise ImportError("plotting needs matplotlib: pip install 'seqpack[plot]'") from e
+    return plt
+
+
+def plot_report(report: "Report", path: Optional[str] = None):
+    """Length histogram, tokens per DP rank, and per-bin fill of each packer.
+
+    Returns the matplotlib Figure; saves it to ``path`` when given.
+    """
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+    ax = axes[0]
+    ax.hist(report.lengths, bins=60, color="#4c72b0")
+    ax.set_yscale("log")
+    ax.set_xlabel("sequence length (tokens)")
+    ax.set_ylabel("sequences")
+    ax.set_title(f"{len(report.lengths):,} sequences")
+
+    ax = axes[1]
+    width = 0.8 / max(1, len(report.rank_loads))
+    for j, (name, loads) in enumerate(report.rank_loads.items()):
+        mean = sum(loads) / len(loads)
+        ax.bar([r + j * width for r in range(len(loads))], [100 * (l / mean - 1) for l in loads],
+               width=width, label=name)
+    ax.axhline(0, color="black", linewidth=0.8)
+    ax.set_xlabel("DP rank")
+    ax.set_ylabel("tokens vs mean (%)")
+    ax.set_title("per-rank load")
+    ax.legend(fontsize=8)
+
+    ax = axes[2]
+    for name, loads in report.bin_loads.items():
+        fill = sorted((l / report.capacity for l in loads), reverse=True)
+        ax.plot(range(len(fill)), fill, label=f"{name} ({len(fill)})")
+    ax.set_xlabel("bin (sorted by fill)")
+    ax.set_ylabel("fill")
+    ax.set_ylim(0, 1.05)
+    ax.set_title(f"bin fill, capacity {report.capacity:,}")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    if path:
+        fig.savefig(path, dpi=110)
+    return fig

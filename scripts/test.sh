@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Installs seqpack with its test extras and runs every test:
+#   1. the C++ core's GoogleTest suite (through CTest), built in the same CMake
+#      build as the extension (build/pip), CUDA objects included when nvcc exists;
+#   2. the pytest suite against the installed package.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+if [ ! -f /usr/include/gtest/gtest.h ] && [ ! -f /usr/local/include/gtest/gtest.h ]; then
+  echo "== installing GoogleTest (libgtest-dev)"
+  if [ "$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq libgtest-dev >/dev/null
+fi
+
+echo "== pip install .[test,plot] (builds the extension and the C++ tests)"
+python3 -m pip install --quiet ".[test,plot]" \
+  --config-settings=build-dir=build/pip \
+  --config-settings=cmake.define.SEQPACK_BUILD_TESTS=ON
+
+echo "== C++ core: GoogleTest via CTest"
+ctest --test-dir build/pip --output-on-failure --timeout 300
+
+echo "== Python: pytest"
+# Run from tests/ so that `import seqpack` resolves to the installed package.
+cd tests
+python3 -m pytest python -q -p no:cacheprovider
