@@ -26,6 +26,27 @@ void copy_as_int64(const py::array& a, std::vector<int64_t>& out, const char* na
 }  // namespace
 
 LengthsArg::LengthsArg(py::handle obj, const char* name) {
+  if (PyList_Check(obj.ptr()) || PyTuple_Check(obj.ptr())) {
+    // Lists of ints are read directly: faster than building a NumPy array first.
+    PyObject* seq = obj.ptr();
+    const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject** items = PySequence_Fast_ITEMS(seq);
+    owned_.resize(static_cast<size_t>(n));
+    for (Py_ssize_t i = 0; i < n; ++i) {
+      PyObject* item = items[i];
+      if (!PyLong_Check(item) && !PyIndex_Check(item))
+        throw py::type_error(std::string(name) + " must hold integers, got " + Py_TYPE(item)->tp_name + " at index " +
+                             std::to_string(i));
+      int overflow = 0;
+      const long long v = PyLong_Check(item) ? PyLong_AsLongLongAndOverflow(item, &overflow)
+                                             : py::cast<long long>(py::reinterpret_borrow<py::object>(item));
+      if (overflow != 0)
+        throw py::value_error(std::string(name) + "[" + std::to_string(i) + "] does not fit in int64");
+      owned_[static_cast<size_t>(i)] = v;
+    }
+    view_ = Lengths(owned_);
+    return;
+  }
   array_ = py::array::ensure(obj);
   if (!array_) throw py::type_error(std::string(name) + " must be a 1-D sequence of integers");
   if (array_.ndim() != 1)

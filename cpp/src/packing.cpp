@@ -1,11 +1,13 @@
 #include "seqpack/packing.hpp"
 
+#include "bin_structures.hpp"
+
 #include <algorithm>
 #include <cctype>
 #include <limits>
 #include <numeric>
-#include <queue>
 #include <set>
+#include <tuple>
 #include <utility>
 
 namespace seqpack {
@@ -51,35 +53,6 @@ class BinBuilder {
   int64_t num_bins_ = 0;
 };
 
-// Max segment tree over n bins' remaining capacities; unopened bins hold the full
-// capacity, so "leftmost bin with room >= x" is first fit including opening a new bin.
-class GapTree {
- public:
-  GapTree(size_t n, int64_t capacity) {
-    size_ = 1;
-    while (size_ < std::max<size_t>(n, 1)) size_ <<= 1;
-    tree_.assign(2 * size_, -1);
-    for (size_t i = 0; i < n; ++i) tree_[size_ + i] = capacity;
-    for (size_t i = size_ - 1; i >= 1; --i) tree_[i] = std::max(tree_[2 * i], tree_[2 * i + 1]);
-  }
-  int64_t leftmost_at_least(int64_t x) const {
-    if (tree_[1] < x) return -1;
-    size_t i = 1;
-    while (i < size_) i = tree_[2 * i] >= x ? 2 * i : 2 * i + 1;
-    return static_cast<int64_t>(i - size_);
-  }
-  int64_t get(int64_t pos) const { return tree_[size_ + pos]; }
-  void set(int64_t pos, int64_t value) {
-    size_t i = size_ + static_cast<size_t>(pos);
-    tree_[i] = value;
-    for (i >>= 1; i >= 1; i >>= 1) tree_[i] = std::max(tree_[2 * i], tree_[2 * i + 1]);
-  }
-
- private:
-  size_t size_;
-  std::vector<int64_t> tree_;
-};
-
 void check_common(const char* fn, Lengths lengths, int64_t capacity) {
   check_positive(fn, "bin_capacity", capacity);
   check_non_negative_lengths(fn, "sequence_lengths", lengths);
@@ -88,17 +61,15 @@ void check_common(const char* fn, Lengths lengths, int64_t capacity) {
 
 // Item indices sorted by (length, index) descending, as Python's
 // `sorted([(l, i) ...], reverse=True)` orders them.
-std::vector<int64_t> decreasing_order(Lengths lengths) {
-  std::vector<int64_t> order(lengths.size());
-  std::iota(order.begin(), order.end(), 0);
-  std::sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
-    return lengths[a] != lengths[b] ? lengths[a] > lengths[b] : a > b;
-  });
-  return order;
-}
+std::vector<int64_t> decreasing_order(Lengths lengths) { return detail::order_by_length(lengths, true, true); }
 
 IndexGroups first_fit_in_order(Lengths lengths, int64_t capacity, const std::vector<int64_t>& order) {
-  GapTree tree(lengths.size(), capacity);
+  int64_t total = 0;
+  for (int64_t l : lengths) total = checked_add("first_fit", total, l);
+  // Expect about the L1 bound of bins; the tree grows if first fit needs more.
+  detail::GapTree tree(static_cast<size_t>(std::min<int64_t>(2 * ceil_div(total, capacity) + 16,
+                                                             static_cast<int64_t>(lengths.size()) + 1)),
+                       capacity);
   BinBuilder builder(lengths.size());
   for (int64_t item : order) {
     const int64_t len = lengths[item];
@@ -176,24 +147,52 @@ IndexGroups first_fit_shuffle(Lengths lengths, int64_t bin_capacity, uint64_t se
 
 IndexGroups best_fit_decreasing(Lengths lengths, int64_t bin_capacity) {
   check_common("best_fit_decreasing", lengths, bin_capacity);
-  // Open bins keyed by (remaining capacity, bin index): lower_bound gives the
-  // tightest fit and, among equal gaps, the lowest bin index.
-  std::set<std::pair<int64_t, int64_t>> open;
+  const std::vector<int64_t> order = decreasing_order(lengths);
   BinBuilder builder(lengths.size());
   int64_t num_bins = 0;
-  for (int64_t item : decreasing_order(lengths)) {
+  if (bin_capacity <= detail::kDenseValueLimit) {
+    // Bins bucketed by remaining capacity (a stack per value, so ties go to the
+    // bin that reached that gap most recently) and a hierarchical bitset of the
+    // non-empty buckets: the tightest fit is the next set value >= length.
+    detail::NextSetBit gaps(bin_capacity + 1);
+    std::vector<int64_t> head(static_cast<size_t>(bin_capacity) + 1, -1), below(lengths.size(), -1);
+    for (int64_t item : order) {
+      const int64_t len = lengths[item];
+      const int64_t gap = gaps.next(len);
+      int64_t bin, remaining;
+      if (gap < 0) {
+        bin = num_bins++;
+        remaining = bin_capacity - len;
+      } else {
+        bin = head[gap];
+        head[gap] = below[bin];
+        if (head[gap] < 0) gaps.erase(gap);
+        remaining = gap - len;
+      }
+      if (head[remaining] < 0) gaps.insert(remaining);
+      below[bin] = head[remaining];
+      head[remaining] = bin;
+      builder.place(bin, item);
+    }
+    return builder.finish();
+  }
+  // Large capacities: the same rule on an ordered set keyed by
+  // (remaining, -last update), so ties also go to the most recently updated bin.
+  std::set<std::tuple<int64_t, int64_t, int64_t>> open;
+  int64_t stamp = 0;
+  for (int64_t item : order) {
     const int64_t len = lengths[item];
-    auto it = open.lower_bound({len, std::numeric_limits<int64_t>::min()});
+    auto it = open.lower_bound({len, std::numeric_limits<int64_t>::min(), 0});
     int64_t bin, remaining;
     if (it == open.end()) {
       bin = num_bins++;
       remaining = bin_capacity - len;
     } else {
-      bin = it->second;
-      remaining = it->first - len;
+      bin = std::get<2>(*it);
+      remaining = std::get<0>(*it) - len;
       open.erase(it);
     }
-    open.emplace_hint(open.end(), remaining, bin);
+    open.emplace(remaining, -(++stamp), bin);
     builder.place(bin, item);
   }
   return builder.finish();
@@ -210,107 +209,131 @@ IndexGroups modified_first_fit_decreasing(Lengths lengths, int64_t bin_capacity)
   const size_t n = lengths.size();
   // Classes of Johnson & Garey: large (C/2, C], medium (C/3, C/2], small (C/6, C/3],
   // tiny (0, C/6]; compared exactly in integers (2s > C is s > C/2).
-  auto is_large = [&](int64_t s) { return 2 * s > C; };
-  auto is_medium = [&](int64_t s) { return !is_large(s) && 3 * s > C; };
-  auto is_small = [&](int64_t s) { return 3 * s <= C && 6 * s > C; };
+  enum Class : char { kLarge, kMedium, kSmall, kTiny };
+  auto class_of = [&](int64_t s) { return 2 * s > C ? kLarge : 3 * s > C ? kMedium : 6 * s > C ? kSmall : kTiny; };
+  std::vector<char> cls(n);
+  for (size_t i = 0; i < n; ++i) cls[i] = class_of(lengths[i]);
+  // NeMo-RL sorts its class lists stably: large and medium by size descending,
+  // small by size ascending, ties in index order.
+  const std::vector<int64_t> desc = detail::order_by_length(lengths, true, false);
+  const std::vector<int64_t> asc = detail::order_by_length(lengths, false, false);
+  auto filter = [&](const std::vector<int64_t>& order, auto keep) {
+    std::vector<int64_t> out;
+    for (int64_t i : order)
+      if (keep(i)) out.push_back(i);
+    return out;
+  };
+  const std::vector<int64_t> large = filter(desc, [&](int64_t i) { return cls[i] == kLarge; });
+  detail::LivePool medium(filter(desc, [&](int64_t i) { return cls[i] == kMedium; }));
+  detail::LivePool small(filter(asc, [&](int64_t i) { return cls[i] == kSmall; }));
+  std::vector<char> placed(n, 0);
+  // First position in `pool` (sorted by size, descending or ascending) whose size
+  // is <= bound (descending) or > bound (ascending).
+  auto first_desc_at_most = [&](detail::LivePool& pool, int64_t bound) {
+    size_t lo = 0, hi = pool.size();
+    while (lo < hi) {
+      const size_t mid = (lo + hi) / 2;
+      if (lengths[pool.item(mid)] > bound) lo = mid + 1; else hi = mid;
+    }
+    return lo;
+  };
+  auto first_asc_above = [&](detail::LivePool& pool, int64_t bound) {
+    size_t lo = 0, hi = pool.size();
+    while (lo < hi) {
+      const size_t mid = (lo + hi) / 2;
+      if (lengths[pool.item(mid)] <= bound) lo = mid + 1; else hi = mid;
+    }
+    return lo;
+  };
 
-  // Phase 1: one bin per large item, by (size desc, index asc) (a stable sort).
-  std::vector<int64_t> large;
-  // Pools keyed so that begin() is the item NeMo-RL's list would try first.
-  std::set<std::pair<int64_t, int64_t>> medium;  // (-size, index): first = largest
-  std::set<std::pair<int64_t, int64_t>> small;   // (size, index): first = smallest
-  std::set<std::pair<int64_t, int64_t>> rest;    // phase 4 pool: (-size, index)
-  for (size_t i = 0; i < n; ++i) {
-    const int64_t s = lengths[i];
-    const auto idx = static_cast<int64_t>(i);
-    if (is_large(s)) large.push_back(idx);
-    else if (is_medium(s)) medium.emplace(-s, idx);
-    else if (is_small(s)) small.emplace(s, idx);
-    else rest.emplace(-s, idx);  // tiny items wait for phase 4
-  }
-  std::stable_sort(large.begin(), large.end(), [&](int64_t a, int64_t b) { return lengths[a] > lengths[b]; });
+  // Phase 1: one bin per large item.
   const size_t num_large = large.size();
   std::vector<int64_t> load(num_large);
   std::vector<char> has_medium(num_large, 0);
   BinBuilder builder(n);
+  auto put = [&](size_t bin, int64_t item) {
+    builder.place(static_cast<int64_t>(bin), item);
+    placed[item] = 1;
+  };
   for (size_t b = 0; b < num_large; ++b) {
     load[b] = lengths[large[b]];
-    builder.place(static_cast<int64_t>(b), large[b]);
+    put(b, large[b]);
   }
-  // Phase 2 (forward): the largest medium item that fits, per large bin.
-  for (size_t b = 0; b < num_large && !medium.empty(); ++b) {
-    auto it = medium.lower_bound({-(C - load[b]), std::numeric_limits<int64_t>::min()});
-    if (it == medium.end()) continue;
-    load[b] += -it->first;
+  // Phase 2 (forward): the first medium item (largest) that fits, per large bin.
+  for (size_t b = 0; b < num_large && medium.live() > 0; ++b) {
+    const size_t pos = medium.first_from(first_desc_at_most(medium, C - load[b]));
+    if (pos == medium.size()) continue;
+    const int64_t item = medium.item(pos);
+    medium.remove(pos);
+    load[b] += lengths[item];
     has_medium[b] = 1;
-    builder.place(static_cast<int64_t>(b), it->second);
-    medium.erase(it);
+    put(b, item);
   }
   // Phase 3 (backward): into bins without a medium item, the smallest small item
-  // plus the largest small item that still fits (ties: the later index).
+  // plus the largest small item that still fits (ties: the later one).
   for (size_t r = num_large; r-- > 0;) {
-    if (has_medium[r] || small.size() < 2) continue;
+    if (has_medium[r] || small.live() < 2) continue;
     const int64_t room = C - load[r];
-    auto first = small.begin();
-    if (first->first + std::next(first)->first > room) continue;
-    const auto a = *first;
-    small.erase(first);
-    auto second = std::prev(small.upper_bound({room - a.first, std::numeric_limits<int64_t>::max()}));
-    const auto c = *second;
-    small.erase(second);
-    load[r] += a.first + c.first;
-    builder.place(static_cast<int64_t>(r), a.second);
-    builder.place(static_cast<int64_t>(r), c.second);
+    const size_t first = small.first_from(0);
+    const size_t second = small.first_from(first + 1);
+    const int64_t a = small.item(first);
+    if (lengths[a] + lengths[small.item(second)] > room) continue;
+    small.remove(first);
+    const int64_t pos = small.last_upto(static_cast<int64_t>(first_asc_above(small, room - lengths[a])) - 1);
+    const int64_t c = small.item(static_cast<size_t>(pos));
+    small.remove(static_cast<size_t>(pos));
+    load[r] += lengths[a] + lengths[c];
+    put(r, a);
+    put(r, c);
   }
-  // Phase 4 (forward): fill each bin greedily with the largest remaining item that fits.
-  for (const auto& m : medium) rest.insert(m);
-  for (const auto& s : small) rest.emplace(-s.first, s.second);
-  for (size_t b = 0; b < num_large && !rest.empty(); ++b) {
-    while (!rest.empty()) {
+  // Phase 4 (forward): every remaining item, largest first; each bin takes the
+  // largest that fits until even the smallest does not.
+  detail::LivePool rest(filter(desc, [&](int64_t i) { return !placed[i]; }));
+  for (size_t b = 0; b < num_large && rest.live() > 0; ++b) {
+    while (rest.live() > 0) {
       const int64_t room = C - load[b];
-      if (room < -std::prev(rest.end())->first) break;
-      auto it = rest.lower_bound({-room, std::numeric_limits<int64_t>::min()});
-      load[b] += -it->first;
-      builder.place(static_cast<int64_t>(b), it->second);
-      rest.erase(it);
+      const int64_t smallest = rest.item(static_cast<size_t>(rest.last_upto(static_cast<int64_t>(rest.size()) - 1)));
+      if (room < lengths[smallest]) break;
+      const size_t pos = rest.first_from(first_desc_at_most(rest, room));
+      const int64_t item = rest.item(pos);
+      rest.remove(pos);
+      load[b] += lengths[item];
+      put(b, item);
     }
   }
   // Phase 5: leftovers (largest first) go into the least-filled leftover bin when
   // they fit, else into a new bin; bins stay ordered by (load, insertion), which
-  // is the order NeMo-RL's bisect-maintained list ends in. Slot 0 is its initial
-  // empty bin.
+  // is the order NeMo-RL's bisect-maintained list ends in. Stamp 0 is its initial
+  // empty bin, which the first leftover always fills.
   using Entry = std::pair<int64_t, int64_t>;  // (load, insertion stamp)
-  std::priority_queue<Entry, std::vector<Entry>, std::greater<>> heap;
+  detail::MinHeap<Entry> heap;
   std::vector<int64_t> bin_of_stamp{-1};
-  std::vector<std::pair<Entry, int64_t>> final_state;
   heap.push({0, 0});
-  int64_t stamp = 0;
   int64_t next_bin = static_cast<int64_t>(num_large);
-  for (const auto& [neg_size, item] : rest) {
-    const int64_t size = -neg_size;
-    Entry top = heap.top();
-    int64_t bin;
-    int64_t new_load;
+  for (size_t pos = rest.first_from(0); pos < rest.size(); pos = rest.first_from(pos + 1)) {
+    const int64_t item = rest.item(pos);
+    const int64_t size = lengths[item];
+    const Entry top = heap.top();
+    const auto stamp = static_cast<int64_t>(bin_of_stamp.size());
     if (size <= C - top.first) {
-      heap.pop();
-      bin = bin_of_stamp[top.second];
-      if (bin < 0) bin = next_bin++;  // first use of the initial empty bin
-      new_load = top.first + size;
+      int64_t bin = bin_of_stamp[static_cast<size_t>(top.second)];
+      if (bin < 0) bin = next_bin++;
+      builder.place(bin, item);
+      bin_of_stamp.push_back(bin);
+      heap.replace_top({top.first + size, stamp});
     } else {
-      bin = next_bin++;
-      new_load = size;
+      builder.place(next_bin, item);
+      bin_of_stamp.push_back(next_bin++);
+      heap.push({size, stamp});
     }
-    builder.place(bin, item);
-    heap.push({new_load, ++stamp});
-    bin_of_stamp.push_back(bin);
   }
   // Output order: the large bins, then leftover bins by (load, stamp); an unused
   // initial empty bin is dropped.
   std::vector<int64_t> order(static_cast<size_t>(next_bin));
-  for (size_t b = 0; b < num_large; ++b) order[b] = static_cast<int64_t>(b);
+  std::iota(order.begin(), order.begin() + static_cast<std::ptrdiff_t>(num_large), 0);
   int64_t slot = static_cast<int64_t>(num_large);
   while (!heap.empty()) {
-    const int64_t bin = bin_of_stamp[heap.top().second];
+    const int64_t bin = bin_of_stamp[static_cast<size_t>(heap.top().second)];
     heap.pop();
     if (bin >= 0) order[static_cast<size_t>(bin)] = slot++;
   }

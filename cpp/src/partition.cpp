@@ -190,15 +190,17 @@ IndexGroups greedy_lpt_partition(Lengths values, int64_t k, bool equal_size) {
     return values[a] != values[b] ? values[a] > values[b] : a < b;
   });
   const int64_t per_group = equal_size ? static_cast<int64_t>(n) / k : static_cast<int64_t>(n);
-  using Entry = std::pair<int64_t, int64_t>;  // (sum, group)
+  // (sum, non-empty, group): among the lightest groups an empty one comes first,
+  // so zero-valued items cannot leave a group empty (n >= k is checked above).
+  using Entry = std::tuple<int64_t, int, int64_t>;
   std::priority_queue<Entry, std::vector<Entry>, std::greater<>> heap;
-  for (int64_t g = 0; g < k; ++g) heap.push({0, g});
+  for (int64_t g = 0; g < k; ++g) heap.push({0, 0, g});
   std::vector<std::vector<int64_t>> groups(static_cast<size_t>(k));
   for (int64_t item : order) {
-    auto [sum, g] = heap.top();
+    auto [sum, non_empty, g] = heap.top();
     heap.pop();
     groups[g].push_back(item);
-    if (static_cast<int64_t>(groups[g].size()) < per_group) heap.push({sum + values[item], g});
+    if (static_cast<int64_t>(groups[g].size()) < per_group) heap.push({sum + values[item], 1, g});
   }
   for (auto& g : groups) std::sort(g.begin(), g.end());
   return IndexGroups::from_nested(groups);

@@ -46,6 +46,14 @@ def as_lengths(x: Any, name: str = "sequence_lengths") -> np.ndarray:
     return arr
 
 
+def core_lengths(x: Any, name: str = "sequence_lengths") -> Any:
+    """``x`` ready for the C++ core: lists and tuples pass through (the core reads
+    them directly, checking every item); anything else goes through :func:`as_lengths`."""
+    if isinstance(x, (list, tuple)):
+        return x
+    return as_lengths(x, name)
+
+
 def as_positive_int(value: Any, name: str, allow_zero: bool = False) -> int:
     """Validate an integer argument (bools rejected) and return it as ``int``."""
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):

@@ -19,7 +19,7 @@ from typing import Any, Dict, List, Optional, Sequence
 import numpy as np
 
 from . import _core
-from ._lengths import as_lengths, as_positive_int
+from ._lengths import as_lengths, as_positive_int, core_lengths
 from .metrics import dp_balance_metrics
 
 
@@ -34,7 +34,7 @@ def karmarkar_karp(seqlen_list: Any, k_partitions: int, equal_size: bool) -> Lis
         ValueError: ``k_partitions < 1``, fewer items than partitions, negative
             values, or ``equal_size`` with ``n % k != 0``.
     """
-    return _core.karmarkar_karp(as_lengths(seqlen_list, "seqlen_list"), k_partitions, bool(equal_size))
+    return _core.karmarkar_karp(core_lengths(seqlen_list, "seqlen_list"), k_partitions, bool(equal_size))
 
 
 def get_seqlen_balanced_partitions(seqlen_list: Any, k_partitions: int, equal_size: bool) -> List[List[int]]:
@@ -44,7 +44,7 @@ def get_seqlen_balanced_partitions(seqlen_list: Any, k_partitions: int, equal_si
         >>> get_seqlen_balanced_partitions([1, 1, 9, 9], 2, equal_size=True)
         [[0, 3], [1, 2]]
     """
-    return _core.karmarkar_karp(as_lengths(seqlen_list, "seqlen_list"), k_partitions, bool(equal_size), True)
+    return _core.karmarkar_karp(core_lengths(seqlen_list, "seqlen_list"), k_partitions, bool(equal_size), True)
 
 
 def greedy_lpt_partition(seqlen_list: Any, k_partitions: int, equal_size: bool = False) -> List[List[int]]:
@@ -53,7 +53,7 @@ def greedy_lpt_partition(seqlen_list: Any, k_partitions: int, equal_size: bool =
     Indices are sorted within groups. (verl's ``greedy_partition`` takes items in
     input order instead; LPT sorts them first, which balances far better.)
     """
-    return _core.greedy_lpt_partition(as_lengths(seqlen_list, "seqlen_list"), k_partitions, bool(equal_size))
+    return _core.greedy_lpt_partition(core_lengths(seqlen_list, "seqlen_list"), k_partitions, bool(equal_size))
 
 
 def sorted_stride_partition(seqlen_list: Any, k_partitions: int) -> List[List[int]]:
@@ -63,7 +63,7 @@ def sorted_stride_partition(seqlen_list: Any, k_partitions: int) -> List[List[in
         >>> sorted_stride_partition([2, 8, 4, 16], 2)
         [[0, 1], [2, 3]]
     """
-    return _core.sorted_stride_partition(as_lengths(seqlen_list, "seqlen_list"), k_partitions)
+    return _core.sorted_stride_partition(core_lengths(seqlen_list, "seqlen_list"), k_partitions)
 
 
 def log_seqlen_unbalance(seqlen_list: Sequence[int], partitions: List[List[int]], prefix: str) -> Dict[str, float]:

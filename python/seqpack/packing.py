@@ -32,7 +32,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 import numpy as np
 
 from . import _core
-from ._lengths import as_lengths, as_positive_int
+from ._lengths import as_positive_int, core_lengths
 from .metrics import PackingMetrics
 
 
@@ -111,7 +111,7 @@ class SequencePacker:
                 not positive for MFFD), or there are fewer sequences than the bin
                 count that ``min_bin_count`` / ``bin_count_multiple`` require.
         """
-        lengths = as_lengths(sequence_lengths)
+        lengths = core_lengths(sequence_lengths)
         bins = _core.pack(self.algorithm.value, lengths, **self._core_args())
         if self.metrics is not None:
             self.metrics.update(lengths, bins, self.bin_capacity)
@@ -123,8 +123,7 @@ class SequencePacker:
         Bin ``b`` holds ``indices[offsets[b]:offsets[b+1]]``. Avoids building Python
         lists, which dominates for 10^5+ sequences. Metrics are not collected.
         """
-        lengths = as_lengths(sequence_lengths)
-        return _core.pack(self.algorithm.value, lengths, as_arrays=True, **self._core_args())
+        return _core.pack(self.algorithm.value, core_lengths(sequence_lengths), as_arrays=True, **self._core_args())
 
     def compute_metrics(self, sequence_lengths: Sequence[int], bins: List[List[int]]) -> Dict[str, float]:
         """Metrics of a solution without recording it (NeMo-RL keys)."""

@@ -65,22 +65,26 @@ def first_fit_decreasing(lengths: List[int], capacity: int) -> Bins:
 
 
 def best_fit_decreasing(lengths: List[int], capacity: int) -> Bins:
-    """Best fit (smallest sufficient room, lowest bin on ties), linear scan."""
+    """Best fit: the bin with the least room that still fits; among equal room,
+    the bin updated most recently. Linear scan over bins."""
     bins: Bins = []
     room: List[int] = []
-    for length, i in sorted(((l, i) for i, l in enumerate(lengths)), reverse=True):
+    updated: List[int] = []
+    for step, (length, i) in enumerate(sorted(((l, i) for i, l in enumerate(lengths)), reverse=True)):
         if length > capacity:
             raise ValueError(f"Sequence length {length} exceeds bin capacity {capacity}")
         best: Optional[int] = None
         for b, r in enumerate(room):
-            if r >= length and (best is None or r < room[best]):
+            if r >= length and (best is None or (r, -updated[b]) < (room[best], -updated[best])):
                 best = b
         if best is None:
-            bins.append([i])
-            room.append(capacity - length)
-        else:
-            bins[best].append(i)
-            room[best] -= length
+            bins.append([])
+            room.append(capacity)
+            updated.append(step)
+            best = len(bins) - 1
+        bins[best].append(i)
+        room[best] -= length
+        updated[best] = step
     return bins
 
 

@@ -58,8 +58,9 @@ IndexGroups first_fit_decreasing(Lengths lengths, int64_t bin_capacity);
 // First fit over a seeded Fisher-Yates shuffle (portable PRNG, same bins for a seed
 // on every platform). O(n log n).
 IndexGroups first_fit_shuffle(Lengths lengths, int64_t bin_capacity, uint64_t seed);
-// Best fit (tightest bin that fits, ties to the lowest bin index) over items sorted
-// by (length, index) descending. O(n log n).
+// Best fit (the bin with the least room that still fits; among equal room, the bin
+// that reached it most recently) over items sorted by (length, index) descending.
+// O(n log64 C) with a bitset over gap values for C <= 2^22, O(n log n) otherwise.
 IndexGroups best_fit_decreasing(Lengths lengths, int64_t bin_capacity);
 // Johnson & Garey's MFFD as NeMo-RL implements it (5 phases). Lengths must be > 0.
 IndexGroups modified_first_fit_decreasing(Lengths lengths, int64_t bin_capacity);

@@ -25,8 +25,9 @@ namespace seqpack {
 IndexGroups karmarkar_karp(Lengths values, int64_t k, bool equal_size, bool sort_groups = false);
 
 // Longest-processing-time greedy: items by (value desc, index asc), each to the
-// group with the smallest sum (ties: lowest group index); with equal_size a group
-// stops receiving items once it has n / k. Groups' indices are sorted.
+// group with the smallest sum (ties: an empty group first, so zero values never
+// leave a group empty; then the lowest group index); with equal_size a group stops
+// receiving items once it has n / k. Groups' indices are sorted.
 IndexGroups greedy_lpt_partition(Lengths values, int64_t k, bool equal_size);
 
 // Sort by (value, index) ascending and deal out round-robin: group g receives the

@@ -1,0 +1,97 @@
+"""Shared benchmark harness: timing, environment capture, tables and CSV.
+
+Every benchmark script measures seqpack and its baseline in the same run, prints a
+table, and appends long-format rows (one metric per row) to a CSV under
+benchmarks/results/ together with the machine it ran on.
+"""
+
+from __future__ import annotations
+
+import csv
+import datetime as _dt
+import os
+import platform
+import statistics
+import subprocess
+import time
+from typing import Any, Callable, Dict, Iterable, List, Optional
+
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # idle BLAS threads would steal a core
+
+RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+
+
+def measure(fn: Callable[[], Any], repeat: int = 7, warmup: int = 1, budget_s: float = 30.0) -> Dict[str, float]:
+    """Run ``fn`` ``warmup`` + up to ``repeat`` times (stopping early once ``budget_s``
+    is spent, but always at least once); return median/min/max seconds."""
+    for _ in range(warmup):
+        fn()
+    times: List[float] = []
+    start = time.perf_counter()
+    while len(times) < repeat:
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+        if time.perf_counter() - start > budget_s:
+            break
+    return {"median": statistics.median(times), "min": min(times), "max": max(times), "runs": len(times)}
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def environment() -> Dict[str, str]:
+    import numpy
+    import seqpack
+
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
+    except OSError:
+        commit = ""
+    return {
+        "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "cpu": cpu_model(),
+        "cores": str(os.cpu_count()),
+        "python": platform.python_version(),
+        "numpy": numpy.__version__,
+        "seqpack": seqpack.__version__,
+        "commit": commit,
+    }
+
+
+def format_table(title: str, columns: List[str], rows: Iterable[List[Any]], note: str = "") -> str:
+    from seqpack.report import Table
+
+    return Table(title, columns, list(rows), note).format()
+
+
+class CsvLog:
+    """Long-format rows: benchmark, case, impl, metric, value (+ environment)."""
+
+    def __init__(self, name: str, env: Dict[str, str], path: Optional[str] = None):
+        os.makedirs(RESULTS_DIR, exist_ok=True)
+        self.path = path or os.path.join(RESULTS_DIR, f"{name}.csv")
+        self.env = env
+        self.name = name
+        self.rows: List[Dict[str, Any]] = []
+
+    def add(self, case: str, impl: str, metric: str, value: Any) -> None:
+        self.rows.append({"benchmark": self.name, "case": case, "impl": impl, "metric": metric, "value": value})
+
+    def write(self) -> str:
+        fields = ["benchmark", "case", "impl", "metric", "value"] + list(self.env)
+        with open(self.path, "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=fields)
+            w.writeheader()
+            for r in self.rows:
+                w.writerow({**r, **self.env})
+        return self.path

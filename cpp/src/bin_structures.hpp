@@ -1,0 +1,232 @@
+#pragma once
+// Internal data structures of the packers (not part of the public headers).
+#include <algorithm>
+#include <bit>
+#include <cstdint>
+#include <limits>
+#include <numeric>
+#include <vector>
+
+#include "seqpack/common.hpp"
+
+namespace seqpack::detail {
+
+// Values at or below this use O(n + value) counting structures; above it the
+// packers fall back to comparison-based ones with the same results.
+inline constexpr int64_t kDenseValueLimit = int64_t{1} << 22;
+
+// Indices ordered by length, then index, each ascending or descending. Stable
+// counting sort when lengths are small (the common case: lengths <= capacity).
+inline std::vector<int64_t> order_by_length(Lengths lengths, bool length_desc, bool index_desc) {
+  const size_t n = lengths.size();
+  std::vector<int64_t> order(n);
+  const int64_t max_len = n ? *std::max_element(lengths.begin(), lengths.end()) : 0;
+  if (max_len <= kDenseValueLimit && static_cast<size_t>(max_len) <= 16 * n + 1024) {
+    std::vector<int64_t> start(static_cast<size_t>(max_len) + 2, 0);
+    for (int64_t l : lengths) ++start[static_cast<size_t>(l) + 1];
+    if (length_desc) {  // bucket offsets from the longest length down
+      int64_t acc = 0;
+      for (int64_t v = max_len; v >= 0; --v) {
+        const int64_t c = start[static_cast<size_t>(v) + 1];
+        start[static_cast<size_t>(v) + 1] = acc;
+        acc += c;
+      }
+      for (size_t i = 0; i < n; ++i) order[start[static_cast<size_t>(lengths[i]) + 1]++] = static_cast<int64_t>(i);
+    } else {
+      for (size_t v = 1; v < start.size(); ++v) start[v] += start[v - 1];
+      for (size_t i = 0; i < n; ++i) order[start[static_cast<size_t>(lengths[i])]++] = static_cast<int64_t>(i);
+    }
+    if (index_desc) {  // reverse each run of equal lengths
+      for (size_t a = 0; a < n;) {
+        size_t b = a;
+        while (b < n && lengths[order[b]] == lengths[order[a]]) ++b;
+        std::reverse(order.begin() + static_cast<std::ptrdiff_t>(a), order.begin() + static_cast<std::ptrdiff_t>(b));
+        a = b;
+      }
+    }
+    return order;
+  }
+  std::iota(order.begin(), order.end(), 0);
+  std::sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
+    if (lengths[a] != lengths[b]) return length_desc ? lengths[a] > lengths[b] : lengths[a] < lengths[b];
+    return index_desc ? a > b : a < b;
+  });
+  return order;
+}
+
+// Max segment tree over bins' remaining capacities. Every leaf is a bin; unopened
+// bins hold the full capacity, so "leftmost bin with room >= x" is first fit,
+// opening a new bin included. Starts at `expected_bins` leaves and doubles when
+// every leaf is in use, so its depth follows the bin count, not the item count.
+class GapTree {
+ public:
+  GapTree(size_t expected_bins, int64_t capacity) : capacity_(capacity) {
+    size_ = std::bit_ceil(std::max<size_t>(expected_bins, 2));
+    tree_.assign(2 * size_, capacity);
+  }
+  int64_t leftmost_at_least(int64_t x) {
+    if (tree_[1] < x) grow();  // x <= capacity, so the new half has room
+    size_t i = 1;
+    while (i < size_) i = 2 * i + static_cast<size_t>(tree_[2 * i] < x);  // branch-free descent
+    return static_cast<int64_t>(i - size_);
+  }
+  int64_t get(int64_t pos) const { return tree_[size_ + static_cast<size_t>(pos)]; }
+  void set(int64_t pos, int64_t value) {
+    size_t i = size_ + static_cast<size_t>(pos);
+    tree_[i] = value;
+    for (i >>= 1; i >= 1; i >>= 1) {
+      const int64_t m = std::max(tree_[2 * i], tree_[2 * i + 1]);
+      if (tree_[i] == m) break;  // ancestors unchanged
+      tree_[i] = m;
+    }
+  }
+
+ private:
+  void grow() {
+    std::vector<int64_t> bigger(4 * size_, capacity_);
+    std::copy(tree_.begin() + static_cast<std::ptrdiff_t>(size_), tree_.end(),
+              bigger.begin() + static_cast<std::ptrdiff_t>(2 * size_));
+    size_ *= 2;
+    tree_ = std::move(bigger);
+    for (size_t i = size_ - 1; i >= 1; --i) tree_[i] = std::max(tree_[2 * i], tree_[2 * i + 1]);
+  }
+
+  int64_t capacity_;
+  size_t size_;
+  std::vector<int64_t> tree_;
+};
+
+// Binary min-heap with replace_top (one sift-down instead of a pop and a push).
+template <typename T>
+class MinHeap {
+ public:
+  bool empty() const { return data_.empty(); }
+  const T& top() const { return data_.front(); }
+  void push(const T& v) {
+    data_.push_back(v);
+    size_t i = data_.size() - 1;
+    while (i > 0) {
+      const size_t parent = (i - 1) / 2;
+      if (!(v < data_[parent])) break;
+      data_[i] = data_[parent];
+      i = parent;
+    }
+    data_[i] = v;
+  }
+  void replace_top(const T& v) {
+    const size_t n = data_.size();
+    size_t i = 0;
+    for (;;) {
+      size_t child = 2 * i + 1;
+      if (child >= n) break;
+      if (child + 1 < n && data_[child + 1] < data_[child]) ++child;
+      if (!(data_[child] < v)) break;
+      data_[i] = data_[child];
+      i = child;
+    }
+    data_[i] = v;
+  }
+  void pop() {
+    const T last = data_.back();
+    data_.pop_back();
+    if (!data_.empty()) replace_top(last);
+  }
+
+ private:
+  std::vector<T> data_;
+};
+
+// A set of integers in [0, universe) with next-at-least queries in
+// O(log64 universe): a hierarchy of 64-bit occupancy words.
+class NextSetBit {
+ public:
+  explicit NextSetBit(int64_t universe) {
+    int64_t bits = std::max<int64_t>(universe, 1);
+    do {
+      const int64_t words = (bits + 63) / 64;
+      levels_.emplace_back(static_cast<size_t>(words), 0);
+      bits = words;
+    } while (bits > 1);
+  }
+  void insert(int64_t v) {
+    for (auto& level : levels_) {
+      uint64_t& w = level[static_cast<size_t>(v >> 6)];
+      const bool was_empty = w == 0;
+      w |= uint64_t{1} << (v & 63);
+      if (!was_empty) return;
+      v >>= 6;
+    }
+  }
+  void erase(int64_t v) {
+    for (auto& level : levels_) {
+      uint64_t& w = level[static_cast<size_t>(v >> 6)];
+      w &= ~(uint64_t{1} << (v & 63));
+      if (w != 0) return;
+      v >>= 6;
+    }
+  }
+  // Smallest member >= x, or -1.
+  int64_t next(int64_t x) const {
+    size_t lvl = 0;
+    int64_t pos = x;
+    for (;; ++lvl) {
+      if (lvl == levels_.size()) return -1;
+      const auto word = static_cast<size_t>(pos >> 6);
+      if (word >= levels_[lvl].size()) return -1;
+      const uint64_t w = levels_[lvl][word] & (~uint64_t{0} << (pos & 63));
+      if (w) {
+        pos = (pos & ~int64_t{63}) + std::countr_zero(w);
+        break;
+      }
+      pos = (pos >> 6) + 1;
+    }
+    while (lvl-- > 0) pos = (pos << 6) + std::countr_zero(levels_[lvl][static_cast<size_t>(pos)]);
+    return pos;
+  }
+
+ private:
+  std::vector<std::vector<uint64_t>> levels_;
+};
+
+// Items sorted once by a key, then removed one by one; finds the first (last)
+// live item at or after (before) a position with path-compressed skip links.
+class LivePool {
+ public:
+  explicit LivePool(std::vector<int64_t> items) : items_(std::move(items)) {
+    const size_t n = items_.size();
+    next_.resize(n + 1);
+    prev_.resize(n + 1);
+    std::iota(next_.begin(), next_.end(), 0);  // next_[n] is the end sentinel
+    std::iota(prev_.begin(), prev_.end(), 0);  // prev_ is shifted by one: prev_[0] is "none"
+    live_ = n;
+  }
+  size_t size() const { return items_.size(); }
+  size_t live() const { return live_; }
+  int64_t item(size_t pos) const { return items_[pos]; }
+  // First live position >= pos, or size().
+  size_t first_from(size_t pos) { return find(next_, pos); }
+  // Last live position <= pos (pos may be -1), or -1.
+  int64_t last_upto(int64_t pos) { return static_cast<int64_t>(find(prev_, static_cast<size_t>(pos + 1))) - 1; }
+  void remove(size_t pos) {
+    next_[pos] = pos + 1;
+    prev_[pos + 1] = pos;
+    --live_;
+  }
+
+ private:
+  static size_t find(std::vector<size_t>& link, size_t x) {
+    size_t root = x;
+    while (link[root] != root) root = link[root];
+    while (link[x] != root) {
+      const size_t up = link[x];
+      link[x] = root;
+      x = up;
+    }
+    return root;
+  }
+  std::vector<int64_t> items_;
+  std::vector<size_t> next_, prev_;
+  size_t live_;
+};
+
+}  // namespace seqpack::detail
