@@ -136,6 +136,18 @@ class MinHeap {
   std::vector<T> data_;
 };
 
+// The BucketQueue interface on a binary heap, for keys too large to bucket.
+class MinHeapQueue {
+ public:
+  bool empty() const { return heap_.empty(); }
+  std::pair<int64_t, int64_t> top() const { return heap_.top(); }
+  void push(int64_t key, int64_t stamp) { heap_.push({key, stamp}); }
+  void pop() { heap_.pop(); }
+
+ private:
+  MinHeap<std::pair<int64_t, int64_t>> heap_;
+};
+
 // A set of integers in [0, universe) with next-at-least queries in
 // O(log64 universe): a hierarchy of 64-bit occupancy words.
 class NextSetBit {
@@ -186,6 +198,44 @@ class NextSetBit {
 
  private:
   std::vector<std::vector<uint64_t>> levels_;
+};
+
+// Min-queue of (key, stamp) pairs for integer keys in [0, universe) where stamps
+// are pushed in increasing order: one FIFO list per key (so equal keys pop in stamp
+// order) and a NextSetBit over the non-empty keys. O(log64 universe) per operation.
+class BucketQueue {
+ public:
+  explicit BucketQueue(int64_t universe)
+      : occupied_(universe), head_(static_cast<size_t>(universe), -1), tail_(static_cast<size_t>(universe), -1) {}
+  bool empty() const { return size_ == 0; }
+  std::pair<int64_t, int64_t> top() const {
+    const int64_t key = occupied_.next(0);
+    return {key, head_[static_cast<size_t>(key)]};
+  }
+  void push(int64_t key, int64_t stamp) {
+    if (static_cast<size_t>(stamp) >= next_.size()) next_.resize(static_cast<size_t>(stamp) + 1, -1);
+    next_[static_cast<size_t>(stamp)] = -1;
+    auto k = static_cast<size_t>(key);
+    if (head_[k] < 0) {
+      head_[k] = stamp;
+      occupied_.insert(key);
+    } else {
+      next_[static_cast<size_t>(tail_[k])] = stamp;
+    }
+    tail_[k] = stamp;
+    ++size_;
+  }
+  void pop() {
+    const auto k = static_cast<size_t>(occupied_.next(0));
+    head_[k] = next_[static_cast<size_t>(head_[k])];
+    if (head_[k] < 0) occupied_.erase(static_cast<int64_t>(k));
+    --size_;
+  }
+
+ private:
+  NextSetBit occupied_;
+  std::vector<int64_t> head_, tail_, next_;
+  size_t size_ = 0;
 };
 
 // Items sorted once by a key, then removed one by one; finds the first (last)

@@ -305,37 +305,46 @@ IndexGroups modified_first_fit_decreasing(Lengths lengths, int64_t bin_capacity)
   // they fit, else into a new bin; bins stay ordered by (load, insertion), which
   // is the order NeMo-RL's bisect-maintained list ends in. Stamp 0 is its initial
   // empty bin, which the first leftover always fills.
-  using Entry = std::pair<int64_t, int64_t>;  // (load, insertion stamp)
-  detail::MinHeap<Entry> heap;
   std::vector<int64_t> bin_of_stamp{-1};
-  heap.push({0, 0});
   int64_t next_bin = static_cast<int64_t>(num_large);
-  for (size_t pos = rest.first_from(0); pos < rest.size(); pos = rest.first_from(pos + 1)) {
-    const int64_t item = rest.item(pos);
-    const int64_t size = lengths[item];
-    const Entry top = heap.top();
-    const auto stamp = static_cast<int64_t>(bin_of_stamp.size());
-    if (size <= C - top.first) {
-      int64_t bin = bin_of_stamp[static_cast<size_t>(top.second)];
-      if (bin < 0) bin = next_bin++;
-      builder.place(bin, item);
-      bin_of_stamp.push_back(bin);
-      heap.replace_top({top.first + size, stamp});
-    } else {
-      builder.place(next_bin, item);
-      bin_of_stamp.push_back(next_bin++);
-      heap.push({size, stamp});
+  std::vector<int64_t> order(num_large);
+  std::iota(order.begin(), order.end(), 0);
+  auto leftover_phase = [&](auto& queue) {
+    queue.push(0, 0);
+    for (size_t pos = rest.first_from(0); pos < rest.size(); pos = rest.first_from(pos + 1)) {
+      const int64_t item = rest.item(pos);
+      const int64_t size = lengths[item];
+      const auto [least, least_stamp] = queue.top();
+      const auto stamp = static_cast<int64_t>(bin_of_stamp.size());
+      if (size <= C - least) {
+        int64_t bin = bin_of_stamp[static_cast<size_t>(least_stamp)];
+        if (bin < 0) bin = next_bin++;
+        builder.place(bin, item);
+        bin_of_stamp.push_back(bin);
+        queue.pop();
+        queue.push(least + size, stamp);
+      } else {
+        builder.place(next_bin, item);
+        bin_of_stamp.push_back(next_bin++);
+        queue.push(size, stamp);
+      }
     }
-  }
-  // Output order: the large bins, then leftover bins by (load, stamp); an unused
-  // initial empty bin is dropped.
-  std::vector<int64_t> order(static_cast<size_t>(next_bin));
-  std::iota(order.begin(), order.begin() + static_cast<std::ptrdiff_t>(num_large), 0);
-  int64_t slot = static_cast<int64_t>(num_large);
-  while (!heap.empty()) {
-    const int64_t bin = bin_of_stamp[static_cast<size_t>(heap.top().second)];
-    heap.pop();
-    if (bin >= 0) order[static_cast<size_t>(bin)] = slot++;
+    // Output order: the large bins, then leftover bins by (load, stamp); an unused
+    // initial empty bin is dropped.
+    order.resize(static_cast<size_t>(next_bin));
+    int64_t slot = static_cast<int64_t>(num_large);
+    while (!queue.empty()) {
+      const int64_t bin = bin_of_stamp[static_cast<size_t>(queue.top().second)];
+      queue.pop();
+      if (bin >= 0) order[static_cast<size_t>(bin)] = slot++;
+    }
+  };
+  if (C <= detail::kDenseValueLimit) {
+    detail::BucketQueue queue(C + 1);
+    leftover_phase(queue);
+  } else {
+    detail::MinHeapQueue queue;
+    leftover_phase(queue);
   }
   return builder.finish(order);
 }
