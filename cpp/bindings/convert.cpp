@@ -32,11 +32,13 @@ LengthsArg::LengthsArg(py::handle obj, const char* name) {
     const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
     PyObject** items = PySequence_Fast_ITEMS(seq);
     owned_.resize(static_cast<size_t>(n));
-    for (Py_ssize_t i = 0; i < n; ++i) {
+    bool all_integers = true;
+    for (Py_ssize_t i = 0; i < n && all_integers; ++i) {
       PyObject* item = items[i];
-      if (!PyLong_Check(item) && !PyIndex_Check(item))
-        throw py::type_error(std::string(name) + " must hold integers, got " + Py_TYPE(item)->tp_name + " at index " +
-                             std::to_string(i));
+      all_integers = PyLong_Check(item) || PyIndex_Check(item);
+    }
+    for (Py_ssize_t i = 0; i < n && all_integers; ++i) {
+      PyObject* item = items[i];
       int overflow = 0;
       const long long v = PyLong_Check(item) ? PyLong_AsLongLongAndOverflow(item, &overflow)
                                              : py::cast<long long>(py::reinterpret_borrow<py::object>(item));
@@ -44,8 +46,12 @@ LengthsArg::LengthsArg(py::handle obj, const char* name) {
         throw py::value_error(std::string(name) + "[" + std::to_string(i) + "] does not fit in int64");
       owned_[static_cast<size_t>(i)] = v;
     }
-    view_ = Lengths(owned_);
-    return;
+    if (all_integers) {
+      view_ = Lengths(owned_);
+      return;
+    }
+    // Anything else (floats, nested lists) goes through NumPy for a precise error.
+    owned_.clear();
   }
   array_ = py::array::ensure(obj);
   if (!array_) throw py::type_error(std::string(name) + " must be a 1-D sequence of integers");

@@ -169,6 +169,11 @@ DynamicBatchingPlan plan_dynamic_batching(Lengths lengths, const DynamicBatching
         ranges = greedy_ranges(padded, o.max_tokens_per_microbatch, 0);
         break;
       case DynamicBatchingRule::Roll:
+        // ROLL starts every micro-batch's running maximum at sequence_length_round.
+        if (o.max_tokens_per_microbatch < o.sequence_length_round)
+          throw_invalid(kFn, "rule 'roll' needs max_tokens_per_microbatch (" +
+                                 std::to_string(o.max_tokens_per_microbatch) + ") >= sequence_length_round (" +
+                                 std::to_string(o.sequence_length_round) + ")");
         ranges = greedy_ranges(padded, o.max_tokens_per_microbatch, o.sequence_length_round);
         if (o.pp_size > 1) split_to_multiple(ranges, o.pp_size, per_shard);
         break;

@@ -1,0 +1,54 @@
+"""Package surface: lazy torch, __all__, build_info, doctests, and a GPU smoke test."""
+
+from __future__ import annotations
+
+import doctest
+import importlib
+import os
+import subprocess
+import sys
+
+import pytest
+
+import seqpack
+
+
+def test_import_does_not_import_torch():
+    code = "import sys, seqpack, seqpack.reference; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=os.environ.copy(), check=True)
+    assert out.stdout.strip() == "False", out.stderr
+
+
+def test_all_names_exist():
+    assert len(seqpack.__all__) == len(set(seqpack.__all__))
+    for name in seqpack.__all__:
+        assert hasattr(seqpack, name), name
+    assert isinstance(seqpack.__version__, str)
+
+
+def test_build_info():
+    info = seqpack.build_info()
+    assert set(info) == {"version", "built_with_cuda", "cuda_runtime_version", "cuda_device_count"}
+    assert info["version"] == seqpack.__version__
+    assert isinstance(info["built_with_cuda"], bool)
+    assert isinstance(info["cuda_runtime_version"], int)
+    assert isinstance(info["cuda_device_count"], int) and info["cuda_device_count"] >= 0
+    if not info["built_with_cuda"]:
+        assert info["cuda_device_count"] == 0
+
+
+@pytest.mark.parametrize(
+    "module", ["seqpack", "seqpack.packing", "seqpack.balance", "seqpack.metrics", "seqpack.dynamic_batching"]
+)
+def test_doctests(module):
+    result = doctest.testmod(importlib.import_module(module), verbose=False, report=True)
+    assert result.attempted > 0
+    assert result.failed == 0
+
+
+@pytest.mark.gpu
+def test_cuda_device_name():
+    if seqpack.build_info()["cuda_device_count"] <= 0:
+        pytest.skip("no CUDA device visible to seqpack")
+    name = seqpack._core.cuda_device_name(0)
+    assert isinstance(name, str) and name.strip()
