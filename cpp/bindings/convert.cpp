@@ -33,15 +33,18 @@ LengthsArg::LengthsArg(py::handle obj, const char* name) {
     PyObject** items = PySequence_Fast_ITEMS(seq);
     owned_.resize(static_cast<size_t>(n));
     bool all_integers = true;
-    for (Py_ssize_t i = 0; i < n && all_integers; ++i) {
-      PyObject* item = items[i];
-      all_integers = PyLong_Check(item) || PyIndex_Check(item);
-    }
-    for (Py_ssize_t i = 0; i < n && all_integers; ++i) {
+    for (Py_ssize_t i = 0; i < n; ++i) {
       PyObject* item = items[i];
       int overflow = 0;
-      const long long v = PyLong_Check(item) ? PyLong_AsLongLongAndOverflow(item, &overflow)
-                                             : py::cast<long long>(py::reinterpret_borrow<py::object>(item));
+      long long v;
+      if (PyLong_Check(item)) {
+        v = PyLong_AsLongLongAndOverflow(item, &overflow);
+      } else if (PyIndex_Check(item)) {
+        v = py::cast<long long>(py::reinterpret_borrow<py::object>(item));
+      } else {
+        all_integers = false;
+        break;
+      }
       if (overflow != 0)
         throw py::value_error(std::string(name) + "[" + std::to_string(i) + "] does not fit in int64");
       owned_[static_cast<size_t>(i)] = v;
@@ -83,14 +86,30 @@ LengthsArg::LengthsArg(py::handle obj, const char* name) {
 }
 
 py::list to_list(const IndexGroups& groups) {
-  py::list out(groups.size());
+  // Raw C API: building the nested list dominates pack() for large inputs. The
+  // lists hold only ints (no cycles), so the cyclic GC is paused meanwhile rather
+  // than run once per 700 new lists.
+  struct GcPause {
+    int was_enabled = PyGC_Disable();
+    ~GcPause() {
+      if (was_enabled) PyGC_Enable();
+    }
+  } pause;
+  PyObject* out = PyList_New(static_cast<Py_ssize_t>(groups.size()));
+  if (!out) throw py::error_already_set();
+  py::list result = py::reinterpret_steal<py::list>(out);
   for (size_t g = 0; g < groups.size(); ++g) {
     const auto items = groups.group(g);
-    py::list inner(items.size());
-    for (size_t j = 0; j < items.size(); ++j) inner[j] = py::int_(items[j]);
-    out[g] = std::move(inner);
+    PyObject* inner = PyList_New(static_cast<Py_ssize_t>(items.size()));
+    if (!inner) throw py::error_already_set();
+    PyList_SET_ITEM(out, static_cast<Py_ssize_t>(g), inner);
+    for (size_t j = 0; j < items.size(); ++j) {
+      PyObject* value = PyLong_FromLongLong(items[j]);
+      if (!value) throw py::error_already_set();
+      PyList_SET_ITEM(inner, static_cast<Py_ssize_t>(j), value);
+    }
   }
-  return out;
+  return result;
 }
 
 IndexGroups groups_from(py::handle nested, const char* name) {

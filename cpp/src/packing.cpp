@@ -63,13 +63,12 @@ void check_common(const char* fn, Lengths lengths, int64_t capacity) {
 // `sorted([(l, i) ...], reverse=True)` orders them.
 std::vector<int64_t> decreasing_order(Lengths lengths) { return detail::order_by_length(lengths, true, true); }
 
-IndexGroups first_fit_in_order(Lengths lengths, int64_t capacity, const std::vector<int64_t>& order) {
-  int64_t total = 0;
-  for (int64_t l : lengths) total = checked_add("first_fit", total, l);
+template <typename Value>
+IndexGroups first_fit_with(Lengths lengths, int64_t capacity, const std::vector<int64_t>& order, int64_t bound) {
   // Expect about the L1 bound of bins; the tree grows if first fit needs more.
-  detail::GapTree tree(static_cast<size_t>(std::min<int64_t>(2 * ceil_div(total, capacity) + 16,
-                                                             static_cast<int64_t>(lengths.size()) + 1)),
-                       capacity);
+  detail::GapTree<Value> tree(static_cast<size_t>(std::min<int64_t>(bound + bound / 8 + 16,
+                                                                    static_cast<int64_t>(lengths.size()) + 1)),
+                              capacity);
   BinBuilder builder(lengths.size());
   for (int64_t item : order) {
     const int64_t len = lengths[item];
@@ -78,6 +77,15 @@ IndexGroups first_fit_in_order(Lengths lengths, int64_t capacity, const std::vec
     builder.place(bin, item);
   }
   return builder.finish();
+}
+
+IndexGroups first_fit_in_order(Lengths lengths, int64_t capacity, const std::vector<int64_t>& order) {
+  int64_t total = 0;
+  for (int64_t l : lengths) total = checked_add("first_fit", total, l);
+  const int64_t bound = ceil_div(total, capacity);
+  if (capacity <= std::numeric_limits<int32_t>::max())
+    return first_fit_with<int32_t>(lengths, capacity, order, bound);
+  return first_fit_with<int64_t>(lengths, capacity, order, bound);
 }
 
 }  // namespace
@@ -219,6 +227,7 @@ IndexGroups modified_first_fit_decreasing(Lengths lengths, int64_t bin_capacity)
   const std::vector<int64_t> asc = detail::order_by_length(lengths, false, false);
   auto filter = [&](const std::vector<int64_t>& order, auto keep) {
     std::vector<int64_t> out;
+    out.reserve(static_cast<size_t>(std::count_if(order.begin(), order.end(), keep)));
     for (int64_t i : order)
       if (keep(i)) out.push_back(i);
     return out;

@@ -297,6 +297,21 @@ TEST(Packing, DecreasingFitsAreScaleInvariant) {
   EXPECT_EQ(first_fit_shuffle(big, big_cap, 3), first_fit_shuffle(small, cap, 3));
 }
 
+TEST(Packing, FirstFitGrowsPastTheExpectedBinCount) {
+  // Items just over half the capacity need one bin each, about twice the L1 bound
+  // the gap tree is sized for, so it must grow (several times for n = 5000); the
+  // int32 and int64 rooms (capacity beyond 2^31) must agree with the naive scan.
+  for (int64_t capacity : {int64_t{10}, int64_t{1000}, int64_t{1} << 32}) {
+    for (size_t n : {3u, 70u, 5000u}) {
+      Vec lengths(n, capacity / 2 + 1);
+      lengths.insert(lengths.end(), n / 3, capacity / 2 - 1);
+      lengths.insert(lengths.end(), n, 1);
+      EXPECT_EQ(first_fit_decreasing(lengths, capacity).to_nested(), naive_decreasing_fit(lengths, capacity, false))
+          << "capacity " << capacity << ", n " << n;
+    }
+  }
+}
+
 TEST(Packing, BestFitDiffersFromFirstFit) {
   // 70 -> bin 0 (room 30); 40 (index 2 first) and 40 -> bin 1 (room 20); 10 goes
   // to the first bin with room (bin 0) or to the tightest (bin 1).

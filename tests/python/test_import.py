@@ -52,3 +52,33 @@ def test_cuda_device_name():
         pytest.skip("no CUDA device visible to seqpack")
     name = seqpack._core.cuda_device_name(0)
     assert isinstance(name, str) and name.strip()
+
+
+def test_readme_example_is_true():
+    """Every `expression  # [literal]` line of the README's Python example holds."""
+    import ast
+    import pathlib
+    import re
+
+    readme = pathlib.Path(__file__).resolve().parents[2] / "README.md"
+    block = re.search(r"```python\n(.*?)```", readme.read_text(), re.S).group(1)
+    namespace: dict = {}
+    checked = 0
+    pending = None  # an expression whose value may be given on the next (comment) line
+    for line in block.splitlines():
+        code, _, comment = line.partition("#")
+        expected = re.match(r"\s*(\[[\[\]\d, ]*\])", comment)
+        if not code.strip():
+            if expected and pending is not None:
+                assert eval(pending, namespace) == ast.literal_eval(expected.group(1)), pending
+                checked += 1
+            pending = None
+            continue
+        if expected:
+            assert eval(code, namespace) == ast.literal_eval(expected.group(1)), line
+            checked += 1
+            pending = None
+        else:
+            exec(code, namespace)
+            pending = code if "=" not in code.split("(")[0] else None
+    assert checked == 3
