@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import csv
 import datetime as _dt
+import gc
 import os
 import platform
 import statistics
@@ -23,7 +24,10 @@ RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"
 
 def measure(fn: Callable[[], Any], repeat: int = 7, warmup: int = 1, budget_s: float = 30.0) -> Dict[str, float]:
     """Run ``fn`` ``warmup`` + up to ``repeat`` times (stopping early once ``budget_s``
-    is spent, but always at least once); return median/min/max seconds."""
+    is spent, but always at least once); return median/min/max seconds. Garbage
+    left by earlier measurements is collected first so that neither side pays for
+    the other's (the cyclic GC stays on, as in a trainer)."""
+    gc.collect()
     for _ in range(warmup):
         fn()
     times: List[float] = []

@@ -57,7 +57,7 @@ def bench_packing(sizes, log, targets):
                 packer = seqpack.get_packer(name, CAPACITY)
                 ours = packer.pack(lengths)
                 theirs = baseline(lengths, CAPACITY)
-                t_ours = measure(lambda: packer.pack(lengths), repeat=15)["median"]
+                t_ours = measure(lambda: packer.pack(lengths), repeat=41)["median"]
                 t_py = measure(lambda: baseline(lengths, CAPACITY), repeat=3, warmup=0, budget_s=20)["median"]
                 case = f"{dist}/n={n}/{name}"
                 log.add(case, "python", "seconds", t_py)
@@ -83,7 +83,7 @@ def bench_kk(cases, log, targets):
         values = synthetic_rl_lengths(n, seed=1).tolist()
         ours = seqpack.karmarkar_karp(values, k, equal)
         theirs = ref.karmarkar_karp(values, k, equal)
-        t_ours = measure(lambda: seqpack.karmarkar_karp(values, k, equal), repeat=15)["median"]
+        t_ours = measure(lambda: seqpack.karmarkar_karp(values, k, equal), repeat=41)["median"]
         t_py = measure(lambda: ref.karmarkar_karp(values, k, equal), repeat=3, warmup=0, budget_s=30)["median"]
         s_ours, s_py = spread(values, ours), spread(values, theirs)
         case = f"kk/n={n}/k={k}/equal={equal}"
