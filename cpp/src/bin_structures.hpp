@@ -12,6 +12,7 @@
 #include <emmintrin.h>
 #endif
 
+#include "scratch.hpp"
 #include "seqpack/common.hpp"
 
 namespace seqpack::detail {
@@ -22,12 +23,12 @@ inline constexpr int64_t kDenseValueLimit = int64_t{1} << 22;
 
 // Indices ordered by length, then index, each ascending or descending. Stable
 // counting sort when lengths are small (the common case: lengths <= capacity).
-inline std::vector<int64_t> order_by_length(Lengths lengths, bool length_desc, bool index_desc) {
+inline Buffer<int64_t> order_by_length(Lengths lengths, bool length_desc, bool index_desc) {
   const size_t n = lengths.size();
-  std::vector<int64_t> order(n);
+  Buffer<int64_t> order(n);
   const int64_t max_len = n ? *std::max_element(lengths.begin(), lengths.end()) : 0;
   if (max_len <= kDenseValueLimit && static_cast<size_t>(max_len) <= 16 * n + 1024) {
-    std::vector<int64_t> start(static_cast<size_t>(max_len) + 2, 0);
+    Buffer<int64_t> start(static_cast<size_t>(max_len) + 2, 0);
     for (int64_t l : lengths) ++start[static_cast<size_t>(l) + 1];
     if (length_desc) {  // bucket offsets from the longest length down
       int64_t acc = 0;
@@ -133,7 +134,7 @@ class GapTree {
     values_.assign(total, static_cast<Value>(capacity_));
   }
   void grow() {
-    const std::vector<Value> old_values = values_;
+    const Buffer<Value> old_values = values_;
     const size_t old_leaves_begin = level_begin_.back();
     const size_t old_leaves = old_values.size() - old_leaves_begin;
     build(old_leaves * kFanout);
@@ -151,8 +152,8 @@ class GapTree {
   }
 
   int64_t capacity_;
-  std::vector<size_t> level_begin_;  // offset of each level in values_, root level (8 nodes) first
-  std::vector<Value> values_;
+  Buffer<size_t> level_begin_;  // offset of each level in values_, root level (8 nodes) first
+  Buffer<Value> values_;
 };
 
 // Binary min-heap with replace_top (one sift-down instead of a pop and a push).
@@ -192,7 +193,7 @@ class MinHeap {
   }
 
  private:
-  std::vector<T> data_;
+  Buffer<T> data_;
 };
 
 // The BucketQueue interface on a binary heap, for keys too large to bucket.
@@ -256,7 +257,7 @@ class NextSetBit {
   }
 
  private:
-  std::vector<std::vector<uint64_t>> levels_;
+  Buffer<Buffer<uint64_t>> levels_;
 };
 
 // Min-queue of (key, stamp) pairs for integer keys in [0, universe) where stamps
@@ -293,7 +294,7 @@ class BucketQueue {
 
  private:
   NextSetBit occupied_;
-  std::vector<int64_t> head_, tail_, next_;
+  Buffer<int64_t> head_, tail_, next_;
   size_t size_ = 0;
 };
 
@@ -301,7 +302,7 @@ class BucketQueue {
 // live item at or after (before) a position with path-compressed skip links.
 class LivePool {
  public:
-  explicit LivePool(std::vector<int64_t> items) : items_(std::move(items)) {
+  explicit LivePool(Buffer<int64_t> items) : items_(std::move(items)) {
     const size_t n = items_.size();
     next_.resize(n + 1);
     prev_.resize(n + 1);
@@ -323,7 +324,7 @@ class LivePool {
   }
 
  private:
-  static size_t find(std::vector<size_t>& link, size_t x) {
+  static size_t find(Buffer<size_t>& link, size_t x) {
     size_t root = x;
     while (link[root] != root) root = link[root];
     while (link[x] != root) {
@@ -333,8 +334,8 @@ class LivePool {
     }
     return root;
   }
-  std::vector<int64_t> items_;
-  std::vector<size_t> next_, prev_;
+  Buffer<int64_t> items_;
+  Buffer<size_t> next_, prev_;
   size_t live_;
 };
 

@@ -13,6 +13,8 @@
 namespace seqpack {
 namespace {
 
+using detail::Buffer;
+
 constexpr const char* kAlgorithmNames[] = {
     "concatenative",          "first_fit_decreasing", "first_fit_shuffle",
     "modified_first_fit_decreasing", "best_fit_decreasing", "greedy_sequential",
@@ -29,27 +31,27 @@ class BinBuilder {
     num_bins_ = std::max(num_bins_, bin + 1);
   }
   // `order[b]` gives the output position of bin b (identity when empty).
-  IndexGroups finish(const std::vector<int64_t>& order = {}) const {
+  IndexGroups finish(const Buffer<int64_t>& order = {}) const {
     IndexGroups out;
-    std::vector<int64_t> counts(static_cast<size_t>(num_bins_), 0);
+    Buffer<int64_t> counts(static_cast<size_t>(num_bins_), 0);
     for (int64_t b : bin_of_) ++counts[static_cast<size_t>(b)];
-    std::vector<int64_t> slot_of_bin(static_cast<size_t>(num_bins_));
+    Buffer<int64_t> slot_of_bin(static_cast<size_t>(num_bins_));
     std::iota(slot_of_bin.begin(), slot_of_bin.end(), 0);
     if (!order.empty()) slot_of_bin = order;
-    std::vector<int64_t> bin_at_slot(static_cast<size_t>(num_bins_));
+    Buffer<int64_t> bin_at_slot(static_cast<size_t>(num_bins_));
     for (int64_t b = 0; b < num_bins_; ++b) bin_at_slot[static_cast<size_t>(slot_of_bin[b])] = b;
     out.offsets.assign(static_cast<size_t>(num_bins_) + 1, 0);
     for (int64_t s = 0; s < num_bins_; ++s)
       out.offsets[s + 1] = out.offsets[s] + counts[static_cast<size_t>(bin_at_slot[s])];
     out.indices.resize(item_of_.size());
-    std::vector<int64_t> cursor(static_cast<size_t>(num_bins_));
+    Buffer<int64_t> cursor(static_cast<size_t>(num_bins_));
     for (int64_t b = 0; b < num_bins_; ++b) cursor[b] = out.offsets[slot_of_bin[b]];
     for (size_t k = 0; k < item_of_.size(); ++k) out.indices[cursor[bin_of_[k]]++] = item_of_[k];
     return out;
   }
 
  private:
-  std::vector<int64_t> bin_of_, item_of_;
+  Buffer<int64_t> bin_of_, item_of_;
   int64_t num_bins_ = 0;
 };
 
@@ -61,10 +63,10 @@ void check_common(const char* fn, Lengths lengths, int64_t capacity) {
 
 // Item indices sorted by (length, index) descending, as Python's
 // `sorted([(l, i) ...], reverse=True)` orders them.
-std::vector<int64_t> decreasing_order(Lengths lengths) { return detail::order_by_length(lengths, true, true); }
+Buffer<int64_t> decreasing_order(Lengths lengths) { return detail::order_by_length(lengths, true, true); }
 
 template <typename Value>
-IndexGroups first_fit_with(Lengths lengths, int64_t capacity, const std::vector<int64_t>& order, int64_t bound) {
+IndexGroups first_fit_with(Lengths lengths, int64_t capacity, const Buffer<int64_t>& order, int64_t bound) {
   // Expect about the L1 bound of bins; the tree grows if first fit needs more.
   detail::GapTree<Value> tree(static_cast<size_t>(std::min<int64_t>(bound + bound / 8 + 16,
                                                                     static_cast<int64_t>(lengths.size()) + 1)),
@@ -79,7 +81,7 @@ IndexGroups first_fit_with(Lengths lengths, int64_t capacity, const std::vector<
   return builder.finish();
 }
 
-IndexGroups first_fit_in_order(Lengths lengths, int64_t capacity, const std::vector<int64_t>& order) {
+IndexGroups first_fit_in_order(Lengths lengths, int64_t capacity, const Buffer<int64_t>& order) {
   int64_t total = 0;
   for (int64_t l : lengths) total = checked_add("first_fit", total, l);
   const int64_t bound = ceil_div(total, capacity);
@@ -146,7 +148,7 @@ IndexGroups first_fit_decreasing(Lengths lengths, int64_t bin_capacity) {
 
 IndexGroups first_fit_shuffle(Lengths lengths, int64_t bin_capacity, uint64_t seed) {
   check_common("first_fit_shuffle", lengths, bin_capacity);
-  std::vector<int64_t> order(lengths.size());
+  Buffer<int64_t> order(lengths.size());
   std::iota(order.begin(), order.end(), 0);
   Rng rng(seed);
   for (size_t i = order.size(); i > 1; --i) std::swap(order[i - 1], order[rng.below(i)]);
@@ -155,7 +157,7 @@ IndexGroups first_fit_shuffle(Lengths lengths, int64_t bin_capacity, uint64_t se
 
 IndexGroups best_fit_decreasing(Lengths lengths, int64_t bin_capacity) {
   check_common("best_fit_decreasing", lengths, bin_capacity);
-  const std::vector<int64_t> order = decreasing_order(lengths);
+  const Buffer<int64_t> order = decreasing_order(lengths);
   BinBuilder builder(lengths.size());
   int64_t num_bins = 0;
   if (bin_capacity <= detail::kDenseValueLimit) {
@@ -163,7 +165,7 @@ IndexGroups best_fit_decreasing(Lengths lengths, int64_t bin_capacity) {
     // bin that reached that gap most recently) and a hierarchical bitset of the
     // non-empty buckets: the tightest fit is the next set value >= length.
     detail::NextSetBit gaps(bin_capacity + 1);
-    std::vector<int64_t> head(static_cast<size_t>(bin_capacity) + 1, -1), below(lengths.size(), -1);
+    Buffer<int64_t> head(static_cast<size_t>(bin_capacity) + 1, -1), below(lengths.size(), -1);
     for (int64_t item : order) {
       const int64_t len = lengths[item];
       const int64_t gap = gaps.next(len);
@@ -219,23 +221,23 @@ IndexGroups modified_first_fit_decreasing(Lengths lengths, int64_t bin_capacity)
   // tiny (0, C/6]; compared exactly in integers (2s > C is s > C/2).
   enum Class : char { kLarge, kMedium, kSmall, kTiny };
   auto class_of = [&](int64_t s) { return 2 * s > C ? kLarge : 3 * s > C ? kMedium : 6 * s > C ? kSmall : kTiny; };
-  std::vector<char> cls(n);
+  Buffer<char> cls(n);
   for (size_t i = 0; i < n; ++i) cls[i] = class_of(lengths[i]);
   // NeMo-RL sorts its class lists stably: large and medium by size descending,
   // small by size ascending, ties in index order.
-  const std::vector<int64_t> desc = detail::order_by_length(lengths, true, false);
-  const std::vector<int64_t> asc = detail::order_by_length(lengths, false, false);
-  auto filter = [&](const std::vector<int64_t>& order, auto keep) {
-    std::vector<int64_t> out;
+  const Buffer<int64_t> desc = detail::order_by_length(lengths, true, false);
+  const Buffer<int64_t> asc = detail::order_by_length(lengths, false, false);
+  auto filter = [&](const Buffer<int64_t>& order, auto keep) {
+    Buffer<int64_t> out;
     out.reserve(static_cast<size_t>(std::count_if(order.begin(), order.end(), keep)));
     for (int64_t i : order)
       if (keep(i)) out.push_back(i);
     return out;
   };
-  const std::vector<int64_t> large = filter(desc, [&](int64_t i) { return cls[i] == kLarge; });
+  const Buffer<int64_t> large = filter(desc, [&](int64_t i) { return cls[i] == kLarge; });
   detail::LivePool medium(filter(desc, [&](int64_t i) { return cls[i] == kMedium; }));
   detail::LivePool small(filter(asc, [&](int64_t i) { return cls[i] == kSmall; }));
-  std::vector<char> placed(n, 0);
+  Buffer<char> placed(n, 0);
   // First position in `pool` (sorted by size, descending or ascending) whose size
   // is <= bound (descending) or > bound (ascending).
   auto first_desc_at_most = [&](detail::LivePool& pool, int64_t bound) {
@@ -257,8 +259,8 @@ IndexGroups modified_first_fit_decreasing(Lengths lengths, int64_t bin_capacity)
 
   // Phase 1: one bin per large item.
   const size_t num_large = large.size();
-  std::vector<int64_t> load(num_large);
-  std::vector<char> has_medium(num_large, 0);
+  Buffer<int64_t> load(num_large);
+  Buffer<char> has_medium(num_large, 0);
   BinBuilder builder(n);
   auto put = [&](size_t bin, int64_t item) {
     builder.place(static_cast<int64_t>(bin), item);
@@ -314,9 +316,9 @@ IndexGroups modified_first_fit_decreasing(Lengths lengths, int64_t bin_capacity)
   // they fit, else into a new bin; bins stay ordered by (load, insertion), which
   // is the order NeMo-RL's bisect-maintained list ends in. Stamp 0 is its initial
   // empty bin, which the first leftover always fills.
-  std::vector<int64_t> bin_of_stamp{-1};
+  Buffer<int64_t> bin_of_stamp{-1};
   int64_t next_bin = static_cast<int64_t>(num_large);
-  std::vector<int64_t> order(num_large);
+  Buffer<int64_t> order(num_large);
   std::iota(order.begin(), order.end(), 0);
   auto leftover_phase = [&](auto& queue) {
     queue.push(0, 0);
