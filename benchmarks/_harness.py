@@ -91,6 +91,12 @@ class CsvLog:
     def add(self, case: str, impl: str, metric: str, value: Any) -> None:
         self.rows.append({"benchmark": self.name, "case": case, "impl": impl, "metric": metric, "value": value})
 
+    def timing(self, case: str, impl: str, m: Dict[str, float]) -> None:
+        """Log a :func:`measure` result: best and median seconds, and the run count."""
+        self.add(case, impl, "seconds_min", m["min"])
+        self.add(case, impl, "seconds_median", m["median"])
+        self.add(case, impl, "runs", m["runs"])
+
     def write(self) -> str:
         fields = ["benchmark", "case", "impl", "metric", "value"] + list(self.env)
         with open(self.path, "w", newline="") as f:

@@ -4,7 +4,9 @@ Baselines run in the same process on the same inputs: NeMo-RL v0.6's FFD (linear
 scan over bins), MFFD and concatenative packers, a linear-scan best fit, and
 verl/ROLL's Karmarkar-Karp with per-set objects in a heapq (seqpack.reference).
 seqpack is timed through its drop-in API (Python list in, list of lists out) and,
-for 1M lengths, also through the CSR array API.
+for 1M lengths, also through the CSR array API. Times are the best of the runs
+(timeit's convention: the run least disturbed by the rest of the machine) for both
+sides; the CSV also holds the medians.
 
     python benchmarks/bench_planning.py            # full run (~2-4 min on 2 cores)
     python benchmarks/bench_planning.py --quick    # smaller sizes, for a smoke test
@@ -57,11 +59,12 @@ def bench_packing(sizes, log, targets):
                 packer = seqpack.get_packer(name, CAPACITY)
                 ours = packer.pack(lengths)
                 theirs = baseline(lengths, CAPACITY)
-                t_ours = measure(lambda: packer.pack(lengths), repeat=41)["median"]
-                t_py = measure(lambda: baseline(lengths, CAPACITY), repeat=3, warmup=0, budget_s=20)["median"]
+                m_ours = measure(lambda: packer.pack(lengths), repeat=41)
+                m_py = measure(lambda: baseline(lengths, CAPACITY), repeat=3, warmup=0, budget_s=20)
+                t_ours, t_py = m_ours["min"], m_py["min"]
                 case = f"{dist}/n={n}/{name}"
-                log.add(case, "python", "seconds", t_py)
-                log.add(case, "seqpack", "seconds", t_ours)
+                log.timing(case, "python", m_py)
+                log.timing(case, "seqpack", m_ours)
                 log.add(case, "seqpack", "bins", len(ours))
                 log.add(case, "python", "bins", len(theirs))
                 log.add(case, "-", "l1_bound", bound)
@@ -83,12 +86,13 @@ def bench_kk(cases, log, targets):
         values = synthetic_rl_lengths(n, seed=1).tolist()
         ours = seqpack.karmarkar_karp(values, k, equal)
         theirs = ref.karmarkar_karp(values, k, equal)
-        t_ours = measure(lambda: seqpack.karmarkar_karp(values, k, equal), repeat=41)["median"]
-        t_py = measure(lambda: ref.karmarkar_karp(values, k, equal), repeat=3, warmup=0, budget_s=30)["median"]
+        m_ours = measure(lambda: seqpack.karmarkar_karp(values, k, equal), repeat=41)
+        m_py = measure(lambda: ref.karmarkar_karp(values, k, equal), repeat=3, warmup=0, budget_s=30)
+        t_ours, t_py = m_ours["min"], m_py["min"]
         s_ours, s_py = spread(values, ours), spread(values, theirs)
         case = f"kk/n={n}/k={k}/equal={equal}"
-        for impl, t, s in (("python", t_py, s_py), ("seqpack", t_ours, s_ours)):
-            log.add(case, impl, "seconds", t)
+        for impl, m, s in (("python", m_py, s_py), ("seqpack", m_ours, s_ours)):
+            log.timing(case, impl, m)
             log.add(case, impl, "spread", s)
         rows.append([n, k, str(equal), t_py * 1e3, t_ours * 1e3, t_py / t_ours, s_py, s_ours,
                      "yes" if ours == theirs else "no"])
@@ -109,15 +113,15 @@ def bench_million(n, log, targets):
                  "first_fit_shuffle", "concatenative"):
         packer = seqpack.get_packer(name, CAPACITY, seed=0)
         offsets, _ = packer.pack_arrays(lengths)
-        t_arr = measure(lambda: packer.pack_arrays(lengths), repeat=5)["median"]
-        t_list = measure(lambda: packer.pack(as_list), repeat=3)["median"]
+        t_arr = measure(lambda: packer.pack_arrays(lengths), repeat=5)["min"]
+        t_list = measure(lambda: packer.pack(as_list), repeat=3)["min"]
         bins = len(offsets) - 1
         log.add(f"1M/{name}", "seqpack-arrays", "seconds", t_arr)
         log.add(f"1M/{name}", "seqpack-lists", "seconds", t_list)
         log.add(f"1M/{name}", "seqpack", "bins", bins)
         rows.append([name, t_arr * 1e3, t_list * 1e3, bins, bins / bound])
         targets[("1M", name)] = {"seconds": t_arr, "seconds_lists": t_list, "bins_over_bound": bins / bound}
-    t_kk = measure(lambda: seqpack.karmarkar_karp(lengths, 64, False), repeat=3)["median"]
+    t_kk = measure(lambda: seqpack.karmarkar_karp(lengths, 64, False), repeat=3)["min"]
     log.add("1M/karmarkar_karp_k64", "seqpack", "seconds", t_kk)
     rows.append(["karmarkar_karp k=64", t_kk * 1e3, "-", 64, "-"])
     print(format_table(f"{n:,} RL-like lengths (seqpack only; L1 bound {bound:,} bins)",
