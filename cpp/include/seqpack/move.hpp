@@ -1,0 +1,21 @@
+#pragma once
+// CPU execution of MovePlans over raw row-major buffers (any dtype: rows are bytes).
+#include <cstddef>
+#include <cstdint>
+
+#include "seqpack/thd.hpp"
+
+namespace seqpack {
+
+// Runs `plan` from `src` (plan.src_rows rows of row_bytes) into `dst`
+// (plan.dst_rows rows): copies, then fills with `fill_row` (row_bytes bytes; null
+// means zero bytes). src_rows / dst_rows are the buffers' real sizes, checked
+// against the plan. Large moves are split over up to `num_threads` threads
+// (0: one per hardware thread, fewer for small moves).
+void execute_move_plan(const MovePlan& plan, const void* src, int64_t src_rows, void* dst, int64_t dst_rows,
+                       size_t row_bytes, const void* fill_row = nullptr, int num_threads = 0);
+
+// Writes the position ids of a pack plan into `out` (plan.dst_rows values).
+void write_position_ids(const MovePlan& plan, int64_t* out, int64_t out_rows);
+
+}  // namespace seqpack

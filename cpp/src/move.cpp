@@ -1,0 +1,117 @@
+#include "seqpack/move.hpp"
+
+#include <algorithm>
+#include <cstring>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace seqpack {
+namespace {
+
+// Below this many bytes a move runs on the calling thread: starting threads costs
+// tens of microseconds, more than copying a few MiB.
+constexpr size_t kBytesPerThread = size_t{4} << 20;
+
+void fill_rows(char* dst, int64_t rows, size_t row_bytes, const char* fill_row, bool zero) {
+  const size_t bytes = static_cast<size_t>(rows) * row_bytes;
+  if (bytes == 0) return;
+  if (zero) {
+    std::memset(dst, 0, bytes);
+    return;
+  }
+  std::memcpy(dst, fill_row, row_bytes);
+  for (size_t done = row_bytes; done < bytes;) {  // double the filled prefix
+    const size_t step = std::min(done, bytes - done);
+    std::memcpy(dst + done, dst, step);
+    done += step;
+  }
+}
+
+}  // namespace
+
+void execute_move_plan(const MovePlan& plan, const void* src, int64_t src_rows, void* dst, int64_t dst_rows,
+                       size_t row_bytes, const void* fill_row, int num_threads) {
+  constexpr const char* fn = "execute_move_plan";
+  if (src_rows < plan.src_rows)
+    throw_invalid(fn, "the source has " + std::to_string(src_rows) + " rows, the plan reads " +
+                          std::to_string(plan.src_rows));
+  if (dst_rows != plan.dst_rows)
+    throw_invalid(fn, "the destination has " + std::to_string(dst_rows) + " rows, the plan writes " +
+                          std::to_string(plan.dst_rows));
+  if (num_threads < 0) throw_invalid(fn, "num_threads must be >= 0");
+  for (const CopyRun& r : plan.copies)
+    if (r.src < 0 || r.dst < 0 || r.count < 0 || r.src + r.count > plan.src_rows || r.dst + r.count > plan.dst_rows)
+      throw_invalid(fn, "a copy run leaves the buffers (corrupt plan)");
+  for (const FillRun& r : plan.fills)
+    if (r.dst < 0 || r.count < 0 || r.dst + r.count > plan.dst_rows)
+      throw_invalid(fn, "a fill run leaves the destination (corrupt plan)");
+  if (row_bytes == 0) return;
+  if ((src == nullptr && !plan.copies.empty()) || (dst == nullptr && plan.dst_rows > 0))
+    throw_invalid(fn, "null buffer");
+
+  bool zero = fill_row == nullptr;
+  if (!zero) {
+    const auto* f = static_cast<const char*>(fill_row);
+    zero = std::all_of(f, f + row_bytes, [](char c) { return c == 0; });
+  }
+  const auto* s = static_cast<const char*>(src);
+  auto* d = static_cast<char*>(dst);
+  const auto* fill = static_cast<const char*>(fill_row);
+
+  // Work = the copies' rows then the fills' rows; thread t takes rows
+  // [t * total / T, (t + 1) * total / T) of that sequence, splitting runs.
+  const size_t num_copies = plan.copies.size();
+  std::vector<int64_t> start(num_copies + plan.fills.size() + 1, 0);
+  for (size_t i = 0; i < num_copies; ++i) start[i + 1] = start[i] + plan.copies[i].count;
+  for (size_t i = 0; i < plan.fills.size(); ++i)
+    start[num_copies + i + 1] = start[num_copies + i] + plan.fills[i].count;
+  const int64_t total = start.back();
+  auto run_range = [&](int64_t lo, int64_t hi) {
+    if (lo >= hi) return;
+    size_t i = static_cast<size_t>(std::upper_bound(start.begin(), start.end(), lo) - start.begin()) - 1;
+    for (; i + 1 < start.size() && start[i] < hi; ++i) {
+      const int64_t a = std::max(lo, start[i]) - start[i], b = std::min(hi, start[i + 1]) - start[i];
+      if (a >= b) continue;
+      if (i < num_copies) {
+        const CopyRun& r = plan.copies[i];
+        std::memcpy(d + static_cast<size_t>(r.dst + a) * row_bytes, s + static_cast<size_t>(r.src + a) * row_bytes,
+                    static_cast<size_t>(b - a) * row_bytes);
+      } else {
+        const FillRun& r = plan.fills[i - num_copies];
+        fill_rows(d + static_cast<size_t>(r.dst + a) * row_bytes, b - a, row_bytes, fill, zero);
+      }
+    }
+  };
+  const size_t bytes = static_cast<size_t>(total) * row_bytes;
+  size_t threads = num_threads > 0 ? static_cast<size_t>(num_threads)
+                                   : std::max<size_t>(1, std::thread::hardware_concurrency());
+  threads = std::max<size_t>(1, std::min({threads, bytes / kBytesPerThread, static_cast<size_t>(total)}));
+  if (threads == 1) {
+    run_range(0, total);
+    return;
+  }
+  std::vector<std::thread> pool;
+  pool.reserve(threads - 1);
+  const auto T = static_cast<int64_t>(threads);
+  auto bound = [&](size_t t) {  // floor(total * t / T) without overflow
+    const auto k = static_cast<int64_t>(t);
+    return total / T * k + total % T * k / T;
+  };
+  for (size_t t = 1; t < threads; ++t) pool.emplace_back(run_range, bound(t), bound(t + 1));
+  run_range(0, bound(1));
+  for (auto& th : pool) th.join();
+}
+
+void write_position_ids(const MovePlan& plan, int64_t* out, int64_t out_rows) {
+  constexpr const char* fn = "write_position_ids";
+  if (out_rows != plan.dst_rows)
+    throw_invalid(fn, "the output has " + std::to_string(out_rows) + " rows, the plan writes " +
+                          std::to_string(plan.dst_rows));
+  for (const PositionRun& r : plan.positions) {
+    if (r.dst < 0 || r.count < 0 || r.dst + r.count > out_rows) throw_invalid(fn, "a position run leaves the output");
+    for (int64_t k = 0; k < r.count; ++k) out[r.dst + k] = r.first + k;
+  }
+}
+
+}  // namespace seqpack
