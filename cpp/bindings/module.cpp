@@ -14,14 +14,16 @@ void init_packing(py::module_& m);
 void init_partition(py::module_& m);
 void init_dynamic_batching(py::module_& m);
 void init_metrics(py::module_& m);
+void init_thd(py::module_& m);
 }  // namespace seqpack::bindings
 
 PYBIND11_MODULE(_core, m) {
-  m.doc() = "seqpack C++ core (planning); use the seqpack package, not this module.";
+  m.doc() = "seqpack C++ core (planning, THD plans); use the seqpack package, not this module.";
   seqpack::bindings::init_packing(m);
   seqpack::bindings::init_partition(m);
   seqpack::bindings::init_dynamic_batching(m);
   seqpack::bindings::init_metrics(m);
+  seqpack::bindings::init_thd(m);
 #ifdef SEQPACK_WITH_CUDA
   m.attr("built_with_cuda") = true;
   m.def("cuda_device_count", &seqpack::cuda::device_count);

@@ -53,7 +53,7 @@ ThdLayout make_thd_layout(Lengths seq_lens, const ThdOptions& o) {
     target = o.pad_packed_to;
   }
   if (target > padded) {
-    if ((target - padded) % (2 * o.cp_size) != 0)
+    if (o.cp_size > 1 && (target - padded) % (2 * o.cp_size) != 0)
       throw_invalid(fn, "bin padding (pad_packed_to / pad_packed_multiple) adds " + std::to_string(target - padded) +
                             " tokens to the last sequence, not a multiple of 2 * cp_size = " +
                             std::to_string(2 * o.cp_size) + " for context parallelism");

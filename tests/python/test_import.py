@@ -38,7 +38,9 @@ def test_build_info():
 
 
 @pytest.mark.parametrize(
-    "module", ["seqpack", "seqpack.packing", "seqpack.balance", "seqpack.metrics", "seqpack.dynamic_batching"]
+    "module",
+    ["seqpack", "seqpack.packing", "seqpack.balance", "seqpack.metrics", "seqpack.dynamic_batching", "seqpack.thd",
+     "seqpack.cp"],
 )
 def test_doctests(module):
     result = doctest.testmod(importlib.import_module(module), verbose=False, report=True)

@@ -1,0 +1,173 @@
+// THD plans for seqpack.thd: a plan is built once from host lengths or a host mask;
+// moving tensors passes raw data pointers (the Python layer checks device, dtype,
+// contiguity and sizes), so the extension never links libtorch.
+#include <cstring>
+#include <optional>
+
+#include "convert.hpp"
+#include "seqpack/cp.hpp"
+#include "seqpack/move.hpp"
+#include "seqpack/thd.hpp"
+
+namespace seqpack::bindings {
+namespace {
+
+template <typename T>
+py::array_t<T> array_of(const std::vector<T>& v) {
+  py::array_t<T> out(static_cast<py::ssize_t>(v.size()));
+  if (!v.empty()) std::memcpy(out.mutable_data(), v.data(), v.size() * sizeof(T));
+  return out;
+}
+
+// The pack plan of one rank and its inverse, with the layout they share.
+struct ThdPlan {
+  ThdLayout layout;
+  MovePlan pack;
+  MovePlan unpack;
+  int64_t batch = 0, width = 0, cp_rank = 0;
+};
+
+// Runs as NumPy arrays [n, 3] (src, dst, count) / [n, 2] (dst, count) / [n, 3]
+// (dst, count, first): what a device launcher or a reference needs.
+py::array_t<int64_t> copies_array(const std::vector<CopyRun>& runs) {
+  py::array_t<int64_t> out({static_cast<py::ssize_t>(runs.size()), py::ssize_t{3}});
+  auto m = out.mutable_unchecked<2>();
+  for (size_t i = 0; i < runs.size(); ++i) {
+    m(i, 0) = runs[i].src;
+    m(i, 1) = runs[i].dst;
+    m(i, 2) = runs[i].count;
+  }
+  return out;
+}
+
+py::array_t<int64_t> fills_array(const std::vector<FillRun>& runs) {
+  py::array_t<int64_t> out({static_cast<py::ssize_t>(runs.size()), py::ssize_t{2}});
+  auto m = out.mutable_unchecked<2>();
+  for (size_t i = 0; i < runs.size(); ++i) {
+    m(i, 0) = runs[i].dst;
+    m(i, 1) = runs[i].count;
+  }
+  return out;
+}
+
+void run_plan(const MovePlan& plan, uintptr_t src, int64_t src_rows, uintptr_t dst, int64_t dst_rows,
+              size_t row_bytes, const std::optional<py::bytes>& fill, int num_threads) {
+  std::string fill_bytes;
+  if (fill) {
+    fill_bytes = *fill;
+    if (fill_bytes.size() != row_bytes)
+      throw py::value_error("fill must be one row (" + std::to_string(row_bytes) + " bytes), got " +
+                            std::to_string(fill_bytes.size()));
+  }
+  py::gil_scoped_release release;
+  execute_move_plan(plan, reinterpret_cast<const void*>(src), src_rows, reinterpret_cast<void*>(dst), dst_rows,
+                    row_bytes, fill ? fill_bytes.data() : nullptr, num_threads);
+}
+
+}  // namespace
+
+void init_thd(py::module_& m) {
+  py::class_<ThdPlan>(m, "ThdPlan", "Pack/unpack plan of one batch (and one CP rank).")
+      .def_readonly("batch", &ThdPlan::batch)
+      .def_readonly("width", &ThdPlan::width)
+      .def_readonly("cp_rank", &ThdPlan::cp_rank)
+      .def_property_readonly("cp_size", [](const ThdPlan& p) { return p.layout.cp_size; })
+      .def_property_readonly("seq_lens", [](const ThdPlan& p) { return array_of(p.layout.seq_lens); })
+      .def_property_readonly("padded_lens", [](const ThdPlan& p) { return array_of(p.layout.padded_lens); })
+      .def_property_readonly("cu_seqlens", [](const ThdPlan& p) { return array_of(p.layout.cu_seqlens); })
+      .def_property_readonly("cu_seqlens_padded",
+                             [](const ThdPlan& p) { return array_of(p.layout.cu_seqlens_padded); })
+      .def_property_readonly("max_seqlen", [](const ThdPlan& p) { return p.layout.max_seqlen; })
+      .def_property_readonly("max_seqlen_padded", [](const ThdPlan& p) { return p.layout.max_seqlen_padded; })
+      .def_property_readonly("total_padded", [](const ThdPlan& p) { return p.layout.total_padded(); })
+      .def_property_readonly("local_rows", [](const ThdPlan& p) { return p.pack.dst_rows; })
+      .def_property_readonly("pack_copies", [](const ThdPlan& p) { return copies_array(p.pack.copies); })
+      .def_property_readonly("pack_fills", [](const ThdPlan& p) { return fills_array(p.pack.fills); })
+      .def_property_readonly("unpack_copies", [](const ThdPlan& p) { return copies_array(p.unpack.copies); })
+      .def_property_readonly("unpack_fills", [](const ThdPlan& p) { return fills_array(p.unpack.fills); })
+      .def(
+          "pack_into",
+          [](const ThdPlan& p, uintptr_t src, int64_t src_rows, uintptr_t dst, int64_t dst_rows, size_t row_bytes,
+             const std::optional<py::bytes>& fill, int num_threads) {
+            run_plan(p.pack, src, src_rows, dst, dst_rows, row_bytes, fill, num_threads);
+          },
+          py::arg("src"), py::arg("src_rows"), py::arg("dst"), py::arg("dst_rows"), py::arg("row_bytes"),
+          py::arg("fill") = py::none(), py::arg("num_threads") = 0)
+      .def(
+          "unpack_into",
+          [](const ThdPlan& p, uintptr_t src, int64_t src_rows, uintptr_t dst, int64_t dst_rows, size_t row_bytes,
+             const std::optional<py::bytes>& fill, int num_threads) {
+            run_plan(p.unpack, src, src_rows, dst, dst_rows, row_bytes, fill, num_threads);
+          },
+          py::arg("src"), py::arg("src_rows"), py::arg("dst"), py::arg("dst_rows"), py::arg("row_bytes"),
+          py::arg("fill") = py::none(), py::arg("num_threads") = 0)
+      .def(
+          "position_ids_into",
+          [](const ThdPlan& p, uintptr_t out, int64_t rows) {
+            py::gil_scoped_release release;
+            write_position_ids(p.pack, reinterpret_cast<int64_t*>(out), rows);
+          },
+          py::arg("out"), py::arg("rows"));
+
+  m.def(
+      "thd_plan",
+      [](py::handle seq_lens, py::handle mask, int64_t batch, int64_t width, int64_t pad_multiple,
+         int64_t pad_packed_to, int64_t pad_packed_multiple, int64_t cp_size, int64_t cp_rank) {
+        ThdPlan plan;
+        plan.batch = batch;
+        plan.width = width;
+        plan.cp_rank = cp_rank;
+        ThdOptions o{pad_multiple, pad_packed_to, pad_packed_multiple, cp_size};
+        std::optional<LengthsArg> lens;
+        py::array_t<uint8_t, py::array::c_style> mask_bytes;
+        if (!mask.is_none()) {
+          mask_bytes = py::array_t<uint8_t, py::array::c_style>::ensure(mask);
+          if (!mask_bytes || mask_bytes.ndim() != 2 || mask_bytes.shape(0) != batch || mask_bytes.shape(1) != width)
+            throw py::value_error("attention_mask must be a [batch, width] uint8/bool array");
+        } else {
+          lens.emplace(seq_lens, "seq_lens");
+          if (static_cast<int64_t>(lens->view().size()) != batch)
+            throw py::value_error("seq_lens has " + std::to_string(lens->view().size()) + " entries for a batch of " +
+                                  std::to_string(batch));
+        }
+        {
+          py::gil_scoped_release release;
+          const SourceSpans spans =
+              lens ? spans_from_lengths(lens->view(), width) : spans_from_mask(mask_bytes.data(), batch, width);
+          plan.layout = make_thd_layout(span_lengths(spans), o);
+          plan.pack = make_pack_plan(plan.layout, spans, cp_rank);
+          plan.unpack = make_unpack_plan(plan.pack, batch * width);
+        }
+        return plan;
+      },
+      py::arg("seq_lens"), py::arg("mask"), py::arg("batch"), py::arg("width"), py::arg("pad_multiple") = 1,
+      py::arg("pad_packed_to") = 0, py::arg("pad_packed_multiple") = 1, py::arg("cp_size") = 1,
+      py::arg("cp_rank") = 0);
+
+  m.def(
+      "cp_partition_indices",
+      [](py::handle cu_seqlens_padded, int64_t cp_size, int64_t cp_rank) {
+        LengthsArg cu(cu_seqlens_padded, "cu_seqlens_padded");
+        std::vector<int64_t> out;
+        {
+          py::gil_scoped_release release;
+          out = cp_partition_indices(cu.view(), cp_size, cp_rank);
+        }
+        return to_array(std::move(out));
+      },
+      py::arg("cu_seqlens_padded"), py::arg("cp_size"), py::arg("cp_rank"));
+  m.def(
+      "cp_restore_order",
+      [](py::handle cu_seqlens_padded, int64_t cp_size) {
+        LengthsArg cu(cu_seqlens_padded, "cu_seqlens_padded");
+        std::vector<int64_t> out;
+        {
+          py::gil_scoped_release release;
+          out = cp_restore_order(cu.view(), cp_size);
+        }
+        return to_array(std::move(out));
+      },
+      py::arg("cu_seqlens_padded"), py::arg("cp_size"));
+}
+
+}  // namespace seqpack::bindings

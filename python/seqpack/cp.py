@@ -1,0 +1,45 @@
+"""Context-parallel index maps for the zigzag THD layout.
+
+A sequence of padded length ``L`` is cut into ``2 * cp_size`` chunks; rank ``r``
+keeps chunks ``r`` and ``2 * cp_size - 1 - r``::
+
+    cu_seqlens_padded = [0, 8, 16], cp_size = 2
+    global  0 1 | 2 3 | 4 5 | 6 7 || 8 9 | 10 11 | 12 13 | 14 15
+    rank 0  0 1               6 7    8 9                   14 15
+    rank 1        2 3   4 5                10 11   12 13
+
+    >>> import seqpack
+    >>> seqpack.cp_partition_indices([0, 8, 16], cp_size=2, cp_rank=0).tolist()
+    [0, 1, 6, 7, 8, 9, 14, 15]
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from . import _core
+from ._lengths import core_lengths
+
+__all__ = ["cp_partition_indices", "cp_restore_order"]
+
+
+def cp_partition_indices(cu_seqlens_padded: Any, cp_size: int, cp_rank: int) -> np.ndarray:
+    """Global THD positions held by ``cp_rank``, in its local order (int64); the same
+    indices as Transformer Engine's ``thd_get_partitioned_indices``. Every padded
+    length must be a multiple of ``2 * cp_size``."""
+    return _core.cp_partition_indices(core_lengths(cu_seqlens_padded, "cu_seqlens_padded"), int(cp_size), int(cp_rank))
+
+
+def cp_restore_order(cu_seqlens_padded: Any, cp_size: int) -> np.ndarray:
+    """Index map that restores sequence order after an all-gather of every rank's
+    local THD (rank-major): ``gathered[order]`` is the full THD.
+
+    >>> import numpy as np, seqpack
+    >>> cu = [0, 8, 16]
+    >>> gathered = np.concatenate([seqpack.cp_partition_indices(cu, 2, r) for r in range(2)])
+    >>> gathered[seqpack.cp_restore_order(cu, 2)].tolist() == list(range(16))
+    True
+    """
+    return _core.cp_restore_order(core_lengths(cu_seqlens_padded, "cu_seqlens_padded"), int(cp_size))

@@ -1,0 +1,345 @@
+"""Padded ``[B, S, ...]`` batches to the packed THD layout and back.
+
+::
+
+    attention_mask [B=3, S=6]     THD (pad_multiple=4; p = alignment padding)
+    1 1 1 0 0 0                   a a a p b b b b b p p p c p p p
+    1 1 1 1 1 0                   cu_seqlens        = [0, 3, 8, 9]
+    0 0 1 0 0 0   (any mask)      cu_seqlens_padded = [0, 4, 12, 16]
+                                  position_ids      = 0 1 2 3 0 1 2 3 4 5 6 7 0 1 2 3
+
+With ``cp_size > 1`` every padded sequence is cut into ``2 * cp_size`` chunks and
+rank ``r`` gets chunks ``r`` and ``2 * cp_size - 1 - r`` of each sequence (the
+zigzag layout of Megatron-Core / Transformer Engine), built directly from the
+padded batch. The plan (offsets, runs) is computed once on the host from the mask
+or the lengths; the copies run in C++ on raw buffers, multi-threaded, GIL released.
+
+    >>> import torch, seqpack
+    >>> ids = torch.tensor([[5, 6, 0, 0], [7, 8, 9, 0]])
+    >>> packed = seqpack.pack_sequences({"input_ids": ids}, seq_lens=[2, 3], pad_multiple=2)
+    >>> packed["input_ids"].tolist(), packed.cu_seqlens.tolist(), packed.cu_seqlens_padded.tolist()
+    ([5, 6, 7, 8, 9, 0], [0, 2, 5], [0, 2, 6])
+    >>> packed.unpack(packed["input_ids"]).tolist()
+    [[5, 6, 0, 0], [7, 8, 9, 0]]
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Dict, Mapping, Optional, Union
+
+import numpy as np
+
+from . import _core
+from ._lengths import as_lengths, as_positive_int
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+__all__ = ["PackedBatch", "PackedSeqParams", "alignment", "pack_sequences"]
+
+
+def alignment(cp_size: int = 1, tp_size: int = 1, sequence_parallel: bool = False) -> int:
+    """The per-sequence padding multiple Megatron-Core needs: ``2 * cp_size`` with
+    context parallelism (each sequence splits into 2·CP zigzag chunks), times
+    ``tp_size`` when sequence parallelism shards tokens over tensor-parallel ranks.
+
+    >>> alignment(cp_size=2, tp_size=4, sequence_parallel=True), alignment(cp_size=2, tp_size=4)
+    (16, 4)
+    >>> alignment(tp_size=8, sequence_parallel=True)
+    8
+    """
+    cp = as_positive_int(cp_size, "cp_size")
+    tp = as_positive_int(tp_size, "tp_size")
+    return (2 * cp if cp > 1 else 1) * (tp if sequence_parallel else 1)
+
+
+def _torch():
+    import torch
+
+    return torch
+
+
+def _check_cpu(t: "torch.Tensor", name: str) -> None:
+    if t.device.type != "cpu":
+        raise ValueError(
+            f"{name} is on {t.device}; this build of seqpack packs CPU tensors only (the CUDA kernels are not "
+            "built yet), move the batch to the CPU or use a release with CUDA support"
+        )
+
+
+def _fill_bytes(like: "torch.Tensor", value: Union[int, float, bool]) -> bytes:
+    """One row of ``like``'s trailing shape filled with ``value``, as raw bytes."""
+    torch = _torch()
+    row = torch.full((1, *like.shape[2:]) if like.dim() >= 2 else (1,), value, dtype=like.dtype)
+    return row.contiguous().view(torch.uint8).numpy().tobytes()
+
+
+def _row_bytes(t: "torch.Tensor") -> int:
+    trailing = 1
+    for d in t.shape[2:]:
+        trailing *= int(d)
+    return trailing * t.element_size()
+
+
+_AUTOGRAD = None
+
+
+def _autograd():
+    """(Pack, Unpack) autograd Functions, created on first use (torch is optional).
+
+    Pack is a gather and unpack the matching scatter, so each is the other's
+    backward, with zero for the rows the forward did not read."""
+    global _AUTOGRAD
+    if _AUTOGRAD is None:
+        torch = _torch()
+
+        class Pack(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, x, plan, fill, num_threads):
+                ctx.plan, ctx.num_threads = plan, num_threads
+                return _move(plan, "pack", x, fill, num_threads)
+
+            @staticmethod
+            def backward(ctx, grad):
+                return _move(ctx.plan, "unpack", grad, 0, ctx.num_threads), None, None, None
+
+        class Unpack(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, x, plan, fill, num_threads):
+                ctx.plan, ctx.num_threads = plan, num_threads
+                return _move(plan, "unpack", x, fill, num_threads)
+
+            @staticmethod
+            def backward(ctx, grad):
+                return _move(ctx.plan, "pack", grad, 0, ctx.num_threads), None, None, None
+
+        _AUTOGRAD = (Pack, Unpack)
+    return _AUTOGRAD
+
+
+def _move(plan, direction: str, x: "torch.Tensor", fill, num_threads: int) -> "torch.Tensor":
+    """Run the plan's pack (``[B, S, ...] -> [T, ...]``) or unpack on a contiguous CPU tensor."""
+    torch = _torch()
+    x = x.contiguous()
+    if direction == "pack":
+        out = torch.empty((plan.local_rows, *x.shape[2:]), dtype=x.dtype)
+        src_rows, dst_rows, run = plan.batch * plan.width, plan.local_rows, plan.pack_into
+        like = x
+    else:
+        out = torch.empty((plan.batch, plan.width, *x.shape[1:]), dtype=x.dtype)
+        src_rows, dst_rows, run = plan.local_rows, plan.batch * plan.width, plan.unpack_into
+        like = out
+    run(x.data_ptr(), src_rows, out.data_ptr(), dst_rows, _row_bytes(like),
+        fill=_fill_bytes(like, fill), num_threads=num_threads)
+    return out
+
+
+@dataclass
+class PackedSeqParams:
+    """Megatron-Core's ``PackedSeqParams`` fields, when megatron-core is absent."""
+
+    qkv_format: str
+    cu_seqlens_q: "torch.Tensor"
+    cu_seqlens_kv: "torch.Tensor"
+    cu_seqlens_q_padded: "torch.Tensor"
+    cu_seqlens_kv_padded: "torch.Tensor"
+    max_seqlen_q: int
+    max_seqlen_kv: int
+
+
+@dataclass
+class PackedBatch:
+    """The result of :func:`pack_sequences`.
+
+    Attributes:
+        tensors: name -> packed THD tensor ``[T, ...]`` (``T = cu_seqlens_padded[-1]``,
+            or ``T / cp_size`` rows of rank ``cp_rank``'s local part with CP).
+        cu_seqlens: ``[B + 1]`` int32, cumulative real lengths.
+        cu_seqlens_padded: ``[B + 1]`` int32, cumulative padded lengths (offsets in
+            the full THD; a CP rank's local offsets are these ``// cp_size``).
+        max_seqlen / max_seqlen_padded: host ints.
+        seq_lens: ``[B]`` int64 real lengths; padded_lens: ``[B]`` after padding.
+        position_ids: ``[T]`` int64 (or the local rows), restarting at 0 per
+            sequence and counting through its padding.
+        cp_size / cp_rank: the context-parallel split this batch was built for.
+    """
+
+    tensors: Dict[str, "torch.Tensor"]
+    cu_seqlens: "torch.Tensor"
+    cu_seqlens_padded: "torch.Tensor"
+    max_seqlen: int
+    max_seqlen_padded: int
+    seq_lens: "torch.Tensor"
+    padded_lens: "torch.Tensor"
+    position_ids: "torch.Tensor"
+    cp_size: int
+    cp_rank: int
+    _plan: Any = field(repr=False)
+    _num_threads: int = field(default=0, repr=False)
+
+    def __getitem__(self, name: str) -> "torch.Tensor":
+        return self.tensors[name]
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.tensors
+
+    @property
+    def batch_size(self) -> int:
+        return int(self._plan.batch)
+
+    @property
+    def width(self) -> int:
+        """S of the padded batch this was packed from."""
+        return int(self._plan.width)
+
+    @property
+    def num_tokens(self) -> int:
+        """Rows of the packed tensors (this rank's with CP)."""
+        return int(self._plan.local_rows)
+
+    def packed_seq_params(self):
+        """Megatron-Core ``PackedSeqParams`` (``qkv_format="thd"``; real
+        ``cu_seqlens_q/kv``, padded ``cu_seqlens_q/kv_padded``, padded max lengths).
+        A real ``megatron.core.packed_seq_params.PackedSeqParams`` when megatron-core
+        is importable, else :class:`PackedSeqParams` with the same fields."""
+        fields = dict(
+            qkv_format="thd",
+            cu_seqlens_q=self.cu_seqlens,
+            cu_seqlens_kv=self.cu_seqlens,
+            cu_seqlens_q_padded=self.cu_seqlens_padded,
+            cu_seqlens_kv_padded=self.cu_seqlens_padded,
+            max_seqlen_q=self.max_seqlen_padded,
+            max_seqlen_kv=self.max_seqlen_padded,
+        )
+        try:
+            from megatron.core.packed_seq_params import PackedSeqParams as MegatronParams
+        except ImportError:
+            return PackedSeqParams(**fields)
+        return MegatronParams(**fields)
+
+    def flash_attn_kwargs(self) -> Dict[str, Any]:
+        """Keyword arguments of ``flash_attn_varlen_func`` over the packed rows.
+
+        Offsets are the padded ones (memory offsets of the THD tensors): each
+        sequence's alignment padding sits at its tail, so with causal attention no
+        real token attends to it."""
+        if self.cp_size > 1:
+            raise ValueError("flash_attn_kwargs describe a full THD batch; with cp_size > 1 use "
+                             "packed_seq_params() with Transformer Engine's context parallelism")
+        return dict(cu_seqlens_q=self.cu_seqlens_padded, cu_seqlens_k=self.cu_seqlens_padded,
+                    max_seqlen_q=self.max_seqlen_padded, max_seqlen_k=self.max_seqlen_padded)
+
+    def hf_kwargs(self) -> Dict[str, Any]:
+        """The fields of HF transformers' ``DataCollatorWithFlattening``
+        (``position_ids [1, T]``, ``cu_seq_lens_q/k``, ``max_length_q/k``)."""
+        if self.cp_size > 1:
+            raise ValueError("hf_kwargs describe a full THD batch; got cp_size > 1")
+        return dict(position_ids=self.position_ids.unsqueeze(0), cu_seq_lens_q=self.cu_seqlens_padded,
+                    cu_seq_lens_k=self.cu_seqlens_padded, max_length_q=self.max_seqlen_padded,
+                    max_length_k=self.max_seqlen_padded)
+
+    def unpack(self, x: "torch.Tensor", fill: Union[int, float, bool] = 0) -> "torch.Tensor":
+        """THD ``[T, ...]`` (this batch's layout, or this rank's local rows with CP)
+        back to padded ``[B, S, ...]``; rows without a token of ``x`` (padding, other
+        ranks' chunks) get ``fill``. Differentiable (its backward packs the gradient).
+        """
+        if x.dim() < 1 or x.shape[0] != self.num_tokens:
+            raise ValueError(f"x must have {self.num_tokens} rows (the packed length), got shape {tuple(x.shape)}")
+        _check_cpu(x, "x")
+        return _autograd()[1].apply(x, self._plan, fill, self._num_threads)
+
+
+def pack_sequences(
+    tensors: Union["torch.Tensor", Mapping[str, "torch.Tensor"]],
+    attention_mask: Optional["torch.Tensor"] = None,
+    seq_lens: Any = None,
+    *,
+    pad_multiple: int = 1,
+    pad_values: Optional[Mapping[str, Union[int, float, bool]]] = None,
+    pad_value: Union[int, float, bool] = 0,
+    pad_packed_to: Optional[int] = None,
+    pad_packed_multiple: Optional[int] = None,
+    cp_size: int = 1,
+    cp_rank: int = 0,
+    num_threads: int = 0,
+) -> PackedBatch:
+    """Pack padded tensors ``[B, S, ...]`` into THD (or rank ``cp_rank``'s zigzag part).
+
+    Args:
+        tensors: one tensor (returned under the name ``"input"``) or a dict of
+            tensors sharing ``[B, S]`` (ids, labels, masks, hidden states; any dtype).
+        attention_mask: ``[B, S]`` bool/int, non-zero on real tokens; right-, left- or
+            arbitrarily padded (tokens are taken in column order, like flash-attn's
+            ``unpad_input``). Give this or ``seq_lens``.
+        seq_lens: ``[B]`` real lengths of right-padded rows.
+        pad_multiple: every sequence is padded at its tail to a multiple of this;
+            see :func:`alignment` (required multiple of ``2 * cp_size`` with CP).
+        pad_values: per-name pad value (e.g. ``{"labels": -100}``); others use
+            ``pad_value``.
+        pad_packed_to / pad_packed_multiple: pad the whole pack to exactly / to a
+            multiple of this many tokens; the extra joins the last sequence's padding,
+            as Megatron-Core does.
+        cp_size / cp_rank: context parallelism; the result holds rank ``cp_rank``'s
+            local THD and its position ids, built without a full packed copy.
+        num_threads: CPU threads for the copies (0: automatic).
+    """
+    torch = _torch()
+    named = {"input": tensors} if isinstance(tensors, torch.Tensor) else dict(tensors)
+    if not named:
+        raise ValueError("tensors must hold at least one tensor")
+    for name, t in named.items():
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"tensors[{name!r}] must be a torch.Tensor, got {type(t).__name__}")
+    first_name, first = next(iter(named.items()))
+    if first.dim() < 2:
+        raise ValueError(f"tensors[{first_name!r}] must be [B, S, ...], got shape {tuple(first.shape)}")
+    batch, width = int(first.shape[0]), int(first.shape[1])
+    for name, t in named.items():
+        if t.dim() < 2 or tuple(t.shape[:2]) != (batch, width):
+            raise ValueError(
+                f"tensors[{name!r}] has shape {tuple(t.shape)}; every tensor must start with [B, S] = [{batch}, {width}]"
+            )
+        _check_cpu(t, f"tensors[{name!r}]")
+    if (attention_mask is None) == (seq_lens is None):
+        raise ValueError("give exactly one of attention_mask and seq_lens")
+    mask = None
+    lens = None
+    if attention_mask is not None:
+        if tuple(attention_mask.shape) != (batch, width):
+            raise ValueError(f"attention_mask must be [B, S] = [{batch}, {width}], got {tuple(attention_mask.shape)}")
+        mask = (attention_mask != 0).to(torch.uint8).cpu().contiguous().numpy()
+    else:
+        lens = as_lengths(seq_lens, "seq_lens")
+        if lens.shape[0] != batch:
+            raise ValueError(f"seq_lens has {lens.shape[0]} entries for a batch of {batch}")
+    plan = _core.thd_plan(
+        lens, mask, batch, width,
+        as_positive_int(pad_multiple, "pad_multiple"),
+        0 if pad_packed_to is None else as_positive_int(pad_packed_to, "pad_packed_to"),
+        1 if pad_packed_multiple is None else as_positive_int(pad_packed_multiple, "pad_packed_multiple"),
+        as_positive_int(cp_size, "cp_size"),
+        int(cp_rank),
+    )
+    pad_values = dict(pad_values or {})
+    unknown = set(pad_values) - set(named)
+    if unknown:
+        raise ValueError(f"pad_values names tensors that were not given: {sorted(unknown)}")
+    pack = _autograd()[0]
+    packed = {name: pack.apply(t, plan, pad_values.get(name, pad_value), num_threads) for name, t in named.items()}
+    position_ids = torch.empty(plan.local_rows, dtype=torch.int64)
+    plan.position_ids_into(position_ids.data_ptr(), plan.local_rows)
+    return PackedBatch(
+        tensors=packed,
+        cu_seqlens=torch.from_numpy(np.asarray(plan.cu_seqlens)),
+        cu_seqlens_padded=torch.from_numpy(np.asarray(plan.cu_seqlens_padded)),
+        max_seqlen=int(plan.max_seqlen),
+        max_seqlen_padded=int(plan.max_seqlen_padded),
+        seq_lens=torch.from_numpy(np.asarray(plan.seq_lens)),
+        padded_lens=torch.from_numpy(np.asarray(plan.padded_lens)),
+        position_ids=position_ids,
+        cp_size=int(plan.cp_size),
+        cp_rank=int(plan.cp_rank),
+        _plan=plan,
+        _num_threads=num_threads,
+    )
