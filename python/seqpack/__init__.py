@@ -30,7 +30,7 @@ from .balance import (
 from .dynamic_batching import DynamicBatchingPlan, plan_dynamic_batching
 from .metrics import PackingMetrics, dp_balance_metrics, dynamic_batching_metrics
 from .packing import PackingAlgorithm, SequencePacker, adjust_bin_count, get_packer
-from .thd import PackedBatch, PackedSeqParams, alignment, pack_sequences
+from .thd import PackedBatch, PackedSeqParams, alignment, pack_sequences, unpack_sequences
 from .cp import cp_partition_indices, cp_restore_order
 
 __version__ = "0.1.0"
@@ -42,6 +42,7 @@ __all__ = [
     "cp_partition_indices",
     "cp_restore_order",
     "pack_sequences",
+    "unpack_sequences",
     "DynamicBatchingPlan",
     "MicroBatchPlan",
     "PackingAlgorithm",

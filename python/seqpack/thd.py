@@ -26,7 +26,7 @@ or the lengths; the copies run in C++ on raw buffers, multi-threaded, GIL releas
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Dict, Mapping, Optional, Union
+from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional, Union
 
 import numpy as np
 
@@ -36,7 +36,7 @@ from ._lengths import as_lengths, as_positive_int
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-__all__ = ["PackedBatch", "PackedSeqParams", "alignment", "pack_sequences"]
+__all__ = ["PackedBatch", "PackedSeqParams", "alignment", "pack_sequences", "unpack_sequences"]
 
 
 def alignment(cp_size: int = 1, tp_size: int = 1, sequence_parallel: bool = False) -> int:
@@ -343,3 +343,32 @@ def pack_sequences(
         _plan=plan,
         _num_threads=num_threads,
     )
+
+
+def unpack_sequences(x: "torch.Tensor", cu_seqlens_padded: Any, cp_size: int = 1) -> List["torch.Tensor"]:
+    """Per-sequence views (no copies) of a THD tensor, like ROLL's ``_unpack_sequences``.
+
+    With ``cp_size > 1``, ``x`` holds one rank's local rows (e.g. logits
+    ``[T / cp_size, V]``) and sequence ``i`` is rows
+    ``cu_seqlens_padded[i] // cp_size`` to ``cu_seqlens_padded[i + 1] // cp_size``: its
+    two zigzag chunks, padding included.
+
+    >>> import torch, seqpack
+    >>> [v.tolist() for v in seqpack.unpack_sequences(torch.arange(6), [0, 2, 6])]
+    [[0, 1], [2, 3, 4, 5]]
+    """
+    cp = as_positive_int(cp_size, "cp_size")
+    cu = as_lengths(cu_seqlens_padded, "cu_seqlens_padded").astype(np.int64)
+    if cu.size == 0 or cu[0] != 0:
+        raise ValueError("cu_seqlens_padded must start at 0")
+    steps = np.diff(cu)
+    if (steps < 0).any():
+        raise ValueError("cu_seqlens_padded must be non-decreasing")
+    if cp > 1 and (steps % (2 * cp)).any():
+        raise ValueError(f"every padded length must be a multiple of 2 * cp_size = {2 * cp}")
+    if x.dim() < 1 or x.shape[0] * cp != int(cu[-1]):
+        raise ValueError(
+            f"x has {x.shape[0] if x.dim() else 0} rows; cu_seqlens_padded[-1] / cp_size = {int(cu[-1]) // cp}"
+        )
+    local = (cu // cp).tolist()
+    return [x[a:b] for a, b in zip(local[:-1], local[1:])]

@@ -257,6 +257,19 @@ def test_errors():
         pack_sequences(torch.zeros(4), seq_lens=[1])
 
 
+def test_unpack_sequences_cp_local():
+    lengths = [2, 4, 6, 1]
+    ids = torch.tensor([[b] * 8 for b in range(4)])
+    local = pack_sequences(ids, seq_lens=lengths, pad_multiple=4, cp_size=2, cp_rank=1, pad_value=P)
+    views = seqpack.unpack_sequences(local["input"], local.cu_seqlens_padded, cp_size=2)
+    assert [v.tolist() for v in views] == [[0, P], [1, 1], [2, 2, 2, 2], [P, P]]
+    assert views[2].data_ptr() == local["input"][4:].data_ptr()  # views, not copies
+    with pytest.raises(ValueError, match="rows"):
+        seqpack.unpack_sequences(local["input"], local.cu_seqlens_padded, cp_size=1)
+    with pytest.raises(ValueError, match="2 \\* cp_size"):
+        seqpack.unpack_sequences(torch.zeros(3), [0, 6], cp_size=2)
+
+
 def test_cp_indices_errors():
     with pytest.raises(ValueError, match="2 \\* cp_size"):
         seqpack.cp_partition_indices([0, 6], 2, 0)
