@@ -50,6 +50,18 @@ py::array_t<int64_t> fills_array(const std::vector<FillRun>& runs) {
   return out;
 }
 
+py::array_t<int64_t> tasks_array(const MovePlan& plan, size_t row_bytes, size_t max_task_bytes) {
+  std::vector<ByteTask> tasks;
+  {
+    py::gil_scoped_release release;
+    tasks = make_byte_tasks(plan, row_bytes, max_task_bytes);
+  }
+  py::array_t<int64_t> out({static_cast<py::ssize_t>(tasks.size()), py::ssize_t{3}});
+  static_assert(sizeof(ByteTask) == 3 * sizeof(int64_t), "ByteTask is three int64s");
+  if (!tasks.empty()) std::memcpy(out.mutable_data(), tasks.data(), tasks.size() * sizeof(ByteTask));
+  return out;
+}
+
 void run_plan(const MovePlan& plan, uintptr_t src, int64_t src_rows, uintptr_t dst, int64_t dst_rows,
               size_t row_bytes, const std::optional<py::bytes>& fill, int num_threads) {
   std::string fill_bytes;
@@ -85,6 +97,29 @@ void init_thd(py::module_& m) {
       .def_property_readonly("pack_fills", [](const ThdPlan& p) { return fills_array(p.pack.fills); })
       .def_property_readonly("unpack_copies", [](const ThdPlan& p) { return copies_array(p.unpack.copies); })
       .def_property_readonly("unpack_fills", [](const ThdPlan& p) { return fills_array(p.unpack.fills); })
+      .def_property_readonly("position_runs",
+                             [](const ThdPlan& p) {
+                               py::array_t<int64_t> out(
+                                   {static_cast<py::ssize_t>(p.pack.positions.size()), py::ssize_t{3}});
+                               static_assert(sizeof(PositionRun) == 3 * sizeof(int64_t), "three int64s");
+                               if (!p.pack.positions.empty())
+                                 std::memcpy(out.mutable_data(), p.pack.positions.data(),
+                                             p.pack.positions.size() * sizeof(PositionRun));
+                               return out;
+                             })
+      .def(
+          "pack_tasks",
+          [](const ThdPlan& p, size_t row_bytes, size_t max_task_bytes) {
+            return tasks_array(p.pack, row_bytes, max_task_bytes);
+          },
+          py::arg("row_bytes"), py::arg("max_task_bytes"),
+          "Byte tasks [n, 3] (src offset or -1 for a fill, dst offset, bytes) for the device kernel.")
+      .def(
+          "unpack_tasks",
+          [](const ThdPlan& p, size_t row_bytes, size_t max_task_bytes) {
+            return tasks_array(p.unpack, row_bytes, max_task_bytes);
+          },
+          py::arg("row_bytes"), py::arg("max_task_bytes"))
       .def(
           "pack_into",
           [](const ThdPlan& p, uintptr_t src, int64_t src_rows, uintptr_t dst, int64_t dst_rows, size_t row_bytes,

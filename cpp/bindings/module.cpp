@@ -5,6 +5,7 @@
 
 #ifdef SEQPACK_WITH_CUDA
 #include "seqpack/cuda_device.hpp"
+#include "seqpack/cuda_move.hpp"
 #endif
 
 namespace py = pybind11;
@@ -29,6 +30,24 @@ PYBIND11_MODULE(_core, m) {
   m.def("cuda_device_count", &seqpack::cuda::device_count);
   m.def("cuda_runtime_version", &seqpack::cuda::runtime_version);
   m.def("cuda_device_name", &seqpack::cuda::device_name, py::arg("index") = 0);
+  // Raw device pointers from torch (data_ptr) and the caller's cudaStream_t.
+  m.def(
+      "cuda_move",
+      [](uintptr_t src, uintptr_t dst, uintptr_t tasks, int64_t num_tasks, uintptr_t fill_row, int64_t row_bytes,
+         uintptr_t stream) {
+        seqpack::cuda::launch_move(reinterpret_cast<const void*>(src), reinterpret_cast<void*>(dst),
+                                   reinterpret_cast<const seqpack::ByteTask*>(tasks), num_tasks,
+                                   reinterpret_cast<const void*>(fill_row), row_bytes, reinterpret_cast<void*>(stream));
+      },
+      py::arg("src"), py::arg("dst"), py::arg("tasks"), py::arg("num_tasks"), py::arg("fill_row"),
+      py::arg("row_bytes"), py::arg("stream"));
+  m.def(
+      "cuda_positions",
+      [](uintptr_t runs, int64_t num_runs, uintptr_t out, uintptr_t stream) {
+        seqpack::cuda::launch_positions(reinterpret_cast<const seqpack::PositionRun*>(runs), num_runs,
+                                        reinterpret_cast<int64_t*>(out), reinterpret_cast<void*>(stream));
+      },
+      py::arg("runs"), py::arg("num_runs"), py::arg("out"), py::arg("stream"));
 #else
   m.attr("built_with_cuda") = false;
   m.def("cuda_device_count", []() { return 0; });

@@ -103,6 +103,45 @@ void execute_move_plan(const MovePlan& plan, const void* src, int64_t src_rows, 
   for (auto& th : pool) th.join();
 }
 
+std::vector<ByteTask> make_byte_tasks(const MovePlan& plan, size_t row_bytes, size_t max_task_bytes) {
+  constexpr const char* fn = "make_byte_tasks";
+  if (row_bytes == 0) return {};
+  const auto rows_per_task = static_cast<int64_t>(std::max<size_t>(1, max_task_bytes / row_bytes));
+  const auto rb = static_cast<int64_t>(row_bytes);
+  std::vector<ByteTask> tasks;
+  auto split = [&](int64_t src_row, int64_t dst_row, int64_t count) {
+    for (int64_t k = 0; k < count; k += rows_per_task) {
+      const int64_t n = std::min(rows_per_task, count - k);
+      tasks.push_back({src_row < 0 ? -1 : (src_row + k) * rb, (dst_row + k) * rb, n * rb});
+    }
+  };
+  for (const CopyRun& r : plan.copies) {
+    if (r.src < 0 || r.dst < 0 || r.count < 0 || r.src + r.count > plan.src_rows || r.dst + r.count > plan.dst_rows)
+      throw_invalid(fn, "a copy run leaves the buffers (corrupt plan)");
+    split(r.src, r.dst, r.count);
+  }
+  for (const FillRun& r : plan.fills) {
+    if (r.dst < 0 || r.count < 0 || r.dst + r.count > plan.dst_rows)
+      throw_invalid(fn, "a fill run leaves the destination (corrupt plan)");
+    split(-1, r.dst, r.count);
+  }
+  return tasks;
+}
+
+void execute_byte_tasks(const std::vector<ByteTask>& tasks, const void* src, void* dst, const void* fill_row,
+                        size_t row_bytes) {
+  const auto* s = static_cast<const char*>(src);
+  auto* d = static_cast<char*>(dst);
+  const auto* f = static_cast<const char*>(fill_row);
+  for (const ByteTask& t : tasks) {
+    if (t.src_offset >= 0) {
+      std::memcpy(d + t.dst_offset, s + t.src_offset, static_cast<size_t>(t.bytes));
+    } else {
+      for (int64_t i = 0; i < t.bytes; ++i) d[t.dst_offset + i] = f ? f[static_cast<size_t>(i) % row_bytes] : 0;
+    }
+  }
+}
+
 void write_position_ids(const MovePlan& plan, int64_t* out, int64_t out_rows) {
   constexpr const char* fn = "write_position_ids";
   if (out_rows != plan.dst_rows)

@@ -12,7 +12,8 @@ With ``cp_size > 1`` every padded sequence is cut into ``2 * cp_size`` chunks an
 rank ``r`` gets chunks ``r`` and ``2 * cp_size - 1 - r`` of each sequence (the
 zigzag layout of Megatron-Core / Transformer Engine), built directly from the
 padded batch. The plan (offsets, runs) is computed once on the host from the mask
-or the lengths; the copies run in C++ on raw buffers, multi-threaded, GIL released.
+or the lengths; the copies run in C++ on raw buffers (CPU: multi-threaded, GIL
+released; CUDA: one kernel launch per tensor on the current stream).
 
     >>> import torch, seqpack
     >>> ids = torch.tensor([[5, 6, 0, 0], [7, 8, 9, 0]])
@@ -60,12 +61,18 @@ def _torch():
     return torch
 
 
-def _check_cpu(t: "torch.Tensor", name: str) -> None:
-    if t.device.type != "cpu":
-        raise ValueError(
-            f"{name} is on {t.device}; this build of seqpack packs CPU tensors only (the CUDA kernels are not "
-            "built yet), move the batch to the CPU or use a release with CUDA support"
-        )
+def _check_device(t: "torch.Tensor", name: str) -> None:
+    if t.device.type == "cpu":
+        return
+    if t.device.type != "cuda":
+        raise ValueError(f"{name} is on {t.device}; seqpack moves CPU and CUDA tensors")
+    if not _core.built_with_cuda:
+        raise ValueError(f"{name} is on {t.device} but this build of seqpack has no CUDA kernels (built without nvcc)")
+
+
+# Bytes per device task: big enough to amortise a block's start, small enough that
+# a long sequence spreads over many blocks.
+_MAX_TASK_BYTES = 1 << 16
 
 
 def _fill_bytes(like: "torch.Tensor", value: Union[int, float, bool]) -> bytes:
@@ -119,19 +126,47 @@ def _autograd():
 
 
 def _move(plan, direction: str, x: "torch.Tensor", fill, num_threads: int) -> "torch.Tensor":
-    """Run the plan's pack (``[B, S, ...] -> [T, ...]``) or unpack on a contiguous CPU tensor."""
+    """Run the plan's pack (``[B, S, ...] -> [T, ...]``) or unpack on a contiguous tensor."""
     torch = _torch()
     x = x.contiguous()
     if direction == "pack":
-        out = torch.empty((plan.local_rows, *x.shape[2:]), dtype=x.dtype)
-        src_rows, dst_rows, run = plan.batch * plan.width, plan.local_rows, plan.pack_into
+        out = torch.empty((plan.local_rows, *x.shape[2:]), dtype=x.dtype, device=x.device)
+        src_rows, dst_rows = plan.batch * plan.width, plan.local_rows
         like = x
     else:
-        out = torch.empty((plan.batch, plan.width, *x.shape[1:]), dtype=x.dtype)
-        src_rows, dst_rows, run = plan.local_rows, plan.batch * plan.width, plan.unpack_into
+        out = torch.empty((plan.batch, plan.width, *x.shape[1:]), dtype=x.dtype, device=x.device)
+        src_rows, dst_rows = plan.local_rows, plan.batch * plan.width
         like = out
-    run(x.data_ptr(), src_rows, out.data_ptr(), dst_rows, _row_bytes(like),
-        fill=_fill_bytes(like, fill), num_threads=num_threads)
+    row_bytes = _row_bytes(like)
+    if x.device.type == "cpu":
+        run = plan.pack_into if direction == "pack" else plan.unpack_into
+        run(x.data_ptr(), src_rows, out.data_ptr(), dst_rows, row_bytes, fill=_fill_bytes(like, fill),
+            num_threads=num_threads)
+        return out
+    # CUDA: one launch on the current stream over the plan's byte tasks (host
+    # metadata copied to the device; nothing is read back).
+    tasks = plan.pack_tasks(row_bytes, _MAX_TASK_BYTES) if direction == "pack" else \
+        plan.unpack_tasks(row_bytes, _MAX_TASK_BYTES)
+    with torch.cuda.device(x.device):
+        task_tensor = torch.from_numpy(tasks).to(x.device)
+        fill_row = torch.full((1, *like.shape[2:]), fill, dtype=x.dtype, device=x.device)
+        stream = torch.cuda.current_stream(x.device).cuda_stream
+        _core.cuda_move(x.data_ptr(), out.data_ptr(), task_tensor.data_ptr(), tasks.shape[0], fill_row.data_ptr(),
+                        row_bytes, stream)
+    return out
+
+
+def _position_ids(plan, device) -> "torch.Tensor":
+    torch = _torch()
+    out = torch.empty(plan.local_rows, dtype=torch.int64, device=device)
+    if out.device.type == "cpu":
+        plan.position_ids_into(out.data_ptr(), plan.local_rows)
+        return out
+    runs = plan.position_runs
+    with torch.cuda.device(out.device):
+        run_tensor = torch.from_numpy(runs).to(out.device)
+        _core.cuda_positions(run_tensor.data_ptr(), runs.shape[0], out.data_ptr(),
+                             torch.cuda.current_stream(out.device).cuda_stream)
     return out
 
 
@@ -246,7 +281,7 @@ class PackedBatch:
         """
         if x.dim() < 1 or x.shape[0] != self.num_tokens:
             raise ValueError(f"x must have {self.num_tokens} rows (the packed length), got shape {tuple(x.shape)}")
-        _check_cpu(x, "x")
+        _check_device(x, "x")
         return _autograd()[1].apply(x, self._plan, fill, self._num_threads)
 
 
@@ -300,7 +335,9 @@ def pack_sequences(
             raise ValueError(
                 f"tensors[{name!r}] has shape {tuple(t.shape)}; every tensor must start with [B, S] = [{batch}, {width}]"
             )
-        _check_cpu(t, f"tensors[{name!r}]")
+        _check_device(t, f"tensors[{name!r}]")
+        if t.device != first.device:
+            raise ValueError(f"tensors[{name!r}] is on {t.device}, tensors[{first_name!r}] on {first.device}")
     if (attention_mask is None) == (seq_lens is None):
         raise ValueError("give exactly one of attention_mask and seq_lens")
     mask = None
@@ -327,16 +364,15 @@ def pack_sequences(
         raise ValueError(f"pad_values names tensors that were not given: {sorted(unknown)}")
     pack = _autograd()[0]
     packed = {name: pack.apply(t, plan, pad_values.get(name, pad_value), num_threads) for name, t in named.items()}
-    position_ids = torch.empty(plan.local_rows, dtype=torch.int64)
-    plan.position_ids_into(position_ids.data_ptr(), plan.local_rows)
+    position_ids = _position_ids(plan, first.device)
     return PackedBatch(
         tensors=packed,
-        cu_seqlens=torch.from_numpy(np.asarray(plan.cu_seqlens)),
-        cu_seqlens_padded=torch.from_numpy(np.asarray(plan.cu_seqlens_padded)),
+        cu_seqlens=torch.from_numpy(np.asarray(plan.cu_seqlens)).to(first.device),
+        cu_seqlens_padded=torch.from_numpy(np.asarray(plan.cu_seqlens_padded)).to(first.device),
         max_seqlen=int(plan.max_seqlen),
         max_seqlen_padded=int(plan.max_seqlen_padded),
-        seq_lens=torch.from_numpy(np.asarray(plan.seq_lens)),
-        padded_lens=torch.from_numpy(np.asarray(plan.padded_lens)),
+        seq_lens=torch.from_numpy(np.asarray(plan.seq_lens)).to(first.device),
+        padded_lens=torch.from_numpy(np.asarray(plan.padded_lens)).to(first.device),
         position_ids=position_ids,
         cp_size=int(plan.cp_size),
         cp_rank=int(plan.cp_rank),

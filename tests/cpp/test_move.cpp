@@ -61,3 +61,43 @@ TEST(Move, PlansAreCheckedAgainstTheBuffers) {
 }
 
 }  // namespace
+
+namespace {
+
+// The device kernel's task table, run on the CPU, reproduces the CPU executor.
+TEST(Move, ByteTasksReproduceThePlan) {
+  using namespace seqpack;
+  std::vector<uint8_t> mask = {1, 1, 1, 0, 0, 1, 0, 1, 1, 1, 1, 1, 0, 0, 0, 1};
+  const SourceSpans spans = spans_from_mask(mask.data(), 4, 4);
+  ThdOptions o;
+  o.cp_size = 2;
+  o.pad_multiple = 4;
+  o.pad_packed_to = 24;
+  const ThdLayout layout = make_thd_layout(span_lengths(spans), o);
+  for (int64_t rank = 0; rank < 2; ++rank) {
+    const MovePlan pack = make_pack_plan(layout, spans, rank);
+    const MovePlan unpack = make_unpack_plan(pack, 16);
+    for (size_t row_bytes : {size_t{1}, size_t{6}, size_t{16}}) {
+      for (size_t max_task : {size_t{1}, size_t{20}, size_t{1} << 20}) {
+        std::vector<uint8_t> src(16 * row_bytes);
+        std::iota(src.begin(), src.end(), 1);
+        std::vector<uint8_t> fill(row_bytes);
+        std::iota(fill.begin(), fill.end(), 200);
+        for (const MovePlan* plan : {&pack, &unpack}) {
+          const auto in_rows = static_cast<size_t>(plan->src_rows), out_rows = static_cast<size_t>(plan->dst_rows);
+          std::vector<uint8_t> in(in_rows * row_bytes);
+          for (size_t i = 0; i < in.size(); ++i) in[i] = src[i % src.size()];
+          std::vector<uint8_t> expected(out_rows * row_bytes, 0), got(out_rows * row_bytes, 0);
+          execute_move_plan(*plan, in.data(), plan->src_rows, expected.data(), plan->dst_rows, row_bytes,
+                            fill.data(), 1);
+          const auto tasks = make_byte_tasks(*plan, row_bytes, max_task);
+          for (const ByteTask& t : tasks) EXPECT_LE(static_cast<size_t>(t.bytes), std::max(max_task, row_bytes));
+          execute_byte_tasks(tasks, in.data(), got.data(), fill.data(), row_bytes);
+          EXPECT_EQ(got, expected) << "rank " << rank << ", row_bytes " << row_bytes << ", max_task " << max_task;
+        }
+      }
+    }
+  }
+}
+
+}  // namespace

@@ -2,6 +2,7 @@
 // CPU execution of MovePlans over raw row-major buffers (any dtype: rows are bytes).
 #include <cstddef>
 #include <cstdint>
+#include <vector>
 
 #include "seqpack/thd.hpp"
 
@@ -14,6 +15,21 @@ namespace seqpack {
 // (0: one per hardware thread, fewer for small moves).
 void execute_move_plan(const MovePlan& plan, const void* src, int64_t src_rows, void* dst, int64_t dst_rows,
                        size_t row_bytes, const void* fill_row = nullptr, int num_threads = 0);
+
+// A plan flattened into byte tasks of at most `max_task_bytes` (rounded to whole
+// rows), for a device kernel that gives each task to one thread block: copy
+// `bytes` from src + src_offset to dst + dst_offset, or, when src_offset < 0, fill
+// them with the fill row repeated (tasks start on row boundaries).
+struct ByteTask {
+  int64_t src_offset = 0;
+  int64_t dst_offset = 0;
+  int64_t bytes = 0;
+};
+std::vector<ByteTask> make_byte_tasks(const MovePlan& plan, size_t row_bytes, size_t max_task_bytes);
+
+// Runs byte tasks on the CPU (the device kernel's semantics, for tests).
+void execute_byte_tasks(const std::vector<ByteTask>& tasks, const void* src, void* dst, const void* fill_row,
+                        size_t row_bytes);
 
 // Writes the position ids of a pack plan into `out` (plan.dst_rows values).
 void write_position_ids(const MovePlan& plan, int64_t* out, int64_t out_rows);

@@ -1,0 +1,144 @@
+"""THD pack/unpack benchmark (SPEC P3): seqpack vs a per-sequence PyTorch loop and memcpy.
+
+Same process, same data. Baselines:
+  loop    a per-sequence slicing loop like ROLL's ``_pack_sequences`` (slice each row's
+          real tokens, pad, with CP pick the rank's two chunks, ``torch.cat``), and the
+          matching ``_unpack`` loop writing each sequence back into a padded tensor;
+  memcpy  ``dst.copy_(src)`` of exactly the bytes the packed tensor holds: the
+          physical limit of a copy on this machine.
+Lengths are RL-like long-tail (seqpack.report.synthetic_rl_lengths clipped to S).
+
+    python benchmarks/bench_thd.py            # full run
+    python benchmarks/bench_thd.py --quick    # small shapes, smoke test
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _harness import CsvLog, environment, format_table, measure  # noqa: E402
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+import seqpack  # noqa: E402
+from seqpack.report import synthetic_rl_lengths  # noqa: E402
+
+
+def loop_pack(x, lens, multiple, cp, rank, pad):
+    out = []
+    for b, n in enumerate(lens):
+        length = -(-n // multiple) * multiple
+        seq = x[b, :n]
+        if length > n:
+            seq = torch.cat([seq, seq.new_full((length - n, *x.shape[2:]), pad)])
+        if cp == 1:
+            out.append(seq)
+        else:
+            chunks = seq.chunk(2 * cp)
+            out.extend([chunks[rank], chunks[2 * cp - 1 - rank]])
+    return torch.cat(out)
+
+
+def loop_unpack(y, lens, padded, width, cp, rank):
+    out = y.new_zeros((len(lens), width, *y.shape[1:]))
+    offset = 0
+    for b, (n, length) in enumerate(zip(lens, padded)):
+        if cp == 1:
+            out[b, :n] = y[offset:offset + n]
+            offset += length
+            continue
+        chunk = length // (2 * cp)
+        for c in (rank, 2 * cp - 1 - rank):
+            lo, hi = c * chunk, min((c + 1) * chunk, n)
+            if hi > lo:
+                out[b, lo:hi] = y[offset:offset + hi - lo]
+            offset += chunk
+    return out
+
+
+def case_lengths(batch, width, seed=0):
+    return np.minimum(synthetic_rl_lengths(batch, seed=seed, max_len=width), width).astype(np.int64)
+
+
+def bench_case(name, x, lens, cp, log, rows, targets, threads):
+    multiple = seqpack.alignment(cp_size=cp)
+    lens_list = lens.tolist()
+    packed = seqpack.pack_sequences(x, seq_lens=lens, pad_multiple=multiple, cp_size=cp, cp_rank=0,
+                                    num_threads=threads)
+    y = packed["input"]
+    ref = loop_pack(x, lens_list, multiple, cp, 0, 0)
+    assert torch.equal(y, ref), name
+    padded = packed.padded_lens.tolist()
+    back = packed.unpack(y)
+    assert torch.equal(back, loop_unpack(y, lens_list, padded, x.shape[1], cp, 0)), name
+    nbytes = y.numel() * y.element_size()
+    src = x.reshape(-1)[: y.numel()]
+    dst = torch.empty_like(y).reshape(-1)
+    t_copy = measure(lambda: dst.copy_(src), repeat=9)["min"]
+    t_pack = measure(lambda: seqpack.pack_sequences(x, seq_lens=lens, pad_multiple=multiple, cp_size=cp,
+                                                    num_threads=threads), repeat=9)["min"]
+    t_loop = measure(lambda: loop_pack(x, lens_list, multiple, cp, 0, 0), repeat=5, budget_s=20)["min"]
+    t_unpack = measure(lambda: packed.unpack(y), repeat=9)["min"]
+    t_loop_unpack = measure(lambda: loop_unpack(y, lens_list, padded, x.shape[1], cp, 0), repeat=5,
+                            budget_s=20)["min"]
+    # unpack also writes the padded output's fill: compare with a copy of its bytes too.
+    out_bytes = back.numel() * back.element_size()
+    big_src = torch.empty(out_bytes, dtype=torch.uint8)
+    big_dst = torch.empty_like(big_src)
+    t_copy_out = measure(lambda: big_dst.copy_(big_src), repeat=9)["min"]
+    case = f"{name}/cp={cp}"
+    for impl, t in (("memcpy", t_copy), ("seqpack_pack", t_pack), ("loop_pack", t_loop),
+                    ("seqpack_unpack", t_unpack), ("loop_unpack", t_loop_unpack), ("memcpy_unpacked", t_copy_out)):
+        log.add(case, impl, "seconds", t)
+    log.add(case, "-", "packed_bytes", nbytes)
+    rows.append([name, cp, f"{nbytes / 2**20:,.1f}", t_copy * 1e3, t_pack * 1e3, t_loop * 1e3, t_loop / t_pack,
+                 t_copy / t_pack, t_unpack * 1e3, t_loop_unpack * 1e3, t_loop_unpack / t_unpack,
+                 t_copy_out / t_unpack])
+    targets[case] = {"vs_loop": t_loop / t_pack, "of_memcpy": t_copy / t_pack,
+                     "unpack_vs_loop": t_loop_unpack / t_unpack, "unpack_of_memcpy": t_copy_out / t_unpack}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--threads", type=int, default=0, help="seqpack CPU threads (0: automatic)")
+    parser.add_argument("--csv")
+    args = parser.parse_args()
+    env = environment()
+    env["torch"] = torch.__version__
+    env["torch_threads"] = str(torch.get_num_threads())
+    print("environment: " + ", ".join(f"{k}={v}" for k, v in env.items()) + "\n")
+    log = CsvLog("thd", env, args.csv)
+    rows, targets = [], {}
+    if args.quick:
+        shapes = [("ids[64,1024] int64", (64, 1024), (), torch.int64),
+                  ("hidden[8,512,256] bf16", (8, 512), (256,), torch.bfloat16)]
+    else:
+        shapes = [("ids[256,8192] int64", (256, 8192), (), torch.int64),
+                  ("ids[1024,4096] int64", (1024, 4096), (), torch.int64),
+                  ("hidden[64,4096,4096] bf16", (64, 4096), (4096,), torch.bfloat16)]
+    for name, (batch, width), hidden, dtype in shapes:
+        lens = case_lengths(batch, width)
+        if dtype.is_floating_point:
+            x = torch.empty((batch, width, *hidden), dtype=dtype).normal_()
+        else:
+            x = torch.randint(0, 150000, (batch, width, *hidden), dtype=dtype)
+        for cp in (1, 2):
+            bench_case(name, x, lens, cp, log, rows, targets, args.threads)
+        del x
+    print(format_table(
+        "THD pack / unpack on the CPU: seqpack vs per-sequence loop vs memcpy (ms, best run)",
+        ["tensor", "CP", "packed MiB", "memcpy", "pack", "loop pack", "x loop", "of memcpy", "unpack",
+         "loop unpack", "x loop", "of memcpy"], rows,
+        note="of memcpy: memcpy time / seqpack time for the same bytes (pack: the packed bytes; "
+             "unpack: the padded output's bytes). CP rows build rank 0's local THD."))
+    print(f"\nCSV: {log.write()}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

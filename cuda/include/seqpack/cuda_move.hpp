@@ -1,0 +1,22 @@
+#pragma once
+// Device launchers for THD pack/unpack. They take raw device pointers and plain
+// structs from the core's plans (seqpack/move.hpp), launch on the caller's stream
+// and return without synchronising. Nothing here knows about Python or torch.
+#include <cstdint>
+
+#include "seqpack/move.hpp"
+
+namespace seqpack::cuda {
+
+// Runs `num_tasks` byte tasks (an array in device memory, see make_byte_tasks):
+// copies from `src` to `dst`, fills from `fill_row` (row_bytes bytes in device
+// memory, repeated). Uses 16-, 8- or 4-byte accesses when the pointers and
+// row_bytes allow, bytes otherwise. `stream` is a cudaStream_t (null: the legacy
+// default stream). Throws std::runtime_error naming the CUDA error on failure.
+void launch_move(const void* src, void* dst, const ByteTask* tasks, int64_t num_tasks, const void* fill_row,
+                 int64_t row_bytes, void* stream);
+
+// Position ids for the runs (dst, count, first) in device memory, int64 output.
+void launch_positions(const PositionRun* runs, int64_t num_runs, int64_t* out, void* stream);
+
+}  // namespace seqpack::cuda
