@@ -196,7 +196,7 @@ class PackedBatch:
         max_seqlen / max_seqlen_padded: host ints.
         seq_lens: ``[B]`` int64 real lengths; padded_lens: ``[B]`` after padding.
         position_ids: ``[T]`` int64 (or the local rows), restarting at 0 per
-            sequence and counting through its padding.
+            sequence and counting through its padding; built on first access.
         cp_size / cp_rank: the context-parallel split this batch was built for.
     """
 
@@ -207,11 +207,18 @@ class PackedBatch:
     max_seqlen_padded: int
     seq_lens: "torch.Tensor"
     padded_lens: "torch.Tensor"
-    position_ids: "torch.Tensor"
     cp_size: int
     cp_rank: int
     _plan: Any = field(repr=False)
     _num_threads: int = field(default=0, repr=False)
+    _device: Any = field(default=None, repr=False)
+    _position_ids: Any = field(default=None, repr=False)
+
+    @property
+    def position_ids(self) -> "torch.Tensor":
+        if self._position_ids is None:
+            self._position_ids = _position_ids(self._plan, self._device)
+        return self._position_ids
 
     def __getitem__(self, name: str) -> "torch.Tensor":
         return self.tensors[name]
@@ -364,7 +371,6 @@ def pack_sequences(
         raise ValueError(f"pad_values names tensors that were not given: {sorted(unknown)}")
     pack = _autograd()[0]
     packed = {name: pack.apply(t, plan, pad_values.get(name, pad_value), num_threads) for name, t in named.items()}
-    position_ids = _position_ids(plan, first.device)
     return PackedBatch(
         tensors=packed,
         cu_seqlens=torch.from_numpy(np.asarray(plan.cu_seqlens)).to(first.device),
@@ -373,11 +379,11 @@ def pack_sequences(
         max_seqlen_padded=int(plan.max_seqlen_padded),
         seq_lens=torch.from_numpy(np.asarray(plan.seq_lens)).to(first.device),
         padded_lens=torch.from_numpy(np.asarray(plan.padded_lens)).to(first.device),
-        position_ids=position_ids,
         cp_size=int(plan.cp_size),
         cp_rank=int(plan.cp_rank),
         _plan=plan,
         _num_threads=num_threads,
+        _device=first.device,
     )
 
 
