@@ -76,9 +76,45 @@ void run_plan(const MovePlan& plan, uintptr_t src, int64_t src_rows, uintptr_t d
                     row_bytes, fill ? fill_bytes.data() : nullptr, num_threads);
 }
 
+// A MovePlan from run arrays ([n, 3] copies, [n, 2] fills), as the torch ops carry
+// them; the executor validates every run against the buffer sizes.
+MovePlan plan_from_runs(py::handle copies, py::handle fills, int64_t src_rows, int64_t dst_rows) {
+  auto c = py::array_t<int64_t, py::array::c_style | py::array::forcecast>::ensure(copies);
+  auto f = py::array_t<int64_t, py::array::c_style | py::array::forcecast>::ensure(fills);
+  if (!c || c.ndim() != 2 || c.shape(1) != 3) throw py::value_error("copies must be an int64 array [n, 3]");
+  if (!f || f.ndim() != 2 || f.shape(1) != 2) throw py::value_error("fills must be an int64 array [n, 2]");
+  MovePlan plan;
+  plan.src_rows = src_rows;
+  plan.dst_rows = dst_rows;
+  plan.copies.resize(static_cast<size_t>(c.shape(0)));
+  plan.fills.resize(static_cast<size_t>(f.shape(0)));
+  if (!plan.copies.empty()) std::memcpy(plan.copies.data(), c.data(), plan.copies.size() * sizeof(CopyRun));
+  if (!plan.fills.empty()) std::memcpy(plan.fills.data(), f.data(), plan.fills.size() * sizeof(FillRun));
+  return plan;
+}
+
 }  // namespace
 
 void init_thd(py::module_& m) {
+  static_assert(sizeof(CopyRun) == 3 * sizeof(int64_t) && sizeof(FillRun) == 2 * sizeof(int64_t));
+  m.def(
+      "move_rows",
+      [](py::handle copies, py::handle fills, uintptr_t src, int64_t src_rows, uintptr_t dst, int64_t dst_rows,
+         size_t row_bytes, const std::optional<py::bytes>& fill, int num_threads) {
+        const MovePlan plan = plan_from_runs(copies, fills, src_rows, dst_rows);
+        run_plan(plan, src, src_rows, dst, dst_rows, row_bytes, fill, num_threads);
+      },
+      py::arg("copies"), py::arg("fills"), py::arg("src"), py::arg("src_rows"), py::arg("dst"), py::arg("dst_rows"),
+      py::arg("row_bytes"), py::arg("fill") = py::none(), py::arg("num_threads") = 0,
+      "Run copy/fill runs between raw CPU buffers (the CPU kernel of the seqpack torch ops).");
+  m.def(
+      "byte_tasks",
+      [](py::handle copies, py::handle fills, int64_t src_rows, int64_t dst_rows, size_t row_bytes,
+         size_t max_task_bytes) {
+        return tasks_array(plan_from_runs(copies, fills, src_rows, dst_rows), row_bytes, max_task_bytes);
+      },
+      py::arg("copies"), py::arg("fills"), py::arg("src_rows"), py::arg("dst_rows"), py::arg("row_bytes"),
+      py::arg("max_task_bytes"));
   py::class_<ThdPlan>(m, "ThdPlan", "Pack/unpack plan of one batch (and one CP rank).")
       .def_readonly("batch", &ThdPlan::batch)
       .def_readonly("width", &ThdPlan::width)
@@ -107,35 +143,6 @@ void init_thd(py::module_& m) {
                                              p.pack.positions.size() * sizeof(PositionRun));
                                return out;
                              })
-      .def(
-          "pack_tasks",
-          [](const ThdPlan& p, size_t row_bytes, size_t max_task_bytes) {
-            return tasks_array(p.pack, row_bytes, max_task_bytes);
-          },
-          py::arg("row_bytes"), py::arg("max_task_bytes"),
-          "Byte tasks [n, 3] (src offset or -1 for a fill, dst offset, bytes) for the device kernel.")
-      .def(
-          "unpack_tasks",
-          [](const ThdPlan& p, size_t row_bytes, size_t max_task_bytes) {
-            return tasks_array(p.unpack, row_bytes, max_task_bytes);
-          },
-          py::arg("row_bytes"), py::arg("max_task_bytes"))
-      .def(
-          "pack_into",
-          [](const ThdPlan& p, uintptr_t src, int64_t src_rows, uintptr_t dst, int64_t dst_rows, size_t row_bytes,
-             const std::optional<py::bytes>& fill, int num_threads) {
-            run_plan(p.pack, src, src_rows, dst, dst_rows, row_bytes, fill, num_threads);
-          },
-          py::arg("src"), py::arg("src_rows"), py::arg("dst"), py::arg("dst_rows"), py::arg("row_bytes"),
-          py::arg("fill") = py::none(), py::arg("num_threads") = 0)
-      .def(
-          "unpack_into",
-          [](const ThdPlan& p, uintptr_t src, int64_t src_rows, uintptr_t dst, int64_t dst_rows, size_t row_bytes,
-             const std::optional<py::bytes>& fill, int num_threads) {
-            run_plan(p.unpack, src, src_rows, dst, dst_rows, row_bytes, fill, num_threads);
-          },
-          py::arg("src"), py::arg("src_rows"), py::arg("dst"), py::arg("dst_rows"), py::arg("row_bytes"),
-          py::arg("fill") = py::none(), py::arg("num_threads") = 0)
       .def(
           "position_ids_into",
           [](const ThdPlan& p, uintptr_t out, int64_t rows) {

@@ -70,90 +70,11 @@ def _check_device(t: "torch.Tensor", name: str) -> None:
         raise ValueError(f"{name} is on {t.device} but this build of seqpack has no CUDA kernels (built without nvcc)")
 
 
-# Bytes per device task: big enough to amortise a block's start, small enough that
-# a long sequence spreads over many blocks.
-_MAX_TASK_BYTES = 1 << 16
-
-
-def _fill_bytes(like: "torch.Tensor", value: Union[int, float, bool]) -> bytes:
-    """One row of ``like``'s trailing shape filled with ``value``, as raw bytes."""
+def _runs(plan) -> tuple:
+    """The plan's pack and unpack runs as CPU int64 tensors (the torch ops' inputs)."""
     torch = _torch()
-    row = torch.full((1, *like.shape[2:]) if like.dim() >= 2 else (1,), value, dtype=like.dtype)
-    return row.contiguous().view(torch.uint8).numpy().tobytes()
-
-
-def _row_bytes(t: "torch.Tensor") -> int:
-    trailing = 1
-    for d in t.shape[2:]:
-        trailing *= int(d)
-    return trailing * t.element_size()
-
-
-_AUTOGRAD = None
-
-
-def _autograd():
-    """(Pack, Unpack) autograd Functions, created on first use (torch is optional).
-
-    Pack is a gather and unpack the matching scatter, so each is the other's
-    backward, with zero for the rows the forward did not read."""
-    global _AUTOGRAD
-    if _AUTOGRAD is None:
-        torch = _torch()
-
-        class Pack(torch.autograd.Function):
-            @staticmethod
-            def forward(ctx, x, plan, fill, num_threads):
-                ctx.plan, ctx.num_threads = plan, num_threads
-                return _move(plan, "pack", x, fill, num_threads)
-
-            @staticmethod
-            def backward(ctx, grad):
-                return _move(ctx.plan, "unpack", grad, 0, ctx.num_threads), None, None, None
-
-        class Unpack(torch.autograd.Function):
-            @staticmethod
-            def forward(ctx, x, plan, fill, num_threads):
-                ctx.plan, ctx.num_threads = plan, num_threads
-                return _move(plan, "unpack", x, fill, num_threads)
-
-            @staticmethod
-            def backward(ctx, grad):
-                return _move(ctx.plan, "pack", grad, 0, ctx.num_threads), None, None, None
-
-        _AUTOGRAD = (Pack, Unpack)
-    return _AUTOGRAD
-
-
-def _move(plan, direction: str, x: "torch.Tensor", fill, num_threads: int) -> "torch.Tensor":
-    """Run the plan's pack (``[B, S, ...] -> [T, ...]``) or unpack on a contiguous tensor."""
-    torch = _torch()
-    x = x.contiguous()
-    if direction == "pack":
-        out = torch.empty((plan.local_rows, *x.shape[2:]), dtype=x.dtype, device=x.device)
-        src_rows, dst_rows = plan.batch * plan.width, plan.local_rows
-        like = x
-    else:
-        out = torch.empty((plan.batch, plan.width, *x.shape[1:]), dtype=x.dtype, device=x.device)
-        src_rows, dst_rows = plan.local_rows, plan.batch * plan.width
-        like = out
-    row_bytes = _row_bytes(like)
-    if x.device.type == "cpu":
-        run = plan.pack_into if direction == "pack" else plan.unpack_into
-        run(x.data_ptr(), src_rows, out.data_ptr(), dst_rows, row_bytes, fill=_fill_bytes(like, fill),
-            num_threads=num_threads)
-        return out
-    # CUDA: one launch on the current stream over the plan's byte tasks (host
-    # metadata copied to the device; nothing is read back).
-    tasks = plan.pack_tasks(row_bytes, _MAX_TASK_BYTES) if direction == "pack" else \
-        plan.unpack_tasks(row_bytes, _MAX_TASK_BYTES)
-    with torch.cuda.device(x.device):
-        task_tensor = torch.from_numpy(tasks).to(x.device)
-        fill_row = torch.full((1, *like.shape[2:]), fill, dtype=x.dtype, device=x.device)
-        stream = torch.cuda.current_stream(x.device).cuda_stream
-        _core.cuda_move(x.data_ptr(), out.data_ptr(), task_tensor.data_ptr(), tasks.shape[0], fill_row.data_ptr(),
-                        row_bytes, stream)
-    return out
+    return tuple(torch.from_numpy(np.asarray(a)) for a in
+                 (plan.pack_copies, plan.pack_fills, plan.unpack_copies, plan.unpack_fills))
 
 
 def _position_ids(plan, device) -> "torch.Tensor":
@@ -213,6 +134,7 @@ class PackedBatch:
     _num_threads: int = field(default=0, repr=False)
     _device: Any = field(default=None, repr=False)
     _position_ids: Any = field(default=None, repr=False)
+    _runs: tuple = field(default=(), repr=False)
 
     @property
     def position_ids(self) -> "torch.Tensor":
@@ -289,7 +211,9 @@ class PackedBatch:
         if x.dim() < 1 or x.shape[0] != self.num_tokens:
             raise ValueError(f"x must have {self.num_tokens} rows (the packed length), got shape {tuple(x.shape)}")
         _check_device(x, "x")
-        return _autograd()[1].apply(x, self._plan, fill, self._num_threads)
+        from . import _ops
+
+        return _ops.unpack(x, *self._runs, self._plan.batch, self._plan.width, float(fill), self._num_threads)
 
 
 def pack_sequences(
@@ -369,8 +293,11 @@ def pack_sequences(
     unknown = set(pad_values) - set(named)
     if unknown:
         raise ValueError(f"pad_values names tensors that were not given: {sorted(unknown)}")
-    pack = _autograd()[0]
-    packed = {name: pack.apply(t, plan, pad_values.get(name, pad_value), num_threads) for name, t in named.items()}
+    from . import _ops
+
+    runs = _runs(plan)
+    packed = {name: _ops.pack(t, *runs, plan.local_rows, float(pad_values.get(name, pad_value)), num_threads)
+              for name, t in named.items()}
     return PackedBatch(
         tensors=packed,
         cu_seqlens=torch.from_numpy(np.asarray(plan.cu_seqlens)).to(first.device),
@@ -384,6 +311,7 @@ def pack_sequences(
         _plan=plan,
         _num_threads=num_threads,
         _device=first.device,
+        _runs=runs,
     )
 
 

@@ -276,3 +276,33 @@ def test_cp_indices_errors():
     with pytest.raises(ValueError, match="non-decreasing"):
         seqpack.cp_partition_indices([0, 8, 4], 1, 0)
     assert seqpack.cp_partition_indices([0, 8, 16], 2, 1).tolist() == [2, 3, 4, 5, 10, 11, 12, 13]
+
+
+# ---------------------------------------------------------------- torch.library ops
+
+
+def test_ops_pass_opcheck():
+    from seqpack import _ops
+
+    x = torch.randn(3, 5, 4, dtype=torch.float64, requires_grad=True)
+    packed = pack_sequences({"x": x}, seq_lens=[5, 2, 0], pad_multiple=4, cp_size=2, cp_rank=1)
+    runs = packed._runs
+    torch.library.opcheck(_ops.pack, (x, *runs, packed.num_tokens, 0.0, 0))
+    y = torch.randn(packed.num_tokens, 4, dtype=torch.float64, requires_grad=True)
+    torch.library.opcheck(_ops.unpack, (y, *runs, 3, 5, 0.0, 0))
+
+
+def test_torch_compile_traces_through_pack_and_unpack():
+    mask = torch.tensor([[1, 1, 1, 0], [0, 1, 1, 1]])
+    h = torch.randn(2, 4, 8)
+    packed = pack_sequences({"h": h}, attention_mask=mask, pad_multiple=2)
+
+    def f(x):
+        p = torch.ops.seqpack.pack(x, *packed._runs, packed.num_tokens, 0.0, 0)
+        return torch.ops.seqpack.unpack(torch.tanh(p) * 2, *packed._runs, 2, 4, 0.0, 0)
+
+    compiled = torch.compile(f, backend="aot_eager", fullgraph=True)
+    assert torch.equal(compiled(h), f(h))
+    expected = torch.zeros_like(h)
+    expected[mask.bool()] = torch.tanh(h[mask.bool()]) * 2
+    assert torch.allclose(compiled(h), expected)
