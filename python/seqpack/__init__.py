@@ -32,10 +32,14 @@ from .metrics import PackingMetrics, dp_balance_metrics, dynamic_batching_metric
 from .packing import PackingAlgorithm, SequencePacker, adjust_bin_count, get_packer
 from .thd import PackedBatch, PackedSeqParams, alignment, pack_sequences, unpack_sequences
 from .cp import cp_partition_indices, cp_restore_order
+from .dataset import PackedDataset, collate_packs, pack_dataset
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "PackedDataset",
+    "collate_packs",
+    "pack_dataset",
     "PackedBatch",
     "PackedSeqParams",
     "alignment",
