@@ -175,7 +175,7 @@ def pack_dataset(
             real += n
         # The pack's tail padding joins its last sequence (positions keep counting).
         if offset < size:
-            start = positions[offset - 1] + 1 if offset else 0
+            start = seq_lens_padded[-1] if seq_lens_padded else 0  # the last sequence's next position
             positions[offset:] = np.arange(start, start + size - offset)
             if seq_lens_padded:
                 seq_lens_padded[-1] += size - offset
