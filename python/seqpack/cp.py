@@ -25,11 +25,21 @@ from ._lengths import core_lengths
 __all__ = ["cp_partition_indices", "cp_restore_order"]
 
 
+def check_cu_seqlens(cu: Any, name: str) -> Any:
+    """``cu`` as the core reads it; arrays and tensors must be int32, as Megatron-Core,
+    Transformer Engine and flash-attention require (lists of ints are accepted)."""
+    dtype = getattr(cu, "dtype", None)
+    if dtype is not None and str(dtype) not in ("int32", "torch.int32"):
+        raise TypeError(f"{name} must be int32 (cu_seqlens of Megatron-Core / TE / flash-attn), got {dtype}")
+    return core_lengths(cu, name)
+
+
 def cp_partition_indices(cu_seqlens_padded: Any, cp_size: int, cp_rank: int) -> np.ndarray:
     """Global THD positions held by ``cp_rank``, in its local order (int64); the same
     indices as Transformer Engine's ``thd_get_partitioned_indices``. Every padded
     length must be a multiple of ``2 * cp_size``."""
-    return _core.cp_partition_indices(core_lengths(cu_seqlens_padded, "cu_seqlens_padded"), int(cp_size), int(cp_rank))
+    return _core.cp_partition_indices(check_cu_seqlens(cu_seqlens_padded, "cu_seqlens_padded"), int(cp_size),
+                                      int(cp_rank))
 
 
 def cp_restore_order(cu_seqlens_padded: Any, cp_size: int) -> np.ndarray:
@@ -42,4 +52,4 @@ def cp_restore_order(cu_seqlens_padded: Any, cp_size: int) -> np.ndarray:
     >>> gathered[seqpack.cp_restore_order(cu, 2)].tolist() == list(range(16))
     True
     """
-    return _core.cp_restore_order(core_lengths(cu_seqlens_padded, "cu_seqlens_padded"), int(cp_size))
+    return _core.cp_restore_order(check_cu_seqlens(cu_seqlens_padded, "cu_seqlens_padded"), int(cp_size))

@@ -214,12 +214,12 @@ def collate_packs(packs: Sequence[Mapping[str, Any]], cp_size: int = 1, cp_rank:
         if stream.size != cu_padded[-1]:
             raise ValueError(f"{key}: the packs hold {stream.size} tokens but seq_lens_padded sums to {cu_padded[-1]}")
         out[key] = torch.from_numpy(stream)
-    if cp > 1:
-        index = torch.from_numpy(cp_partition_indices(cu_padded, cp, cp_rank))
-        for key in ("input_ids", "labels", "position_ids"):
-            out[key] = out[key].index_select(0, index)
     if cu_padded[-1] >= 2**31:
         raise ValueError("the batch has 2**31 or more tokens; cu_seqlens must fit in int32")
+    if cp > 1:
+        index = torch.from_numpy(cp_partition_indices(cu_padded.astype(np.int32), cp, cp_rank))
+        for key in ("input_ids", "labels", "position_ids"):
+            out[key] = out[key].index_select(0, index)
     out["cu_seqlens"] = torch.from_numpy(cu.astype(np.int32))
     out["cu_seqlens_padded"] = torch.from_numpy(cu_padded.astype(np.int32))
     out["max_seqlen"] = int(seq_lens.max()) if seq_lens.size else 0

@@ -328,6 +328,9 @@ def unpack_sequences(x: "torch.Tensor", cu_seqlens_padded: Any, cp_size: int = 1
     [[0, 1], [2, 3, 4, 5]]
     """
     cp = as_positive_int(cp_size, "cp_size")
+    from .cp import check_cu_seqlens
+
+    check_cu_seqlens(cu_seqlens_padded, "cu_seqlens_padded")
     cu = as_lengths(cu_seqlens_padded, "cu_seqlens_padded").astype(np.int64)
     if cu.size == 0 or cu[0] != 0:
         raise ValueError("cu_seqlens_padded must start at 0")

@@ -270,6 +270,16 @@ def test_unpack_sequences_cp_local():
         seqpack.unpack_sequences(torch.zeros(3), [0, 6], cp_size=2)
 
 
+def test_cu_seqlens_must_be_int32():
+    import numpy as np
+
+    with pytest.raises(TypeError, match="cu_seqlens_padded must be int32.*int64"):
+        seqpack.cp_partition_indices(torch.tensor([0, 8]), 2, 0)
+    with pytest.raises(TypeError, match="int32"):
+        seqpack.unpack_sequences(torch.zeros(8), np.array([0, 8]), cp_size=1)
+    assert seqpack.cp_partition_indices(torch.tensor([0, 8], dtype=torch.int32), 2, 0).tolist() == [0, 1, 6, 7]
+
+
 def test_cp_indices_errors():
     with pytest.raises(ValueError, match="2 \\* cp_size"):
         seqpack.cp_partition_indices([0, 6], 2, 0)
