@@ -41,13 +41,7 @@ void init_partition(py::module_& m) {
   m.def(
       "sequence_workloads",
       [](py::handle lengths, int64_t coeff) {
-        LengthsArg arg(lengths, "lengths");
-        std::vector<int64_t> w;
-        {
-          py::gil_scoped_release release;
-          w = sequence_workloads(arg.view(), coeff);
-        }
-        return to_array(std::move(w));
+        return map_lengths(lengths, "lengths", [&](Lengths v) { return sequence_workloads(v, coeff); });
       },
       py::arg("lengths"), py::arg("attention_coeff"));
   m.def(

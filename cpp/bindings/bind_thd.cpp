@@ -189,25 +189,15 @@ void init_thd(py::module_& m) {
   m.def(
       "cp_partition_indices",
       [](py::handle cu_seqlens_padded, int64_t cp_size, int64_t cp_rank) {
-        LengthsArg cu(cu_seqlens_padded, "cu_seqlens_padded");
-        std::vector<int64_t> out;
-        {
-          py::gil_scoped_release release;
-          out = cp_partition_indices(cu.view(), cp_size, cp_rank);
-        }
-        return to_array(std::move(out));
+        return map_lengths(cu_seqlens_padded, "cu_seqlens_padded",
+                           [&](Lengths cu) { return cp_partition_indices(cu, cp_size, cp_rank); });
       },
       py::arg("cu_seqlens_padded"), py::arg("cp_size"), py::arg("cp_rank"));
   m.def(
       "cp_restore_order",
       [](py::handle cu_seqlens_padded, int64_t cp_size) {
-        LengthsArg cu(cu_seqlens_padded, "cu_seqlens_padded");
-        std::vector<int64_t> out;
-        {
-          py::gil_scoped_release release;
-          out = cp_restore_order(cu.view(), cp_size);
-        }
-        return to_array(std::move(out));
+        return map_lengths(cu_seqlens_padded, "cu_seqlens_padded",
+                           [&](Lengths cu) { return cp_restore_order(cu, cp_size); });
       },
       py::arg("cu_seqlens_padded"), py::arg("cp_size"));
 }

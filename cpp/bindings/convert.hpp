@@ -31,4 +31,17 @@ IndexGroups groups_from(py::handle nested, const char* name);
 // Moves a vector into a NumPy array without copying.
 py::array_t<int64_t> to_array(std::vector<int64_t>&& values);
 
+// Reads an integer array argument, runs `fn(view)` with the GIL released, and
+// returns its vector<int64_t> result as a NumPy array.
+template <typename Fn>
+py::array_t<int64_t> map_lengths(py::handle obj, const char* name, Fn&& fn) {
+  LengthsArg arg(obj, name);
+  std::vector<int64_t> out;
+  {
+    py::gil_scoped_release release;
+    out = fn(arg.view());
+  }
+  return to_array(std::move(out));
+}
+
 }  // namespace seqpack::bindings
