@@ -15,14 +15,18 @@ Lengths are RL-like long-tail (seqpack.report.synthetic_rl_lengths clipped to S)
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import subprocess
 import sys
 
-# Transparent huge pages for PyTorch's large CPU allocations (its own switch): with
-# 4 KiB pages, first-touching a fresh 1 GiB output costs ~5x the copy itself here.
-# Both sides allocate their outputs, so both benefit; --no-thp measures without.
-if "--no-thp" not in sys.argv:
-    os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
+# Transparent huge pages for PyTorch's CPU allocations of 2 MiB and more (its own
+# switch, read once at start-up): with 4 KiB pages, first-touching a fresh 1 GiB
+# output costs ~5x the copy itself here, but on tensors of a few MiB the 2 MiB
+# aligned allocations cost more than they save. So every case runs in its own
+# process, with THP for the cases of 64 MiB and more; both sides of a row run
+# under the same setting. --no-thp measures everything without.
+THP_FROM_BYTES = 64 << 20
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _harness import CsvLog, environment, format_table, measure  # noqa: E402
@@ -84,20 +88,22 @@ def bench_case(name, x, lens, cp, log, rows, targets, threads):
     nbytes = y.numel() * y.element_size()
     src = x.reshape(-1)[: y.numel()]
     dst = torch.empty_like(y).reshape(-1)
-    t_copy = measure(lambda: dst.copy_(src), repeat=9)["min"]
-    t_clone = measure(lambda: src.clone(), repeat=9)["min"]
+    # Small cases are noisy on a shared VM: more runs (each takes well under 1 ms).
+    repeat = 9 if nbytes >= THP_FROM_BYTES else 60
+    t_copy = measure(lambda: dst.copy_(src), repeat=repeat)["min"]
+    t_clone = measure(lambda: src.clone(), repeat=repeat)["min"]
     t_pack = measure(lambda: seqpack.pack_sequences(x, seq_lens=lens, pad_multiple=multiple, cp_size=cp,
-                                                    num_threads=threads), repeat=9)["min"]
+                                                    num_threads=threads), repeat=repeat)["min"]
     t_loop = measure(lambda: loop_pack(x, lens_list, multiple, cp, 0, 0), repeat=5, budget_s=20)["min"]
-    t_unpack = measure(lambda: packed.unpack(y), repeat=9)["min"]
+    t_unpack = measure(lambda: packed.unpack(y), repeat=repeat)["min"]
     t_loop_unpack = measure(lambda: loop_unpack(y, lens_list, padded, x.shape[1], cp, 0), repeat=5,
                             budget_s=20)["min"]
     # unpack also writes the padded output's fill: compare with a copy of its bytes too.
     out_bytes = back.numel() * back.element_size()
     big_src = torch.empty(out_bytes, dtype=torch.uint8)
     big_dst = torch.empty_like(big_src)
-    t_copy_out = measure(lambda: big_dst.copy_(big_src), repeat=9)["min"]
-    t_clone_out = measure(lambda: big_src.clone(), repeat=9)["min"]
+    t_copy_out = measure(lambda: big_dst.copy_(big_src), repeat=repeat)["min"]
+    t_clone_out = measure(lambda: big_src.clone(), repeat=repeat)["min"]
     case = f"{name}/cp={cp}"
     for impl, t in (("memcpy", t_copy), ("clone", t_clone), ("seqpack_pack", t_pack), ("loop_pack", t_loop),
                     ("seqpack_unpack", t_unpack), ("loop_unpack", t_loop_unpack), ("memcpy_unpacked", t_copy_out),
@@ -111,36 +117,69 @@ def bench_case(name, x, lens, cp, log, rows, targets, threads):
                      "unpack_vs_loop": t_loop_unpack / t_unpack, "unpack_of_memcpy": t_copy_out / t_unpack}
 
 
+SHAPES = {  # name: ((B, S), hidden, dtype)
+    "ids[256,8192] int64": ((256, 8192), (), torch.int64),
+    "ids[1024,4096] int64": ((1024, 4096), (), torch.int64),
+    "hidden[64,4096,4096] bf16": ((64, 4096), (4096,), torch.bfloat16),
+}
+QUICK_SHAPES = {
+    "ids[64,1024] int64": ((64, 1024), (), torch.int64),
+    "hidden[8,512,256] bf16": ((8, 512), (256,), torch.bfloat16),
+}
+
+
+def run_shape(name, spec, threads):
+    """Both CP settings of one shape in this process; returns (csv rows, table rows, targets)."""
+    (batch, width), hidden, dtype = spec
+    log = CsvLog("thd", {})
+    rows, targets = [], {}
+    lens = case_lengths(batch, width)
+    if dtype.is_floating_point:
+        x = torch.empty((batch, width, *hidden), dtype=dtype).normal_()
+    else:
+        x = torch.randint(0, 150000, (batch, width, *hidden), dtype=dtype)
+    for cp in (1, 2):
+        bench_case(name, x, lens, cp, log, rows, targets, threads)
+    return log.rows, rows, targets
+
+
+def shape_bytes(spec) -> int:
+    (batch, width), hidden, dtype = spec
+    return batch * width * int(np.prod(hidden, dtype=np.int64)) * dtype.itemsize
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--threads", type=int, default=0, help="seqpack CPU threads (0: automatic)")
     parser.add_argument("--csv")
-    parser.add_argument("--no-thp", action="store_true", help="leave THP_MEM_ALLOC_ENABLE unset")
+    parser.add_argument("--no-thp", action="store_true", help="never set THP_MEM_ALLOC_ENABLE")
+    parser.add_argument("--shape", help=argparse.SUPPRESS)  # internal: one shape, JSON out
     args = parser.parse_args()
+    shapes = QUICK_SHAPES if args.quick else SHAPES
+    if args.shape:
+        print(json.dumps(run_shape(args.shape, shapes[args.shape], args.threads)))
+        return 0
     env = environment()
     env["torch"] = torch.__version__
     env["torch_threads"] = str(torch.get_num_threads())
-    env["thp_mem_alloc"] = os.environ.get("THP_MEM_ALLOC_ENABLE", "0")
+    env["thp_mem_alloc"] = "never" if args.no_thp else f"cases of >= {THP_FROM_BYTES >> 20} MiB"
     print("environment: " + ", ".join(f"{k}={v}" for k, v in env.items()) + "\n")
     log = CsvLog("thd", env, args.csv)
     rows, targets = [], {}
-    if args.quick:
-        shapes = [("ids[64,1024] int64", (64, 1024), (), torch.int64),
-                  ("hidden[8,512,256] bf16", (8, 512), (256,), torch.bfloat16)]
-    else:
-        shapes = [("ids[256,8192] int64", (256, 8192), (), torch.int64),
-                  ("ids[1024,4096] int64", (1024, 4096), (), torch.int64),
-                  ("hidden[64,4096,4096] bf16", (64, 4096), (4096,), torch.bfloat16)]
-    for name, (batch, width), hidden, dtype in shapes:
-        lens = case_lengths(batch, width)
-        if dtype.is_floating_point:
-            x = torch.empty((batch, width, *hidden), dtype=dtype).normal_()
-        else:
-            x = torch.randint(0, 150000, (batch, width, *hidden), dtype=dtype)
-        for cp in (1, 2):
-            bench_case(name, x, lens, cp, log, rows, targets, args.threads)
-        del x
+    for name, spec in shapes.items():
+        child_env = dict(os.environ)
+        child_env.pop("THP_MEM_ALLOC_ENABLE", None)
+        if not args.no_thp and shape_bytes(spec) >= THP_FROM_BYTES:
+            child_env["THP_MEM_ALLOC_ENABLE"] = "1"
+        cmd = [sys.executable, os.path.abspath(__file__), "--shape", name, "--threads", str(args.threads)]
+        cmd += ["--quick"] if args.quick else []
+        out = subprocess.run(cmd, env=child_env, check=True, capture_output=True, text=True).stdout
+        csv_rows, shape_rows, shape_targets = json.loads(out.strip().splitlines()[-1])
+        log.rows.extend(csv_rows)
+        rows.extend(shape_rows)
+        targets.update(shape_targets)
+        print(f"  {name}: done (THP {'on' if 'THP_MEM_ALLOC_ENABLE' in child_env else 'off'})", flush=True)
     print(format_table(
         "THD pack / unpack on the CPU: seqpack vs per-sequence loop vs memcpy (ms, best run)",
         ["tensor", "CP", "packed MiB", "memcpy", "clone", "pack", "loop pack", "x loop", "of memcpy", "of clone",
@@ -148,7 +187,7 @@ def main() -> int:
         note="memcpy: copy_ into a preallocated buffer (the bandwidth limit); clone: allocate + copy, which pays "
              "first-touch page faults as every fresh output does. 'of X' = X time / seqpack time for the same "
              "bytes (pack: the packed bytes; unpack: the padded output's bytes). CP rows build rank 0's local THD. "
-             f"THP_MEM_ALLOC_ENABLE={os.environ.get('THP_MEM_ALLOC_ENABLE', '0')}."))
+             f"THP_MEM_ALLOC_ENABLE: {env['thp_mem_alloc']}."))
     print(f"\nCSV: {log.write()}")
     return 0
 

@@ -19,12 +19,18 @@ py::array_t<T> array_of(const std::vector<T>& v) {
   return out;
 }
 
-// The pack plan of one rank and its inverse, with the layout they share.
+// The pack plan of one rank and its inverse, with the layout they share. The
+// inverse is built on first use (with the GIL held): many batches never unpack.
 struct ThdPlan {
   ThdLayout layout;
   MovePlan pack;
-  MovePlan unpack;
   int64_t batch = 0, width = 0, cp_rank = 0;
+  std::optional<MovePlan> unpack_plan;
+
+  const MovePlan& unpack() {
+    if (!unpack_plan) unpack_plan = make_unpack_plan(pack, batch * width);
+    return *unpack_plan;
+  }
 };
 
 // Runs as NumPy arrays [n, 3] (src, dst, count) / [n, 2] (dst, count) / [n, 3]
@@ -74,6 +80,15 @@ void run_plan(const MovePlan& plan, uintptr_t src, int64_t src_rows, uintptr_t d
   py::gil_scoped_release release;
   execute_move_plan(plan, reinterpret_cast<const void*>(src), src_rows, reinterpret_cast<void*>(dst), dst_rows,
                     row_bytes, fill ? fill_bytes.data() : nullptr, num_threads);
+}
+
+// ThdPlan.pack_into / unpack_into: run one of the plan's moves on raw buffers.
+template <typename Which>
+auto move_by(Which which) {
+  return [which](ThdPlan& p, uintptr_t src, int64_t src_rows, uintptr_t dst, int64_t dst_rows, size_t row_bytes,
+                 const std::optional<py::bytes>& fill, int num_threads) {
+    run_plan(which(p), src, src_rows, dst, dst_rows, row_bytes, fill, num_threads);
+  };
 }
 
 // A MovePlan from run arrays ([n, 3] copies, [n, 2] fills), as the torch ops carry
@@ -131,8 +146,8 @@ void init_thd(py::module_& m) {
       .def_property_readonly("local_rows", [](const ThdPlan& p) { return p.pack.dst_rows; })
       .def_property_readonly("pack_copies", [](const ThdPlan& p) { return copies_array(p.pack.copies); })
       .def_property_readonly("pack_fills", [](const ThdPlan& p) { return fills_array(p.pack.fills); })
-      .def_property_readonly("unpack_copies", [](const ThdPlan& p) { return copies_array(p.unpack.copies); })
-      .def_property_readonly("unpack_fills", [](const ThdPlan& p) { return fills_array(p.unpack.fills); })
+      .def_property_readonly("unpack_copies", [](ThdPlan& p) { return copies_array(p.unpack().copies); })
+      .def_property_readonly("unpack_fills", [](ThdPlan& p) { return fills_array(p.unpack().fills); })
       .def_property_readonly("position_runs",
                              [](const ThdPlan& p) {
                                py::array_t<int64_t> out(
@@ -143,6 +158,12 @@ void init_thd(py::module_& m) {
                                              p.pack.positions.size() * sizeof(PositionRun));
                                return out;
                              })
+      .def("pack_into", move_by([](ThdPlan& p) -> const MovePlan& { return p.pack; }), py::arg("src"), py::arg("src_rows"), py::arg("dst"),
+           py::arg("dst_rows"), py::arg("row_bytes"), py::arg("fill") = py::none(), py::arg("num_threads") = 0,
+           "Pack rows between raw CPU buffers by this plan (move_rows with its pack runs).")
+      .def("unpack_into", move_by([](ThdPlan& p) -> const MovePlan& { return p.unpack(); }), py::arg("src"), py::arg("src_rows"), py::arg("dst"),
+           py::arg("dst_rows"), py::arg("row_bytes"), py::arg("fill") = py::none(), py::arg("num_threads") = 0,
+           "Unpack rows between raw CPU buffers by this plan.")
       .def(
           "position_ids_into",
           [](const ThdPlan& p, uintptr_t out, int64_t rows) {
@@ -178,7 +199,6 @@ void init_thd(py::module_& m) {
               lens ? spans_from_lengths(lens->view(), width) : spans_from_mask(mask_bytes.data(), batch, width);
           plan.layout = make_thd_layout(span_lengths(spans), o);
           plan.pack = make_pack_plan(plan.layout, spans, cp_rank);
-          plan.unpack = make_unpack_plan(plan.pack, batch * width);
         }
         return plan;
       },

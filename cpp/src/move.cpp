@@ -1,17 +1,18 @@
 #include "seqpack/move.hpp"
 
+#include "thread_pool.hpp"
+
 #include <algorithm>
 #include <cstring>
 #include <string>
-#include <thread>
 #include <vector>
 
 namespace seqpack {
 namespace {
 
-// Below this many bytes a move runs on the calling thread: starting threads costs
-// tens of microseconds, more than copying a few MiB.
-constexpr size_t kBytesPerThread = size_t{4} << 20;
+// Each thread gets at least this many bytes: waking a pooled worker costs a few
+// microseconds, about what copying this much takes.
+constexpr size_t kBytesPerThread = size_t{256} << 10;
 
 void fill_rows(char* dst, int64_t rows, size_t row_bytes, const char* fill_row, bool zero) {
   const size_t bytes = static_cast<size_t>(rows) * row_bytes;
@@ -84,23 +85,14 @@ void execute_move_plan(const MovePlan& plan, const void* src, int64_t src_rows, 
     }
   };
   const size_t bytes = static_cast<size_t>(total) * row_bytes;
-  size_t threads = num_threads > 0 ? static_cast<size_t>(num_threads)
-                                   : std::max<size_t>(1, std::thread::hardware_concurrency());
+  size_t threads = num_threads > 0 ? static_cast<size_t>(num_threads) : detail::available_threads();
   threads = std::max<size_t>(1, std::min({threads, bytes / kBytesPerThread, static_cast<size_t>(total)}));
-  if (threads == 1) {
-    run_range(0, total);
-    return;
-  }
-  std::vector<std::thread> pool;
-  pool.reserve(threads - 1);
   const auto T = static_cast<int64_t>(threads);
   auto bound = [&](size_t t) {  // floor(total * t / T) without overflow
     const auto k = static_cast<int64_t>(t);
     return total / T * k + total % T * k / T;
   };
-  for (size_t t = 1; t < threads; ++t) pool.emplace_back(run_range, bound(t), bound(t + 1));
-  run_range(0, bound(1));
-  for (auto& th : pool) th.join();
+  detail::parallel_for(threads, [&](size_t t) { run_range(bound(t), bound(t + 1)); });
 }
 
 std::vector<ByteTask> make_byte_tasks(const MovePlan& plan, size_t row_bytes, size_t max_task_bytes) {

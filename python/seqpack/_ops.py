@@ -7,15 +7,22 @@ CPU int64 tensors of row runs, so the ops are plain functions of tensors:
 
     copies [n, 3]: (src row, dst row, rows)     fills [n, 2]: (dst row, rows)
 
+``pack_rows`` / ``unpack_rows`` are what seqpack.thd calls: for plain tensors that
+need no gradient, outside ``torch.compile`` and dispatch modes, they run the
+plan's kernels directly (the operator dispatch costs ~10 µs, as much as a small
+copy); otherwise they go through the registered operators.
+
 Imported on first use of the tensor API; ``import seqpack`` does not import torch.
 """
 
 from __future__ import annotations
 
+import functools
 import math
-from typing import Sequence, Tuple
+from typing import Callable, Sequence, Tuple
 
 import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from . import _core
 
@@ -24,35 +31,54 @@ from . import _core
 MAX_TASK_BYTES = 1 << 16
 
 
-def _move(src: torch.Tensor, copies: torch.Tensor, fills: torch.Tensor, out_shape: Sequence[int],
-          trailing: Sequence[int], src_rows: int, dst_rows: int, fill: float, num_threads: int) -> torch.Tensor:
+@functools.lru_cache(maxsize=256)
+def _fill_bytes(dtype: torch.dtype, trailing: Tuple[int, ...], fill: float) -> bytes:
+    """One padded row of ``fill`` as raw bytes (cached: the same few pads recur)."""
+    return torch.full((1, *trailing), fill, dtype=dtype).view(torch.uint8).numpy().tobytes()
+
+
+def _move(src: torch.Tensor, move, out_shape: Sequence[int], trailing: Sequence[int], src_rows: int,
+          dst_rows: int, fill: float, num_threads: int) -> torch.Tensor:
+    """Rows of ``src`` into a new ``out_shape`` tensor. ``move`` is a pair of run
+    tensors ``(copies, fills)``, or (CPU only) a plan's ``pack_into``/``unpack_into``."""
     src = src.contiguous()
     out = torch.empty(tuple(out_shape), dtype=src.dtype, device=src.device)
     row_bytes = math.prod(trailing) * src.element_size()
-    fill_row = torch.full((1, *trailing), fill, dtype=src.dtype)
-    copies_np, fills_np = copies.cpu().numpy(), fills.cpu().numpy()
+    fill_row = _fill_bytes(src.dtype, tuple(trailing), fill)
     if src.device.type == "cpu":
-        _core.move_rows(copies_np, fills_np, src.data_ptr(), src_rows, out.data_ptr(), dst_rows, row_bytes,
-                        fill=fill_row.view(torch.uint8).numpy().tobytes(), num_threads=num_threads)
+        if callable(move):
+            move(src.data_ptr(), src_rows, out.data_ptr(), dst_rows, row_bytes, fill_row, num_threads)
+        else:
+            _core.move_rows(move[0].numpy(), move[1].numpy(), src.data_ptr(), src_rows, out.data_ptr(), dst_rows,
+                            row_bytes, fill=fill_row, num_threads=num_threads)
         return out
     # CUDA: the runs become byte tasks on the host, go to the device with the fill
     # row, and one kernel runs them on the current stream; nothing is read back.
-    tasks = _core.byte_tasks(copies_np, fills_np, src_rows, dst_rows, row_bytes, MAX_TASK_BYTES)
+    copies, fills = move
+    tasks = _core.byte_tasks(copies.numpy(), fills.numpy(), src_rows, dst_rows, row_bytes, MAX_TASK_BYTES)
     with torch.cuda.device(src.device):
         task_tensor = torch.from_numpy(tasks).to(src.device)
-        fill_device = fill_row.to(src.device)
+        fill_device = torch.frombuffer(bytearray(fill_row), dtype=torch.uint8).to(src.device)
         _core.cuda_move(src.data_ptr(), out.data_ptr(), task_tensor.data_ptr(), tasks.shape[0],
                         fill_device.data_ptr(), row_bytes, torch.cuda.current_stream(src.device).cuda_stream)
     return out
+
+
+def _pack_impl(x, move, rows, fill, num_threads):
+    trailing = tuple(x.shape[2:])
+    return _move(x, move, (rows, *trailing), trailing, x.shape[0] * x.shape[1], rows, fill, num_threads)
+
+
+def _unpack_impl(y, move, batch, width, fill, num_threads):
+    trailing = tuple(y.shape[1:])
+    return _move(y, move, (batch, width, *trailing), trailing, y.shape[0], batch * width, fill, num_threads)
 
 
 @torch.library.custom_op("seqpack::pack", mutates_args=())
 def pack(x: torch.Tensor, pack_copies: torch.Tensor, pack_fills: torch.Tensor, unpack_copies: torch.Tensor,
          unpack_fills: torch.Tensor, rows: int, fill: float, num_threads: int) -> torch.Tensor:
     """``[B, S, ...] -> [rows, ...]`` by the pack runs (the unpack runs serve the backward)."""
-    trailing = tuple(x.shape[2:])
-    return _move(x, pack_copies, pack_fills, (rows, *trailing), trailing, x.shape[0] * x.shape[1], rows, fill,
-                 num_threads)
+    return _pack_impl(x, (pack_copies, pack_fills), rows, fill, num_threads)
 
 
 @pack.register_fake
@@ -64,9 +90,7 @@ def _pack_fake(x, pack_copies, pack_fills, unpack_copies, unpack_fills, rows, fi
 def unpack(y: torch.Tensor, pack_copies: torch.Tensor, pack_fills: torch.Tensor, unpack_copies: torch.Tensor,
            unpack_fills: torch.Tensor, batch: int, width: int, fill: float, num_threads: int) -> torch.Tensor:
     """``[rows, ...] -> [batch, width, ...]`` by the unpack runs."""
-    trailing = tuple(y.shape[1:])
-    return _move(y, unpack_copies, unpack_fills, (batch, width, *trailing), trailing, y.shape[0], batch * width,
-                 fill, num_threads)
+    return _unpack_impl(y, (unpack_copies, unpack_fills), batch, width, fill, num_threads)
 
 
 @unpack.register_fake
@@ -100,3 +124,28 @@ def _unpack_backward(ctx, grad):
 
 torch.library.register_autograd("seqpack::pack", _pack_backward, setup_context=_pack_setup)
 torch.library.register_autograd("seqpack::unpack", _unpack_backward, setup_context=_unpack_setup)
+
+
+def _direct(x: torch.Tensor) -> bool:
+    """True when calling the kernel directly is indistinguishable from the operator."""
+    return (type(x) is torch.Tensor and not (x.requires_grad and torch.is_grad_enabled())
+            and not torch.compiler.is_compiling() and _get_current_dispatch_mode() is None
+            and not torch._C._is_torch_function_mode_enabled())
+
+
+def pack_rows(x: torch.Tensor, plan, runs: Callable[[], Tuple[torch.Tensor, ...]], fill: float,
+              num_threads: int) -> torch.Tensor:
+    """``seqpack::pack`` of ``x`` by a ThdPlan (``runs()`` gives its four run tensors)."""
+    if _direct(x):
+        return _pack_impl(x, plan.pack_into if x.device.type == "cpu" else runs()[:2], plan.local_rows, fill,
+                          num_threads)
+    return pack(x, *runs(), plan.local_rows, fill, num_threads)
+
+
+def unpack_rows(y: torch.Tensor, plan, runs: Callable[[], Tuple[torch.Tensor, ...]], fill: float,
+                num_threads: int) -> torch.Tensor:
+    """``seqpack::unpack`` of ``y`` by a ThdPlan (``runs()`` gives its four run tensors)."""
+    if _direct(y):
+        return _unpack_impl(y, plan.unpack_into if y.device.type == "cpu" else runs()[2:], plan.batch, plan.width,
+                            fill, num_threads)
+    return unpack(y, *runs(), plan.batch, plan.width, fill, num_threads)

@@ -70,7 +70,7 @@ def _check_device(t: "torch.Tensor", name: str) -> None:
         raise ValueError(f"{name} is on {t.device} but this build of seqpack has no CUDA kernels (built without nvcc)")
 
 
-def _runs(plan) -> tuple:
+def _plan_runs(plan) -> tuple:
     """The plan's pack and unpack runs as CPU int64 tensors (the torch ops' inputs)."""
     torch = _torch()
     return tuple(torch.from_numpy(np.asarray(a)) for a in
@@ -134,7 +134,14 @@ class PackedBatch:
     _num_threads: int = field(default=0, repr=False)
     _device: Any = field(default=None, repr=False)
     _position_ids: Any = field(default=None, repr=False)
-    _runs: tuple = field(default=(), repr=False)
+    _run_tensors: Optional[tuple] = field(default=None, repr=False)
+
+    def _runs(self) -> tuple:
+        """The plan's runs as tensors: what the torch operators (autograd,
+        ``torch.compile``) and the CUDA launcher take. Built on first need."""
+        if self._run_tensors is None:
+            self._run_tensors = _plan_runs(self._plan)
+        return self._run_tensors
 
     @property
     def position_ids(self) -> "torch.Tensor":
@@ -213,7 +220,7 @@ class PackedBatch:
         _check_device(x, "x")
         from . import _ops
 
-        return _ops.unpack(x, *self._runs, self._plan.batch, self._plan.width, float(fill), self._num_threads)
+        return _ops.unpack_rows(x, self._plan, self._runs, float(fill), self._num_threads)
 
 
 def pack_sequences(
@@ -295,24 +302,31 @@ def pack_sequences(
         raise ValueError(f"pad_values names tensors that were not given: {sorted(unknown)}")
     from . import _ops
 
-    runs = _runs(plan)
-    packed = {name: _ops.pack(t, *runs, plan.local_rows, float(pad_values.get(name, pad_value)), num_threads)
-              for name, t in named.items()}
-    return PackedBatch(
-        tensors=packed,
-        cu_seqlens=torch.from_numpy(np.asarray(plan.cu_seqlens)).to(first.device),
-        cu_seqlens_padded=torch.from_numpy(np.asarray(plan.cu_seqlens_padded)).to(first.device),
+    device = first.device
+    on_host = device.type == "cpu"
+
+    def metadata(array):
+        t = torch.from_numpy(array)
+        return t if on_host else t.to(device)
+
+    result = PackedBatch(
+        tensors={},
+        cu_seqlens=metadata(plan.cu_seqlens),
+        cu_seqlens_padded=metadata(plan.cu_seqlens_padded),
         max_seqlen=int(plan.max_seqlen),
         max_seqlen_padded=int(plan.max_seqlen_padded),
-        seq_lens=torch.from_numpy(np.asarray(plan.seq_lens)).to(first.device),
-        padded_lens=torch.from_numpy(np.asarray(plan.padded_lens)).to(first.device),
+        seq_lens=metadata(plan.seq_lens),
+        padded_lens=metadata(plan.padded_lens),
         cp_size=int(plan.cp_size),
         cp_rank=int(plan.cp_rank),
         _plan=plan,
         _num_threads=num_threads,
-        _device=first.device,
-        _runs=runs,
+        _device=device,
     )
+    for name, t in named.items():
+        fill = float(pad_values.get(name, pad_value))
+        result.tensors[name] = _ops.pack_rows(t, plan, result._runs, fill, num_threads)
+    return result
 
 
 def unpack_sequences(x: "torch.Tensor", cu_seqlens_padded: Any, cp_size: int = 1) -> List["torch.Tensor"]:

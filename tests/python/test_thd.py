@@ -226,6 +226,36 @@ def test_multithreaded_copies_match_single_thread():
     assert torch.equal(one.unpack(one["input"]), many.unpack(many["input"]))
 
 
+def test_direct_kernels_and_the_registered_ops_agree():
+    # Plain no-grad tensors skip the operator dispatch; everything else goes through it.
+    from seqpack import _ops
+
+    torch.manual_seed(1)
+    mask = torch.tensor([[1, 1, 0, 1], [0, 1, 1, 1], [0, 0, 0, 0]])
+    h = torch.randn(3, 4, 5, dtype=torch.float64)
+    packed = pack_sequences(h, attention_mask=mask, pad_multiple=4, cp_size=2, cp_rank=1, pad_value=7.5)
+    assert _ops._direct(h) and not _ops._direct(h.clone().requires_grad_())
+    via_op = torch.ops.seqpack.pack(h, *packed._runs(), packed.num_tokens, 7.5, 0)
+    assert torch.equal(packed["input"], via_op)
+    assert torch.equal(packed.unpack(via_op, fill=-1), torch.ops.seqpack.unpack(via_op, *packed._runs(), 3, 4, -1.0, 0))
+    with torch.no_grad():  # requires_grad but no grad mode: direct again
+        assert _ops._direct(h.clone().requires_grad_())
+    graded = pack_sequences(h.clone().requires_grad_(), attention_mask=mask, pad_multiple=4, cp_size=2, cp_rank=1,
+                            pad_value=7.5)
+    assert graded["input"].grad_fn is not None and torch.equal(graded["input"].detach(), via_op)
+
+
+def test_pack_sequences_under_torch_compile():
+    h = torch.randn(2, 4, 8)
+
+    def f(x, lens):
+        packed = pack_sequences({"h": x}, seq_lens=lens, pad_multiple=2)
+        return packed.unpack(torch.tanh(packed["h"]))
+
+    compiled = torch.compile(f, backend="aot_eager")
+    assert torch.allclose(compiled(h, [3, 1]), f(h, [3, 1]))
+
+
 # ---------------------------------------------------------------- errors
 
 
@@ -296,7 +326,7 @@ def test_ops_pass_opcheck():
 
     x = torch.randn(3, 5, 4, dtype=torch.float64, requires_grad=True)
     packed = pack_sequences({"x": x}, seq_lens=[5, 2, 0], pad_multiple=4, cp_size=2, cp_rank=1)
-    runs = packed._runs
+    runs = packed._runs()
     torch.library.opcheck(_ops.pack, (x, *runs, packed.num_tokens, 0.0, 0))
     y = torch.randn(packed.num_tokens, 4, dtype=torch.float64, requires_grad=True)
     torch.library.opcheck(_ops.unpack, (y, *runs, 3, 5, 0.0, 0))
@@ -308,8 +338,8 @@ def test_torch_compile_traces_through_pack_and_unpack():
     packed = pack_sequences({"h": h}, attention_mask=mask, pad_multiple=2)
 
     def f(x):
-        p = torch.ops.seqpack.pack(x, *packed._runs, packed.num_tokens, 0.0, 0)
-        return torch.ops.seqpack.unpack(torch.tanh(p) * 2, *packed._runs, 2, 4, 0.0, 0)
+        p = torch.ops.seqpack.pack(x, *packed._runs(), packed.num_tokens, 0.0, 0)
+        return torch.ops.seqpack.unpack(torch.tanh(p) * 2, *packed._runs(), 2, 4, 0.0, 0)
 
     compiled = torch.compile(f, backend="aot_eager", fullgraph=True)
     assert torch.equal(compiled(h), f(h))
