@@ -2,8 +2,36 @@
 #include "seqpack/dynamic_batching.hpp"
 
 namespace seqpack::bindings {
+namespace {
+
+// [[start, end], ...] + [length, ...] as Python lists, the form ROLL's metadata takes.
+std::pair<py::list, py::list> ranges_lists(const std::vector<MicroBatchRange>& ranges) {
+  py::list indices, lengths;
+  for (const auto& range : ranges) {
+    py::list pair;
+    pair.append(range.start);
+    pair.append(range.end);
+    indices.append(pair);
+    lengths.append(range.length);
+  }
+  return {indices, lengths};
+}
+
+}  // namespace
 
 void init_dynamic_batching(py::module_& m) {
+  m.def(
+      "split_ranges_to_multiple",
+      [](const std::vector<std::pair<int64_t, int64_t>>& indices, const std::vector<int64_t>& lengths,
+         int64_t pp_size) {
+        if (indices.size() != lengths.size())
+          throw py::value_error("micro_batch_indices and micro_batch_lengths must have the same length");
+        std::vector<MicroBatchRange> ranges;
+        for (size_t i = 0; i < indices.size(); ++i) ranges.push_back({indices[i].first, indices[i].second, lengths[i]});
+        split_ranges_to_multiple(ranges, pp_size);
+        return ranges_lists(ranges);
+      },
+      py::arg("micro_batch_indices"), py::arg("micro_batch_lengths"), py::arg("pp_size"));
   m.def(
       "plan_dynamic_batching",
       [](py::handle lengths, const std::string& rule, int64_t shards, int64_t batch_size, int64_t max_tokens,
@@ -22,14 +50,7 @@ void init_dynamic_batching(py::module_& m) {
         }
         py::list indices, lens;
         for (const auto& chunk : plan.chunks) {
-          py::list ci, cl;
-          for (const auto& range : chunk) {
-            py::list pair;
-            pair.append(range.start);
-            pair.append(range.end);
-            ci.append(pair);
-            cl.append(range.length);
-          }
+          auto [ci, cl] = ranges_lists(chunk);
           indices.append(ci);
           lens.append(cl);
         }

@@ -77,46 +77,30 @@ std::vector<MicroBatchRange> optimal_ranges(const std::vector<int64_t>& padded, 
   return ranges;
 }
 
-// ROLL's VPP split: halve the ranges with the most tokens (more than one row,
-// ties to the earlier range) until the count is a multiple of pp_size. ROLL splits
-// each range at most once and asserts; here rounds repeat while rows allow.
-void split_to_multiple(std::vector<MicroBatchRange>& ranges, int64_t pp_size, int64_t rows_per_shard) {
-  const auto target = round_up(static_cast<int64_t>(ranges.size()), pp_size);
-  if (target > rows_per_shard)
-    throw_invalid(kFn, "cannot split " + std::to_string(ranges.size()) + " micro-batches into a multiple of pp_size=" +
-                           std::to_string(pp_size) + " with only " + std::to_string(rows_per_shard) +
-                           " sequences per shard");
-  int64_t needed = target - static_cast<int64_t>(ranges.size());
-  while (needed > 0) {
-    std::vector<size_t> splittable;
-    for (size_t i = 0; i < ranges.size(); ++i)
-      if (ranges[i].end - ranges[i].start > 1) splittable.push_back(i);
-    std::stable_sort(splittable.begin(), splittable.end(), [&](size_t a, size_t b) {
-      return (ranges[a].end - ranges[a].start) * ranges[a].length > (ranges[b].end - ranges[b].start) * ranges[b].length;
-    });
-    const auto take = std::min<size_t>(splittable.size(), static_cast<size_t>(needed));
-    std::vector<MicroBatchRange> added;
-    std::vector<char> dropped(ranges.size(), 0);
-    for (size_t t = 0; t < take; ++t) {
-      const MicroBatchRange r = ranges[splittable[t]];
-      const int64_t mid = r.start + (r.end - r.start) / 2;
-      dropped[splittable[t]] = 1;
-      added.push_back({r.start, mid, r.length});
-      added.push_back({mid, r.end, r.length});
+}  // namespace
+
+void split_ranges_to_multiple(std::vector<MicroBatchRange>& ranges, int64_t pp_size) {
+  constexpr const char* fn = "split_ranges_to_multiple";
+  check_positive(fn, "pp_size", pp_size);
+  for (size_t i = 0; i < ranges.size(); ++i)
+    if (ranges[i].end <= ranges[i].start || (i > 0 && ranges[i].start != ranges[i - 1].end))
+      throw_invalid(fn, "ranges must be non-empty and contiguous");
+  int64_t needed = round_up(static_cast<int64_t>(ranges.size()), pp_size) - static_cast<int64_t>(ranges.size());
+  for (; needed > 0; --needed) {
+    size_t best = ranges.size();
+    for (size_t i = 0; i < ranges.size(); ++i) {
+      const int64_t rows = ranges[i].end - ranges[i].start;
+      if (rows > 1 && (best == ranges.size() || rows > ranges[best].end - ranges[best].start)) best = i;
     }
-    std::vector<MicroBatchRange> next;
-    for (size_t i = 0; i < ranges.size(); ++i)
-      if (!dropped[i]) next.push_back(ranges[i]);
-    next.insert(next.end(), added.begin(), added.end());
-    std::sort(next.begin(), next.end(), [](const MicroBatchRange& a, const MicroBatchRange& b) {
-      return a.start != b.start ? a.start < b.start : a.end < b.end;
-    });
-    ranges = std::move(next);
-    needed -= static_cast<int64_t>(take);
+    if (best == ranges.size())
+      throw_invalid(fn, std::to_string(ranges.size()) + " micro-batches cannot be split into a multiple of pp_size=" +
+                            std::to_string(pp_size) + ": there are not enough multi-sample ranges");
+    const MicroBatchRange r = ranges[best];
+    const int64_t mid = r.start + (r.end - r.start) / 2;
+    ranges[best] = {r.start, mid, r.length};
+    ranges.insert(ranges.begin() + static_cast<std::ptrdiff_t>(best) + 1, MicroBatchRange{mid, r.end, r.length});
   }
 }
-
-}  // namespace
 
 DynamicBatchingPlan plan_dynamic_batching(Lengths lengths, const DynamicBatchingOptions& o, DynamicBatchingRule rule) {
   check_positive(kFn, "shards", o.shards);
@@ -175,7 +159,13 @@ DynamicBatchingPlan plan_dynamic_batching(Lengths lengths, const DynamicBatching
                                  std::to_string(o.max_tokens_per_microbatch) + ") >= sequence_length_round (" +
                                  std::to_string(o.sequence_length_round) + ")");
         ranges = greedy_ranges(padded, o.max_tokens_per_microbatch, o.sequence_length_round);
-        if (o.pp_size > 1) split_to_multiple(ranges, o.pp_size, per_shard);
+        if (o.pp_size > 1) {
+          if (round_up(static_cast<int64_t>(ranges.size()), o.pp_size) > per_shard)
+            throw_invalid(kFn, "cannot split " + std::to_string(ranges.size()) +
+                                   " micro-batches into a multiple of pp_size=" + std::to_string(o.pp_size) +
+                                   " with only " + std::to_string(per_shard) + " sequences per shard");
+          split_ranges_to_multiple(ranges, o.pp_size);
+        }
         break;
       case DynamicBatchingRule::Optimal:
         ranges = optimal_ranges(padded, o.max_tokens_per_microbatch, o.pp_size);

@@ -128,17 +128,28 @@ TEST(DynamicBatching, RollExample) {
   EXPECT_TRUE(IsValidPlan(pp, kRoll, vpp, Rule::Roll));
 }
 
-TEST(DynamicBatching, RollSplitsTheHeaviestRangesForPipelineParallelism) {
+TEST(DynamicBatching, RollSplitsTheLargestRangesForPipelineParallelism) {
   // Greedy: [0,4) at 1 (4 tokens) and [4,8) at 2 (8 tokens).
   const Vec v = {1, 1, 1, 1, 2, 2, 2, 2};
   EXPECT_EQ(plan_dynamic_batching(v, options(1, 0, 8, 1), Rule::Roll).chunks[0], (Ranges{{0, 4, 1}, {4, 8, 2}}));
-  // pp_size 3 halves the 8-token range; pp_size 4 halves both.
+  // ROLL's current rule halves the range with the most rows, ties to the earlier.
   const auto pp3 = options(1, 0, 8, 1, 0, 3);
   const DynamicBatchingPlan p3 = plan_dynamic_batching(v, pp3, Rule::Roll);
-  EXPECT_EQ(p3.chunks[0], (Ranges{{0, 4, 1}, {4, 6, 2}, {6, 8, 2}}));
+  EXPECT_EQ(p3.chunks[0], (Ranges{{0, 2, 1}, {2, 4, 1}, {4, 8, 2}}));
   EXPECT_TRUE(IsValidPlan(p3, v, pp3, Rule::Roll));
   EXPECT_EQ(plan_dynamic_batching(v, options(1, 0, 8, 1, 0, 4), Rule::Roll).chunks[0],
             (Ranges{{0, 2, 1}, {2, 4, 1}, {4, 6, 2}, {6, 8, 2}}));
+}
+
+TEST(DynamicBatching, RollSplitRepeatsOnTheSameRange) {
+  // ROLL's test: one range [0, 8) and pp 4 -> four ranges of two rows.
+  std::vector<MicroBatchRange> ranges{{0, 8, 8}};
+  split_ranges_to_multiple(ranges, 4);
+  EXPECT_EQ(ranges, (Ranges{{0, 2, 8}, {2, 4, 8}, {4, 6, 8}, {6, 8, 8}}));
+  std::vector<MicroBatchRange> singles{{0, 1, 8}, {1, 2, 8}};
+  EXPECT_THROW(split_ranges_to_multiple(singles, 4), std::invalid_argument);
+  std::vector<MicroBatchRange> gap{{0, 1, 8}, {2, 3, 8}};
+  EXPECT_THROW(split_ranges_to_multiple(gap, 4), std::invalid_argument);
 }
 
 TEST(DynamicBatching, ZeroLengthRows) {

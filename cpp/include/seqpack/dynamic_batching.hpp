@@ -9,9 +9,9 @@
 //              greedy ranges over the per-position maximum over shards (rounded up
 //              to sequence_length_round, clamped to max_seqlen).
 //  * Roll    - ROLL dynamic_batching_shard: one chunk, no clamp, the running maximum
-//              starts at sequence_length_round; with pp_size > 1 (VPP) the ranges
-//              with the most tokens (and more than one row) are halved until the
-//              count is a multiple of pp_size.
+//              starts at sequence_length_round; with pp_size > 1 (VPP) ranges are
+//              halved (split_ranges_to_multiple) until the count is a multiple of
+//              pp_size.
 //  * Optimal - the same sort/stride and the same constraint, but ranges chosen by
 //              dynamic programming to minimise the padded tokens (then the count),
 //              optionally with the count a multiple of pp_size. Never worse than
@@ -52,6 +52,12 @@ struct DynamicBatchingPlan {
   int64_t padded_tokens = 0;
   int64_t valid_tokens = 0;
 };
+
+// ROLL's VPP split (its current rule): while the count is not a multiple of
+// pp_size, halve the range with the most rows (more than one; ties to the earlier
+// range) at its middle, in place; both halves keep the padded length. Throws when
+// no range has two rows left.
+void split_ranges_to_multiple(std::vector<MicroBatchRange>& ranges, int64_t pp_size);
 
 DynamicBatchingPlan plan_dynamic_batching(Lengths lengths, const DynamicBatchingOptions& options,
                                           DynamicBatchingRule rule);
