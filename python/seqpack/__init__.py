@@ -33,10 +33,15 @@ from .packing import PackingAlgorithm, SequencePacker, adjust_bin_count, get_pac
 from .thd import PackedBatch, PackedSeqParams, alignment, pack_sequences, unpack_sequences
 from .cp import cp_partition_indices, cp_restore_order
 from .dataset import PackedDataset, collate_packs, pack_dataset
+from .batched_data_dict import BatchedDataDict, DynamicBatchingArgs, SequencePackingArgs, SlicedDataDict
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "BatchedDataDict",
+    "DynamicBatchingArgs",
+    "SequencePackingArgs",
+    "SlicedDataDict",
     "PackedDataset",
     "collate_packs",
     "pack_dataset",

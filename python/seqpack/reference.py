@@ -309,3 +309,87 @@ def packing_stats(lengths: List[int], bins: Bins, capacity: int) -> Dict[str, fl
         "theoretical_min_bins": math.ceil(total / capacity),
         "bin_efficiency": math.ceil(total / capacity) / len(bins),
     }
+
+
+# ---------------------------------------------------------------- NeMo-RL BatchedDataDict sharding
+
+_PACKERS = {
+    "concatenative": concatenative,
+    "first_fit_decreasing": first_fit_decreasing,
+    "best_fit_decreasing": best_fit_decreasing,
+    "modified_first_fit_decreasing": modified_first_fit_decreasing,
+}
+
+
+def _take(value, rows: List[int]):
+    return value[rows] if hasattr(value, "index_select") else [value[i] for i in rows]
+
+
+def _stack(pieces: list):
+    """NeMo-RL ``from_batches`` for one key: lists concatenate, 1-D tensors too,
+    2-D tensors are right-padded row by row to the widest piece."""
+    import torch
+
+    first = pieces[0]
+    if isinstance(first, list):
+        return [x for p in pieces for x in p]
+    if all(p.dim() == 1 for p in pieces):
+        return torch.cat(pieces)
+    rows = [row.flatten() for p in pieces for row in p]
+    return torch.nn.utils.rnn.pad_sequence(rows, batch_first=True, padding_value=0)
+
+
+def shard_by_batch_size(data: Dict[str, object], shards: int, batch_size: Optional[int] = None,
+                        dynamic_batching_args: Optional[dict] = None,
+                        sequence_packing_args: Optional[dict] = None):
+    """NeMo-RL v0.6 ``BatchedDataDict.shard_by_batch_size`` as it runs there: per
+    global batch, Python sorting / packing, then per-bin ``select_indices`` and
+    ``from_batches`` (packing) or one gather per shard (plain, dynamic). Returns
+    ``(shards as dicts, sorted_indices or None, metadata per shard)``."""
+    total = len(next(iter(data.values())))
+    batch_size = batch_size or total
+    num_chunks = total // batch_size
+    shard_size = batch_size // shards
+    if sequence_packing_args is None:
+        order = list(range(total))
+        meta = [{} for _ in range(shards)]
+        if dynamic_batching_args is not None:
+            lengths = [int(x) for x in data[dynamic_batching_args["input_lengths_key"]]]
+            width = data[dynamic_batching_args["input_key"]].shape[1]
+            order, idx, lens = dynamic_batching(
+                lengths, shards, dynamic_batching_args["max_tokens_per_microbatch"],
+                dynamic_batching_args["sequence_length_round"], batch_size, width)
+            meta = [{"micro_batch_indices": idx, "micro_batch_lengths": lens} for _ in range(shards)]
+        out = []
+        for s in range(shards):
+            rows = [order[c * batch_size + s * shard_size + j] for c in range(num_chunks) for j in range(shard_size)]
+            out.append({k: _take(v, rows) for k, v in data.items()})
+        return out, (order if dynamic_batching_args is not None else None), meta
+    args = sequence_packing_args
+    multiple = args["sequence_length_pad_multiple"]
+    lengths = [(int(x) + multiple - 1) // multiple * multiple for x in data[args["input_lengths_key"]]]
+    packer = _PACKERS[args["algorithm"]]
+    pieces: List[list] = [[] for _ in range(shards)]
+    order_per_shard: List[List[int]] = [[] for _ in range(shards)]
+    meta = [{"micro_batch_indices": [], "micro_batch_lengths": [], "elem_counts_per_gb": []} for _ in range(shards)]
+    for c in range(num_chunks):
+        base = c * batch_size
+        chunk = lengths[base: base + batch_size]
+        bins = adjust_bin_count(packer(chunk, args["max_tokens_per_microbatch"]), shards, shards)
+        for s in range(shards):
+            mine = bins[s::shards]
+            if args.get("microbatch_order") == "largest_first":
+                mine = sorted(mine, key=lambda b: -sum(chunk[i] for i in b))
+            idx, lens, start = [], [], 0
+            for b in mine:
+                rows = [base + i for i in b]
+                pieces[s].append({k: _take(v, rows) for k, v in data.items()})
+                order_per_shard[s].extend(rows)
+                idx.append([start, start + len(b)])
+                lens.append(sum(chunk[i] for i in b))
+                start += len(b)
+            meta[s]["micro_batch_indices"].append(idx)
+            meta[s]["micro_batch_lengths"].append(lens)
+            meta[s]["elem_counts_per_gb"].append(start)
+    out = [{k: _stack([p[k] for p in pieces[s]]) for k in sorted(data)} for s in range(shards)]
+    return out, [i for rows in order_per_shard for i in rows], meta
