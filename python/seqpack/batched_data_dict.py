@@ -46,6 +46,10 @@ from typing import (TYPE_CHECKING, Any, Dict, Generic, Iterator, List, Literal, 
 
 import numpy as np
 
+from ._batch import is_packed as _is_packed
+from ._batch import is_tensor as _is_tensor
+from ._batch import rows as _rows
+from ._batch import select as _select
 from .balance import get_seqlen_balanced_partitions
 from .dynamic_batching import plan_dynamic_batching
 from .packing import get_packer
@@ -104,39 +108,6 @@ def _check(condition: bool, message: str) -> None:
         raise BatchedDataDictError(message)
 
 
-def _torch():
-    import torch
-
-    return torch
-
-
-def _is_tensor(v: Any) -> bool:
-    torch = _torch()
-    return isinstance(v, torch.Tensor)
-
-
-def _is_packed(v: Any) -> bool:
-    """NeMo-RL's multimodal ``PackedTensor`` (duck-typed: rows sliced by ``.slice``)."""
-    return hasattr(v, "slice") and hasattr(v, "as_tensor") and hasattr(type(v), "concat")
-
-
-def _rows(v: Any) -> int:
-    return int(v.size(0)) if _is_tensor(v) else len(v)
-
-
-def _select(key: str, v: Any, indices: Sequence[int]) -> Any:
-    """Rows ``indices`` of one value, copied (tensors in one ``index_select``)."""
-    if _is_tensor(v):
-        torch = _torch()
-        index = torch.as_tensor(np.asarray(indices, dtype=np.int64))
-        return v.index_select(0, index.to(v.device))
-    if _is_packed(v):
-        return v.slice(list(indices))
-    if isinstance(v, list):
-        return [v[i] for i in indices]
-    raise TypeError(f"Unsupported type {type(v)} for index selection in BatchedDataDict (key {key!r})")
-
-
 def _lengths(data: Mapping[str, Any], key: str) -> np.ndarray:
     if key not in data:
         raise BatchedDataDictError(f"input_lengths_key {key!r} is not in the data (keys: {sorted(data)})")
@@ -168,7 +139,8 @@ class BatchedDataDict(UserDict, Generic[DictT]):
         """Concatenate batches along dim 0; keys come out sorted. 1-D tensors are
         concatenated, 2-D and higher are right-padded along dim 1 with
         ``pad_value_dict.get(key, 0)``; lists are concatenated."""
-        torch = _torch()
+        import torch
+
         out = cls()
         if not batches:
             return out
@@ -216,7 +188,8 @@ class BatchedDataDict(UserDict, Generic[DictT]):
         lists through ``all_gather_object``). Works with gloo and NCCL."""
         import torch.distributed as dist
 
-        torch = _torch()
+        import torch
+
         world = dist.get_world_size(group)
         out = type(self)()
         for key, v in self.data.items():
@@ -331,7 +304,8 @@ class BatchedDataDict(UserDict, Generic[DictT]):
 
     def truncate_tensors(self, dim: int, truncated_len: int) -> None:
         """Narrow every tensor with more than ``dim`` dimensions to ``truncated_len`` along ``dim``."""
-        torch = _torch()
+        import torch
+
         for key, v in self.data.items():
             if _is_tensor(v) and v.dim() >= dim + 1:
                 self.data[key] = torch.narrow(v, dim, 0, truncated_len)

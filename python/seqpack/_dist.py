@@ -1,0 +1,47 @@
+"""Small ``torch.distributed`` helpers shared by the micro-batch planners."""
+
+from __future__ import annotations
+
+from typing import Callable, Optional, TypeVar
+
+T = TypeVar("T")
+
+
+def active(group=None) -> bool:
+    """True when a process group is initialised (and ``group`` has more than one rank)."""
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
+
+
+def all_reduce_int(value: int, op: str, group=None) -> int:
+    """``value`` reduced with ``"max"`` or ``"min"`` over ``group`` (a CUDA tensor on
+    NCCL, a CPU one otherwise)."""
+    import torch
+    import torch.distributed as dist
+
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else "cpu"
+    t = torch.tensor([int(value)], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.MIN, group=group)
+    return int(t.item())
+
+
+def agree_on_count(local: int, plan_with: Callable[[int], T], count_of: Callable[[T], int], group,
+                   what: str) -> T:
+    """Plans with the same count on every rank of ``group``: the largest local
+    count, then every rank re-plans with it. A rank that cannot (too few
+    sequences) makes every rank raise the same ``ValueError``, so none waits in a
+    collective the others skipped."""
+    target = all_reduce_int(local, "max", group)
+    plan: Optional[T] = None
+    error = ""
+    try:
+        plan = plan_with(target)
+        if count_of(plan) != target:
+            error = f"planned {count_of(plan)} micro-batches, not {target}"
+    except ValueError as exc:
+        error = str(exc)
+    if all_reduce_int(0 if error else 1, "min", group) == 0:
+        raise ValueError(f"{what}: the ranks cannot agree on the same micro-batch count across DP ranks "
+                         f"({target}, the largest rank's){': ' + error if error else ' (another rank failed)'}")
+    return plan
