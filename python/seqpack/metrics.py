@@ -3,15 +3,27 @@
 * :class:`PackingMetrics` - NeMo-RL's packing metrics (same keys and formulas).
 * :func:`dp_balance_metrics` - verl/ROLL ``log_seqlen_unbalance`` keys.
 * :func:`dynamic_batching_metrics` - ROLL's ``dynamic_batching/*`` keys.
+* :func:`report` - every planner on one batch, for notebooks: the report renders
+  as HTML tables, ``.plot()`` draws the length histogram, per-rank load before and
+  after balancing, per-bin fill and the padding removed, ``.to_dict()`` gives
+  plain dicts.
+
+    >>> from seqpack.report import synthetic_rl_lengths
+    >>> rep = report(synthetic_rl_lengths(256), capacity=8192, dp_size=4)
+    >>> sorted(rep.to_dict())[0]
+    'Data-parallel balance (tokens per rank)'
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, List, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence
 
 from . import _core
 from ._lengths import as_lengths, as_positive_int
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .report import Report
 
 _STAT_KEYS = (
     "num_sequences",
@@ -182,3 +194,14 @@ def dynamic_batching_metrics(
         f"{prefix}/removed_padding_tokens": removed,
         f"{prefix}/removed_padding_ratio": removed / origin if origin > 0 else 0.0,
     }
+
+
+def report(lengths: Sequence[int], capacity: int = 8192, dp_size: int = 8, sequence_length_round: int = 64,
+           algorithms: Optional[Sequence[str]] = None) -> "Report":
+    """Plan ``lengths`` every way (DP balance, each packer, dynamic batching, hard
+    vs soft caps) and return a :class:`seqpack.report.Report` (HTML tables in
+    Jupyter, ``.plot()``, ``.to_dict()``)."""
+    from .report import analyze
+
+    return analyze(lengths, capacity=capacity, dp_size=dp_size, sequence_length_round=sequence_length_round,
+                   algorithms=algorithms)

@@ -17,12 +17,13 @@ def _pyplot():
 
 
 def plot_report(report: "Report", path: Optional[str] = None):
-    """Length histogram, tokens per DP rank, and per-bin fill of each packer.
+    """Length histogram, tokens per DP rank (before / after balancing), per-bin fill
+    of each packer, and the tokens computed with and without padding.
 
     Returns the matplotlib Figure; saves it to ``path`` when given.
     """
     plt = _pyplot()
-    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+    fig, axes = plt.subplots(1, 4, figsize=(21, 4.5))
     ax = axes[0]
     ax.hist(report.lengths, bins=60, color="#4c72b0")
     ax.set_yscale("log")
@@ -51,6 +52,16 @@ def plot_report(report: "Report", path: Optional[str] = None):
     ax.set_ylim(0, 1.05)
     ax.set_title(f"bin fill, capacity {report.capacity:,}")
     ax.legend(fontsize=7)
+
+    ax = axes[3]
+    names = list(report.computed_tokens)
+    tokens = [report.computed_tokens[k] for k in names]
+    ax.barh(range(len(names)), tokens, color="#55a868")
+    ax.set_yticks(range(len(names)), names, fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("tokens computed")
+    real = report.computed_tokens.get("sequence packing", 0)
+    ax.set_title(f"padding removed (real tokens: {real:,})")
     fig.tight_layout()
     if path:
         fig.savefig(path, dpi=110)

@@ -86,6 +86,12 @@ def _fmt(v: Any) -> str:
     return str(v)
 
 
+def _plain(v: Any) -> Any:
+    if isinstance(v, (Pct, Ms)):
+        return float(v)
+    return v.item() if isinstance(v, np.generic) else v
+
+
 def _timed(fn: Callable[[], Any]) -> tuple:
     t0 = time.perf_counter()
     out = fn()
@@ -102,6 +108,11 @@ class Report:
     tables: List[Table] = field(default_factory=list)
     rank_loads: Dict[str, List[int]] = field(default_factory=dict)
     bin_loads: Dict[str, List[int]] = field(default_factory=dict)
+    computed_tokens: Dict[str, int] = field(default_factory=dict)
+
+    def to_dict(self) -> Dict[str, List[Dict[str, Any]]]:
+        """The tables as plain data: ``{title: [{column: value}, ...]}``."""
+        return {t.title: [dict(zip(t.columns, (_plain(v) for v in row))) for row in t.rows] for t in self.tables}
 
     def format(self) -> str:
         n, total = len(self.lengths), int(self.lengths.sum())
@@ -141,6 +152,7 @@ def analyze(
     total = int(lengths.sum())
     max_len = int(lengths.max())
     padded_total = n * max_len
+    rep.computed_tokens["padded to the longest"] = padded_total
 
     # 1. Data-parallel balance: which sequences each rank trains on.
     usable = n - n % dp_size
@@ -186,6 +198,7 @@ def analyze(
         rep.bin_loads[name] = loads_all
         util = sum(loads_all) / (bins_total * capacity)
         rows.append([name, bins_total, bound, Pct(bins_total / bound - 1), Pct(util), Pct(1 - total / padded_total), Ms(elapsed)])
+    rep.computed_tokens["sequence packing"] = total
     rep.tables.append(
         Table(
             "Sequence packing per rank (micro-batches = bins)",
@@ -206,6 +219,7 @@ def analyze(
                 lengths[:usable], dp_size, capacity, sequence_length_round, rule=rule, max_seqlen=None
             )
         )
+        rep.computed_tokens[f"dynamic batching ({rule})"] = plan.padded_tokens + int(lengths[usable:].sum())
         rows.append(
             [rule, plan.num_micro_batches, plan.padded_tokens, Pct(plan.padded_tokens / plan.valid_tokens - 1),
              Pct(1 - plan.padded_tokens / (usable * max_len)), Ms(ms)]
