@@ -151,6 +151,56 @@ class SeqpackConfig:
     role: Optional[str] = None
     raw: Dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
+    def to_dict(self) -> Dict[str, Any]:
+        """This config in its framework's schema (normalised: defaults filled in,
+        NeMo-RL's pad multiple as ``make_sequence_length_divisible_by``);
+        ``load(cfg.to_dict()) == cfg``."""
+        p = self.parallel
+        if self.schema == "nemo_rl":
+            sp, db = self.sequence_packing, self.dynamic_batching
+            backend = {"enabled": True, "sequence_parallel": p.sequence_parallel}
+            if p.backend == "dtensor":
+                backend.update(tensor_parallel_size=p.tp, context_parallel_size=p.cp)
+            else:
+                backend.update(tensor_model_parallel_size=p.tp, context_parallel_size=p.cp,
+                               pipeline_model_parallel_size=p.pp)
+            policy: Dict[str, Any] = {
+                "megatron_cfg" if p.backend == "megatron" else "dtensor_cfg": backend,
+                "make_sequence_length_divisible_by": sp.sequence_length_pad_multiple,
+                "sequence_packing": {"enabled": sp.enabled, "algorithm": sp.algorithm,
+                                     "microbatch_order": sp.microbatch_order},
+                "dynamic_batching": {"enabled": db.enabled, "sequence_length_round": db.sequence_length_round},
+            }
+            for section, obj in (("sequence_packing", sp), ("dynamic_batching", db)):
+                for key in ("train_mb_tokens", "logprob_mb_tokens"):
+                    if getattr(obj, key) is not None:
+                        policy[section][key] = getattr(obj, key)
+            if self.max_seqlen is not None:
+                policy["max_total_sequence_length"] = self.max_seqlen
+            if self.global_batch_size is not None:
+                policy["train_global_batch_size"] = self.global_batch_size
+            return {"policy": policy}
+        rp, rd = self.roll_packing, self.roll_dynamic_batching
+        strategy_config = {"tensor_model_parallel_size": p.tp, "context_parallel_size": p.cp,
+                           "pipeline_model_parallel_size": p.pp, "sequence_parallel": p.sequence_parallel}
+        if p.vpp is not None:
+            strategy_config["virtual_pipeline_model_parallel_size"] = p.vpp
+        worker: Dict[str, Any] = {
+            "strategy_args": {"strategy_name": p.backend, "strategy_config": strategy_config},
+            "use_sequence_packing": rp.enabled,
+            "sequence_packing_args": {k: getattr(rp, k) for k in (
+                "algorithm", "max_packed_sequence_length_train", "max_packed_sequence_length_forward",
+                "min_num_micro_batches_train", "min_num_micro_batches_forward")},
+            "use_dynamic_batching_in_train": rd.train, "use_dynamic_batching_in_infer": rd.infer,
+        }
+        for key in ("max_tokens_per_microbatch_in_train", "max_tokens_per_microbatch_in_infer",
+                    "sequence_length_round_in_train", "sequence_length_round_in_infer"):
+            worker[key] = getattr(rd, key)
+        out: Dict[str, Any] = {self.role: worker}
+        if self.max_seqlen is not None:
+            out["sequence_length"] = self.max_seqlen
+        return out
+
     # NeMo-RL ------------------------------------------------------------
     def _nemo(self, what: str):
         if self.schema != "nemo_rl":

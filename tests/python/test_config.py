@@ -73,6 +73,15 @@ def test_yaml_string_and_mapping_round_trip():
     assert from_text == from_map
 
 
+@pytest.mark.parametrize("name, role", [("nemo_rl_sequence_packing.yaml", None), ("nemo_rl_dynamic_batching.yaml", None),
+                                        ("roll_sequence_packing.yaml", "actor_train"),
+                                        ("roll_dynamic_batching.yaml", "reference")])
+def test_to_dict_round_trips(name, role):
+    cfg = load(example(name), role=role or "actor_train")
+    again = load(yaml.safe_load(yaml.safe_dump(cfg.to_dict())), role=role or "actor_train")
+    assert again == cfg
+
+
 def test_legacy_pad_multiple_without_divisible_by():
     for tp, cp, want in ((1, 1, 1), (4, 1, 4), (1, 2, 4), (2, 4, 16)):
         cfg = load(nemo(megatron_cfg={"enabled": True, "tensor_model_parallel_size": tp,

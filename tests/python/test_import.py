@@ -84,3 +84,16 @@ def test_readme_example_is_true():
             exec(code, namespace)
             pending = code if "=" not in code.split("(")[0] else None
     assert checked == 3
+
+
+def test_readme_trainer_example_runs(monkeypatch):
+    """The README's second Python block (config -> BatchedDataDict -> THD micro-batches) runs."""
+    import pathlib
+    import re
+
+    root = pathlib.Path(__file__).resolve().parents[2]
+    block = re.findall(r"```python\n(.*?)```", (root / "README.md").read_text(), re.S)[1]
+    monkeypatch.chdir(root)
+    namespace: dict = {}
+    exec(block, namespace)
+    assert namespace["params"].qkv_format == "thd" and namespace["tokens"].dim() == 1
