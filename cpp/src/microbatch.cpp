@@ -1,6 +1,7 @@
 #include "seqpack/microbatch.hpp"
 
 #include <algorithm>
+#include <cstdint>
 #include <numeric>
 
 #include "seqpack/packing.hpp"
@@ -50,6 +51,52 @@ Candidate evaluate(IndexGroups groups, Lengths lengths, Lengths workloads, const
   return c;
 }
 
+// Lowers the heaviest group's workload by moving one sequence to the lightest
+// group, or swapping one pair between them, as long as both stay within the
+// token cap; repeats until neither helps (each step strictly lowers the larger of
+// the two, so it terminates; the step count is bounded as well).
+IndexGroups rebalance_within_cap(const IndexGroups& groups, Lengths lengths, Lengths work, int64_t cap) {
+  std::vector<std::vector<int64_t>> g = groups.to_nested();
+  const size_t k = g.size();
+  if (k < 2) return groups;
+  std::vector<int64_t> tokens = group_sums(groups, lengths), load = group_sums(groups, work);
+  const size_t max_steps = 8 * lengths.size() + 16;
+  for (size_t step = 0; step < max_steps; ++step) {
+    const auto h = static_cast<size_t>(std::max_element(load.begin(), load.end()) - load.begin());
+    const auto l = static_cast<size_t>(std::min_element(load.begin(), load.end()) - load.begin());
+    if (load[h] == load[l]) break;
+    int64_t best_max = load[h];
+    size_t best_i = SIZE_MAX, best_j = SIZE_MAX;  // j == SIZE_MAX: a move, not a swap
+    for (size_t i = 0; i < g[h].size(); ++i) {
+      const int64_t si = lengths[g[h][i]], wi = work[g[h][i]];
+      if (tokens[l] + si <= cap) {
+        const int64_t m = std::max(load[h] - wi, load[l] + wi);
+        if (m < best_max) best_max = m, best_i = i, best_j = SIZE_MAX;
+      }
+      for (size_t j = 0; j < g[l].size(); ++j) {
+        const int64_t sj = lengths[g[l][j]], wj = work[g[l][j]];
+        if (wj >= wi || tokens[l] + si - sj > cap || tokens[h] - si + sj > cap) continue;
+        const int64_t m = std::max(load[h] - wi + wj, load[l] + wi - wj);
+        if (m < best_max) best_max = m, best_i = i, best_j = j;
+      }
+    }
+    if (best_i == SIZE_MAX) break;
+    const int64_t a = g[h][best_i];
+    tokens[h] -= lengths[a], load[h] -= work[a], tokens[l] += lengths[a], load[l] += work[a];
+    if (best_j == SIZE_MAX) {
+      g[h].erase(g[h].begin() + static_cast<std::ptrdiff_t>(best_i));
+      g[l].push_back(a);
+    } else {
+      const int64_t b = g[l][best_j];
+      tokens[l] -= lengths[b], load[l] -= work[b], tokens[h] += lengths[b], load[h] += work[b];
+      g[h][best_i] = b;
+      g[l][best_j] = a;
+    }
+  }
+  for (auto& group : g) std::sort(group.begin(), group.end());
+  return IndexGroups::from_nested(g);
+}
+
 }  // namespace
 
 MicroBatchPlan plan_micro_batches(Lengths lengths, const MicroBatchOptions& o) {
@@ -94,10 +141,10 @@ MicroBatchPlan plan_micro_batches(Lengths lengths, const MicroBatchOptions& o) {
       found = true;
     }
     if (!found && k + o.multiple_of > last && k >= static_cast<int64_t>(ffd.size())) {
-      IndexGroups split = adjust_bin_count(ffd, k, 1);
-      for (size_t g = 0; g < split.size(); ++g)
-        std::sort(split.indices.begin() + split.offsets[g], split.indices.begin() + split.offsets[g + 1]);
-      best = evaluate(std::move(split), lengths, work, "first_fit_decreasing");
+      // First-fit-decreasing packs tight but leaves the last bins light: rebalance
+      // its bins on the workload without crossing the cap.
+      best = evaluate(rebalance_within_cap(adjust_bin_count(ffd, k, 1), lengths, work, o.max_tokens), lengths, work,
+                      "first_fit_decreasing");
       found = true;
     }
   }

@@ -151,7 +151,8 @@ def plan_micro_batches(
     Finds the smallest count ``k >= max(min_num, ceil(total / max_tokens))``, a
     multiple of ``multiple_of`` (PP / VPP), for which Karmarkar-Karp or LPT
     balances the workload with every micro-batch's token sum <= ``max_tokens``;
-    if neither fits before first-fit-decreasing's bin count, FFD's (cap-respecting)
+    if neither fits before first-fit-decreasing's bin count, FFD's (cap-respecting,
+    then rebalanced on the workload by moves and swaps that keep the cap)
     bins are used. ROLL's ``load_balance`` and verl's ``rearrange_micro_batches``
     stop at ``ceil(total / cap)`` and may exceed the cap; this never does.
 

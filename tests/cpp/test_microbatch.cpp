@@ -120,6 +120,19 @@ TEST(MicroBatch, TightCapNeedsMoreThanTheLowerBound) {
   EXPECT_TRUE(IsValidPlan(plan_micro_batches(skewed, o), skewed, o));
 }
 
+TEST(MicroBatch, FirstFitFallbackIsRebalancedWithinTheCap) {
+  // Only first-fit-decreasing's 2 bins fit the cap of 10 ({0,1,2,5} and {3,4}:
+  // workloads 98 and 61 with 4*s + s^2); moves and swaps within the cap bring the
+  // heaviest down to 89.
+  const Vec lengths = {2, 2, 4, 7, 3, 1};
+  const MicroBatchOptions o = options(10, 1, 1, 4);
+  const MicroBatchPlan p = plan_micro_batches(lengths, o);
+  EXPECT_STREQ(p.method, "first_fit_decreasing");
+  EXPECT_TRUE(IsValidPlan(p, lengths, o));
+  ASSERT_EQ(p.groups.size(), 2u);
+  EXPECT_EQ(*std::max_element(p.workloads.begin(), p.workloads.end()), 89);
+}
+
 TEST(MicroBatch, EmptyInputGivesAnEmptyPlan) {
   const MicroBatchPlan p = plan_micro_batches(Vec{}, options(100));
   EXPECT_EQ(p.groups.size(), 0u);

@@ -5,7 +5,9 @@
 // k = ceil(total / cap) and balance with Karmarkar-Karp; the cap is only a target
 // and is exceeded whenever KK cannot balance tightly enough. Here the cap is a
 // hard constraint: plan_micro_batches returns the smallest admissible k for which
-// it finds a balanced partition with every micro-batch's token sum <= max_tokens.
+// it finds a balanced partition with every micro-batch's token sum <= max_tokens
+// (Karmarkar-Karp or LPT; when only first-fit-decreasing's tight bins fit, those
+// bins rebalanced on the workload by moves and swaps that keep the cap).
 #include <cstdint>
 #include <vector>
 
