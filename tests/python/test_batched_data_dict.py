@@ -258,6 +258,11 @@ def test_packing_matches_nemo_rl_reference(case, algorithm, pad, order_arg):
         for c, (idx, lens) in enumerate(zip(shard.micro_batch_indices, shard.micro_batch_lengths)):
             base = sum(shard.elem_counts_per_gb[:c])
             assert all(sum(padded[base + s: base + e]) == t <= 64 for (s, e), t in zip(idx, lens))
+            gb = shard.get_batch(c)  # one global batch: its rows, its plan
+            assert gb.size == shard.elem_counts_per_gb[c] and gb.micro_batch_indices == [idx]
+            assert all(c * batch_size <= p < (c + 1) * batch_size for p in gb["problem_ids"].tolist())
+            rows = [r for mb in gb.make_microbatch_iterator_for_packable_sequences() for r in mb["problem_ids"].tolist()]
+            assert rows == gb["problem_ids"].tolist()
     assert len({len(s.micro_batch_indices[0]) for s in ours}) == 1  # equal micro-batch counts
     merged = BatchedDataDict.from_batches(ours)
     merged.reorder_data(order)
