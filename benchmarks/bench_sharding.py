@@ -62,7 +62,6 @@ def same(ours, theirs, meta) -> bool:
 
 
 def bench_shard(label, data, shards, batch_size, cap, log, rows, spread_rows=None):
-    width = data["input_ids"].shape[1]
     modes = {
         "sequence packing (MFFD, pad 8)": dict(sequence_packing_args=dict(
             max_tokens_per_microbatch=cap, input_key="input_ids", input_lengths_key="input_lengths",

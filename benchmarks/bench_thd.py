@@ -72,6 +72,17 @@ def loop_unpack(y, lens, padded, width, cp, rank):
     return out
 
 
+def cold_copy_seconds(dst, repeat):
+    """Best time of ``dst.copy_(src)`` with ``src`` out of the cache: successive
+    slices of a 512 MiB pool (at least 4x the bytes), as pack reads its padded
+    input when that is larger than L3."""
+    n = dst.numel()
+    pool = torch.ones(max((512 << 20) // dst.element_size(), 4 * n), dtype=dst.dtype)
+    slots = pool.numel() // n
+    turn = iter(range(10**9))
+    return measure(lambda: dst.copy_(pool[(next(turn) % slots) * n:][:n]), repeat=repeat)["min"]
+
+
 def case_lengths(batch, width, seed=0):
     return np.minimum(synthetic_rl_lengths(batch, seed=seed, max_len=width), width).astype(np.int64)
 
@@ -93,14 +104,7 @@ def bench_case(name, x, lens, cp, log, rows, targets, threads):
     # Small cases are noisy on a shared VM: more runs (each takes well under 1 ms).
     repeat = 9 if nbytes >= THP_FROM_BYTES else 60
     t_copy = measure(lambda: dst.copy_(src), repeat=repeat)["min"]
-    # The same copy from a source that is not in the cache (rotating over a 512 MiB
-    # pool), as pack's reads from a padded tensor larger than L3 are.
-    pool = torch.ones(max(512 << 20, 4 * nbytes) // y.element_size(), dtype=y.dtype)
-    slots = pool.numel() // y.numel()
-    turn = iter(range(10**9))
-    t_copy_cold = measure(lambda: dst.copy_(pool[(next(turn) % slots) * y.numel():][:y.numel()]),
-                          repeat=repeat)["min"]
-    del pool
+    t_copy_cold = cold_copy_seconds(dst, repeat)
     t_clone = measure(lambda: src.clone(), repeat=repeat)["min"]
     t_pack = measure(lambda: seqpack.pack_sequences(x, seq_lens=lens, pad_multiple=multiple, cp_size=cp,
                                                     num_threads=threads), repeat=repeat)["min"]
