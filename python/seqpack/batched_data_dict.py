@@ -108,6 +108,22 @@ def _check(condition: bool, message: str) -> None:
         raise BatchedDataDictError(message)
 
 
+def _media_memo(item: Any) -> Dict[int, Any]:
+    """A ``deepcopy`` memo mapping every array, tensor and bytes leaf of ``item`` to
+    itself, so copies share them (containers are still copied)."""
+    memo: Dict[int, Any] = {}
+    stack = [item]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, Mapping):
+            stack.extend(x.values())
+        elif isinstance(x, (list, tuple)):
+            stack.extend(x)
+        elif isinstance(x, (np.ndarray, bytes, bytearray)) or _is_tensor(x):
+            memo[id(x)] = x
+    return memo
+
+
 def _lengths(data: Mapping[str, Any], key: str) -> np.ndarray:
     if key not in data:
         raise BatchedDataDictError(f"input_lengths_key {key!r} is not in the data (keys: {sorted(data)})")
@@ -232,12 +248,15 @@ class BatchedDataDict(UserDict, Generic[DictT]):
     def get_dict(self) -> dict:
         return self.data
 
-    def get_multimodal_dict(self, as_tensors: bool = False, device=None) -> dict:
+    def get_multimodal_dict(self, as_tensors: bool = False, device=None, pixel_dtype=None) -> dict:
         """The multimodal values (NeMo-RL ``PackedTensor``s, as tensors when
-        ``as_tensors``) and the optional token-type tensors."""
+        ``as_tensors``; pixel values cast to ``pixel_dtype`` when given) and the
+        optional token-type tensors."""
         out = {}
         for key, v in self.data.items():
             if _is_packed(v):
+                if pixel_dtype is not None and key in ("pixel_values", "pixel_values_videos"):
+                    v = v.to_dtype(pixel_dtype)
                 out[key] = v.as_tensor(device=device) if as_tensors else v
             elif key in self.ADDITIONAL_OPTIONAL_KEY_TENSORS:
                 out[key] = v
@@ -290,8 +309,10 @@ class BatchedDataDict(UserDict, Generic[DictT]):
         for key, v in self.data.items():
             self.data[key] = _select(key, v, inverse) if (_is_tensor(v) or _is_packed(v)) else [v[i] for i in inverse]
 
-    def repeat_interleave(self, num_repeats: int) -> "BatchedDataDict":
-        """Every row repeated ``num_repeats`` times in place (list items deep-copied)."""
+    def repeat_interleave(self, num_repeats: int, *, share_immutable_media: bool = False) -> "BatchedDataDict":
+        """Every row repeated ``num_repeats`` times in place. List items are deep
+        copies; with ``share_immutable_media`` their arrays, tensors and bytes (images,
+        audio) are shared by identity between the copies instead of duplicated."""
         out = type(self)()
         for key, v in self.data.items():
             if _is_tensor(v):
@@ -299,7 +320,8 @@ class BatchedDataDict(UserDict, Generic[DictT]):
             elif _is_packed(v):
                 raise NotImplementedError("PackedTensor does not currently support repeat_interleave")
             else:
-                out[key] = [copy.deepcopy(item) for item in v for _ in range(num_repeats)]
+                out[key] = [copy.deepcopy(item, _media_memo(item) if share_immutable_media else {})
+                            for item in v for _ in range(num_repeats)]
         return out
 
     def truncate_tensors(self, dim: int, truncated_len: int) -> None:
