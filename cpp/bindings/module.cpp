@@ -16,6 +16,7 @@ void init_partition(py::module_& m);
 void init_dynamic_batching(py::module_& m);
 void init_metrics(py::module_& m);
 void init_thd(py::module_& m);
+void init_logprob(py::module_& m);
 }  // namespace seqpack::bindings
 
 PYBIND11_MODULE(_core, m) {
@@ -25,6 +26,7 @@ PYBIND11_MODULE(_core, m) {
   seqpack::bindings::init_dynamic_batching(m);
   seqpack::bindings::init_metrics(m);
   seqpack::bindings::init_thd(m);
+  seqpack::bindings::init_logprob(m);
 #ifdef SEQPACK_WITH_CUDA
   m.attr("built_with_cuda") = true;
   m.def("cuda_device_count", &seqpack::cuda::device_count);

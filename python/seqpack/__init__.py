@@ -32,6 +32,7 @@ from .metrics import PackingMetrics, dp_balance_metrics, dynamic_batching_metric
 from .packing import PackingAlgorithm, SequencePacker, adjust_bin_count, get_packer
 from .thd import PackedBatch, PackedSeqParams, alignment, pack_sequences, unpack_sequences
 from .cp import cp_partition_indices, cp_restore_order
+from .logprobs import packed_token_logprobs
 from .dataset import PackedDataset, collate_packs, pack_dataset
 from .batched_data_dict import BatchedDataDict, DynamicBatchingArgs, SequencePackingArgs, SlicedDataDict
 
@@ -49,6 +50,7 @@ __all__ = [
     "PackedSeqParams",
     "alignment",
     "cp_partition_indices",
+    "packed_token_logprobs",
     "cp_restore_order",
     "pack_sequences",
     "unpack_sequences",

@@ -1,0 +1,59 @@
+#pragma once
+// Token log-probabilities straight from logits, one pass per direction, no
+// [rows, vocab] intermediate.
+//
+// Forward (row_stats): for each row r of logits (or of a vocabulary slice of
+// them, for tensor-parallel vocabularies), with z = x / temperature:
+//   max[r] = max z,  sumexp[r] = sum exp(z - max),  zexp[r] = sum exp(z - max) * (z - max),
+//   target_z[r] = z[target[r] - vocab_start] when that target falls in this slice.
+// Slices combine exactly (log-sum-exp of the pieces, zexp shifted to the common
+// maximum M: sum_k e^(m_k - M) (zexp_k + (m_k - M) sumexp_k)), then
+//   logprob = target_z - lse,  entropy = log(sumexp) - zexp / sumexp  (both at M).
+//
+// Backward (row_grad): d/dx of  g_lp * logprob + g_ent * entropy  for one row:
+//   (g_lp * (onehot(target) - p) - g_ent * p * (log p + H)) / temperature,
+// recomputing p = exp(z - lse) from the saved lse (the softmax is never stored).
+// Rows whose target is negative and whose entropy gradient is 0 get zeros.
+//
+// Accumulation is fp32 within blocks of the row and fp64 across blocks, for
+// fp32, bf16 and fp16 logits alike; rows are spread over threads.
+#include <cstddef>
+#include <cstdint>
+
+namespace seqpack {
+
+enum class LogitsDtype { Float32, BFloat16, Float16 };
+
+struct LogitsView {
+  const void* data = nullptr;  // row r starts at data + r * row_stride elements
+  int64_t rows = 0;
+  int64_t vocab = 0;           // columns in this slice
+  int64_t row_stride = 0;      // in elements
+  LogitsDtype dtype = LogitsDtype::Float32;
+};
+
+struct RowStats {
+  float* max = nullptr;       // [rows]
+  float* sumexp = nullptr;    // [rows]
+  float* zexp = nullptr;      // [rows], may be null (no entropy); relative to max
+  float* target_z = nullptr;  // [rows], 0 where the target is not in the slice
+};
+
+// targets[r]: a vocabulary index (global), or < 0 for rows without a target.
+// vocab_start: the global index of this slice's first column.
+void row_stats(const LogitsView& logits, const int64_t* targets, int64_t vocab_start, float temperature,
+               const RowStats& out, int num_threads = 0);
+
+struct RowGradInputs {
+  const float* lse = nullptr;       // [rows], global log-sum-exp of z
+  const float* entropy = nullptr;   // [rows], may be null when grad_entropy is null
+  const float* grad_logprob = nullptr;  // [rows]
+  const float* grad_entropy = nullptr;  // [rows] or null
+};
+
+// Writes d loss / d logits for the slice into grad (same dtype as the logits,
+// grad_row_stride elements between rows).
+void row_grad(const LogitsView& logits, const int64_t* targets, int64_t vocab_start, float temperature,
+              const RowGradInputs& in, void* grad, int64_t grad_row_stride, int num_threads = 0);
+
+}  // namespace seqpack
