@@ -43,17 +43,19 @@ void init_logprob(py::module_& m) {
   m.def(
       "logprob_row_grad",
       [](uintptr_t logits, int64_t rows, int64_t vocab, int64_t row_stride, const std::string& dtype,
-         uintptr_t targets, int64_t vocab_start, float temperature, uintptr_t lse, uintptr_t entropy,
+         uintptr_t targets, int64_t vocab_start, float temperature, uintptr_t max, uintptr_t log_sumexp,
+         uintptr_t entropy,
          uintptr_t grad_logprob, uintptr_t grad_entropy, uintptr_t grad, int64_t grad_row_stride, int num_threads) {
         const LogitsView v = view(logits, rows, vocab, row_stride, dtype);
-        const RowGradInputs in{ptr<const float>(lse), ptr<const float>(entropy), ptr<const float>(grad_logprob),
-                               ptr<const float>(grad_entropy)};
+        const RowGradInputs in{ptr<const float>(max), ptr<const float>(log_sumexp), ptr<const float>(entropy),
+                               ptr<const float>(grad_logprob), ptr<const float>(grad_entropy)};
         py::gil_scoped_release release;
         row_grad(v, ptr<const int64_t>(targets), vocab_start, temperature, in, ptr<void>(grad), grad_row_stride,
                  num_threads);
       },
       py::arg("logits"), py::arg("rows"), py::arg("vocab"), py::arg("row_stride"), py::arg("dtype"),
-      py::arg("targets"), py::arg("vocab_start"), py::arg("temperature"), py::arg("lse"), py::arg("entropy"),
+      py::arg("targets"), py::arg("vocab_start"), py::arg("temperature"), py::arg("max"), py::arg("log_sumexp"),
+      py::arg("entropy"),
       py::arg("grad_logprob"), py::arg("grad_entropy"), py::arg("grad"), py::arg("grad_row_stride"),
       py::arg("num_threads") = 0,
       "d(g_lp * logprob + g_ent * entropy)/d logits for a (slice of) logits, written in the logits' dtype.");

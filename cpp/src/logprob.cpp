@@ -145,11 +145,11 @@ inline StatsOut stats_row(const T* __restrict x, int64_t vocab, float inv_t, int
 
 template <typename T>
 inline void grad_row(const T* __restrict x, T* __restrict g, int64_t vocab, float inv_t, int64_t local_target,
-                     float lse, float g_lp, float g_ent, float h) {
+                     float m, float log_s, float g_lp, float g_ent, float h) {
   // d/dz: g_lp * (onehot - p) - g_ent * p * (log p + H); then / temperature.
   const float a = -g_lp * inv_t, c = -g_ent * inv_t;
   for (int64_t i = 0; i < vocab; ++i) {
-    const float logp = Io<T>::load(x, i) * inv_t - lse;
+    const float logp = (Io<T>::load(x, i) * inv_t - m) - log_s;
     const float p = fast_exp(logp);
     Io<T>::store(g, i, p * (a + c * (logp + h)));
   }
@@ -189,7 +189,7 @@ SEQPACK_MULTIVERSION void grad_rows(const LogitsView& v, const int64_t* targets,
       for (int64_t i = 0; i < v.vocab; ++i) Io<T>::store(g, i, 0.0f);
       continue;
     }
-    grad_row<T>(base + r * v.row_stride, g, v.vocab, inv_t, t, in.lse[r], g_lp, g_ent,
+    grad_row<T>(base + r * v.row_stride, g, v.vocab, inv_t, t, in.max[r], in.log_sumexp[r], g_lp, g_ent,
                 in.entropy ? in.entropy[r] : 0.0f);
   }
 }
@@ -234,7 +234,8 @@ void row_grad(const LogitsView& logits, const int64_t* targets, int64_t vocab_st
               const RowGradInputs& in, void* grad, int64_t grad_row_stride, int num_threads) {
   check_view("row_grad", logits, targets, temperature);
   if (grad_row_stride < logits.vocab) throw_invalid("row_grad", "grad_row_stride must be >= vocab");
-  if (logits.rows > 0 && (!grad || !in.lse || !in.grad_logprob)) throw_invalid("row_grad", "null buffer");
+  if (logits.rows > 0 && (!grad || !in.max || !in.log_sumexp || !in.grad_logprob))
+    throw_invalid("row_grad", "null buffer");
   if (in.grad_entropy && !in.entropy) throw_invalid("row_grad", "grad_entropy needs the entropy");
   const float inv_t = 1.0f / temperature;
   over_rows(logits.rows, num_threads, [&](int64_t lo, int64_t hi) {

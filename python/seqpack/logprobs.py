@@ -118,34 +118,35 @@ def _make_function():
             else:
                 ze = s[3] if entropy else None
             log_se = torch.log(se)
-            lse = m + log_se
             has = targets >= 0
-            logprob = torch.where(has, tz - lse, torch.zeros_like(lse))
-            ent = torch.where(has, log_se - ze / se, torch.zeros_like(lse)) if entropy else None
-            ctx.save_for_backward(logits, targets, lse, *([ent] if entropy else []))
+            zero = torch.zeros_like(m)
+            logprob = torch.where(has, (tz - m) - log_se, zero)  # not tz - (m + log_se): keeps low bits
+            ent = torch.where(has, log_se - ze / se, zero) if entropy else None
+            ctx.save_for_backward(logits, targets, m.contiguous(), log_se.contiguous(), *([ent] if entropy else []))
             ctx.vocab_start, ctx.temperature, ctx.entropy, ctx.num_threads = vocab_start, temperature, entropy, \
                 num_threads
             return (logprob, ent) if entropy else logprob
 
         @staticmethod
         def backward(ctx, grad_logprob, grad_entropy=None):
-            logits, targets, lse, *rest = ctx.saved_tensors
+            logits, targets, m, log_se, *rest = ctx.saved_tensors
             ent = rest[0] if rest else None
             has = targets >= 0
-            g_lp = torch.where(has, grad_logprob.float(), torch.zeros_like(lse)).contiguous()
+            g_lp = torch.where(has, grad_logprob.float(), torch.zeros_like(m)).contiguous()
             g_ent = None
             if ent is not None and grad_entropy is not None:
-                g_ent = torch.where(has, grad_entropy.float(), torch.zeros_like(lse)).contiguous()
+                g_ent = torch.where(has, grad_entropy.float(), torch.zeros_like(m)).contiguous()
             grad = torch.empty_like(logits, memory_format=torch.contiguous_format)
             rows, vocab = logits.shape
             if logits.device.type == "cpu":
                 _core.logprob_row_grad(logits.data_ptr(), rows, vocab, logits.stride(0), _DTYPES[str(logits.dtype)],
-                                       targets.data_ptr(), ctx.vocab_start, ctx.temperature, lse.data_ptr(),
-                                       ent.data_ptr() if g_ent is not None else 0, g_lp.data_ptr(),
+                                       targets.data_ptr(), ctx.vocab_start, ctx.temperature, m.data_ptr(),
+                                       log_se.data_ptr(), ent.data_ptr() if g_ent is not None else 0,
+                                       g_lp.data_ptr(),
                                        g_ent.data_ptr() if g_ent is not None else 0, grad.data_ptr(), grad.stride(0),
                                        ctx.num_threads)
             else:
-                _grad_torch(logits, targets, ctx.vocab_start, ctx.temperature, lse, ent, g_lp, g_ent, grad)
+                _grad_torch(logits, targets, ctx.vocab_start, ctx.temperature, m, log_se, ent, g_lp, g_ent, grad)
             return grad, None, None, None, None, None, None
 
     return TokenLogprob
@@ -176,12 +177,12 @@ def _stats_torch(logits, targets, vocab_start, temperature, entropy, out):
     return out
 
 
-def _grad_torch(logits, targets, vocab_start, temperature, lse, ent, g_lp, g_ent, grad):
+def _grad_torch(logits, targets, vocab_start, temperature, m, log_se, ent, g_lp, g_ent, grad):
     torch = _torch()
     vocab = logits.shape[1]
     for lo in range(0, logits.shape[0], _ROW_BLOCK):
         hi = lo + _ROW_BLOCK
-        logp = logits[lo:hi].float() / temperature - lse[lo:hi, None]
+        logp = (logits[lo:hi].float() / temperature - m[lo:hi, None]) - log_se[lo:hi, None]
         p = torch.exp(logp)
         g = -g_lp[lo:hi, None] * p
         if g_ent is not None:

@@ -12,7 +12,8 @@
 //
 // Backward (row_grad): d/dx of  g_lp * logprob + g_ent * entropy  for one row:
 //   (g_lp * (onehot(target) - p) - g_ent * p * (log p + H)) / temperature,
-// recomputing p = exp(z - lse) from the saved lse (the softmax is never stored).
+// recomputing p = exp((z - max) - log_sumexp) from the saved row statistics (the
+// softmax is never stored).
 // Rows whose target is negative and whose entropy gradient is 0 get zeros.
 //
 // Accumulation is fp32 within blocks of the row and fp64 across blocks, for
@@ -45,7 +46,10 @@ void row_stats(const LogitsView& logits, const int64_t* targets, int64_t vocab_s
                const RowStats& out, int num_threads = 0);
 
 struct RowGradInputs {
-  const float* lse = nullptr;       // [rows], global log-sum-exp of z
+  // The global log-sum-exp of z as max + log_sumexp (kept apart: at large logits
+  // their sum would lose the low bits that z - max keeps).
+  const float* max = nullptr;          // [rows]
+  const float* log_sumexp = nullptr;   // [rows], log(sum exp(z - max))
   const float* entropy = nullptr;   // [rows], may be null when grad_entropy is null
   const float* grad_logprob = nullptr;  // [rows]
   const float* grad_entropy = nullptr;  // [rows] or null
