@@ -15,14 +15,17 @@ keeps chunks ``r`` and ``2 * cp_size - 1 - r``::
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from . import _core
 from ._lengths import core_lengths
 
-__all__ = ["cp_partition_indices", "cp_restore_order"]
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+__all__ = ["cp_local_rows", "cp_partition_indices", "cp_restore_order", "gather_cp"]
 
 
 def check_cu_seqlens(cu: Any, name: str) -> Any:
@@ -53,3 +56,56 @@ def cp_restore_order(cu_seqlens_padded: Any, cp_size: int) -> np.ndarray:
     True
     """
     return _core.cp_restore_order(check_cu_seqlens(cu_seqlens_padded, "cu_seqlens_padded"), int(cp_size))
+
+
+def cp_local_rows(full: "torch.Tensor", cu_seqlens_padded: Any, cp_size: int, cp_rank: int) -> "torch.Tensor":
+    """Rank ``cp_rank``'s zigzag rows of a full THD tensor ``[T, ...]`` (one gather)."""
+    import torch
+
+    if cp_size == 1:
+        return full
+    index = torch.from_numpy(cp_partition_indices(cu_seqlens_padded, cp_size, cp_rank)).to(full.device)
+    return full.index_select(0, index)
+
+
+_GATHER = None
+
+
+def gather_cp(local: "torch.Tensor", cu_seqlens_padded: Any, group) -> "torch.Tensor":
+    """Every CP rank's zigzag-local rows ``[T / cp, ...]``, all-gathered over
+    ``group`` (one collective per micro-batch) and put back in sequence order
+    ``[T, ...]``. Backward: the gradient is summed over the CP group, then this
+    rank's rows are kept - so when every rank computes the same loss on the
+    gathered tensor, divide that loss by the CP size (NeMo-RL's convention)."""
+    global _GATHER
+    if _GATHER is None:
+        _GATHER = _make_gather()
+    return _GATHER.apply(local, cu_seqlens_padded, group)
+
+
+def _make_gather():
+    import torch
+    import torch.distributed as dist
+
+    class GatherCP(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, local, cu_seqlens_padded, group):
+            cp = dist.get_world_size(group)
+            ctx.group, ctx.rank, ctx.cu = group, dist.get_rank(group), cu_seqlens_padded
+            if cp == 1:
+                return local.clone()
+            pieces = [torch.empty_like(local) for _ in range(cp)]
+            dist.all_gather(pieces, local.contiguous(), group=group)
+            order = torch.from_numpy(cp_restore_order(cu_seqlens_padded, cp)).to(local.device)
+            return torch.cat(pieces).index_select(0, order)
+
+        @staticmethod
+        def backward(ctx, grad):
+            cp = dist.get_world_size(ctx.group)
+            if cp == 1:
+                return grad, None, None
+            grad = grad.contiguous().clone()
+            dist.all_reduce(grad, group=ctx.group)
+            return cp_local_rows(grad, ctx.cu, cp, ctx.rank), None, None
+
+    return GatherCP
