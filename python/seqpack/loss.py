@@ -101,9 +101,8 @@ def segment_sum(values: "torch.Tensor", cu_seqlens: Any) -> "torch.Tensor":
 
 def segment_mean(values: "torch.Tensor", cu_seqlens: Any) -> "torch.Tensor":
     """Mean per sequence (0 for an empty one)."""
-    cu = _host_cu(cu_seqlens, "cu_seqlens")
-    counts = values.new_tensor(np.maximum(np.diff(cu), 1))
-    return segment_sum(values, cu) / counts.view(-1, *([1] * (values.dim() - 1)))
+    counts = values.new_tensor(np.maximum(np.diff(_host_cu(cu_seqlens, "cu_seqlens")), 1))
+    return segment_sum(values, cu_seqlens) / counts.view(-1, *([1] * (values.dim() - 1)))
 
 
 def masked_mean(values: "torch.Tensor", mask: "torch.Tensor", dim: Optional[int] = None,

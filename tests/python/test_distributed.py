@@ -75,8 +75,61 @@ def check_batch_balance(rank, world):
     assert (int(lo), int(hi)) == (metrics["global_seqlen/balanced_min"], metrics["global_seqlen/balanced_max"])
 
 
+def check_loss_context_parallel(rank, world):
+    # Every rank holds its zigzag rows of the packed logits; the loss (same on every
+    # rank) / cp backwards into exactly the unpacked gradient of those rows.
+    from seqpack import cp_partition_indices
+    from seqpack.loss import ClippedPGLoss, SequencePackingLossWrapper
+    from test_loss import PG_CFG, make_batch, unpacked_loss
+
+    lengths = [7, 1, 12, 5]
+    data, unpacked, packed, cu, cu_p, gvt, gvs = make_batch(lengths, 12, 48, seed=5, multiple=2 * world)
+    loss_fn = ClippedPGLoss({**PG_CFG, "entropy_coef": 0.01})
+    base = unpacked.clone().requires_grad_()
+    base_loss, base_metrics = unpacked_loss(loss_fn, base, data, gvs, gvt)
+    base_loss.backward()
+    full_grad = torch.zeros_like(packed)
+    for i, n in enumerate(lengths):
+        full_grad[cu_p[i]: cu_p[i] + n] = base.grad[i, :n]
+    rows = torch.from_numpy(cp_partition_indices(cu_p, world, rank))
+    for fused in (False, True):
+        local = packed[rows].clone().requires_grad_()
+        wrapper = SequencePackingLossWrapper(loss_fn, None, cu, cu_p, context_parallel_group=dist.group.WORLD,
+                                             fused=fused)
+        loss, metrics = wrapper(local[None], data, gvs, gvt)
+        torch.testing.assert_close(loss, base_loss, rtol=1e-6, atol=1e-7)
+        (loss / world).backward()
+        torch.testing.assert_close(local.grad, full_grad[rows], rtol=1e-5, atol=1e-7)
+        assert metrics["loss"] == pytest.approx(base_metrics["loss"], rel=1e-5)
+
+
+def check_loss_vocab_parallel(rank, world):
+    from seqpack.loss import NLLLoss, SequencePackingLossWrapper
+    from test_loss import make_batch, unpacked_loss
+
+    lengths = [6, 3, 9]
+    vocab = 48
+    data, unpacked, packed, cu, cu_p, gvt, gvs = make_batch(lengths, 9, vocab, seed=6)
+    base = unpacked.clone().requires_grad_()
+    base_loss, _ = unpacked_loss(NLLLoss(), base, data, gvs, gvt)
+    base_loss.backward()
+    width = vocab // world
+    cols = slice(rank * width, (rank + 1) * width)
+    for fused in (False, True):
+        local = packed[:, cols].clone().requires_grad_()
+        wrapper = SequencePackingLossWrapper(NLLLoss(), None, cu, cu_p, vocab_parallel_rank=rank,
+                                             vocab_parallel_group=dist.group.WORLD, fused=fused)
+        loss, _ = wrapper(local, data, gvs, gvt)
+        torch.testing.assert_close(loss, base_loss, rtol=1e-6, atol=1e-7)
+        loss.backward()
+        for i, n in enumerate(lengths):
+            torch.testing.assert_close(local.grad[cu_p[i]: cu_p[i] + n], base.grad[i, :n, cols], rtol=1e-5,
+                                       atol=1e-7)
+
+
 CHECKS = {"all_gather": check_all_gather, "count_agreement": check_count_agreement,
-          "synchronised_error": check_synchronised_error, "batch_balance": check_batch_balance}
+          "synchronised_error": check_synchronised_error, "batch_balance": check_batch_balance,
+          "loss_context_parallel": check_loss_context_parallel, "loss_vocab_parallel": check_loss_vocab_parallel}
 
 
 def worker(rank, world, port, names, errors):
@@ -120,3 +173,8 @@ def run_world(world, names):
 def test_gloo_ranks(world):
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     run_world(world, list(CHECKS))
+
+
+def test_gloo_four_context_parallel_ranks():
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    run_world(4, ["loss_context_parallel"])
