@@ -4,6 +4,9 @@
 
 #include "convert.hpp"
 #include "seqpack/logprob.hpp"
+#ifdef SEQPACK_WITH_CUDA
+#include "seqpack/cuda_logprob.hpp"
+#endif
 
 namespace seqpack::bindings {
 namespace {
@@ -59,6 +62,31 @@ void init_logprob(py::module_& m) {
       py::arg("grad_logprob"), py::arg("grad_entropy"), py::arg("grad"), py::arg("grad_row_stride"),
       py::arg("num_threads") = 0,
       "d(g_lp * logprob + g_ent * entropy)/d logits for a (slice of) logits, written in the logits' dtype.");
+#ifdef SEQPACK_WITH_CUDA
+  // The same on device pointers, launched on the caller's stream (cudaStream_t).
+  m.def(
+      "cuda_logprob_row_stats",
+      [](uintptr_t logits, int64_t rows, int64_t vocab, int64_t row_stride, const std::string& dtype,
+         uintptr_t targets, int64_t vocab_start, float temperature, uintptr_t max, uintptr_t sumexp, uintptr_t zexp,
+         uintptr_t target_z, uintptr_t stream) {
+        const LogitsView v = view(logits, rows, vocab, row_stride, dtype);
+        const RowStats out{ptr<float>(max), ptr<float>(sumexp), ptr<float>(zexp), ptr<float>(target_z)};
+        cuda::launch_logprob_row_stats(v, ptr<const int64_t>(targets), vocab_start, temperature, out,
+                                       reinterpret_cast<void*>(stream));
+      });
+  m.def(
+      "cuda_logprob_row_grad",
+      [](uintptr_t logits, int64_t rows, int64_t vocab, int64_t row_stride, const std::string& dtype,
+         uintptr_t targets, int64_t vocab_start, float temperature, uintptr_t max, uintptr_t log_sumexp,
+         uintptr_t entropy, uintptr_t grad_logprob, uintptr_t grad_entropy, uintptr_t grad, int64_t grad_row_stride,
+         uintptr_t stream) {
+        const LogitsView v = view(logits, rows, vocab, row_stride, dtype);
+        const RowGradInputs in{ptr<const float>(max), ptr<const float>(log_sumexp), ptr<const float>(entropy),
+                               ptr<const float>(grad_logprob), ptr<const float>(grad_entropy)};
+        cuda::launch_logprob_row_grad(v, ptr<const int64_t>(targets), vocab_start, temperature, in, ptr<void>(grad),
+                                      grad_row_stride, reinterpret_cast<void*>(stream));
+      });
+#endif
 }
 
 }  // namespace seqpack::bindings

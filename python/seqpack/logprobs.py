@@ -92,13 +92,17 @@ def _make_function():
     def stats(logits, targets, vocab_start, temperature, entropy, num_threads):
         rows, vocab = logits.shape
         out = torch.empty((4 if entropy else 3, rows), dtype=torch.float32, device=logits.device)
+        args = (logits.data_ptr(), rows, vocab, logits.stride(0), _DTYPES[str(logits.dtype)], targets.data_ptr(),
+                vocab_start, temperature, out[0].data_ptr(), out[1].data_ptr(), out[3].data_ptr() if entropy else 0,
+                out[2].data_ptr())
         if logits.device.type == "cpu":
-            _core.logprob_row_stats(logits.data_ptr(), rows, vocab, logits.stride(0), _DTYPES[str(logits.dtype)],
-                                    targets.data_ptr(), vocab_start, temperature, out[0].data_ptr(),
-                                    out[1].data_ptr(), out[3].data_ptr() if entropy else 0, out[2].data_ptr(),
-                                    num_threads)
-            return out
-        return _stats_torch(logits, targets, vocab_start, temperature, entropy, out)
+            _core.logprob_row_stats(*args, num_threads)
+        elif _cuda_kernels(logits):
+            with torch.cuda.device(logits.device):
+                _core.cuda_logprob_row_stats(*args, torch.cuda.current_stream(logits.device).cuda_stream)
+        else:
+            _stats_torch(logits, targets, vocab_start, temperature, entropy, out)
+        return out
 
     class TokenLogprob(torch.autograd.Function):
         @staticmethod
@@ -138,18 +142,24 @@ def _make_function():
                 g_ent = torch.where(has, grad_entropy.float(), torch.zeros_like(m)).contiguous()
             grad = torch.empty_like(logits, memory_format=torch.contiguous_format)
             rows, vocab = logits.shape
+            args = (logits.data_ptr(), rows, vocab, logits.stride(0), _DTYPES[str(logits.dtype)], targets.data_ptr(),
+                    ctx.vocab_start, ctx.temperature, m.data_ptr(), log_se.data_ptr(),
+                    ent.data_ptr() if g_ent is not None else 0, g_lp.data_ptr(),
+                    g_ent.data_ptr() if g_ent is not None else 0, grad.data_ptr(), grad.stride(0))
             if logits.device.type == "cpu":
-                _core.logprob_row_grad(logits.data_ptr(), rows, vocab, logits.stride(0), _DTYPES[str(logits.dtype)],
-                                       targets.data_ptr(), ctx.vocab_start, ctx.temperature, m.data_ptr(),
-                                       log_se.data_ptr(), ent.data_ptr() if g_ent is not None else 0,
-                                       g_lp.data_ptr(),
-                                       g_ent.data_ptr() if g_ent is not None else 0, grad.data_ptr(), grad.stride(0),
-                                       ctx.num_threads)
+                _core.logprob_row_grad(*args, ctx.num_threads)
+            elif _cuda_kernels(logits):
+                with torch.cuda.device(logits.device):
+                    _core.cuda_logprob_row_grad(*args, torch.cuda.current_stream(logits.device).cuda_stream)
             else:
                 _grad_torch(logits, targets, ctx.vocab_start, ctx.temperature, m, log_se, ent, g_lp, g_ent, grad)
             return grad, None, None, None, None, None, None
 
     return TokenLogprob
+
+
+def _cuda_kernels(t) -> bool:
+    return t.device.type == "cuda" and bool(getattr(_core, "built_with_cuda", False))
 
 
 # Devices without a seqpack kernel: the same arithmetic in torch, a block of rows
