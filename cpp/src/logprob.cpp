@@ -3,18 +3,19 @@
 #include <algorithm>
 #include <bit>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <string>
 
 #include "seqpack/common.hpp"
 #include "thread_pool.hpp"
 
-// Hot loops are compiled for AVX2+FMA as well as the baseline and picked at run
-// time (GCC/Clang function multiversioning on x86-64 Linux).
-#if defined(__x86_64__) && defined(__linux__) && (defined(__GNUC__) || defined(__clang__))
-#define SEQPACK_MULTIVERSION __attribute__((target_clones("arch=haswell", "default")))
-#else
-#define SEQPACK_MULTIVERSION
+// The row loops exist twice: 8 lanes compiled for AVX2+FMA, 4 lanes for the
+// baseline ISA; the CPU picks once at run time (x86-64). Elsewhere: 4 lanes.
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define SEQPACK_X86_DISPATCH 1
+#define SEQPACK_AVX2 __attribute__((target("avx2,fma")))
+#pragma GCC diagnostic ignored "-Wpsabi"  // 32-byte vectors in always-inlined helpers only
 #endif
 
 namespace seqpack {
@@ -26,7 +27,7 @@ constexpr float kExpMin = -87.0f;         // exp() below this is ~1e-38: flushed
 
 // exp(x) for x <= 88 to ~2 ulp: x = n ln2 + r, a degree-6 polynomial on r, times
 // 2^n from the exponent bits. Branch-free, so loops over it vectorise.
-inline float fast_exp(float x) {
+[[gnu::always_inline]] inline float fast_exp(float x) {
   x = std::clamp(x, kExpMin, 88.0f);
   const float shifted = x * 1.44269504088896341f + 12582912.0f;  // round(x / ln2) in the low mantissa
   const float n = shifted - 12582912.0f;
@@ -42,16 +43,85 @@ inline float fast_exp(float x) {
   return p * scale;
 }
 
-inline float bf16_to_float(uint16_t h) { return std::bit_cast<float>(static_cast<uint32_t>(h) << 16); }
+// Several lanes at a time with GCC/Clang vector extensions (plain loops over the
+// scalar code above do not vectorise: its clamps and the reductions would need
+// reassociation, which -O3 alone does not allow).
+typedef float f4 __attribute__((vector_size(16)));
+typedef int32_t i4 __attribute__((vector_size(16)));
+typedef float f8 __attribute__((vector_size(32)));
+typedef int32_t i8 __attribute__((vector_size(32)));
+template <typename V>
+struct IntsOf;
+template <>
+struct IntsOf<f4> {
+  using type = i4;
+};
+template <>
+struct IntsOf<f8> {
+  using type = i8;
+};
+template <typename V>
+constexpr int64_t kLanesOf = sizeof(V) / sizeof(float);
 
-inline uint16_t float_to_bf16(float f) {
-  uint32_t u = std::bit_cast<uint32_t>(f);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);  // quiet NaN
-  u += 0x7fffu + ((u >> 16) & 1u);  // round to nearest even
-  return static_cast<uint16_t>(u >> 16);
+template <typename V>
+[[gnu::always_inline]] inline V splat(float v) {
+  return V{} + v;
+}
+template <typename V>
+[[gnu::always_inline]] inline V vload(const float* p) {
+  V v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+template <typename V>
+[[gnu::always_inline]] inline void vstore(float* p, V v) {
+  std::memcpy(p, &v, sizeof v);
+}
+template <typename V>
+[[gnu::always_inline]] inline V vmax(V a, V b) {
+  return a > b ? a : b;
 }
 
-inline float half_to_float(uint16_t h) {
+template <typename V>
+[[gnu::always_inline]] inline V vexp(V x) {  // fast_exp, lane by lane
+  using I = typename IntsOf<V>::type;
+  x = vmax(x, splat<V>(kExpMin));
+  x = x < 88.0f ? x : splat<V>(88.0f);
+  const V n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+  const V r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
+  V p = splat<V>(1.9875691500e-4f);
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const I bits = (__builtin_convertvector(n, I) + 127) << 23;
+  return p * std::bit_cast<V>(bits);
+}
+
+template <typename V>
+[[gnu::always_inline]] inline float hsum(V v) {
+  float s = 0.0f;
+  for (int k = 0; k < kLanesOf<V>; ++k) s += v[k];
+  return s;
+}
+template <typename V>
+[[gnu::always_inline]] inline float hmax(V v) {
+  float m = v[0];
+  for (int k = 1; k < kLanesOf<V>; ++k) m = std::max(m, v[k]);
+  return m;
+}
+
+[[gnu::always_inline]] inline float bf16_to_float(uint16_t h) { return std::bit_cast<float>(static_cast<uint32_t>(h) << 16); }
+
+[[gnu::always_inline]] inline uint16_t float_to_bf16(float f) {
+  const uint32_t u = std::bit_cast<uint32_t>(f);
+  const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;  // round to nearest even
+  return static_cast<uint16_t>((u & 0x7fffffffu) > 0x7f800000u ? (u >> 16) | 0x40u : rounded);  // NaN stays NaN
+}
+
+[[gnu::always_inline]] inline float half_to_float(uint16_t h) {
   const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
   const uint32_t body = static_cast<uint32_t>(h & 0x7fffu) << 13;
   float f = std::bit_cast<float>(body) * 0x1p112f;  // rebias normals and subnormals alike
@@ -59,7 +129,7 @@ inline float half_to_float(uint16_t h) {
   return std::bit_cast<float>(std::bit_cast<uint32_t>(f) | sign);
 }
 
-inline uint16_t float_to_half(float f) {
+[[gnu::always_inline]] inline uint16_t float_to_half(float f) {
   uint32_t x = std::bit_cast<uint32_t>(f);
   const auto sign = static_cast<uint16_t>((x >> 16) & 0x8000u);
   x &= 0x7fffffffu;
@@ -77,8 +147,8 @@ template <typename T>
 struct Io;
 template <>
 struct Io<float> {
-  static float load(const float* p, int64_t i) { return p[i]; }
-  static void store(float* p, int64_t i, float v) { p[i] = v; }
+  [[gnu::always_inline]] static float load(const float* p, int64_t i) { return p[i]; }
+  [[gnu::always_inline]] static void store(float* p, int64_t i, float v) { p[i] = v; }
 };
 struct BF16 {
   uint16_t bits;
@@ -88,14 +158,25 @@ struct F16 {
 };
 template <>
 struct Io<BF16> {
-  static float load(const BF16* p, int64_t i) { return bf16_to_float(p[i].bits); }
-  static void store(BF16* p, int64_t i, float v) { p[i].bits = float_to_bf16(v); }
+  [[gnu::always_inline]] static float load(const BF16* p, int64_t i) { return bf16_to_float(p[i].bits); }
+  [[gnu::always_inline]] static void store(BF16* p, int64_t i, float v) { p[i].bits = float_to_bf16(v); }
 };
 template <>
 struct Io<F16> {
-  static float load(const F16* p, int64_t i) { return half_to_float(p[i].bits); }
-  static void store(F16* p, int64_t i, float v) { p[i].bits = float_to_half(v); }
+  [[gnu::always_inline]] static float load(const F16* p, int64_t i) { return half_to_float(p[i].bits); }
+  [[gnu::always_inline]] static void store(F16* p, int64_t i, float v) { p[i].bits = float_to_half(v); }
 };
+
+// Rows converted to fp32 (times 1/temperature) a block at a time, and fp32 results
+// converted back: separate simple loops that the compiler vectorises.
+template <typename T>
+[[gnu::always_inline]] inline void load_block(const T* __restrict x, float* __restrict z, int64_t n, float inv_t) {
+  for (int64_t i = 0; i < n; ++i) z[i] = Io<T>::load(x, i) * inv_t;
+}
+template <typename T>
+[[gnu::always_inline]] inline void store_block(T* __restrict g, const float* __restrict v, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) Io<T>::store(g, i, v[i]);
+}
 
 struct StatsOut {
   float max, sumexp, zexp, target_z;
@@ -104,18 +185,20 @@ struct StatsOut {
 // One row: online log-sum-exp over blocks (fp32 within a block, fp64 across). The
 // entropy sum is taken relative to the maximum (every term <= 0), so that
 // H = log(sumexp) - zexp / sumexp has no cancellation.
-template <typename T>
-inline StatsOut stats_row(const T* __restrict x, int64_t vocab, float inv_t, int64_t local_target, bool entropy) {
+template <typename T, typename V>
+[[gnu::always_inline]] inline StatsOut stats_row(const T* __restrict x, int64_t vocab, float inv_t,
+                                                 int64_t local_target, bool entropy) {
+  constexpr int64_t kLanes = kLanesOf<V>;
   alignas(64) float z[kBlock];
   float m = -std::numeric_limits<float>::infinity();
   double s = 0.0, t = 0.0;
   for (int64_t b = 0; b < vocab; b += kBlock) {
-    const int64_t n = std::min(kBlock, vocab - b);
-    float bm = -std::numeric_limits<float>::infinity();
-    for (int64_t i = 0; i < n; ++i) {
-      z[i] = Io<T>::load(x, b + i) * inv_t;
-      bm = std::max(bm, z[i]);
-    }
+    const int64_t n = std::min(kBlock, vocab - b), full = n - n % kLanes;
+    load_block(x + b, z, n, inv_t);
+    V vm = splat<V>(-std::numeric_limits<float>::infinity());
+    for (int64_t i = 0; i < full; i += kLanes) vm = vmax(vm, vload<V>(z + i));
+    float bm = hmax(vm);
+    for (int64_t i = full; i < n; ++i) bm = std::max(bm, z[i]);
     if (bm > m) {
       if (s > 0.0) {  // re-express the sums relative to the new maximum
         const double shift = static_cast<double>(m) - static_cast<double>(bm);
@@ -125,16 +208,19 @@ inline StatsOut stats_row(const T* __restrict x, int64_t vocab, float inv_t, int
       }
       m = bm;
     }
-    float bs = 0.0f, bt = 0.0f;
-    if (entropy) {
-      for (int64_t i = 0; i < n; ++i) {
-        const float d = z[i] - m;
-        const float e = fast_exp(d);
-        bs += e;
-        bt += e * d;
-      }
-    } else {
-      for (int64_t i = 0; i < n; ++i) bs += fast_exp(z[i] - m);
+    V vs{}, vt{};
+    const V vmx = splat<V>(m);
+    for (int64_t i = 0; i < full; i += kLanes) {
+      const V d = vload<V>(z + i) - vmx;
+      const V e = vexp(d);
+      vs += e;
+      if (entropy) vt += e * d;
+    }
+    float bs = hsum(vs), bt = hsum(vt);
+    for (int64_t i = full; i < n; ++i) {
+      const float d = z[i] - m, e = fast_exp(d);
+      bs += e;
+      bt += entropy ? e * d : 0.0f;
     }
     s += bs;
     t += bt;
@@ -143,17 +229,29 @@ inline StatsOut stats_row(const T* __restrict x, int64_t vocab, float inv_t, int
   return {m, static_cast<float>(s), static_cast<float>(t), tz};
 }
 
-template <typename T>
-inline void grad_row(const T* __restrict x, T* __restrict g, int64_t vocab, float inv_t, int64_t local_target,
-                     float m, float log_s, float g_lp, float g_ent, float h) {
+template <typename T, typename V>
+[[gnu::always_inline]] inline void grad_row(const T* __restrict x, T* __restrict g, int64_t vocab, float inv_t,
+                                            int64_t local_target, float m, float log_s, float g_lp, float g_ent,
+                                            float h) {
+  constexpr int64_t kLanes = kLanesOf<V>;
   // d/dz: g_lp * (onehot - p) - g_ent * p * (log p + H); then / temperature.
+  alignas(64) float z[kBlock];
   const float a = -g_lp * inv_t, c = -g_ent * inv_t;
-  for (int64_t i = 0; i < vocab; ++i) {
-    const float logp = (Io<T>::load(x, i) * inv_t - m) - log_s;
-    const float p = fast_exp(logp);
-    Io<T>::store(g, i, p * (a + c * (logp + h)));
+  const V va = splat<V>(a), vc = splat<V>(c), vh = splat<V>(h), vm = splat<V>(m), vls = splat<V>(log_s);
+  for (int64_t b = 0; b < vocab; b += kBlock) {
+    const int64_t n = std::min(kBlock, vocab - b), full = n - n % kLanes;
+    load_block(x + b, z, n, inv_t);
+    for (int64_t i = 0; i < full; i += kLanes) {
+      const V logp = (vload<V>(z + i) - vm) - vls;
+      vstore(z + i, vexp(logp) * (va + vc * (logp + vh)));
+    }
+    for (int64_t i = full; i < n; ++i) {
+      const float logp = (z[i] - m) - log_s;
+      z[i] = fast_exp(logp) * (a + c * (logp + h));
+    }
+    if (local_target >= b && local_target < b + n) z[local_target - b] += g_lp * inv_t;
+    store_block(g + b, z, n);
   }
-  if (local_target >= 0) Io<T>::store(g, local_target, Io<T>::load(g, local_target) + g_lp * inv_t);
 }
 
 int64_t local_index(const int64_t* targets, int64_t r, int64_t vocab_start, int64_t vocab) {
@@ -161,13 +259,13 @@ int64_t local_index(const int64_t* targets, int64_t r, int64_t vocab_start, int6
   return (t >= vocab_start && t < vocab_start + vocab) ? t - vocab_start : -1;
 }
 
-template <typename T>
-SEQPACK_MULTIVERSION void stats_rows(const LogitsView& v, const int64_t* targets, int64_t vocab_start, float inv_t,
-                                     const RowStats& out, int64_t lo, int64_t hi) {
+template <typename T, typename V>
+[[gnu::always_inline]] inline void stats_rows(const LogitsView& v, const int64_t* targets, int64_t vocab_start,
+                                              float inv_t, const RowStats& out, int64_t lo, int64_t hi) {
   const auto* base = static_cast<const T*>(v.data);
   for (int64_t r = lo; r < hi; ++r) {
-    const StatsOut s = stats_row<T>(base + r * v.row_stride, v.vocab, inv_t,
-                                    local_index(targets, r, vocab_start, v.vocab), out.zexp != nullptr);
+    const StatsOut s = stats_row<T, V>(base + r * v.row_stride, v.vocab, inv_t,
+                                       local_index(targets, r, vocab_start, v.vocab), out.zexp != nullptr);
     out.max[r] = s.max;
     out.sumexp[r] = s.sumexp;
     if (out.zexp) out.zexp[r] = s.zexp;
@@ -175,9 +273,10 @@ SEQPACK_MULTIVERSION void stats_rows(const LogitsView& v, const int64_t* targets
   }
 }
 
-template <typename T>
-SEQPACK_MULTIVERSION void grad_rows(const LogitsView& v, const int64_t* targets, int64_t vocab_start, float inv_t,
-                                    const RowGradInputs& in, void* grad, int64_t grad_stride, int64_t lo, int64_t hi) {
+template <typename T, typename V>
+[[gnu::always_inline]] inline void grad_rows(const LogitsView& v, const int64_t* targets, int64_t vocab_start,
+                                             float inv_t, const RowGradInputs& in, void* grad, int64_t grad_stride,
+                                             int64_t lo, int64_t hi) {
   const auto* base = static_cast<const T*>(v.data);
   auto* gbase = static_cast<T*>(grad);
   for (int64_t r = lo; r < hi; ++r) {
@@ -189,9 +288,54 @@ SEQPACK_MULTIVERSION void grad_rows(const LogitsView& v, const int64_t* targets,
       for (int64_t i = 0; i < v.vocab; ++i) Io<T>::store(g, i, 0.0f);
       continue;
     }
-    grad_row<T>(base + r * v.row_stride, g, v.vocab, inv_t, t, in.max[r], in.log_sumexp[r], g_lp, g_ent,
-                in.entropy ? in.entropy[r] : 0.0f);
+    grad_row<T, V>(base + r * v.row_stride, g, v.vocab, inv_t, t, in.max[r], in.log_sumexp[r], g_lp, g_ent,
+                   in.entropy ? in.entropy[r] : 0.0f);
   }
+}
+
+// The two builds of the row loops, and the choice between them.
+template <typename T>
+void stats_rows_base(const LogitsView& v, const int64_t* t, int64_t vs, float it, const RowStats& o, int64_t lo,
+                     int64_t hi) {
+  stats_rows<T, f4>(v, t, vs, it, o, lo, hi);
+}
+template <typename T>
+void grad_rows_base(const LogitsView& v, const int64_t* t, int64_t vs, float it, const RowGradInputs& in, void* g,
+                    int64_t gs, int64_t lo, int64_t hi) {
+  grad_rows<T, f4>(v, t, vs, it, in, g, gs, lo, hi);
+}
+#ifdef SEQPACK_X86_DISPATCH
+template <typename T>
+SEQPACK_AVX2 void stats_rows_avx2(const LogitsView& v, const int64_t* t, int64_t vs, float it, const RowStats& o,
+                                  int64_t lo, int64_t hi) {
+  stats_rows<T, f8>(v, t, vs, it, o, lo, hi);
+}
+template <typename T>
+SEQPACK_AVX2 void grad_rows_avx2(const LogitsView& v, const int64_t* t, int64_t vs, float it,
+                                 const RowGradInputs& in, void* g, int64_t gs, int64_t lo, int64_t hi) {
+  grad_rows<T, f8>(v, t, vs, it, in, g, gs, lo, hi);
+}
+bool has_avx2() {
+  static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return yes;
+}
+#endif
+
+template <typename T>
+void stats_rows_any(const LogitsView& v, const int64_t* t, int64_t vs, float it, const RowStats& o, int64_t lo,
+                    int64_t hi) {
+#ifdef SEQPACK_X86_DISPATCH
+  if (has_avx2()) return stats_rows_avx2<T>(v, t, vs, it, o, lo, hi);
+#endif
+  stats_rows_base<T>(v, t, vs, it, o, lo, hi);
+}
+template <typename T>
+void grad_rows_any(const LogitsView& v, const int64_t* t, int64_t vs, float it, const RowGradInputs& in, void* g,
+                   int64_t gs, int64_t lo, int64_t hi) {
+#ifdef SEQPACK_X86_DISPATCH
+  if (has_avx2()) return grad_rows_avx2<T>(v, t, vs, it, in, g, gs, lo, hi);
+#endif
+  grad_rows_base<T>(v, t, vs, it, in, g, gs, lo, hi);
 }
 
 void check_view(const char* fn, const LogitsView& v, const int64_t* targets, float temperature) {
@@ -206,8 +350,9 @@ template <typename F>
 void over_rows(int64_t rows, int num_threads, F&& body) {
   if (num_threads < 0) throw_invalid("logprob", "num_threads must be >= 0");
   const size_t threads = num_threads > 0 ? static_cast<size_t>(num_threads) : detail::available_threads();
-  const auto tasks = static_cast<size_t>(std::max<int64_t>(
-      1, std::min<int64_t>(static_cast<int64_t>(threads) * 4, rows / kRowsPerTask)));
+  // One task per thread (rows cost the same): the task count caps the concurrency.
+  const auto tasks = static_cast<size_t>(
+      std::max<int64_t>(1, std::min<int64_t>(static_cast<int64_t>(threads), rows / kRowsPerTask)));
   detail::parallel_for(tasks, [&](size_t k) {
     const auto T = static_cast<int64_t>(tasks), i = static_cast<int64_t>(k);
     body(rows / T * i + rows % T * i / T, rows / T * (i + 1) + rows % T * (i + 1) / T);
@@ -223,9 +368,9 @@ void row_stats(const LogitsView& logits, const int64_t* targets, int64_t vocab_s
   const float inv_t = 1.0f / temperature;
   over_rows(logits.rows, num_threads, [&](int64_t lo, int64_t hi) {
     switch (logits.dtype) {
-      case LogitsDtype::Float32: stats_rows<float>(logits, targets, vocab_start, inv_t, out, lo, hi); break;
-      case LogitsDtype::BFloat16: stats_rows<BF16>(logits, targets, vocab_start, inv_t, out, lo, hi); break;
-      case LogitsDtype::Float16: stats_rows<F16>(logits, targets, vocab_start, inv_t, out, lo, hi); break;
+      case LogitsDtype::Float32: stats_rows_any<float>(logits, targets, vocab_start, inv_t, out, lo, hi); break;
+      case LogitsDtype::BFloat16: stats_rows_any<BF16>(logits, targets, vocab_start, inv_t, out, lo, hi); break;
+      case LogitsDtype::Float16: stats_rows_any<F16>(logits, targets, vocab_start, inv_t, out, lo, hi); break;
     }
   });
 }
@@ -241,13 +386,13 @@ void row_grad(const LogitsView& logits, const int64_t* targets, int64_t vocab_st
   over_rows(logits.rows, num_threads, [&](int64_t lo, int64_t hi) {
     switch (logits.dtype) {
       case LogitsDtype::Float32:
-        grad_rows<float>(logits, targets, vocab_start, inv_t, in, grad, grad_row_stride, lo, hi);
+        grad_rows_any<float>(logits, targets, vocab_start, inv_t, in, grad, grad_row_stride, lo, hi);
         break;
       case LogitsDtype::BFloat16:
-        grad_rows<BF16>(logits, targets, vocab_start, inv_t, in, grad, grad_row_stride, lo, hi);
+        grad_rows_any<BF16>(logits, targets, vocab_start, inv_t, in, grad, grad_row_stride, lo, hi);
         break;
       case LogitsDtype::Float16:
-        grad_rows<F16>(logits, targets, vocab_start, inv_t, in, grad, grad_row_stride, lo, hi);
+        grad_rows_any<F16>(logits, targets, vocab_start, inv_t, in, grad, grad_row_stride, lo, hi);
         break;
     }
   });

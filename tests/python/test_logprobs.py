@@ -169,3 +169,10 @@ def test_errors():
         packed_token_logprobs(torch.zeros(5, 3), ids, cu, cu_p, temperature=0.0)
     with pytest.raises(ValueError, match="multiple of"):
         packed_token_logprobs(torch.zeros(2, 3), ids, cu, cu_p, cp_size=2)
+
+
+def test_docs_worked_example():
+    # docs/loss.md: lengths [5, 3] padded to [8, 4], CP = 2.
+    assert seqpack.cp_partition_indices([0, 8, 12], 2, 0).tolist() == [0, 1, 6, 7, 8, 11]
+    assert next_token_sources([0, 5, 8], [0, 8, 12], cp_size=2, cp_rank=0).tolist() == [1, 2, -1, -1, 9, -1]
+    assert next_token_sources([0, 5, 8], [0, 8, 12], cp_size=2, cp_rank=1).tolist() == [3, 4, -1, -1, 10, -1]
