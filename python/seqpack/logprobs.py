@@ -22,13 +22,16 @@ slice start: the per-row max and sums are combined with three all-reduces.
 
 from __future__ import annotations
 
-from typing import Any, Optional, Tuple, Union
+from typing import TYPE_CHECKING, Any, Tuple, Union
 
 import numpy as np
 
 from . import _core
 from .cp import check_cu_seqlens
 from ._lengths import as_lengths, as_positive_int
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
 
 __all__ = ["next_token_sources", "packed_token_logprobs"]
 

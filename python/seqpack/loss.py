@@ -30,13 +30,16 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, Mapping, Optional, Tuple
 
 import numpy as np
 
 from ._lengths import as_lengths
 from .cp import check_cu_seqlens, gather_cp
 from .logprobs import packed_token_logprobs
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
 
 __all__ = [
     "ClippedPGLoss",
