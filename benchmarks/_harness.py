@@ -72,6 +72,15 @@ def environment() -> Dict[str, str]:
     }
 
 
+def announce(env: Dict[str, str], torch_module: Any = None) -> Dict[str, str]:
+    """Add torch's version and threads (when given) to ``env`` and print it."""
+    if torch_module is not None:
+        env["torch"] = torch_module.__version__
+        env["torch_threads"] = str(torch_module.get_num_threads())
+    print("environment: " + ", ".join(f"{k}={v}" for k, v in env.items()) + "\n")
+    return env
+
+
 def format_table(title: str, columns: List[str], rows: Iterable[List[Any]], note: str = "") -> str:
     from seqpack.report import Table
 

@@ -23,7 +23,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _harness import CsvLog, environment, format_table, measure  # noqa: E402
+from _harness import CsvLog, announce, environment, format_table, measure  # noqa: E402
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -136,10 +136,7 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--csv")
     args = parser.parse_args()
-    env = environment()
-    env["torch"] = torch.__version__
-    env["torch_threads"] = str(torch.get_num_threads())
-    print("environment: " + ", ".join(f"{k}={v}" for k, v in env.items()) + "\n")
+    env = announce(environment(), torch)
     log = CsvLog("loss", env, args.csv)
     rows, targets = [], {}
     rng = np.random.default_rng(0)

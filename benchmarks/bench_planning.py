@@ -20,7 +20,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _harness import CsvLog, environment, format_table, measure  # noqa: E402
+from _harness import CsvLog, announce, environment, format_table, measure  # noqa: E402
 
 import numpy as np  # noqa: E402
 
@@ -197,8 +197,7 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="small sizes (smoke test)")
     parser.add_argument("--csv", help="CSV path (default benchmarks/results/planning.csv)")
     args = parser.parse_args()
-    env = environment()
-    print("environment: " + ", ".join(f"{k}={v}" for k, v in env.items()) + "\n")
+    env = announce(environment())
     log = CsvLog("planning", env, args.csv)
     targets: dict = {}
     sizes = [512, 2048] if args.quick else [1024, 8192, 32768]

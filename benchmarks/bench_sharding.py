@@ -24,7 +24,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _harness import CsvLog, environment, format_table, measure  # noqa: E402
+from _harness import CsvLog, announce, environment, format_table, measure  # noqa: E402
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -137,9 +137,7 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--csv")
     args = parser.parse_args()
-    env = environment()
-    env["torch"] = torch.__version__
-    print("environment: " + ", ".join(f"{k}={v}" for k, v in env.items()) + "\n")
+    env = announce(environment(), torch)
     log = CsvLog("sharding", env, args.csv)
     torch.manual_seed(0)
     rows_total, width, batch_size, trials, mini = (512, 1024, 128, 5, 128) if args.quick else (512 * 16, 2048, 512,

@@ -31,7 +31,7 @@ import sys
 THP_FROM_BYTES = 64 << 20
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _harness import CsvLog, environment, format_table, measure  # noqa: E402
+from _harness import CsvLog, announce, environment, format_table, measure  # noqa: E402
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -185,10 +185,8 @@ def main() -> int:
         print(json.dumps(run_shape(args.shape, shapes[args.shape], args.threads)))
         return 0
     env = environment()
-    env["torch"] = torch.__version__
-    env["torch_threads"] = str(torch.get_num_threads())
     env["thp_mem_alloc"] = "never" if args.no_thp else f"cases of >= {THP_FROM_BYTES >> 20} MiB"
-    print("environment: " + ", ".join(f"{k}={v}" for k, v in env.items()) + "\n")
+    announce(env, torch)
     log = CsvLog("thd", env, args.csv)
     rows, targets = [], {}
     for name, spec in shapes.items():

@@ -25,24 +25,6 @@ constexpr int64_t kBlock = 512;           // columns per fp32 partial sum
 constexpr int64_t kRowsPerTask = 8;       // at least this many rows per thread task
 constexpr float kExpMin = -87.0f;         // exp() below this is ~1e-38: flushed to it
 
-// exp(x) for x <= 88 to ~2 ulp: x = n ln2 + r, a degree-6 polynomial on r, times
-// 2^n from the exponent bits. Branch-free, so loops over it vectorise.
-[[gnu::always_inline]] inline float fast_exp(float x) {
-  x = std::clamp(x, kExpMin, 88.0f);
-  const float shifted = x * 1.44269504088896341f + 12582912.0f;  // round(x / ln2) in the low mantissa
-  const float n = shifted - 12582912.0f;
-  const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;  // x - n ln2, two-part ln2
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  const auto scale = std::bit_cast<float>(static_cast<uint32_t>(static_cast<int32_t>(n) + 127) << 23);
-  return p * scale;
-}
-
 // Several lanes at a time with GCC/Clang vector extensions (plain loops over the
 // scalar code above do not vectorise: its clamps and the reductions would need
 // reassociation, which -O3 alone does not allow).
@@ -82,8 +64,10 @@ template <typename V>
   return a > b ? a : b;
 }
 
+// exp(x) lane by lane for x <= 88, to ~2 ulp: x = n ln2 + r, a degree-6
+// polynomial on r, times 2^n from the exponent bits; below -87 flushed to ~1e-38.
 template <typename V>
-[[gnu::always_inline]] inline V vexp(V x) {  // fast_exp, lane by lane
+[[gnu::always_inline]] inline V vexp(V x) {
   using I = typename IntsOf<V>::type;
   x = vmax(x, splat<V>(kExpMin));
   x = x < 88.0f ? x : splat<V>(88.0f);
@@ -99,6 +83,9 @@ template <typename V>
   const I bits = (__builtin_convertvector(n, I) + 127) << 23;
   return p * std::bit_cast<V>(bits);
 }
+
+// The same for one value (row tails).
+[[gnu::always_inline]] inline float fast_exp(float x) { return vexp(splat<f4>(x))[0]; }
 
 template <typename V>
 [[gnu::always_inline]] inline float hsum(V v) {
