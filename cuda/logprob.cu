@@ -87,7 +87,7 @@ struct alignas(sizeof(T) * V) Pack {
 
 template <typename T, int V>
 __global__ void stats_kernel(const T* __restrict__ logits, int64_t rows, int64_t vocab, int64_t stride,
-                             const int64_t* __restrict__ targets, int64_t vocab_start, float inv_t, float* max_out,
+                             const int64_t* __restrict__ targets, int64_t vocab_start, float tau, float* max_out,
                              float* sumexp_out, float* zexp_out, float* target_out) {
   const bool entropy = zexp_out != nullptr;
   for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
@@ -98,16 +98,16 @@ __global__ void stats_kernel(const T* __restrict__ logits, int64_t rows, int64_t
     for (int64_t i = threadIdx.x; i < packs; i += blockDim.x) {
       const Pack<T, V> p = xv[i];
 #pragma unroll
-      for (int k = 0; k < V; ++k) add(a, to_float(p.v[k]) * inv_t, entropy);
+      for (int k = 0; k < V; ++k) add(a, to_float(p.v[k]) / tau, entropy);
     }
-    for (int64_t i = packs * V + threadIdx.x; i < vocab; i += blockDim.x) add(a, to_float(x[i]) * inv_t, entropy);
+    for (int64_t i = packs * V + threadIdx.x; i < vocab; i += blockDim.x) add(a, to_float(x[i]) / tau, entropy);
     a = block_reduce(a);
     if (threadIdx.x == 0) {
       max_out[r] = a.m;
       sumexp_out[r] = a.s;
       if (entropy) zexp_out[r] = a.t;
       const int64_t t = targets[r] - vocab_start;
-      target_out[r] = (targets[r] >= 0 && t >= 0 && t < vocab) ? to_float(x[t]) * inv_t : 0.0f;
+      target_out[r] = (targets[r] >= 0 && t >= 0 && t < vocab) ? to_float(x[t]) / tau : 0.0f;
     }
     __syncthreads();  // warp_acc is reused by the next row
   }
@@ -115,7 +115,7 @@ __global__ void stats_kernel(const T* __restrict__ logits, int64_t rows, int64_t
 
 template <typename T, int V>
 __global__ void grad_kernel(const T* __restrict__ logits, int64_t rows, int64_t vocab, int64_t stride,
-                            const int64_t* __restrict__ targets, int64_t vocab_start, float inv_t,
+                            const int64_t* __restrict__ targets, int64_t vocab_start, float tau,
                             const float* __restrict__ max_in, const float* __restrict__ log_s_in,
                             const float* __restrict__ entropy_in, const float* __restrict__ g_lp_in,
                             const float* __restrict__ g_ent_in, T* __restrict__ grad, int64_t grad_stride) {
@@ -128,7 +128,7 @@ __global__ void grad_kernel(const T* __restrict__ logits, int64_t rows, int64_t 
     const int64_t t = targets[r] - vocab_start;
     const int64_t local = (has && t >= 0 && t < vocab) ? t : -1;
     const float m = max_in[r], ls = log_s_in[r], h = entropy_in ? entropy_in[r] : 0.0f;
-    const float a = -g_lp * inv_t, c = -g_ent * inv_t, hit = g_lp * inv_t;
+    const float inv_t = 1.0f / tau, a = -g_lp * inv_t, c = -g_ent * inv_t, hit = g_lp * inv_t;
     const bool zero = g_lp == 0.0f && g_ent == 0.0f;
     const int64_t packs = (grad_stride % V == 0) ? vocab / V : 0;
     const auto* xv = reinterpret_cast<const Pack<T, V>*>(x);
@@ -139,7 +139,7 @@ __global__ void grad_kernel(const T* __restrict__ logits, int64_t rows, int64_t 
 #pragma unroll
       for (int k = 0; k < V; ++k) {
         const int64_t col = i * V + k;
-        const float logp = (to_float(p.v[k]) * inv_t - m) - ls;
+        const float logp = (to_float(p.v[k]) / tau - m) - ls;
         const float e = expf(logp);
         const float v = zero ? 0.0f : e * (a + c * (logp + h)) + (col == local ? hit : 0.0f);
         out.v[k] = from_float<T>(v);
@@ -147,7 +147,7 @@ __global__ void grad_kernel(const T* __restrict__ logits, int64_t rows, int64_t 
       gv[i] = out;
     }
     for (int64_t col = packs * V + threadIdx.x; col < vocab; col += blockDim.x) {
-      const float logp = (to_float(x[col]) * inv_t - m) - ls;
+      const float logp = (to_float(x[col]) / tau - m) - ls;
       const float e = expf(logp);
       const float v = zero ? 0.0f : e * (a + c * (logp + h)) + (col == local ? hit : 0.0f);
       g[col] = from_float<T>(v);
@@ -158,32 +158,32 @@ __global__ void grad_kernel(const T* __restrict__ logits, int64_t rows, int64_t 
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
 template <typename T>
-void stats_typed(const LogitsView& v, const int64_t* targets, int64_t vocab_start, float inv_t, const RowStats& o,
+void stats_typed(const LogitsView& v, const int64_t* targets, int64_t vocab_start, float tau, const RowStats& o,
                  cudaStream_t s) {
   constexpr int V = 16 / sizeof(T);
   const auto blocks = static_cast<unsigned>(std::min(v.rows, kMaxBlocks));
   const auto* x = static_cast<const T*>(v.data);
   if (aligned16(x) && v.row_stride % V == 0)
-    stats_kernel<T, V><<<blocks, kThreads, 0, s>>>(x, v.rows, v.vocab, v.row_stride, targets, vocab_start, inv_t,
+    stats_kernel<T, V><<<blocks, kThreads, 0, s>>>(x, v.rows, v.vocab, v.row_stride, targets, vocab_start, tau,
                                                    o.max, o.sumexp, o.zexp, o.target_z);
   else
-    stats_kernel<T, 1><<<blocks, kThreads, 0, s>>>(x, v.rows, v.vocab, v.row_stride, targets, vocab_start, inv_t,
+    stats_kernel<T, 1><<<blocks, kThreads, 0, s>>>(x, v.rows, v.vocab, v.row_stride, targets, vocab_start, tau,
                                                    o.max, o.sumexp, o.zexp, o.target_z);
 }
 
 template <typename T>
-void grad_typed(const LogitsView& v, const int64_t* targets, int64_t vocab_start, float inv_t, const RowGradInputs& in,
+void grad_typed(const LogitsView& v, const int64_t* targets, int64_t vocab_start, float tau, const RowGradInputs& in,
                 void* grad, int64_t grad_stride, cudaStream_t s) {
   constexpr int V = 16 / sizeof(T);
   const auto blocks = static_cast<unsigned>(std::min(v.rows, kMaxBlocks));
   const auto* x = static_cast<const T*>(v.data);
   auto* g = static_cast<T*>(grad);
   if (aligned16(x) && aligned16(g) && v.row_stride % V == 0 && grad_stride % V == 0)
-    grad_kernel<T, V><<<blocks, kThreads, 0, s>>>(x, v.rows, v.vocab, v.row_stride, targets, vocab_start, inv_t,
+    grad_kernel<T, V><<<blocks, kThreads, 0, s>>>(x, v.rows, v.vocab, v.row_stride, targets, vocab_start, tau,
                                                   in.max, in.log_sumexp, in.entropy, in.grad_logprob,
                                                   in.grad_entropy, g, grad_stride);
   else
-    grad_kernel<T, 1><<<blocks, kThreads, 0, s>>>(x, v.rows, v.vocab, v.row_stride, targets, vocab_start, inv_t,
+    grad_kernel<T, 1><<<blocks, kThreads, 0, s>>>(x, v.rows, v.vocab, v.row_stride, targets, vocab_start, tau,
                                                   in.max, in.log_sumexp, in.entropy, in.grad_logprob,
                                                   in.grad_entropy, g, grad_stride);
 }
@@ -201,11 +201,10 @@ void launch_logprob_row_stats(const LogitsView& v, const int64_t* targets, int64
   check_args(v, temperature);
   if (v.rows == 0) return;
   auto s = static_cast<cudaStream_t>(stream);
-  const float inv_t = 1.0f / temperature;
   switch (v.dtype) {
-    case LogitsDtype::Float32: stats_typed<float>(v, targets, vocab_start, inv_t, out, s); break;
-    case LogitsDtype::BFloat16: stats_typed<__nv_bfloat16>(v, targets, vocab_start, inv_t, out, s); break;
-    case LogitsDtype::Float16: stats_typed<__half>(v, targets, vocab_start, inv_t, out, s); break;
+    case LogitsDtype::Float32: stats_typed<float>(v, targets, vocab_start, temperature, out, s); break;
+    case LogitsDtype::BFloat16: stats_typed<__nv_bfloat16>(v, targets, vocab_start, temperature, out, s); break;
+    case LogitsDtype::Float16: stats_typed<__half>(v, targets, vocab_start, temperature, out, s); break;
   }
   check(cudaGetLastError(), "logprob stats kernel launch");
 }
@@ -215,13 +214,12 @@ void launch_logprob_row_grad(const LogitsView& v, const int64_t* targets, int64_
   check_args(v, temperature);
   if (v.rows == 0) return;
   auto s = static_cast<cudaStream_t>(stream);
-  const float inv_t = 1.0f / temperature;
   switch (v.dtype) {
-    case LogitsDtype::Float32: grad_typed<float>(v, targets, vocab_start, inv_t, in, grad, grad_row_stride, s); break;
+    case LogitsDtype::Float32: grad_typed<float>(v, targets, vocab_start, temperature, in, grad, grad_row_stride, s); break;
     case LogitsDtype::BFloat16:
-      grad_typed<__nv_bfloat16>(v, targets, vocab_start, inv_t, in, grad, grad_row_stride, s);
+      grad_typed<__nv_bfloat16>(v, targets, vocab_start, temperature, in, grad, grad_row_stride, s);
       break;
-    case LogitsDtype::Float16: grad_typed<__half>(v, targets, vocab_start, inv_t, in, grad, grad_row_stride, s); break;
+    case LogitsDtype::Float16: grad_typed<__half>(v, targets, vocab_start, temperature, in, grad, grad_row_stride, s); break;
   }
   check(cudaGetLastError(), "logprob grad kernel launch");
 }

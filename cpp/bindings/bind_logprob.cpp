@@ -28,6 +28,7 @@ T* ptr(uintptr_t p) {
 }  // namespace
 
 void init_logprob(py::module_& m) {
+  m.def("logprob_cpu_isa", &logprob_cpu_isa, "The CPU build of the log-prob kernels in use.");
   m.def(
       "logprob_row_stats",
       [](uintptr_t logits, int64_t rows, int64_t vocab, int64_t row_stride, const std::string& dtype,

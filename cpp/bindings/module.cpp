@@ -3,6 +3,8 @@
 // throws std::invalid_argument, which pybind11 raises as ValueError.
 #include <pybind11/pybind11.h>
 
+#include "seqpack/common.hpp"
+
 #ifdef SEQPACK_WITH_CUDA
 #include "seqpack/cuda_device.hpp"
 #include "seqpack/cuda_move.hpp"
@@ -27,6 +29,11 @@ PYBIND11_MODULE(_core, m) {
   seqpack::bindings::init_metrics(m);
   seqpack::bindings::init_thd(m);
   seqpack::bindings::init_logprob(m);
+  m.def(
+      "advise_huge_pages",
+      [](uintptr_t data, size_t bytes) { return seqpack::advise_huge_pages(reinterpret_cast<void*>(data), bytes); },
+      py::arg("data"), py::arg("bytes"),
+      "madvise(MADV_HUGEPAGE) on the 2 MiB-aligned interior of a fresh host buffer; False where unsupported.");
 #ifdef SEQPACK_WITH_CUDA
   m.attr("built_with_cuda") = true;
   m.def("cuda_device_count", &seqpack::cuda::device_count);

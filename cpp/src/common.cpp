@@ -2,6 +2,10 @@
 
 #include <limits>
 
+#ifdef __linux__
+#include <sys/mman.h>
+#endif
+
 namespace seqpack {
 
 IndexGroups IndexGroups::from_nested(const std::vector<std::vector<int64_t>>& nested) {
@@ -24,6 +28,20 @@ std::vector<int64_t> group_sums(const IndexGroups& groups, Lengths values) {
   for (size_t g = 0; g < groups.size(); ++g)
     for (int64_t i : groups.group(g)) sums[g] += values[static_cast<size_t>(i)];
   return sums;
+}
+
+bool advise_huge_pages(void* data, size_t bytes) {
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+  constexpr uintptr_t kHuge = uintptr_t{2} << 20;
+  const auto begin = reinterpret_cast<uintptr_t>(data);
+  const uintptr_t lo = (begin + kHuge - 1) & ~(kHuge - 1), hi = (begin + bytes) & ~(kHuge - 1);
+  if (data == nullptr || hi <= lo) return false;
+  return madvise(reinterpret_cast<void*>(lo), hi - lo, MADV_HUGEPAGE) == 0;
+#else
+  (void)data;
+  (void)bytes;
+  return false;
+#endif
 }
 
 void throw_invalid(const char* function, const std::string& message) {

@@ -3,18 +3,22 @@
 #include <algorithm>
 #include <bit>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <string>
+#include <type_traits>
 
 #include "seqpack/common.hpp"
 #include "thread_pool.hpp"
 
-// The row loops exist twice: 8 lanes compiled for AVX2+FMA, 4 lanes for the
-// baseline ISA; the CPU picks once at run time (x86-64). Elsewhere: 4 lanes.
+// The row loops exist three times on x86-64: 16 lanes for AVX-512, 8 lanes for
+// AVX2+FMA, 4 lanes for the baseline ISA; the CPU picks once at run time.
+// Elsewhere: 4 lanes.
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #define SEQPACK_X86_DISPATCH 1
 #define SEQPACK_AVX2 __attribute__((target("avx2,fma")))
+#define SEQPACK_AVX512 __attribute__((target("avx512f,avx512dq,avx512bw,avx512vl,avx2,fma")))
 #pragma GCC diagnostic ignored "-Wpsabi"  // 32-byte vectors in always-inlined helpers only
 #endif
 
@@ -32,6 +36,8 @@ typedef float f4 __attribute__((vector_size(16)));
 typedef int32_t i4 __attribute__((vector_size(16)));
 typedef float f8 __attribute__((vector_size(32)));
 typedef int32_t i8 __attribute__((vector_size(32)));
+typedef float f16 __attribute__((vector_size(64)));
+typedef int32_t i16 __attribute__((vector_size(64)));
 template <typename V>
 struct IntsOf;
 template <>
@@ -41,6 +47,10 @@ struct IntsOf<f4> {
 template <>
 struct IntsOf<f8> {
   using type = i8;
+};
+template <>
+struct IntsOf<f16> {
+  using type = i16;
 };
 template <typename V>
 constexpr int64_t kLanesOf = sizeof(V) / sizeof(float);
@@ -157,8 +167,8 @@ struct Io<F16> {
 // Rows converted to fp32 (times 1/temperature) a block at a time, and fp32 results
 // converted back: separate simple loops that the compiler vectorises.
 template <typename T>
-[[gnu::always_inline]] inline void load_block(const T* __restrict x, float* __restrict z, int64_t n, float inv_t) {
-  for (int64_t i = 0; i < n; ++i) z[i] = Io<T>::load(x, i) * inv_t;
+[[gnu::always_inline]] inline void load_block(const T* __restrict x, float* __restrict z, int64_t n, float tau) {
+  for (int64_t i = 0; i < n; ++i) z[i] = Io<T>::load(x, i) / tau;  // divided, as x / temperature in PyTorch
 }
 template <typename T>
 [[gnu::always_inline]] inline void store_block(T* __restrict g, const float* __restrict v, int64_t n) {
@@ -173,7 +183,7 @@ struct StatsOut {
 // entropy sum is taken relative to the maximum (every term <= 0), so that
 // H = log(sumexp) - zexp / sumexp has no cancellation.
 template <typename T, typename V>
-[[gnu::always_inline]] inline StatsOut stats_row(const T* __restrict x, int64_t vocab, float inv_t,
+[[gnu::always_inline]] inline StatsOut stats_row(const T* __restrict x, int64_t vocab, float tau,
                                                  int64_t local_target, bool entropy) {
   constexpr int64_t kLanes = kLanesOf<V>;
   alignas(64) float z[kBlock];
@@ -181,11 +191,17 @@ template <typename T, typename V>
   double s = 0.0, t = 0.0;
   for (int64_t b = 0; b < vocab; b += kBlock) {
     const int64_t n = std::min(kBlock, vocab - b), full = n - n % kLanes;
-    load_block(x + b, z, n, inv_t);
+    const float* zb = z;
+    if constexpr (std::is_same_v<T, float>) {
+      if (tau == 1.0f) zb = x + b;  // no conversion or scaling: read the row in place
+      else load_block(x + b, z, n, tau);
+    } else {
+      load_block(x + b, z, n, tau);
+    }
     V vm = splat<V>(-std::numeric_limits<float>::infinity());
-    for (int64_t i = 0; i < full; i += kLanes) vm = vmax(vm, vload<V>(z + i));
+    for (int64_t i = 0; i < full; i += kLanes) vm = vmax(vm, vload<V>(zb + i));
     float bm = hmax(vm);
-    for (int64_t i = full; i < n; ++i) bm = std::max(bm, z[i]);
+    for (int64_t i = full; i < n; ++i) bm = std::max(bm, zb[i]);
     if (bm > m) {
       if (s > 0.0) {  // re-express the sums relative to the new maximum
         const double shift = static_cast<double>(m) - static_cast<double>(bm);
@@ -198,36 +214,51 @@ template <typename T, typename V>
     V vs{}, vt{};
     const V vmx = splat<V>(m);
     for (int64_t i = 0; i < full; i += kLanes) {
-      const V d = vload<V>(z + i) - vmx;
+      const V d = vload<V>(zb + i) - vmx;
       const V e = vexp(d);
       vs += e;
       if (entropy) vt += e * d;
     }
     float bs = hsum(vs), bt = hsum(vt);
     for (int64_t i = full; i < n; ++i) {
-      const float d = z[i] - m, e = fast_exp(d);
+      const float d = zb[i] - m, e = fast_exp(d);
       bs += e;
       bt += entropy ? e * d : 0.0f;
     }
     s += bs;
     t += bt;
   }
-  const float tz = local_target >= 0 ? Io<T>::load(x, local_target) * inv_t : 0.0f;
+  const float tz = local_target >= 0 ? Io<T>::load(x, local_target) / tau : 0.0f;
   return {m, static_cast<float>(s), static_cast<float>(t), tz};
 }
 
 template <typename T, typename V>
-[[gnu::always_inline]] inline void grad_row(const T* __restrict x, T* __restrict g, int64_t vocab, float inv_t,
+[[gnu::always_inline]] inline void grad_row(const T* __restrict x, T* __restrict g, int64_t vocab, float tau,
                                             int64_t local_target, float m, float log_s, float g_lp, float g_ent,
                                             float h) {
   constexpr int64_t kLanes = kLanesOf<V>;
   // d/dz: g_lp * (onehot - p) - g_ent * p * (log p + H); then / temperature.
   alignas(64) float z[kBlock];
-  const float a = -g_lp * inv_t, c = -g_ent * inv_t;
+  const float inv_t = 1.0f / tau, a = -g_lp * inv_t, c = -g_ent * inv_t;
   const V va = splat<V>(a), vc = splat<V>(c), vh = splat<V>(h), vm = splat<V>(m), vls = splat<V>(log_s);
+  if constexpr (std::is_same_v<T, float>) {
+    // fp32: straight from the logits to the gradient, no staging block.
+    const int64_t full = vocab - vocab % kLanes;
+    const V vtau = splat<V>(tau);
+    for (int64_t i = 0; i < full; i += kLanes) {
+      const V logp = ((tau == 1.0f ? vload<V>(x + i) : vload<V>(x + i) / vtau) - vm) - vls;
+      vstore(g + i, vexp(logp) * (va + vc * (logp + vh)));
+    }
+    for (int64_t i = full; i < vocab; ++i) {
+      const float logp = (x[i] / tau - m) - log_s;
+      g[i] = fast_exp(logp) * (a + c * (logp + h));
+    }
+    if (local_target >= 0) g[local_target] += g_lp * inv_t;
+    return;
+  }
   for (int64_t b = 0; b < vocab; b += kBlock) {
     const int64_t n = std::min(kBlock, vocab - b), full = n - n % kLanes;
-    load_block(x + b, z, n, inv_t);
+    load_block(x + b, z, n, tau);
     for (int64_t i = 0; i < full; i += kLanes) {
       const V logp = (vload<V>(z + i) - vm) - vls;
       vstore(z + i, vexp(logp) * (va + vc * (logp + vh)));
@@ -248,10 +279,10 @@ int64_t local_index(const int64_t* targets, int64_t r, int64_t vocab_start, int6
 
 template <typename T, typename V>
 [[gnu::always_inline]] inline void stats_rows(const LogitsView& v, const int64_t* targets, int64_t vocab_start,
-                                              float inv_t, const RowStats& out, int64_t lo, int64_t hi) {
+                                              float tau, const RowStats& out, int64_t lo, int64_t hi) {
   const auto* base = static_cast<const T*>(v.data);
   for (int64_t r = lo; r < hi; ++r) {
-    const StatsOut s = stats_row<T, V>(base + r * v.row_stride, v.vocab, inv_t,
+    const StatsOut s = stats_row<T, V>(base + r * v.row_stride, v.vocab, tau,
                                        local_index(targets, r, vocab_start, v.vocab), out.zexp != nullptr);
     out.max[r] = s.max;
     out.sumexp[r] = s.sumexp;
@@ -262,7 +293,7 @@ template <typename T, typename V>
 
 template <typename T, typename V>
 [[gnu::always_inline]] inline void grad_rows(const LogitsView& v, const int64_t* targets, int64_t vocab_start,
-                                             float inv_t, const RowGradInputs& in, void* grad, int64_t grad_stride,
+                                             float tau, const RowGradInputs& in, void* grad, int64_t grad_stride,
                                              int64_t lo, int64_t hi) {
   const auto* base = static_cast<const T*>(v.data);
   auto* gbase = static_cast<T*>(grad);
@@ -275,54 +306,77 @@ template <typename T, typename V>
       for (int64_t i = 0; i < v.vocab; ++i) Io<T>::store(g, i, 0.0f);
       continue;
     }
-    grad_row<T, V>(base + r * v.row_stride, g, v.vocab, inv_t, t, in.max[r], in.log_sumexp[r], g_lp, g_ent,
+    grad_row<T, V>(base + r * v.row_stride, g, v.vocab, tau, t, in.max[r], in.log_sumexp[r], g_lp, g_ent,
                    in.entropy ? in.entropy[r] : 0.0f);
   }
 }
 
-// The two builds of the row loops, and the choice between them.
-template <typename T>
-void stats_rows_base(const LogitsView& v, const int64_t* t, int64_t vs, float it, const RowStats& o, int64_t lo,
-                     int64_t hi) {
-  stats_rows<T, f4>(v, t, vs, it, o, lo, hi);
-}
-template <typename T>
-void grad_rows_base(const LogitsView& v, const int64_t* t, int64_t vs, float it, const RowGradInputs& in, void* g,
-                    int64_t gs, int64_t lo, int64_t hi) {
-  grad_rows<T, f4>(v, t, vs, it, in, g, gs, lo, hi);
-}
+// The builds of the row loops (4 lanes baseline; 8 lanes AVX2+FMA and 16 lanes
+// AVX-512 on x86-64) and the choice between them, made once per process.
 #ifdef SEQPACK_X86_DISPATCH
 template <typename T>
-SEQPACK_AVX2 void stats_rows_avx2(const LogitsView& v, const int64_t* t, int64_t vs, float it, const RowStats& o,
+SEQPACK_AVX2 void stats_rows_avx2(const LogitsView& v, const int64_t* t, int64_t vs, float tau, const RowStats& o,
                                   int64_t lo, int64_t hi) {
-  stats_rows<T, f8>(v, t, vs, it, o, lo, hi);
+  stats_rows<T, f8>(v, t, vs, tau, o, lo, hi);
 }
 template <typename T>
-SEQPACK_AVX2 void grad_rows_avx2(const LogitsView& v, const int64_t* t, int64_t vs, float it,
+SEQPACK_AVX2 void grad_rows_avx2(const LogitsView& v, const int64_t* t, int64_t vs, float tau,
                                  const RowGradInputs& in, void* g, int64_t gs, int64_t lo, int64_t hi) {
-  grad_rows<T, f8>(v, t, vs, it, in, g, gs, lo, hi);
+  grad_rows<T, f8>(v, t, vs, tau, in, g, gs, lo, hi);
 }
-bool has_avx2() {
-  static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  return yes;
+template <typename T>
+SEQPACK_AVX512 void stats_rows_avx512(const LogitsView& v, const int64_t* t, int64_t vs, float tau,
+                                      const RowStats& o, int64_t lo, int64_t hi) {
+  stats_rows<T, f16>(v, t, vs, tau, o, lo, hi);
+}
+template <typename T>
+SEQPACK_AVX512 void grad_rows_avx512(const LogitsView& v, const int64_t* t, int64_t vs, float tau,
+                                     const RowGradInputs& in, void* g, int64_t gs, int64_t lo, int64_t hi) {
+  grad_rows<T, f16>(v, t, vs, tau, in, g, gs, lo, hi);
 }
 #endif
 
+enum class Isa { Baseline, Avx2, Avx512 };
+
+Isa detect_isa() {
+  Isa best = Isa::Baseline;
+#ifdef SEQPACK_X86_DISPATCH
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) best = Isa::Avx2;
+  if (best == Isa::Avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq") &&
+      __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl"))
+    best = Isa::Avx512;
+#endif
+  // SEQPACK_CPU_ISA=baseline|avx2 caps the choice (tests of every build, A/B runs).
+  if (const char* cap = std::getenv("SEQPACK_CPU_ISA")) {
+    const std::string c(cap);
+    if (c == "baseline") best = Isa::Baseline;
+    else if (c == "avx2" && best == Isa::Avx512) best = Isa::Avx2;
+  }
+  return best;
+}
+
+Isa cpu_isa() {
+  static const Isa isa = detect_isa();
+  return isa;
+}
+
 template <typename T>
-void stats_rows_any(const LogitsView& v, const int64_t* t, int64_t vs, float it, const RowStats& o, int64_t lo,
+void stats_rows_any(const LogitsView& v, const int64_t* t, int64_t vs, float tau, const RowStats& o, int64_t lo,
                     int64_t hi) {
 #ifdef SEQPACK_X86_DISPATCH
-  if (has_avx2()) return stats_rows_avx2<T>(v, t, vs, it, o, lo, hi);
+  if (cpu_isa() == Isa::Avx512) return stats_rows_avx512<T>(v, t, vs, tau, o, lo, hi);
+  if (cpu_isa() == Isa::Avx2) return stats_rows_avx2<T>(v, t, vs, tau, o, lo, hi);
 #endif
-  stats_rows_base<T>(v, t, vs, it, o, lo, hi);
+  stats_rows<T, f4>(v, t, vs, tau, o, lo, hi);
 }
 template <typename T>
-void grad_rows_any(const LogitsView& v, const int64_t* t, int64_t vs, float it, const RowGradInputs& in, void* g,
+void grad_rows_any(const LogitsView& v, const int64_t* t, int64_t vs, float tau, const RowGradInputs& in, void* g,
                    int64_t gs, int64_t lo, int64_t hi) {
 #ifdef SEQPACK_X86_DISPATCH
-  if (has_avx2()) return grad_rows_avx2<T>(v, t, vs, it, in, g, gs, lo, hi);
+  if (cpu_isa() == Isa::Avx512) return grad_rows_avx512<T>(v, t, vs, tau, in, g, gs, lo, hi);
+  if (cpu_isa() == Isa::Avx2) return grad_rows_avx2<T>(v, t, vs, tau, in, g, gs, lo, hi);
 #endif
-  grad_rows_base<T>(v, t, vs, it, in, g, gs, lo, hi);
+  grad_rows<T, f4>(v, t, vs, tau, in, g, gs, lo, hi);
 }
 
 void check_view(const char* fn, const LogitsView& v, const int64_t* targets, float temperature) {
@@ -348,16 +402,23 @@ void over_rows(int64_t rows, int num_threads, F&& body) {
 
 }  // namespace
 
+const char* logprob_cpu_isa() {
+  switch (cpu_isa()) {
+    case Isa::Avx512: return "avx512";
+    case Isa::Avx2: return "avx2";
+    default: return "baseline";
+  }
+}
+
 void row_stats(const LogitsView& logits, const int64_t* targets, int64_t vocab_start, float temperature,
                const RowStats& out, int num_threads) {
   check_view("row_stats", logits, targets, temperature);
   if (logits.rows > 0 && (!out.max || !out.sumexp || !out.target_z)) throw_invalid("row_stats", "null output");
-  const float inv_t = 1.0f / temperature;
   over_rows(logits.rows, num_threads, [&](int64_t lo, int64_t hi) {
     switch (logits.dtype) {
-      case LogitsDtype::Float32: stats_rows_any<float>(logits, targets, vocab_start, inv_t, out, lo, hi); break;
-      case LogitsDtype::BFloat16: stats_rows_any<BF16>(logits, targets, vocab_start, inv_t, out, lo, hi); break;
-      case LogitsDtype::Float16: stats_rows_any<F16>(logits, targets, vocab_start, inv_t, out, lo, hi); break;
+      case LogitsDtype::Float32: stats_rows_any<float>(logits, targets, vocab_start, temperature, out, lo, hi); break;
+      case LogitsDtype::BFloat16: stats_rows_any<BF16>(logits, targets, vocab_start, temperature, out, lo, hi); break;
+      case LogitsDtype::Float16: stats_rows_any<F16>(logits, targets, vocab_start, temperature, out, lo, hi); break;
     }
   });
 }
@@ -369,17 +430,16 @@ void row_grad(const LogitsView& logits, const int64_t* targets, int64_t vocab_st
   if (logits.rows > 0 && (!grad || !in.max || !in.log_sumexp || !in.grad_logprob))
     throw_invalid("row_grad", "null buffer");
   if (in.grad_entropy && !in.entropy) throw_invalid("row_grad", "grad_entropy needs the entropy");
-  const float inv_t = 1.0f / temperature;
   over_rows(logits.rows, num_threads, [&](int64_t lo, int64_t hi) {
     switch (logits.dtype) {
       case LogitsDtype::Float32:
-        grad_rows_any<float>(logits, targets, vocab_start, inv_t, in, grad, grad_row_stride, lo, hi);
+        grad_rows_any<float>(logits, targets, vocab_start, temperature, in, grad, grad_row_stride, lo, hi);
         break;
       case LogitsDtype::BFloat16:
-        grad_rows_any<BF16>(logits, targets, vocab_start, inv_t, in, grad, grad_row_stride, lo, hi);
+        grad_rows_any<BF16>(logits, targets, vocab_start, temperature, in, grad, grad_row_stride, lo, hi);
         break;
       case LogitsDtype::Float16:
-        grad_rows_any<F16>(logits, targets, vocab_start, inv_t, in, grad, grad_row_stride, lo, hi);
+        grad_rows_any<F16>(logits, targets, vocab_start, temperature, in, grad, grad_row_stride, lo, hi);
         break;
     }
   });

@@ -77,6 +77,9 @@ def _torch():
     return torch
 
 
+_HUGE_PAGES_FROM = 64 << 20  # bytes
+
+
 class _FusedTokenLogprob:
     """Builds the autograd Function lazily (``import seqpack`` must not import torch)."""
 
@@ -144,6 +147,10 @@ def _make_function():
             if ent is not None and grad_entropy is not None:
                 g_ent = torch.where(has, grad_entropy.float(), torch.zeros_like(m)).contiguous()
             grad = torch.empty_like(logits, memory_format=torch.contiguous_format)
+            if grad.device.type == "cpu" and grad.nbytes >= _HUGE_PAGES_FROM:
+                # A fresh gradient as large as the logits: first-touch page faults
+                # would cost as much as the kernel itself (4 KiB pages).
+                _core.advise_huge_pages(grad.data_ptr(), grad.nbytes)
             rows, vocab = logits.shape
             args = (logits.data_ptr(), rows, vocab, logits.stride(0), _DTYPES[str(logits.dtype)], targets.data_ptr(),
                     ctx.vocab_start, ctx.temperature, m.data_ptr(), log_se.data_ptr(),

@@ -176,3 +176,61 @@ def test_docs_worked_example():
     assert seqpack.cp_partition_indices([0, 8, 12], 2, 0).tolist() == [0, 1, 6, 7, 8, 11]
     assert next_token_sources([0, 5, 8], [0, 8, 12], cp_size=2, cp_rank=0).tolist() == [1, 2, -1, -1, 9, -1]
     assert next_token_sources([0, 5, 8], [0, 8, 12], cp_size=2, cp_rank=1).tolist() == [3, 4, -1, -1, 10, -1]
+
+
+_EVERY_BUILD = """
+import sys, torch
+from seqpack import _core
+from seqpack.logprobs import packed_token_logprobs
+torch.manual_seed(5)
+lengths, vocab = [9, 1, 17, 40], 1001  # a vocabulary that is not a multiple of any lane count
+rows = sum(lengths)
+cu = torch.tensor([0, 9, 10, 27, 67], dtype=torch.int32).numpy()
+ids = torch.randint(0, vocab, (rows,))
+base = torch.randn(rows, vocab) * 3
+out = {}
+for dtype in (torch.float32, torch.bfloat16, torch.float16):
+    for temperature in (1.0, 0.7):
+        x = base.to(dtype).detach().requires_grad_()
+        lp, ent = packed_token_logprobs(x, ids, cu, return_entropy=True, temperature=temperature)
+        (lp * torch.linspace(-1, 2, rows) + ent * torch.linspace(1, -0.5, rows)).sum().backward()
+        out[f"{dtype}/{temperature}"] = (lp.detach(), ent.detach(), x.grad.float())
+torch.save(out, sys.argv[1])
+print(_core.logprob_cpu_isa())
+"""
+
+
+@pytest.mark.parametrize("isa", ["baseline", "avx2", "native"])
+def test_every_cpu_build_agrees_with_fp64(isa, tmp_path):
+    """Each CPU build of the kernels (4/8/16 lanes) against the fp64 reference; the
+    build is chosen by SEQPACK_CPU_ISA in a fresh process (it is fixed per process)."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ)
+    env.pop("SEQPACK_CPU_ISA", None)
+    if isa != "native":
+        env["SEQPACK_CPU_ISA"] = isa
+    path = tmp_path / "out.pt"
+    ran = subprocess.run([sys.executable, "-c", _EVERY_BUILD, str(path)], env=env, check=True, capture_output=True,
+                         text=True).stdout.strip()
+    if isa != "native" and ran != isa:
+        pytest.skip(f"this CPU has no {isa} build (runs {ran})")
+    out = torch.load(path)
+    torch.manual_seed(5)
+    lengths, vocab = [9, 1, 17, 40], 1001
+    rows = sum(lengths)
+    ids = torch.randint(0, vocab, (rows,))
+    base = torch.randn(rows, vocab) * 3
+    cu_p = np.concatenate([[0], np.cumsum(lengths)])
+    for key, (lp, ent, grad) in out.items():
+        dtype, temperature = key.split("/")
+        x = base.to(getattr(torch, dtype.split(".")[1])).double().requires_grad_()
+        ref_lp, ref_ent = reference(x, ids, lengths, cu_p, float(temperature))
+        (ref_lp * torch.linspace(-1, 2, rows).double() + ref_ent * torch.linspace(1, -0.5, rows).double()).sum() \
+            .backward()
+        tol = 1e-5 if dtype == "torch.float32" else 1e-2  # the gradient is stored in the logits' dtype
+        torch.testing.assert_close(lp.double(), ref_lp.detach(), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(ent.double(), ref_ent.detach(), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(grad.double(), x.grad, rtol=tol, atol=tol * 1e-2)

@@ -60,4 +60,8 @@ struct RowGradInputs {
 void row_grad(const LogitsView& logits, const int64_t* targets, int64_t vocab_start, float temperature,
               const RowGradInputs& in, void* grad, int64_t grad_row_stride, int num_threads = 0);
 
+// The CPU build the kernels run ("avx512", "avx2" or "baseline"): the best the
+// processor supports, capped by the environment variable SEQPACK_CPU_ISA.
+const char* logprob_cpu_isa();
+
 }  // namespace seqpack
