@@ -9,7 +9,9 @@ per-sequence loop wrapper, forward + backward, same packed logits.
            one backward, no [T, V] intermediate.
 All three compute the same SFT loss (checked); CPU fp32. Extra peak memory is the
 rise of the process's peak RSS (VmHWM, reset before each run) over its RSS before,
-minus the [T, V] gradient that every method must return.
+minus the [T, V] gradient that every method must return. PyTorch and the fused path
+run again in a child process with THP_MEM_ALLOC_ENABLE=1 (PyTorch's huge-page
+allocation for large CPU tensors), where PyTorch pays fewer first-touch page faults.
 
     python benchmarks/bench_loss.py            # full run
     python benchmarks/bench_loss.py --quick    # small sizes, smoke test
@@ -19,8 +21,11 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import os
+import subprocess
 import sys
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _harness import CsvLog, announce, environment, format_table, measure  # noqa: E402
@@ -28,6 +33,7 @@ from _harness import CsvLog, announce, environment, format_table, measure  # noq
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+import seqpack  # noqa: E402
 from seqpack.loss import NLLLoss, SequencePackingLossWrapper  # noqa: E402
 from seqpack.report import synthetic_rl_lengths  # noqa: E402
 
@@ -103,64 +109,100 @@ def packed_targets(data, cu):
     PACKED_TARGETS[id(data)] = (targets, mask)
 
 
-def bench_case(name, lengths, vocab, log, rows, targets, repeat):
+def bench_case(name, lengths, vocab, repeat, methods):
+    """Times (best run, s) and extra peak memory (MiB) of ``methods`` on one case."""
     logits, data, cu, gvt = make_case(lengths, vocab)
     packed_targets(data, cu)
-    total = logits.shape[0]
-    grad_mib = total * vocab * 4 / 2**20
-    results = {m: run(m, logits, data, cu, gvt) for m in ("torch", "loop", "fused")}
-    for m in ("loop", "fused"):
-        torch.testing.assert_close(results[m][0], results["torch"][0], rtol=1e-5, atol=1e-6)
-        torch.testing.assert_close(results[m][1], results["torch"][1], rtol=1e-4, atol=1e-7)
-    del results
+    grad_mib = logits.shape[0] * vocab * 4 / 2**20
+    reference = run("torch", logits, data, cu, gvt)
     times, mems = {}, {}
-    for m in ("torch", "loop", "fused"):
-        # The loop's backward adds a full-size [T, V] gradient per sequence (each
-        # slice's backward): seconds to minutes per run, so it runs once.
-        times[m] = measure(lambda: run(m, logits, data, cu, gvt), repeat=1 if m == "loop" else repeat,
-                           warmup=0 if m == "loop" else 1, budget_s=60)["min"]
-        mems[m] = max(0.0, peak_extra_mib(lambda: run(m, logits, data, cu, gvt)) - grad_mib)
-        log.add(f"{name}/V={vocab}", m, "seconds", times[m])
-        log.add(f"{name}/V={vocab}", m, "peak_extra_mib", mems[m])
-    case = f"{name}/V={vocab}"
-    targets[case] = {"vs_torch": times["torch"] / times["fused"], "vs_loop": times["loop"] / times["fused"],
-                     "memory_vs_torch": mems["torch"] / max(mems["fused"], 1e-9)}
-    print(f"  {name}, V={vocab}: done", flush=True)
-    rows.append([name, len(lengths), total, vocab, f"{total * vocab * 4 / 2**30:.2f}", times["torch"] * 1e3,
-                 times["loop"] * 1e3, times["fused"] * 1e3, times["torch"] / times["fused"],
-                 times["loop"] / times["fused"], mems["torch"], mems["loop"], mems["fused"]])
+    for m in methods:
+        if m == "loop":
+            # The loop's backward adds a full-size [T, V] gradient per sequence (each
+            # slice's backward): minutes per run, so one run gives time and memory.
+            box = {}
+
+            def once():
+                t0 = time.perf_counter()
+                box["out"] = run(m, logits, data, cu, gvt)
+                box["s"] = time.perf_counter() - t0
+
+            mems[m] = max(0.0, peak_extra_mib(once) - grad_mib)
+            times[m], out = box["s"], box.pop("out")
+        else:
+            out = run(m, logits, data, cu, gvt)
+            times[m] = measure(lambda: run(m, logits, data, cu, gvt), repeat=repeat, budget_s=60)["min"]
+            mems[m] = max(0.0, peak_extra_mib(lambda: run(m, logits, data, cu, gvt)) - grad_mib)
+        torch.testing.assert_close(out[0], reference[0], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(out[1], reference[1], rtol=1e-4, atol=1e-7)
+        del out
+    return {"sequences": len(lengths), "tokens": int(logits.shape[0]), "times": times, "mems": mems}
+
+
+def cases(quick):
+    """(name, lengths) per vocabulary; [T, V] fp32 kept within ~1.3 GiB, so the
+    larger vocabulary takes the first sequences only."""
+    rng = np.random.default_rng(0)
+    if quick:
+        short, long_tail, vocabs, budget = rng.integers(2, 9, 256), None, [2048], 2_000_000
+        long_tail = np.clip(synthetic_rl_lengths(64, seed=1, max_len=256) // 16, 2, 64)
+    else:
+        short, vocabs, budget = rng.integers(2, 17, 1024), [32000, 152064], 330_000_000
+        long_tail = np.clip(synthetic_rl_lengths(256, seed=1, max_len=8192) // 64, 2, 128)
+    out = []
+    for name, lengths in (("short (2-16 tokens)" if not quick else "short", short),
+                          ("long-tail (2-128)" if not quick else "long-tail", long_tail)):
+        for vocab in vocabs:
+            keep = lengths
+            while int(np.sum(keep)) * vocab > budget and len(keep) > 8:
+                keep = keep[: len(keep) * 3 // 4]
+            out.append((f"{name}/V={vocab}", keep, vocab))
+    return out
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--csv")
+    parser.add_argument("--thp-child", action="store_true", help=argparse.SUPPRESS)  # internal: JSON out
     args = parser.parse_args()
+    repeat = 2 if args.quick else 3
+    if args.thp_child:
+        out = {case: bench_case(case, lengths, vocab, repeat, ("torch", "fused"))
+               for case, lengths, vocab in cases(args.quick)}
+        print(json.dumps(out))
+        return 0
     env = announce(environment(), torch)
+    env["logprob_cpu_isa"] = seqpack._core.logprob_cpu_isa()
     log = CsvLog("loss", env, args.csv)
-    rows, targets = [], {}
-    rng = np.random.default_rng(0)
-    if args.quick:
-        cases = [("1024 short", rng.integers(2, 9, 256), [2048]), ("256 long-tail", None, [2048])]
-        long_tail = np.clip(synthetic_rl_lengths(64, seed=1, max_len=256) // 16, 2, 64)
-    else:
-        cases = [("1024 short", rng.integers(2, 17, 1024), [32000, 152064]), ("256 long-tail", None, [32000, 152064])]
-        long_tail = np.clip(synthetic_rl_lengths(256, seed=1, max_len=8192) // 64, 2, 128)
-    for name, lengths, vocabs in cases:
-        lengths = long_tail if lengths is None else lengths
-        for vocab in vocabs:
-            # Keep [T, V] fp32 within ~1.2 GiB: fewer tokens on the larger vocabulary.
-            budget = 300_000_000 if not args.quick else 2_000_000
-            keep = lengths
-            while int(np.sum(keep)) * vocab > budget and len(keep) > 8:
-                keep = keep[: len(keep) * 3 // 4]
-            bench_case(name if len(keep) == len(lengths) else f"{name} (first {len(keep)})", keep, vocab, log, rows,
-                       targets, repeat=3 if not args.quick else 2)
+    rows, results = [], {}
+    for case, lengths, vocab in cases(args.quick):
+        results[case] = r = bench_case(case, lengths, vocab, repeat, ("torch", "loop", "fused"))
+        print(f"  {case}: done", flush=True)
+    # The same cases with PyTorch's own huge-page allocation (THP_MEM_ALLOC_ENABLE=1,
+    # read once per process), which removes most of its first-touch page faults.
+    child_env = dict(os.environ, THP_MEM_ALLOC_ENABLE="1")
+    cmd = [sys.executable, os.path.abspath(__file__), "--thp-child"] + (["--quick"] if args.quick else [])
+    thp = json.loads(subprocess.run(cmd, env=child_env, check=True, capture_output=True, text=True)
+                     .stdout.strip().splitlines()[-1])
+    print("  THP_MEM_ALLOC_ENABLE=1: done", flush=True)
+    for case, r in results.items():
+        t, mem, tt = r["times"], r["mems"], thp[case]["times"]
+        for m in t:
+            log.add(case, m, "seconds", t[m])
+            log.add(case, m, "peak_extra_mib", mem[m])
+        for m in tt:
+            log.add(case, f"{m} (THP_MEM_ALLOC_ENABLE=1)", "seconds", tt[m])
+        rows.append([case, r["sequences"], r["tokens"], t["torch"] * 1e3, t["loop"] * 1e3, t["fused"] * 1e3,
+                     t["torch"] / t["fused"], t["loop"] / t["fused"], tt["torch"] * 1e3, tt["fused"] * 1e3,
+                     tt["torch"] / tt["fused"], mem["torch"], mem["loop"], mem["fused"]])
     print(format_table(
         "Packed SFT loss, forward + backward, CPU fp32: PyTorch vs per-sequence loop vs fused (ms, best run)",
-        ["case", "sequences", "tokens T", "vocab V", "logits GiB", "torch ms", "loop ms", "fused ms", "x torch",
-         "x loop", "torch extra MiB", "loop extra MiB", "fused extra MiB"], rows,
-        note="extra MiB: peak RSS rise during forward+backward minus the [T, V] fp32 gradient every method returns."))
+        ["case", "sequences", "tokens T", "torch ms", "loop ms", "fused ms", "x torch", "x loop", "torch ms THP",
+         "fused ms THP", "x torch THP", "torch extra MiB", "loop extra MiB", "fused extra MiB"], rows,
+        note="THP: the same in a process with THP_MEM_ALLOC_ENABLE=1 (PyTorch allocates large CPU tensors on "
+             "huge pages). extra MiB: peak RSS rise during forward+backward minus the [T, V] fp32 gradient every "
+             f"method returns. Kernel build: {env['logprob_cpu_isa']}."))
     print(f"\nCSV: {log.write()}")
     return 0
 

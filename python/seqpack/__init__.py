@@ -33,6 +33,8 @@ from .packing import PackingAlgorithm, SequencePacker, adjust_bin_count, get_pac
 from .thd import PackedBatch, PackedSeqParams, alignment, pack_sequences, unpack_sequences
 from .cp import cp_partition_indices, cp_restore_order
 from .logprobs import packed_token_logprobs
+from .loss import ClippedPGLoss, NLLLoss, SequencePackingLossWrapper, prepare_loss_input
+from .attention import attention_backends, varlen_attention
 from .dataset import PackedDataset, collate_packs, pack_dataset
 from .batched_data_dict import BatchedDataDict, DynamicBatchingArgs, SequencePackingArgs, SlicedDataDict
 
@@ -51,6 +53,12 @@ __all__ = [
     "alignment",
     "cp_partition_indices",
     "packed_token_logprobs",
+    "ClippedPGLoss",
+    "NLLLoss",
+    "SequencePackingLossWrapper",
+    "prepare_loss_input",
+    "attention_backends",
+    "varlen_attention",
     "cp_restore_order",
     "pack_sequences",
     "unpack_sequences",
