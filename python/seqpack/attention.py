@@ -288,10 +288,13 @@ def _allowed(seq_q, pos_q, seq_k, pos_k, shift_of_seq, causal, window):
     return ok
 
 
-def _tiles(cu_q: np.ndarray, cu_k: np.ndarray, heads: int, causal: bool, budget: int) -> List[Tuple[int, int, int, int]]:
+def _tiles(cu_q: np.ndarray, cu_k: np.ndarray, heads: int, causal: bool, budget: int,
+           plain: bool = False) -> List[Tuple[int, int, int, int]]:
     """(q_lo, q_hi, k_lo, k_hi) row ranges covering every query row in order: runs
     of whole sequences while heads x queries x keys stays within ``budget``, and
-    row chunks of a sequence too long for one tile."""
+    row chunks of a sequence too long for one tile - unless ``plain`` (no window)
+    and the sequence has as many queries as keys: then it stays whole, for SDPA's
+    own causal kernel, whose memory does not grow with the square."""
     tiles: List[Tuple[int, int, int, int]] = []
     b, n = 0, len(cu_q) - 1
     while b < n:
@@ -299,7 +302,7 @@ def _tiles(cu_q: np.ndarray, cu_k: np.ndarray, heads: int, causal: bool, budget:
         while e < n and heads * (cu_q[e + 1] - cu_q[b]) * (cu_k[e + 1] - cu_k[b]) <= budget:
             e += 1
         lq, lk = cu_q[e] - cu_q[b], cu_k[e] - cu_k[b]
-        if e == b + 1 and heads * lq * lk > budget:  # one long sequence: chunks of its query rows
+        if e == b + 1 and heads * lq * lk > budget and not (plain and lq == lk):  # chunks of its query rows
             rows = max(1, budget // max(1, heads * lk))
             for lo in range(0, lq, rows):
                 hi = min(lq, lo + rows)
@@ -319,8 +322,17 @@ def _reference(q, k, v, cu_q, cu_k, causal, scale, window, budget: int = MAX_SCO
     seq_k, pos_k = (torch.from_numpy(a) for a in _row_ids(cu_k, k.shape[0]))
     shift_of_seq = torch.from_numpy(np.diff(cu_k) - np.diff(cu_q)) if len(cu_q) > 1 else torch.zeros(1, dtype=torch.long)
     pieces = [q.new_zeros(int(cu_q[0]), hq, v.shape[2])] if cu_q[0] > 0 else []
-    for q_lo, q_hi, k_lo, k_hi in _tiles(cu_q, cu_k, hq, causal, budget):
+    plain = window == (-1, 0 if causal else -1)
+    whole = {(int(a), int(b)) for a, b in zip(cu_q[:-1], cu_q[1:])} if np.array_equal(cu_q, cu_k) else set()
+    for q_lo, q_hi, k_lo, k_hi in _tiles(cu_q, cu_k, hq, causal, budget, plain):
         if q_hi == q_lo:
+            continue
+        if plain and (q_lo, q_hi) in whole and (k_lo, k_hi) == (q_lo, q_hi):
+            # One whole sequence, no window: SDPA's causal attention, no mask.
+            qq, kk, vv = (t[q_lo:q_hi].transpose(0, 1)[None] for t in (q, k, v))
+            if hq != hk:
+                kk, vv = kk.repeat_interleave(hq // hk, 1), vv.repeat_interleave(hq // hk, 1)
+            pieces.append(sdpa(qq, kk, vv, is_causal=causal, scale=scale)[0].transpose(0, 1))
             continue
         ok = _allowed(seq_q[q_lo:q_hi], pos_q[q_lo:q_hi], seq_k[k_lo:k_hi], pos_k[k_lo:k_hi], shift_of_seq, causal,
                       window)

@@ -111,19 +111,27 @@ class TinyCausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         nn.init.normal_(self.embed.weight, std=0.02)
 
-    def forward_padded(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        """Logits ``[B, S, V]`` of right-padded rows (``attention_mask`` 1 at real tokens)."""
+    def forward_padded(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                       right_padded: bool = False) -> torch.Tensor:
+        """Logits ``[B, S, V]`` of padded rows (``attention_mask`` 1 at real tokens).
+
+        ``right_padded=True`` promises every row's padding is at its end: plain
+        causal SDPA then gives the real rows exactly (no real query sees a padding
+        key) without materialising a ``[B, S, S]`` mask - the fast padded baseline."""
         b, s = input_ids.shape
-        valid = attention_mask.bool()
-        causal = torch.ones(s, s, dtype=torch.bool, device=input_ids.device).tril()
-        mask = (causal[None] & valid[:, None, :]) | ~valid[:, :, None]  # padded queries: anything (ignored)
-        mask = mask[:, None]  # [B, 1, S, S]
+        mask = None
+        if not right_padded:
+            valid = attention_mask.bool()
+            causal = torch.ones(s, s, dtype=torch.bool, device=input_ids.device).tril()
+            mask = ((causal[None] & valid[:, None, :]) | ~valid[:, :, None])[:, None]  # padded queries: anything
         positions = torch.arange(s, device=input_ids.device).expand(b, s)
         group = self.cfg.num_heads // self.cfg.num_kv_heads
 
         def attend(q, k, v):  # [B, S, H, D]
-            out = nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                                             attn_mask=mask, enable_gqa=group > 1)
+            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+            if group > 1:
+                k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+            out = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
             return out.transpose(1, 2)
 
         x = self.embed(input_ids)
@@ -151,10 +159,10 @@ class TinyCausalLM(nn.Module):
 
 
 def padded_loss(model: TinyCausalLM, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                global_valid_toks: float) -> torch.Tensor:
+                global_valid_toks: float, right_padded: bool = False) -> torch.Tensor:
     """SFT loss of a padded batch: ``-sum log p(next token) / global_valid_toks``
     over every real next-token position (PyTorch ``log_softmax`` + ``gather``)."""
-    logits = model.forward_padded(input_ids, attention_mask)
+    logits = model.forward_padded(input_ids, attention_mask, right_padded=right_padded)
     logp = torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, input_ids[:, 1:, None])[..., 0]
     return -(logp * attention_mask[:, 1:]).sum() / global_valid_toks
 

@@ -127,8 +127,12 @@ def test_long_sequence_is_chunked_under_the_budget(monkeypatch):
         return real(qq, kk, vv, **kw)
 
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    out = att._reference(q, k, v, cu.astype(np.int64), cu.astype(np.int64), True, 0.5, (150, 0), budget=4000)
+    assert len(calls) > 5 and max(calls) <= 4000  # a window needs a mask: row chunks under the budget
+    torch.testing.assert_close(out, naive(q, k, v, cu, cu, scale=0.5, window=(150, 0)), rtol=1e-9, atol=1e-10)
+    calls.clear()
     out = att._reference(q, k, v, cu.astype(np.int64), cu.astype(np.int64), True, 0.5, (-1, 0), budget=4000)
-    assert len(calls) > 5 and max(calls) <= 4000
+    assert calls[0] == 200 * 200 * 2  # plain causal: the long sequence whole, SDPA's own causal kernel
     torch.testing.assert_close(out, naive(q, k, v, cu, cu, scale=0.5), rtol=1e-9, atol=1e-10)
 
 
@@ -174,3 +178,27 @@ def test_scale_default_is_inverse_sqrt_head_dim():
     q, k, v = (torch.randn(4, 1, 16) for _ in range(3))
     torch.testing.assert_close(run("reference", q, k, v, cu, cu),
                                run("reference", q, k, v, cu, cu, softmax_scale=1 / math.sqrt(16)))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("backend", ["flash_attn", "torch_varlen", "flex"])
+def test_gpu_backends_match_the_reference(backend):
+    why = seqpack.attention_backends()[backend]
+    if why != "available":
+        pytest.skip(why)
+    torch.manual_seed(6)
+    cu = lengths_to_cu([70, 1, 300, 129])
+    q = torch.randn(int(cu[-1]), 8, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(int(cu[-1]), 2, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    v = torch.randn(int(cu[-1]), 2, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    cu_dev = torch.from_numpy(cu).cuda()
+    for window in [(-1, -1), (32, -1)]:
+        ours = seqpack.varlen_attention(q, k, v, cu_dev, cu_dev, 300, 300, window_size=window, backend=backend)
+        ref = seqpack.varlen_attention(q.float(), k.float(), v.float(), cu, cu, 300, 300, window_size=window,
+                                       backend="reference")
+        torch.testing.assert_close(ours.float(), ref, rtol=2e-2, atol=2e-2)
+        w = torch.randn_like(ref)
+        g_ours = torch.autograd.grad((ours.float() * w).sum(), (q, k, v))
+        g_ref = torch.autograd.grad((ref * w).sum(), (q, k, v))
+        for a, b in zip(g_ours, g_ref):
+            torch.testing.assert_close(a.float(), b.float(), rtol=5e-2, atol=5e-2)

@@ -53,6 +53,9 @@ def test_packed_logits_equal_padded_rows():
         batch = seqpack.pack_sequences({"input_ids": ids}, seq_lens=lengths, pad_multiple=4)
         packed = model.forward_packed(batch)
     torch.testing.assert_close(batch.unpack(packed)[mask.bool()], padded[mask.bool()], rtol=1e-10, atol=1e-12)
+    with torch.no_grad():
+        fast = model.forward_padded(ids, mask, right_padded=True)
+    torch.testing.assert_close(fast[mask.bool()], padded[mask.bool()], rtol=1e-10, atol=1e-12)
 
 
 def test_config_errors():
