@@ -67,7 +67,7 @@ def step(model, mode, ids, lengths, plan, tokens, device):
             mask = (torch.arange(width)[None] < lens[:, None]).long().to(device)
             loss = padded_loss(model, mb, mask, tokens, right_padded=True)
         loss.backward()
-        total += float(loss)
+        total += float(loss.detach())
     return total
 
 

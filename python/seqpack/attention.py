@@ -288,65 +288,81 @@ def _allowed(seq_q, pos_q, seq_k, pos_k, shift_of_seq, causal, window):
     return ok
 
 
-def _tiles(cu_q: np.ndarray, cu_k: np.ndarray, heads: int, causal: bool, budget: int,
-           plain: bool = False) -> List[Tuple[int, int, int, int]]:
-    """(q_lo, q_hi, k_lo, k_hi) row ranges covering every query row in order: runs
-    of whole sequences while heads x queries x keys stays within ``budget``, and
-    row chunks of a sequence too long for one tile - unless ``plain`` (no window)
-    and the sequence has as many queries as keys: then it stays whole, for SDPA's
-    own causal kernel, whose memory does not grow with the square."""
-    tiles: List[Tuple[int, int, int, int]] = []
+SMALL_TILE_ROWS = 64  # reference backend: consecutive short sequences share one masked tile up to this many rows
+
+
+def _groups(cu_q: np.ndarray, cu_k: np.ndarray, heads: int, budget: int, plain: bool) -> List[Tuple[int, int]]:
+    """Runs ``[b, e)`` of consecutive sequences, each computed as one tile.
+
+    Without a window (``plain``) every sequence with as many queries as keys gets
+    SDPA's own causal kernel, alone (no mask, memory linear in its length); only
+    short ones are grouped, up to :data:`SMALL_TILE_ROWS` rows, to save calls.
+    Otherwise sequences are grouped while heads x queries x keys stays within
+    ``budget`` (a longer one is later cut into row chunks)."""
+    groups: List[Tuple[int, int]] = []
     b, n = 0, len(cu_q) - 1
     while b < n:
         e = b + 1
-        while e < n and heads * (cu_q[e + 1] - cu_q[b]) * (cu_k[e + 1] - cu_k[b]) <= budget:
-            e += 1
-        lq, lk = cu_q[e] - cu_q[b], cu_k[e] - cu_k[b]
-        if e == b + 1 and heads * lq * lk > budget and not (plain and lq == lk):  # chunks of its query rows
-            rows = max(1, budget // max(1, heads * lk))
-            for lo in range(0, lq, rows):
-                hi = min(lq, lo + rows)
-                k_hi = min(lk, max(0, hi + lk - lq)) if causal else lk
-                tiles.append((cu_q[b] + lo, cu_q[b] + hi, cu_k[b], cu_k[b] + k_hi))
+        if plain:
+            while e < n and cu_q[e + 1] - cu_q[b] <= SMALL_TILE_ROWS and cu_k[e + 1] - cu_k[b] <= SMALL_TILE_ROWS:
+                e += 1
         else:
-            tiles.append((cu_q[b], cu_q[e], cu_k[b], cu_k[e]))
+            while e < n and heads * (cu_q[e + 1] - cu_q[b]) * (cu_k[e + 1] - cu_k[b]) <= budget:
+                e += 1
+        groups.append((b, e))
         b = e
-    return tiles
+    return groups
 
 
 def _reference(q, k, v, cu_q, cu_k, causal, scale, window, budget: int = MAX_SCORE_ELEMENTS):
     torch = _torch()
     sdpa = torch.nn.functional.scaled_dot_product_attention
-    hq, hk = q.shape[1], k.shape[1]
+    hq, hk, dv = q.shape[1], k.shape[1], v.shape[2]
+    plain = window == (-1, 0 if causal else -1)
     seq_q, pos_q = (torch.from_numpy(a) for a in _row_ids(cu_q, q.shape[0]))
     seq_k, pos_k = (torch.from_numpy(a) for a in _row_ids(cu_k, k.shape[0]))
     shift_of_seq = torch.from_numpy(np.diff(cu_k) - np.diff(cu_q)) if len(cu_q) > 1 else torch.zeros(1, dtype=torch.long)
-    pieces = [q.new_zeros(int(cu_q[0]), hq, v.shape[2])] if cu_q[0] > 0 else []
-    plain = window == (-1, 0 if causal else -1)
-    whole = {(int(a), int(b)) for a, b in zip(cu_q[:-1], cu_q[1:])} if np.array_equal(cu_q, cu_k) else set()
-    for q_lo, q_hi, k_lo, k_hi in _tiles(cu_q, cu_k, hq, causal, budget, plain):
-        if q_hi == q_lo:
+    groups = _groups(cu_q, cu_k, hq, budget, plain)
+    # One split per tensor (a single backward node), not a slice per tile: each
+    # slice's backward would write a zero gradient the size of the whole tensor.
+    q_sizes = [int(cu_q[0])] + [int(cu_q[e] - cu_q[b]) for b, e in groups] + [q.shape[0] - int(cu_q[-1])]
+    k_sizes = [int(cu_k[0])] + [int(cu_k[e] - cu_k[b]) for b, e in groups] + [k.shape[0] - int(cu_k[-1])]
+    q_parts, k_parts, v_parts = torch.split(q, q_sizes), torch.split(k, k_sizes), torch.split(v, k_sizes)
+    pieces = [q.new_zeros(q_sizes[0], hq, dv)] if q_sizes[0] else []
+    for g, (b, e) in enumerate(groups):
+        qg, kg, vg = q_parts[g + 1], k_parts[g + 1], v_parts[g + 1]
+        q0, k0 = int(cu_q[b]), int(cu_k[b])
+        if qg.shape[0] == 0:
             continue
-        if plain and (q_lo, q_hi) in whole and (k_lo, k_hi) == (q_lo, q_hi):
-            # One whole sequence, no window: SDPA's causal attention, no mask.
-            qq, kk, vv = (t[q_lo:q_hi].transpose(0, 1)[None] for t in (q, k, v))
+        if plain and e == b + 1 and qg.shape[0] == kg.shape[0]:  # one sequence: SDPA's causal kernel, no mask
+            qq, kk, vv = (t.transpose(0, 1)[None] for t in (qg, kg, vg))
             if hq != hk:
                 kk, vv = kk.repeat_interleave(hq // hk, 1), vv.repeat_interleave(hq // hk, 1)
             pieces.append(sdpa(qq, kk, vv, is_causal=causal, scale=scale)[0].transpose(0, 1))
             continue
-        ok = _allowed(seq_q[q_lo:q_hi], pos_q[q_lo:q_hi], seq_k[k_lo:k_hi], pos_k[k_lo:k_hi], shift_of_seq, causal,
-                      window)
-        empty = ~ok.any(dim=1)  # rows that see no key: 0, not the NaN of an all-masked softmax
-        ok = (ok | empty[:, None]).to(q.device)
-        out = sdpa(q[q_lo:q_hi].transpose(0, 1)[None], k[k_lo:k_hi].transpose(0, 1)[None],
-                   v[k_lo:k_hi].transpose(0, 1)[None], attn_mask=ok, scale=scale, enable_gqa=hq != hk)
-        out = out[0].transpose(0, 1)
-        if bool(empty.any()):
-            out = out.masked_fill(empty.to(q.device)[:, None, None], 0.0)
-        pieces.append(out)
-    if q.shape[0] > cu_q[-1]:
-        pieces.append(q.new_zeros(q.shape[0] - int(cu_q[-1]), hq, v.shape[2]))
-    return torch.cat(pieces) if pieces else q.new_zeros(q.shape[0], hq, v.shape[2])
+        rows = qg.shape[0]
+        if e == b + 1 and hq * rows * kg.shape[0] > budget:  # a long sequence: chunks of its query rows
+            step = max(1, budget // max(1, hq * kg.shape[0]))
+            bounds = list(range(0, rows, step)) + [rows]
+        else:
+            bounds = [0, rows]
+        chunks = torch.split(qg, list(np.diff(bounds))) if len(bounds) > 2 else (qg,)
+        lq, lk = rows, kg.shape[0]
+        for (lo, hi), qc in zip(zip(bounds[:-1], bounds[1:]), chunks):
+            k_hi = min(lk, max(0, hi + lk - lq)) if (causal and e == b + 1) else lk
+            kc, vc = (kg, vg) if k_hi == lk else (kg[:k_hi], vg[:k_hi])
+            ok = _allowed(seq_q[q0 + lo:q0 + hi], pos_q[q0 + lo:q0 + hi], seq_k[k0:k0 + k_hi], pos_k[k0:k0 + k_hi],
+                          shift_of_seq, causal, window)
+            empty = ~ok.any(dim=1)  # rows that see no key: 0, not the NaN of an all-masked softmax
+            ok = (ok | empty[:, None]).to(q.device)
+            out = sdpa(qc.transpose(0, 1)[None], kc.transpose(0, 1)[None], vc.transpose(0, 1)[None], attn_mask=ok,
+                       scale=scale, enable_gqa=hq != hk)[0].transpose(0, 1)
+            if bool(empty.any()):
+                out = out.masked_fill(empty.to(q.device)[:, None, None], 0.0)
+            pieces.append(out)
+    if q_sizes[-1]:
+        pieces.append(q.new_zeros(q_sizes[-1], hq, dv))
+    return torch.cat(pieces) if pieces else q.new_zeros(q.shape[0], hq, dv)
 
 
 def _flex(q, k, v, cu_q, cu_k, causal, scale, window):
