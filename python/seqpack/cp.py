@@ -74,9 +74,11 @@ _GATHER = None
 def gather_cp(local: "torch.Tensor", cu_seqlens_padded: Any, group) -> "torch.Tensor":
     """Every CP rank's zigzag-local rows ``[T / cp, ...]``, all-gathered over
     ``group`` (one collective per micro-batch) and put back in sequence order
-    ``[T, ...]``. Backward: the gradient is summed over the CP group, then this
-    rank's rows are kept - so when every rank computes the same loss on the
-    gathered tensor, divide that loss by the CP size (NeMo-RL's convention)."""
+    ``[T, ...]``. Backward: one reduce-scatter - the gradient summed over the CP
+    group, this rank's rows kept - so when every rank computes the same loss on
+    the gathered tensor, divide that loss by the CP size (NeMo-RL's convention);
+    when each rank's loss covers only its own part (attention K/V), the sum is the
+    gradient."""
     global _GATHER
     if _GATHER is None:
         _GATHER = _make_gather()
@@ -104,8 +106,12 @@ def _make_gather():
             cp = dist.get_world_size(ctx.group)
             if cp == 1:
                 return grad, None, None
-            grad = grad.contiguous().clone()
-            dist.all_reduce(grad, group=ctx.group)
-            return cp_local_rows(grad, ctx.cu, cp, ctx.rank), None, None
+            # Reduce-scatter: the rows back in rank-major order (rank r's rows are
+            # r's zigzag positions), summed over the group, each rank keeping its own.
+            rank_major = np.concatenate([cp_partition_indices(ctx.cu, cp, r) for r in range(cp)])
+            grad = grad.index_select(0, torch.from_numpy(rank_major).to(grad.device)).contiguous()
+            out = grad.new_empty((grad.shape[0] // cp,) + tuple(grad.shape[1:]))
+            dist.reduce_scatter_tensor(out, grad, group=ctx.group)
+            return out, None, None
 
     return GatherCP
