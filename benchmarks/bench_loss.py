@@ -139,15 +139,16 @@ def bench_case(name, lengths, vocab, repeat, methods):
     return {"sequences": len(lengths), "tokens": int(logits.shape[0]), "times": times, "mems": mems}
 
 
-def cases(quick):
-    """(name, lengths) per vocabulary; [T, V] fp32 kept within ~1.3 GiB, so the
-    larger vocabulary takes the first sequences only."""
+def cases(quick, max_logits_gib=1.23, only=None):
+    """(name, lengths) per vocabulary; [T, V] fp32 kept within ``max_logits_gib``
+    (PyTorch's path holds ~5 such tensors), so the larger vocabulary takes the first
+    sequences only; ``only``: keep the cases whose name contains it."""
     rng = np.random.default_rng(0)
     if quick:
         short, long_tail, vocabs, budget = rng.integers(2, 9, 256), None, [2048], 2_000_000
         long_tail = np.clip(synthetic_rl_lengths(64, seed=1, max_len=256) // 16, 2, 64)
     else:
-        short, vocabs, budget = rng.integers(2, 17, 1024), [32000, 152064], 330_000_000
+        short, vocabs, budget = rng.integers(2, 17, 1024), [32000, 152064], int(max_logits_gib * 2**30 / 4)
         long_tail = np.clip(synthetic_rl_lengths(256, seed=1, max_len=8192) // 64, 2, 128)
     out = []
     for name, lengths in (("short (2-16 tokens)" if not quick else "short", short),
@@ -157,32 +158,35 @@ def cases(quick):
             while int(np.sum(keep)) * vocab > budget and len(keep) > 8:
                 keep = keep[: len(keep) * 3 // 4]
             out.append((f"{name}/V={vocab}", keep, vocab))
-    return out
+    return [c for c in out if only is None or only in c[0]]
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--csv")
+    parser.add_argument("--max-logits-gib", type=float, default=1.23, help="largest [T, V] fp32 logits per case")
+    parser.add_argument("--only", help="run the cases whose name contains this")
     parser.add_argument("--thp-child", action="store_true", help=argparse.SUPPRESS)  # internal: JSON out
     args = parser.parse_args()
     repeat = 2 if args.quick else 3
     if args.thp_child:
         out = {case: bench_case(case, lengths, vocab, repeat, ("torch", "fused"))
-               for case, lengths, vocab in cases(args.quick)}
+               for case, lengths, vocab in cases(args.quick, args.max_logits_gib, args.only)}
         print(json.dumps(out))
         return 0
     env = announce(environment(), torch)
     env["logprob_cpu_isa"] = seqpack._core.logprob_cpu_isa()
     log = CsvLog("loss", env, args.csv)
     rows, results = [], {}
-    for case, lengths, vocab in cases(args.quick):
+    for case, lengths, vocab in cases(args.quick, args.max_logits_gib, args.only):
         results[case] = r = bench_case(case, lengths, vocab, repeat, ("torch", "loop", "fused"))
         print(f"  {case}: done", flush=True)
     # The same cases with PyTorch's own huge-page allocation (THP_MEM_ALLOC_ENABLE=1,
     # read once per process), which removes most of its first-touch page faults.
     child_env = dict(os.environ, THP_MEM_ALLOC_ENABLE="1")
-    cmd = [sys.executable, os.path.abspath(__file__), "--thp-child"] + (["--quick"] if args.quick else [])
+    cmd = [sys.executable, os.path.abspath(__file__), "--thp-child", "--max-logits-gib", str(args.max_logits_gib)]
+    cmd += (["--quick"] if args.quick else []) + (["--only", args.only] if args.only else [])
     thp = json.loads(subprocess.run(cmd, env=child_env, check=True, capture_output=True, text=True)
                      .stdout.strip().splitlines()[-1])
     print("  THP_MEM_ALLOC_ENABLE=1: done", flush=True)

@@ -43,6 +43,7 @@ else the reference.
 
 from __future__ import annotations
 
+import functools
 import inspect
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
 
@@ -80,7 +81,7 @@ def _why_unavailable(name: str) -> Optional[str]:
         return None
     if name == "flex":
         try:
-            from torch.nn.attention.flex_attention import create_block_mask, flex_attention  # noqa: F401
+            import torch.nn.attention.flex_attention  # noqa: F401
         except ImportError as e:
             return f"torch.nn.attention.flex_attention not importable ({e})"
         return None
@@ -185,9 +186,7 @@ def varlen_attention(
     >>> torch.allclose(out[3], v[3])  # first token of the 2nd sequence sees only itself
     True
     """
-    torch = _torch()
     left, right = _check(q, k, v, window_size, causal)
-    hq, hk = q.shape[1], k.shape[1]
     scale = float(softmax_scale) if softmax_scale is not None else q.shape[2] ** -0.5
     host_q, host_k = _host_cu(cu_seqlens_q, "cu_seqlens_q"), _host_cu(cu_seqlens_k, "cu_seqlens_k")
     if host_q is not None and host_k is not None:
@@ -240,14 +239,20 @@ def _pick(backend: str, q, window, causal) -> str:
     return "reference"
 
 
+@functools.lru_cache(maxsize=1)
+def _torch_varlen_params() -> frozenset:
+    """Keyword names of this PyTorch's varlen_attn (read once: it changed across releases)."""
+    return frozenset(inspect.signature(_torch_varlen_func()).parameters)
+
+
 def _torch_varlen_supports(window, causal) -> bool:
-    params = inspect.signature(_torch_varlen_func()).parameters
+    params = _torch_varlen_params()
     return "window_size" in params or window == (-1, 0 if causal else -1)
 
 
 def _torch_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, window):
     fn = _torch_varlen_func()
-    params = inspect.signature(fn).parameters
+    params = _torch_varlen_params()
     kwargs: Dict[str, Any] = {"scale": scale} if "scale" in params else {}
     if "window_size" in params:  # later releases: causal is the window (-1, 0)
         kwargs["window_size"] = (window[0], 0 if causal else window[1])
