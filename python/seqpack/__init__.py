@@ -34,7 +34,7 @@ from .thd import PackedBatch, PackedSeqParams, alignment, pack_sequences, unpack
 from .cp import cp_partition_indices, cp_restore_order
 from .logprobs import packed_token_logprobs
 from .loss import ClippedPGLoss, NLLLoss, SequencePackingLossWrapper, prepare_loss_input
-from .attention import attention_backends, varlen_attention
+from .attention import attention_backends, cp_attention, varlen_attention
 from .dataset import PackedDataset, collate_packs, pack_dataset
 from .batched_data_dict import BatchedDataDict, DynamicBatchingArgs, SequencePackingArgs, SlicedDataDict
 
@@ -58,6 +58,7 @@ __all__ = [
     "SequencePackingLossWrapper",
     "prepare_loss_input",
     "attention_backends",
+    "cp_attention",
     "varlen_attention",
     "cp_restore_order",
     "pack_sequences",

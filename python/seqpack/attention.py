@@ -167,6 +167,12 @@ def varlen_attention(
 ) -> "torch.Tensor":
     """Attention of packed queries over packed keys, sequence by sequence.
 
+    ::
+
+        q rows:  | a0 a1 a2 | b0 b1 |      cu_seqlens_q = [0, 3, 5]
+        k rows:  | a0 a1 a2 | b0 b1 |      cu_seqlens_k = [0, 3, 5]
+        causal:  a_i sees a_0..a_i, b_j sees b_0..b_j; a never sees b (nor b a)
+
     Args:
         q: ``[Tq, Hq, D]``; k, v: ``[Tk, Hk, D]`` (``Hq`` a multiple of ``Hk``: GQA).
         cu_seqlens_q / cu_seqlens_k: ``[B + 1]`` int32 offsets of each sequence's

@@ -202,3 +202,17 @@ def test_gpu_backends_match_the_reference(backend):
         g_ref = torch.autograd.grad((ref * w).sum(), (q, k, v))
         for a, b in zip(g_ours, g_ref):
             torch.testing.assert_close(a.float(), b.float(), rtol=5e-2, atol=5e-2)
+
+
+def test_cp_plan_zigzag_prefixes():
+    # Sequences of padded length 8 and 4, CP = 2: rank 0 holds chunks 0 and 3 of each,
+    # rank 1 chunks 1 and 2; causal keys run from the sequence start to the chunk end.
+    p0 = att._cp_plan(np.array([0, 8, 12]), 2, 0, True)
+    assert p0["cu_q"].tolist() == [0, 2, 4, 5, 6] and p0["cu_k"].tolist() == [0, 2, 10, 11, 15]
+    assert p0["k_index"].tolist() == [0, 1, 0, 1, 2, 3, 4, 5, 6, 7, 8, 8, 9, 10, 11]
+    p1 = att._cp_plan(np.array([0, 8, 12]), 2, 1, True)
+    assert p1["cu_k"].tolist() == [0, 4, 10, 12, 15] and (p1["max_q"], p1["max_k"]) == (2, 6)
+    full = att._cp_plan(np.array([0, 8, 12]), 2, 1, False)  # not causal: every chunk sees its whole sequence
+    assert full["cu_k"].tolist() == [0, 8, 16, 20, 24]
+    with pytest.raises(ValueError, match="multiple of 2 \\* cp_size = 4"):
+        att._cp_plan(np.array([0, 6]), 2, 0, True)

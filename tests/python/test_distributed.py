@@ -147,14 +147,14 @@ def check_cp_attention(rank, world):
     g = torch.Generator().manual_seed(11)
     full = [torch.randn(total, h, 8, generator=g, dtype=torch.float64) for h in (4, 2, 2)]
     w = torch.randn(total, 4, 8, generator=g, dtype=torch.float64)
-    leaves = [t.clone().requires_grad_() for t in full]
-    ref = varlen_attention(*leaves, cu_p, cu_p, max(padded), max(padded))
-    (ref * w).sum().backward()
     batch = SimpleNamespace(cu_seqlens_padded=cu_p, cp_size=world, cp_rank=rank)
     local_w = cp_local_rows(w, cu_p, world, rank)
-    for heads in (None, 1):
+    for causal, heads in ((True, None), (True, 1), (False, None)):
+        leaves = [t.clone().requires_grad_() for t in full]
+        ref = varlen_attention(*leaves, cu_p, cu_p, max(padded), max(padded), causal=causal)
+        (ref * w).sum().backward()
         local = [cp_local_rows(t, cu_p, world, rank).clone().requires_grad_() for t in full]
-        out = cp_attention(*local, batch, dist.group.WORLD, kv_heads_per_chunk=heads)
+        out = cp_attention(*local, batch, dist.group.WORLD, causal=causal, kv_heads_per_chunk=heads)
         torch.testing.assert_close(out, cp_local_rows(ref.detach(), cu_p, world, rank), rtol=1e-10, atol=1e-12)
         (out * local_w).sum().backward()
         for mine, leaf in zip(local, leaves):

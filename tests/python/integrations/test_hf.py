@@ -96,3 +96,19 @@ def test_collator_contract_and_errors():
         hf.PackingCollator()([{"input_ids": [1, 2], "labels": [1]}])
     with pytest.raises(ValueError, match="pad_to_multiple_of"):
         hf.PackingCollator(pad_to_multiple_of=0)([{"input_ids": [1]}])
+
+
+def test_attention_forward_refuses_what_it_cannot_do():
+    model = tiny_llama(hf.register())
+    attn = model.model.layers[0].self_attn
+    q = torch.zeros(1, 4, 3, 8, dtype=torch.float64)
+    kv = torch.zeros(1, 2, 3, 8, dtype=torch.float64)
+    model.train()
+    with pytest.raises(ValueError, match="attention dropout"):
+        hf.attention_forward(attn, q, kv, kv, None, dropout=0.1)
+    with pytest.raises(ValueError, match="softcapping"):
+        hf.attention_forward(attn, q, kv, kv, None, softcap=30.0)
+    with pytest.raises(ValueError, match="4-D masks"):
+        hf.attention_forward(attn, q, kv, kv, torch.ones(1, 1, 3, 3, dtype=torch.bool))
+    out, weights = hf.attention_forward(attn, q, kv, kv, None)
+    assert out.shape == (1, 3, 4, 8) and weights is None
