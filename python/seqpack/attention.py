@@ -74,8 +74,10 @@ def _torch_varlen_func():
     return varlen_attn
 
 
+@functools.lru_cache(maxsize=None)
 def _why_unavailable(name: str) -> Optional[str]:
-    """None when ``name`` can run here, else the reason it cannot."""
+    """None when ``name`` can run here, else the reason it cannot (found once per
+    process: ``auto`` asks on every call)."""
     torch = _torch()
     if name == "reference":
         return None
