@@ -7,6 +7,7 @@
 #include <random>
 #include <vector>
 
+#include "seqpack/common.hpp"
 #include "seqpack/logprob.hpp"
 #include "test_helpers.hpp"
 
@@ -180,6 +181,18 @@ TEST(Logprob, BadArgumentsThrow) {
       ThrowsInvalid([&] { row_stats({&x, 1, 2, 1, LogitsDtype::Float32}, &t, 0, 1.0f, stats); }, {"row_stride"}));
   EXPECT_TRUE(ThrowsInvalid([&] { row_stats({nullptr, 1, 1, 1, LogitsDtype::Float32}, &t, 0, 1.0f, stats); },
                             {"null"}));
+}
+
+TEST(Logprob, HugePageAdviceKeepsContents) {
+  // The gradient buffer's advice: refused for null / sub-2 MiB ranges, never
+  // changes what the buffer holds (Linux grants it when THP is "madvise" or on).
+  EXPECT_FALSE(advise_huge_pages(nullptr, 8u << 20));
+  std::vector<float> small(1024, 1.5f);
+  EXPECT_FALSE(advise_huge_pages(small.data(), small.size() * sizeof(float)));
+  std::vector<float> big(3u << 20, 0.25f);  // 12 MiB: holds at least one aligned 2 MiB page
+  advise_huge_pages(big.data(), big.size() * sizeof(float));
+  for (size_t i = 0; i < big.size(); i += 4097) ASSERT_EQ(big[i], 0.25f);
+  EXPECT_STRNE(logprob_cpu_isa(), "");
 }
 
 }  // namespace
