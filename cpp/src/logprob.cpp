@@ -20,6 +20,7 @@
 #define SEQPACK_AVX2 __attribute__((target("avx2,fma")))
 #define SEQPACK_AVX512 __attribute__((target("avx512f,avx512dq,avx512bw,avx512vl,avx2,fma")))
 #pragma GCC diagnostic ignored "-Wpsabi"  // 32-byte vectors in always-inlined helpers only
+#include <immintrin.h>
 #endif
 
 namespace seqpack {
@@ -54,6 +55,11 @@ struct IntsOf<f16> {
 };
 template <typename V>
 constexpr int64_t kLanesOf = sizeof(V) / sizeof(float);
+
+#ifdef SEQPACK_X86_DISPATCH
+// A non-temporal 64-byte store (AVX-512 builds only; inlined into them).
+SEQPACK_AVX512 inline void stream16(float* p, f16 v) { _mm512_stream_ps(p, std::bit_cast<__m512>(v)); }
+#endif
 
 template <typename V>
 [[gnu::always_inline]] inline V splat(float v) {
@@ -245,9 +251,19 @@ template <typename T, typename V>
     // fp32: straight from the logits to the gradient, no staging block.
     const int64_t full = vocab - vocab % kLanes;
     const V vtau = splat<V>(tau);
+    const bool stream = kLanes == 16 && reinterpret_cast<uintptr_t>(g) % 64 == 0;
     for (int64_t i = 0; i < full; i += kLanes) {
       const V logp = ((tau == 1.0f ? vload<V>(x + i) : vload<V>(x + i) / vtau) - vm) - vls;
-      vstore(g + i, vexp(logp) * (va + vc * (logp + vh)));
+      const V out = vexp(logp) * (va + vc * (logp + vh));
+#ifdef SEQPACK_X86_DISPATCH
+      if constexpr (kLanes == 16) {
+        if (stream) {  // non-temporal: the gradient is not read again soon; no read-for-ownership
+          stream16(g + i, out);
+          continue;
+        }
+      }
+#endif
+      vstore(g + i, out);
     }
     for (int64_t i = full; i < vocab; ++i) {
       const float logp = (x[i] / tau - m) - log_s;
@@ -333,6 +349,7 @@ template <typename T>
 SEQPACK_AVX512 void grad_rows_avx512(const LogitsView& v, const int64_t* t, int64_t vs, float tau,
                                      const RowGradInputs& in, void* g, int64_t gs, int64_t lo, int64_t hi) {
   grad_rows<T, f16>(v, t, vs, tau, in, g, gs, lo, hi);
+  _mm_sfence();  // the streamed gradient is visible before the task reports done
 }
 #endif
 
