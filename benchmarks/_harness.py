@@ -41,6 +41,30 @@ def measure(fn: Callable[[], Any], repeat: int = 7, warmup: int = 1, budget_s: f
     return {"median": statistics.median(times), "min": min(times), "max": max(times), "runs": len(times)}
 
 
+def rss_kib(field: str) -> int:
+    """A ``/proc/self/status`` memory field (``"VmRSS:"``, ``"VmHWM:"``) in KiB (Linux)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field):
+                return int(line.split()[1])
+    raise RuntimeError(field)
+
+
+def reset_peak_rss() -> int:
+    """Resets the peak RSS (VmHWM) to the current RSS (clear_refs 5); returns it in KiB."""
+    gc.collect()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return rss_kib("VmRSS:")
+
+
+def peak_extra_mib(fn: Callable[[], Any]) -> float:
+    """Peak RSS rise while ``fn`` runs, MiB."""
+    before = reset_peak_rss()
+    fn()
+    return (rss_kib("VmHWM:") - before) / 1024
+
+
 def cpu_model() -> str:
     try:
         with open("/proc/cpuinfo") as f:

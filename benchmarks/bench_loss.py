@@ -28,7 +28,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _harness import CsvLog, announce, environment, format_table  # noqa: E402
+from _harness import CsvLog, announce, environment, format_table, peak_extra_mib  # noqa: E402
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -36,24 +36,6 @@ import torch  # noqa: E402
 import seqpack  # noqa: E402
 from seqpack.loss import NLLLoss, SequencePackingLossWrapper  # noqa: E402
 from seqpack.report import synthetic_rl_lengths  # noqa: E402
-
-
-def rss_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field):
-                return int(line.split()[1])
-    raise RuntimeError(field)
-
-
-def peak_extra_mib(fn) -> float:
-    """Peak RSS rise while ``fn`` runs (Linux: VmHWM reset through clear_refs)."""
-    gc.collect()
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    before = rss_kib("VmRSS:")
-    fn()
-    return (rss_kib("VmHWM:") - before) / 1024
 
 
 def make_case(lengths, vocab, seed=0):

@@ -27,7 +27,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _harness import CsvLog, announce, environment, format_table  # noqa: E402
+from _harness import CsvLog, announce, environment, format_table, reset_peak_rss, rss_kib  # noqa: E402
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -40,14 +40,6 @@ MODELS = {
     "tiny": TinyConfig(vocab_size=4096, hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2),
     "1b": TinyConfig(vocab_size=32000, hidden_size=2048, num_layers=16, num_heads=16, num_kv_heads=8),
 }
-
-
-def rss_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field):
-                return int(line.split()[1])
-    raise RuntimeError(field)
 
 
 def step(model, mode, ids, lengths, plan, tokens, device):
@@ -137,9 +129,7 @@ def main() -> int:
                 torch.cuda.reset_peak_memory_stats(device)
                 base = torch.cuda.memory_allocated(device)
             else:
-                with open("/proc/self/clear_refs", "w") as f:
-                    f.write("5")
-                base = rss_kib("VmRSS:") * 1024
+                base = reset_peak_rss() * 1024
             t0 = time.perf_counter()
             loss = step(model, mode, ids, lengths, plan, tokens, device)
             if device.type == "cuda":

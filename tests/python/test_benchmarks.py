@@ -1,0 +1,24 @@
+"""The loss and training-step benchmark scripts still run (``--quick``: tiny sizes,
+a smoke test; their numbers come from full runs recorded in benchmarks/RESULTS.md)."""
+
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+import seqpack
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize("script, title", [("bench_loss.py", "Packed SFT loss"), ("bench_train.py", "Training step")])
+def test_quick_run_prints_its_table(script, title, tmp_path):
+    # The scripts import the same seqpack as this test (installed, or the source tree).
+    here = str(pathlib.Path(seqpack.__file__).resolve().parents[1])
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([here, os.environ.get("PYTHONPATH", "")]))
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), "--quick", "--csv",
+                          str(tmp_path / "out.csv")], env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert title in out.stdout and (tmp_path / "out.csv").stat().st_size > 0
