@@ -42,15 +42,20 @@ MODELS = {
 }
 
 
+def mb_width(mode, lens, max_width):
+    """Padded width of a micro-batch: its longest row (dynamic batching: rounded up
+    to 64, within the batch's width)."""
+    width = int(lens.max())
+    return min(max_width, -(-width // 64) * 64) if mode == "dynamic" else width
+
+
 def step(model, mode, ids, lengths, plan, tokens, device):
     """Forward + backward of every micro-batch; returns the summed loss."""
     total = 0.0
     for rows in plan:
         index = torch.as_tensor(rows, dtype=torch.long)
         lens = lengths[index]
-        width = int(lens.max())
-        if mode == "dynamic":
-            width = min(ids.shape[1], -(-width // 64) * 64)
+        width = mb_width(mode, lens, ids.shape[1])
         mb = ids[index, :width].to(device)
         if mode == "packed":
             batch = seqpack.pack_sequences({"input_ids": mb}, seq_lens=lens)
@@ -79,10 +84,7 @@ def computed_tokens(mode, lengths, plan):
         return int(lengths.sum())
     total = 0
     for rows in plan:
-        width = int(lengths[rows].max())
-        if mode == "dynamic":
-            width = -(-width // 64) * 64
-        total += width * len(rows)
+        total += mb_width(mode, lengths[rows], int(lengths.max())) * len(rows)
     return total
 
 
