@@ -1,5 +1,3 @@
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -7,6 +5,7 @@
 #include <string>
 
 #include "seqpack/cuda_logprob.hpp"
+#include "seqpack/logprob_math.hpp"
 
 namespace seqpack::cuda {
 namespace {
@@ -19,62 +18,26 @@ void check(cudaError_t err, const char* what) {
     throw std::runtime_error(std::string("[seqpack.cuda] ") + what + ": " + cudaGetErrorString(err));
 }
 
-__device__ __forceinline__ float to_float(float x) { return x; }
-__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
-__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
-template <typename T>
-__device__ __forceinline__ T from_float(float x);
-template <>
-__device__ __forceinline__ float from_float<float>(float x) { return x; }
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) { return __float2bfloat16(x); }
-template <>
-__device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
+using lpmath::BF16;
+using lpmath::F16;
+using Acc = lpmath::Lse<float>;
 
-// Running (max, sum exp(z - max), sum exp(z - max) (z - max)); merging two is exact.
-struct Acc {
-  float m, s, t;
-};
-
-__device__ __forceinline__ Acc merge(Acc a, Acc b) {
-  const float m = fmaxf(a.m, b.m);
-  if (m == -INFINITY) return a;
-  const float da = a.m - m, db = b.m - m;  // <= 0
-  const float ea = a.s > 0.0f ? expf(da) : 0.0f, eb = b.s > 0.0f ? expf(db) : 0.0f;
-  return {m, a.s * ea + b.s * eb, ea * (a.t + da * a.s) + eb * (b.t + db * b.s)};
+__device__ __forceinline__ Acc shfl_down(const Acc& a, int off) {
+  return {__shfl_down_sync(0xffffffffu, a.m, off), __shfl_down_sync(0xffffffffu, a.s, off),
+          __shfl_down_sync(0xffffffffu, a.t, off)};
 }
 
-__device__ __forceinline__ void add(Acc& a, float z, bool entropy) {
-  if (z > a.m) {
-    const float d = a.m - z;
-    const float e = a.s > 0.0f ? expf(d) : 0.0f;
-    a.t = e * (a.t + d * a.s);
-    a.s = a.s * e;
-    a.m = z;
-  }
-  const float d = z - a.m;
-  const float e = expf(d);
-  a.s += e;
-  if (entropy) a.t += e * d;
-}
-
+// Every lane's accumulator merged into thread 0's (lpmath::lse_merge: empty lanes,
+// -inf and NaN follow logprob_math.hpp's rules).
 __device__ Acc block_reduce(Acc a) {
   __shared__ Acc warp_acc[kThreads / 32];
-  for (int off = 16; off > 0; off >>= 1) {
-    Acc o{__shfl_down_sync(0xffffffffu, a.m, off), __shfl_down_sync(0xffffffffu, a.s, off),
-          __shfl_down_sync(0xffffffffu, a.t, off)};
-    a = merge(a, o);
-  }
+  for (int off = 16; off > 0; off >>= 1) a = lpmath::lse_merge(a, shfl_down(a, off));
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   if (lane == 0) warp_acc[warp] = a;
   __syncthreads();
   if (warp == 0) {
-    a = lane < kThreads / 32 ? warp_acc[lane] : Acc{-INFINITY, 0.0f, 0.0f};
-    for (int off = 16; off > 0; off >>= 1) {
-      Acc o{__shfl_down_sync(0xffffffffu, a.m, off), __shfl_down_sync(0xffffffffu, a.s, off),
-            __shfl_down_sync(0xffffffffu, a.t, off)};
-      a = merge(a, o);
-    }
+    a = lane < kThreads / 32 ? warp_acc[lane] : lpmath::lse_empty<float>();
+    for (int off = 16; off > 0; off >>= 1) a = lpmath::lse_merge(a, shfl_down(a, off));
   }
   return a;  // valid in thread 0
 }
@@ -92,22 +55,31 @@ __global__ void stats_kernel(const T* __restrict__ logits, int64_t rows, int64_t
   const bool entropy = zexp_out != nullptr;
   for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
     const T* x = logits + r * stride;
-    Acc a{-INFINITY, 0.0f, 0.0f};
+    Acc a = lpmath::lse_empty<float>();
     const int64_t packs = vocab / V;
     const auto* xv = reinterpret_cast<const Pack<T, V>*>(x);
     for (int64_t i = threadIdx.x; i < packs; i += blockDim.x) {
       const Pack<T, V> p = xv[i];
+      float z[V];
+      float pm = lpmath::neg_inf<float>();
 #pragma unroll
-      for (int k = 0; k < V; ++k) add(a, to_float(p.v[k]) / tau, entropy);
+      for (int k = 0; k < V; ++k) {
+        z[k] = lpmath::to_float(p.v[k]) / tau;
+        pm = lpmath::nan_max(pm, z[k]);
+      }
+      lpmath::lse_raise(a, pm);  // once per pack: one exp per element otherwise
+#pragma unroll
+      for (int k = 0; k < V; ++k) lpmath::lse_accumulate(a.s, a.t, z[k], a.m, entropy);
     }
-    for (int64_t i = packs * V + threadIdx.x; i < vocab; i += blockDim.x) add(a, to_float(x[i]) / tau, entropy);
+    for (int64_t i = packs * V + threadIdx.x; i < vocab; i += blockDim.x)
+      lpmath::lse_add(a, lpmath::to_float(x[i]) / tau, entropy);
     a = block_reduce(a);
     if (threadIdx.x == 0) {
       max_out[r] = a.m;
       sumexp_out[r] = a.s;
       if (entropy) zexp_out[r] = a.t;
-      const int64_t t = targets[r] - vocab_start;
-      target_out[r] = (targets[r] >= 0 && t >= 0 && t < vocab) ? to_float(x[t]) / tau : 0.0f;
+      const int64_t t = lpmath::local_target(targets[r], vocab_start, vocab);
+      target_out[r] = t >= 0 ? lpmath::to_float(x[t]) / tau : 0.0f;
     }
     __syncthreads();  // warp_acc is reused by the next row
   }
@@ -125,33 +97,26 @@ __global__ void grad_kernel(const T* __restrict__ logits, int64_t rows, int64_t 
     const bool has = targets[r] >= 0;
     const float g_lp = has ? g_lp_in[r] : 0.0f;
     const float g_ent = g_ent_in ? g_ent_in[r] : 0.0f;
-    const int64_t t = targets[r] - vocab_start;
-    const int64_t local = (has && t >= 0 && t < vocab) ? t : -1;
+    const int64_t local = lpmath::local_target(targets[r], vocab_start, vocab);
     const float m = max_in[r], ls = log_s_in[r], h = entropy_in ? entropy_in[r] : 0.0f;
     const float inv_t = 1.0f / tau, a = -g_lp * inv_t, c = -g_ent * inv_t, hit = g_lp * inv_t;
     const bool zero = g_lp == 0.0f && g_ent == 0.0f;
-    const int64_t packs = (grad_stride % V == 0) ? vocab / V : 0;
+    auto value = [&](T xi, int64_t col) {
+      if (zero) return lpmath::from_float<T>(0.0f);
+      const float v = lpmath::grad_value(lpmath::to_float(xi) / tau, m, ls, a, c, h);
+      return lpmath::from_float<T>(col == local ? v + hit : v);
+    };
+    const int64_t packs = vocab / V;
     const auto* xv = reinterpret_cast<const Pack<T, V>*>(x);
     auto* gv = reinterpret_cast<Pack<T, V>*>(g);
     for (int64_t i = threadIdx.x; i < packs; i += blockDim.x) {
       const Pack<T, V> p = xv[i];
       Pack<T, V> out;
 #pragma unroll
-      for (int k = 0; k < V; ++k) {
-        const int64_t col = i * V + k;
-        const float logp = (to_float(p.v[k]) / tau - m) - ls;
-        const float e = expf(logp);
-        const float v = zero ? 0.0f : e * (a + c * (logp + h)) + (col == local ? hit : 0.0f);
-        out.v[k] = from_float<T>(v);
-      }
+      for (int k = 0; k < V; ++k) out.v[k] = value(p.v[k], i * V + k);
       gv[i] = out;
     }
-    for (int64_t col = packs * V + threadIdx.x; col < vocab; col += blockDim.x) {
-      const float logp = (to_float(x[col]) / tau - m) - ls;
-      const float e = expf(logp);
-      const float v = zero ? 0.0f : e * (a + c * (logp + h)) + (col == local ? hit : 0.0f);
-      g[col] = from_float<T>(v);
-    }
+    for (int64_t col = packs * V + threadIdx.x; col < vocab; col += blockDim.x) g[col] = value(x[col], col);
   }
 }
 
@@ -188,38 +153,32 @@ void grad_typed(const LogitsView& v, const int64_t* targets, int64_t vocab_start
                                                   in.grad_entropy, g, grad_stride);
 }
 
-void check_args(const LogitsView& v, float temperature) {
-  if (v.vocab <= 0 || v.row_stride < v.vocab || v.rows < 0)
-    throw std::invalid_argument("[seqpack.cuda_logprob] logits must be [rows, vocab] with row_stride >= vocab > 0");
-  if (!(temperature > 0.0f)) throw std::invalid_argument("[seqpack.cuda_logprob] temperature must be positive");
-}
-
 }  // namespace
 
 void launch_logprob_row_stats(const LogitsView& v, const int64_t* targets, int64_t vocab_start, float temperature,
                               const RowStats& out, void* stream) {
-  check_args(v, temperature);
+  check_row_stats_args("cuda_logprob_row_stats", v, targets, temperature, out);
   if (v.rows == 0) return;
   auto s = static_cast<cudaStream_t>(stream);
   switch (v.dtype) {
     case LogitsDtype::Float32: stats_typed<float>(v, targets, vocab_start, temperature, out, s); break;
-    case LogitsDtype::BFloat16: stats_typed<__nv_bfloat16>(v, targets, vocab_start, temperature, out, s); break;
-    case LogitsDtype::Float16: stats_typed<__half>(v, targets, vocab_start, temperature, out, s); break;
+    case LogitsDtype::BFloat16: stats_typed<BF16>(v, targets, vocab_start, temperature, out, s); break;
+    case LogitsDtype::Float16: stats_typed<F16>(v, targets, vocab_start, temperature, out, s); break;
   }
   check(cudaGetLastError(), "logprob stats kernel launch");
 }
 
 void launch_logprob_row_grad(const LogitsView& v, const int64_t* targets, int64_t vocab_start, float temperature,
                              const RowGradInputs& in, void* grad, int64_t grad_row_stride, void* stream) {
-  check_args(v, temperature);
+  check_row_grad_args("cuda_logprob_row_grad", v, targets, temperature, in, grad, grad_row_stride);
   if (v.rows == 0) return;
   auto s = static_cast<cudaStream_t>(stream);
   switch (v.dtype) {
     case LogitsDtype::Float32: grad_typed<float>(v, targets, vocab_start, temperature, in, grad, grad_row_stride, s); break;
     case LogitsDtype::BFloat16:
-      grad_typed<__nv_bfloat16>(v, targets, vocab_start, temperature, in, grad, grad_row_stride, s);
+      grad_typed<BF16>(v, targets, vocab_start, temperature, in, grad, grad_row_stride, s);
       break;
-    case LogitsDtype::Float16: grad_typed<__half>(v, targets, vocab_start, temperature, in, grad, grad_row_stride, s); break;
+    case LogitsDtype::Float16: grad_typed<F16>(v, targets, vocab_start, temperature, in, grad, grad_row_stride, s); break;
   }
   check(cudaGetLastError(), "logprob grad kernel launch");
 }

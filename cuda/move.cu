@@ -33,12 +33,16 @@ void launch(const void* src, void* dst, const ByteTask* tasks, int64_t num_tasks
 
 void launch_move(const void* src, void* dst, const ByteTask* tasks, int64_t num_tasks, const void* fill_row,
                  int64_t row_bytes, void* stream) {
-  if (num_tasks <= 0 || row_bytes <= 0) return;
+  if (num_tasks < 0 || row_bytes < 0)
+    throw std::invalid_argument("[seqpack.cuda_move] num_tasks and row_bytes must be >= 0");
+  if (num_tasks == 0 || row_bytes == 0) return;
+  if (src == nullptr || dst == nullptr || tasks == nullptr)
+    throw std::invalid_argument("[seqpack.cuda_move] src, dst and tasks must not be null");
   auto s = static_cast<cudaStream_t>(stream);
   // Task offsets are whole rows, so the widest access that divides row_bytes and
   // every base pointer is safe for all of them.
   auto fits = [&](int64_t w) {
-    return row_bytes % w == 0 && aligned(src, w) && aligned(dst, w) && aligned(fill_row, w);
+    return row_bytes % w == 0 && aligned(src, w) && aligned(dst, w) && (fill_row == nullptr || aligned(fill_row, w));
   };
   if (fits(16))
     launch<uint4>(src, dst, tasks, num_tasks, fill_row, row_bytes, s);
@@ -52,7 +56,10 @@ void launch_move(const void* src, void* dst, const ByteTask* tasks, int64_t num_
 }
 
 void launch_positions(const PositionRun* runs, int64_t num_runs, int64_t* out, void* stream) {
-  if (num_runs <= 0) return;
+  if (num_runs < 0) throw std::invalid_argument("[seqpack.cuda_positions] num_runs must be >= 0");
+  if (num_runs == 0) return;
+  if (runs == nullptr || out == nullptr)
+    throw std::invalid_argument("[seqpack.cuda_positions] runs and out must not be null");
   const auto blocks = static_cast<unsigned>(std::min(num_runs, kMaxBlocks));
   detail::positions_kernel<<<blocks, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(runs, num_runs, out);
   check(cudaGetLastError(), "position ids kernel launch");

@@ -20,9 +20,11 @@ __global__ void move_kernel(const char* __restrict__ src, char* __restrict__ dst
     if (task.src_offset >= 0) {
       const V* s = reinterpret_cast<const V*>(src + task.src_offset);
       for (int64_t i = threadIdx.x; i < n; i += blockDim.x) d[i] = s[i];
-    } else {
+    } else if (fill_row != nullptr) {
       const V* f = reinterpret_cast<const V*>(fill_row);
       for (int64_t i = threadIdx.x; i < n; i += blockDim.x) d[i] = f[i % per_row];
+    } else {  // no fill row: zero bytes, as the CPU executor does
+      for (int64_t i = threadIdx.x; i < n; i += blockDim.x) d[i] = V{};
     }
   }
 }

@@ -36,6 +36,7 @@ PYBIND11_MODULE(_core, m) {
       "madvise(MADV_HUGEPAGE) on the 2 MiB-aligned interior of a fresh host buffer; False where unsupported.");
 #ifdef SEQPACK_WITH_CUDA
   m.attr("built_with_cuda") = true;
+  m.attr("cuda_architectures") = SEQPACK_CUDA_ARCHITECTURES;  // CMake's list, e.g. "80-real,86-real,89-real,90"
   m.def("cuda_device_count", &seqpack::cuda::device_count);
   m.def("cuda_runtime_version", &seqpack::cuda::runtime_version);
   m.def("cuda_device_name", &seqpack::cuda::device_name, py::arg("index") = 0);
@@ -59,6 +60,7 @@ PYBIND11_MODULE(_core, m) {
       py::arg("runs"), py::arg("num_runs"), py::arg("out"), py::arg("stream"));
 #else
   m.attr("built_with_cuda") = false;
+  m.attr("cuda_architectures") = "";
   m.def("cuda_device_count", []() { return 0; });
   m.def("cuda_runtime_version", []() { return 0; });
   m.def("cuda_device_name", [](int) { return std::string(); }, py::arg("index") = 0);

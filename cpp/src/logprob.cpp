@@ -1,5 +1,9 @@
 #include "seqpack/logprob.hpp"
 
+#if defined(__GNUC__)
+#pragma GCC diagnostic ignored "-Wpsabi"  // 32/64-byte vectors in always-inlined helpers only
+#endif
+
 #include <algorithm>
 #include <bit>
 #include <cmath>
@@ -10,6 +14,7 @@
 #include <type_traits>
 
 #include "seqpack/common.hpp"
+#include "seqpack/logprob_math.hpp"
 #include "thread_pool.hpp"
 
 // The row loops exist three times on x86-64: 16 lanes for AVX-512, 8 lanes for
@@ -19,7 +24,6 @@
 #define SEQPACK_X86_DISPATCH 1
 #define SEQPACK_AVX2 __attribute__((target("avx2,fma")))
 #define SEQPACK_AVX512 __attribute__((target("avx512f,avx512dq,avx512bw,avx512vl,avx2,fma")))
-#pragma GCC diagnostic ignored "-Wpsabi"  // 32-byte vectors in always-inlined helpers only
 #include <immintrin.h>
 #endif
 
@@ -81,14 +85,15 @@ template <typename V>
 }
 
 // exp(x) lane by lane for x <= 88, to ~2 ulp: x = n ln2 + r, a degree-6
-// polynomial on r, times 2^n from the exponent bits; below -87 flushed to ~1e-38.
+// polynomial on r, times 2^n from the exponent bits. Below -87 it is exactly 0
+// (so exp(-inf) = 0, as logprob_math.hpp requires) and NaN stays NaN.
 template <typename V>
 [[gnu::always_inline]] inline V vexp(V x) {
   using I = typename IntsOf<V>::type;
-  x = vmax(x, splat<V>(kExpMin));
-  x = x < 88.0f ? x : splat<V>(88.0f);
-  const V n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-  const V r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
+  V c = vmax(x, splat<V>(kExpMin));
+  c = c < 88.0f ? c : splat<V>(88.0f);
+  const V n = (c * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+  const V r = (c - n * 0.693359375f) + n * 2.12194440e-4f;
   V p = splat<V>(1.9875691500e-4f);
   p = p * r + 1.3981999507e-3f;
   p = p * r + 8.3334519073e-3f;
@@ -97,11 +102,23 @@ template <typename V>
   p = p * r + 5.0000001201e-1f;
   p = p * r * r + r + 1.0f;
   const I bits = (__builtin_convertvector(n, I) + 127) << 23;
-  return p * std::bit_cast<V>(bits);
+  const V y = p * std::bit_cast<V>(bits);
+  return x < kExpMin ? V{} : (x != x ? x : y);
 }
 
 // The same for one value (row tails).
 [[gnu::always_inline]] inline float fast_exp(float x) { return vexp(splat<f4>(x))[0]; }
+
+// The exponential logprob_math.hpp's functions use here: the polynomial above on
+// lanes and on single floats, the library's on doubles (row sums across blocks).
+struct VecExp {
+  template <typename V>
+  [[gnu::always_inline]] V operator()(V x) const {
+    return vexp(x);
+  }
+  [[gnu::always_inline]] float operator()(float x) const { return fast_exp(x); }
+  [[gnu::always_inline]] double operator()(double x) const { return std::exp(x); }
+};
 
 template <typename V>
 [[gnu::always_inline]] inline float hsum(V v) {
@@ -110,40 +127,10 @@ template <typename V>
   return s;
 }
 template <typename V>
-[[gnu::always_inline]] inline float hmax(V v) {
+[[gnu::always_inline]] inline float hmax(V v) {  // NaN in any lane gives NaN
   float m = v[0];
-  for (int k = 1; k < kLanesOf<V>; ++k) m = std::max(m, v[k]);
+  for (int k = 1; k < kLanesOf<V>; ++k) m = lpmath::nan_max(m, v[k]);
   return m;
-}
-
-[[gnu::always_inline]] inline float bf16_to_float(uint16_t h) { return std::bit_cast<float>(static_cast<uint32_t>(h) << 16); }
-
-[[gnu::always_inline]] inline uint16_t float_to_bf16(float f) {
-  const uint32_t u = std::bit_cast<uint32_t>(f);
-  const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;  // round to nearest even
-  return static_cast<uint16_t>((u & 0x7fffffffu) > 0x7f800000u ? (u >> 16) | 0x40u : rounded);  // NaN stays NaN
-}
-
-[[gnu::always_inline]] inline float half_to_float(uint16_t h) {
-  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
-  const uint32_t body = static_cast<uint32_t>(h & 0x7fffu) << 13;
-  float f = std::bit_cast<float>(body) * 0x1p112f;  // rebias normals and subnormals alike
-  if (body >= 0x0f800000u) f = std::bit_cast<float>(body | 0x7f800000u);  // inf / NaN
-  return std::bit_cast<float>(std::bit_cast<uint32_t>(f) | sign);
-}
-
-[[gnu::always_inline]] inline uint16_t float_to_half(float f) {
-  uint32_t x = std::bit_cast<uint32_t>(f);
-  const auto sign = static_cast<uint16_t>((x >> 16) & 0x8000u);
-  x &= 0x7fffffffu;
-  if (x >= 0x7f800000u) return sign | (x > 0x7f800000u ? 0x7e00u : 0x7c00u);  // NaN / inf
-  if (x >= 0x477ff000u) return sign | 0x7c00u;  // rounds past the largest half: inf
-  if (x < 0x38800000u) {  // below 2^-14: subnormal half; the float add rounds to nearest even
-    const float t = std::bit_cast<float>(x) + 0.5f;
-    return sign | static_cast<uint16_t>(std::bit_cast<uint32_t>(t) - 0x3f000000u);
-  }
-  x += 0xc8000fffu + ((x >> 13) & 1u);  // rebias 127 -> 15 and round to nearest even
-  return sign | static_cast<uint16_t>(x >> 13);
 }
 
 template <typename T>
@@ -153,21 +140,17 @@ struct Io<float> {
   [[gnu::always_inline]] static float load(const float* p, int64_t i) { return p[i]; }
   [[gnu::always_inline]] static void store(float* p, int64_t i, float v) { p[i] = v; }
 };
-struct BF16 {
-  uint16_t bits;
-};
-struct F16 {
-  uint16_t bits;
-};
+using lpmath::BF16;
+using lpmath::F16;
 template <>
 struct Io<BF16> {
-  [[gnu::always_inline]] static float load(const BF16* p, int64_t i) { return bf16_to_float(p[i].bits); }
-  [[gnu::always_inline]] static void store(BF16* p, int64_t i, float v) { p[i].bits = float_to_bf16(v); }
+  [[gnu::always_inline]] static float load(const BF16* p, int64_t i) { return lpmath::to_float(p[i]); }
+  [[gnu::always_inline]] static void store(BF16* p, int64_t i, float v) { p[i] = lpmath::from_float<BF16>(v); }
 };
 template <>
 struct Io<F16> {
-  [[gnu::always_inline]] static float load(const F16* p, int64_t i) { return half_to_float(p[i].bits); }
-  [[gnu::always_inline]] static void store(F16* p, int64_t i, float v) { p[i].bits = float_to_half(v); }
+  [[gnu::always_inline]] static float load(const F16* p, int64_t i) { return lpmath::to_float(p[i]); }
+  [[gnu::always_inline]] static void store(F16* p, int64_t i, float v) { p[i] = lpmath::from_float<F16>(v); }
 };
 
 // Rows converted to fp32 (times 1/temperature) a block at a time, and fp32 results
@@ -185,16 +168,16 @@ struct StatsOut {
   float max, sumexp, zexp, target_z;
 };
 
-// One row: online log-sum-exp over blocks (fp32 within a block, fp64 across). The
-// entropy sum is taken relative to the maximum (every term <= 0), so that
-// H = log(sumexp) - zexp / sumexp has no cancellation.
+// One row, a block of columns at a time: the block's maximum raises the row's
+// accumulator once (lpmath::lse_raise, in fp64 across blocks), then every lane
+// accumulates exp(z - m) and its entropy term (lpmath::lse_accumulate, fp32 within
+// the block). The rules for -inf and NaN logits are logprob_math.hpp's.
 template <typename T, typename V>
 [[gnu::always_inline]] inline StatsOut stats_row(const T* __restrict x, int64_t vocab, float tau,
                                                  int64_t local_target, bool entropy) {
   constexpr int64_t kLanes = kLanesOf<V>;
   alignas(64) float z[kBlock];
-  float m = -std::numeric_limits<float>::infinity();
-  double s = 0.0, t = 0.0;
+  lpmath::Lse<double> row = lpmath::lse_empty<double>();
   for (int64_t b = 0; b < vocab; b += kBlock) {
     const int64_t n = std::min(kBlock, vocab - b), full = n - n % kLanes;
     const float* zb = z;
@@ -204,38 +187,22 @@ template <typename T, typename V>
     } else {
       load_block(x + b, z, n, tau);
     }
-    V vm = splat<V>(-std::numeric_limits<float>::infinity());
-    for (int64_t i = 0; i < full; i += kLanes) vm = vmax(vm, vload<V>(zb + i));
+    V vm = splat<V>(lpmath::neg_inf<float>());
+    for (int64_t i = 0; i < full; i += kLanes) vm = lpmath::nan_max(vm, vload<V>(zb + i));
     float bm = hmax(vm);
-    for (int64_t i = full; i < n; ++i) bm = std::max(bm, zb[i]);
-    if (bm > m) {
-      if (s > 0.0) {  // re-express the sums relative to the new maximum
-        const double shift = static_cast<double>(m) - static_cast<double>(bm);
-        const double scale = std::exp(shift);
-        t = scale * (t + shift * s);
-        s *= scale;
-      }
-      m = bm;
-    }
+    for (int64_t i = full; i < n; ++i) bm = lpmath::nan_max(bm, zb[i]);
+    lpmath::lse_raise(row, static_cast<double>(bm), VecExp{});
+    const float m = static_cast<float>(row.m);
     V vs{}, vt{};
     const V vmx = splat<V>(m);
-    for (int64_t i = 0; i < full; i += kLanes) {
-      const V d = vload<V>(zb + i) - vmx;
-      const V e = vexp(d);
-      vs += e;
-      if (entropy) vt += e * d;
-    }
+    for (int64_t i = 0; i < full; i += kLanes) lpmath::lse_accumulate(vs, vt, vload<V>(zb + i), vmx, entropy, VecExp{});
     float bs = hsum(vs), bt = hsum(vt);
-    for (int64_t i = full; i < n; ++i) {
-      const float d = zb[i] - m, e = fast_exp(d);
-      bs += e;
-      bt += entropy ? e * d : 0.0f;
-    }
-    s += bs;
-    t += bt;
+    for (int64_t i = full; i < n; ++i) lpmath::lse_accumulate(bs, bt, zb[i], m, entropy, VecExp{});
+    row.s += bs;
+    row.t += bt;
   }
   const float tz = local_target >= 0 ? Io<T>::load(x, local_target) / tau : 0.0f;
-  return {m, static_cast<float>(s), static_cast<float>(t), tz};
+  return {static_cast<float>(row.m), static_cast<float>(row.s), static_cast<float>(row.t), tz};
 }
 
 template <typename T, typename V>
@@ -253,8 +220,8 @@ template <typename T, typename V>
     const V vtau = splat<V>(tau);
     const bool stream = kLanes == 16 && reinterpret_cast<uintptr_t>(g) % 64 == 0;
     for (int64_t i = 0; i < full; i += kLanes) {
-      const V logp = ((tau == 1.0f ? vload<V>(x + i) : vload<V>(x + i) / vtau) - vm) - vls;
-      const V out = vexp(logp) * (va + vc * (logp + vh));
+      const V zi = tau == 1.0f ? vload<V>(x + i) : vload<V>(x + i) / vtau;
+      const V out = lpmath::grad_value(zi, vm, vls, va, vc, vh, VecExp{});
 #ifdef SEQPACK_X86_DISPATCH
       if constexpr (kLanes == 16) {
         if (stream) {  // non-temporal: the gradient is not read again soon; no read-for-ownership
@@ -265,32 +232,19 @@ template <typename T, typename V>
 #endif
       vstore(g + i, out);
     }
-    for (int64_t i = full; i < vocab; ++i) {
-      const float logp = (x[i] / tau - m) - log_s;
-      g[i] = fast_exp(logp) * (a + c * (logp + h));
-    }
+    for (int64_t i = full; i < vocab; ++i) g[i] = lpmath::grad_value(x[i] / tau, m, log_s, a, c, h, VecExp{});
     if (local_target >= 0) g[local_target] += g_lp * inv_t;
     return;
   }
   for (int64_t b = 0; b < vocab; b += kBlock) {
     const int64_t n = std::min(kBlock, vocab - b), full = n - n % kLanes;
     load_block(x + b, z, n, tau);
-    for (int64_t i = 0; i < full; i += kLanes) {
-      const V logp = (vload<V>(z + i) - vm) - vls;
-      vstore(z + i, vexp(logp) * (va + vc * (logp + vh)));
-    }
-    for (int64_t i = full; i < n; ++i) {
-      const float logp = (z[i] - m) - log_s;
-      z[i] = fast_exp(logp) * (a + c * (logp + h));
-    }
+    for (int64_t i = 0; i < full; i += kLanes)
+      vstore(z + i, lpmath::grad_value(vload<V>(z + i), vm, vls, va, vc, vh, VecExp{}));
+    for (int64_t i = full; i < n; ++i) z[i] = lpmath::grad_value(z[i], m, log_s, a, c, h, VecExp{});
     if (local_target >= b && local_target < b + n) z[local_target - b] += g_lp * inv_t;
     store_block(g + b, z, n);
   }
-}
-
-int64_t local_index(const int64_t* targets, int64_t r, int64_t vocab_start, int64_t vocab) {
-  const int64_t t = targets[r];
-  return (t >= vocab_start && t < vocab_start + vocab) ? t - vocab_start : -1;
 }
 
 template <typename T, typename V>
@@ -299,7 +253,7 @@ template <typename T, typename V>
   const auto* base = static_cast<const T*>(v.data);
   for (int64_t r = lo; r < hi; ++r) {
     const StatsOut s = stats_row<T, V>(base + r * v.row_stride, v.vocab, tau,
-                                       local_index(targets, r, vocab_start, v.vocab), out.zexp != nullptr);
+                                       lpmath::local_target(targets[r], vocab_start, v.vocab), out.zexp != nullptr);
     out.max[r] = s.max;
     out.sumexp[r] = s.sumexp;
     if (out.zexp) out.zexp[r] = s.zexp;
@@ -315,7 +269,7 @@ template <typename T, typename V>
   auto* gbase = static_cast<T*>(grad);
   for (int64_t r = lo; r < hi; ++r) {
     T* g = gbase + r * grad_stride;
-    const int64_t t = local_index(targets, r, vocab_start, v.vocab);
+    const int64_t t = lpmath::local_target(targets[r], vocab_start, v.vocab);
     const float g_lp = targets[r] >= 0 ? in.grad_logprob[r] : 0.0f;
     const float g_ent = in.grad_entropy ? in.grad_entropy[r] : 0.0f;
     if (g_lp == 0.0f && g_ent == 0.0f) {
@@ -396,14 +350,6 @@ void grad_rows_any(const LogitsView& v, const int64_t* t, int64_t vs, float tau,
   grad_rows<T, f4>(v, t, vs, tau, in, g, gs, lo, hi);
 }
 
-void check_view(const char* fn, const LogitsView& v, const int64_t* targets, float temperature) {
-  if (v.rows < 0 || v.vocab <= 0) throw_invalid(fn, "logits must be [rows, vocab] with vocab > 0");
-  if (v.row_stride < v.vocab) throw_invalid(fn, "row_stride must be >= vocab");
-  if (v.rows > 0 && (v.data == nullptr || targets == nullptr)) throw_invalid(fn, "null buffer");
-  if (!(temperature > 0.0f) || !std::isfinite(temperature))
-    throw_invalid(fn, "temperature must be a positive finite number");
-}
-
 template <typename F>
 void over_rows(int64_t rows, int num_threads, F&& body) {
   if (num_threads < 0) throw_invalid("logprob", "num_threads must be >= 0");
@@ -427,10 +373,37 @@ const char* logprob_cpu_isa() {
   }
 }
 
+namespace {
+void check_view(const char* fn, const LogitsView& v, const int64_t* targets, float temperature) {
+  if (v.rows < 0 || v.vocab <= 0) throw_invalid(fn, "logits must be [rows, vocab] with rows >= 0 and vocab > 0");
+  if (v.row_stride < v.vocab) throw_invalid(fn, "row_stride must be >= vocab");
+  if (v.rows > 0 && (v.rows - 1) > (std::numeric_limits<int64_t>::max() - v.vocab) / v.row_stride)
+    throw_invalid(fn, "rows * row_stride overflows int64");
+  if (v.rows > 0 && (v.data == nullptr || targets == nullptr)) throw_invalid(fn, "logits and targets must not be null");
+  if (!(temperature > 0.0f) || !std::isfinite(temperature))
+    throw_invalid(fn, "temperature must be a positive finite number");
+}
+}  // namespace
+
+void check_row_stats_args(const char* fn, const LogitsView& logits, const int64_t* targets, float temperature,
+                          const RowStats& out) {
+  check_view(fn, logits, targets, temperature);
+  if (logits.rows > 0 && (!out.max || !out.sumexp || !out.target_z))
+    throw_invalid(fn, "max, sumexp and target_z outputs must not be null");
+}
+
+void check_row_grad_args(const char* fn, const LogitsView& logits, const int64_t* targets, float temperature,
+                         const RowGradInputs& in, const void* grad, int64_t grad_row_stride) {
+  check_view(fn, logits, targets, temperature);
+  if (grad_row_stride < logits.vocab) throw_invalid(fn, "grad_row_stride must be >= vocab");
+  if (logits.rows > 0 && (!grad || !in.max || !in.log_sumexp || !in.grad_logprob))
+    throw_invalid(fn, "grad, max, log_sumexp and grad_logprob must not be null");
+  if (in.grad_entropy && !in.entropy) throw_invalid(fn, "grad_entropy needs the entropy");
+}
+
 void row_stats(const LogitsView& logits, const int64_t* targets, int64_t vocab_start, float temperature,
                const RowStats& out, int num_threads) {
-  check_view("row_stats", logits, targets, temperature);
-  if (logits.rows > 0 && (!out.max || !out.sumexp || !out.target_z)) throw_invalid("row_stats", "null output");
+  check_row_stats_args("row_stats", logits, targets, temperature, out);
   over_rows(logits.rows, num_threads, [&](int64_t lo, int64_t hi) {
     switch (logits.dtype) {
       case LogitsDtype::Float32: stats_rows_any<float>(logits, targets, vocab_start, temperature, out, lo, hi); break;
@@ -442,11 +415,7 @@ void row_stats(const LogitsView& logits, const int64_t* targets, int64_t vocab_s
 
 void row_grad(const LogitsView& logits, const int64_t* targets, int64_t vocab_start, float temperature,
               const RowGradInputs& in, void* grad, int64_t grad_row_stride, int num_threads) {
-  check_view("row_grad", logits, targets, temperature);
-  if (grad_row_stride < logits.vocab) throw_invalid("row_grad", "grad_row_stride must be >= vocab");
-  if (logits.rows > 0 && (!grad || !in.max || !in.log_sumexp || !in.grad_logprob))
-    throw_invalid("row_grad", "null buffer");
-  if (in.grad_entropy && !in.entropy) throw_invalid("row_grad", "grad_entropy needs the entropy");
+  check_row_grad_args("row_grad", logits, targets, temperature, in, grad, grad_row_stride);
   over_rows(logits.rows, num_threads, [&](int64_t lo, int64_t hi) {
     switch (logits.dtype) {
       case LogitsDtype::Float32:

@@ -85,10 +85,19 @@ __all__ = [
 
 
 def build_info() -> Dict[str, Any]:
-    """How the extension was built and what it sees: version, CUDA objects, devices."""
+    """How the extension was built and what it sees: version, CUDA objects and the
+    architectures they were compiled for (CMake's list: ``"80-real"`` is sm_80
+    machine code, a bare ``"90"`` adds compute_90 PTX), the CPU build of the log-prob
+    kernels, devices.
+
+    >>> sorted(build_info())[:3]
+    ['built_with_cuda', 'cpu_isa', 'cuda_architectures']
+    """
     return {
         "version": __version__,
         "built_with_cuda": bool(_core.built_with_cuda),
+        "cuda_architectures": [a for a in str(_core.cuda_architectures).split(",") if a],
+        "cpu_isa": _core.logprob_cpu_isa(),
         "cuda_runtime_version": _core.cuda_runtime_version(),
         "cuda_device_count": _core.cuda_device_count(),
     }

@@ -16,8 +16,12 @@
 // softmax is never stored).
 // Rows whose target is negative and whose entropy gradient is 0 get zeros.
 //
+// The element arithmetic (accumulator, merge, gradient, -inf / NaN rules, fp16 /
+// bf16 conversions) is seqpack/logprob_math.hpp's, shared with the CUDA kernels.
 // Accumulation is fp32 within blocks of the row and fp64 across blocks, for
 // fp32, bf16 and fp16 logits alike; rows are spread over threads.
+// A target id is global; a negative one means "no target" (log-prob 0, no gradient
+// from it); callers check ids against the full vocabulary.
 #include <cstddef>
 #include <cstdint>
 
@@ -59,6 +63,14 @@ struct RowGradInputs {
 // grad_row_stride elements between rows).
 void row_grad(const LogitsView& logits, const int64_t* targets, int64_t vocab_start, float temperature,
               const RowGradInputs& in, void* grad, int64_t grad_row_stride, int num_threads = 0);
+
+// The argument checks of row_stats / row_grad, shared with the CUDA launchers
+// (throw std::invalid_argument "[fn] ..."): shapes, strides, null buffers, a
+// positive finite temperature, an entropy gradient only with the entropy.
+void check_row_stats_args(const char* fn, const LogitsView& logits, const int64_t* targets, float temperature,
+                          const RowStats& out);
+void check_row_grad_args(const char* fn, const LogitsView& logits, const int64_t* targets, float temperature,
+                         const RowGradInputs& in, const void* grad, int64_t grad_row_stride);
 
 // The CPU build the kernels run ("avx512", "avx2" or "baseline"): the best the
 // processor supports, capped by the environment variable SEQPACK_CPU_ISA.

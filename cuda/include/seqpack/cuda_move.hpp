@@ -10,7 +10,7 @@ namespace seqpack::cuda {
 
 // Runs `num_tasks` byte tasks (an array in device memory, see make_byte_tasks):
 // copies from `src` to `dst`, fills from `fill_row` (row_bytes bytes in device
-// memory, repeated). Uses 16-, 8- or 4-byte accesses when the pointers and
+// memory, repeated; null: zero bytes, as on the CPU). Uses 16-, 8- or 4-byte accesses when the pointers and
 // row_bytes allow, bytes otherwise. `stream` is a cudaStream_t (null: the legacy
 // default stream). Throws std::runtime_error naming the CUDA error on failure.
 void launch_move(const void* src, void* dst, const ByteTask* tasks, int64_t num_tasks, const void* fill_row,

@@ -1,0 +1,215 @@
+#pragma once
+// The arithmetic of the fused token log-probabilities, written once for the CPU
+// kernels (scalars and SIMD lanes, cpp/src/logprob.cpp) and the CUDA kernels
+// (cuda/logprob.cu, where nvcc compiles it as __host__ __device__). The CPU test
+// suite therefore runs the same float arithmetic the GPU runs.
+//
+// Per row, with z = x / temperature, an accumulator holds
+//   m = max z,   s = sum exp(z - m),   t = sum exp(z - m) (z - m)
+// (t <= 0 relative to the maximum, so the entropy log(s) - t / s has no
+// cancellation). Rules every function below keeps:
+//   * a masked logit (z = -inf) contributes exactly 0 to s and t, whatever m is
+//     (exp(-inf) (-inf) is taken as its limit 0, never 0 * -inf = NaN);
+//   * an empty accumulator is {-inf, 0, 0}; merging with it is the identity;
+//   * a NaN logit makes m and s NaN, so the log-prob, entropy and gradient of its
+//     row are NaN (as log_softmax gives); an all-masked row (every z = -inf) gives
+//     s = 0 and NaN results, as log_softmax does.
+// Functions are templates over the value type V so that the CPU kernels can run
+// them on GCC/Clang vector types (comparisons give lane masks, ?: selects lanes)
+// as well as on float and double; `Exp` is the exponential the caller uses (a
+// SIMD polynomial on the CPU, expf on the GPU) and must give exp(-inf) = 0 and
+// exp(NaN) = NaN.
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__CUDACC__)
+#define SEQPACK_HD __host__ __device__ __forceinline__
+#else
+#define SEQPACK_HD inline __attribute__((always_inline))
+#endif
+
+namespace seqpack::lpmath {
+
+// -inf without std::numeric_limits (a constexpr host function nvcc would not
+// call from device code without --expt-relaxed-constexpr).
+template <typename F>
+SEQPACK_HD F neg_inf() {
+  return static_cast<F>(-HUGE_VAL);
+}
+
+// exp for scalars: the accurate library function on either side (the GPU's
+// __expf would be 2 + 1.2|x| ulp off for the large |x| of a long tail).
+struct ScalarExp {
+  SEQPACK_HD float operator()(float x) const {
+#if defined(__CUDA_ARCH__)
+    return expf(x);
+#else
+    return std::exp(x);
+#endif
+  }
+  SEQPACK_HD double operator()(double x) const {
+#if defined(__CUDA_ARCH__)
+    return ::exp(x);
+#else
+    return std::exp(x);
+#endif
+  }
+};
+
+// max that propagates NaN from either side (std::max and fmaxf drop it).
+template <typename V>
+SEQPACK_HD V nan_max(V a, V b) {
+  return (a > b || a != a) ? a : b;
+}
+
+// Re-expresses (s, t), sums taken relative to `from`, relative to `to` >= from:
+//   s' = e s,  t' = e t + e d s  with d = from - to, e = exp(d).
+// from == to (including both -inf: an empty accumulator) leaves them as they are;
+// from = -inf (nothing but masked logits so far) gives e = 0 and zero sums.
+template <typename V, typename Exp = ScalarExp>
+SEQPACK_HD void lse_rebase(V& s, V& t, V from, V to, Exp exp = {}) {
+  const V zero{}, one = zero + 1;
+  const auto same = from == to;
+  const V d = from - to;
+  const V e = same ? one : exp(d);
+  const V ed = (same || e == zero) ? zero : e * d;
+  t = e * t + ed * s;
+  s = e * s;
+}
+
+// Adds exp(z - m) and exp(z - m)(z - m) to (s, t) for one value (or one lane
+// each) relative to a maximum m >= z.
+template <typename V, typename Exp = ScalarExp>
+SEQPACK_HD void lse_accumulate(V& s, V& t, V z, V m, bool entropy, Exp exp = {}) {
+  const V zero{};
+  const V d = z - m;  // <= 0; NaN when z and m are both -inf (masked below) or either is NaN
+  const V e = z == neg_inf<float>() ? zero : exp(d);
+  s += e;
+  if (entropy) t += e == zero ? zero : e * d;
+}
+
+// The accumulator of one row (or of a part of one, a thread's lane, a vocabulary
+// slice). F is float in the kernels; double where the CPU keeps a row's sums.
+template <typename F>
+struct Lse {
+  F m, s, t;
+};
+
+template <typename F>
+SEQPACK_HD Lse<F> lse_empty() {
+  return {neg_inf<F>(), F(0), F(0)};
+}
+
+// Raises the accumulator's maximum to include `new_max` (the max of values about
+// to be accumulated), rescaling its sums once.
+template <typename F, typename Exp = ScalarExp>
+SEQPACK_HD void lse_raise(Lse<F>& a, F new_max, Exp exp = {}) {
+  const F m = nan_max(a.m, new_max);
+  if (!(m == a.m)) {  // also when m is NaN
+    lse_rebase(a.s, a.t, a.m, m, exp);
+    a.m = m;
+  }
+}
+
+// One value, online (raise the maximum if needed, then accumulate).
+template <typename F, typename Exp = ScalarExp>
+SEQPACK_HD void lse_add(Lse<F>& a, F z, bool entropy, Exp exp = {}) {
+  lse_raise(a, z, exp);
+  lse_accumulate(a.s, a.t, z, a.m, entropy, exp);
+}
+
+// Exact merge of two accumulators (lanes, warps, blocks of a row).
+template <typename F, typename Exp = ScalarExp>
+SEQPACK_HD Lse<F> lse_merge(Lse<F> a, Lse<F> b, Exp exp = {}) {
+  const F m = nan_max(a.m, b.m);
+  lse_rebase(a.s, a.t, a.m, m, exp);
+  lse_rebase(b.s, b.t, b.m, m, exp);
+  return {m, a.s + b.s, a.t + b.t};
+}
+
+// The gradient of g_lp * logprob + g_ent * entropy with respect to one logit,
+// without the one-hot term of the target column (the caller adds g_lp / tau there):
+//   p (a + c (log p + H)),  log p = (z - m) - log_s,  a = -g_lp / tau, c = -g_ent / tau.
+// A masked logit (p = 0) gets 0, as log_softmax's backward gives, not 0 * -inf.
+template <typename V, typename Exp = ScalarExp>
+SEQPACK_HD V grad_value(V z, V m, V log_s, V a, V c, V h, Exp exp = {}) {
+  const V zero{};
+  const V logp = (z - m) - log_s;
+  const V p = exp(logp);
+  return p == zero ? zero : p * (a + c * (logp + h));
+}
+
+// ---- storage formats ------------------------------------------------------
+template <typename To, typename From>
+SEQPACK_HD To bit_copy(From f) {
+  static_assert(sizeof(To) == sizeof(From), "same size");
+  To t;
+  std::memcpy(&t, &f, sizeof t);
+  return t;
+}
+
+SEQPACK_HD float bf16_to_float(uint16_t h) { return bit_copy<float>(static_cast<uint32_t>(h) << 16); }
+
+SEQPACK_HD uint16_t float_to_bf16(float f) {
+  const uint32_t u = bit_copy<uint32_t>(f);
+  const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;  // round to nearest even
+  return static_cast<uint16_t>((u & 0x7fffffffu) > 0x7f800000u ? (u >> 16) | 0x40u : rounded);  // NaN stays NaN
+}
+
+SEQPACK_HD float half_to_float(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  const uint32_t body = static_cast<uint32_t>(h & 0x7fffu) << 13;
+  float f = bit_copy<float>(body) * 0x1p112f;  // rebias normals and subnormals alike
+  if (body >= 0x0f800000u) f = bit_copy<float>(body | 0x7f800000u);  // inf / NaN
+  return bit_copy<float>(bit_copy<uint32_t>(f) | sign);
+}
+
+SEQPACK_HD uint16_t float_to_half(float f) {
+  uint32_t x = bit_copy<uint32_t>(f);
+  const auto sign = static_cast<uint16_t>((x >> 16) & 0x8000u);
+  x &= 0x7fffffffu;
+  if (x >= 0x7f800000u) return sign | (x > 0x7f800000u ? 0x7e00u : 0x7c00u);  // NaN / inf
+  if (x >= 0x477ff000u) return sign | 0x7c00u;  // rounds past the largest half: inf
+  if (x < 0x38800000u) {  // below 2^-14: subnormal half; the float add rounds to nearest even
+    const float t = bit_copy<float>(x) + 0.5f;
+    return sign | static_cast<uint16_t>(bit_copy<uint32_t>(t) - 0x3f000000u);
+  }
+  x += 0xc8000fffu + ((x >> 13) & 1u);  // rebias 127 -> 15 and round to nearest even
+  return sign | static_cast<uint16_t>(x >> 13);
+}
+
+// The element types of the logits, as 16-bit words where they are halves.
+struct BF16 {
+  uint16_t bits;
+};
+struct F16 {
+  uint16_t bits;
+};
+
+SEQPACK_HD float to_float(float x) { return x; }
+SEQPACK_HD float to_float(BF16 x) { return bf16_to_float(x.bits); }
+SEQPACK_HD float to_float(F16 x) { return half_to_float(x.bits); }
+
+template <typename T>
+SEQPACK_HD T from_float(float x);
+template <>
+SEQPACK_HD float from_float<float>(float x) {
+  return x;
+}
+template <>
+SEQPACK_HD BF16 from_float<BF16>(float x) {
+  return {float_to_bf16(x)};
+}
+template <>
+SEQPACK_HD F16 from_float<F16>(float x) {
+  return {float_to_half(x)};
+}
+
+// The column of a (global) target id inside the slice [vocab_start, vocab_start +
+// vocab), or -1 when the row has no target (id < 0) or another slice holds it.
+SEQPACK_HD int64_t local_target(int64_t target, int64_t vocab_start, int64_t vocab) {
+  return (target >= 0 && target >= vocab_start && target - vocab_start < vocab) ? target - vocab_start : -1;
+}
+
+}  // namespace seqpack::lpmath
