@@ -42,11 +42,8 @@ __device__ Acc block_reduce(Acc a) {
   return a;  // valid in thread 0
 }
 
-// V elements per load (16 bytes when rows allow it).
 template <typename T, int V>
-struct alignas(sizeof(T) * V) Pack {
-  T v[V];
-};
+using Pack = lpmath::Pack<T, V>;
 
 template <typename T, int V>
 __global__ void stats_kernel(const T* __restrict__ logits, int64_t rows, int64_t vocab, int64_t stride,
@@ -55,24 +52,7 @@ __global__ void stats_kernel(const T* __restrict__ logits, int64_t rows, int64_t
   const bool entropy = zexp_out != nullptr;
   for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
     const T* x = logits + r * stride;
-    Acc a = lpmath::lse_empty<float>();
-    const int64_t packs = vocab / V;
-    const auto* xv = reinterpret_cast<const Pack<T, V>*>(x);
-    for (int64_t i = threadIdx.x; i < packs; i += blockDim.x) {
-      const Pack<T, V> p = xv[i];
-      float z[V];
-      float pm = lpmath::neg_inf<float>();
-#pragma unroll
-      for (int k = 0; k < V; ++k) {
-        z[k] = lpmath::to_float(p.v[k]) / tau;
-        pm = lpmath::nan_max(pm, z[k]);
-      }
-      lpmath::lse_raise(a, pm);  // once per pack: one exp per element otherwise
-#pragma unroll
-      for (int k = 0; k < V; ++k) lpmath::lse_accumulate(a.s, a.t, z[k], a.m, entropy);
-    }
-    for (int64_t i = packs * V + threadIdx.x; i < vocab; i += blockDim.x)
-      lpmath::lse_add(a, lpmath::to_float(x[i]) / tau, entropy);
+    Acc a = lpmath::lane_stats<V>(x, vocab, tau, threadIdx.x, blockDim.x, entropy);
     a = block_reduce(a);
     if (threadIdx.x == 0) {
       max_out[r] = a.m;
@@ -98,14 +78,8 @@ __global__ void grad_kernel(const T* __restrict__ logits, int64_t rows, int64_t 
     const float g_lp = has ? g_lp_in[r] : 0.0f;
     const float g_ent = g_ent_in ? g_ent_in[r] : 0.0f;
     const int64_t local = lpmath::local_target(targets[r], vocab_start, vocab);
-    const float m = max_in[r], ls = log_s_in[r], h = entropy_in ? entropy_in[r] : 0.0f;
-    const float inv_t = 1.0f / tau, a = -g_lp * inv_t, c = -g_ent * inv_t, hit = g_lp * inv_t;
-    const bool zero = g_lp == 0.0f && g_ent == 0.0f;
-    auto value = [&](T xi, int64_t col) {
-      if (zero) return lpmath::from_float<T>(0.0f);
-      const float v = lpmath::grad_value(lpmath::to_float(xi) / tau, m, ls, a, c, h);
-      return lpmath::from_float<T>(col == local ? v + hit : v);
-    };
+    const lpmath::GradRowParams prm = lpmath::grad_row_params(
+        max_in[r], log_s_in[r], entropy_in ? entropy_in[r] : 0.0f, g_lp, g_ent, tau, local);
     const int64_t packs = vocab / V;
     const auto* xv = reinterpret_cast<const Pack<T, V>*>(x);
     auto* gv = reinterpret_cast<Pack<T, V>*>(g);
@@ -113,10 +87,10 @@ __global__ void grad_kernel(const T* __restrict__ logits, int64_t rows, int64_t 
       const Pack<T, V> p = xv[i];
       Pack<T, V> out;
 #pragma unroll
-      for (int k = 0; k < V; ++k) out.v[k] = value(p.v[k], i * V + k);
+      for (int k = 0; k < V; ++k) out.v[k] = lpmath::grad_element(prm, p.v[k], i * V + k);
       gv[i] = out;
     }
-    for (int64_t col = packs * V + threadIdx.x; col < vocab; col += blockDim.x) g[col] = value(x[col], col);
+    for (int64_t col = packs * V + threadIdx.x; col < vocab; col += blockDim.x) g[col] = lpmath::grad_element(prm, x[col], col);
   }
 }
 

@@ -9,6 +9,7 @@
 
 #include "seqpack/common.hpp"
 #include "seqpack/logprob.hpp"
+#include "seqpack/logprob_math.hpp"
 #include "test_helpers.hpp"
 
 namespace {
@@ -193,6 +194,170 @@ TEST(Logprob, HugePageAdviceKeepsContents) {
   advise_huge_pages(big.data(), big.size() * sizeof(float));
   for (size_t i = 0; i < big.size(); i += 4097) ASSERT_EQ(big[i], 0.25f);
   EXPECT_STRNE(logprob_cpu_isa(), "");
+}
+
+
+// ---- the shared element math (seqpack/logprob_math.hpp), as the GPU runs it ----
+
+namespace lp = seqpack::lpmath;
+
+// fp64 reference that skips masked (-inf) logits: they have probability 0 and
+// contribute 0 (not 0 * -inf) to the entropy. NaN anywhere gives NaN.
+Naive masked_naive(const std::vector<float>& x, int64_t target, double tau) {
+  double m = -INFINITY;
+  bool nan = false;
+  for (float v : x) {
+    nan |= std::isnan(v);
+    m = std::max(m, v / tau);
+  }
+  if (nan) return {NAN, NAN, NAN};
+  double s = 0.0;
+  for (float v : x)
+    if (v != -INFINITY) s += std::exp(v / tau - m);
+  const double lse = m + std::log(s);
+  double h = 0.0;
+  for (float v : x)
+    if (v != -INFINITY) h -= std::exp(v / tau - lse) * (v / tau - lse);
+  return {lse, target >= 0 ? x[target] / tau - lse : 0.0, h};
+}
+
+// One CUDA block's statistics replayed on the host: every lane's lane_stats, then
+// the kernel's merge order (shuffle-down tree in each warp of 32, then over warps).
+lp::Lse<float> replay_block(const float* x, int64_t vocab, float tau, int width, bool entropy) {
+  constexpr int kLanes = 256;
+  std::vector<lp::Lse<float>> acc(kLanes);
+  for (int lane = 0; lane < kLanes; ++lane)
+    acc[lane] = width == 4 ? lp::lane_stats<4>(x, vocab, tau, lane, kLanes, entropy)
+                           : lp::lane_stats<1>(x, vocab, tau, lane, kLanes, entropy);
+  auto warp_reduce = [](lp::Lse<float>* w) {
+    for (int off = 16; off > 0; off >>= 1)
+      for (int lane = 0; lane + off < 32; ++lane) w[lane] = lp::lse_merge(w[lane], w[lane + off]);
+  };
+  std::vector<lp::Lse<float>> warps(32, lp::lse_empty<float>());
+  for (int w = 0; w < kLanes / 32; ++w) {
+    warp_reduce(acc.data() + 32 * w);
+    warps[w] = acc[32 * w];
+  }
+  warp_reduce(warps.data());
+  return warps[0];
+}
+
+TEST(LogprobMath, EmptyAndMaskedAccumulatorsStayFinite) {
+  // The GPU defects: {-inf, 0, 0} merged with itself, and a -inf first element,
+  // gave -inf * 0 = NaN and -inf - (-inf) = NaN.
+  const lp::Lse<float> e = lp::lse_empty<float>();
+  const lp::Lse<float> ee = lp::lse_merge(e, e);
+  EXPECT_EQ(ee.m, -INFINITY);
+  EXPECT_EQ(ee.s, 0.0f);
+  EXPECT_EQ(ee.t, 0.0f);
+  lp::Lse<float> a = e;
+  lp::lse_add(a, -INFINITY, true);
+  EXPECT_EQ(a.s, 0.0f);
+  EXPECT_EQ(a.t, 0.0f);
+  lp::lse_add(a, 1.5f, true);
+  lp::lse_add(a, -INFINITY, true);
+  EXPECT_EQ(a.m, 1.5f);
+  EXPECT_FLOAT_EQ(a.s, 1.0f);
+  EXPECT_EQ(a.t, 0.0f);
+  const lp::Lse<float> b = lp::lse_merge(e, a);
+  EXPECT_EQ(b.m, a.m);
+  EXPECT_EQ(b.s, a.s);
+  EXPECT_EQ(b.t, a.t);
+  lp::lse_add(a, NAN, true);  // NaN propagates through the sums and merges
+  EXPECT_TRUE(std::isnan(a.s));
+  EXPECT_TRUE(std::isnan(lp::lse_merge(e, a).s));
+  EXPECT_TRUE(std::isnan(lp::lse_merge(a, b).s));
+  // The gradient of a masked logit is 0, not 0 * -inf.
+  EXPECT_EQ(lp::grad_value(-INFINITY, 1.0f, 0.5f, -1.0f, -0.3f, 2.0f), 0.0f);
+  EXPECT_TRUE(std::isnan(lp::grad_value(NAN, 1.0f, 0.5f, -1.0f, -0.3f, 2.0f)));
+}
+
+TEST(LogprobMath, GpuBlockReplayMatchesReferenceWithMaskedAndNanLogits) {
+  std::mt19937 rng(7);
+  std::normal_distribution<float> normal(0.0f, 3.0f);
+  for (int64_t vocab : {1, 7, 40, 255, 1000, 1029, 4099}) {
+    for (int pattern = 0; pattern < 5; ++pattern) {
+      std::vector<float> x(static_cast<size_t>(vocab));
+      for (float& v : x) v = normal(rng);
+      // 0: finite; 1: masked tail (a padded vocabulary); 2: every other logit
+      // masked (each lane's first element -inf); 3: all masked; 4: one NaN.
+      for (int64_t i = 0; i < vocab; ++i) {
+        if (pattern == 1 && i >= vocab * 3 / 4 && i > 0) x[i] = -INFINITY;
+        if (pattern == 2 && i % 2 == 0 && vocab > 1) x[i] = -INFINITY;
+        if (pattern == 3) x[i] = -INFINITY;
+      }
+      if (pattern == 4) x[vocab / 2] = NAN;
+      const int64_t target = vocab - 1;
+      const Naive ref = masked_naive(x, target, 0.7);
+      for (int width : {1, 4}) {
+        const lp::Lse<float> a = replay_block(x.data(), vocab, 0.7f, width, true);
+        const double lse = a.m + std::log(static_cast<double>(a.s));
+        const double h = std::log(static_cast<double>(a.s)) - a.t / a.s;
+        const std::string where = "vocab " + std::to_string(vocab) + " pattern " + std::to_string(pattern) +
+                                  " width " + std::to_string(width);
+        if (pattern >= 3) {  // all masked or NaN: NaN, as log_softmax gives
+          EXPECT_TRUE(std::isnan(x[target] / 0.7 - lse) || std::isnan(h)) << where;
+          if (pattern == 4) EXPECT_TRUE(std::isnan(lse)) << where;
+          continue;
+        }
+        EXPECT_NEAR(lse, ref.lse, 2e-6 * std::max(1.0, std::abs(ref.lse))) << where;
+        EXPECT_NEAR(h, ref.entropy, 2e-5 * std::max(1.0, ref.entropy)) << where;
+        EXPECT_TRUE(std::isfinite(a.t)) << where;
+      }
+    }
+  }
+}
+
+TEST(Logprob, MaskedVocabularyGivesFiniteEntropyAndZeroGradient) {
+  // The reproduction: logits [18, 40] with columns 30.. masked; before the
+  // shared math the CPU gave 140 NaN gradient entries and a non-finite entropy.
+  const int64_t rows = 18, vocab = 40;
+  std::vector<float> x = random_logits(rows, vocab, 1.0f, 11);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 30; c < vocab; ++c) x[r * vocab + c] = -INFINITY;
+  std::vector<int64_t> targets(rows);
+  for (int64_t r = 0; r < rows; ++r) targets[r] = r % 6 == 5 ? -1 : (r * 7) % 30;
+  std::vector<float> m(rows), s(rows), t(rows), z(rows), ls(rows), h(rows), glp(rows, 1.0f), gent(rows, 0.5f);
+  row_stats({x.data(), rows, vocab, vocab, LogitsDtype::Float32}, targets.data(), 0, 1.0f,
+            {m.data(), s.data(), t.data(), z.data()});
+  for (int64_t r = 0; r < rows; ++r) {
+    const std::vector<float> row(x.begin() + r * vocab, x.begin() + (r + 1) * vocab);
+    const Naive ref = masked_naive(row, targets[r], 1.0);
+    ls[r] = std::log(s[r]);
+    h[r] = ls[r] - t[r] / s[r];
+    ASSERT_TRUE(std::isfinite(h[r])) << r;
+    EXPECT_NEAR(h[r], ref.entropy, 1e-5) << r;
+    EXPECT_NEAR(m[r] + ls[r], ref.lse, 1e-5) << r;
+  }
+  std::vector<float> grad(static_cast<size_t>(rows * vocab), 7.0f);
+  row_grad({x.data(), rows, vocab, vocab, LogitsDtype::Float32}, targets.data(), 0, 1.0f,
+           {m.data(), ls.data(), h.data(), glp.data(), gent.data()}, grad.data(), vocab);
+  for (int64_t r = 0; r < rows; ++r) {
+    const lp::GradRowParams prm = lp::grad_row_params(m[r], ls[r], h[r], targets[r] >= 0 ? 1.0f : 0.0f, 0.5f, 1.0f,
+                                                      lp::local_target(targets[r], 0, vocab));
+    for (int64_t c = 0; c < vocab; ++c) {
+      const float g = grad[r * vocab + c];
+      ASSERT_TRUE(std::isfinite(g)) << r << "," << c;
+      if (c >= 30) EXPECT_EQ(g, 0.0f) << r << "," << c;
+      // The GPU's element function gives the CPU kernel's value.
+      EXPECT_NEAR(lp::grad_element(prm, x[r * vocab + c], c), g, 1e-6f) << r << "," << c;
+    }
+  }
+}
+
+TEST(Logprob, NanLogitPropagatesInEveryBuild) {
+  // A NaN in a column that is not the target must make the row's numbers NaN (the
+  // CPU's clamped exp and max used to drop it and give a finite log-prob).
+  const int64_t rows = 3, vocab = 1100;
+  std::vector<float> x = random_logits(rows, vocab, 1.0f, 12);
+  x[0 * vocab + 5] = NAN;     // in the first vector
+  x[1 * vocab + 700] = NAN;   // in the second block
+  x[2 * vocab + 1099] = NAN;  // in the scalar tail
+  const std::vector<int64_t> targets = {1, 2, 3};
+  std::vector<float> m(rows), s(rows), t(rows), z(rows);
+  row_stats({x.data(), rows, vocab, vocab, LogitsDtype::Float32}, targets.data(), 0, 1.0f,
+            {m.data(), s.data(), t.data(), z.data()});
+  for (int64_t r = 0; r < rows; ++r) EXPECT_TRUE(std::isnan(z[r] - m[r] - std::log(s[r]))) << r;
 }
 
 }  // namespace

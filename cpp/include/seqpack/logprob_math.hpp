@@ -25,8 +25,10 @@
 
 #if defined(__CUDACC__)
 #define SEQPACK_HD __host__ __device__ __forceinline__
+#define SEQPACK_UNROLL _Pragma("unroll")
 #else
 #define SEQPACK_HD inline __attribute__((always_inline))
+#define SEQPACK_UNROLL
 #endif
 
 namespace seqpack::lpmath {
@@ -210,6 +212,61 @@ SEQPACK_HD F16 from_float<F16>(float x) {
 // vocab), or -1 when the row has no target (id < 0) or another slice holds it.
 SEQPACK_HD int64_t local_target(int64_t target, int64_t vocab_start, int64_t vocab) {
   return (target >= 0 && target >= vocab_start && target - vocab_start < vocab) ? target - vocab_start : -1;
+}
+
+// ---- what one GPU thread does, replayable on the host ---------------------
+// W elements loaded at once (16 bytes on the GPU when the rows allow it).
+template <typename T, int W>
+struct alignas(sizeof(T) * W) Pack {
+  T v[W];
+};
+
+// The statistics one of `lanes` threads of a row's block accumulates in the CUDA
+// kernel: packs of W values at lane, lane + lanes, ... (each raising the maximum
+// once), then the tail columns one at a time. The host tests replay a whole block
+// lane by lane and merge the lanes in the kernel's tree order.
+template <int W, typename T>
+SEQPACK_HD Lse<float> lane_stats(const T* x, int64_t vocab, float tau, int64_t lane, int64_t lanes, bool entropy) {
+  Lse<float> a = lse_empty<float>();
+  const int64_t packs = vocab / W;
+  const auto* xv = reinterpret_cast<const Pack<T, W>*>(x);
+  for (int64_t i = lane; i < packs; i += lanes) {
+    const Pack<T, W> p = xv[i];
+    float z[W];
+    float pm = neg_inf<float>();
+    SEQPACK_UNROLL
+    for (int k = 0; k < W; ++k) {
+      z[k] = to_float(p.v[k]) / tau;
+      pm = nan_max(pm, z[k]);
+    }
+    lse_raise(a, pm);
+    SEQPACK_UNROLL
+    for (int k = 0; k < W; ++k) lse_accumulate(a.s, a.t, z[k], a.m, entropy);
+  }
+  for (int64_t i = packs * W + lane; i < vocab; i += lanes) lse_add(a, to_float(x[i]) / tau, entropy);
+  return a;
+}
+
+// One row's gradient parameters (from its statistics and upstream gradients) and
+// the value written for one column, as the CUDA kernel computes them.
+struct GradRowParams {
+  float m, log_s, h, a, c, hit, tau;
+  int64_t target;  // local column of the target, or -1
+  bool zero;       // no upstream gradient: the row is all zeros
+};
+
+SEQPACK_HD GradRowParams grad_row_params(float m, float log_s, float h, float g_lp, float g_ent, float tau,
+                                         int64_t local_target) {
+  const float inv_t = 1.0f / tau;
+  return {m, log_s, h, -g_lp * inv_t, -g_ent * inv_t, g_lp * inv_t, tau, local_target,
+          g_lp == 0.0f && g_ent == 0.0f};
+}
+
+template <typename T>
+SEQPACK_HD T grad_element(const GradRowParams& p, T x, int64_t col) {
+  if (p.zero) return from_float<T>(0.0f);
+  const float v = grad_value(to_float(x) / p.tau, p.m, p.log_s, p.a, p.c, p.h);
+  return from_float<T>(col == p.target ? v + p.hit : v);
 }
 
 }  // namespace seqpack::lpmath
