@@ -30,9 +30,10 @@ from .balance import (
 from .dynamic_batching import DynamicBatchingPlan, plan_dynamic_batching
 from .metrics import PackingMetrics, dp_balance_metrics, dynamic_batching_metrics
 from .packing import PackingAlgorithm, SequencePacker, adjust_bin_count, get_packer
-from .thd import PackedBatch, PackedSeqParams, alignment, pack_sequences, unpack_sequences
+from .thd import (PackedBatch, PackedSeqParams, StaticPackedBatch, alignment, pack_sequences, pack_sequences_static,
+                  unpack_sequences)
 from .cp import cp_partition_indices, cp_restore_order
-from .logprobs import packed_token_logprobs
+from .logprobs import TokenLogprobs, packed_token_logprobs
 from .loss import ClippedPGLoss, NLLLoss, SequencePackingLossWrapper, prepare_loss_input
 from .attention import attention_backends, cp_attention, varlen_attention
 from .dataset import PackedDataset, collate_packs, pack_dataset
@@ -50,9 +51,12 @@ __all__ = [
     "pack_dataset",
     "PackedBatch",
     "PackedSeqParams",
+    "StaticPackedBatch",
+    "pack_sequences_static",
     "alignment",
     "cp_partition_indices",
     "packed_token_logprobs",
+    "TokenLogprobs",
     "ClippedPGLoss",
     "NLLLoss",
     "SequencePackingLossWrapper",

@@ -21,10 +21,12 @@ import functools
 import math
 from typing import Callable, Sequence, Tuple
 
+import numpy as np
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from . import _core
+from ._device import cuda_kernels, host_to_device
 
 # Bytes per device task: big enough to amortise a thread block's start, small
 # enough that a long sequence spreads over many blocks.
@@ -44,6 +46,8 @@ def _move(src: torch.Tensor, move, out_shape: Sequence[int], trailing: Sequence[
     src = src.contiguous()
     out = torch.empty(tuple(out_shape), dtype=src.dtype, device=src.device)
     row_bytes = math.prod(trailing) * src.element_size()
+    if row_bytes == 0 or dst_rows == 0:
+        return out  # nothing to move (e.g. a zero-size trailing dimension)
     fill_row = _fill_bytes(src.dtype, tuple(trailing), fill)
     if src.device.type == "cpu":
         if callable(move):
@@ -52,15 +56,34 @@ def _move(src: torch.Tensor, move, out_shape: Sequence[int], trailing: Sequence[
             _core.move_rows(move[0].numpy(), move[1].numpy(), src.data_ptr(), src_rows, out.data_ptr(), dst_rows,
                             row_bytes, fill=fill_row, num_threads=num_threads)
         return out
-    # CUDA: the runs become byte tasks on the host, go to the device with the fill
-    # row, and one kernel runs them on the current stream; nothing is read back.
     copies, fills = move
+    if not cuda_kernels(src.device):
+        return _move_torch(src, copies.numpy(), out, src_rows, dst_rows, fill)
+    # CUDA: the runs become byte tasks on the host; tasks and fill row reach the
+    # device in one pinned non-blocking copy, and one kernel runs them on the
+    # current stream. Nothing waits on the host.
     tasks = _core.byte_tasks(copies.numpy(), fills.numpy(), src_rows, dst_rows, row_bytes, MAX_TASK_BYTES)
+    task_device, fill_device = host_to_device([tasks, np.frombuffer(fill_row, dtype=np.uint8)], src.device)
     with torch.cuda.device(src.device):
-        task_tensor = torch.from_numpy(tasks).to(src.device)
-        fill_device = torch.frombuffer(bytearray(fill_row), dtype=torch.uint8).to(src.device)
-        _core.cuda_move(src.data_ptr(), out.data_ptr(), task_tensor.data_ptr(), tasks.shape[0],
+        _core.cuda_move(src.data_ptr(), out.data_ptr(), task_device.data_ptr(), tasks.shape[0],
                         fill_device.data_ptr(), row_bytes, torch.cuda.current_stream(src.device).cuda_stream)
+    return out
+
+
+def _move_torch(src: torch.Tensor, copies: np.ndarray, out: torch.Tensor, src_rows: int, dst_rows: int,
+                fill: float) -> torch.Tensor:
+    """The same move in PyTorch ops (a row index on the host, a gather on the
+    device), for CUDA tensors where seqpack's kernels cannot run."""
+    index = np.full(dst_rows, -1, dtype=np.int64)
+    counts = copies[:, 2]
+    if counts.sum():
+        within = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)
+        index[np.repeat(copies[:, 1], counts) + within] = np.repeat(copies[:, 0], counts) + within
+    (rows,) = host_to_device([index], src.device)
+    flat = src.reshape(src_rows, -1)
+    gathered = flat.index_select(0, rows.clamp(min=0))
+    value = torch.full((), fill, dtype=src.dtype, device=src.device)
+    out.view(dst_rows, -1).copy_(torch.where(rows[:, None] >= 0, gathered, value))
     return out
 
 

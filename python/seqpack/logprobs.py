@@ -16,26 +16,44 @@ slice start: the per-row max and sums are combined with three all-reduces.
     >>> import torch, seqpack
     >>> logits = torch.zeros(6, 4)                        # uniform over 4 tokens
     >>> ids = torch.tensor([1, 2, 3, 0, 1, 0])
-    >>> seqpack.packed_token_logprobs(logits, ids, cu_seqlens=[0, 3, 5], cu_seqlens_padded=[0, 4, 6]).tolist()
-    [-1.3862943649291992, -1.3862943649291992, 0.0, 0.0, -1.3862943649291992, 0.0]
+    >>> out = seqpack.packed_token_logprobs(logits, ids, cu_seqlens=[0, 3, 5], cu_seqlens_padded=[0, 4, 6])
+    >>> out.logprobs.tolist(), out.entropy
+    ([-1.3862943649291992, -1.3862943649291992, 0.0, 0.0, -1.3862943649291992, 0.0], None)
+
+Masked vocabulary entries (``-inf`` logits) have probability 0 and get a zero
+gradient; a NaN logit makes its row's results NaN (as ``log_softmax`` does); a
+row whose logits are all ``-inf`` is NaN too. A target id outside the vocabulary
+raises when the ids are on the host, and gives NaN on a device (no host read).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Tuple, Union
+import math
+from typing import TYPE_CHECKING, Any, NamedTuple, Optional, Tuple
 
 import numpy as np
 
-from . import _core
-from .cp import check_cu_seqlens
 from ._lengths import as_lengths, as_positive_int
+from .cp import check_cu_seqlens
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-__all__ = ["next_token_sources", "packed_token_logprobs"]
+__all__ = ["TokenLogprobs", "next_token_sources", "next_token_targets", "packed_token_logprobs"]
 
-_DTYPES = {"torch.float32": "float32", "torch.bfloat16": "bfloat16", "torch.float16": "float16"}
+
+class TokenLogprobs(NamedTuple):
+    """The result of :func:`packed_token_logprobs`.
+
+    Attributes:
+        logprobs: ``[rows]`` log-probability of each row's next token (fp32; fp64
+            for fp64 logits); 0 at padding and at each sequence's last real token.
+        entropy: ``[rows]`` entropy of each row's distribution (0 where there is no
+            target), or ``None`` when ``return_entropy=False``.
+    """
+
+    logprobs: "torch.Tensor"
+    entropy: Optional["torch.Tensor"]
 
 
 def _host_offsets(cu: Any, name: str) -> np.ndarray:
@@ -46,172 +64,125 @@ def _host_offsets(cu: Any, name: str) -> np.ndarray:
     return offsets
 
 
-def next_token_sources(cu_seqlens: Any, cu_seqlens_padded: Any = None, cp_size: int = 1,
-                       cp_rank: int = 0) -> np.ndarray:
-    """For every (local) packed row, the packed position of the token it predicts,
-    or -1 (padding, a sequence's last real token). Host only: from the offsets.
-
-    >>> next_token_sources([0, 3, 5], [0, 4, 6]).tolist()
-    [1, 2, -1, -1, 5, -1]
-    """
-    cu = _host_offsets(cu_seqlens, "cu_seqlens")
-    padded = cu if cu_seqlens_padded is None else _host_offsets(cu_seqlens_padded, "cu_seqlens_padded")
-    if padded.shape != cu.shape:
-        raise ValueError(f"cu_seqlens has {cu.size} entries, cu_seqlens_padded {padded.size}")
-    lengths, spans = np.diff(cu), np.diff(padded)
-    if (lengths > spans).any():
-        raise ValueError("every padded length must be >= the real length (cu_seqlens vs cu_seqlens_padded)")
-    cp = as_positive_int(cp_size, "cp_size")
-    if cp > 1:
-        positions = np.asarray(_core.cp_partition_indices(padded, cp, int(cp_rank)), dtype=np.int64)
-    else:
-        positions = np.arange(int(padded[-1]), dtype=np.int64)
-    seq = np.searchsorted(padded, positions, side="right") - 1
-    real_end = padded[seq] + lengths[seq]
-    return np.where(positions + 1 < real_end, positions + 1, -1)
-
-
 def _torch():
     import torch
 
     return torch
 
 
-_HUGE_PAGES_FROM = 64 << 20  # bytes
-
-
-class _FusedTokenLogprob:
-    """Builds the autograd Function lazily (``import seqpack`` must not import torch)."""
-
-    fn = None
-
-    @classmethod
-    def get(cls):
-        if cls.fn is None:
-            cls.fn = _make_function()
-        return cls.fn
-
-
-def _make_function():
+def _on_host(cu: Any) -> bool:
+    """True for offsets the host can read without a device synchronisation or a
+    graph break: lists, NumPy arrays, CPU tensors outside ``torch.compile``."""
     torch = _torch()
-
-    def stats(logits, targets, vocab_start, temperature, entropy, num_threads):
-        rows, vocab = logits.shape
-        out = torch.empty((4 if entropy else 3, rows), dtype=torch.float32, device=logits.device)
-        args = (logits.data_ptr(), rows, vocab, logits.stride(0), _DTYPES[str(logits.dtype)], targets.data_ptr(),
-                vocab_start, temperature, out[0].data_ptr(), out[1].data_ptr(), out[3].data_ptr() if entropy else 0,
-                out[2].data_ptr())
-        if logits.device.type == "cpu":
-            _core.logprob_row_stats(*args, num_threads)
-        elif _cuda_kernels(logits):
-            with torch.cuda.device(logits.device):
-                _core.cuda_logprob_row_stats(*args, torch.cuda.current_stream(logits.device).cuda_stream)
-        else:
-            _stats_torch(logits, targets, vocab_start, temperature, entropy, out)
-        return out
-
-    class TokenLogprob(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, logits, targets, vocab_start, temperature, entropy, group, num_threads):
-            s = stats(logits, targets, vocab_start, temperature, entropy, num_threads)
-            m, se, tz = s[0], s[1], s[2]
-            if group is not None:
-                import torch.distributed as dist
-
-                big = m.clone()
-                dist.all_reduce(big, op=dist.ReduceOp.MAX, group=group)
-                scale = torch.exp(m - big)
-                sums = torch.stack([se * scale, tz] + ([scale * (s[3] + (m - big) * se)] if entropy else []))
-                dist.all_reduce(sums, group=group)
-                m, se, tz = big, sums[0], sums[1]
-                ze = sums[2] if entropy else None
-            else:
-                ze = s[3] if entropy else None
-            log_se = torch.log(se)
-            has = targets >= 0
-            zero = torch.zeros_like(m)
-            logprob = torch.where(has, (tz - m) - log_se, zero)  # not tz - (m + log_se): keeps low bits
-            ent = torch.where(has, log_se - ze / se, zero) if entropy else None
-            ctx.save_for_backward(logits, targets, m.contiguous(), log_se.contiguous(), *([ent] if entropy else []))
-            ctx.vocab_start, ctx.temperature, ctx.entropy, ctx.num_threads = vocab_start, temperature, entropy, \
-                num_threads
-            return (logprob, ent) if entropy else logprob
-
-        @staticmethod
-        def backward(ctx, grad_logprob, grad_entropy=None):
-            logits, targets, m, log_se, *rest = ctx.saved_tensors
-            ent = rest[0] if rest else None
-            has = targets >= 0
-            g_lp = torch.where(has, grad_logprob.float(), torch.zeros_like(m)).contiguous()
-            g_ent = None
-            if ent is not None and grad_entropy is not None:
-                g_ent = torch.where(has, grad_entropy.float(), torch.zeros_like(m)).contiguous()
-            grad = torch.empty_like(logits, memory_format=torch.contiguous_format)
-            if grad.device.type == "cpu" and grad.nbytes >= _HUGE_PAGES_FROM:
-                # A fresh gradient as large as the logits: first-touch page faults
-                # would cost as much as the kernel itself (4 KiB pages).
-                _core.advise_huge_pages(grad.data_ptr(), grad.nbytes)
-            rows, vocab = logits.shape
-            args = (logits.data_ptr(), rows, vocab, logits.stride(0), _DTYPES[str(logits.dtype)], targets.data_ptr(),
-                    ctx.vocab_start, ctx.temperature, m.data_ptr(), log_se.data_ptr(),
-                    ent.data_ptr() if g_ent is not None else 0, g_lp.data_ptr(),
-                    g_ent.data_ptr() if g_ent is not None else 0, grad.data_ptr(), grad.stride(0))
-            if logits.device.type == "cpu":
-                _core.logprob_row_grad(*args, ctx.num_threads)
-            elif _cuda_kernels(logits):
-                with torch.cuda.device(logits.device):
-                    _core.cuda_logprob_row_grad(*args, torch.cuda.current_stream(logits.device).cuda_stream)
-            else:
-                _grad_torch(logits, targets, ctx.vocab_start, ctx.temperature, m, log_se, ent, g_lp, g_ent, grad)
-            return grad, None, None, None, None, None, None
-
-    return TokenLogprob
+    if not isinstance(cu, torch.Tensor):
+        return True
+    return cu.device.type == "cpu" and not torch.compiler.is_compiling()
 
 
-def _cuda_kernels(t) -> bool:
-    return t.device.type == "cuda" and bool(getattr(_core, "built_with_cuda", False))
+def _checked_offsets(cu_seqlens: Any, cu_seqlens_padded: Any, cp: int) -> Tuple[np.ndarray, np.ndarray]:
+    """Host offsets, validated: start at 0, non-decreasing, padded spans >= real
+    lengths, multiples of 2 * cp_size under context parallelism."""
+    cu = _host_offsets(cu_seqlens, "cu_seqlens")
+    padded = cu if cu_seqlens_padded is None else _host_offsets(cu_seqlens_padded, "cu_seqlens_padded")
+    if padded.shape != cu.shape:
+        raise ValueError(f"cu_seqlens has {cu.size} entries, cu_seqlens_padded {padded.size}")
+    spans = np.diff(padded)
+    if (np.diff(cu) > spans).any():
+        raise ValueError("every padded length must be >= the real length (cu_seqlens vs cu_seqlens_padded)")
+    if cp > 1 and (spans % (2 * cp)).any():
+        raise ValueError(f"every padded length (cu_seqlens_padded) must be a multiple of 2 * cp_size = {2 * cp}")
+    return cu, padded
 
 
-# Devices without a seqpack kernel: the same arithmetic in torch, a block of rows
-# at a time, so the [rows, vocab] temporaries stay bounded.
-_ROW_BLOCK = 1024
+def next_token_targets(input_ids: "torch.Tensor", cu_seqlens: "torch.Tensor", cu_seqlens_padded: "torch.Tensor",
+                       rows: int, cp_size: int = 1, cp_rank: int = 0) -> "torch.Tensor":
+    """For every (local) packed row, the id of the token it predicts, or -1 (padding,
+    a sequence's last real token, rows past the last sequence). PyTorch ops only,
+    on the offsets' device: no host read, traceable by ``torch.compile`` and
+    capturable in a CUDA graph. Offsets are trusted (validate them on the host
+    first); every index is clamped, so bad offsets give wrong ids, never an
+    out-of-bounds read.
 
-
-def _stats_torch(logits, targets, vocab_start, temperature, entropy, out):
+    >>> import torch
+    >>> ids = torch.tensor([10, 11, 12, 0, 20, 21])
+    >>> next_token_targets(ids, torch.tensor([0, 3, 5]), torch.tensor([0, 4, 6]), rows=6).tolist()
+    [11, 12, -1, -1, 21, -1]
+    """
     torch = _torch()
-    vocab = logits.shape[1]
-    for lo in range(0, logits.shape[0], _ROW_BLOCK):
-        z = logits[lo: lo + _ROW_BLOCK].float() / temperature
-        t = targets[lo: lo + _ROW_BLOCK]
-        m = z.max(dim=1).values
-        d = z - m[:, None]
-        e = torch.exp(d)
-        out[0, lo: lo + len(z)] = m
-        out[1, lo: lo + len(z)] = e.sum(1)
-        local = t - vocab_start
-        owned = (local >= 0) & (local < vocab)
-        out[2, lo: lo + len(z)] = torch.where(owned, z.gather(1, local.clamp(0, vocab - 1)[:, None])[:, 0],
-                                              torch.zeros_like(m))
-        if entropy:
-            out[3, lo: lo + len(z)] = (e * d).sum(1)
-    return out
+    device = input_ids.device
+    cu, cu_p = cu_seqlens.to(device=device, dtype=torch.int64), cu_seqlens_padded.to(device=device, dtype=torch.int64)
+    count = cu_p.shape[0] - 1
+    j = torch.arange(rows, device=device)
+    if count <= 0 or input_ids.shape[0] == 0:
+        return torch.full((rows,), -1, dtype=torch.int64, device=device)
+    # The sequence of each local row: the last one starting at or before it (empty
+    # sequences share their start with the next one, which wins).
+    seq = (torch.searchsorted(cu_p[:-1] // cp_size, j, right=True) - 1).clamp(0, count - 1)
+    start, span = cu_p[seq], cu_p[seq + 1] - cu_p[seq]
+    length = cu[seq + 1] - cu[seq]
+    k = j - start // cp_size  # local offset inside the sequence's rows
+    if cp_size > 1:  # zigzag: chunks cp_rank and 2 * cp_size - 1 - cp_rank of 2 * cp_size
+        chunk = span // (2 * cp_size)
+        k = torch.where(k < chunk, cp_rank * chunk + k, (2 * cp_size - 1 - cp_rank) * chunk + (k - chunk))
+    valid = (k >= 0) & (k + 1 < length)
+    src = (start + k + 1).clamp(0, input_ids.shape[0] - 1)
+    return torch.where(valid, input_ids[src].to(torch.int64), -1)
 
 
-def _grad_torch(logits, targets, vocab_start, temperature, m, log_se, ent, g_lp, g_ent, grad):
+def next_token_sources(cu_seqlens: Any, cu_seqlens_padded: Any = None, cp_size: int = 1,
+                       cp_rank: int = 0) -> np.ndarray:
+    """For every (local) packed row, the packed position of the token it predicts,
+    or -1 (padding, a sequence's last real token). From host offsets; the same rule
+    as :func:`next_token_targets` (which it runs on the positions themselves).
+
+    >>> next_token_sources([0, 3, 5], [0, 4, 6]).tolist()
+    [1, 2, -1, -1, 5, -1]
+    """
     torch = _torch()
-    vocab = logits.shape[1]
-    for lo in range(0, logits.shape[0], _ROW_BLOCK):
-        hi = lo + _ROW_BLOCK
-        logp = (logits[lo:hi].float() / temperature - m[lo:hi, None]) - log_se[lo:hi, None]
-        p = torch.exp(logp)
-        g = -g_lp[lo:hi, None] * p
-        if g_ent is not None:
-            g = g - g_ent[lo:hi, None] * p * (logp + ent[lo:hi, None])
-        local = targets[lo:hi] - vocab_start
-        owned = (local >= 0) & (local < vocab)
-        g.scatter_add_(1, local.clamp(0, vocab - 1)[:, None], torch.where(owned, g_lp[lo:hi], 0.0)[:, None])
-        grad[lo:hi] = (g / temperature).to(grad.dtype)
-    return grad
+    cp = as_positive_int(cp_size, "cp_size")
+    cu, padded = _checked_offsets(cu_seqlens, cu_seqlens_padded, cp)
+    total = int(padded[-1])
+    return next_token_targets(torch.arange(total), torch.from_numpy(cu), torch.from_numpy(padded), total // cp, cp,
+                              int(cp_rank)).numpy()
+
+
+def _offsets_on(device, cu_seqlens: Any, cu_seqlens_padded: Any, cp: int, rows: int, ids_len: int):
+    """(cu_seqlens, cu_seqlens_padded) as tensors on ``device``: host offsets are
+    validated against the shapes and copied with one pinned non-blocking copy;
+    device offsets are used as they are (not read back)."""
+    torch = _torch()
+    if cu_seqlens_padded is None:
+        cu_seqlens_padded = cu_seqlens
+    if _on_host(cu_seqlens) and _on_host(cu_seqlens_padded):
+        cu, padded = _checked_offsets(cu_seqlens, cu_seqlens_padded, cp)
+        total = int(padded[-1])
+        if rows * cp != total:
+            raise ValueError(f"logits has {rows} rows; the packed layout has {total // cp} "
+                             f"(cu_seqlens_padded[-1] = {total}{f', cp_size = {cp}' if cp > 1 else ''})")
+        if ids_len != total:
+            raise ValueError(f"input_ids must hold the full packed ids [{total}], got {ids_len}")
+        from ._device import host_to_device
+
+        return tuple(host_to_device([cu, padded], device))
+    for name, t in (("cu_seqlens", cu_seqlens), ("cu_seqlens_padded", cu_seqlens_padded)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 1:
+            raise TypeError(f"{name} must be a 1-D tensor when the other offsets are a device tensor")
+        if t.dtype != torch.int32:
+            raise TypeError(f"{name} must be int32 (cu_seqlens of Megatron-Core / TE / flash-attn), got {t.dtype}")
+    return cu_seqlens, cu_seqlens_padded
+
+
+def _check_target_ids(input_ids: "torch.Tensor", vocab: int) -> None:
+    """Ids a host can read without a device sync: every id must index the vocabulary
+    (negative ids mean "no target")."""
+    torch = _torch()
+    if input_ids.device.type != "cpu" or torch.compiler.is_compiling() or input_ids.numel() == 0:
+        return
+    top = int(input_ids.max())
+    if top >= vocab:
+        pos = int(torch.argmax((input_ids >= vocab).to(torch.uint8)))
+        raise ValueError(f"input_ids holds id {top} (first out-of-range id at packed position {pos}); the vocabulary "
+                         f"has {vocab} entries (logits.shape[1]); ids must be < {vocab}, or negative for no target")
 
 
 def packed_token_logprobs(
@@ -227,51 +198,63 @@ def packed_token_logprobs(
     vocab_parallel_group=None,
     vocab_start: int = 0,
     num_threads: int = 0,
-) -> Union["torch.Tensor", Tuple["torch.Tensor", "torch.Tensor"]]:
+) -> TokenLogprobs:
     """Log-probability of each packed token's next token, fused and differentiable.
 
     Args:
-        logits: ``[T, V]`` (fp32, bf16 or fp16) for the packed rows; with CP this
-            rank's ``T / cp_size`` zigzag-local rows; with a vocabulary-parallel
-            head the local vocabulary slice ``[T, V / TP]``.
-        input_ids: the full packed ids ``[T]`` (also under CP).
-        cu_seqlens: real cumulative lengths ``[B + 1]`` (host or device; read once).
-        cu_seqlens_padded: padded cumulative lengths (the THD offsets); default
-            ``cu_seqlens``.
+        logits: ``[T, V]`` (fp32, bf16, fp16; fp64 for ``gradcheck``) for the packed
+            rows; with CP this rank's ``T / cp_size`` zigzag-local rows; with a
+            vocabulary-parallel head the local vocabulary slice ``[T, V / TP]``.
+        input_ids: the full packed ids ``[T]`` (also under CP). An id < 0 (e.g.
+            -100) as a target means "no target": log-prob 0, entropy 0, no gradient.
+        cu_seqlens: real cumulative lengths ``[B + 1]``; cu_seqlens_padded: padded
+            cumulative lengths (the THD offsets), default ``cu_seqlens``. Lists, or
+            int32 arrays / tensors (the rule of the whole API, as Megatron-Core, TE
+            and flash-attn use). Host offsets are validated; device tensors are used
+            without a host read (static shapes, CUDA graphs: see
+            :func:`seqpack.pack_sequences_static`).
         cp_size / cp_rank: context parallelism of ``logits``.
-        return_entropy: also return the per-token entropy (0 where no target).
-        temperature: logits are divided by it first.
+        return_entropy: also compute the per-token entropy.
+        temperature: logits are divided by it first (positive, finite).
         vocab_parallel_group / vocab_start: tensor-parallel vocabulary: the group
             over which the slices are combined and this rank's first vocabulary id.
         num_threads: CPU threads (0: all the process may use).
 
     Returns:
-        ``[rows]`` fp32 log-probabilities (and entropies), 0 at padding and at each
-        sequence's last real token. The backward writes ``d/d logits`` directly
-        (softmax minus one-hot, scaled), in the logits' dtype.
+        :class:`TokenLogprobs` ``(logprobs, entropy)``; ``entropy`` is ``None``
+        unless asked for. The backward writes ``d/d logits`` directly (softmax
+        minus one-hot, scaled), in the logits' dtype; it is never ``[T, V]`` extra.
     """
     torch = _torch()
+    from . import _logprob_ops as ops
+
     if not isinstance(logits, torch.Tensor) or logits.dim() != 2:
         raise ValueError(f"logits must be a [T, V] tensor, got {getattr(logits, 'shape', type(logits))}")
-    if str(logits.dtype) not in _DTYPES:
-        raise TypeError(f"logits must be float32, bfloat16 or float16, got {logits.dtype}")
+    if logits.dtype not in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
+        raise TypeError(f"logits must be float32, bfloat16, float16 or float64, got {logits.dtype}")
+    if logits.shape[1] == 0:
+        raise ValueError("logits must have at least one vocabulary column (V > 0)")
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 1:
         raise ValueError("input_ids must be the 1-D packed token ids [T]")
-    if not (temperature > 0):
-        raise ValueError(f"temperature must be positive, got {temperature}")
+    if input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool:
+        raise TypeError(f"input_ids must be an integer tensor, got {input_ids.dtype}")
+    if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature > 0):
+        raise ValueError(f"temperature must be a positive finite number, got {temperature}")
     cp = as_positive_int(cp_size, "cp_size")
-    sources = next_token_sources(cu_seqlens, cu_seqlens_padded, cp, cp_rank)
-    total = int((_host_offsets(cu_seqlens_padded, "cu_seqlens_padded") if cu_seqlens_padded is not None
-                 else _host_offsets(cu_seqlens, "cu_seqlens"))[-1])
-    if logits.shape[0] != sources.shape[0]:
-        raise ValueError(f"logits has {logits.shape[0]} rows; the packed layout has {sources.shape[0]} "
-                         f"(cu_seqlens_padded[-1] = {total}{f', cp_size = {cp}' if cp > 1 else ''})")
-    if input_ids.shape[0] != total:
-        raise ValueError(f"input_ids must hold the full packed ids [{total}], got {input_ids.shape[0]}")
+    if not 0 <= int(cp_rank) < cp:
+        raise ValueError(f"cp_rank must be in [0, cp_size = {cp}), got {cp_rank}")
+    rows = logits.shape[0]
+    cu, cu_p = _offsets_on(logits.device, cu_seqlens, cu_seqlens_padded, cp, rows, input_ids.shape[0])
+    if vocab_parallel_group is None:
+        _check_target_ids(input_ids, int(vocab_start) + logits.shape[1])
     if logits.stride(1) != 1:
         logits = logits.contiguous()
-    src = torch.from_numpy(sources).to(input_ids.device)
-    targets = torch.where(src >= 0, input_ids[src.clamp(min=0)].long(), src).to(logits.device).contiguous()
-    fn = _FusedTokenLogprob.get()
-    return fn.apply(logits, targets, int(vocab_start), float(temperature), bool(return_entropy),
-                    vocab_parallel_group, int(num_threads))
+    from ._device import to_device
+
+    targets = next_token_targets(to_device(input_ids, logits.device), cu, cu_p, rows, cp, int(cp_rank))
+    args = (logits, targets, int(vocab_start), float(temperature), bool(return_entropy), int(num_threads))
+    if vocab_parallel_group is None:
+        lp, ent, _, _ = torch.ops.seqpack.token_logprobs(*args)
+    else:
+        lp, ent, _, _ = ops.VocabParallelTokenLogprobs.apply(*args, vocab_parallel_group)
+    return TokenLogprobs(lp, ent if return_entropy else None)

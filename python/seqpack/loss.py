@@ -361,10 +361,9 @@ def prepare_loss_input(logits, data, loss_fn=None, vocab_parallel_rank=None, voc
     packed_ids[:width] = ids
     entropy = bool(getattr(loss_fn, "needs_entropy", False))
     vocab_start = (vocab_parallel_rank or 0) * logits2d.shape[1]
-    out = packed_token_logprobs(logits2d, packed_ids, [0, width], [0, padded], cp_size=cp, cp_rank=cp_rank,
-                                return_entropy=entropy, temperature=temperature,
-                                vocab_parallel_group=vocab_parallel_group, vocab_start=vocab_start)
-    lp, ent = out if entropy else (out, None)
+    lp, ent = packed_token_logprobs(logits2d, packed_ids, [0, width], [0, padded], cp_size=cp, cp_rank=cp_rank,
+                                    return_entropy=entropy, temperature=temperature,
+                                    vocab_parallel_group=vocab_parallel_group, vocab_start=vocab_start)
     if cp > 1:
         lp = gather_cp(lp, [0, padded], context_parallel_group)
         ent = gather_cp(ent, [0, padded], context_parallel_group) if ent is not None else None
@@ -476,25 +475,26 @@ class SequencePackingLossWrapper:
         cols = np.concatenate([np.arange(n) for n in lengths]) if batch else np.zeros(0, np.int64)
         dest = self.cu_padded[rows] + cols
         packed = torch.zeros(int(self.cu_padded[-1]), dtype=ids.dtype, device=ids.device)
-        dev = ids.device
-        packed[torch.from_numpy(dest).to(dev)] = ids[torch.from_numpy(rows).to(dev), torch.from_numpy(cols).to(dev)]
+        from ._device import host_to_device
+
+        dest_t, rows_t, cols_t = host_to_device([dest, rows, cols], ids.device)  # one pinned copy, no sync
+        packed[dest_t] = ids[rows_t, cols_t]
         cp_size, cp_rank = _group_info(self.context_parallel_group)
         entropy = bool(getattr(self.loss_fn, "needs_entropy", False))
         vocab_start = (self.vocab_parallel_rank or 0) * logits2d.shape[1]
         cu_padded = self.cu_padded.tolist()
         cu_real = np.concatenate([[0], np.cumsum(lengths)]).tolist()  # real lengths, as the padded spans hold them
-        out = packed_token_logprobs(logits2d, packed, cu_real, cu_padded,
-                                    cp_size=cp_size, cp_rank=cp_rank, return_entropy=entropy,
-                                    temperature=self.temperature, vocab_parallel_group=self.vocab_parallel_group,
-                                    vocab_start=vocab_start)
-        lp, ent = out if entropy else (out, None)
+        lp, ent = packed_token_logprobs(logits2d, packed, cu_real, cu_padded,
+                                        cp_size=cp_size, cp_rank=cp_rank, return_entropy=entropy,
+                                        temperature=self.temperature, vocab_parallel_group=self.vocab_parallel_group,
+                                        vocab_start=vocab_start)
         if cp_size > 1:
             lp = gather_cp(lp, cu_padded, self.context_parallel_group)
             if ent is not None:
                 ent = gather_cp(ent, cu_padded, self.context_parallel_group)
         keep = cols < lengths[rows] - 1  # next-token positions: all but each sequence's last
-        index = (torch.from_numpy(rows[keep]).to(lp.device), torch.from_numpy(cols[keep]).to(lp.device))
-        src = torch.from_numpy(dest[keep]).to(lp.device)
+        rows_k, cols_k, src = host_to_device([rows[keep], cols[keep], dest[keep]], lp.device)
+        index = (rows_k, cols_k)
         loss_input = {"next_token_logprobs": lp.new_zeros((batch, width - 1)).index_put(index, lp[src])}
         if ent is not None:
             loss_input["next_token_entropy"] = ent.new_zeros((batch, width - 1)).index_put(index, ent[src])

@@ -37,7 +37,8 @@ from ._lengths import as_lengths, as_positive_int
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-__all__ = ["PackedBatch", "PackedSeqParams", "alignment", "pack_sequences", "unpack_sequences"]
+__all__ = ["PackedBatch", "PackedSeqParams", "StaticPackedBatch", "alignment", "pack_sequences",
+           "pack_sequences_static", "unpack_sequences"]
 
 
 def alignment(cp_size: int = 1, tp_size: int = 1, sequence_parallel: bool = False) -> int:
@@ -62,12 +63,10 @@ def _torch():
 
 
 def _check_device(t: "torch.Tensor", name: str) -> None:
-    if t.device.type == "cpu":
-        return
-    if t.device.type != "cuda":
+    """CPU and CUDA tensors move; on CUDA without seqpack's kernels (a build without
+    nvcc, a driver its runtime cannot use) a PyTorch path runs, with one warning."""
+    if t.device.type not in ("cpu", "cuda"):
         raise ValueError(f"{name} is on {t.device}; seqpack moves CPU and CUDA tensors")
-    if not _core.built_with_cuda:
-        raise ValueError(f"{name} is on {t.device} but this build of seqpack has no CUDA kernels (built without nvcc)")
 
 
 def _plan_runs(plan) -> tuple:
@@ -83,9 +82,15 @@ def _position_ids(plan, device) -> "torch.Tensor":
     if out.device.type == "cpu":
         plan.position_ids_into(out.data_ptr(), plan.local_rows)
         return out
+    from ._device import cuda_kernels, host_to_device
+
+    if not cuda_kernels(out.device):  # positions on the host, one pinned copy
+        host = np.empty(plan.local_rows, dtype=np.int64)
+        plan.position_ids_into(host.ctypes.data, plan.local_rows)
+        return host_to_device([host], out.device)[0]
     runs = plan.position_runs
+    (run_tensor,) = host_to_device([runs], out.device)
     with torch.cuda.device(out.device):
-        run_tensor = torch.from_numpy(runs).to(out.device)
         _core.cuda_positions(run_tensor.data_ptr(), runs.shape[0], out.data_ptr(),
                              torch.cuda.current_stream(out.device).cuda_stream)
     return out
@@ -302,21 +307,20 @@ def pack_sequences(
         raise ValueError(f"pad_values names tensors that were not given: {sorted(unknown)}")
     from . import _ops
 
+    from ._device import host_to_device
+
     device = first.device
-    on_host = device.type == "cpu"
-
-    def metadata(array):
-        t = torch.from_numpy(array)
-        return t if on_host else t.to(device)
-
+    # The four metadata arrays: one pinned non-blocking copy on CUDA, none on the CPU.
+    cu_seqlens, cu_seqlens_padded, seq_lens_t, padded_lens = host_to_device(
+        [plan.cu_seqlens, plan.cu_seqlens_padded, plan.seq_lens, plan.padded_lens], device)
     result = PackedBatch(
         tensors={},
-        cu_seqlens=metadata(plan.cu_seqlens),
-        cu_seqlens_padded=metadata(plan.cu_seqlens_padded),
+        cu_seqlens=cu_seqlens,
+        cu_seqlens_padded=cu_seqlens_padded,
         max_seqlen=int(plan.max_seqlen),
         max_seqlen_padded=int(plan.max_seqlen_padded),
-        seq_lens=metadata(plan.seq_lens),
-        padded_lens=metadata(plan.padded_lens),
+        seq_lens=seq_lens_t,
+        padded_lens=padded_lens,
         cp_size=int(plan.cp_size),
         cp_rank=int(plan.cp_rank),
         _plan=plan,
@@ -359,3 +363,175 @@ def unpack_sequences(x: "torch.Tensor", cu_seqlens_padded: Any, cp_size: int = 1
         )
     local = (cu // cp).tolist()
     return [x[a:b] for a, b in zip(local[:-1], local[1:])]
+
+
+# ---- static shapes: CUDA graphs and torch.compile --------------------------------
+@dataclass
+class StaticPackedBatch:
+    """The result of :func:`pack_sequences_static`: every shape fixed by the
+    capacities, every piece of metadata a tensor on the data's device.
+
+    Attributes:
+        tensors: name -> ``[max_tokens, ...]`` packed rows.
+        cu_seqlens: ``[max_seqs + 1]`` int32 real cumulative lengths; entries past
+            the batch repeat the last value (zero-length sequences).
+        cu_seqlens_padded: ``[max_seqs + 1]`` int32 offsets of the padded sequences;
+            the batch's last sequence absorbs the rows up to the capacity (as
+            Megatron-Core's ``pad_packed_to``), so entries from ``B`` on equal
+            ``max_tokens`` and no row belongs to no sequence.
+        max_seqlen / max_seqlen_padded: host ints, upper bounds that hold for any
+            lengths (``S`` and ``max_tokens``), as varlen kernels need them on the host.
+        seq_lens: ``[B]`` int64 real lengths; position_ids: ``[max_tokens]`` int64.
+    """
+
+    tensors: Dict[str, "torch.Tensor"]
+    cu_seqlens: "torch.Tensor"
+    cu_seqlens_padded: "torch.Tensor"
+    max_seqlen: int
+    max_seqlen_padded: int
+    seq_lens: "torch.Tensor"
+    position_ids: "torch.Tensor"
+    _starts: "torch.Tensor" = field(repr=False)
+
+    def __getitem__(self, name: str) -> "torch.Tensor":
+        return self.tensors[name]
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.tensors
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.position_ids.shape[0])
+
+    def packed_seq_params(self):
+        """Megatron-Core ``PackedSeqParams`` of the packed rows (see :meth:`PackedBatch.packed_seq_params`)."""
+        return PackedBatch.packed_seq_params(self)
+
+    def flash_attn_kwargs(self) -> Dict[str, Any]:
+        """Keyword arguments of ``flash_attn_varlen_func`` over the packed rows."""
+        return dict(cu_seqlens_q=self.cu_seqlens_padded, cu_seqlens_k=self.cu_seqlens_padded,
+                    max_seqlen_q=self.max_seqlen_padded, max_seqlen_k=self.max_seqlen_padded)
+
+    def unpack(self, x: "torch.Tensor", fill: Union[int, float, bool] = 0) -> "torch.Tensor":
+        """``[max_tokens, ...]`` back to ``[B, S, ...]`` (PyTorch ops; differentiable)."""
+        torch = _torch()
+        batch, width = self.seq_lens.shape[0], self.max_seqlen
+        if x.dim() < 1 or x.shape[0] != self.num_tokens:
+            raise ValueError(f"x must have {self.num_tokens} rows (max_tokens), got shape {tuple(x.shape)}")
+        cols = torch.arange(width, device=x.device)
+        index = (self._starts[:, None] + cols).clamp(max=max(self.num_tokens - 1, 0)).reshape(-1)
+        keep = (cols < self.seq_lens[:, None]).reshape(-1, *([1] * (x.dim() - 1)))
+        rows = x.index_select(0, index) if self.num_tokens else x.new_zeros((batch * width, *x.shape[1:]))
+        return torch.where(keep, rows, torch.full((), fill, dtype=x.dtype, device=x.device)).view(
+            batch, width, *x.shape[1:])
+
+
+def pack_sequences_static(
+    tensors: Union["torch.Tensor", Mapping[str, "torch.Tensor"]],
+    seq_lens: Any,
+    *,
+    max_tokens: int,
+    max_seqs: Optional[int] = None,
+    pad_multiple: int = 1,
+    pad_values: Optional[Mapping[str, Union[int, float, bool]]] = None,
+    pad_value: Union[int, float, bool] = 0,
+) -> StaticPackedBatch:
+    """Pack right-padded ``[B, S, ...]`` tensors into ``[max_tokens, ...]`` THD rows
+    with shapes fixed by the capacities and no host synchronisation: PyTorch ops
+    only (a search and a gather per tensor), so the step can be captured in a CUDA
+    graph and traced by ``torch.compile(fullgraph=True)`` — the static counterpart
+    of :func:`pack_sequences` (whose plan is built on the host).
+
+    ::
+
+        seq_lens = [3, 1, 2], pad_multiple = 2, max_tokens = 10, max_seqs = 4
+        rows               a a a p b p c c p p      (p: padding; the last sequence
+        cu_seqlens         [0, 3, 4, 6, 6]           absorbs the rows up to 10)
+        cu_seqlens_padded  [0, 4, 6, 10, 10]
+
+    Args:
+        tensors: one tensor (named ``"input"``) or a dict of tensors sharing ``[B, S]``.
+        seq_lens: ``[B]`` real lengths (a tensor on the data's device for graphs,
+            or host ints, which are validated).
+        max_tokens: rows of the result; the padded lengths must fit. Host lengths
+            are checked (ValueError); device lengths with ``torch._assert_async``
+            (a RuntimeError on the CPU, a device-side assert on CUDA).
+        max_seqs: entries of the offsets minus one (default ``B``; >= ``B``).
+        pad_multiple / pad_values / pad_value: as in :func:`pack_sequences`.
+
+    >>> import torch, seqpack
+    >>> ids = torch.tensor([[5, 6, 7], [8, 0, 0], [9, 4, 0]])
+    >>> p = seqpack.pack_sequences_static(ids, torch.tensor([3, 1, 2]), max_tokens=10, max_seqs=4, pad_multiple=2)
+    >>> p["input"].tolist(), p.cu_seqlens_padded.tolist()
+    ([5, 6, 7, 0, 8, 0, 9, 4, 0, 0], [0, 4, 6, 10, 10])
+    >>> torch.equal(p.unpack(p["input"]), ids)
+    True
+    """
+    torch = _torch()
+    named = {"input": tensors} if isinstance(tensors, torch.Tensor) else dict(tensors)
+    if not named or not all(isinstance(t, torch.Tensor) for t in named.values()):
+        raise TypeError("tensors must be a tensor or a non-empty dict of tensors")
+    first = next(iter(named.values()))
+    if first.dim() < 2:
+        raise ValueError(f"tensors must be [B, S, ...], got shape {tuple(first.shape)}")
+    batch, width, device = int(first.shape[0]), int(first.shape[1]), first.device
+    for name, t in named.items():
+        if t.dim() < 2 or tuple(t.shape[:2]) != (batch, width) or t.device != device:
+            raise ValueError(f"tensors[{name!r}] is {tuple(t.shape)} on {t.device}; every tensor must be "
+                             f"[B, S, ...] = [{batch}, {width}, ...] on {device}")
+    capacity = as_positive_int(max_tokens, "max_tokens")
+    seqs = batch if max_seqs is None else as_positive_int(max_seqs, "max_seqs", allow_zero=True)
+    if seqs < batch:
+        raise ValueError(f"max_seqs = {seqs} is below the batch size {batch}")
+    multiple = as_positive_int(pad_multiple, "pad_multiple")
+    pad_values = dict(pad_values or {})
+    unknown = set(pad_values) - set(named)
+    if unknown:
+        raise ValueError(f"pad_values names tensors that were not given: {sorted(unknown)}")
+    if isinstance(seq_lens, torch.Tensor) and (seq_lens.device != torch.device("cpu") or
+                                                torch.compiler.is_compiling()):
+        if tuple(seq_lens.shape) != (batch,) or seq_lens.dtype.is_floating_point:
+            raise ValueError(f"seq_lens must be an integer tensor [B] = [{batch}], got {seq_lens.dtype} "
+                             f"{tuple(seq_lens.shape)}")
+        lens = seq_lens.to(device=device, dtype=torch.int64)
+    else:  # host lengths: checked here, then one pinned copy
+        host = as_lengths(seq_lens, "seq_lens").astype(np.int64)
+        if host.shape != (batch,):
+            raise ValueError(f"seq_lens has {host.shape[0]} entries for a batch of {batch}")
+        if ((host < 0) | (host > width)).any():
+            raise ValueError(f"seq_lens must be in [0, S = {width}]")
+        need = int((-(-host // multiple) * multiple).sum())
+        if need > capacity:
+            raise ValueError(f"the padded sequences need {need} rows; max_tokens is {capacity}")
+        from ._device import host_to_device
+
+        (lens,) = host_to_device([host], device)
+    lens = lens.clamp(0, width)
+    padded = (lens + multiple - 1) // multiple * multiple
+    zero = torch.zeros(1, dtype=torch.int64, device=device)
+    ends = torch.cumsum(padded, 0)
+    total = ends[-1:] if batch else zero
+    torch._assert_async((total <= capacity).all(), "pack_sequences_static: the padded sequences exceed max_tokens")
+    starts = torch.cat([zero, ends[:-1]]) if batch else zero[:0]
+    tail = torch.full((seqs - batch + (1 if batch else 0),), capacity, dtype=torch.int64, device=device)
+    cu_padded = torch.cat([starts, tail]) if batch else torch.zeros(seqs + 1, dtype=torch.int64, device=device)
+    real_ends = torch.cumsum(lens, 0)
+    cu = torch.cat([zero, real_ends, real_ends[-1:].expand(seqs - batch)]) if batch else \
+        torch.zeros(seqs + 1, dtype=torch.int64, device=device)
+    rows = torch.arange(capacity, device=device)
+    seq = (torch.searchsorted(starts, rows, right=True) - 1).clamp(min=0)
+    offset = rows - (starts[seq] if batch else 0)
+    keep = (offset < lens[seq]) if batch else torch.zeros_like(rows, dtype=torch.bool)
+    source = (seq * width + offset.clamp(max=max(width - 1, 0))).clamp(max=max(batch * width - 1, 0))
+    packed = {}
+    for name, t in named.items():
+        trailing = t.shape[2:]
+        fill = torch.full((), pad_values.get(name, pad_value), dtype=t.dtype, device=device)
+        if batch * width == 0:
+            packed[name] = fill.expand(capacity, *trailing).clone()
+            continue
+        gathered = t.reshape(batch * width, *trailing).index_select(0, source)
+        packed[name] = torch.where(keep.view(-1, *([1] * len(trailing))), gathered, fill)
+    return StaticPackedBatch(
+        tensors=packed, cu_seqlens=cu.to(torch.int32), cu_seqlens_padded=cu_padded.to(torch.int32),
+        max_seqlen=width, max_seqlen_padded=capacity, seq_lens=lens, position_ids=offset, _starts=starts)

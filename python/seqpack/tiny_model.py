@@ -181,5 +181,5 @@ def packed_loss(model: TinyCausalLM, batch: Any, global_valid_toks: float, cp_gr
     if batch.cp_size > 1:
         ids = gather_cp(ids, batch.cu_seqlens_padded, cp_group)
     logp = packed_token_logprobs(logits, ids, batch.cu_seqlens, batch.cu_seqlens_padded, cp_size=batch.cp_size,
-                                 cp_rank=batch.cp_rank)
+                                 cp_rank=batch.cp_rank).logprobs
     return -logp.sum() / global_valid_toks

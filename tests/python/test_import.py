@@ -28,13 +28,53 @@ def test_all_names_exist():
 
 def test_build_info():
     info = seqpack.build_info()
-    assert set(info) == {"version", "built_with_cuda", "cuda_runtime_version", "cuda_device_count"}
+    assert set(info) == {"version", "built_with_cuda", "cuda_architectures", "cpu_isa", "cuda_runtime_version",
+                         "cuda_device_count"}
+    assert info["cpu_isa"] in ("avx512", "avx2", "baseline")
     assert info["version"] == seqpack.__version__
     assert isinstance(info["built_with_cuda"], bool)
     assert isinstance(info["cuda_runtime_version"], int)
     assert isinstance(info["cuda_device_count"], int) and info["cuda_device_count"] >= 0
     if not info["built_with_cuda"]:
-        assert info["cuda_device_count"] == 0
+        assert info["cuda_device_count"] == 0 and info["cuda_architectures"] == []
+
+
+def _cuobjdump():
+    """cuobjdump from the CUDA toolkit on PATH or the nvidia-cuda-cuobjdump wheel."""
+    import glob
+    import shutil
+    import site
+
+    found = shutil.which("cuobjdump")
+    if found:
+        return found
+    for root in site.getsitepackages() + [site.getusersitepackages()]:
+        hits = sorted(glob.glob(os.path.join(root, "nvidia", "cu*", "bin", "cuobjdump")))
+        if hits:
+            return hits[-1]
+    return None
+
+
+def test_extension_carries_ampere_and_hopper_machine_code():
+    # The review found a build with only sm_75 cubins (CMake's default was set after
+    # enable_language(CUDA) had fixed nvcc's): every Ampere/Hopper GPU would JIT.
+    info = seqpack.build_info()
+    if not info["built_with_cuda"]:
+        pytest.skip("built without CUDA (no nvcc)")
+    tool = _cuobjdump()
+    assert tool, "cuobjdump not found: install the test extras (nvidia-cuda-cuobjdump)"
+    path = seqpack._core.__file__
+    elf = subprocess.run([tool, "--list-elf", path], capture_output=True, text=True, check=True).stdout
+    ptx = subprocess.run([tool, "--list-ptx", path], capture_output=True, text=True, check=True).stdout
+    cubins = {int(m) for m in __import__("re").findall(r"\.sm_(\d+)\.cubin", elf)}
+    ptxs = {int(m) for m in __import__("re").findall(r"\.sm_(\d+)\.ptx", ptx)}
+    archs = info["cuda_architectures"]
+    real = {int(a.split("-")[0]) for a in archs if not a.endswith("-virtual")}
+    virtual = {int(a.split("-")[0]) for a in archs if not a.endswith("-real")}
+    assert cubins == real, (cubins, archs)
+    assert ptxs == virtual, (ptxs, archs)
+    if "CUDAARCHS" not in os.environ:  # the default build
+        assert {80, 86, 89, 90} <= cubins and 90 in ptxs, elf
 
 
 @pytest.mark.parametrize(

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import seqpack
-from seqpack import logprobs as lpmod
+from seqpack import _logprob_ops as lpmod
 from seqpack.logprobs import next_token_sources, packed_token_logprobs
 
 
@@ -34,6 +34,25 @@ def reference(logits, ids, lengths, cu_p, temperature=1.0):
         lp = lp.index_put((rows_t,), lsm[rows_t, torch.tensor(targets)])
         h = -(lsm.exp() * lsm).sum(-1)
         ent = ent.index_put((rows_t,), h[rows_t])
+    return lp, ent
+
+
+def masked_reference(logits, ids, lengths, cu_p, temperature=1.0):
+    """:func:`reference` for logits with -inf entries: those become -1e4 (exp is
+    exactly 0 in fp64 and 0 * -1e4 = 0, where PyTorch's own 0 * -inf gives NaN in
+    the entropy and in every gradient of the row)."""
+    logits = logits.double().masked_fill(logits == -float("inf"), -1e4)
+    lsm = torch.log_softmax(logits / temperature, -1)
+    rows, targets = [], []
+    for i, n in enumerate(lengths):
+        for t in range(int(cu_p[i]), int(cu_p[i]) + n - 1):
+            rows.append(t)
+            targets.append(int(ids[t + 1]))
+    rows_t = torch.tensor(rows, dtype=torch.long)
+    lp = (lsm[:, 0] * 0).index_put((rows_t,), lsm[rows_t, torch.tensor(targets, dtype=torch.long)])
+    p = lsm.exp()
+    h = -torch.where(p > 0, p * lsm, 0.0).sum(-1)
+    ent = (lsm[:, 0] * 0).index_put((rows_t,), h[rows_t])
     return lp, ent
 
 
@@ -78,7 +97,7 @@ def test_properties_against_the_padded_reference(lengths, vocab, scale):
     g = torch.Generator().manual_seed(len(lengths) * 1000 + vocab)
     logits = (torch.randn(total, vocab, generator=g) * scale).requires_grad_()
     ids = torch.randint(0, vocab, (total,), generator=g)
-    lp = packed_token_logprobs(logits, ids, cu, cu_p)
+    lp = packed_token_logprobs(logits, ids, cu, cu_p).logprobs
     full = logits.detach().double().requires_grad_()
     ref, _ = reference(full, ids, lengths, cu_p)
     torch.testing.assert_close(lp.double(), ref, rtol=1e-6, atol=2e-6)
@@ -95,7 +114,7 @@ def test_bf16_within_twice_pytorchs_own_error():
     logits = (torch.randn(total, vocab) * 2).bfloat16()
     ids = torch.randint(0, vocab, (total,))
     exact, _ = reference(logits.double(), ids, lengths, cu_p)
-    ours = packed_token_logprobs(logits, ids, cu, cu_p)
+    ours = packed_token_logprobs(logits, ids, cu, cu_p).logprobs
     lsm = torch.log_softmax(logits, -1)  # PyTorch's bf16 path
     mask = next_token_sources(cu, cu_p) >= 0
     rows = torch.from_numpy(np.nonzero(mask)[0])
@@ -105,7 +124,7 @@ def test_bf16_within_twice_pytorchs_own_error():
     err_torch = (theirs - exact).abs().max()
     assert err_ours <= 2 * err_torch + 1e-6
     logits.requires_grad_()
-    packed_token_logprobs(logits, ids, cu, cu_p).sum().backward()
+    packed_token_logprobs(logits, ids, cu, cu_p).logprobs.sum().backward()
     full = logits.detach().double().requires_grad_()
     reference(full, ids, lengths, cu_p)[0].sum().backward()
     assert logits.grad.dtype == torch.bfloat16
@@ -145,8 +164,8 @@ def test_threads_do_not_change_the_result():
     cu, cu_p = layout([300, 200, 500], 1)
     logits = torch.randn(1000, 5000)
     ids = torch.randint(0, 5000, (1000,))
-    one = packed_token_logprobs(logits, ids, cu, cu_p, num_threads=1)
-    many = packed_token_logprobs(logits, ids, cu, cu_p, num_threads=4)
+    one = packed_token_logprobs(logits, ids, cu, cu_p, num_threads=1).logprobs
+    many = packed_token_logprobs(logits, ids, cu, cu_p, num_threads=4).logprobs
     assert torch.equal(one, many)
 
 
@@ -155,8 +174,8 @@ def test_errors():
     ids = torch.zeros(5, dtype=torch.long)
     with pytest.raises(ValueError, match=r"logits must be a \[T, V\] tensor"):
         packed_token_logprobs(torch.zeros(5), ids, cu, cu_p)
-    with pytest.raises(TypeError, match="float32, bfloat16 or float16"):
-        packed_token_logprobs(torch.zeros(5, 3, dtype=torch.float64), ids, cu, cu_p)
+    with pytest.raises(TypeError, match="float32, bfloat16, float16 or float64"):
+        packed_token_logprobs(torch.zeros(5, 3, dtype=torch.int32), ids, cu, cu_p)
     with pytest.raises(ValueError, match="logits has 4 rows; the packed layout has 5"):
         packed_token_logprobs(torch.zeros(4, 3), ids, cu, cu_p)
     with pytest.raises(ValueError, match=r"input_ids must hold the full packed ids \[5\]"):
@@ -165,8 +184,9 @@ def test_errors():
         packed_token_logprobs(torch.zeros(5, 3), ids, cu.astype(np.int64), cu_p)
     with pytest.raises(ValueError, match="padded length must be >= the real length"):
         packed_token_logprobs(torch.zeros(5, 3), ids, [0, 4, 5], [0, 3, 5])
-    with pytest.raises(ValueError, match="temperature must be positive"):
-        packed_token_logprobs(torch.zeros(5, 3), ids, cu, cu_p, temperature=0.0)
+    for bad in (0.0, -1.0, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="temperature must be a positive finite number"):
+            packed_token_logprobs(torch.zeros(5, 3), ids, cu, cu_p, temperature=bad)
     with pytest.raises(ValueError, match="multiple of"):
         packed_token_logprobs(torch.zeros(2, 3), ids, cu, cu_p, cp_size=2)
 
@@ -195,6 +215,16 @@ for dtype in (torch.float32, torch.bfloat16, torch.float16):
         lp, ent = packed_token_logprobs(x, ids, cu, return_entropy=True, temperature=temperature)
         (lp * torch.linspace(-1, 2, rows) + ent * torch.linspace(1, -0.5, rows)).sum().backward()
         out[f"{dtype}/{temperature}"] = (lp.detach(), ent.detach(), x.grad.float())
+masked = base.clone()
+masked[:, 900:] = -float("inf")  # a padded vocabulary: every lane of the tail masked
+masked[3, :450] = -float("inf")  # the first half of a row: lanes that start on -inf
+x = masked.detach().requires_grad_()
+lp, ent = packed_token_logprobs(x, ids % 450 + 450, cu, return_entropy=True)
+(lp + ent).sum().backward()
+out["masked"] = (lp.detach(), ent.detach(), x.grad)
+nan = base.clone()
+nan[5, 17] = float("nan")
+out["nan"] = tuple(packed_token_logprobs(nan, ids, cu, return_entropy=True))
 torch.save(out, sys.argv[1])
 print(_core.logprob_cpu_isa())
 """
@@ -224,6 +254,18 @@ def test_every_cpu_build_agrees_with_fp64(isa, tmp_path):
     ids = torch.randint(0, vocab, (rows,))
     base = torch.randn(rows, vocab) * 3
     cu_p = np.concatenate([[0], np.cumsum(lengths)])
+    nan_lp, nan_ent = out.pop("nan")
+    assert torch.isnan(nan_lp[5]) and torch.isnan(nan_ent[5]) and torch.isfinite(nan_lp[6:]).all()
+    lp, ent, grad = out.pop("masked")
+    x = base[:, :900].clone()
+    x[3, :450] = -float("inf")
+    x = x.double().requires_grad_()
+    ref_lp, ref_ent = masked_reference(x, (ids % 450 + 450), lengths, cu_p)
+    (ref_lp + ref_ent).sum().backward()
+    torch.testing.assert_close(lp.double(), ref_lp.detach(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ent.double(), ref_ent.detach(), rtol=1e-5, atol=1e-5)
+    assert (grad[:, 900:] == 0).all() and torch.isfinite(grad).all()
+    torch.testing.assert_close(grad[:, :900].double(), x.grad, rtol=1e-5, atol=1e-7)
     for key, (lp, ent, grad) in out.items():
         dtype, temperature = key.split("/")
         x = base.to(getattr(torch, dtype.split(".")[1])).double().requires_grad_()
@@ -234,3 +276,189 @@ def test_every_cpu_build_agrees_with_fp64(isa, tmp_path):
         torch.testing.assert_close(lp.double(), ref_lp.detach(), rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(ent.double(), ref_ent.detach(), rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(grad.double(), x.grad, rtol=tol, atol=tol * 1e-2)
+
+
+# ---- masked vocabularies, NaN, ids, the named result, custom ops, compile ----------
+def _issue_case(dtype=torch.float32):
+    torch.manual_seed(11)
+    logits = torch.randn(18, 40)
+    logits[:, 30:] = -float("inf")
+    cu = np.array([0, 5, 6, 15, 18], dtype=np.int32)
+    ids = torch.randint(0, 30, (18,))
+    return logits.to(dtype), ids, cu, [5, 1, 9, 3]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_masked_vocabulary_gives_finite_entropy_and_zero_gradient(dtype):
+    # The issue's reproduction: 140 NaN gradient entries and a non-finite entropy before.
+    logits, ids, cu, lengths = _issue_case(dtype)
+    x = logits.clone().requires_grad_()
+    w = torch.linspace(-1, 1, 18)
+    lp, ent = packed_token_logprobs(x, ids, cu, return_entropy=True, temperature=0.9)
+    ((lp * w).sum() + (ent * w.flip(0)).sum()).backward()
+    assert torch.isfinite(lp).all() and torch.isfinite(ent).all() and torch.isfinite(x.grad).all()
+    assert (x.grad[:, 30:] == 0).all()
+    # Against log_softmax on the 30 live columns, in fp64.
+    live = logits[:, :30].double().requires_grad_()
+    ref_lp, ref_ent = masked_reference(live, ids, lengths, cu, 0.9)
+    ((ref_lp * w.double()).sum() + (ref_ent * w.flip(0).double()).sum()).backward()
+    tol = {torch.float32: 1e-5, torch.float64: 1e-10}.get(dtype, 2e-2)
+    torch.testing.assert_close(lp.double(), ref_lp.detach(), rtol=tol, atol=tol)
+    torch.testing.assert_close(ent.double(), ref_ent.detach(), rtol=tol, atol=tol)
+    torch.testing.assert_close(x.grad[:, :30].double(), live.grad, rtol=tol, atol=tol)
+
+
+def test_nan_and_all_masked_rows_are_nan_as_in_log_softmax():
+    logits, ids, cu, _ = _issue_case()
+    logits[2, 7] = float("nan")  # not row 2's target column
+    logits[8, :] = -float("inf")  # every entry masked
+    x = logits.clone().requires_grad_()
+    lp, ent = packed_token_logprobs(x, ids, cu, return_entropy=True)
+    lsm = torch.log_softmax(logits, -1)
+    assert torch.isnan(lsm[2]).all() and torch.isnan(lsm[8]).all()
+    assert torch.isnan(lp[2]) and torch.isnan(ent[2]) and torch.isnan(lp[8])
+    others = [r for r in range(18) if r not in (2, 8)]
+    assert torch.isfinite(lp[others]).all() and torch.isfinite(ent[others]).all()
+    lp[others].sum().backward()
+    assert torch.isfinite(x.grad[others]).all()
+
+
+def test_target_ids_outside_the_vocabulary():
+    logits, ids, cu, _ = _issue_case()
+    bad = ids.clone()
+    bad[3] = 40  # == V: gather would raise
+    with pytest.raises(ValueError, match=r"input_ids holds id 40 .*position 3.*vocabulary has 40 entries"):
+        packed_token_logprobs(logits, bad, cu)
+    # Where the host cannot check (the ids on a device), the row gets NaN, never a
+    # finite wrong value: the operator on targets directly.
+    targets = torch.tensor([1, 45, -1, -100])
+    lp, _, _, _ = torch.ops.seqpack.token_logprobs(torch.randn(4, 40), targets, 0, 1.0, False, 0)
+    assert torch.isfinite(lp[0]) and torch.isnan(lp[1]) and lp[2] == 0 and lp[3] == 0
+    # A negative id means "no target": log-prob 0 and no gradient.
+    neg = ids.clone()
+    neg[1] = -100  # row 0's target
+    x = logits.clone().requires_grad_()
+    out = packed_token_logprobs(x, neg, cu, return_entropy=True)
+    assert out.logprobs[0] == 0 and out.entropy[0] == 0
+    (out.logprobs.sum() + out.entropy.sum()).backward()
+    assert (x.grad[0] == 0).all()
+
+
+def test_named_result():
+    logits, ids, cu, _ = _issue_case()
+    out = packed_token_logprobs(logits, ids, cu)
+    assert isinstance(out, seqpack.TokenLogprobs) and out.entropy is None and out.logprobs.shape == (18,)
+    lp, ent = packed_token_logprobs(logits, ids, cu, return_entropy=True)
+    assert ent.shape == (18,) and lp.dtype == torch.float32
+
+
+def test_offsets_int32_rule_is_the_same_for_tensors_and_arrays():
+    logits, ids, cu, _ = _issue_case()
+    ref = packed_token_logprobs(logits, ids, cu).logprobs
+    assert torch.equal(packed_token_logprobs(logits, ids, torch.from_numpy(cu)).logprobs, ref)
+    assert torch.equal(packed_token_logprobs(logits, ids, cu.tolist()).logprobs, ref)
+    for bad in (cu.astype(np.int64), torch.from_numpy(cu.astype(np.int64))):
+        with pytest.raises(TypeError, match="cu_seqlens must be int32"):
+            packed_token_logprobs(logits, ids, bad)
+
+
+def test_gradcheck_in_float64():
+    torch.manual_seed(2)
+    cu, cu_p = layout([3, 1, 4], 2)
+    total = int(cu_p[-1])
+    ids = torch.randint(0, 7, (total,))
+    x = torch.randn(total, 7, dtype=torch.float64)
+    x[:, 6] = -float("inf")  # a masked column keeps the gradient finite (0)
+    x.requires_grad_()
+
+    def f(x):
+        return tuple(packed_token_logprobs(x, ids, cu, cu_p, return_entropy=True, temperature=0.8))
+
+    live = x.detach()[:, :6].clone().requires_grad_()
+    assert torch.autograd.gradcheck(lambda y: f(torch.cat([y, x.detach()[:, 6:]], 1)), (live,))
+
+
+def test_custom_ops_pass_opcheck():
+    torch.manual_seed(3)
+    logits = torch.randn(6, 33)
+    targets = torch.tensor([3, -1, 32, 0, 5, -1])
+    for entropy in (False, True):
+        torch.library.opcheck(torch.ops.seqpack.logprob_stats, (logits, targets, 0, 0.7, entropy, 0))
+        torch.library.opcheck(torch.ops.seqpack.token_logprobs,
+                              (logits.clone().requires_grad_(), targets, 0, 0.7, entropy, 0))
+    m, ls = torch.randn(6), torch.randn(6)
+    torch.library.opcheck(torch.ops.seqpack.logprob_grad,
+                          (logits, targets, 0, 0.7, m, ls, torch.randn(6), torch.randn(6), torch.randn(6), 0))
+
+
+def test_device_offsets_path_equals_the_host_path():
+    # Offsets as int32 tensors take the no-host-read path (what CUDA graphs and
+    # torch.compile use); the result is the host path's.
+    logits, ids, cu, _ = _issue_case()
+    host = packed_token_logprobs(logits, ids, cu, return_entropy=True)
+    cu_t = torch.from_numpy(cu)
+    targets = seqpack.logprobs.next_token_targets(ids, cu_t, cu_t, 18)
+    assert targets.tolist() == [int(ids[s]) if s >= 0 else -1 for s in next_token_sources(cu)]
+    lp, ent, _, _ = torch.ops.seqpack.token_logprobs(logits, targets, 0, 1.0, True, 0)
+    assert torch.equal(lp, host.logprobs) and torch.equal(ent, host.entropy)
+
+
+@settings(max_examples=60, deadline=None)
+@given(lengths=st.lists(st.integers(0, 20), min_size=1, max_size=6), cp=st.sampled_from([1, 2, 3]),
+       extra=st.integers(0, 6), data=st.data())
+def test_next_token_targets_against_the_cp_index_map(lengths, cp, extra, data):
+    # Reference: the core's zigzag positions (TE's thd_get_partitioned_indices) and
+    # each row's sequence found by a plain loop.
+    cu, cu_p = layout(lengths, 2 * cp if cp > 1 else 1)
+    cu_p = cu_p.copy()
+    cu_p[-1] += extra * 2 * cp  # padding on the last sequence
+    rank = data.draw(st.integers(0, cp - 1))
+    total = int(cu_p[-1])
+    positions = seqpack.cp_partition_indices(cu_p, cp, rank) if cp > 1 else np.arange(total)
+    expected = []
+    for p in positions:
+        i = max(k for k in range(len(lengths)) if cu_p[k] <= p and cu_p[k + 1] > p)
+        expected.append(int(p) + 1 if p + 1 < cu_p[i] + lengths[i] else -1)
+    got = seqpack.logprobs.next_token_targets(torch.arange(total), torch.from_numpy(cu), torch.from_numpy(cu_p),
+                                              total // cp, cp, rank)
+    assert got.tolist() == expected
+
+
+def test_compile_fullgraph_pack_logprobs_entropy_loss_backward():
+    # The static-shape path end to end under torch.compile(fullgraph=True) on the
+    # CPU: no graph break, and the compiled loss and gradients equal eager's.
+    torch.manual_seed(0)
+    batch, width, vocab, hidden = 4, 12, 50, 16
+    emb, head = torch.nn.Embedding(vocab, hidden), torch.nn.Linear(hidden, vocab)
+    ids = torch.randint(0, vocab, (batch, width))
+    lens = torch.tensor([12, 3, 0, 7])
+
+    def step(ids, lens):
+        packed = seqpack.pack_sequences_static({"input_ids": ids}, lens, max_tokens=48, pad_multiple=4)
+        logits = head(emb(packed["input_ids"]))
+        out = packed_token_logprobs(logits, packed["input_ids"], packed.cu_seqlens, packed.cu_seqlens_padded,
+                                    return_entropy=True, temperature=0.9)
+        return -out.logprobs.sum() / 18 - 0.01 * out.entropy.sum()
+
+    def run(fn):
+        emb.zero_grad(), head.zero_grad()
+        loss = fn(ids, lens)
+        loss.backward()
+        return loss.detach(), head.weight.grad.clone(), emb.weight.grad.clone()
+
+    eager = run(step)
+    torch._dynamo.reset()
+    compiled = run(torch.compile(step, fullgraph=True))
+    for a, b in zip(eager, compiled):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    # The packed loss is the padded one.
+    logits = head(emb(ids)).double()
+    lsm = torch.log_softmax(logits / 0.9, -1)
+    ref = 0.0
+    for b, n in enumerate(lens.tolist()):
+        if n < 2:
+            continue
+        ref = ref - lsm[b, torch.arange(n - 1), ids[b, 1:n]].sum() / 18
+        p = lsm[b, : max(n - 1, 0)].exp()
+        ref = ref - 0.01 * -(p * lsm[b, : max(n - 1, 0)]).sum()
+    torch.testing.assert_close(eager[0].double(), ref.detach(), rtol=1e-5, atol=1e-5)
