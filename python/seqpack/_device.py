@@ -33,7 +33,7 @@ def host_to_device(arrays: Sequence[np.ndarray], device: torch.device) -> List[t
     """
     arrays = [np.ascontiguousarray(a) for a in arrays]
     if device.type != "cuda":
-        return [torch.from_numpy(a).to(device) for a in arrays]
+        return [torch.from_numpy(a if a.flags.writeable else a.copy()).to(device) for a in arrays]
     offsets, total = [], 0
     for a in arrays:
         offsets.append(total)

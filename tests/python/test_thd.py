@@ -346,3 +346,94 @@ def test_torch_compile_traces_through_pack_and_unpack():
     expected = torch.zeros_like(h)
     expected[mask.bool()] = torch.tanh(h[mask.bool()]) * 2
     assert torch.allclose(compiled(h), expected)
+
+
+# ---- static shapes ------------------------------------------------------------------
+@given(lengths=st.lists(st.integers(0, 9), min_size=1, max_size=6), multiple=st.sampled_from([1, 2, 4]),
+       spare=st.integers(0, 7), extra_seqs=st.integers(0, 2), hidden=st.sampled_from([0, 1, 3]))
+def test_static_pack_equals_the_planned_pack(lengths, multiple, spare, extra_seqs, hidden):
+    # The static pack (PyTorch ops, device metadata) = the planned pack padded to the
+    # capacity (the last sequence absorbs it), offsets padded with their last value.
+    width = 9
+    batch = len(lengths)
+    x = torch.randn(batch, width, hidden) if hidden else torch.randint(0, 100, (batch, width))
+    need = sum(round_up(n, multiple) for n in lengths)
+    capacity = max(need + spare, 1)
+    lens = torch.tensor(lengths)
+    static = seqpack.pack_sequences_static({"x": x}, lens, max_tokens=capacity, max_seqs=batch + extra_seqs,
+                                           pad_multiple=multiple, pad_value=-1)
+    planned = pack_sequences({"x": x}, seq_lens=lengths, pad_multiple=multiple, pad_packed_to=capacity,
+                             pad_value=-1)
+    assert torch.equal(static["x"], planned["x"])
+    assert static.cu_seqlens.dtype == torch.int32 and static.cu_seqlens.shape == (batch + extra_seqs + 1,)
+    assert static.cu_seqlens[: batch + 1].tolist() == planned.cu_seqlens.tolist()
+    assert static.cu_seqlens[batch:].unique().numel() == 1
+    assert static.cu_seqlens_padded[: batch + 1].tolist() == planned.cu_seqlens_padded.tolist()
+    assert (static.cu_seqlens_padded[batch:] == capacity).all()
+    assert torch.equal(static.position_ids, planned.position_ids)
+    back = static.unpack(static["x"], fill=0)
+    assert torch.equal(back, planned.unpack(planned["x"], fill=0))
+    # Host lengths (validated, one copy) give the same as a lengths tensor.
+    host = seqpack.pack_sequences_static({"x": x}, lengths, max_tokens=capacity, pad_multiple=multiple,
+                                         pad_value=-1)
+    assert torch.equal(host["x"], static["x"])
+
+
+def test_static_pack_gradients_and_errors():
+    x = torch.randn(3, 5, 2, requires_grad=True)
+    packed = seqpack.pack_sequences_static(x, torch.tensor([5, 0, 2]), max_tokens=12, pad_multiple=2)
+    w = torch.randn(12, 2)
+    (packed["input"] * w).sum().backward()
+    ref = torch.zeros(3, 5, 2)
+    ref[0] = w[:5]
+    ref[2, :2] = w[6:8]
+    assert torch.equal(x.grad, ref)
+    with pytest.raises(ValueError, match="need 10 rows; max_tokens is 9"):
+        seqpack.pack_sequences_static(x, [5, 0, 4], max_tokens=9, pad_multiple=2)
+    # Lengths the host does not read (a device tensor, or inside torch.compile) are
+    # checked by torch._assert_async: a RuntimeError on the CPU.
+    compiled = torch.compile(lambda x, n: seqpack.pack_sequences_static(x, n, max_tokens=9, pad_multiple=2)["input"],
+                             fullgraph=True, backend="aot_eager")
+    with pytest.raises(RuntimeError, match="exceed max_tokens"):
+        compiled(x.detach(), torch.tensor([5, 0, 4]))
+    with pytest.raises(ValueError, match=r"seq_lens must be in \[0, S = 5\]"):
+        seqpack.pack_sequences_static(x, [6, 0, 1], max_tokens=9)
+    with pytest.raises(ValueError, match="max_seqs = 2 is below the batch size 3"):
+        seqpack.pack_sequences_static(x, [1, 1, 1], max_tokens=9, max_seqs=2)
+    with pytest.raises(ValueError, match="max_tokens must be positive"):
+        seqpack.pack_sequences_static(x, [1, 1, 1], max_tokens=0)
+
+
+def test_zero_size_trailing_dimension_round_trips():
+    x = torch.zeros(2, 4, 0)
+    packed = pack_sequences({"x": x}, seq_lens=[3, 1], pad_multiple=2)
+    assert packed["x"].shape == (6, 0)
+    assert packed.unpack(packed["x"]).shape == (2, 4, 0)
+
+
+def test_torch_move_path_equals_the_kernel():
+    # The PyTorch path (CUDA tensors where seqpack's kernels cannot run) on CPU
+    # tensors: the same rows as the C++ executor.
+    from seqpack import _ops
+
+    x = torch.randn(3, 7, 5)
+    packed = pack_sequences({"x": x}, seq_lens=[7, 2, 4], pad_multiple=4, pad_value=2.5, cp_size=2, cp_rank=1)
+    runs = packed._runs()
+    out = torch.empty(packed.num_tokens, 5)
+    _ops._move_torch(x.contiguous(), runs[0].numpy(), out, 21, packed.num_tokens, 2.5)
+    assert torch.equal(out, packed["x"])
+    back = torch.empty(3, 7, 5)
+    _ops._move_torch(packed["x"], runs[2].numpy(), back, packed.num_tokens, 21, -1.0)
+    assert torch.equal(back, packed.unpack(packed["x"], fill=-1.0))
+
+
+def test_host_to_device_segments():
+    import numpy as np
+
+    from seqpack._device import host_to_device
+
+    arrays = [np.arange(5, dtype=np.int64), np.zeros((0, 3), np.int64), np.array([1, 2], np.int32),
+              np.frombuffer(b"abc", np.uint8)]
+    out = host_to_device(arrays, torch.device("cpu"))
+    for a, t in zip(arrays, out):
+        assert t.shape == a.shape and t.numpy().tobytes() == a.tobytes()
