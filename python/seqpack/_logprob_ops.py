@@ -206,7 +206,7 @@ token_logprobs.register_autograd(_token_logprobs_backward, setup_context=_setup)
 
 class VocabParallelTokenLogprobs(torch.autograd.Function):
     """The same with the vocabulary split over a (tensor-parallel) group: each rank's
-    statistics are combined with three all-reduces of ``[rows]`` vectors (max, then
+    statistics are combined with two all-reduces of ``[rows]`` vectors (max, then
     the rescaled sums); the backward needs no communication."""
 
     @staticmethod

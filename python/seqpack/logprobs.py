@@ -11,7 +11,7 @@ boundary; each sequence's last real token and every padding row get 0 (and no
 gradient). With context parallelism the logits are a rank's zigzag-local rows
 and ``input_ids`` the full packed ids (their next tokens may sit on another
 rank). With a vocabulary-parallel (TP) head, pass the group and each rank's
-slice start: the per-row max and sums are combined with three all-reduces.
+slice start: the per-row max and sums are combined with two all-reduces.
 
     >>> import torch, seqpack
     >>> logits = torch.zeros(6, 4)                        # uniform over 4 tokens

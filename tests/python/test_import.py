@@ -80,7 +80,7 @@ def test_extension_carries_ampere_and_hopper_machine_code():
 @pytest.mark.parametrize(
     "module",
     ["seqpack", "seqpack.packing", "seqpack.balance", "seqpack.metrics", "seqpack.dynamic_batching", "seqpack.thd",
-     "seqpack.cp"],
+     "seqpack.cp", "seqpack.logprobs"],
 )
 def test_doctests(module):
     result = doctest.testmod(importlib.import_module(module), verbose=False, report=True)

@@ -1,0 +1,240 @@
+"""GPU benchmark: THD pack/unpack and the fused log-probs on a CUDA device.
+
+Same process, same data, CUDA-event timings (best and median of the runs).
+Baselines:
+  copy    ``dst.copy_(src)`` of the same bytes on the device: the bandwidth limit;
+  loop    the per-sequence PyTorch loop of bench_thd.py (ROLL's ``_pack_sequences``);
+  torch   ``log_softmax`` + ``gather`` (+ entropy) forward and backward on the
+          same logits; its extra peak memory from ``torch.cuda.max_memory_allocated``.
+Bandwidth of the fused log-probs counts the bytes that must move: the logits read
+once forward, read once and the gradient written once backward.
+Also checked: no host synchronisation on the hot paths
+(``torch.cuda.set_sync_debug_mode("error")``) and a CUDA-graph replay of
+static pack -> log-probs -> loss against the same step run eagerly.
+
+    python benchmarks/bench_gpu.py --csv benchmarks/results/gpu.csv
+    python benchmarks/bench_gpu.py --quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _harness import CsvLog, announce, environment, format_table  # noqa: E402
+from bench_thd import QUICK_SHAPES, SHAPES, case_lengths, loop_pack, loop_unpack  # noqa: E402
+
+import torch  # noqa: E402
+
+import seqpack  # noqa: E402
+
+
+def cuda_time(fn, repeat=20, warmup=3):
+    """Best and median milliseconds of ``fn`` between CUDA events on the current stream."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeat):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    times.sort()
+    return {"min": times[0], "median": times[len(times) // 2]}
+
+
+def gpu_environment(env):
+    props = torch.cuda.get_device_properties(0)
+    env.update(device=props.name, cuda=str(torch.version.cuda), torch=torch.__version__)
+    try:
+        env["driver"] = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                       capture_output=True, text=True).stdout.strip().splitlines()[0]
+    except (OSError, IndexError):
+        env["driver"] = "unknown"
+    return env
+
+
+def bench_thd(shapes, log, repeat):
+    rows = []
+    for name, ((batch, width), hidden, dtype) in shapes.items():
+        lens = case_lengths(batch, width)
+        if dtype.is_floating_point:
+            x = torch.empty((batch, width, *hidden), dtype=dtype, device="cuda").normal_()
+        else:
+            x = torch.randint(0, 150000, (batch, width, *hidden), dtype=dtype, device="cuda")
+        for cp in (1, 2):
+            multiple = seqpack.alignment(cp_size=cp)
+            packed = seqpack.pack_sequences(x, seq_lens=lens, pad_multiple=multiple, cp_size=cp, cp_rank=0)
+            y = packed["input"]
+            assert torch.equal(y, loop_pack(x, lens.tolist(), multiple, cp, 0, 0)), name
+            back = packed.unpack(y)
+            assert torch.equal(back, loop_unpack(y, lens.tolist(), packed.padded_lens.tolist(), width, cp, 0))
+            nbytes = y.numel() * y.element_size()
+            src, dst = x.reshape(-1)[: y.numel()], torch.empty_like(y).reshape(-1)
+            t_copy = cuda_time(lambda: dst.copy_(src), repeat)
+            t_pack = cuda_time(lambda: seqpack.pack_sequences(x, seq_lens=lens, pad_multiple=multiple,
+                                                              cp_size=cp), repeat)
+            t_unpack = cuda_time(lambda: packed.unpack(y), repeat)
+            t_loop = cuda_time(lambda: loop_pack(x, lens.tolist(), multiple, cp, 0, 0), max(3, repeat // 4), 1)
+            case = f"{name}/cp={cp}"
+            for impl, t in (("copy", t_copy), ("seqpack_pack", t_pack), ("seqpack_unpack", t_unpack),
+                            ("loop_pack", t_loop)):
+                log.add(case, impl, "ms_min", t["min"])
+                log.add(case, impl, "ms_median", t["median"])
+            log.add(case, "-", "packed_bytes", nbytes)
+            gbs = lambda t: 2 * nbytes / t["min"] / 1e6  # noqa: E731 (read + write)
+            rows.append([name, cp, nbytes / 2**20, gbs(t_copy), gbs(t_pack), t_copy["min"] / t_pack["min"],
+                         t_loop["min"] / t_pack["min"], t_unpack["min"]])
+    return format_table("pack/unpack on the GPU (CUDA events, best of the runs)",
+                        ["shape", "CP", "packed MiB", "copy GB/s", "pack GB/s", "pack / copy", "x loop",
+                         "unpack ms"], rows)
+
+
+def torch_logprobs(logits, targets, entropy):
+    lsm = torch.log_softmax(logits.float(), -1)
+    lp = lsm.gather(1, targets.clamp(min=0)[:, None])[:, 0]
+    ent = -(lsm.exp() * lsm).sum(-1) if entropy else None
+    return lp, ent
+
+
+def bench_logprobs(cases, log, repeat):
+    rows = []
+    copy_src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    copy_dst = torch.empty_like(copy_src)
+    t_ref = cuda_time(lambda: copy_dst.copy_(copy_src), repeat)
+    copy_gbs = 2 * copy_src.numel() / t_ref["min"] / 1e6
+    del copy_src, copy_dst
+    for tokens, vocab, dtype, entropy in cases:
+        case = f"T={tokens},V={vocab},{str(dtype).split('.')[1]},entropy={entropy}"
+        logits = torch.randn(tokens, vocab, dtype=dtype, device="cuda")
+        ids = torch.randint(0, vocab, (tokens,), device="cuda")
+        cu = torch.tensor([0, tokens // 3, tokens], dtype=torch.int32)
+        targets = seqpack.logprobs.next_token_targets(ids, cu.cuda(), cu.cuda(), tokens)
+
+        def fused():
+            x = logits.detach().requires_grad_()
+            lp, ent = seqpack.packed_token_logprobs(x, ids, cu, return_entropy=entropy)
+            (lp.sum() + (ent.sum() if entropy else 0)).backward()
+
+        def unfused():
+            x = logits.detach().requires_grad_()
+            lp, ent = torch_logprobs(x, targets, entropy)
+            (torch.where(targets >= 0, lp, 0).sum() + (ent.sum() if entropy else 0)).backward()
+
+        result = {}
+        for impl, fn in (("seqpack", fused), ("torch", unfused)):
+            try:
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+                base = torch.cuda.memory_allocated()
+                fn()
+                torch.cuda.synchronize()
+                extra = (torch.cuda.max_memory_allocated() - base) / 2**20
+                result[impl] = (cuda_time(fn, repeat), extra)
+            except torch.OutOfMemoryError:
+                result[impl] = None
+                torch.cuda.empty_cache()
+            for key, value in (("ms_min", result[impl][0]["min"] if result[impl] else "oom"),
+                               ("extra_peak_mib", result[impl][1] if result[impl] else "oom")):
+                log.add(case, impl, key, value)
+        moved = 3 * logits.numel() * logits.element_size()  # read fwd, read bwd, write the gradient
+        ours, theirs = result["seqpack"], result["torch"]
+        gbs = moved / ours[0]["min"] / 1e6 if ours else float("nan")
+        rows.append([case, ours[0]["min"] if ours else "oom", theirs[0]["min"] if theirs else "oom",
+                     theirs[0]["min"] / ours[0]["min"] if ours and theirs else "-",
+                     ours[1] if ours else "-", theirs[1] if theirs else "oom", gbs, gbs / copy_gbs])
+        del logits
+        torch.cuda.empty_cache()
+    return format_table(f"fused log-probs forward+backward on the GPU (device copy: {copy_gbs:,.0f} GB/s)",
+                        ["case", "fused ms", "torch ms", "x torch", "fused extra MiB", "torch extra MiB",
+                         "fused GB/s", "of copy"], rows)
+
+
+def check_sync_free_and_graph(log):
+    """No host sync on the hot paths; a CUDA graph of static pack -> log-probs -> loss."""
+    lines = []
+    x = torch.randint(0, 1000, (64, 512), device="cuda")
+    lens = case_lengths(64, 512)
+    cu = torch.tensor([0, 300, 1000], dtype=torch.int32)
+    logits = torch.randn(1000, 4096, device="cuda", requires_grad=True)
+    ids = torch.randint(0, 4096, (1000,), device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        packed = seqpack.pack_sequences(x, seq_lens=lens, pad_multiple=4)
+        packed.unpack(packed["input"])
+        lp, ent = seqpack.packed_token_logprobs(logits, ids, cu, return_entropy=True)
+        (lp.sum() + ent.sum()).backward()
+        verdict = "no host synchronisation"
+    except RuntimeError as e:
+        verdict = f"SYNC: {e}"
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    lines.append(f"pack / unpack / log-probs fwd+bwd: {verdict}")
+    log.add("sync_debug", "seqpack", "verdict", verdict)
+
+    head = torch.nn.Linear(256, 4096, device="cuda")
+    emb = torch.nn.Embedding(4096, 256, device="cuda")
+    static_ids = torch.randint(0, 4096, (16, 256), device="cuda")
+    static_lens = torch.randint(1, 257, (16,), device="cuda")
+
+    def step():
+        p = seqpack.pack_sequences_static({"input_ids": static_ids}, static_lens, max_tokens=16 * 256,
+                                          pad_multiple=8)
+        out = seqpack.packed_token_logprobs(head(emb(p["input_ids"])), p["input_ids"], p.cu_seqlens,
+                                            p.cu_seqlens_padded, return_entropy=True)
+        return -out.logprobs.sum() - 0.01 * out.entropy.sum()
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_loss = step()
+    static_ids.copy_(torch.randint(0, 4096, (16, 256), device="cuda"))
+    static_lens.copy_(torch.randint(1, 257, (16,), device="cuda"))
+    graph.replay()
+    eager = step()
+    torch.cuda.synchronize()
+    same = torch.allclose(static_loss, eager, rtol=1e-5)
+    t_graph = cuda_time(graph.replay)["min"]
+    t_eager = cuda_time(step)["min"]
+    lines.append(f"CUDA graph of static pack -> log-probs -> loss: replay = eager: {same}; "
+                 f"replay {t_graph:.3f} ms, eager {t_eager:.3f} ms")
+    log.add("cuda_graph", "seqpack", "replay_equals_eager", same)
+    log.add("cuda_graph", "replay", "ms_min", t_graph)
+    log.add("cuda_graph", "eager", "ms_min", t_eager)
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--csv")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("no CUDA device: nothing to measure")
+        return 0
+    env = announce(gpu_environment(environment()), torch)
+    log = CsvLog("gpu", env, args.csv)
+    repeat = 5 if args.quick else 20
+    print(bench_thd(QUICK_SHAPES if args.quick else SHAPES, log, repeat))
+    cases = [(4096, 32000, torch.bfloat16, True)] if args.quick else [
+        (t, v, d, e) for t in (16384, 65536) for v in (32000, 151936) for d in (torch.bfloat16, torch.float32)
+        for e in (False, True)]
+    print(bench_logprobs(cases, log, repeat))
+    print(check_sync_free_and_graph(log))
+    print(f"\nwrote {log.write()}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
