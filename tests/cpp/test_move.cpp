@@ -1,3 +1,4 @@
+#include <algorithm>
 #include <cstring>
 #include <numeric>
 #include <vector>
@@ -92,8 +93,18 @@ TEST(Move, ByteTasksReproduceThePlan) {
                             fill.data(), 1);
           const auto tasks = make_byte_tasks(*plan, row_bytes, max_task);
           for (const ByteTask& t : tasks) EXPECT_LE(static_cast<size_t>(t.bytes), std::max(max_task, row_bytes));
-          execute_byte_tasks(tasks, in.data(), got.data(), fill.data(), row_bytes);
-          EXPECT_EQ(got, expected) << "rank " << rank << ", row_bytes " << row_bytes << ", max_task " << max_task;
+          for (int width : {1, 4, 8, 16}) {  // the kernel's access widths, a block of 3 lanes
+            if (row_bytes % static_cast<size_t>(width) != 0) continue;
+            std::fill(got.begin(), got.end(), 0);
+            execute_byte_tasks(tasks, in.data(), got.data(), fill.data(), row_bytes, width, 3);
+            EXPECT_EQ(got, expected) << "rank " << rank << ", row_bytes " << row_bytes << ", max_task " << max_task
+                                     << ", width " << width;
+          }
+          // No fill row: zero bytes on both sides (the GPU used to dereference null).
+          std::vector<uint8_t> zero_fill(out_rows * row_bytes, 7), zero_got(out_rows * row_bytes, 7);
+          execute_move_plan(*plan, in.data(), plan->src_rows, zero_fill.data(), plan->dst_rows, row_bytes, nullptr, 1);
+          execute_byte_tasks(tasks, in.data(), zero_got.data(), nullptr, row_bytes, row_bytes % 4 ? 1 : 4, 2);
+          EXPECT_EQ(zero_got, zero_fill);
         }
       }
     }

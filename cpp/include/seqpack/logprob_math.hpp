@@ -23,13 +23,7 @@
 #include <cstdint>
 #include <cstring>
 
-#if defined(__CUDACC__)
-#define SEQPACK_HD __host__ __device__ __forceinline__
-#define SEQPACK_UNROLL _Pragma("unroll")
-#else
-#define SEQPACK_HD inline __attribute__((always_inline))
-#define SEQPACK_UNROLL
-#endif
+#include "seqpack/hd.hpp"
 
 namespace seqpack::lpmath {
 
