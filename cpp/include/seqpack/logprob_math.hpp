@@ -11,9 +11,10 @@
 //   * a masked logit (z = -inf) contributes exactly 0 to s and t, whatever m is
 //     (exp(-inf) (-inf) is taken as its limit 0, never 0 * -inf = NaN);
 //   * an empty accumulator is {-inf, 0, 0}; merging with it is the identity;
-//   * a NaN logit makes m and s NaN, so the log-prob, entropy and gradient of its
-//     row are NaN (as log_softmax gives); an all-masked row (every z = -inf) gives
-//     s = 0 and NaN results, as log_softmax does.
+//   * a NaN logit makes s NaN (exp(NaN) = NaN; m too where a NaN-propagating max
+//     saw it), so the log-prob, entropy and gradient of its row are NaN (as
+//     log_softmax gives); an all-masked row (every z = -inf) gives s = 0 and NaN
+//     results, as log_softmax does.
 // Functions are templates over the value type V so that the CPU kernels can run
 // them on GCC/Clang vector types (comparisons give lane masks, ?: selects lanes)
 // as well as on float and double; `Exp` is the exponential the caller uses (a
@@ -74,15 +75,22 @@ SEQPACK_HD void lse_rebase(V& s, V& t, V from, V to, Exp exp = {}) {
   s = e * s;
 }
 
+// Masked logits and vanishing terms use ordered comparisons and a finite stand-in
+// for -inf rather than ==: GCC 12 scalarises vector equality (and x != x) in the
+// AVX-512 build, several times slower; a NaN passes every clamp below unchanged.
+constexpr float kBelowFloat = -3.40282347e38f;  // -FLT_MAX: only -inf is below it
+constexpr float kVanishing = -1.0e4f;           // exp of it is exactly 0 in fp32 and fp64
+
 // Adds exp(z - m) and exp(z - m)(z - m) to (s, t) for one value (or one lane
-// each) relative to a maximum m >= z.
+// each) relative to a maximum m >= z. A masked z (-inf) adds exactly 0 to both,
+// also when m is -inf (no -inf - (-inf)).
 template <typename V, typename Exp = ScalarExp>
 SEQPACK_HD void lse_accumulate(V& s, V& t, V z, V m, bool entropy, Exp exp = {}) {
-  const V zero{};
-  const V d = z - m;  // <= 0; NaN when z and m are both -inf (masked below) or either is NaN
-  const V e = z == neg_inf<float>() ? zero : exp(d);
+  const V vanishing = V{} + kVanishing;
+  const V d = z < kBelowFloat ? vanishing : z - m;  // <= 0; NaN stays NaN
+  const V e = exp(d);
   s += e;
-  if (entropy) t += e == zero ? zero : e * d;
+  if (entropy) t += e * d;  // finite d where e = 0: never 0 * -inf
 }
 
 // The accumulator of one row (or of a part of one, a thread's lane, a vocabulary
@@ -127,13 +135,14 @@ SEQPACK_HD Lse<F> lse_merge(Lse<F> a, Lse<F> b, Exp exp = {}) {
 // The gradient of g_lp * logprob + g_ent * entropy with respect to one logit,
 // without the one-hot term of the target column (the caller adds g_lp / tau there):
 //   p (a + c (log p + H)),  log p = (z - m) - log_s,  a = -g_lp / tau, c = -g_ent / tau.
-// A masked logit (p = 0) gets 0, as log_softmax's backward gives, not 0 * -inf.
+// A masked logit (log p = -inf) gets exactly 0, as log_softmax's backward gives,
+// not 0 * -inf: log p is clamped to a finite value whose exp is 0.
 template <typename V, typename Exp = ScalarExp>
 SEQPACK_HD V grad_value(V z, V m, V log_s, V a, V c, V h, Exp exp = {}) {
-  const V zero{};
-  const V logp = (z - m) - log_s;
-  const V p = exp(logp);
-  return p == zero ? zero : p * (a + c * (logp + h));
+  const V vanishing = V{} + kVanishing;
+  const V raw = (z - m) - log_s;
+  const V logp = raw < kVanishing ? vanishing : raw;  // NaN stays NaN
+  return exp(logp) * (a + c * (logp + h));
 }
 
 // ---- storage formats ------------------------------------------------------
