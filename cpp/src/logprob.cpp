@@ -198,6 +198,7 @@ template <typename T, typename V>
     for (int64_t i = full; i < n; ++i) bm = lpmath::nan_max(bm, zb[i]);
     lpmath::lse_raise(row, static_cast<double>(bm), VecExp{});
     const float m = static_cast<float>(row.m);
+    if (m == lpmath::neg_inf<float>()) continue;  // the row so far is all masked: nothing to add
     V vs{}, vt{};
     const V vmx = splat<V>(m);
     for (int64_t i = 0; i < full; i += kLanes) lpmath::lse_accumulate(vs, vt, vload<V>(zb + i), vmx, entropy, VecExp{});

@@ -76,21 +76,21 @@ SEQPACK_HD void lse_rebase(V& s, V& t, V from, V to, Exp exp = {}) {
 }
 
 // Masked logits and vanishing terms use ordered comparisons and a finite stand-in
-// for -inf rather than ==: GCC 12 scalarises vector equality (and x != x) in the
-// AVX-512 build, several times slower; a NaN passes every clamp below unchanged.
-constexpr float kBelowFloat = -3.40282347e38f;  // -FLT_MAX: only -inf is below it
-constexpr float kVanishing = -1.0e4f;           // exp of it is exactly 0 in fp32 and fp64
+// for -inf rather than == (GCC 12 scalarises vector equality and x != x in the
+// AVX-512 build, several times slower); a NaN passes every clamp unchanged.
+constexpr float kVanishing = -1.0e4f;  // exp of it is exactly 0 in fp32 and fp64
 
 // Adds exp(z - m) and exp(z - m)(z - m) to (s, t) for one value (or one lane
-// each) relative to a maximum m >= z. A masked z (-inf) adds exactly 0 to both,
-// also when m is -inf (no -inf - (-inf)).
+// each) relative to a maximum m >= z that is not -inf (callers skip stretches of
+// masked logits, whose maximum is -inf: they add nothing). A masked z (-inf) then
+// has d = -inf and adds exactly 0 to both sums: exp(-inf) = 0, and the entropy
+// term takes d clamped to a finite value, never 0 * -inf. NaN stays NaN.
 template <typename V, typename Exp = ScalarExp>
 SEQPACK_HD void lse_accumulate(V& s, V& t, V z, V m, bool entropy, Exp exp = {}) {
-  const V vanishing = V{} + kVanishing;
-  const V d = z < kBelowFloat ? vanishing : z - m;  // <= 0; NaN stays NaN
+  const V d = z - m;
   const V e = exp(d);
   s += e;
-  if (entropy) t += e * d;  // finite d where e = 0: never 0 * -inf
+  if (entropy) t += e * (d < kVanishing ? V{} + kVanishing : d);
 }
 
 // The accumulator of one row (or of a part of one, a thread's lane, a vocabulary
@@ -120,7 +120,7 @@ SEQPACK_HD void lse_raise(Lse<F>& a, F new_max, Exp exp = {}) {
 template <typename F, typename Exp = ScalarExp>
 SEQPACK_HD void lse_add(Lse<F>& a, F z, bool entropy, Exp exp = {}) {
   lse_raise(a, z, exp);
-  lse_accumulate(a.s, a.t, z, a.m, entropy, exp);
+  if (a.m > neg_inf<F>() || a.m != a.m) lse_accumulate(a.s, a.t, z, a.m, entropy, exp);  // else z is -inf too
 }
 
 // Exact merge of two accumulators (lanes, warps, blocks of a row).
@@ -243,6 +243,7 @@ SEQPACK_HD Lse<float> lane_stats(const T* x, int64_t vocab, float tau, int64_t l
       pm = nan_max(pm, z[k]);
     }
     lse_raise(a, pm);
+    if (!(a.m > neg_inf<float>() || a.m != a.m)) continue;  // every value so far masked: nothing to add
     SEQPACK_UNROLL
     for (int k = 0; k < W; ++k) lse_accumulate(a.s, a.t, z[k], a.m, entropy);
   }
