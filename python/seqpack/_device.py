@@ -32,6 +32,11 @@ def host_to_device(arrays: Sequence[np.ndarray], device: torch.device) -> List[t
         [[0, 1, 2], [0, 0]]
     """
     arrays = [np.ascontiguousarray(a) for a in arrays]
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        # A captured copy would replay from a pinned block the allocator may have
+        # handed out again: silently wrong metadata. Static shapes do not need it.
+        raise RuntimeError("seqpack: host metadata cannot be copied inside CUDA-graph capture; use "
+                           "pack_sequences_static and device int32 cu_seqlens for captured steps")
     if device.type != "cuda":
         return [torch.from_numpy(a if a.flags.writeable else a.copy()).to(device) for a in arrays]
     offsets, total = [], 0

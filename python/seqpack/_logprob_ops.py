@@ -47,12 +47,33 @@ def _stream(t: torch.Tensor) -> int:
     return torch.cuda.current_stream(t.device).cuda_stream
 
 
+def _checked(logits: torch.Tensor, targets: torch.Tensor, *rows_vectors: torch.Tensor) -> torch.Tensor:
+    """The operators' inputs as the kernels read them (raw pointers): targets int64
+    ``[rows]`` on the logits' device, every per-row vector ``[rows]`` there too;
+    returns logits with unit column stride and a row stride >= V (a copy otherwise)."""
+    if logits.dim() != 2:
+        raise ValueError(f"logits must be [rows, V], got shape {tuple(logits.shape)}")
+    rows = logits.shape[0]
+    if targets.dtype != torch.int64 or tuple(targets.shape) != (rows,) or targets.device != logits.device:
+        raise ValueError(f"targets must be int64 [{rows}] on {logits.device}, got {targets.dtype} "
+                         f"{tuple(targets.shape)} on {targets.device}")
+    for v in rows_vectors:
+        if tuple(v.shape) != (rows,) or v.device != logits.device:
+            raise ValueError(f"per-row statistics must be [{rows}] on {logits.device}, got {tuple(v.shape)} on "
+                             f"{v.device}")
+    if logits.stride(1) != 1 or logits.stride(0) < logits.shape[1]:
+        logits = logits.contiguous()
+    return logits
+
+
 # ---- seqpack::logprob_stats -------------------------------------------------------
 @torch.library.custom_op("seqpack::logprob_stats", mutates_args=())
 def logprob_stats(logits: torch.Tensor, targets: torch.Tensor, vocab_start: int, temperature: float,
                   entropy: bool, num_threads: int) -> torch.Tensor:
     """``[4, rows]``: max z, sum exp(z - max), the target's z (0 where this slice
     does not hold it), sum exp(z - max)(z - max) (0 without ``entropy``); z = x / temperature."""
+    logits = _checked(logits, targets)
+    targets = targets.contiguous()
     rows, vocab = logits.shape
     out = torch.zeros((4, rows), dtype=acc_dtype(logits.dtype), device=logits.device)
     kernel = _kernel(logits)
@@ -97,22 +118,31 @@ def _stats_torch(logits, targets, vocab_start, temperature, entropy, out):
 def logprob_grad(logits: torch.Tensor, targets: torch.Tensor, vocab_start: int, temperature: float,
                  max: torch.Tensor, log_sumexp: torch.Tensor, entropy: Optional[torch.Tensor],
                  grad_logprob: torch.Tensor, grad_entropy: Optional[torch.Tensor], num_threads: int) -> torch.Tensor:
-    """d(grad_logprob . logprob + grad_entropy . entropy) / d logits, in the logits' dtype."""
+    """d(grad_logprob . logprob + grad_entropy . entropy) / d logits, in the logits' dtype.
+    Rows whose upstream gradients are both 0 (padding, no target) get exact zeros,
+    also where their logits are NaN: garbage in padding rows never reaches a weight."""
+    if grad_entropy is not None and entropy is None:
+        raise ValueError("grad_entropy needs the entropy")
+    acc = acc_dtype(logits.dtype)
+    vectors = [t.to(acc).contiguous() for t in (max, log_sumexp, grad_logprob)]
+    ent = entropy.to(acc).contiguous() if grad_entropy is not None else None
+    g_ent = grad_entropy.to(acc).contiguous() if grad_entropy is not None else None
+    logits = _checked(logits, targets, *vectors, *([ent, g_ent] if g_ent is not None else []))
+    targets = targets.contiguous()
     grad = torch.empty_like(logits, memory_format=torch.contiguous_format)
     kernel = _kernel(logits)
     if kernel is None:
-        return _grad_torch(logits, targets, vocab_start, temperature, max, log_sumexp, entropy, grad_logprob,
-                           grad_entropy, grad)
+        m, log_se, g_lp = vectors
+        return _grad_torch(logits, targets, vocab_start, temperature, m, log_se, ent, g_lp, g_ent, grad)
     if kernel == "cpu" and grad.nbytes >= _HUGE_PAGES_FROM:
         # A fresh gradient as large as the logits: with 4 KiB pages its first-touch
         # faults cost as much as the kernel itself.
         _core.advise_huge_pages(grad.data_ptr(), grad.nbytes)
     rows, vocab = logits.shape
-    g_ent = grad_entropy.contiguous() if grad_entropy is not None else None
+    m, log_se, g_lp = vectors  # every tensor whose pointer goes to the kernel is held here
     args = (logits.data_ptr(), rows, vocab, logits.stride(0), _KERNEL_DTYPES[logits.dtype], targets.data_ptr(),
-            vocab_start, temperature, max.data_ptr(), log_sumexp.data_ptr(),
-            entropy.data_ptr() if g_ent is not None else 0, grad_logprob.contiguous().data_ptr(),
-            g_ent.data_ptr() if g_ent is not None else 0, grad.data_ptr(), grad.stride(0))
+            vocab_start, temperature, m.data_ptr(), log_se.data_ptr(), ent.data_ptr() if ent is not None else 0,
+            g_lp.data_ptr(), g_ent.data_ptr() if g_ent is not None else 0, grad.data_ptr(), grad.stride(0))
     if kernel == "cpu":
         _core.logprob_row_grad(*args, num_threads)
     else:
@@ -139,7 +169,10 @@ def _grad_torch(logits, targets, vocab_start, temperature, m, log_se, ent, g_lp,
         local = targets[lo:hi] - vocab_start
         owned = (local >= 0) & (local < vocab)
         g.scatter_add_(1, local.clamp(0, vocab - 1)[:, None], torch.where(owned, g_lp[lo:hi], 0.0)[:, None])
-        grad[lo:hi] = (g / temperature).to(grad.dtype)
+        silent = g_lp[lo:hi] == 0
+        if g_ent is not None:
+            silent = silent & (g_ent[lo:hi] == 0)
+        grad[lo:hi] = torch.where(silent[:, None], 0.0, g / temperature).to(grad.dtype)  # as the kernels
     return grad
 
 

@@ -378,7 +378,8 @@ class StaticPackedBatch:
         cu_seqlens_padded: ``[max_seqs + 1]`` int32 offsets of the padded sequences;
             the batch's last sequence absorbs the rows up to the capacity (as
             Megatron-Core's ``pad_packed_to``), so entries from ``B`` on equal
-            ``max_tokens`` and no row belongs to no sequence.
+            ``max_tokens`` and no row belongs to no sequence (with ``B = 0``: all
+            zeros, every row padding).
         max_seqlen / max_seqlen_padded: host ints, upper bounds that hold for any
             lengths (``S`` and ``max_tokens``), as varlen kernels need them on the host.
         seq_lens: ``[B]`` int64 real lengths; position_ids: ``[max_tokens]`` int64.

@@ -462,3 +462,35 @@ def test_compile_fullgraph_pack_logprobs_entropy_loss_backward():
         p = lsm[b, : max(n - 1, 0)].exp()
         ref = ref - 0.01 * -(p * lsm[b, : max(n - 1, 0)]).sum()
     torch.testing.assert_close(eager[0].double(), ref.detach(), rtol=1e-5, atol=1e-5)
+
+
+def test_operators_check_what_the_kernels_read():
+    logits = torch.randn(4, 9)
+    targets = torch.tensor([1, 2, -1, 3])
+    with pytest.raises(ValueError, match="targets must be int64 \\[4\\]"):
+        torch.ops.seqpack.logprob_stats(logits, targets.int(), 0, 1.0, False, 0)
+    with pytest.raises(ValueError, match="targets must be int64 \\[4\\]"):
+        torch.ops.seqpack.logprob_stats(logits, targets[:3], 0, 1.0, False, 0)
+    # Strided and expanded logits are read as the values they show, not as raw rows.
+    wide = torch.randn(4, 18)
+    ref = torch.ops.seqpack.logprob_stats(wide[:, ::2].contiguous(), targets, 0, 1.0, True, 0)
+    assert torch.equal(torch.ops.seqpack.logprob_stats(wide[:, ::2], targets, 0, 1.0, True, 0), ref)
+    row = torch.randn(1, 9)
+    ref = torch.ops.seqpack.logprob_stats(row.expand(4, 9).contiguous(), targets, 0, 1.0, True, 0)
+    assert torch.equal(torch.ops.seqpack.logprob_stats(row.expand(4, 9), targets, 0, 1.0, True, 0), ref)
+    with pytest.raises(ValueError, match="grad_entropy needs the entropy"):
+        torch.ops.seqpack.logprob_grad(logits, targets, 0, 1.0, torch.zeros(4), torch.zeros(4), None,
+                                       torch.ones(4), torch.ones(4), 0)
+
+
+def test_rows_without_upstream_gradient_get_zeros_on_every_path():
+    # A padding row full of NaN (garbage from an attention kernel's unused rows) must
+    # not poison the gradient: kernel and PyTorch path alike give exact zeros.
+    logits = torch.randn(3, 8, dtype=torch.float64)
+    logits[0] = float("nan")
+    for x in (logits, logits.float()):
+        x = x.clone().requires_grad_()
+        lp = packed_token_logprobs(x, torch.tensor([1, 2, 3]), [0, 1, 3]).logprobs  # rows 0 and 2: no target
+        assert lp[0] == 0 and lp[2] == 0
+        lp.sum().backward()
+        assert (x.grad[0] == 0).all() and torch.isfinite(x.grad).all()
