@@ -43,8 +43,14 @@ def _kernel(logits: torch.Tensor) -> Optional[str]:
     return "cuda" if cuda_kernels(logits.device) else None
 
 
-def _stream(t: torch.Tensor) -> int:
-    return torch.cuda.current_stream(t.device).cuda_stream
+def _launch(kernel: str, name: str, logits: torch.Tensor, args: tuple, num_threads: int) -> None:
+    """``_core.<name>`` on the CPU (with a thread count) or ``_core.cuda_<name>`` on
+    the logits' device and current stream."""
+    if kernel == "cpu":
+        getattr(_core, name)(*args, num_threads)
+    else:
+        with torch.cuda.device(logits.device):
+            getattr(_core, f"cuda_{name}")(*args, torch.cuda.current_stream(logits.device).cuda_stream)
 
 
 def _checked(logits: torch.Tensor, targets: torch.Tensor, *rows_vectors: torch.Tensor) -> torch.Tensor:
@@ -82,11 +88,7 @@ def logprob_stats(logits: torch.Tensor, targets: torch.Tensor, vocab_start: int,
     args = (logits.data_ptr(), rows, vocab, logits.stride(0), _KERNEL_DTYPES[logits.dtype], targets.data_ptr(),
             vocab_start, temperature, out[0].data_ptr(), out[1].data_ptr(), out[3].data_ptr() if entropy else 0,
             out[2].data_ptr())
-    if kernel == "cpu":
-        _core.logprob_row_stats(*args, num_threads)
-    else:
-        with torch.cuda.device(logits.device):
-            _core.cuda_logprob_row_stats(*args, _stream(logits))
+    _launch(kernel, "logprob_row_stats", logits, args, num_threads)
     return out
 
 
@@ -143,11 +145,7 @@ def logprob_grad(logits: torch.Tensor, targets: torch.Tensor, vocab_start: int, 
     args = (logits.data_ptr(), rows, vocab, logits.stride(0), _KERNEL_DTYPES[logits.dtype], targets.data_ptr(),
             vocab_start, temperature, m.data_ptr(), log_se.data_ptr(), ent.data_ptr() if ent is not None else 0,
             g_lp.data_ptr(), g_ent.data_ptr() if g_ent is not None else 0, grad.data_ptr(), grad.stride(0))
-    if kernel == "cpu":
-        _core.logprob_row_grad(*args, num_threads)
-    else:
-        with torch.cuda.device(logits.device):
-            _core.cuda_logprob_row_grad(*args, _stream(logits))
+    _launch(kernel, "logprob_row_grad", logits, args, num_threads)
     return grad
 
 

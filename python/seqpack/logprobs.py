@@ -109,8 +109,11 @@ def next_token_targets(input_ids: "torch.Tensor", cu_seqlens: "torch.Tensor", cu
     [11, 12, -1, -1, 21, -1]
     """
     torch = _torch()
+    from ._device import to_device
+
     device = input_ids.device
-    cu, cu_p = cu_seqlens.to(device=device, dtype=torch.int64), cu_seqlens_padded.to(device=device, dtype=torch.int64)
+    cu = to_device(cu_seqlens, device).to(torch.int64)
+    cu_p = to_device(cu_seqlens_padded, device).to(torch.int64)
     count = cu_p.shape[0] - 1
     j = torch.arange(rows, device=device)
     if count <= 0 or input_ids.shape[0] == 0:

@@ -110,7 +110,46 @@ class PackedSeqParams:
 
 
 @dataclass
-class PackedBatch:
+class _NamedPackedTensors:
+    """The fields, access by name and Megatron-Core view shared by
+    :class:`PackedBatch` and :class:`StaticPackedBatch`."""
+
+    tensors: Dict[str, "torch.Tensor"]
+    cu_seqlens: "torch.Tensor"
+    cu_seqlens_padded: "torch.Tensor"
+    max_seqlen: int
+    max_seqlen_padded: int
+    seq_lens: "torch.Tensor"
+
+    def __getitem__(self, name: str) -> "torch.Tensor":
+        return self.tensors[name]
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.tensors
+
+    def packed_seq_params(self):
+        """Megatron-Core ``PackedSeqParams`` (``qkv_format="thd"``; real
+        ``cu_seqlens_q/kv``, padded ``cu_seqlens_q/kv_padded``, padded max lengths).
+        A real ``megatron.core.packed_seq_params.PackedSeqParams`` when megatron-core
+        is importable, else :class:`PackedSeqParams` with the same fields."""
+        fields = dict(
+            qkv_format="thd",
+            cu_seqlens_q=self.cu_seqlens,
+            cu_seqlens_kv=self.cu_seqlens,
+            cu_seqlens_q_padded=self.cu_seqlens_padded,
+            cu_seqlens_kv_padded=self.cu_seqlens_padded,
+            max_seqlen_q=self.max_seqlen_padded,
+            max_seqlen_kv=self.max_seqlen_padded,
+        )
+        try:
+            from megatron.core.packed_seq_params import PackedSeqParams as MegatronParams
+        except ImportError:
+            return PackedSeqParams(**fields)
+        return MegatronParams(**fields)
+
+
+@dataclass
+class PackedBatch(_NamedPackedTensors):
     """The result of :func:`pack_sequences`.
 
     Attributes:
@@ -126,12 +165,6 @@ class PackedBatch:
         cp_size / cp_rank: the context-parallel split this batch was built for.
     """
 
-    tensors: Dict[str, "torch.Tensor"]
-    cu_seqlens: "torch.Tensor"
-    cu_seqlens_padded: "torch.Tensor"
-    max_seqlen: int
-    max_seqlen_padded: int
-    seq_lens: "torch.Tensor"
     padded_lens: "torch.Tensor"
     cp_size: int
     cp_rank: int
@@ -154,12 +187,6 @@ class PackedBatch:
             self._position_ids = _position_ids(self._plan, self._device)
         return self._position_ids
 
-    def __getitem__(self, name: str) -> "torch.Tensor":
-        return self.tensors[name]
-
-    def __contains__(self, name: str) -> bool:
-        return name in self.tensors
-
     @property
     def batch_size(self) -> int:
         return int(self._plan.batch)
@@ -173,26 +200,6 @@ class PackedBatch:
     def num_tokens(self) -> int:
         """Rows of the packed tensors (this rank's with CP)."""
         return int(self._plan.local_rows)
-
-    def packed_seq_params(self):
-        """Megatron-Core ``PackedSeqParams`` (``qkv_format="thd"``; real
-        ``cu_seqlens_q/kv``, padded ``cu_seqlens_q/kv_padded``, padded max lengths).
-        A real ``megatron.core.packed_seq_params.PackedSeqParams`` when megatron-core
-        is importable, else :class:`PackedSeqParams` with the same fields."""
-        fields = dict(
-            qkv_format="thd",
-            cu_seqlens_q=self.cu_seqlens,
-            cu_seqlens_kv=self.cu_seqlens,
-            cu_seqlens_q_padded=self.cu_seqlens_padded,
-            cu_seqlens_kv_padded=self.cu_seqlens_padded,
-            max_seqlen_q=self.max_seqlen_padded,
-            max_seqlen_kv=self.max_seqlen_padded,
-        )
-        try:
-            from megatron.core.packed_seq_params import PackedSeqParams as MegatronParams
-        except ImportError:
-            return PackedSeqParams(**fields)
-        return MegatronParams(**fields)
 
     def flash_attn_kwargs(self) -> Dict[str, Any]:
         """Keyword arguments of ``flash_attn_varlen_func`` over the packed rows.
@@ -367,7 +374,7 @@ def unpack_sequences(x: "torch.Tensor", cu_seqlens_padded: Any, cp_size: int = 1
 
 # ---- static shapes: CUDA graphs and torch.compile --------------------------------
 @dataclass
-class StaticPackedBatch:
+class StaticPackedBatch(_NamedPackedTensors):
     """The result of :func:`pack_sequences_static`: every shape fixed by the
     capacities, every piece of metadata a tensor on the data's device.
 
@@ -385,28 +392,12 @@ class StaticPackedBatch:
         seq_lens: ``[B]`` int64 real lengths; position_ids: ``[max_tokens]`` int64.
     """
 
-    tensors: Dict[str, "torch.Tensor"]
-    cu_seqlens: "torch.Tensor"
-    cu_seqlens_padded: "torch.Tensor"
-    max_seqlen: int
-    max_seqlen_padded: int
-    seq_lens: "torch.Tensor"
     position_ids: "torch.Tensor"
     _starts: "torch.Tensor" = field(repr=False)
-
-    def __getitem__(self, name: str) -> "torch.Tensor":
-        return self.tensors[name]
-
-    def __contains__(self, name: str) -> bool:
-        return name in self.tensors
 
     @property
     def num_tokens(self) -> int:
         return int(self.position_ids.shape[0])
-
-    def packed_seq_params(self):
-        """Megatron-Core ``PackedSeqParams`` of the packed rows (see :meth:`PackedBatch.packed_seq_params`)."""
-        return PackedBatch.packed_seq_params(self)
 
     def flash_attn_kwargs(self) -> Dict[str, Any]:
         """Keyword arguments of ``flash_attn_varlen_func`` over the packed rows."""
@@ -494,7 +485,9 @@ def pack_sequences_static(
         if tuple(seq_lens.shape) != (batch,) or seq_lens.dtype.is_floating_point:
             raise ValueError(f"seq_lens must be an integer tensor [B] = [{batch}], got {seq_lens.dtype} "
                              f"{tuple(seq_lens.shape)}")
-        lens = seq_lens.to(device=device, dtype=torch.int64)
+        from ._device import to_device
+
+        lens = to_device(seq_lens, device).to(torch.int64)
     else:  # host lengths: checked here, then one pinned copy
         host = as_lengths(seq_lens, "seq_lens").astype(np.int64)
         if host.shape != (batch,):
