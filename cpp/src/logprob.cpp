@@ -93,8 +93,11 @@ template <typename V>
 template <typename V>
 [[gnu::always_inline]] inline V vexp(V x) {
   using I = typename IntsOf<V>::type;
-  V c = x < kExpMin ? splat<V>(kExpMin) : x;
-  c = c > 88.0f ? splat<V>(88.0f) : c;
+  // lo > x ? lo : x is maxps(lo, x) and hi < c ? hi : c is minps(hi, c): one
+  // instruction each, and both return x / c where it is NaN.
+  const V lo = splat<V>(kExpMin), hi = splat<V>(88.0f);
+  V c = lo > x ? lo : x;
+  c = hi < c ? hi : c;
   const V n = (c * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
   const V r = (c - n * 0.693359375f) + n * 2.12194440e-4f;
   V p = splat<V>(1.9875691500e-4f);
