@@ -64,7 +64,9 @@ def cp_local_rows(full: "torch.Tensor", cu_seqlens_padded: Any, cp_size: int, cp
 
     if cp_size == 1:
         return full
-    index = torch.from_numpy(cp_partition_indices(cu_seqlens_padded, cp_size, cp_rank)).to(full.device)
+    from ._device import host_to_device
+
+    (index,) = host_to_device([cp_partition_indices(cu_seqlens_padded, cp_size, cp_rank)], full.device)
     return full.index_select(0, index)
 
 
@@ -89,6 +91,8 @@ def _make_gather():
     import torch
     import torch.distributed as dist
 
+    from ._device import host_to_device
+
     class GatherCP(torch.autograd.Function):
         @staticmethod
         def forward(ctx, local, cu_seqlens_padded, group):
@@ -98,7 +102,7 @@ def _make_gather():
                 return local.clone()
             pieces = [torch.empty_like(local) for _ in range(cp)]
             dist.all_gather(pieces, local.contiguous(), group=group)
-            order = torch.from_numpy(cp_restore_order(cu_seqlens_padded, cp)).to(local.device)
+            (order,) = host_to_device([cp_restore_order(cu_seqlens_padded, cp)], local.device)
             return torch.cat(pieces).index_select(0, order)
 
         @staticmethod
@@ -109,7 +113,8 @@ def _make_gather():
             # Reduce-scatter: the rows back in rank-major order (rank r's rows are
             # r's zigzag positions), summed over the group, each rank keeping its own.
             rank_major = np.concatenate([cp_partition_indices(ctx.cu, cp, r) for r in range(cp)])
-            grad = grad.index_select(0, torch.from_numpy(rank_major).to(grad.device)).contiguous()
+            (index,) = host_to_device([rank_major], grad.device)
+            grad = grad.index_select(0, index).contiguous()
             out = grad.new_empty((grad.shape[0] // cp,) + tuple(grad.shape[1:]))
             dist.reduce_scatter_tensor(out, grad, group=ctx.group)
             return out, None, None

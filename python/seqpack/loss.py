@@ -86,10 +86,10 @@ def _host_cu(cu: Any, name: str) -> np.ndarray:
 
 
 def _segment_index(cu: np.ndarray, device):
-    import torch
+    from ._device import host_to_device
 
     lengths = np.diff(cu)
-    return torch.from_numpy(np.repeat(np.arange(len(lengths)), lengths)).to(device), lengths
+    return host_to_device([np.repeat(np.arange(len(lengths)), lengths)], device)[0], lengths
 
 
 def segment_sum(values: "torch.Tensor", cu_seqlens: Any) -> "torch.Tensor":
