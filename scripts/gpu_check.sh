@@ -14,8 +14,7 @@
 #   gpu-tests  every pytest test marked gpu -> gpu_tests.xml (JUnit)
 #   sanitizer  compute-sanitizer memcheck / racecheck / synccheck / initcheck over a
 #              small subset of the GPU tests
-#   bench      the GPU benchmarks: bench_thd.py / bench_loss.py --device cuda when they
-#              have that option (else a note), and bench_gpu.py where it exists
+#   bench      the GPU benchmark benchmarks/bench_gpu.py -> gpu.csv
 # A failing step does not stop the later ones (a failed build skips what needs it);
 # the script ends with a table of step -> status and exits non-zero if any step failed.
 set -euo pipefail
@@ -263,28 +262,9 @@ bench() {  # bench SCRIPT CSV [ARGS...]
   "$PY" "$1" --csv "$2" "${@:3}"
 }
 
-for spec in "thd:benchmarks/bench_thd.py:thd_gpu.csv" "loss:benchmarks/bench_loss.py:loss_gpu.csv"; do
-  IFS=: read -r name script csv <<<"$spec"
-  if [ "$BUILD_OK" != 1 ]; then
-    record "bench-$name" "skipped" "no build"
-  elif ! grep -q -- '--device' "$script"; then
-    echo "$script has no GPU mode yet (no --device option): not run" | tee "$OUT/bench_$name.log"
-    record "bench-$name" "skipped" "$script has no --device option"
-  else
-    run_logged "$OUT/bench_$name.log" bench "$script" "$OUT/$csv" --device cuda
-    if [ "$RC" = 0 ]; then
-      record "bench-$name" "ok" "$OUT/$csv"
-    else
-      record "bench-$name" "FAILED" "exit $RC; see $OUT/bench_$name.log"
-    fi
-  fi
-done
-
-# The dedicated GPU benchmark (pack/unpack vs a device copy, fused log-probs vs
-# log_softmax + gather, sync-free and CUDA-graph checks), where the checkout has it.
-if [ ! -f benchmarks/bench_gpu.py ]; then
-  record "bench-gpu" "skipped" "no benchmarks/bench_gpu.py"
-elif [ "$BUILD_OK" != 1 ]; then
+# bench_gpu.py: pack/unpack vs a device copy and the per-sequence loop, fused
+# log-probs vs log_softmax + gather, sync-free and CUDA-graph checks.
+if [ "$BUILD_OK" != 1 ]; then
   record "bench-gpu" "skipped" "no build"
 else
   run_logged "$OUT/bench_gpu.log" bench benchmarks/bench_gpu.py "$OUT/gpu.csv"

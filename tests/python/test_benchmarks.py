@@ -22,3 +22,17 @@ def test_quick_run_prints_its_table(script, title, tmp_path):
                           str(tmp_path / "out.csv")], env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     assert title in out.stdout and (tmp_path / "out.csv").stat().st_size > 0
+
+
+def test_gpu_benchmark_imports_and_says_when_there_is_no_device(tmp_path):
+    # bench_gpu.py runs only on a GPU (scripts/gpu_check.sh); here: it imports its
+    # helpers from bench_thd.py and says what it did not measure.
+    import torch
+
+    here = str(pathlib.Path(seqpack.__file__).resolve().parents[1])
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([here, os.environ.get("PYTHONPATH", "")]))
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_gpu.py"), "--quick", "--csv",
+                          str(tmp_path / "gpu.csv")], env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    if not torch.cuda.is_available():
+        assert "no CUDA device: nothing to measure" in out.stdout
