@@ -25,7 +25,7 @@ from ._lengths import core_lengths
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-__all__ = ["cp_local_rows", "cp_partition_indices", "cp_restore_order", "gather_cp"]
+__all__ = ["cp_local_rows", "cp_partition_indices", "cp_restore_order", "cp_row_positions", "gather_cp"]
 
 
 def check_cu_seqlens(cu: Any, name: str) -> Any:
@@ -56,6 +56,33 @@ def cp_restore_order(cu_seqlens_padded: Any, cp_size: int) -> np.ndarray:
     True
     """
     return _core.cp_restore_order(check_cu_seqlens(cu_seqlens_padded, "cu_seqlens_padded"), int(cp_size))
+
+
+def cp_row_positions(cu_seqlens_padded: "torch.Tensor", rows: int, cp_size: int = 1, cp_rank: int = 0):
+    """For each of a rank's ``rows`` local THD rows: ``(seq, pos)``, its sequence
+    and its position inside that padded sequence (the zigzag map of
+    :func:`cp_partition_indices`, from an int64 tensor of offsets on the rows'
+    device, in PyTorch ops: no host read). Rows past the last sequence belong to
+    the last one, with ``pos`` past its span; empty sequences own no row.
+
+    >>> import torch
+    >>> seq, pos = cp_row_positions(torch.tensor([0, 8, 12]), 6, cp_size=2, cp_rank=1)
+    >>> seq.tolist(), pos.tolist()
+    ([0, 0, 0, 0, 1, 1], [2, 3, 4, 5, 1, 2])
+    """
+    import torch
+
+    count = cu_seqlens_padded.shape[0] - 1
+    j = torch.arange(rows, device=cu_seqlens_padded.device)
+    # The last sequence starting at or before the row (an empty sequence shares its
+    # start with the next one, which wins).
+    seq = (torch.searchsorted(cu_seqlens_padded[:-1] // cp_size, j, right=True) - 1).clamp(0, max(count - 1, 0))
+    start = cu_seqlens_padded[seq]
+    pos = j - start // cp_size
+    if cp_size > 1:  # chunks cp_rank and 2 * cp_size - 1 - cp_rank of 2 * cp_size
+        chunk = (cu_seqlens_padded[seq + 1] - start) // (2 * cp_size)
+        pos = torch.where(pos < chunk, cp_rank * chunk + pos, (2 * cp_size - 1 - cp_rank) * chunk + (pos - chunk))
+    return seq, pos
 
 
 def cp_local_rows(full: "torch.Tensor", cu_seqlens_padded: Any, cp_size: int, cp_rank: int) -> "torch.Tensor":

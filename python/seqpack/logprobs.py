@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Optional, Tuple
 import numpy as np
 
 from ._lengths import as_lengths, as_positive_int
-from .cp import check_cu_seqlens
+from .cp import check_cu_seqlens, cp_row_positions
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -114,21 +114,11 @@ def next_token_targets(input_ids: "torch.Tensor", cu_seqlens: "torch.Tensor", cu
     device = input_ids.device
     cu = to_device(cu_seqlens, device).to(torch.int64)
     cu_p = to_device(cu_seqlens_padded, device).to(torch.int64)
-    count = cu_p.shape[0] - 1
-    j = torch.arange(rows, device=device)
-    if count <= 0 or input_ids.shape[0] == 0:
+    if cu_p.shape[0] <= 1 or input_ids.shape[0] == 0:
         return torch.full((rows,), -1, dtype=torch.int64, device=device)
-    # The sequence of each local row: the last one starting at or before it (empty
-    # sequences share their start with the next one, which wins).
-    seq = (torch.searchsorted(cu_p[:-1] // cp_size, j, right=True) - 1).clamp(0, count - 1)
-    start, span = cu_p[seq], cu_p[seq + 1] - cu_p[seq]
-    length = cu[seq + 1] - cu[seq]
-    k = j - start // cp_size  # local offset inside the sequence's rows
-    if cp_size > 1:  # zigzag: chunks cp_rank and 2 * cp_size - 1 - cp_rank of 2 * cp_size
-        chunk = span // (2 * cp_size)
-        k = torch.where(k < chunk, cp_rank * chunk + k, (2 * cp_size - 1 - cp_rank) * chunk + (k - chunk))
-    valid = (k >= 0) & (k + 1 < length)
-    src = (start + k + 1).clamp(0, input_ids.shape[0] - 1)
+    seq, pos = cp_row_positions(cu_p, rows, cp_size, cp_rank)
+    valid = (pos >= 0) & (pos + 1 < cu[seq + 1] - cu[seq])
+    src = (cu_p[seq] + pos + 1).clamp(0, input_ids.shape[0] - 1)
     return torch.where(valid, input_ids[src].to(torch.int64), -1)
 
 

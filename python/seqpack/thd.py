@@ -379,7 +379,8 @@ class StaticPackedBatch(_NamedPackedTensors):
     capacities, every piece of metadata a tensor on the data's device.
 
     Attributes:
-        tensors: name -> ``[max_tokens, ...]`` packed rows.
+        tensors: name -> ``[max_tokens, ...]`` packed rows (``max_tokens / cp_size``
+            zigzag rows of rank ``cp_rank`` with CP).
         cu_seqlens: ``[max_seqs + 1]`` int32 real cumulative lengths; entries past
             the batch repeat the last value (zero-length sequences).
         cu_seqlens_padded: ``[max_seqs + 1]`` int32 offsets of the padded sequences;
@@ -389,11 +390,15 @@ class StaticPackedBatch(_NamedPackedTensors):
             zeros, every row padding).
         max_seqlen / max_seqlen_padded: host ints, upper bounds that hold for any
             lengths (``S`` and ``max_tokens``), as varlen kernels need them on the host.
-        seq_lens: ``[B]`` int64 real lengths; position_ids: ``[max_tokens]`` int64.
+        seq_lens: ``[B]`` int64 real lengths; position_ids: ``[max_tokens / cp_size]``
+            int64, each row's position in its padded sequence.
+        cp_size / cp_rank: the context-parallel split the rows belong to.
     """
 
     position_ids: "torch.Tensor"
-    _starts: "torch.Tensor" = field(repr=False)
+    cp_size: int
+    cp_rank: int
+    _destination: "torch.Tensor" = field(repr=False)  # each row's b * S + s, or B * S for padding
 
     @property
     def num_tokens(self) -> int:
@@ -401,21 +406,23 @@ class StaticPackedBatch(_NamedPackedTensors):
 
     def flash_attn_kwargs(self) -> Dict[str, Any]:
         """Keyword arguments of ``flash_attn_varlen_func`` over the packed rows."""
+        if self.cp_size > 1:
+            raise ValueError("flash_attn_kwargs describe a full THD batch; with cp_size > 1 use "
+                             "packed_seq_params() with Transformer Engine's context parallelism")
         return dict(cu_seqlens_q=self.cu_seqlens_padded, cu_seqlens_k=self.cu_seqlens_padded,
                     max_seqlen_q=self.max_seqlen_padded, max_seqlen_k=self.max_seqlen_padded)
 
     def unpack(self, x: "torch.Tensor", fill: Union[int, float, bool] = 0) -> "torch.Tensor":
-        """``[max_tokens, ...]`` back to ``[B, S, ...]`` (PyTorch ops; differentiable)."""
+        """This batch's rows ``[num_tokens, ...]`` back to ``[B, S, ...]``; positions
+        without a row (padding, other CP ranks' chunks) get ``fill``. PyTorch ops
+        (one scatter), differentiable."""
         torch = _torch()
         batch, width = self.seq_lens.shape[0], self.max_seqlen
         if x.dim() < 1 or x.shape[0] != self.num_tokens:
-            raise ValueError(f"x must have {self.num_tokens} rows (max_tokens), got shape {tuple(x.shape)}")
-        cols = torch.arange(width, device=x.device)
-        index = (self._starts[:, None] + cols).clamp(max=max(self.num_tokens - 1, 0)).reshape(-1)
-        keep = (cols < self.seq_lens[:, None]).reshape(-1, *([1] * (x.dim() - 1)))
-        rows = x.index_select(0, index) if self.num_tokens else x.new_zeros((batch * width, *x.shape[1:]))
-        return torch.where(keep, rows, torch.full((), fill, dtype=x.dtype, device=x.device)).view(
-            batch, width, *x.shape[1:])
+            raise ValueError(f"x must have {self.num_tokens} rows (this batch's packed rows), got shape "
+                             f"{tuple(x.shape)}")
+        out = torch.full((batch * width + 1, *x.shape[1:]), fill, dtype=x.dtype, device=x.device)
+        return out.index_put((self._destination,), x)[:-1].view(batch, width, *x.shape[1:])
 
 
 def pack_sequences_static(
@@ -427,6 +434,8 @@ def pack_sequences_static(
     pad_multiple: int = 1,
     pad_values: Optional[Mapping[str, Union[int, float, bool]]] = None,
     pad_value: Union[int, float, bool] = 0,
+    cp_size: int = 1,
+    cp_rank: int = 0,
 ) -> StaticPackedBatch:
     """Pack right-padded ``[B, S, ...]`` tensors into ``[max_tokens, ...]`` THD rows
     with shapes fixed by the capacities and no host synchronisation: PyTorch ops
@@ -450,6 +459,11 @@ def pack_sequences_static(
             (a RuntimeError on the CPU, a device-side assert on CUDA).
         max_seqs: entries of the offsets minus one (default ``B``; >= ``B``).
         pad_multiple / pad_values / pad_value: as in :func:`pack_sequences`.
+        cp_size / cp_rank: context parallelism: the result holds rank
+            ``cp_rank``'s ``max_tokens / cp_size`` zigzag rows (chunks ``r`` and
+            ``2 * cp_size - 1 - r`` of every padded sequence, the capacity padding
+            included); ``pad_multiple`` and ``max_tokens`` must be multiples of
+            ``2 * cp_size``.
 
     >>> import torch, seqpack
     >>> ids = torch.tensor([[5, 6, 7], [8, 0, 0], [9, 4, 0]])
@@ -460,6 +474,8 @@ def pack_sequences_static(
     True
     """
     torch = _torch()
+    from .cp import cp_row_positions
+
     named = {"input": tensors} if isinstance(tensors, torch.Tensor) else dict(tensors)
     if not named or not all(isinstance(t, torch.Tensor) for t in named.values()):
         raise TypeError("tensors must be a tensor or a non-empty dict of tensors")
@@ -476,6 +492,12 @@ def pack_sequences_static(
     if seqs < batch:
         raise ValueError(f"max_seqs = {seqs} is below the batch size {batch}")
     multiple = as_positive_int(pad_multiple, "pad_multiple")
+    cp = as_positive_int(cp_size, "cp_size")
+    if not 0 <= int(cp_rank) < cp:
+        raise ValueError(f"cp_rank must be in [0, cp_size = {cp}), got {cp_rank}")
+    if cp > 1 and (multiple % (2 * cp) or capacity % (2 * cp)):
+        raise ValueError(f"with cp_size = {cp}, pad_multiple ({multiple}) and max_tokens ({capacity}) must be "
+                         f"multiples of 2 * cp_size = {2 * cp}")
     pad_values = dict(pad_values or {})
     unknown = set(pad_values) - set(named)
     if unknown:
@@ -512,20 +534,24 @@ def pack_sequences_static(
     real_ends = torch.cumsum(lens, 0)
     cu = torch.cat([zero, real_ends, real_ends[-1:].expand(seqs - batch)]) if batch else \
         torch.zeros(seqs + 1, dtype=torch.int64, device=device)
-    rows = torch.arange(capacity, device=device)
-    seq = (torch.searchsorted(starts, rows, right=True) - 1).clamp(min=0)
-    offset = rows - (starts[seq] if batch else 0)
-    keep = (offset < lens[seq]) if batch else torch.zeros_like(rows, dtype=torch.bool)
-    source = (seq * width + offset.clamp(max=max(width - 1, 0))).clamp(max=max(batch * width - 1, 0))
+    rows = capacity // cp
+    if batch:
+        seq, pos = cp_row_positions(cu_padded[: batch + 1], rows, cp, int(cp_rank))
+        keep = pos < lens[seq]
+    else:
+        pos = torch.arange(rows, device=device)
+        seq, keep = torch.zeros_like(pos), torch.zeros_like(pos, dtype=torch.bool)
+    source = (seq * width + pos.clamp(max=max(width - 1, 0))).clamp(max=max(batch * width - 1, 0))
     packed = {}
     for name, t in named.items():
         trailing = t.shape[2:]
         fill = torch.full((), pad_values.get(name, pad_value), dtype=t.dtype, device=device)
         if batch * width == 0:
-            packed[name] = fill.expand(capacity, *trailing).clone()
+            packed[name] = fill.expand(rows, *trailing).clone()
             continue
         gathered = t.reshape(batch * width, *trailing).index_select(0, source)
         packed[name] = torch.where(keep.view(-1, *([1] * len(trailing))), gathered, fill)
     return StaticPackedBatch(
         tensors=packed, cu_seqlens=cu.to(torch.int32), cu_seqlens_padded=cu_padded.to(torch.int32),
-        max_seqlen=width, max_seqlen_padded=capacity, seq_lens=lens, position_ids=offset, _starts=starts)
+        max_seqlen=width, max_seqlen_padded=capacity, seq_lens=lens, position_ids=pos, cp_size=cp,
+        cp_rank=int(cp_rank), _destination=torch.where(keep, source, batch * width))

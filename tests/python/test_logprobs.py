@@ -494,3 +494,26 @@ def test_rows_without_upstream_gradient_get_zeros_on_every_path():
         assert lp[0] == 0 and lp[2] == 0
         lp.sum().backward()
         assert (x.grad[0] == 0).all() and torch.isfinite(x.grad).all()
+
+
+def test_static_cp_ranks_add_up_to_the_full_log_probs():
+    # Static layout with CP = 2: each rank's zigzag rows and the full packed ids (as
+    # a trainer all-gathers them) with device-style int32 offsets; the ranks' log-
+    # prob sums add up to the full batch's.
+    torch.manual_seed(6)
+    ids = torch.randint(0, 40, (3, 10))
+    lens = torch.tensor([10, 3, 6])
+    table = torch.randn(40, 40, dtype=torch.float64)
+    full = seqpack.pack_sequences_static(ids, lens, max_tokens=32, pad_multiple=4)
+    whole = packed_token_logprobs(table[full["input"]], full["input"], full.cu_seqlens,
+                                  full.cu_seqlens_padded, return_entropy=True)
+    total_lp, total_ent = 0.0, 0.0
+    for rank in range(2):
+        local = seqpack.pack_sequences_static(ids, lens, max_tokens=32, pad_multiple=4, cp_size=2, cp_rank=rank)
+        assert torch.equal(local["input"], full["input"][full.position_ids.new_tensor(
+            seqpack.cp_partition_indices(full.cu_seqlens_padded.numpy(), 2, rank))])
+        lp, ent = packed_token_logprobs(table[local["input"]], full["input"], local.cu_seqlens,
+                                        local.cu_seqlens_padded, cp_size=2, cp_rank=rank, return_entropy=True)
+        total_lp, total_ent = total_lp + lp.sum(), total_ent + ent.sum()
+    torch.testing.assert_close(total_lp, whole.logprobs.sum())
+    torch.testing.assert_close(total_ent, whole.entropy.sum())

@@ -350,20 +350,25 @@ def test_torch_compile_traces_through_pack_and_unpack():
 
 # ---- static shapes ------------------------------------------------------------------
 @given(lengths=st.lists(st.integers(0, 9), min_size=1, max_size=6), multiple=st.sampled_from([1, 2, 4]),
-       spare=st.integers(0, 7), extra_seqs=st.integers(0, 2), hidden=st.sampled_from([0, 1, 3]))
-def test_static_pack_equals_the_planned_pack(lengths, multiple, spare, extra_seqs, hidden):
+       spare=st.integers(0, 7), extra_seqs=st.integers(0, 2), hidden=st.sampled_from([0, 1, 3]),
+       cp=st.sampled_from([1, 2, 3]), data=st.data())
+def test_static_pack_equals_the_planned_pack(lengths, multiple, spare, extra_seqs, hidden, cp, data):
     # The static pack (PyTorch ops, device metadata) = the planned pack padded to the
-    # capacity (the last sequence absorbs it), offsets padded with their last value.
+    # capacity (the last sequence absorbs it), offsets padded with their last value;
+    # with CP, each rank's zigzag rows of it.
     width = 9
     batch = len(lengths)
+    if cp > 1:
+        multiple *= 2 * cp
+    rank = data.draw(st.integers(0, cp - 1))
     x = torch.randn(batch, width, hidden) if hidden else torch.randint(0, 100, (batch, width))
     need = sum(round_up(n, multiple) for n in lengths)
-    capacity = max(need + spare, 1)
+    capacity = round_up(max(need + spare, 1), 2 * cp if cp > 1 else 1)
     lens = torch.tensor(lengths)
     static = seqpack.pack_sequences_static({"x": x}, lens, max_tokens=capacity, max_seqs=batch + extra_seqs,
-                                           pad_multiple=multiple, pad_value=-1)
+                                           pad_multiple=multiple, pad_value=-1, cp_size=cp, cp_rank=rank)
     planned = pack_sequences({"x": x}, seq_lens=lengths, pad_multiple=multiple, pad_packed_to=capacity,
-                             pad_value=-1)
+                             pad_value=-1, cp_size=cp, cp_rank=rank)
     assert torch.equal(static["x"], planned["x"])
     assert static.cu_seqlens.dtype == torch.int32 and static.cu_seqlens.shape == (batch + extra_seqs + 1,)
     assert static.cu_seqlens[: batch + 1].tolist() == planned.cu_seqlens.tolist()
@@ -375,7 +380,7 @@ def test_static_pack_equals_the_planned_pack(lengths, multiple, spare, extra_seq
     assert torch.equal(back, planned.unpack(planned["x"], fill=0))
     # Host lengths (validated, one copy) give the same as a lengths tensor.
     host = seqpack.pack_sequences_static({"x": x}, lengths, max_tokens=capacity, pad_multiple=multiple,
-                                         pad_value=-1)
+                                         pad_value=-1, cp_size=cp, cp_rank=rank)
     assert torch.equal(host["x"], static["x"])
 
 
@@ -402,6 +407,10 @@ def test_static_pack_gradients_and_errors():
         seqpack.pack_sequences_static(x, [1, 1, 1], max_tokens=9, max_seqs=2)
     with pytest.raises(ValueError, match="max_tokens must be positive"):
         seqpack.pack_sequences_static(x, [1, 1, 1], max_tokens=0)
+    with pytest.raises(ValueError, match=r"pad_multiple \(2\) and max_tokens \(16\) must be multiples of 2 \* cp_size = 4"):
+        seqpack.pack_sequences_static(x, [1, 1, 1], max_tokens=16, pad_multiple=2, cp_size=2)
+    with pytest.raises(ValueError, match="cp_rank must be in"):
+        seqpack.pack_sequences_static(x, [1, 1, 1], max_tokens=16, pad_multiple=4, cp_size=2, cp_rank=2)
 
 
 def test_zero_size_trailing_dimension_round_trips():
