@@ -382,12 +382,14 @@ def _flex(q, k, v, cu_q, cu_k, causal, scale, window):
     torch = _torch()
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
+    from ._device import host_to_device
+
     dev = q.device
-    seq_q, pos_q = (torch.from_numpy(a).to(dev) for a in _row_ids(cu_q, q.shape[0]))
-    seq_k, pos_k = (torch.from_numpy(a).to(dev) for a in _row_ids(cu_k, k.shape[0]))
+    shifts = np.diff(cu_k) - np.diff(cu_q) if len(cu_q) > 1 else np.zeros(1, dtype=np.int64)
+    # The row maps in one pinned non-blocking copy (no stream sync).
+    seq_q, pos_q, seq_k, pos_k, shift_of_seq = host_to_device(
+        [*_row_ids(cu_q, q.shape[0]), *_row_ids(cu_k, k.shape[0]), shifts], dev)
     seq_k = torch.where(seq_k < 0, -2, seq_k)  # rows outside: never equal to a query's -1
-    shift_of_seq = torch.from_numpy(np.diff(cu_k) - np.diff(cu_q)).to(dev) if len(cu_q) > 1 else \
-        torch.zeros(1, dtype=torch.long, device=dev)
     left, right = window
 
     def document_mask(b, h, qi, ki):
@@ -481,7 +483,9 @@ def cp_attention(
                          f"got {q.shape[0]} and {k.shape[0]}")
     plan = _cp_plan(cu_p, cp, rank, causal)
     cu32 = cu_p.astype(np.int32)
-    k_index = torch.from_numpy(plan["k_index"]).to(k.device)
+    from ._device import host_to_device
+
+    (k_index,) = host_to_device([plan["k_index"]], k.device)
     hk, group_size = k.shape[1], q.shape[1] // k.shape[1]
     step = hk if kv_heads_per_chunk is None else int(kv_heads_per_chunk)
     if step < 1:
