@@ -88,8 +88,8 @@ template <typename V>
 // polynomial on r, times 2^n from the exponent bits. Below -87 it is exactly 0
 // (so exp(-inf) = 0, as logprob_math.hpp requires); NaN stays NaN through the
 // arithmetic: the clamps are written so that a NaN lane passes them unchanged
-// (a self-comparison x != x would be scalarised by GCC 12 in the AVX-512 build,
-// 6x slower).
+// (a self-comparison x != x is scalarised by GCC 12 in the AVX-512 build, several
+// times slower).
 template <typename V>
 [[gnu::always_inline]] inline V vexp(V x) {
   using I = typename IntsOf<V>::type;

@@ -101,8 +101,7 @@ def _stats_torch(logits, targets, vocab_start, temperature, entropy, out):
     vocab = logits.shape[1]
     for lo in range(0, logits.shape[0], _ROW_BLOCK):
         z = logits[lo: lo + _ROW_BLOCK].to(out.dtype) / temperature
-        m = z.amax(dim=1)
-        m = torch.where(torch.isnan(z).any(1), torch.nan, m)  # NaN propagates (amax may drop it)
+        m = z.amax(dim=1)  # NaN propagates
         d = z - m[:, None]
         e = torch.where(z == -torch.inf, 0.0, torch.exp(d))  # masked logits add exactly 0
         out[0, lo: lo + len(z)] = m
@@ -217,15 +216,19 @@ def backward(ctx, grad_logprob, grad_entropy):
     if ctx.return_entropy and grad_entropy is not None:
         g_ent = torch.where(has, grad_entropy, 0.0)
     return logprob_grad(logits, targets, ctx.vocab_start, ctx.temperature, m, log_se,
-                        ent if g_ent is not None else None, g_lp.to(m.dtype), g_ent, ctx.num_threads)
+                        ent if g_ent is not None else None, g_lp, g_ent, ctx.num_threads)
 
 
-def _setup(ctx, inputs, output):
-    logits, targets, vocab_start, temperature, return_entropy, num_threads = inputs
-    logprob, ent, m, log_se = output
+def _save(ctx, logits, targets, vocab_start, temperature, return_entropy, num_threads, m, log_se, ent):
+    """What :func:`backward` reads (both autograd paths)."""
     ctx.save_for_backward(logits, targets, m, log_se, ent)
     ctx.vocab_start, ctx.temperature, ctx.return_entropy, ctx.num_threads = (vocab_start, temperature,
                                                                              return_entropy, num_threads)
+
+
+def _setup(ctx, inputs, output):
+    _, ent, m, log_se = output
+    _save(ctx, *inputs, m, log_se, ent)
 
 
 def _token_logprobs_backward(ctx, grad_logprob, grad_entropy, grad_max, grad_log_sumexp):
@@ -257,9 +260,7 @@ class VocabParallelTokenLogprobs(torch.autograd.Function):
         dist.all_reduce(sums, group=group)
         stats = torch.stack([m, sums[0], sums[1], sums[2]])
         logprob, ent, m, log_se = finish(stats, targets, sums[3] > 0, return_entropy)
-        ctx.save_for_backward(logits, targets, m, log_se, ent)
-        ctx.vocab_start, ctx.temperature, ctx.return_entropy, ctx.num_threads = (vocab_start, temperature,
-                                                                                 return_entropy, num_threads)
+        _save(ctx, logits, targets, vocab_start, temperature, return_entropy, num_threads, m, log_se, ent)
         ctx.mark_non_differentiable(m, log_se)
         return logprob, ent, m, log_se
 
