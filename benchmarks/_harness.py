@@ -106,7 +106,7 @@ def announce(env: Dict[str, str], torch_module: Any = None) -> Dict[str, str]:
 
 
 def format_table(title: str, columns: List[str], rows: Iterable[List[Any]], note: str = "") -> str:
-    from seqpack.report import Table
+    from seqpack.tools.report import Table
 
     return Table(title, columns, list(rows), note).format()
 

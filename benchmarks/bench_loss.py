@@ -35,7 +35,7 @@ import torch  # noqa: E402
 
 import seqpack  # noqa: E402
 from seqpack.loss import NLLLoss, SequencePackingLossWrapper  # noqa: E402
-from seqpack.report import synthetic_rl_lengths  # noqa: E402
+from seqpack.tools.report import synthetic_rl_lengths  # noqa: E402
 
 
 def make_case(lengths, vocab, seed=0):

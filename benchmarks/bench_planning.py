@@ -2,7 +2,7 @@
 
 Baselines run in the same process on the same inputs: NeMo-RL v0.6's FFD (linear
 scan over bins), MFFD and concatenative packers, a linear-scan best fit, and
-verl/ROLL's Karmarkar-Karp with per-set objects in a heapq (seqpack.reference).
+verl/ROLL's Karmarkar-Karp with per-set objects in a heapq (seqpack.testing.reference).
 seqpack is timed through its drop-in API (Python list in, list of lists out) and,
 for 1M lengths, also through the CSR array API. Times are the best of the runs
 (timeit's convention: the run least disturbed by the rest of the machine) for both
@@ -26,7 +26,7 @@ import numpy as np  # noqa: E402
 
 import seqpack  # noqa: E402
 from seqpack import reference as ref  # noqa: E402
-from seqpack.report import synthetic_rl_lengths  # noqa: E402
+from seqpack.tools.report import synthetic_rl_lengths  # noqa: E402
 
 CAPACITY = 8192
 PACKERS = {

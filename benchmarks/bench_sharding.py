@@ -3,7 +3,7 @@
 Same process, same data:
   * ``shard_by_batch_size`` with sequence packing and with dynamic batching, 16
     global batches of 512 sequences, 8 ranks: seqpack's BatchedDataDict vs
-    seqpack.reference.shard_by_batch_size, a faithful pure-Python version of
+    seqpack.testing.reference.shard_by_batch_size, a faithful pure-Python version of
     NeMo-RL's (Python packers, per-bin ``select_indices`` and ``from_batches``);
     outputs checked equal. Also the per-rank token spread with NeMo-RL's
     round-robin bin assignment vs ``balance="karmarkar_karp"``.
@@ -31,7 +31,7 @@ import torch  # noqa: E402
 
 from seqpack import BatchedDataDict, plan_micro_batches, reference  # noqa: E402
 from seqpack.batched_data_dict import bin_assignment_spread  # noqa: E402
-from seqpack.report import synthetic_rl_lengths  # noqa: E402
+from seqpack.tools.report import synthetic_rl_lengths  # noqa: E402
 from seqpack.roll import ROLL_ATTENTION_COEFF  # noqa: E402
 
 
@@ -149,7 +149,7 @@ def main() -> int:
         "shard_by_batch_size: NeMo-RL's logic in Python vs seqpack.BatchedDataDict (ms, best run)",
         ["mode", "[rows, width] tensor", "rows", "global batch", "ranks", "python ms", "seqpack ms", "speedup",
          "same output"], rows,
-        note=f"width {width}. python: seqpack.reference.shard_by_batch_size (NeMo-RL v0.6's steps); same output: "
+        note=f"width {width}. python: seqpack.testing.reference.shard_by_batch_size (NeMo-RL v0.6's steps); same output: "
              "shards, order and micro-batch metadata identical. 'int64 tokens': both copy 128 MiB of ids into the "
              "shards; 'bool mask': the same with 16 MiB, so the planning and per-bin work weigh more."))
     print()

@@ -8,7 +8,7 @@ Same process, same data. Baselines:
           physical limit of a copy on this machine (its source stays in the cache
           between runs; "memcpy cold" reads a source out of the cache instead);
   clone   allocate + copy, as every fresh output does.
-Lengths are RL-like long-tail (seqpack.report.synthetic_rl_lengths clipped to S).
+Lengths are RL-like long-tail (seqpack.tools.report.synthetic_rl_lengths clipped to S).
 
     python benchmarks/bench_thd.py            # full run
     python benchmarks/bench_thd.py --quick    # small shapes, smoke test
@@ -37,7 +37,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import seqpack  # noqa: E402
-from seqpack.report import synthetic_rl_lengths  # noqa: E402
+from seqpack.tools.report import synthetic_rl_lengths  # noqa: E402
 
 
 def loop_pack(x, lens, multiple, cp, rank, pad):

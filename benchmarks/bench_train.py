@@ -33,8 +33,8 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import seqpack  # noqa: E402
-from seqpack.report import synthetic_rl_lengths  # noqa: E402
-from seqpack.tiny_model import TinyCausalLM, TinyConfig, packed_loss, padded_loss  # noqa: E402
+from seqpack.tools.report import synthetic_rl_lengths  # noqa: E402
+from seqpack.testing.tiny_model import TinyCausalLM, TinyConfig, packed_loss, padded_loss  # noqa: E402
 
 MODELS = {
     "tiny": TinyConfig(vocab_size=4096, hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2),

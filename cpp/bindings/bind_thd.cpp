@@ -130,6 +130,32 @@ void init_thd(py::module_& m) {
       },
       py::arg("copies"), py::arg("fills"), py::arg("src_rows"), py::arg("dst_rows"), py::arg("row_bytes"),
       py::arg("max_task_bytes"));
+  py::class_<ThdLayout>(m, "ThdLayout", "Offsets and lengths of a packed batch (seqpack.PackedLayout's core).")
+      .def_readonly("cp_size", &ThdLayout::cp_size)
+      .def_readonly("max_seqlen", &ThdLayout::max_seqlen)
+      .def_readonly("max_seqlen_padded", &ThdLayout::max_seqlen_padded)
+      .def_property_readonly("seq_lens", [](const ThdLayout& l) { return array_of(l.seq_lens); })
+      .def_property_readonly("padded_lens", [](const ThdLayout& l) { return array_of(l.padded_lens); })
+      .def_property_readonly("cu_seqlens", [](const ThdLayout& l) { return array_of(l.cu_seqlens); })
+      .def_property_readonly("cu_seqlens_padded", [](const ThdLayout& l) { return array_of(l.cu_seqlens_padded); });
+  m.def(
+      "thd_layout",
+      [](py::handle seq_lens, int64_t pad_multiple, int64_t pad_packed_to, int64_t pad_packed_multiple,
+         int64_t cp_size) {
+        LengthsArg lens(seq_lens, "seq_lens");
+        py::gil_scoped_release release;
+        return make_thd_layout(lens.view(), ThdOptions{pad_multiple, pad_packed_to, pad_packed_multiple, cp_size});
+      },
+      py::arg("seq_lens"), py::arg("pad_multiple") = 1, py::arg("pad_packed_to") = 0,
+      py::arg("pad_packed_multiple") = 1, py::arg("cp_size") = 1);
+  m.def(
+      "thd_layout_from_offsets",
+      [](py::handle cu_seqlens, py::handle cu_seqlens_padded, int64_t cp_size) {
+        LengthsArg cu(cu_seqlens, "cu_seqlens"), padded(cu_seqlens_padded, "cu_seqlens_padded");
+        py::gil_scoped_release release;
+        return thd_layout_from_offsets(cu.view(), padded.view(), cp_size);
+      },
+      py::arg("cu_seqlens"), py::arg("cu_seqlens_padded"), py::arg("cp_size") = 1);
   py::class_<ThdPlan>(m, "ThdPlan", "Pack/unpack plan of one batch (and one CP rank).")
       .def_readonly("batch", &ThdPlan::batch)
       .def_readonly("width", &ThdPlan::width)
@@ -206,6 +232,20 @@ void init_thd(py::module_& m) {
       py::arg("pad_packed_to") = 0, py::arg("pad_packed_multiple") = 1, py::arg("cp_size") = 1,
       py::arg("cp_rank") = 0);
 
+  m.def(
+      "thd_plan_for_layout",
+      [](const ThdLayout& layout, int64_t width, int64_t cp_rank) {
+        ThdPlan plan;
+        plan.batch = layout.batch_size();
+        plan.width = width;
+        plan.cp_rank = cp_rank;
+        plan.layout = layout;
+        py::gil_scoped_release release;
+        plan.pack = make_pack_plan(plan.layout, spans_from_lengths(plan.layout.seq_lens, width), cp_rank);
+        return plan;
+      },
+      py::arg("layout"), py::arg("width"), py::arg("cp_rank") = 0,
+      "The pack/unpack plan of right-padded rows [B, width] into an existing layout.");
   m.def(
       "cp_partition_indices",
       [](py::handle cu_seqlens_padded, int64_t cp_size, int64_t cp_rank) {

@@ -68,6 +68,48 @@ ThdLayout make_thd_layout(Lengths seq_lens, const ThdOptions& o) {
   return out;
 }
 
+ThdLayout thd_layout_from_offsets(Lengths cu, Lengths cu_padded, int64_t cp_size) {
+  constexpr const char* fn = "thd_layout_from_offsets";
+  check_positive(fn, "cp_size", cp_size);
+  if (cu.empty()) throw_invalid(fn, "cu_seqlens must hold at least one offset");
+  if (cu.size() != cu_padded.size())
+    throw_invalid(fn, "cu_seqlens has " + std::to_string(cu.size()) + " entries, cu_seqlens_padded " +
+                          std::to_string(cu_padded.size()));
+  const auto check = [&](Lengths offsets, const char* name) {
+    if (offsets[0] != 0) throw_invalid(fn, std::string(name) + " must start at 0, got " + std::to_string(offsets[0]));
+    for (size_t i = 1; i < offsets.size(); ++i)
+      if (offsets[i] < offsets[i - 1])
+        throw_invalid(fn, std::string(name) + " must never decrease; entry " + std::to_string(i) + " is " +
+                              std::to_string(offsets[i]) + " after " + std::to_string(offsets[i - 1]));
+    if (offsets.back() > kInt32Max)
+      throw_invalid(fn, std::string(name) + " ends at " + std::to_string(offsets.back()) + ", beyond int32");
+  };
+  check(cu, "cu_seqlens");
+  check(cu_padded, "cu_seqlens_padded");
+  ThdLayout out;
+  out.cp_size = cp_size;
+  const size_t n = cu.size() - 1;
+  out.seq_lens.resize(n);
+  out.padded_lens.resize(n);
+  out.cu_seqlens.assign(cu.begin(), cu.end());
+  out.cu_seqlens_padded.assign(cu_padded.begin(), cu_padded.end());
+  for (size_t b = 0; b < n; ++b) {
+    const int64_t len = cu[b + 1] - cu[b], padded = cu_padded[b + 1] - cu_padded[b];
+    if (padded < len)
+      throw_invalid(fn, "sequence " + std::to_string(b) + " has " + std::to_string(len) +
+                            " real tokens but a padded length of " + std::to_string(padded));
+    if (cp_size > 1 && padded % (2 * cp_size) != 0)
+      throw_invalid(fn, "sequence " + std::to_string(b) + "'s padded length " + std::to_string(padded) +
+                            " is not a multiple of 2 * cp_size = " + std::to_string(2 * cp_size) +
+                            " (context parallelism)");
+    out.seq_lens[b] = len;
+    out.padded_lens[b] = padded;
+    out.max_seqlen = std::max(out.max_seqlen, len);
+    out.max_seqlen_padded = std::max(out.max_seqlen_padded, padded);
+  }
+  return out;
+}
+
 SourceSpans spans_from_lengths(Lengths seq_lens, int64_t width) {
   constexpr const char* fn = "spans_from_lengths";
   if (width < 0) throw_invalid(fn, "width must be >= 0");

@@ -1,6 +1,20 @@
 """seqpack: balance, pack and shard variable-length sequences for LLM training.
 
-The planning layer (this release) decides which sequences go together:
+The package has five layers; each imports only the layers above it in this list
+(``tests/python/test_layers.py`` enforces it)::
+
+    seqpack._core        the C++/CUDA extension (no Python inside the core)
+    seqpack.planning     which sequences go together: packers, DP/micro-batch balance,
+                         dynamic batching, metrics. Lists in, lists out; never imports torch.
+    seqpack.tensors      the packed (THD) layout: PackedLayout, pack/unpack, context
+                         parallelism, dataset packing
+    seqpack.training     ops a trainer calls: packed log-probs, the loss wrapper, varlen attention
+    seqpack.frameworks   drop-ins for NeMo-RL (BatchedDataDict), ROLL, verl, HF and their
+                         YAML configs; adapters never import each other
+    seqpack.tools        report, plots, the ``seqpack`` command line
+    seqpack.testing      reference implementations and a tiny model (oracles for tests)
+
+The most used names are here at the top:
 
     >>> import seqpack
     >>> seqpack.get_packer("modified_first_fit_decreasing", bin_capacity=100).pack([30, 30, 30, 30, 30])
@@ -8,84 +22,139 @@ The planning layer (this release) decides which sequences go together:
     >>> seqpack.get_seqlen_balanced_partitions([5, 3, 8, 1, 9, 2], k_partitions=2, equal_size=True)
     [[1, 4, 5], [0, 2, 3]]
 
-``import seqpack`` never imports torch; functions accept lists, NumPy arrays and
-1-D torch tensors alike.
+Everything is imported on first use, so ``import seqpack`` never imports torch;
+the planning functions accept lists, NumPy arrays and 1-D torch tensors alike.
+The pre-layer module paths (``seqpack.roll``, ``seqpack.loss``, ``seqpack.thd``, ...)
+are the same module objects as their new homes.
 """
 
 from __future__ import annotations
 
-from typing import Any, Dict
+import importlib
+import importlib.abc
+import importlib.util
+import sys
+from typing import TYPE_CHECKING, Any, Dict, List
 
-from . import _core
-from .balance import (
-    MicroBatchPlan,
-    get_seqlen_balanced_partitions,
-    greedy_lpt_partition,
-    karmarkar_karp,
-    log_seqlen_unbalance,
-    plan_micro_batches,
-    sequence_workloads,
-    sorted_stride_partition,
-)
-from .dynamic_batching import DynamicBatchingPlan, plan_dynamic_batching
-from .metrics import PackingMetrics, dp_balance_metrics, dynamic_batching_metrics
-from .packing import PackingAlgorithm, SequencePacker, adjust_bin_count, get_packer
-from .thd import (PackedBatch, PackedSeqParams, StaticPackedBatch, alignment, pack_sequences, pack_sequences_static,
-                  unpack_sequences)
-from .cp import cp_partition_indices, cp_restore_order
-from .logprobs import TokenLogprobs, packed_token_logprobs
-from .loss import ClippedPGLoss, NLLLoss, SequencePackingLossWrapper, prepare_loss_input
-from .attention import attention_backends, cp_attention, varlen_attention
-from .dataset import PackedDataset, collate_packs, pack_dataset
-from .batched_data_dict import BatchedDataDict, DynamicBatchingArgs, SequencePackingArgs, SlicedDataDict
+from ._version import __version__
 
-__version__ = "0.1.0"
+# name -> the submodule (relative to seqpack) that defines it; loaded on first access.
+_EXPORTS: Dict[str, str] = {}
+
+
+def _export(module: str, *names: str) -> None:
+    for name in names:
+        _EXPORTS[name] = module
+
+
+# Planning (torch-free)
+_export("planning.packing", "PackingAlgorithm", "SequencePacker", "get_packer", "adjust_bin_count")
+_export("planning.balance", "MicroBatchPlan", "get_seqlen_balanced_partitions", "karmarkar_karp",
+        "greedy_lpt_partition", "plan_micro_batches", "sequence_workloads", "sorted_stride_partition",
+        "log_seqlen_unbalance")
+_export("planning.dynamic_batching", "DynamicBatchingPlan", "plan_dynamic_batching")
+_export("planning.metrics", "PackingMetrics", "dp_balance_metrics", "dynamic_batching_metrics")
+# Packed tensors
+_export("tensors.layout", "PackedLayout", "alignment")
+_export("tensors.thd", "PackedBatch", "PackedSeqParams", "StaticPackedBatch", "pack_sequences",
+        "pack_sequences_static", "unpack_sequences")
+_export("tensors.cp", "cp_partition_indices", "cp_restore_order")
+_export("tensors.dataset", "PackedDataset", "collate_packs", "pack_dataset")
+# Training ops
+_export("training.logprobs", "TokenLogprobs", "packed_token_logprobs")
+_export("training.loss", "SequencePackingLossWrapper", "prepare_loss_input", "NLLLoss", "ClippedPGLoss")
+_export("training.attention", "varlen_attention", "cp_attention", "attention_backends")
+# Frameworks
+_export("frameworks.batched_data_dict", "BatchedDataDict", "DynamicBatchingArgs", "SequencePackingArgs",
+        "SlicedDataDict")
 
 __all__ = [
+    # planning
+    "get_packer", "PackingAlgorithm", "SequencePacker",
+    "get_seqlen_balanced_partitions", "karmarkar_karp", "plan_micro_batches", "MicroBatchPlan",
+    "plan_dynamic_batching", "DynamicBatchingPlan", "PackingMetrics",
+    # packed tensors
+    "PackedLayout", "alignment", "PackedBatch", "PackedSeqParams", "pack_sequences", "unpack_sequences",
+    "StaticPackedBatch", "pack_sequences_static", "cp_partition_indices", "cp_restore_order",
+    "collate_packs", "pack_dataset",
+    # training
+    "packed_token_logprobs", "TokenLogprobs", "SequencePackingLossWrapper", "prepare_loss_input",
+    "varlen_attention", "cp_attention",
+    # frameworks
     "BatchedDataDict",
-    "DynamicBatchingArgs",
-    "SequencePackingArgs",
-    "SlicedDataDict",
-    "PackedDataset",
-    "collate_packs",
-    "pack_dataset",
-    "PackedBatch",
-    "PackedSeqParams",
-    "StaticPackedBatch",
-    "pack_sequences_static",
-    "alignment",
-    "cp_partition_indices",
-    "packed_token_logprobs",
-    "TokenLogprobs",
-    "ClippedPGLoss",
-    "NLLLoss",
-    "SequencePackingLossWrapper",
-    "prepare_loss_input",
-    "attention_backends",
-    "cp_attention",
-    "varlen_attention",
-    "cp_restore_order",
-    "pack_sequences",
-    "unpack_sequences",
-    "DynamicBatchingPlan",
-    "MicroBatchPlan",
-    "PackingAlgorithm",
-    "PackingMetrics",
-    "SequencePacker",
-    "adjust_bin_count",
+    # support
     "build_info",
-    "dp_balance_metrics",
-    "dynamic_batching_metrics",
-    "get_packer",
-    "get_seqlen_balanced_partitions",
-    "greedy_lpt_partition",
-    "karmarkar_karp",
-    "log_seqlen_unbalance",
-    "plan_dynamic_batching",
-    "plan_micro_batches",
-    "sequence_workloads",
-    "sorted_stride_partition",
 ]
+
+_SUBPACKAGES = ("planning", "tensors", "training", "frameworks", "tools", "testing")
+
+# Module paths from before the layers; each is an alias of the module that moved.
+_MOVED: Dict[str, str] = {
+    "packing": "planning.packing",
+    "balance": "planning.balance",
+    "dynamic_batching": "planning.dynamic_batching",
+    "metrics": "planning.metrics",
+    "thd": "tensors.thd",
+    "cp": "tensors.cp",
+    "dataset": "tensors.dataset",
+    "logprobs": "training.logprobs",
+    "loss": "training.loss",
+    "attention": "training.attention",
+    "batched_data_dict": "frameworks.batched_data_dict",
+    "roll": "frameworks.roll",
+    "verl": "frameworks.verl",
+    "config": "frameworks.config",
+    "integrations": "frameworks",
+    "integrations.hf": "frameworks.hf",
+    "report": "tools.report",
+    "plot": "tools.plot",
+    "cli": "tools.cli",
+    "reference": "testing.reference",
+    "tiny_model": "testing.tiny_model",
+}
+
+
+class _AliasLoader(importlib.abc.Loader):
+    def __init__(self, target: str) -> None:
+        self.target = target
+
+    def create_module(self, spec):  # the moved module itself, not a copy
+        return importlib.import_module(self.target)
+
+    def exec_module(self, module) -> None:
+        pass
+
+
+class _MovedModuleFinder(importlib.abc.MetaPathFinder):
+    """Makes ``import seqpack.roll`` load ``seqpack.frameworks.roll`` (same object)."""
+
+    def find_spec(self, fullname, path=None, target=None):
+        head, _, rest = fullname.partition(".")
+        if head != __name__ or rest not in _MOVED:
+            return None
+        return importlib.util.spec_from_loader(fullname, _AliasLoader(f"{__name__}.{_MOVED[rest]}"))
+
+
+if not any(isinstance(f, _MovedModuleFinder) for f in sys.meta_path):
+    # First, so that ``seqpack.integrations.hf`` is not found again on the path as a second copy.
+    sys.meta_path.insert(0, _MovedModuleFinder())
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
+    elif name in _SUBPACKAGES or name in _MOVED:
+        value = importlib.import_module(f"{__name__}.{name}")
+    elif name == "_core":
+        value = importlib.import_module(f"{__name__}._core")
+    else:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> List[str]:
+    return sorted(set(globals()) | set(_EXPORTS) | set(_SUBPACKAGES) | set(_MOVED))
 
 
 def build_info() -> Dict[str, Any]:
@@ -97,6 +166,8 @@ def build_info() -> Dict[str, Any]:
     >>> sorted(build_info())[:3]
     ['built_with_cuda', 'cpu_isa', 'cuda_architectures']
     """
+    from . import _core
+
     return {
         "version": __version__,
         "built_with_cuda": bool(_core.built_with_cuda),
@@ -105,3 +176,24 @@ def build_info() -> Dict[str, Any]:
         "cuda_runtime_version": _core.cuda_runtime_version(),
         "cuda_device_count": _core.cuda_device_count(),
     }
+
+
+if TYPE_CHECKING:  # what the lazy attributes resolve to, for type checkers and IDEs
+    from . import frameworks, planning, tensors, testing, tools, training
+    from .frameworks import config, roll, verl
+    from .frameworks.batched_data_dict import (BatchedDataDict, DynamicBatchingArgs, SequencePackingArgs,
+                                               SlicedDataDict)
+    from .planning.balance import (MicroBatchPlan, get_seqlen_balanced_partitions, greedy_lpt_partition,
+                                   karmarkar_karp, log_seqlen_unbalance, plan_micro_batches, sequence_workloads,
+                                   sorted_stride_partition)
+    from .planning.dynamic_batching import DynamicBatchingPlan, plan_dynamic_batching
+    from .planning.metrics import PackingMetrics, dp_balance_metrics, dynamic_batching_metrics
+    from .planning.packing import PackingAlgorithm, SequencePacker, adjust_bin_count, get_packer
+    from .tensors.cp import cp_partition_indices, cp_restore_order
+    from .tensors.dataset import PackedDataset, collate_packs, pack_dataset
+    from .tensors.layout import PackedLayout, alignment
+    from .tensors.thd import (PackedBatch, PackedSeqParams, StaticPackedBatch, pack_sequences, pack_sequences_static,
+                              unpack_sequences)
+    from .training.attention import attention_backends, cp_attention, varlen_attention
+    from .training.logprobs import TokenLogprobs, packed_token_logprobs
+    from .training.loss import ClippedPGLoss, NLLLoss, SequencePackingLossWrapper, prepare_loss_input

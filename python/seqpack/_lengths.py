@@ -63,3 +63,14 @@ def as_positive_int(value: Any, name: str, allow_zero: bool = False) -> int:
         rule = ">= 0" if allow_zero else "positive"
         raise ValueError(f"{name} must be {rule}, got {value}")
     return value
+
+
+def round_up(x: Any, multiple: int) -> Any:
+    """``x`` rounded up to a multiple of ``multiple`` (an int, or elementwise for an
+    integer NumPy array).
+
+    >>> round_up(5, 4), round_up(np.array([0, 3, 8]), 4).tolist()
+    (8, [0, 4, 8])
+    """
+    m = as_positive_int(multiple, "multiple")
+    return (x + (m - 1)) // m * m

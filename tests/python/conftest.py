@@ -1,7 +1,7 @@
 """Shared helpers and hypothesis strategies for the planning-API tests, and the
 gate of the GPU tests.
 
-Tests import only ``seqpack`` and ``seqpack.reference`` so they run unchanged
+Tests import only ``seqpack`` and ``seqpack.testing.reference`` so they run unchanged
 against the installed package.
 
 GPU tests: every test marked ``gpu`` (``pytestmark = pytest.mark.gpu`` in the GPU

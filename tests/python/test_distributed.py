@@ -169,7 +169,7 @@ def check_train_dp_cp(rank, world):
     # micro-batch zigzag-split over the CP pair (cp_attention + fused loss); the
     # all-reduced gradients equal one process's padded training step.
     import seqpack
-    from seqpack.tiny_model import TinyCausalLM, TinyConfig, packed_loss, padded_loss
+    from seqpack.testing.tiny_model import TinyCausalLM, TinyConfig, packed_loss, padded_loss
 
     assert world == 4
     dp, cp = rank // 2, rank % 2

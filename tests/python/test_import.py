@@ -14,7 +14,7 @@ import seqpack
 
 
 def test_import_does_not_import_torch():
-    code = "import sys, seqpack, seqpack.reference; print('torch' in sys.modules)"
+    code = "import sys, seqpack, seqpack.testing.reference; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=os.environ.copy(), check=True)
     assert out.stdout.strip() == "False", out.stderr
 

@@ -47,6 +47,11 @@ struct ThdLayout {
 
 ThdLayout make_thd_layout(Lengths seq_lens, const ThdOptions& options);
 
+// A layout from existing offsets (a packed dataset, a caller's cu_seqlens): both
+// [B + 1], starting at 0, non-decreasing, within int32; every padded span holds its
+// real span and, with context parallelism, splits into 2 * cp_size chunks.
+ThdLayout thd_layout_from_offsets(Lengths cu_seqlens, Lengths cu_seqlens_padded, int64_t cp_size);
+
 // Where each sequence's real tokens are in the padded source, in order: sequence b
 // is the concatenation of spans[offsets[b] .. offsets[b+1]), each `count` rows
 // starting at row `start` of the flattened [B * S] source.

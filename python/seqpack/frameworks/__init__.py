@@ -1,0 +1,12 @@
+"""Drop-ins for training frameworks, each in its own module (imported on demand;
+adapters never import one another):
+
+- :mod:`~seqpack.frameworks.batched_data_dict`: NeMo-RL's ``BatchedDataDict``
+  (also ``seqpack.BatchedDataDict``).
+- :mod:`~seqpack.frameworks.roll`: ROLL's dynamic batching and sequence packing
+  (also ``seqpack.roll``).
+- :mod:`~seqpack.frameworks.verl`: verl's seqlen-balancing helpers (also ``seqpack.verl``).
+- :mod:`~seqpack.frameworks.hf`: HF transformers attention/mask functions and a packing
+  collator (also ``seqpack.integrations.hf``).
+- :mod:`~seqpack.frameworks.config`: NeMo-RL and ROLL YAML keys (also ``seqpack.config``).
+"""

@@ -1,0 +1,610 @@
+"""``BatchedDataDict``: a drop-in for NeMo-RL's (v0.6), planned by seqpack's core.
+
+A dict of tensors and lists whose dimension 0 is the batch. Replace::
+
+    from nemo_rl.distributed.batched_data_dict import BatchedDataDict
+
+with ``from seqpack import BatchedDataDict``: the same methods, arguments, return
+values and metadata (``micro_batch_indices``, ``micro_batch_lengths``,
+``elem_counts_per_gb``), with the sharding plans computed in C++ and each shard
+gathered with one indexing per tensor.
+
+    >>> import torch
+    >>> from seqpack import BatchedDataDict
+    >>> data = BatchedDataDict(input_ids=torch.ones(8, 100, dtype=torch.long),
+    ...                        input_lengths=torch.tensor([46, 24, 55, 88, 11, 14, 73, 17]))
+    >>> shards, order = data.shard_by_batch_size(2, sequence_packing_args={
+    ...     "max_tokens_per_microbatch": 100, "input_key": "input_ids", "input_lengths_key": "input_lengths",
+    ...     "algorithm": "modified_first_fit_decreasing", "sequence_length_pad_multiple": 1,
+    ...     "microbatch_order": "largest_first"})
+    >>> [s.micro_batch_lengths for s in shards], order
+    ([[[99, 96]], [[87, 46]]], [3, 4, 2, 7, 1, 6, 5, 0])
+
+Differences from NeMo-RL, all on inputs NeMo-RL mishandles: errors are
+:class:`BatchedDataDictError` (both a ``ValueError`` and an ``AssertionError``, so
+code written for either keeps working); ``chunk`` accepts every ``rank < chunks``
+(NeMo-RL compares with the chunk size); ``reorder_data`` rejects an index list of
+the wrong length (NeMo-RL truncates); iterators validate when called, not at the
+first ``next()``; lengths may be lists. Like NeMo-RL, dynamic batching's
+``sorted_indices`` are chunk-major, so with several global batches they do not
+undo the shard order (``reorder_data`` restores it when ``batch_size`` is None,
+as NeMo-RL uses it).
+
+Beyond NeMo-RL (opt-in): ``balance="karmarkar_karp"`` in ``sequence_packing_args``
+deals bins to shards by load, ``dynamic_batching_args["rule"] = "optimal"``
+plans micro-batches with the fewest padded tokens, and
+:meth:`BatchedDataDict.make_packed_microbatch_iterator` yields ready THD
+micro-batches.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections import UserDict
+from typing import (TYPE_CHECKING, Any, Dict, Generic, Iterator, List, Literal, Mapping, Optional, Sequence, Tuple,
+                    TypeVar, Union)
+
+import numpy as np
+
+from ._batch import is_packed as _is_packed
+from ._batch import is_tensor as _is_tensor
+from ._batch import rows as _rows
+from ._batch import select as _select
+from ..planning.balance import get_seqlen_balanced_partitions
+from ..planning.dynamic_batching import plan_dynamic_batching
+from ..planning.packing import get_packer
+from ..tensors.layout import alignment, round_up
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+    from ..tensors.thd import PackedBatch
+
+try:  # Python 3.11+
+    from typing import NotRequired, TypedDict
+except ImportError:  # pragma: no cover
+    from typing_extensions import NotRequired, TypedDict
+
+__all__ = ["BatchedDataDict", "BatchedDataDictError", "DynamicBatchingArgs", "SequencePackingArgs",
+           "SlicedDataDict", "bin_assignment_spread"]
+
+DictT = TypeVar("DictT", bound=Mapping[str, Any])
+
+
+class BatchedDataDictError(ValueError, AssertionError):
+    """Invalid arguments or data (a ``ValueError``; also an ``AssertionError`` like
+    NeMo-RL's checks, so existing ``except AssertionError`` code keeps working)."""
+
+
+class SequencePackingArgs(TypedDict):
+    """NeMo-RL's sequence-packing arguments of ``shard_by_batch_size``.
+
+    ``balance`` is seqpack's: ``"round_robin"`` (NeMo-RL, default) or
+    ``"karmarkar_karp"`` (bins dealt to shards by token load)."""
+
+    max_tokens_per_microbatch: int
+    input_key: str
+    input_lengths_key: str
+    algorithm: str
+    sequence_length_pad_multiple: int
+    microbatch_order: NotRequired[Literal["packer", "largest_first"]]
+    balance: NotRequired[Literal["round_robin", "karmarkar_karp"]]
+
+
+class DynamicBatchingArgs(TypedDict):
+    """NeMo-RL's dynamic-batching arguments of ``shard_by_batch_size``.
+
+    ``rule`` is seqpack's: ``"nemo_rl"`` (default) or ``"optimal"`` (the fewest
+    padded tokens under the same cap, see :func:`seqpack.plan_dynamic_batching`)."""
+
+    max_tokens_per_microbatch: int
+    sequence_length_round: int
+    input_key: str
+    input_lengths_key: str
+    rule: NotRequired[Literal["nemo_rl", "optimal"]]
+
+
+def _check(condition: bool, message: str) -> None:
+    if not condition:
+        raise BatchedDataDictError(message)
+
+
+def _media_memo(item: Any) -> Dict[int, Any]:
+    """A ``deepcopy`` memo mapping every array, tensor and bytes leaf of ``item`` to
+    itself, so copies share them (containers are still copied)."""
+    memo: Dict[int, Any] = {}
+    stack = [item]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, Mapping):
+            stack.extend(x.values())
+        elif isinstance(x, (list, tuple)):
+            stack.extend(x)
+        elif isinstance(x, (np.ndarray, bytes, bytearray)) or _is_tensor(x):
+            memo[id(x)] = x
+    return memo
+
+
+def _lengths(data: Mapping[str, Any], key: str) -> np.ndarray:
+    if key not in data:
+        raise BatchedDataDictError(f"input_lengths_key {key!r} is not in the data (keys: {sorted(data)})")
+    v = data[key]
+    if _is_tensor(v):
+        v = v.detach().cpu().numpy()
+    lens = np.asarray(v)
+    _check(lens.ndim == 1 and (lens.size == 0 or np.issubdtype(lens.dtype, np.integer)),
+           f"data[{key!r}] must be a 1-D sequence of integer lengths, got shape {lens.shape} dtype {lens.dtype}")
+    return lens.astype(np.int64, copy=False)
+
+
+class BatchedDataDict(UserDict, Generic[DictT]):
+    """A batch as a dict of tensors (dim 0 = batch) and lists, NeMo-RL compatible."""
+
+    ADDITIONAL_OPTIONAL_KEY_TENSORS = ["token_type_ids", "mm_token_type_ids"]
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.micro_batch_indices: Optional[List[List[List[int]]]] = None
+        self.micro_batch_lengths: Optional[List[List[int]]] = None
+        self.elem_counts_per_gb: Optional[List[int]] = None
+
+    # ---------------------------------------------------------------- building
+
+    @classmethod
+    def from_batches(cls, batches: Sequence[Mapping[str, Any]], pad_value_dict: Optional[Dict[str, Any]] = None,
+                     *, allow_missing_packed_tensors: bool = False) -> "BatchedDataDict":
+        """Concatenate batches along dim 0; keys come out sorted. 1-D tensors are
+        concatenated, 2-D and higher are right-padded along dim 1 with
+        ``pad_value_dict.get(key, 0)``; lists are concatenated."""
+        import torch
+
+        out = cls()
+        if not batches:
+            return out
+        pad = pad_value_dict or {}
+
+        def rows_of(b: Mapping[str, Any]) -> int:
+            return _rows(next(iter(b.values()))) if len(b) else 0
+
+        for key in sorted(set().union(*(b.keys() for b in batches))):
+            missing = [i for i, b in enumerate(batches) if key not in b and rows_of(b) != 0]
+            present = [b[key] for b in batches if key in b]
+            if missing:
+                if not (allow_missing_packed_tensors and present and all(_is_packed(p) for p in present)):
+                    raise KeyError(f"Key {key!r} is missing from non-empty batches {missing}.")
+                template = present[0]
+                present = [b[key] if key in b else type(template).empty_rows_like(template, rows_of(b))
+                           for b in batches if key in b or rows_of(b)]
+            first = present[0]
+            if isinstance(first, list):
+                out[key] = [x for v in present for x in v]
+            elif _is_packed(first):
+                out[key] = type(first).concat(present)
+            elif _is_tensor(first):
+                if all(v.dim() == 1 for v in present):
+                    out[key] = torch.cat(present)
+                else:
+                    fill = pad.get(key, 0)
+                    width = max(v.shape[1] for v in present)
+                    parts = []
+                    for v in present:
+                        if v.shape[1] < width:
+                            grown = v.new_full((v.shape[0], width, *v.shape[2:]), fill)
+                            grown[:, : v.shape[1]] = v
+                            v = grown
+                        parts.append(v)
+                    out[key] = torch.cat(parts)
+            else:
+                raise NotImplementedError(f"Attempted to stack for unsupported type {type(first)} with key {key}. "
+                                          "Please provide either a tensor or a list of picklable objects.")
+        return out
+
+    def all_gather(self, group=None) -> "BatchedDataDict":
+        """Every rank's rows, concatenated in rank order, over a ``torch.distributed``
+        group (tensors through ``all_gather`` of the row counts and padded rows;
+        lists through ``all_gather_object``). Works with gloo and NCCL."""
+        import torch.distributed as dist
+
+        import torch
+
+        world = dist.get_world_size(group)
+        out = type(self)()
+        for key, v in self.data.items():
+            if _is_tensor(v):
+                count = torch.tensor([v.shape[0]], dtype=torch.int64, device=v.device)
+                counts = [torch.zeros_like(count) for _ in range(world)]
+                dist.all_gather(counts, count, group=group)
+                sizes = [int(c.item()) for c in counts]
+                most = max(sizes)
+                padded = v.new_zeros((most, *v.shape[1:]))
+                padded[: v.shape[0]] = v
+                parts = [torch.empty_like(padded) for _ in range(world)]
+                dist.all_gather(parts, padded.contiguous(), group=group)
+                out[key] = torch.cat([p[:n] for p, n in zip(parts, sizes)])
+            elif isinstance(v, list):
+                gathered: List[Any] = [None] * world
+                dist.all_gather_object(gathered, v, group=group)
+                out[key] = [x for part in gathered for x in part]
+            else:
+                raise NotImplementedError(f"Attempted to gather_and_balance_globally for unsupported type {type(v)} "
+                                          f"with key {key}. Please provide either a tensor or a list of picklable "
+                                          "objects.")
+        return out
+
+    # ---------------------------------------------------------------- sizes
+
+    def _batch_size(self) -> int:
+        sizes = {_rows(v) for v in self.data.values()}
+        _check(len(sizes) == 1, "Batch sizes are not the same across the rollout batch, found sizes: "
+                                f"[{','.join(str(s) for s in sorted(sizes))}]")
+        return sizes.pop()
+
+    @property
+    def size(self) -> int:
+        """Rows of the first value (0 for an empty dict)."""
+        if not self.data:
+            return 0
+        return _rows(next(iter(self.data.values())))
+
+    def get_dict(self) -> dict:
+        return self.data
+
+    def get_multimodal_dict(self, as_tensors: bool = False, device=None, pixel_dtype=None) -> dict:
+        """The multimodal values (NeMo-RL ``PackedTensor``s, as tensors when
+        ``as_tensors``; pixel values cast to ``pixel_dtype`` when given) and the
+        optional token-type tensors."""
+        out = {}
+        for key, v in self.data.items():
+            if _is_packed(v):
+                if pixel_dtype is not None and key in ("pixel_values", "pixel_values_videos"):
+                    v = v.to_dtype(pixel_dtype)
+                out[key] = v.as_tensor(device=device) if as_tensors else v
+            elif key in self.ADDITIONAL_OPTIONAL_KEY_TENSORS:
+                out[key] = v
+        return out
+
+    # ---------------------------------------------------------------- row selection
+
+    def select_indices(self, indices: Union[List[int], "torch.Tensor"]) -> "BatchedDataDict":
+        """Rows ``indices`` of every value (copies); metadata is not carried."""
+        if _is_tensor(indices):
+            indices = indices.tolist()
+        return type(self)({k: _select(k, v, indices) for k, v in self.data.items()})
+
+    def slice(self, start: int, end: int) -> "SlicedDataDict":
+        """Rows ``[start, end)`` (tensor views, new lists)."""
+        out = SlicedDataDict()
+        for key, v in self.data.items():
+            if _is_packed(v):
+                out[key] = v.slice(list(range(start, end)))
+                continue
+            if _is_tensor(v):
+                _check(end <= v.shape[0], f"end: {end} is greater than the shape of the tensor: {v.shape[0]} "
+                                          f"for key: {key}")
+            out[key] = v[start:end]
+        return out
+
+    def chunk(self, rank: int, chunks: int) -> "SlicedDataDict":
+        """The ``rank``-th of ``chunks`` contiguous, equal parts (copies)."""
+        size = self._batch_size()
+        _check(chunks > 0 and size % chunks == 0, f"batch size ({size}) is not a multiple of chunks ({chunks})")
+        _check(0 <= rank < chunks, f"index OOB: not enough splits for this rank. rollout_batch_size: {size}, "
+                                   f"chunks ({chunks}), rank_idx ({rank})")
+        per = size // chunks
+        indices = list(range(rank * per, (rank + 1) * per))
+        out = SlicedDataDict()
+        for key, v in self.data.items():
+            out[key] = _select(key, v, indices) if (_is_tensor(v) or _is_packed(v)) else [v[i] for i in indices]
+        return out
+
+    def reorder_data(self, reorded_indices: List[int]) -> None:
+        """Undo a permutation in place: row ``j`` moves to position
+        ``reorded_indices[j]`` (pass the ``sorted_indices`` of ``shard_by_batch_size``
+        to restore the original order of concatenated shards)."""
+        size = self._batch_size()
+        order = np.asarray(reorded_indices, dtype=np.int64)
+        _check(order.shape == (size,), f"reorded_indices has {order.size} entries for a batch of {size}")
+        _check(np.array_equal(np.sort(order), np.arange(size)),
+               "reorded_indices must be a permutation of range(batch size)")
+        inverse = np.argsort(order, kind="stable").tolist()
+        for key, v in self.data.items():
+            self.data[key] = _select(key, v, inverse) if (_is_tensor(v) or _is_packed(v)) else [v[i] for i in inverse]
+
+    def repeat_interleave(self, num_repeats: int, *, share_immutable_media: bool = False) -> "BatchedDataDict":
+        """Every row repeated ``num_repeats`` times in place. List items are deep
+        copies; with ``share_immutable_media`` their arrays, tensors and bytes (images,
+        audio) are shared by identity between the copies instead of duplicated."""
+        out = type(self)()
+        for key, v in self.data.items():
+            if _is_tensor(v):
+                out[key] = v.repeat_interleave(num_repeats, dim=0)
+            elif _is_packed(v):
+                raise NotImplementedError("PackedTensor does not currently support repeat_interleave")
+            else:
+                out[key] = [copy.deepcopy(item, _media_memo(item) if share_immutable_media else {})
+                            for item in v for _ in range(num_repeats)]
+        return out
+
+    def truncate_tensors(self, dim: int, truncated_len: int) -> None:
+        """Narrow every tensor with more than ``dim`` dimensions to ``truncated_len`` along ``dim``."""
+        import torch
+
+        for key, v in self.data.items():
+            if _is_tensor(v) and v.dim() >= dim + 1:
+                self.data[key] = torch.narrow(v, dim, 0, truncated_len)
+
+    def to(self, device) -> "BatchedDataDict":
+        for key, v in self.data.items():
+            if _is_tensor(v) or _is_packed(v):
+                self.data[key] = v.to(device)
+        return self
+
+    # ---------------------------------------------------------------- sharding
+
+    def shard_by_batch_size(
+        self,
+        shards: int,
+        batch_size: Optional[int] = None,
+        allow_uneven_shards: bool = False,
+        dynamic_batching_args: Optional[DynamicBatchingArgs] = None,
+        sequence_packing_args: Optional[SequencePackingArgs] = None,
+    ) -> Union[List["SlicedDataDict"], Tuple[List["SlicedDataDict"], List[int]]]:
+        """Shard each global batch (``batch_size`` rows) across ``shards`` ranks.
+
+        Plain: shard ``s`` takes the ``s``-th contiguous piece of every global batch.
+        Dynamic batching: per global batch, rows sorted by length are dealt across
+        shards, and all shards share one plan of micro-batches (``rows x padded
+        max length <= max_tokens_per_microbatch``). Sequence packing: per global batch
+        the lengths (padded to ``sequence_length_pad_multiple``) are packed into a
+        multiple of ``shards`` bins, dealt round-robin (or by load with
+        ``balance="karmarkar_karp"``). With either, returns ``(shards,
+        sorted_indices)``.
+
+        Example:
+            >>> data = BatchedDataDict(problem_id=[0, 0, 1, 1, 2, 2, 3, 3])
+            >>> [s["problem_id"] for s in data.shard_by_batch_size(shards=2, batch_size=4)]
+            [[0, 0, 2, 2], [1, 1, 3, 3]]
+        """
+        if allow_uneven_shards:
+            _check(batch_size is None, "batch_size must be None if allow_uneven_shards is True")
+        _check(dynamic_batching_args is None or sequence_packing_args is None,
+               "dynamic_batching_args and sequence_packing_args cannot be passed together")
+        _check(isinstance(shards, int) and shards > 0, f"shards must be a positive int, got {shards!r}")
+        total = self._batch_size()
+        if batch_size is None:
+            batch_size = total
+        _check(batch_size > 0 and total % batch_size == 0,
+               f"Total batch size ({total}) is not a multiple of batch_size ({batch_size})")
+        if not allow_uneven_shards:
+            _check(batch_size % shards == 0, f"Batch size ({batch_size}) is not a multiple of shards ({shards})")
+        if dynamic_batching_args is not None:
+            return self._shard_dynamic(shards, batch_size, dynamic_batching_args)
+        if sequence_packing_args is not None:
+            return self._shard_packed(shards, batch_size, sequence_packing_args)
+        num_chunks = total // batch_size
+        shard_size = -(-batch_size // shards) if allow_uneven_shards else batch_size // shards
+        out = []
+        for s in range(shards):
+            rows: List[int] = []
+            for c in range(num_chunks):
+                start = min(c * batch_size + s * shard_size, total)
+                end = min(c * batch_size + (s + 1) * shard_size, total)
+                rows.extend(range(start, end))
+            out.append(self._gather(rows, SlicedDataDict))
+        return out
+
+    def _gather(self, rows: List[int], cls=None, keys: Optional[Sequence[str]] = None) -> "BatchedDataDict":
+        out = (cls or type(self))()
+        for key in keys if keys is not None else self.data:
+            v = self.data[key]
+            out[key] = _select(key, v, rows) if (_is_tensor(v) or _is_packed(v)) else [v[i] for i in rows]
+        return out
+
+    def _shard_dynamic(self, shards: int, batch_size: int, args: Mapping[str, Any]):
+        lens = _lengths(self.data, args["input_lengths_key"])
+        width_source = self.data.get(args["input_key"])
+        _check(_is_tensor(width_source) and width_source.dim() >= 2,
+               f"input_key {args['input_key']!r} must name a [batch, seq] tensor")
+        plan = plan_dynamic_batching(lens, shards, args["max_tokens_per_microbatch"], args["sequence_length_round"],
+                                     rule=args.get("rule", "nemo_rl"), batch_size=batch_size,
+                                     max_seqlen=int(width_source.shape[1]))
+        out = []
+        for s in range(shards):
+            shard = self._gather(plan.shard_indices(s), SlicedDataDict)
+            shard.micro_batch_indices = plan.micro_batch_indices  # shared by every shard, as NeMo-RL's
+            shard.micro_batch_lengths = plan.micro_batch_lengths
+            out.append(shard)
+        return out, list(plan.sorted_indices)
+
+    def _shard_packed(self, shards: int, batch_size: int, args: Mapping[str, Any]):
+        order = args.get("microbatch_order")
+        if order not in (None, "packer", "largest_first"):
+            raise BatchedDataDictError(f"sequence packing microbatch_order must be 'packer' or 'largest_first', "
+                                       f"got {order!r}")
+        balance = args.get("balance", "round_robin")
+        if balance not in ("round_robin", "karmarkar_karp"):
+            raise BatchedDataDictError(f"sequence packing balance must be 'round_robin' or 'karmarkar_karp', "
+                                       f"got {balance!r}")
+        bins_per_chunk, padded = _pack_chunks(_lengths(self.data, args["input_lengths_key"]), shards, batch_size, args)
+        rows: List[List[int]] = [[] for _ in range(shards)]
+        indices: List[List[List[List[int]]]] = [[] for _ in range(shards)]
+        lengths: List[List[List[int]]] = [[] for _ in range(shards)]
+        for c, bins in enumerate(bins_per_chunk):
+            base = c * batch_size
+            loads = [int(padded[base + np.asarray(b)].sum()) for b in bins]
+            for s, mine in enumerate(_deal(bins, loads, shards, balance)):
+                if order == "largest_first":
+                    mine = sorted(mine, key=lambda i: -loads[i])  # stable: ties keep the packer's order
+                start, chunk_idx, chunk_len = 0, [], []
+                for i in mine:
+                    rows[s].extend(base + j for j in bins[i])
+                    chunk_idx.append([start, start + len(bins[i])])
+                    chunk_len.append(loads[i])
+                    start += len(bins[i])
+                indices[s].append(chunk_idx)
+                lengths[s].append(chunk_len)
+        keys = sorted(self.data)  # NeMo-RL rebuilds packed shards with from_batches: sorted keys
+        out = []
+        for s in range(shards):
+            shard = self._gather(rows[s], SlicedDataDict, keys)
+            shard.micro_batch_indices = indices[s]
+            shard.micro_batch_lengths = lengths[s]
+            shard.elem_counts_per_gb = [c[-1][1] if c else 0 for c in indices[s]]
+            out.append(shard)
+        return out, [i for r in rows for i in r]
+
+    # ---------------------------------------------------------------- per global batch
+
+    def get_batch(self, batch_idx: int, batch_size: Optional[int] = None) -> "SlicedDataDict":
+        """Global batch ``batch_idx`` of a shard, with its metadata (packed shards
+        know their per-batch row counts; others need ``batch_size``)."""
+        if self.elem_counts_per_gb is not None:
+            _check(self.micro_batch_indices is not None,
+                   "micro_batch_indices must be provided if sequence_packing is True")
+            bounds = np.concatenate([[0], np.cumsum(self.elem_counts_per_gb)]).tolist()
+            out = self.slice(int(bounds[batch_idx]), int(bounds[batch_idx + 1]))
+            out.micro_batch_indices = [self.micro_batch_indices[batch_idx]]
+            out.micro_batch_lengths = [self.micro_batch_lengths[batch_idx]]
+            out.elem_counts_per_gb = [self.elem_counts_per_gb[batch_idx]]
+            return out
+        _check(batch_size is not None, "batch_size is required unless the data is a sequence-packed shard")
+        out = self.slice(batch_size * batch_idx, batch_size * (batch_idx + 1))
+        if self.micro_batch_indices is not None:
+            out.micro_batch_indices = [self.micro_batch_indices[batch_idx]]
+            out.micro_batch_lengths = [self.micro_batch_lengths[batch_idx]]
+        return out
+
+    def _one_plan(self) -> Tuple[List[List[int]], List[int]]:
+        _check(self.micro_batch_indices is not None and len(self.micro_batch_indices) == 1
+               and self.micro_batch_lengths is not None,
+               "micro-batch metadata for exactly one global batch is required (use get_batch on a shard)")
+        return self.micro_batch_indices[0], self.micro_batch_lengths[0]
+
+    def make_microbatch_iterator(self, microbatch_size: int) -> Iterator["SlicedDataDict"]:
+        """Consecutive slices of ``microbatch_size`` rows."""
+        size = self.size
+        _check(microbatch_size > 0 and size % microbatch_size == 0,
+               f"Data dict size ({size}) is not a multiple of the provided microbatch size ({microbatch_size})")
+        return (self.slice(i, i + microbatch_size) for i in range(0, size, microbatch_size))
+
+    def make_microbatch_iterator_with_dynamic_shapes(self, sequence_dim: int = 1) -> Iterator["SlicedDataDict"]:
+        """The dynamic-batching micro-batches, each cut to its padded length."""
+        indices, lengths = self._one_plan()
+
+        def gen():
+            for length, (start, end) in zip(lengths, indices):
+                mb = self.slice(start, end)
+                mb.truncate_tensors(dim=sequence_dim, truncated_len=length)
+                yield mb
+
+        return gen()
+
+    def get_microbatch_iterator_dynamic_shapes_len(self) -> int:
+        return len(self.micro_batch_indices[0])
+
+    def make_microbatch_iterator_for_packable_sequences(self) -> Iterator["SlicedDataDict"]:
+        """The packed micro-batches (bins) as row slices."""
+        indices, _ = self._one_plan()
+        return (self.slice(start, end) for start, end in indices)
+
+    def get_microbatch_iterator_for_packable_sequences_len(self) -> Tuple[int, int]:
+        """(micro-batch count, largest packed token count)."""
+        return len(self.micro_batch_indices[0]), max(self.micro_batch_lengths[0])
+
+    def make_packed_microbatch_iterator(
+        self,
+        keys: Optional[Sequence[str]] = None,
+        *,
+        input_lengths_key: str = "input_lengths",
+        pad_multiple: Optional[int] = None,
+        cp_size: int = 1,
+        cp_rank: int = 0,
+        tp_size: int = 1,
+        sequence_parallel: bool = False,
+        pp_size: int = 1,
+        pad_values: Optional[Mapping[str, Union[int, float, bool]]] = None,
+    ) -> Iterator["PackedBatch"]:
+        """Ready THD micro-batches (:class:`seqpack.PackedBatch`) of a packed global batch.
+
+        Each bin's ``[rows, S, ...]`` tensors (``keys``; default every tensor of
+        ``[B, S, ...]`` shape) are packed with the tensor engine: every sequence
+        padded to ``pad_multiple`` (default :func:`seqpack.alignment` of CP/TP/SP),
+        rank ``cp_rank``'s zigzag part with ``cp_size > 1``, and with ``pp_size > 1``
+        every micro-batch padded to the largest one (``pad_packed_to``, a fixed
+        pipeline buffer, as Megatron-Core needs).
+        """
+        from ..tensors.thd import pack_sequences
+
+        indices, _ = self._one_plan()
+        multiple = pad_multiple or alignment(cp_size=cp_size, tp_size=tp_size, sequence_parallel=sequence_parallel)
+        lens = _lengths(self.data, input_lengths_key)
+        if keys is None:
+            keys = [k for k, v in self.data.items() if _is_tensor(v) and v.dim() >= 2]
+        _check(len(keys) > 0, "no [B, S, ...] tensor to pack (give keys=)")
+        padded = round_up(lens, multiple)
+        pad_to = None
+        if pp_size > 1:
+            pad_to = max(int(padded[s:e].sum()) for s, e in indices) or None
+
+        def gen():
+            for start, end in indices:
+                mb = {k: self.data[k][start:end] for k in keys}
+                yield pack_sequences(mb, seq_lens=lens[start:end], pad_multiple=multiple, pad_values=pad_values,
+                                     pad_packed_to=pad_to, cp_size=cp_size, cp_rank=cp_rank)
+
+        return gen()
+
+
+class SlicedDataDict(BatchedDataDict):
+    """A slice or shard of a :class:`BatchedDataDict` (NeMo-RL's marker type)."""
+
+
+# ---------------------------------------------------------------- packing helpers
+
+
+def _pack_chunks(lens: np.ndarray, shards: int, batch_size: int, args: Mapping[str, Any]):
+    """Per global batch, the packer's bins (chunk-local indices) of the padded lengths."""
+    multiple = int(args["sequence_length_pad_multiple"])
+    _check(multiple > 0, f"sequence_length_pad_multiple must be positive, got {multiple}")
+    padded = round_up(lens, multiple)
+    packer = get_packer(args["algorithm"], bin_capacity=args["max_tokens_per_microbatch"], min_bin_count=shards,
+                        bin_count_multiple=shards)
+    bins = [packer.pack(padded[c: c + batch_size]) for c in range(0, len(lens), batch_size)]
+    return bins, padded
+
+
+def _deal(bins: List[List[int]], loads: List[int], shards: int, balance: str) -> List[List[int]]:
+    """Bin numbers per shard: round-robin in packer order, or Karmarkar-Karp over the
+    bin loads with the same number of bins per shard."""
+    if balance == "round_robin" or shards == 1:
+        return [list(range(s, len(bins), shards)) for s in range(shards)]
+    return get_seqlen_balanced_partitions(loads, shards, equal_size=True)
+
+
+def bin_assignment_spread(input_lengths: Any, shards: int, sequence_packing_args: Mapping[str, Any],
+                          batch_size: Optional[int] = None) -> Dict[str, Dict[str, float]]:
+    """Per-shard packed tokens of each global batch under round-robin and
+    Karmarkar-Karp bin assignment: ``{"round_robin": {...}, "karmarkar_karp": {...}}``
+    with ``max``, ``min`` and ``spread`` (max - min) of the tokens per shard,
+    worst over global batches.
+
+    >>> args = {"max_tokens_per_microbatch": 100, "algorithm": "first_fit_decreasing",
+    ...         "sequence_length_pad_multiple": 1}
+    >>> spread = bin_assignment_spread([90, 80, 70, 60, 50, 40, 30, 20], 2, args)
+    >>> spread["karmarkar_karp"]["spread"] <= spread["round_robin"]["spread"]
+    True
+    """
+    lens = np.asarray(input_lengths, dtype=np.int64)
+    batch_size = batch_size or len(lens)
+    bins_per_chunk, padded = _pack_chunks(lens, shards, batch_size, sequence_packing_args)
+    report: Dict[str, Dict[str, float]] = {}
+    for balance in ("round_robin", "karmarkar_karp"):
+        worst = {"max": 0.0, "min": float("inf"), "spread": 0.0}
+        for c, bins in enumerate(bins_per_chunk):
+            loads = [int(padded[c * batch_size + np.asarray(b)].sum()) for b in bins]
+            per_shard = [sum(loads[i] for i in mine) for mine in _deal(bins, loads, shards, balance)]
+            worst["max"] = max(worst["max"], max(per_shard))
+            worst["min"] = min(worst["min"], min(per_shard))
+            worst["spread"] = max(worst["spread"], max(per_shard) - min(per_shard))
+        report[balance] = worst
+    return report

@@ -1,0 +1,177 @@
+"""HF transformers: train a model on packed sequences through seqpack.
+
+``register()`` adds an attention implementation named ``"seqpack"`` to
+transformers' ``AttentionInterface`` - :func:`seqpack.varlen_attention`, so any
+backend (flash-attn, PyTorch varlen, the exact CPU reference) - together with
+the matching mask function in ``AttentionMaskInterface``: without one,
+transformers skips mask creation for an unknown implementation and a padded
+batch's ``attention_mask`` would silently never reach the attention.
+:class:`PackingCollator` flattens a list of examples into one row the way
+transformers' ``DataCollatorWithFlattening`` does (``position_ids`` restarting
+per sequence, ``cu_seq_lens_q/k``, ``max_length_q/k``, labels -100 at each
+sequence start), optionally padding each sequence to a multiple (2·CP·TP).
+
+    >>> from seqpack.integrations import hf                      # doctest: +SKIP
+    >>> hf.register()                                             # doctest: +SKIP
+    >>> model = AutoModelForCausalLM.from_config(cfg, attn_implementation="seqpack")  # doctest: +SKIP
+    >>> batch = hf.PackingCollator()([{"input_ids": [1, 2, 3]}, {"input_ids": [4, 5]}])  # doctest: +SKIP
+    >>> model(**batch).loss                                       # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Dict, List, Mapping, Optional, Sequence
+
+import numpy as np
+
+from .._lengths import as_positive_int
+
+NAME = "seqpack"
+IGNORE_INDEX = -100
+
+
+def attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
+                      sliding_window: Optional[int] = None, softcap=None, is_causal: Optional[bool] = None,
+                      backend: str = "auto", **kwargs):
+    """transformers' attention-function contract: ``query`` ``[B, Hq, S, D]``,
+    ``key``/``value`` ``[B, Hk, S_k, D]``; returns ``([B, S, Hq, D], None)``.
+
+    Sequences come from, in this order: a 2-D padding ``attention_mask`` (rows
+    unpadded), ``cu_seq_lens_q/k`` + ``max_length_q/k`` keyword arguments (the
+    collator's), ``position_ids`` restarting inside a single row (packed), else
+    each batch row is one sequence."""
+    import torch
+
+    from ..training.attention import varlen_attention
+
+    if dropout and module.training:
+        raise ValueError("seqpack attention has no attention dropout; set the model's attention_dropout to 0")
+    if softcap is not None:
+        raise ValueError("seqpack attention does not support logit softcapping")
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    window = (sliding_window - 1, sliding_window - 1) if sliding_window else (-1, -1)
+    batch, _, s_q, _ = query.shape
+    s_k = key.shape[2]
+    q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # [B, S, H, D]
+    attend = dict(causal=bool(causal), softmax_scale=scaling, window_size=window, backend=backend)
+
+    if attention_mask is not None and attention_mask.dim() == 2:
+        mask = attention_mask[:, -s_k:].bool()
+        if s_q != s_k:
+            raise ValueError("a 2-D attention_mask needs as many queries as keys (no KV cache in seqpack attention)")
+        rows = mask.reshape(-1).nonzero().squeeze(1)
+        lengths = mask.sum(1)
+        cu = torch.zeros(batch + 1, dtype=torch.int32)
+        cu[1:] = torch.cumsum(lengths.cpu(), 0)
+        longest = int(lengths.max()) if batch else 0
+        flat = [t.reshape(batch * s_q, *t.shape[2:]).index_select(0, rows) for t in (q, k, v)]
+        out = varlen_attention(*flat, cu, cu, longest, longest, **attend)
+        full = out.new_zeros(batch * s_q, *out.shape[1:]).index_copy(0, rows, out)
+        return full.view(batch, s_q, *out.shape[1:]), None
+    if attention_mask is not None:
+        raise ValueError("seqpack attention takes a 2-D padding mask or none (4-D masks are not supported)")
+
+    cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    max_q, max_k = kwargs.get("max_length_q"), kwargs.get("max_length_k")
+    if cu_q is None or cu_k is None or max_q is None or max_k is None:
+        position_ids = kwargs.get("position_ids")
+        cu_q = cu_k = None
+        if position_ids is not None and batch == 1 and s_q == s_k and s_q > 1:
+            starts = (position_ids.reshape(-1) == position_ids.min()).nonzero().squeeze(1).to(torch.int32).cpu()
+            if starts.numel() > 1:
+                cu_q = cu_k = torch.cat([starts, torch.tensor([s_q], dtype=torch.int32)])
+                max_q = max_k = int(cu_q.diff().max())
+        if cu_q is None:  # every row one sequence
+            cu_q = torch.arange(batch + 1, dtype=torch.int32) * s_q
+            cu_k = torch.arange(batch + 1, dtype=torch.int32) * s_k
+            max_q, max_k = s_q, s_k
+    flat = [t.reshape(-1, *t.shape[2:]) for t in (q, k, v)]
+    out = varlen_attention(*flat, cu_q, cu_k, int(max_q), int(max_k), **attend)
+    return out.view(batch, s_q, *out.shape[1:]), None
+
+
+def register(name: str = NAME, backend: str = "auto") -> str:
+    """Registers seqpack's attention (and its mask function) with transformers under
+    ``name``; use ``attn_implementation=name``. Returns ``name``."""
+    import functools
+
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
+
+    fn = attention_forward if backend == "auto" else functools.partial(attention_forward, backend=backend)
+    AttentionInterface.register(name, fn)
+    # Same mask contract as flash-attention: None when nothing is padded, else the
+    # 2-D padding mask, which attention_forward unpads.
+    AttentionMaskInterface.register(name, flash_attention_mask)
+    return name
+
+
+@dataclass
+class PackingCollator:
+    """Flattens examples into one packed row (a drop-in for transformers'
+    ``DataCollatorWithFlattening`` with ``return_flash_attn_kwargs=True``).
+
+    Args:
+        pad_to_multiple_of: pad each sequence to a multiple of this (e.g.
+            ``seqpack.alignment(cp, tp)``); padding gets ``pad_token_id`` and label
+            -100 and continues the position ids.
+        return_position_ids / return_flash_attn_kwargs: which fields to emit.
+
+    Each example is a mapping with ``input_ids`` (and optionally ``labels``).
+    Labels are -100 at every sequence's first token, so the shifted causal-LM
+    loss never predicts one sequence's first token from the previous sequence.
+
+    >>> from seqpack.integrations.hf import PackingCollator
+    >>> out = PackingCollator()([{"input_ids": [1, 2, 3]}, {"input_ids": [4, 5]}])
+    >>> out["position_ids"].tolist(), out["labels"].tolist(), out["cu_seq_lens_q"].tolist()
+    ([[0, 1, 2, 0, 1]], [[-100, 2, 3, -100, 5]], [0, 3, 5])
+    """
+
+    pad_to_multiple_of: int = 1
+    pad_token_id: int = 0
+    return_position_ids: bool = True
+    return_flash_attn_kwargs: bool = True
+
+    def __call__(self, features: Sequence[Mapping[str, Any]], return_tensors: str = "pt") -> Dict[str, Any]:
+        import torch
+
+        from ..tensors.thd import pack_sequences
+
+        as_positive_int(self.pad_to_multiple_of, "pad_to_multiple_of")
+        if return_tensors != "pt":
+            raise ValueError(f"return_tensors must be 'pt', got {return_tensors!r}")
+        if not features:
+            raise ValueError("features must hold at least one example")
+        ids: List[np.ndarray] = []
+        labels: List[np.ndarray] = []
+        for i, f in enumerate(features):
+            if "input_ids" not in f:
+                raise ValueError(f"features[{i}] has no 'input_ids'")
+            x = np.asarray(f["input_ids"], dtype=np.int64).reshape(-1)
+            if x.size == 0:
+                raise ValueError(f"features[{i}]['input_ids'] is empty")
+            y = np.asarray(f["labels"], dtype=np.int64).reshape(-1) if "labels" in f else x
+            if y.shape != x.shape:
+                raise ValueError(f"features[{i}]: labels and input_ids differ in length ({y.size} vs {x.size})")
+            ids.append(x)
+            labels.append(y)
+        lengths = np.array([a.size for a in ids], dtype=np.int64)
+        # Right-padded rows, then the THD pack of the tensor engine (its plan gives
+        # the offsets and positions, the same rules as every other packed batch).
+        rows = np.zeros((len(ids), int(lengths.max())), dtype=np.int64)
+        rows_labels = np.full_like(rows, IGNORE_INDEX)
+        for b, (x, y) in enumerate(zip(ids, labels)):
+            rows[b, :x.size] = x
+            rows_labels[b, 1:y.size] = y[1:]  # the first label stays -100
+        batch = pack_sequences({"input_ids": torch.from_numpy(rows), "labels": torch.from_numpy(rows_labels)},
+                               seq_lens=lengths, pad_multiple=self.pad_to_multiple_of,
+                               pad_values={"input_ids": self.pad_token_id, "labels": IGNORE_INDEX})
+        out: Dict[str, Any] = {"input_ids": batch["input_ids"][None], "labels": batch["labels"][None]}
+        kwargs = batch.hf_kwargs()
+        if self.return_position_ids:
+            out["position_ids"] = kwargs["position_ids"]
+        if self.return_flash_attn_kwargs:
+            for key in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k"):
+                out[key] = kwargs[key]
+        return out

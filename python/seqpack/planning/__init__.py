@@ -1,0 +1,26 @@
+"""Planning: which sequences go together. Torch-free; lengths in, indices out.
+
+- :mod:`~seqpack.planning.packing`: bin packers (concatenative, FFD, BFD, modified FFD,
+  first-fit-shuffle, greedy sequential) behind :func:`get_packer`.
+- :mod:`~seqpack.planning.balance`: Karmarkar–Karp / greedy partitions over DP ranks,
+  micro-batch plans under a token cap.
+- :mod:`~seqpack.planning.dynamic_batching`: NeMo-RL's dynamic batching plan.
+- :mod:`~seqpack.planning.metrics`: packing, balance and padding metrics.
+
+>>> from seqpack.planning import get_packer
+>>> get_packer("first_fit_decreasing", bin_capacity=10).pack([6, 5, 4, 3])
+[[0, 2], [1, 3]]
+"""
+
+from .balance import (MicroBatchPlan, get_seqlen_balanced_partitions, greedy_lpt_partition, karmarkar_karp,
+                      log_seqlen_unbalance, plan_micro_batches, sequence_workloads, sorted_stride_partition)
+from .dynamic_batching import DynamicBatchingPlan, plan_dynamic_batching
+from .metrics import PackingMetrics, dp_balance_metrics, dynamic_batching_metrics
+from .packing import PackingAlgorithm, SequencePacker, adjust_bin_count, get_packer
+
+__all__ = [
+    "DynamicBatchingPlan", "MicroBatchPlan", "PackingAlgorithm", "PackingMetrics", "SequencePacker",
+    "adjust_bin_count", "dp_balance_metrics", "dynamic_batching_metrics", "get_packer",
+    "get_seqlen_balanced_partitions", "greedy_lpt_partition", "karmarkar_karp", "log_seqlen_unbalance",
+    "plan_dynamic_batching", "plan_micro_batches", "sequence_workloads", "sorted_stride_partition",
+]

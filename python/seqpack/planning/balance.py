@@ -1,0 +1,201 @@
+"""Balanced partitioning: data-parallel ranks and micro-batches.
+
+* :func:`karmarkar_karp` / :func:`get_seqlen_balanced_partitions` - verl's (and
+  ROLL's) functions, same partitions, in C++.
+* :func:`greedy_lpt_partition`, :func:`sorted_stride_partition` - simpler rules.
+* :func:`plan_micro_batches` - micro-batches under a *hard* token cap.
+
+Example:
+    >>> get_seqlen_balanced_partitions([5, 3, 8, 1, 9, 2], k_partitions=2, equal_size=False)
+    [[1, 4, 5], [0, 2, 3]]
+"""
+
+from __future__ import annotations
+
+import html
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence
+
+import numpy as np
+
+from .. import _core
+from .._lengths import as_lengths, as_positive_int, core_lengths
+from .metrics import dp_balance_metrics
+
+
+def karmarkar_karp(seqlen_list: Any, k_partitions: int, equal_size: bool) -> List[List[int]]:
+    """Karmarkar-Karp (largest differencing) k-way partition.
+
+    Returns exactly what verl's ``karmarkar_karp`` returns: ``k_partitions`` lists
+    of indices, ordered by decreasing sum, items in merge order. With
+    ``equal_size`` every partition has ``n / k`` items.
+
+    Raises:
+        ValueError: ``k_partitions < 1``, fewer items than partitions, negative
+            values, or ``equal_size`` with ``n % k != 0``.
+    """
+    return _core.karmarkar_karp(core_lengths(seqlen_list, "seqlen_list"), k_partitions, bool(equal_size))
+
+
+def get_seqlen_balanced_partitions(seqlen_list: Any, k_partitions: int, equal_size: bool) -> List[List[int]]:
+    """verl's ``get_seqlen_balanced_partitions``: KK partitions, indices sorted.
+
+    Example:
+        >>> get_seqlen_balanced_partitions([1, 1, 9, 9], 2, equal_size=True)
+        [[0, 3], [1, 2]]
+    """
+    return _core.karmarkar_karp(core_lengths(seqlen_list, "seqlen_list"), k_partitions, bool(equal_size), True)
+
+
+def greedy_lpt_partition(seqlen_list: Any, k_partitions: int, equal_size: bool = False) -> List[List[int]]:
+    """Longest-processing-time greedy: largest first, each to the lightest group.
+
+    Indices are sorted within groups. (verl's ``greedy_partition`` takes items in
+    input order instead; LPT sorts them first, which balances far better.)
+    """
+    return _core.greedy_lpt_partition(core_lengths(seqlen_list, "seqlen_list"), k_partitions, bool(equal_size))
+
+
+def sorted_stride_partition(seqlen_list: Any, k_partitions: int) -> List[List[int]]:
+    """Sort ascending and deal round-robin (NeMo-RL's dynamic-batching sharding).
+
+    Example:
+        >>> sorted_stride_partition([2, 8, 4, 16], 2)
+        [[0, 1], [2, 3]]
+    """
+    return _core.sorted_stride_partition(core_lengths(seqlen_list, "seqlen_list"), k_partitions)
+
+
+def log_seqlen_unbalance(seqlen_list: Sequence[int], partitions: List[List[int]], prefix: str) -> Dict[str, float]:
+    """verl's name for :func:`seqpack.metrics.dp_balance_metrics`."""
+    return dp_balance_metrics(seqlen_list, partitions, prefix)
+
+
+# ROLL's and verl's workload per sequence: 24576 * s + s**2, i.e. the linear layers
+# and attention of a 7B-class model (hidden 4096) up to a constant.
+WORKLOAD_ATTENTION_COEFF = 24576
+
+
+def sequence_workloads(lengths: Any, attention_coeff: Optional[int] = None) -> np.ndarray:
+    """Per-sequence workload: ``s`` (tokens) or ``attention_coeff * s + s**2``.
+
+    The quadratic model counts linear layers (proportional to ``s``, with
+    ``attention_coeff`` the ratio of their per-token cost to attention's
+    per-token-pair cost, a few times the hidden size) plus causal attention.
+    """
+    return _core.sequence_workloads(as_lengths(lengths, "lengths"), int(attention_coeff or 0))
+
+
+@dataclass
+class MicroBatchPlan:
+    """Micro-batches of one mini-batch under a hard token cap.
+
+    Attributes:
+        micro_batches: indices per micro-batch (sorted within each).
+        tokens: token sum per micro-batch; every entry <= ``max_tokens``.
+        workloads: balanced workload per micro-batch (tokens unless
+            ``attention_coeff`` was given).
+        max_tokens: the cap.
+        lower_bound: ``max(min_num, ceil(total / max_tokens))``, before rounding
+            up to ``multiple_of``.
+        method: the partitioner whose plan was accepted (``karmarkar_karp``,
+            ``greedy_lpt`` or, when only it fits, ``first_fit_decreasing``).
+    """
+
+    micro_batches: List[List[int]]
+    tokens: List[int]
+    workloads: List[int]
+    max_tokens: int
+    lower_bound: int
+    method: str
+    order: str = field(default="heaviest_first")
+
+    @property
+    def num_micro_batches(self) -> int:
+        return len(self.micro_batches)
+
+    @property
+    def imbalance(self) -> float:
+        """max / mean workload - 1 (0 is perfect balance)."""
+        if not self.workloads:
+            return 0.0
+        mean = sum(self.workloads) / len(self.workloads)
+        return max(self.workloads) / mean - 1.0 if mean > 0 else 0.0
+
+    def __len__(self) -> int:
+        return len(self.micro_batches)
+
+    def __iter__(self):
+        return iter(self.micro_batches)
+
+    def _repr_html_(self) -> str:
+        rows = "".join(
+            f"<tr><td>{i}</td><td>{len(mb)}</td><td>{t}</td><td>{t / self.max_tokens:.1%}</td><td>{w}</td></tr>"
+            for i, (mb, t, w) in enumerate(zip(self.micro_batches, self.tokens, self.workloads))
+        )
+        head = html.escape(
+            f"MicroBatchPlan: {len(self)} micro-batches (lower bound {self.lower_bound}), cap {self.max_tokens}, "
+            f"method {self.method}, imbalance {self.imbalance:.2%}"
+        )
+        return (
+            f"<b>{head}</b><table><tr><th>#</th><th>sequences</th><th>tokens</th><th>fill</th>"
+            f"<th>workload</th></tr>{rows}</table>"
+        )
+
+
+def plan_micro_batches(
+    lengths: Any,
+    max_tokens: int,
+    min_num: int = 1,
+    multiple_of: int = 1,
+    attention_coeff: Optional[int] = None,
+    order: str = "heaviest_first",
+) -> MicroBatchPlan:
+    """Split sequences into balanced micro-batches that never exceed ``max_tokens``.
+
+    Finds the smallest count ``k >= max(min_num, ceil(total / max_tokens))``, a
+    multiple of ``multiple_of`` (PP / VPP), for which Karmarkar-Karp or LPT
+    balances the workload with every micro-batch's token sum <= ``max_tokens``;
+    if neither fits before first-fit-decreasing's bin count, FFD's (cap-respecting,
+    then rebalanced on the workload by moves and swaps that keep the cap)
+    bins are used. ROLL's ``load_balance`` and verl's ``rearrange_micro_batches``
+    stop at ``ceil(total / cap)`` and may exceed the cap; this never does.
+
+    Args:
+        lengths: tokens per sequence.
+        max_tokens: hard cap per micro-batch (e.g. ``max_packed_sequence_length_train``).
+        min_num: minimum number of micro-batches.
+        multiple_of: the count is a multiple of this (e.g. PP size with VPP).
+        attention_coeff: balance ``attention_coeff * s + s**2`` instead of tokens.
+        order: ``"heaviest_first"`` or ``"small_at_ends"`` (lightest micro-batches
+            first and last, shrinking pipeline bubbles).
+
+    Raises:
+        ValueError: a sequence longer than ``max_tokens``; more micro-batches
+            required than there are sequences; bad arguments.
+
+    Example:
+        >>> plan = plan_micro_batches([512, 1024, 256, 2048, 128, 768, 1536, 384, 896, 640], 4096)
+        >>> plan.tokens
+        [4096, 4096]
+    """
+    if order not in ("heaviest_first", "small_at_ends"):
+        raise ValueError(f"order must be 'heaviest_first' or 'small_at_ends', got {order!r}")
+    max_tokens = as_positive_int(max_tokens, "max_tokens")
+    raw = _core.plan_micro_batches(
+        as_lengths(lengths, "lengths"),
+        max_tokens,
+        as_positive_int(min_num, "min_num"),
+        as_positive_int(multiple_of, "multiple_of"),
+        int(attention_coeff or 0),
+        order == "small_at_ends",
+    )
+    return MicroBatchPlan(
+        micro_batches=raw["groups"],
+        tokens=raw["tokens"],
+        workloads=raw["workloads"],
+        max_tokens=max_tokens,
+        lower_bound=raw["lower_bound"],
+        method=raw["method"],
+        order=order,
+    )

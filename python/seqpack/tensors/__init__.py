@@ -1,0 +1,23 @@
+"""Packed tensors: the THD layout and what moves tokens into and out of it.
+
+- :mod:`~seqpack.tensors.layout`: :class:`PackedLayout` (cu_seqlens, alignment, CP) and
+  the one alignment rule.
+- :mod:`~seqpack.tensors.thd`: pack/unpack between padded ``[B, S, ...]`` and packed
+  ``[T, ...]`` tensors (planned or static-shape).
+- :mod:`~seqpack.tensors.cp`: context-parallel sharding (the 2·CP zigzag chunks).
+- :mod:`~seqpack.tensors.dataset`: packing a tokenized dataset offline for SFT.
+
+Importing this package does not import torch; the tensor functions do, when called.
+"""
+
+from .cp import cp_partition_indices, cp_restore_order
+from .dataset import PackedDataset, collate_packs, pack_dataset
+from .layout import PackedLayout, alignment, round_up
+from .thd import (PackedBatch, PackedSeqParams, StaticPackedBatch, pack_sequences, pack_sequences_static,
+                  unpack_sequences)
+
+__all__ = [
+    "PackedBatch", "PackedDataset", "PackedLayout", "PackedSeqParams", "StaticPackedBatch", "alignment",
+    "collate_packs", "cp_partition_indices", "cp_restore_order", "pack_dataset", "pack_sequences",
+    "pack_sequences_static", "round_up", "unpack_sequences",
+]

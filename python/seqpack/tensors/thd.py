@@ -1,0 +1,516 @@
+"""Padded ``[B, S, ...]`` batches to the packed THD layout and back.
+
+::
+
+    attention_mask [B=3, S=6]     THD (pad_multiple=4; p = alignment padding)
+    1 1 1 0 0 0                   a a a p b b b b b p p p c p p p
+    1 1 1 1 1 0                   cu_seqlens        = [0, 3, 8, 9]
+    0 0 1 0 0 0   (any mask)      cu_seqlens_padded = [0, 4, 12, 16]
+                                  position_ids      = 0 1 2 3 0 1 2 3 4 5 6 7 0 1 2 3
+
+With ``cp_size > 1`` every padded sequence is cut into ``2 * cp_size`` chunks and
+rank ``r`` gets chunks ``r`` and ``2 * cp_size - 1 - r`` of each sequence (the
+zigzag layout of Megatron-Core / Transformer Engine), built directly from the
+padded batch. The plan (offsets, runs) is computed once on the host from the mask
+or the lengths; the copies run in C++ on raw buffers (CPU: multi-threaded, GIL
+released; CUDA: one kernel launch per tensor on the current stream).
+
+    >>> import torch, seqpack
+    >>> ids = torch.tensor([[5, 6, 0, 0], [7, 8, 9, 0]])
+    >>> packed = seqpack.pack_sequences({"input_ids": ids}, seq_lens=[2, 3], pad_multiple=2)
+    >>> packed["input_ids"].tolist(), packed.cu_seqlens.tolist(), packed.cu_seqlens_padded.tolist()
+    ([5, 6, 7, 8, 9, 0], [0, 2, 5], [0, 2, 6])
+    >>> packed.unpack(packed["input_ids"]).tolist()
+    [[5, 6, 0, 0], [7, 8, 9, 0]]
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional, Union
+
+import numpy as np
+
+from .. import _core
+from .._lengths import as_lengths, as_positive_int
+from .layout import PackedLayout, PackedSeqParams, alignment, check_offsets, megatron_packed_seq_params
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+__all__ = ["PackedBatch", "PackedSeqParams", "StaticPackedBatch", "alignment", "pack_sequences",
+           "pack_sequences_static", "unpack_sequences"]  # PackedSeqParams, alignment: from .layout
+
+
+def _torch():
+    import torch
+
+    return torch
+
+
+def _check_device(t: "torch.Tensor", name: str) -> None:
+    """CPU and CUDA tensors move; on CUDA without seqpack's kernels (a build without
+    nvcc, a driver its runtime cannot use) a PyTorch path runs, with one warning."""
+    if t.device.type not in ("cpu", "cuda"):
+        raise ValueError(f"{name} is on {t.device}; seqpack moves CPU and CUDA tensors")
+
+
+def _plan_runs(plan) -> tuple:
+    """The plan's pack and unpack runs as CPU int64 tensors (the torch ops' inputs)."""
+    torch = _torch()
+    return tuple(torch.from_numpy(np.asarray(a)) for a in
+                 (plan.pack_copies, plan.pack_fills, plan.unpack_copies, plan.unpack_fills))
+
+
+def _position_ids(plan, device) -> "torch.Tensor":
+    torch = _torch()
+    out = torch.empty(plan.local_rows, dtype=torch.int64, device=device)
+    if out.device.type == "cpu":
+        plan.position_ids_into(out.data_ptr(), plan.local_rows)
+        return out
+    from ._device import cuda_kernels, host_to_device
+
+    if not cuda_kernels(out.device):  # positions on the host, one pinned copy
+        host = np.empty(plan.local_rows, dtype=np.int64)
+        plan.position_ids_into(host.ctypes.data, plan.local_rows)
+        return host_to_device([host], out.device)[0]
+    runs = plan.position_runs
+    (run_tensor,) = host_to_device([runs], out.device)
+    with torch.cuda.device(out.device):
+        _core.cuda_positions(run_tensor.data_ptr(), runs.shape[0], out.data_ptr(),
+                             torch.cuda.current_stream(out.device).cuda_stream)
+    return out
+
+
+@dataclass
+class _NamedPackedTensors:
+    """The fields, access by name and Megatron-Core view shared by
+    :class:`PackedBatch` and :class:`StaticPackedBatch`."""
+
+    tensors: Dict[str, "torch.Tensor"]
+    cu_seqlens: "torch.Tensor"
+    cu_seqlens_padded: "torch.Tensor"
+    max_seqlen: int
+    max_seqlen_padded: int
+    seq_lens: "torch.Tensor"
+
+    def __getitem__(self, name: str) -> "torch.Tensor":
+        return self.tensors[name]
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.tensors
+
+    def packed_seq_params(self):
+        """Megatron-Core ``PackedSeqParams`` (``qkv_format="thd"``; real
+        ``cu_seqlens_q/kv``, padded ``cu_seqlens_q/kv_padded``, padded max lengths).
+        A real ``megatron.core.packed_seq_params.PackedSeqParams`` when megatron-core
+        is importable, else :class:`PackedSeqParams` with the same fields."""
+        return megatron_packed_seq_params(self.cu_seqlens, self.cu_seqlens_padded, self.max_seqlen_padded)
+
+
+@dataclass
+class PackedBatch(_NamedPackedTensors):
+    """The result of :func:`pack_sequences`.
+
+    Attributes:
+        tensors: name -> packed THD tensor ``[T, ...]`` (``T = cu_seqlens_padded[-1]``,
+            or ``T / cp_size`` rows of rank ``cp_rank``'s local part with CP).
+        cu_seqlens: ``[B + 1]`` int32, cumulative real lengths.
+        cu_seqlens_padded: ``[B + 1]`` int32, cumulative padded lengths (offsets in
+            the full THD; a CP rank's local offsets are these ``// cp_size``).
+        max_seqlen / max_seqlen_padded: host ints.
+        seq_lens: ``[B]`` int64 real lengths; padded_lens: ``[B]`` after padding.
+        position_ids: ``[T]`` int64 (or the local rows), restarting at 0 per
+            sequence and counting through its padding; built on first access.
+        cp_size / cp_rank: the context-parallel split this batch was built for.
+        layout: the :class:`PackedLayout` (host offsets) the tensors follow.
+    """
+
+    padded_lens: "torch.Tensor"
+    cp_size: int
+    cp_rank: int
+    layout: PackedLayout
+    _plan: Any = field(repr=False)
+    _num_threads: int = field(default=0, repr=False)
+    _device: Any = field(default=None, repr=False)
+    _position_ids: Any = field(default=None, repr=False)
+    _run_tensors: Optional[tuple] = field(default=None, repr=False)
+
+    def _runs(self) -> tuple:
+        """The plan's runs as tensors: what the torch operators (autograd,
+        ``torch.compile``) and the CUDA launcher take. Built on first need."""
+        if self._run_tensors is None:
+            self._run_tensors = _plan_runs(self._plan)
+        return self._run_tensors
+
+    @property
+    def position_ids(self) -> "torch.Tensor":
+        if self._position_ids is None:
+            self._position_ids = _position_ids(self._plan, self._device)
+        return self._position_ids
+
+    @property
+    def batch_size(self) -> int:
+        return int(self._plan.batch)
+
+    @property
+    def width(self) -> int:
+        """S of the padded batch this was packed from."""
+        return int(self._plan.width)
+
+    @property
+    def num_tokens(self) -> int:
+        """Rows of the packed tensors (this rank's with CP)."""
+        return int(self._plan.local_rows)
+
+    def flash_attn_kwargs(self) -> Dict[str, Any]:
+        """Keyword arguments of ``flash_attn_varlen_func`` over the packed rows.
+
+        Offsets are the padded ones (memory offsets of the THD tensors): each
+        sequence's alignment padding sits at its tail, so with causal attention no
+        real token attends to it."""
+        if self.cp_size > 1:
+            raise ValueError("flash_attn_kwargs describe a full THD batch; with cp_size > 1 use "
+                             "packed_seq_params() with Transformer Engine's context parallelism")
+        return dict(cu_seqlens_q=self.cu_seqlens_padded, cu_seqlens_k=self.cu_seqlens_padded,
+                    max_seqlen_q=self.max_seqlen_padded, max_seqlen_k=self.max_seqlen_padded)
+
+    def hf_kwargs(self) -> Dict[str, Any]:
+        """The fields of HF transformers' ``DataCollatorWithFlattening``
+        (``position_ids [1, T]``, ``cu_seq_lens_q/k``, ``max_length_q/k``)."""
+        if self.cp_size > 1:
+            raise ValueError("hf_kwargs describe a full THD batch; got cp_size > 1")
+        return dict(position_ids=self.position_ids.unsqueeze(0), cu_seq_lens_q=self.cu_seqlens_padded,
+                    cu_seq_lens_k=self.cu_seqlens_padded, max_length_q=self.max_seqlen_padded,
+                    max_length_k=self.max_seqlen_padded)
+
+    def unpack(self, x: "torch.Tensor", fill: Union[int, float, bool] = 0) -> "torch.Tensor":
+        """THD ``[T, ...]`` (this batch's layout, or this rank's local rows with CP)
+        back to padded ``[B, S, ...]``; rows without a token of ``x`` (padding, other
+        ranks' chunks) get ``fill``. Differentiable (its backward packs the gradient).
+        """
+        if x.dim() < 1 or x.shape[0] != self.num_tokens:
+            raise ValueError(f"x must have {self.num_tokens} rows (the packed length), got shape {tuple(x.shape)}")
+        _check_device(x, "x")
+        from . import _ops
+
+        return _ops.unpack_rows(x, self._plan, self._runs, float(fill), self._num_threads)
+
+
+def pack_sequences(
+    tensors: Union["torch.Tensor", Mapping[str, "torch.Tensor"]],
+    attention_mask: Optional["torch.Tensor"] = None,
+    seq_lens: Any = None,
+    *,
+    pad_multiple: int = 1,
+    pad_values: Optional[Mapping[str, Union[int, float, bool]]] = None,
+    pad_value: Union[int, float, bool] = 0,
+    pad_packed_to: Optional[int] = None,
+    pad_packed_multiple: Optional[int] = None,
+    cp_size: int = 1,
+    cp_rank: int = 0,
+    num_threads: int = 0,
+) -> PackedBatch:
+    """Pack padded tensors ``[B, S, ...]`` into THD (or rank ``cp_rank``'s zigzag part).
+
+    Args:
+        tensors: one tensor (returned under the name ``"input"``) or a dict of
+            tensors sharing ``[B, S]`` (ids, labels, masks, hidden states; any dtype).
+        attention_mask: ``[B, S]`` bool/int, non-zero on real tokens; right-, left- or
+            arbitrarily padded (tokens are taken in column order, like flash-attn's
+            ``unpad_input``). Give this or ``seq_lens``.
+        seq_lens: ``[B]`` real lengths of right-padded rows.
+        pad_multiple: every sequence is padded at its tail to a multiple of this;
+            see :func:`alignment` (required multiple of ``2 * cp_size`` with CP).
+        pad_values: per-name pad value (e.g. ``{"labels": -100}``); others use
+            ``pad_value``.
+        pad_packed_to / pad_packed_multiple: pad the whole pack to exactly / to a
+            multiple of this many tokens; the extra joins the last sequence's padding,
+            as Megatron-Core does.
+        cp_size / cp_rank: context parallelism; the result holds rank ``cp_rank``'s
+            local THD and its position ids, built without a full packed copy.
+        num_threads: CPU threads for the copies (0: automatic).
+    """
+    torch = _torch()
+    named = {"input": tensors} if isinstance(tensors, torch.Tensor) else dict(tensors)
+    if not named:
+        raise ValueError("tensors must hold at least one tensor")
+    for name, t in named.items():
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"tensors[{name!r}] must be a torch.Tensor, got {type(t).__name__}")
+    first_name, first = next(iter(named.items()))
+    if first.dim() < 2:
+        raise ValueError(f"tensors[{first_name!r}] must be [B, S, ...], got shape {tuple(first.shape)}")
+    batch, width = int(first.shape[0]), int(first.shape[1])
+    for name, t in named.items():
+        if t.dim() < 2 or tuple(t.shape[:2]) != (batch, width):
+            raise ValueError(
+                f"tensors[{name!r}] has shape {tuple(t.shape)}; every tensor must start with [B, S] = [{batch}, {width}]"
+            )
+        _check_device(t, f"tensors[{name!r}]")
+        if t.device != first.device:
+            raise ValueError(f"tensors[{name!r}] is on {t.device}, tensors[{first_name!r}] on {first.device}")
+    if (attention_mask is None) == (seq_lens is None):
+        raise ValueError("give exactly one of attention_mask and seq_lens")
+    mask = None
+    lens = None
+    if attention_mask is not None:
+        if tuple(attention_mask.shape) != (batch, width):
+            raise ValueError(f"attention_mask must be [B, S] = [{batch}, {width}], got {tuple(attention_mask.shape)}")
+        mask = (attention_mask != 0).to(torch.uint8).cpu().contiguous().numpy()
+    else:
+        lens = as_lengths(seq_lens, "seq_lens")
+        if lens.shape[0] != batch:
+            raise ValueError(f"seq_lens has {lens.shape[0]} entries for a batch of {batch}")
+    plan = _core.thd_plan(
+        lens, mask, batch, width,
+        as_positive_int(pad_multiple, "pad_multiple"),
+        0 if pad_packed_to is None else as_positive_int(pad_packed_to, "pad_packed_to"),
+        1 if pad_packed_multiple is None else as_positive_int(pad_packed_multiple, "pad_packed_multiple"),
+        as_positive_int(cp_size, "cp_size"),
+        int(cp_rank),
+    )
+    pad_values = dict(pad_values or {})
+    unknown = set(pad_values) - set(named)
+    if unknown:
+        raise ValueError(f"pad_values names tensors that were not given: {sorted(unknown)}")
+    from . import _ops
+
+    device = first.device
+    layout = PackedLayout(plan.cu_seqlens, plan.cu_seqlens_padded, pad_multiple, int(plan.cp_size), int(plan.cp_rank))
+    result = _batch_from_plan(plan, layout, device, num_threads)
+    for name, t in named.items():
+        result.tensors[name] = _ops.pack_rows(t, plan, result._runs, float(pad_values.get(name, pad_value)),
+                                              num_threads)
+    return result
+
+
+def _batch_from_plan(plan, layout: PackedLayout, device, num_threads: int = 0) -> "PackedBatch":
+    """A :class:`PackedBatch` (no tensors yet) of ``plan`` and its ``layout``, the
+    offsets on ``device``."""
+    from ._device import host_to_device
+
+    # The four metadata arrays: one pinned non-blocking copy on CUDA, none on the CPU.
+    cu_seqlens, cu_seqlens_padded, seq_lens_t, padded_lens = host_to_device(
+        [layout.cu_seqlens, layout.cu_seqlens_padded, plan.seq_lens, plan.padded_lens], device)
+    layout._device_offsets[device] = (cu_seqlens, cu_seqlens_padded)
+    return PackedBatch(
+        tensors={},
+        cu_seqlens=cu_seqlens,
+        cu_seqlens_padded=cu_seqlens_padded,
+        max_seqlen=int(plan.max_seqlen),
+        max_seqlen_padded=int(plan.max_seqlen_padded),
+        seq_lens=seq_lens_t,
+        padded_lens=padded_lens,
+        cp_size=layout.cp_size,
+        cp_rank=layout.cp_rank,
+        layout=layout,
+        _plan=plan,
+        _num_threads=num_threads,
+        _device=device,
+    )
+
+
+def unpack_sequences(x: "torch.Tensor", cu_seqlens_padded: Any, cp_size: int = 1) -> List["torch.Tensor"]:
+    """Per-sequence views (no copies) of a THD tensor, like ROLL's ``_unpack_sequences``.
+
+    With ``cp_size > 1``, ``x`` holds one rank's local rows (e.g. logits
+    ``[T / cp_size, V]``) and sequence ``i`` is rows
+    ``cu_seqlens_padded[i] // cp_size`` to ``cu_seqlens_padded[i + 1] // cp_size``: its
+    two zigzag chunks, padding included.
+
+    >>> import torch, seqpack
+    >>> [v.tolist() for v in seqpack.unpack_sequences(torch.arange(6), [0, 2, 6])]
+    [[0, 1], [2, 3, 4, 5]]
+    """
+    layout = PackedLayout.from_offsets(cu_seqlens_padded, cu_seqlens_padded, cp_size=cp_size)
+    if x.dim() < 1 or x.shape[0] != layout.local_tokens:
+        raise ValueError(f"x has {x.shape[0] if x.dim() else 0} rows; cu_seqlens_padded[-1] / cp_size = "
+                         f"{layout.local_tokens}")
+    local = layout.local_offsets().tolist()
+    return [x[a:b] for a, b in zip(local[:-1], local[1:])]
+
+
+# ---- static shapes: CUDA graphs and torch.compile --------------------------------
+@dataclass
+class StaticPackedBatch(_NamedPackedTensors):
+    """The result of :func:`pack_sequences_static`: every shape fixed by the
+    capacities, every piece of metadata a tensor on the data's device.
+
+    Attributes:
+        tensors: name -> ``[max_tokens, ...]`` packed rows (``max_tokens / cp_size``
+            zigzag rows of rank ``cp_rank`` with CP).
+        cu_seqlens: ``[max_seqs + 1]`` int32 real cumulative lengths; entries past
+            the batch repeat the last value (zero-length sequences).
+        cu_seqlens_padded: ``[max_seqs + 1]`` int32 offsets of the padded sequences;
+            the batch's last sequence absorbs the rows up to the capacity (as
+            Megatron-Core's ``pad_packed_to``), so entries from ``B`` on equal
+            ``max_tokens`` and no row belongs to no sequence (with ``B = 0``: all
+            zeros, every row padding).
+        max_seqlen / max_seqlen_padded: host ints, upper bounds that hold for any
+            lengths (``S`` and ``max_tokens``), as varlen kernels need them on the host.
+        seq_lens: ``[B]`` int64 real lengths; position_ids: ``[max_tokens / cp_size]``
+            int64, each row's position in its padded sequence.
+        cp_size / cp_rank: the context-parallel split the rows belong to.
+    """
+
+    position_ids: "torch.Tensor"
+    cp_size: int
+    cp_rank: int
+    _destination: "torch.Tensor" = field(repr=False)  # each row's b * S + s, or B * S for padding
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.position_ids.shape[0])
+
+    def flash_attn_kwargs(self) -> Dict[str, Any]:
+        """Keyword arguments of ``flash_attn_varlen_func`` over the packed rows."""
+        if self.cp_size > 1:
+            raise ValueError("flash_attn_kwargs describe a full THD batch; with cp_size > 1 use "
+                             "packed_seq_params() with Transformer Engine's context parallelism")
+        return dict(cu_seqlens_q=self.cu_seqlens_padded, cu_seqlens_k=self.cu_seqlens_padded,
+                    max_seqlen_q=self.max_seqlen_padded, max_seqlen_k=self.max_seqlen_padded)
+
+    def unpack(self, x: "torch.Tensor", fill: Union[int, float, bool] = 0) -> "torch.Tensor":
+        """This batch's rows ``[num_tokens, ...]`` back to ``[B, S, ...]``; positions
+        without a row (padding, other CP ranks' chunks) get ``fill``. PyTorch ops
+        (one scatter), differentiable."""
+        torch = _torch()
+        batch, width = self.seq_lens.shape[0], self.max_seqlen
+        if x.dim() < 1 or x.shape[0] != self.num_tokens:
+            raise ValueError(f"x must have {self.num_tokens} rows (this batch's packed rows), got shape "
+                             f"{tuple(x.shape)}")
+        out = torch.full((batch * width + 1, *x.shape[1:]), fill, dtype=x.dtype, device=x.device)
+        return out.index_put((self._destination,), x)[:-1].view(batch, width, *x.shape[1:])
+
+
+def pack_sequences_static(
+    tensors: Union["torch.Tensor", Mapping[str, "torch.Tensor"]],
+    seq_lens: Any,
+    *,
+    max_tokens: int,
+    max_seqs: Optional[int] = None,
+    pad_multiple: int = 1,
+    pad_values: Optional[Mapping[str, Union[int, float, bool]]] = None,
+    pad_value: Union[int, float, bool] = 0,
+    cp_size: int = 1,
+    cp_rank: int = 0,
+) -> StaticPackedBatch:
+    """Pack right-padded ``[B, S, ...]`` tensors into ``[max_tokens, ...]`` THD rows
+    with shapes fixed by the capacities and no host synchronisation: PyTorch ops
+    only (a search and a gather per tensor), so the step can be captured in a CUDA
+    graph and traced by ``torch.compile(fullgraph=True)`` — the static counterpart
+    of :func:`pack_sequences` (whose plan is built on the host).
+
+    ::
+
+        seq_lens = [3, 1, 2], pad_multiple = 2, max_tokens = 10, max_seqs = 4
+        rows               a a a p b p c c p p      (p: padding; the last sequence
+        cu_seqlens         [0, 3, 4, 6, 6]           absorbs the rows up to 10)
+        cu_seqlens_padded  [0, 4, 6, 10, 10]
+
+    Args:
+        tensors: one tensor (named ``"input"``) or a dict of tensors sharing ``[B, S]``.
+        seq_lens: ``[B]`` real lengths (a tensor on the data's device for graphs,
+            or host ints, which are validated).
+        max_tokens: rows of the result; the padded lengths must fit. Host lengths
+            are checked (ValueError); device lengths with ``torch._assert_async``
+            (a RuntimeError on the CPU, a device-side assert on CUDA).
+        max_seqs: entries of the offsets minus one (default ``B``; >= ``B``).
+        pad_multiple / pad_values / pad_value: as in :func:`pack_sequences`.
+        cp_size / cp_rank: context parallelism: the result holds rank
+            ``cp_rank``'s ``max_tokens / cp_size`` zigzag rows (chunks ``r`` and
+            ``2 * cp_size - 1 - r`` of every padded sequence, the capacity padding
+            included); ``pad_multiple`` and ``max_tokens`` must be multiples of
+            ``2 * cp_size``.
+
+    >>> import torch, seqpack
+    >>> ids = torch.tensor([[5, 6, 7], [8, 0, 0], [9, 4, 0]])
+    >>> p = seqpack.pack_sequences_static(ids, torch.tensor([3, 1, 2]), max_tokens=10, max_seqs=4, pad_multiple=2)
+    >>> p["input"].tolist(), p.cu_seqlens_padded.tolist()
+    ([5, 6, 7, 0, 8, 0, 9, 4, 0, 0], [0, 4, 6, 10, 10])
+    >>> torch.equal(p.unpack(p["input"]), ids)
+    True
+    """
+    torch = _torch()
+    from .cp import cp_row_positions
+
+    named = {"input": tensors} if isinstance(tensors, torch.Tensor) else dict(tensors)
+    if not named or not all(isinstance(t, torch.Tensor) for t in named.values()):
+        raise TypeError("tensors must be a tensor or a non-empty dict of tensors")
+    first = next(iter(named.values()))
+    if first.dim() < 2:
+        raise ValueError(f"tensors must be [B, S, ...], got shape {tuple(first.shape)}")
+    batch, width, device = int(first.shape[0]), int(first.shape[1]), first.device
+    for name, t in named.items():
+        if t.dim() < 2 or tuple(t.shape[:2]) != (batch, width) or t.device != device:
+            raise ValueError(f"tensors[{name!r}] is {tuple(t.shape)} on {t.device}; every tensor must be "
+                             f"[B, S, ...] = [{batch}, {width}, ...] on {device}")
+    capacity = as_positive_int(max_tokens, "max_tokens")
+    seqs = batch if max_seqs is None else as_positive_int(max_seqs, "max_seqs", allow_zero=True)
+    if seqs < batch:
+        raise ValueError(f"max_seqs = {seqs} is below the batch size {batch}")
+    multiple = as_positive_int(pad_multiple, "pad_multiple")
+    cp = as_positive_int(cp_size, "cp_size")
+    if not 0 <= int(cp_rank) < cp:
+        raise ValueError(f"cp_rank must be in [0, cp_size = {cp}), got {cp_rank}")
+    if cp > 1 and (multiple % (2 * cp) or capacity % (2 * cp)):
+        raise ValueError(f"with cp_size = {cp}, pad_multiple ({multiple}) and max_tokens ({capacity}) must be "
+                         f"multiples of 2 * cp_size = {2 * cp}")
+    pad_values = dict(pad_values or {})
+    unknown = set(pad_values) - set(named)
+    if unknown:
+        raise ValueError(f"pad_values names tensors that were not given: {sorted(unknown)}")
+    if isinstance(seq_lens, torch.Tensor) and (seq_lens.device != torch.device("cpu") or
+                                                torch.compiler.is_compiling()):
+        if tuple(seq_lens.shape) != (batch,) or seq_lens.dtype.is_floating_point:
+            raise ValueError(f"seq_lens must be an integer tensor [B] = [{batch}], got {seq_lens.dtype} "
+                             f"{tuple(seq_lens.shape)}")
+        from ._device import to_device
+
+        lens = to_device(seq_lens, device).to(torch.int64)
+    else:  # host lengths: checked here, then one pinned copy
+        host = as_lengths(seq_lens, "seq_lens").astype(np.int64)
+        if host.shape != (batch,):
+            raise ValueError(f"seq_lens has {host.shape[0]} entries for a batch of {batch}")
+        if ((host < 0) | (host > width)).any():
+            raise ValueError(f"seq_lens must be in [0, S = {width}]")
+        need = int((-(-host // multiple) * multiple).sum())
+        if need > capacity:
+            raise ValueError(f"the padded sequences need {need} rows; max_tokens is {capacity}")
+        from ._device import host_to_device
+
+        (lens,) = host_to_device([host], device)
+    lens = lens.clamp(0, width)
+    padded = (lens + multiple - 1) // multiple * multiple
+    zero = torch.zeros(1, dtype=torch.int64, device=device)
+    ends = torch.cumsum(padded, 0)
+    total = ends[-1:] if batch else zero
+    torch._assert_async((total <= capacity).all(), "pack_sequences_static: the padded sequences exceed max_tokens")
+    starts = torch.cat([zero, ends[:-1]]) if batch else zero[:0]
+    tail = torch.full((seqs - batch + (1 if batch else 0),), capacity, dtype=torch.int64, device=device)
+    cu_padded = torch.cat([starts, tail]) if batch else torch.zeros(seqs + 1, dtype=torch.int64, device=device)
+    real_ends = torch.cumsum(lens, 0)
+    cu = torch.cat([zero, real_ends, real_ends[-1:].expand(seqs - batch)]) if batch else \
+        torch.zeros(seqs + 1, dtype=torch.int64, device=device)
+    rows = capacity // cp
+    if batch:
+        seq, pos = cp_row_positions(cu_padded[: batch + 1], rows, cp, int(cp_rank))
+        keep = pos < lens[seq]
+    else:
+        pos = torch.arange(rows, device=device)
+        seq, keep = torch.zeros_like(pos), torch.zeros_like(pos, dtype=torch.bool)
+    source = (seq * width + pos.clamp(max=max(width - 1, 0))).clamp(max=max(batch * width - 1, 0))
+    packed = {}
+    for name, t in named.items():
+        trailing = t.shape[2:]
+        fill = torch.full((), pad_values.get(name, pad_value), dtype=t.dtype, device=device)
+        if batch * width == 0:
+            packed[name] = fill.expand(rows, *trailing).clone()
+            continue
+        gathered = t.reshape(batch * width, *trailing).index_select(0, source)
+        packed[name] = torch.where(keep.view(-1, *([1] * len(trailing))), gathered, fill)
+    return StaticPackedBatch(
+        tensors=packed, cu_seqlens=cu.to(torch.int32), cu_seqlens_padded=cu_padded.to(torch.int32),
+        max_seqlen=width, max_seqlen_padded=capacity, seq_lens=lens, position_ids=pos, cp_size=cp,
+        cp_rank=int(cp_rank), _destination=torch.where(keep, source, batch * width))

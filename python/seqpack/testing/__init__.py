@@ -1,0 +1,4 @@
+"""Test oracles, like :mod:`torch.testing`: :mod:`~seqpack.testing.reference` (plain
+Python implementations of every planner, to compare with) and
+:mod:`~seqpack.testing.tiny_model` (a small Llama-shaped model that trains on packed
+or padded batches; imports torch)."""

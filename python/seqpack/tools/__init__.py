@@ -1,0 +1,3 @@
+"""Support tools: :mod:`~seqpack.tools.report` (plan a batch every way and compare),
+:mod:`~seqpack.tools.plot` (matplotlib figures of a report) and
+:mod:`~seqpack.tools.cli` (the ``seqpack`` command)."""

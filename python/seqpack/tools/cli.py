@@ -1,0 +1,119 @@
+"""The ``seqpack`` command line: ``demo``, ``plan`` and ``bench``.
+
+    seqpack demo                          # synthetic long-tail RL batch, all planners
+    seqpack plan --lengths lens.txt       # your lengths (one per line, or .npy)
+    seqpack bench                         # planner speed on 1k..1M lengths
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import List, Optional
+
+import numpy as np
+
+
+def load_lengths(path: str) -> np.ndarray:
+    """Read lengths from ``.npy`` or text (one integer per line; blank and # lines skipped)."""
+    if path.endswith(".npy"):
+        arr = np.load(path)
+    else:
+        values = []
+        with open(path) as f:
+            for lineno, line in enumerate(f, 1):
+                line = line.split("#", 1)[0].strip()
+                if not line:
+                    continue
+                try:
+                    values.append(int(line))
+                except ValueError:
+                    raise ValueError(f"{path}:{lineno}: not an integer length: {line!r}") from None
+        arr = np.asarray(values, dtype=np.int64)
+    if arr.ndim != 1 or arr.dtype.kind not in "iu":
+        raise ValueError(f"{path}: expected a 1-D array of integer lengths, got {arr.dtype} {arr.shape}")
+    return arr.astype(np.int64)
+
+
+def _add_plan_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--capacity", type=int, default=8192, help="tokens per micro-batch (default 8192)")
+    p.add_argument("--dp", type=int, default=8, help="data-parallel ranks (default 8)")
+    p.add_argument("--round", type=int, default=64, help="dynamic-batching length multiple (default 64)")
+    p.add_argument("--algorithm", action="append", help="packing algorithm(s) to run (default: all)")
+    p.add_argument("--plot", metavar="PNG", help="save bin-fill / rank-load figures (needs matplotlib)")
+    p.add_argument("--json", action="store_true", help="print the tables as JSON")
+
+
+def _run_report(lengths: np.ndarray, args: argparse.Namespace) -> int:
+    from .report import analyze
+
+    rep = analyze(lengths, capacity=args.capacity, dp_size=args.dp, sequence_length_round=args.round,
+                  algorithms=args.algorithm)
+    if args.json:
+        print(json.dumps([{"title": t.title, "columns": t.columns, "rows": t.rows} for t in rep.tables],
+                         default=lambda o: o.item() if hasattr(o, "item") else str(o), indent=1))
+    else:
+        print(rep.format())
+    if args.plot:
+        rep.plot(args.plot)
+        print(f"\nfigure saved to {args.plot}")
+    return 0
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from .. import get_packer, karmarkar_karp
+    from .report import Table
+
+    rows = []
+    rng = np.random.default_rng(0)
+    for n in args.sizes:
+        lengths = np.clip(np.rint(rng.lognormal(np.log(600), 1.0, n)), 1, args.capacity).astype(np.int64)
+        for name in ("first_fit_decreasing", "best_fit_decreasing", "modified_first_fit_decreasing"):
+            packer = get_packer(name, args.capacity)
+            best = min(_time(lambda: packer.pack_arrays(lengths)) for _ in range(3))
+            rows.append([name, n, best * 1e3])
+        if n <= 65536:
+            best = min(_time(lambda: karmarkar_karp(lengths, 64, False)) for _ in range(3))
+            rows.append(["karmarkar_karp k=64", n, best * 1e3])
+    print(Table("Planner speed (best of 3, ms)", ["planner", "n", "ms"], rows,
+                note="Baselines against the pure-Python frameworks: benchmarks/bench_planning.py").format())
+    return 0
+
+
+def _time(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="seqpack", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    demo = sub.add_parser("demo", help="plan a built-in synthetic long-tail RL batch")
+    demo.add_argument("-n", "--num-sequences", type=int, default=4096)
+    demo.add_argument("--seed", type=int, default=0)
+    _add_plan_args(demo)
+    plan = sub.add_parser("plan", help="plan your own lengths")
+    plan.add_argument("--lengths", required=True, help="text file (one length per line) or .npy")
+    _add_plan_args(plan)
+    bench = sub.add_parser("bench", help="time the C++ planners")
+    bench.add_argument("--capacity", type=int, default=8192)
+    bench.add_argument("--sizes", type=int, nargs="+", default=[1024, 8192, 32768, 1048576])
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "demo":
+            from .report import synthetic_rl_lengths
+
+            return _run_report(synthetic_rl_lengths(args.num_sequences, seed=args.seed, max_len=args.capacity), args)
+        if args.command == "plan":
+            return _run_report(load_lengths(args.lengths), args)
+        return _bench(args)
+    except (ValueError, TypeError, OSError, ImportError) as e:
+        print(f"seqpack {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

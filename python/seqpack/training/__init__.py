@@ -1,0 +1,17 @@
+"""Training ops on packed sequences: what a trainer's step calls.
+
+- :mod:`~seqpack.training.logprobs`: fused next-token log-probs (and entropy) on packed logits.
+- :mod:`~seqpack.training.loss`: NeMo-RL's losses and :class:`SequencePackingLossWrapper`.
+- :mod:`~seqpack.training.attention`: varlen attention backends and CP attention.
+
+Importing this package does not import torch; the ops do, when called.
+"""
+
+from .attention import attention_backends, cp_attention, varlen_attention
+from .logprobs import TokenLogprobs, packed_token_logprobs
+from .loss import ClippedPGLoss, NLLLoss, SequencePackingLossWrapper, prepare_loss_input
+
+__all__ = [
+    "ClippedPGLoss", "NLLLoss", "SequencePackingLossWrapper", "TokenLogprobs", "attention_backends",
+    "cp_attention", "packed_token_logprobs", "prepare_loss_input", "varlen_attention",
+]

@@ -1,0 +1,269 @@
+"""The torch operators behind :func:`seqpack.packed_token_logprobs`.
+
+``seqpack::logprob_stats`` (per-row max, sum of exponentials, target logit,
+entropy sum) and ``seqpack::logprob_grad`` (the gradient written straight into a
+logits-shaped tensor) run seqpack's kernels (C++ on the CPU, CUDA on the GPU, both
+on the arithmetic of ``seqpack/logprob_math.hpp``); ``seqpack::token_logprobs``
+composes them into log-probs (and entropies) with an autograd formula. All three
+are ``torch.library.custom_op``s with fake implementations, so ``torch.compile``
+traces through them and CUDA graphs capture them (no host synchronisation).
+
+float64 logits (for ``gradcheck``) and devices without a seqpack kernel take the
+same formulas in PyTorch ops. Imported on first use; ``import seqpack`` does not
+import torch.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+
+from .. import _core
+from ..tensors._device import cuda_kernels
+
+_KERNEL_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+_HUGE_PAGES_FROM = 64 << 20  # bytes
+# Devices or dtypes without a seqpack kernel: the same arithmetic in torch, a block
+# of rows at a time, so the [rows, vocab] temporaries stay bounded.
+_ROW_BLOCK = 1024
+
+
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the row statistics and log-probs: fp64 for fp64 logits, else fp32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _kernel(logits: torch.Tensor) -> Optional[str]:
+    """"cpu" / "cuda" when a seqpack kernel runs these logits, else None."""
+    if logits.dtype not in _KERNEL_DTYPES:
+        return None
+    if logits.device.type == "cpu":
+        return "cpu"
+    return "cuda" if cuda_kernels(logits.device) else None
+
+
+def _launch(kernel: str, name: str, logits: torch.Tensor, args: tuple, num_threads: int) -> None:
+    """``_core.<name>`` on the CPU (with a thread count) or ``_core.cuda_<name>`` on
+    the logits' device and current stream."""
+    if kernel == "cpu":
+        getattr(_core, name)(*args, num_threads)
+    else:
+        with torch.cuda.device(logits.device):
+            getattr(_core, f"cuda_{name}")(*args, torch.cuda.current_stream(logits.device).cuda_stream)
+
+
+def _checked(logits: torch.Tensor, targets: torch.Tensor, *rows_vectors: torch.Tensor) -> torch.Tensor:
+    """The operators' inputs as the kernels read them (raw pointers): targets int64
+    ``[rows]`` on the logits' device, every per-row vector ``[rows]`` there too;
+    returns logits with unit column stride and a row stride >= V (a copy otherwise)."""
+    if logits.dim() != 2:
+        raise ValueError(f"logits must be [rows, V], got shape {tuple(logits.shape)}")
+    rows = logits.shape[0]
+    if targets.dtype != torch.int64 or tuple(targets.shape) != (rows,) or targets.device != logits.device:
+        raise ValueError(f"targets must be int64 [{rows}] on {logits.device}, got {targets.dtype} "
+                         f"{tuple(targets.shape)} on {targets.device}")
+    for v in rows_vectors:
+        if tuple(v.shape) != (rows,) or v.device != logits.device:
+            raise ValueError(f"per-row statistics must be [{rows}] on {logits.device}, got {tuple(v.shape)} on "
+                             f"{v.device}")
+    if logits.stride(1) != 1 or logits.stride(0) < logits.shape[1]:
+        logits = logits.contiguous()
+    return logits
+
+
+# ---- seqpack::logprob_stats -------------------------------------------------------
+@torch.library.custom_op("seqpack::logprob_stats", mutates_args=())
+def logprob_stats(logits: torch.Tensor, targets: torch.Tensor, vocab_start: int, temperature: float,
+                  entropy: bool, num_threads: int) -> torch.Tensor:
+    """``[4, rows]``: max z, sum exp(z - max), the target's z (0 where this slice
+    does not hold it), sum exp(z - max)(z - max) (0 without ``entropy``); z = x / temperature."""
+    logits = _checked(logits, targets)
+    targets = targets.contiguous()
+    rows, vocab = logits.shape
+    out = torch.zeros((4, rows), dtype=acc_dtype(logits.dtype), device=logits.device)
+    kernel = _kernel(logits)
+    if kernel is None:
+        return _stats_torch(logits, targets, vocab_start, temperature, entropy, out)
+    args = (logits.data_ptr(), rows, vocab, logits.stride(0), _KERNEL_DTYPES[logits.dtype], targets.data_ptr(),
+            vocab_start, temperature, out[0].data_ptr(), out[1].data_ptr(), out[3].data_ptr() if entropy else 0,
+            out[2].data_ptr())
+    _launch(kernel, "logprob_row_stats", logits, args, num_threads)
+    return out
+
+
+@logprob_stats.register_fake
+def _(logits, targets, vocab_start, temperature, entropy, num_threads):
+    return logits.new_empty((4, logits.shape[0]), dtype=acc_dtype(logits.dtype))
+
+
+def _stats_torch(logits, targets, vocab_start, temperature, entropy, out):
+    vocab = logits.shape[1]
+    for lo in range(0, logits.shape[0], _ROW_BLOCK):
+        z = logits[lo: lo + _ROW_BLOCK].to(out.dtype) / temperature
+        m = z.amax(dim=1)  # NaN propagates
+        d = z - m[:, None]
+        e = torch.where(z == -torch.inf, 0.0, torch.exp(d))  # masked logits add exactly 0
+        out[0, lo: lo + len(z)] = m
+        out[1, lo: lo + len(z)] = e.sum(1)
+        local = targets[lo: lo + _ROW_BLOCK] - vocab_start
+        owned = (local >= 0) & (local < vocab)
+        out[2, lo: lo + len(z)] = torch.where(owned, z.gather(1, local.clamp(0, vocab - 1)[:, None])[:, 0], 0.0)
+        if entropy:
+            out[3, lo: lo + len(z)] = torch.where(e == 0, 0.0, e * d).sum(1)
+    return out
+
+
+# ---- seqpack::logprob_grad ---------------------------------------------------------
+@torch.library.custom_op("seqpack::logprob_grad", mutates_args=())
+def logprob_grad(logits: torch.Tensor, targets: torch.Tensor, vocab_start: int, temperature: float,
+                 max: torch.Tensor, log_sumexp: torch.Tensor, entropy: Optional[torch.Tensor],
+                 grad_logprob: torch.Tensor, grad_entropy: Optional[torch.Tensor], num_threads: int) -> torch.Tensor:
+    """d(grad_logprob . logprob + grad_entropy . entropy) / d logits, in the logits' dtype.
+    Rows whose upstream gradients are both 0 (padding, no target) get exact zeros,
+    also where their logits are NaN: garbage in padding rows never reaches a weight."""
+    if grad_entropy is not None and entropy is None:
+        raise ValueError("grad_entropy needs the entropy")
+    acc = acc_dtype(logits.dtype)
+    vectors = [t.to(acc).contiguous() for t in (max, log_sumexp, grad_logprob)]
+    ent = entropy.to(acc).contiguous() if grad_entropy is not None else None
+    g_ent = grad_entropy.to(acc).contiguous() if grad_entropy is not None else None
+    logits = _checked(logits, targets, *vectors, *([ent, g_ent] if g_ent is not None else []))
+    targets = targets.contiguous()
+    grad = torch.empty_like(logits, memory_format=torch.contiguous_format)
+    kernel = _kernel(logits)
+    if kernel is None:
+        m, log_se, g_lp = vectors
+        return _grad_torch(logits, targets, vocab_start, temperature, m, log_se, ent, g_lp, g_ent, grad)
+    if kernel == "cpu" and grad.nbytes >= _HUGE_PAGES_FROM:
+        # A fresh gradient as large as the logits: with 4 KiB pages its first-touch
+        # faults cost as much as the kernel itself.
+        _core.advise_huge_pages(grad.data_ptr(), grad.nbytes)
+    rows, vocab = logits.shape
+    m, log_se, g_lp = vectors  # every tensor whose pointer goes to the kernel is held here
+    args = (logits.data_ptr(), rows, vocab, logits.stride(0), _KERNEL_DTYPES[logits.dtype], targets.data_ptr(),
+            vocab_start, temperature, m.data_ptr(), log_se.data_ptr(), ent.data_ptr() if ent is not None else 0,
+            g_lp.data_ptr(), g_ent.data_ptr() if g_ent is not None else 0, grad.data_ptr(), grad.stride(0))
+    _launch(kernel, "logprob_row_grad", logits, args, num_threads)
+    return grad
+
+
+@logprob_grad.register_fake
+def _(logits, targets, vocab_start, temperature, max, log_sumexp, entropy, grad_logprob, grad_entropy, num_threads):
+    return torch.empty_like(logits, memory_format=torch.contiguous_format)
+
+
+def _grad_torch(logits, targets, vocab_start, temperature, m, log_se, ent, g_lp, g_ent, grad):
+    vocab = logits.shape[1]
+    for lo in range(0, logits.shape[0], _ROW_BLOCK):
+        hi = lo + _ROW_BLOCK
+        logp = (logits[lo:hi].to(m.dtype) / temperature - m[lo:hi, None]) - log_se[lo:hi, None]
+        p = torch.exp(logp)
+        coef = -g_lp[lo:hi, None]
+        if g_ent is not None:
+            coef = coef - g_ent[lo:hi, None] * (logp + ent[lo:hi, None])
+        g = torch.where(p == 0, 0.0, p * coef)  # a masked logit gets 0, not 0 * -inf
+        local = targets[lo:hi] - vocab_start
+        owned = (local >= 0) & (local < vocab)
+        g.scatter_add_(1, local.clamp(0, vocab - 1)[:, None], torch.where(owned, g_lp[lo:hi], 0.0)[:, None])
+        silent = g_lp[lo:hi] == 0
+        if g_ent is not None:
+            silent = silent & (g_ent[lo:hi] == 0)
+        grad[lo:hi] = torch.where(silent[:, None], 0.0, g / temperature).to(grad.dtype)  # as the kernels
+    return grad
+
+
+# ---- seqpack::token_logprobs --------------------------------------------------------
+def finish(stats: torch.Tensor, targets: torch.Tensor, owned: torch.Tensor, entropy: bool
+           ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(logprobs, entropy or an empty tensor, max, log_sumexp) from combined statistics.
+    Rows without a target get 0; rows whose target no vocabulary slice holds get NaN."""
+    m, se, tz, ze = stats[0], stats[1], stats[2], stats[3]
+    log_se = torch.log(se)
+    has = targets >= 0
+    logprob = (tz - m) - log_se  # not tz - (m + log_se): keeps the low bits
+    logprob = torch.where(has, torch.where(owned, logprob, torch.nan), 0.0)
+    ent = torch.where(has, log_se - ze / se, 0.0) if entropy else m.new_empty(0)
+    return logprob, ent, m.contiguous(), log_se.contiguous()
+
+
+def owned_by(targets: torch.Tensor, vocab_start: int, vocab: int) -> torch.Tensor:
+    return (targets >= vocab_start) & (targets < vocab_start + vocab)
+
+
+@torch.library.custom_op("seqpack::token_logprobs", mutates_args=())
+def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, vocab_start: int, temperature: float,
+                   return_entropy: bool, num_threads: int
+                   ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-row log-prob of ``targets`` (and entropy) of the whole vocabulary ``logits``."""
+    stats = logprob_stats(logits, targets, vocab_start, temperature, return_entropy, num_threads)
+    return finish(stats, targets, owned_by(targets, vocab_start, logits.shape[1]), return_entropy)
+
+
+@token_logprobs.register_fake
+def _(logits, targets, vocab_start, temperature, return_entropy, num_threads):
+    rows, dtype = logits.shape[0], acc_dtype(logits.dtype)
+    new = lambda n: logits.new_empty(n, dtype=dtype)  # noqa: E731
+    return new(rows), new(rows if return_entropy else 0), new(rows), new(rows)
+
+
+def backward(ctx, grad_logprob, grad_entropy):
+    """The logits' gradient from the saved statistics (shared by the vocabulary-parallel path)."""
+    logits, targets, m, log_se, ent = ctx.saved_tensors
+    has = targets >= 0
+    g_lp = torch.where(has, grad_logprob, 0.0) if grad_logprob is not None else torch.zeros_like(m)
+    g_ent = None
+    if ctx.return_entropy and grad_entropy is not None:
+        g_ent = torch.where(has, grad_entropy, 0.0)
+    return logprob_grad(logits, targets, ctx.vocab_start, ctx.temperature, m, log_se,
+                        ent if g_ent is not None else None, g_lp, g_ent, ctx.num_threads)
+
+
+def _save(ctx, logits, targets, vocab_start, temperature, return_entropy, num_threads, m, log_se, ent):
+    """What :func:`backward` reads (both autograd paths)."""
+    ctx.save_for_backward(logits, targets, m, log_se, ent)
+    ctx.vocab_start, ctx.temperature, ctx.return_entropy, ctx.num_threads = (vocab_start, temperature,
+                                                                             return_entropy, num_threads)
+
+
+def _setup(ctx, inputs, output):
+    _, ent, m, log_se = output
+    _save(ctx, *inputs, m, log_se, ent)
+
+
+def _token_logprobs_backward(ctx, grad_logprob, grad_entropy, grad_max, grad_log_sumexp):
+    return backward(ctx, grad_logprob, grad_entropy), None, None, None, None, None
+
+
+token_logprobs.register_autograd(_token_logprobs_backward, setup_context=_setup)
+
+
+class VocabParallelTokenLogprobs(torch.autograd.Function):
+    """The same with the vocabulary split over a (tensor-parallel) group: each rank's
+    statistics are combined with two all-reduces of ``[rows]`` vectors (max, then
+    the rescaled sums); the backward needs no communication."""
+
+    @staticmethod
+    def forward(ctx, logits, targets, vocab_start, temperature, return_entropy, num_threads, group):
+        import torch.distributed as dist
+
+        s = logprob_stats(logits, targets, vocab_start, temperature, return_entropy, num_threads)
+        m = s[0].clone()
+        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
+        # Rebase each slice's sums to the global max (logprob_math.hpp's lse_rebase):
+        # a slice with only masked logits (max -inf) contributes 0, not -inf * 0.
+        same = s[0] == m
+        e = torch.where(same, 1.0, torch.exp(s[0] - m))
+        ed = torch.where(same | (e == 0), 0.0, e * (s[0] - m))
+        owned = owned_by(targets, vocab_start, logits.shape[1]).to(m.dtype)
+        sums = torch.stack([s[1] * e, s[2], e * s[3] + ed * s[1], owned])
+        dist.all_reduce(sums, group=group)
+        stats = torch.stack([m, sums[0], sums[1], sums[2]])
+        logprob, ent, m, log_se = finish(stats, targets, sums[3] > 0, return_entropy)
+        _save(ctx, logits, targets, vocab_start, temperature, return_entropy, num_threads, m, log_se, ent)
+        ctx.mark_non_differentiable(m, log_se)
+        return logprob, ent, m, log_se
+
+    @staticmethod
+    def backward(ctx, grad_logprob, grad_entropy, grad_max, grad_log_sumexp):
+        return backward(ctx, grad_logprob, grad_entropy), None, None, None, None, None, None

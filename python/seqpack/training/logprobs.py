@@ -1,0 +1,221 @@
+"""Per-token log-probabilities on packed (THD) logits, fused: one pass over the
+logits forward, one backward, no ``[T, V]`` intermediate.
+
+::
+
+    packed tokens   a0 a1 a2 p | b0 b1 p p        (p = padding)
+    logprob[t]      lp(a1|a0) lp(a2|a1) 0 0 | lp(b1|b0) 0 0 0
+
+Targets roll within each sequence (``input_ids[t + 1]``), never across a
+boundary; each sequence's last real token and every padding row get 0 (and no
+gradient). With context parallelism the logits are a rank's zigzag-local rows
+and ``input_ids`` the full packed ids (their next tokens may sit on another
+rank). With a vocabulary-parallel (TP) head, pass the group and each rank's
+slice start: the per-row max and sums are combined with two all-reduces.
+
+    >>> import torch, seqpack
+    >>> logits = torch.zeros(6, 4)                        # uniform over 4 tokens
+    >>> ids = torch.tensor([1, 2, 3, 0, 1, 0])
+    >>> out = seqpack.packed_token_logprobs(logits, ids, cu_seqlens=[0, 3, 5], cu_seqlens_padded=[0, 4, 6])
+    >>> out.logprobs.tolist(), out.entropy
+    ([-1.3862943649291992, -1.3862943649291992, 0.0, 0.0, -1.3862943649291992, 0.0], None)
+
+Masked vocabulary entries (``-inf`` logits) have probability 0 and get a zero
+gradient; a NaN logit makes its row's results NaN (as ``log_softmax`` does); a
+row whose logits are all ``-inf`` is NaN too. A target id outside the vocabulary
+raises when the ids are on the host, and gives NaN on a device (no host read).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any, NamedTuple, Optional, Tuple
+
+import numpy as np
+
+from .._lengths import as_lengths, as_positive_int
+from ..tensors.cp import cp_row_positions
+from ..tensors.layout import PackedLayout, check_offsets
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+__all__ = ["TokenLogprobs", "next_token_sources", "next_token_targets", "packed_token_logprobs"]
+
+
+class TokenLogprobs(NamedTuple):
+    """The result of :func:`packed_token_logprobs`.
+
+    Attributes:
+        logprobs: ``[rows]`` log-probability of each row's next token (fp32; fp64
+            for fp64 logits); 0 at padding and at each sequence's last real token.
+        entropy: ``[rows]`` entropy of each row's distribution (0 where there is no
+            target), or ``None`` when ``return_entropy=False``.
+    """
+
+    logprobs: "torch.Tensor"
+    entropy: Optional["torch.Tensor"]
+
+
+def _torch():
+    import torch
+
+    return torch
+
+
+def _layout(cu_seqlens: Any, cu_seqlens_padded: Any, cp: int) -> PackedLayout:
+    return PackedLayout.from_offsets(cu_seqlens, cu_seqlens_padded, cp_size=cp)
+
+
+def next_token_targets(input_ids: "torch.Tensor", cu_seqlens: "torch.Tensor", cu_seqlens_padded: "torch.Tensor",
+                       rows: int, cp_size: int = 1, cp_rank: int = 0) -> "torch.Tensor":
+    """For every (local) packed row, the id of the token it predicts, or -1 (padding,
+    a sequence's last real token, rows past the last sequence). PyTorch ops only,
+    on the offsets' device: no host read, traceable by ``torch.compile`` and
+    capturable in a CUDA graph. Offsets are trusted (validate them on the host
+    first); every index is clamped, so bad offsets give wrong ids, never an
+    out-of-bounds read.
+
+    >>> import torch
+    >>> ids = torch.tensor([10, 11, 12, 0, 20, 21])
+    >>> next_token_targets(ids, torch.tensor([0, 3, 5]), torch.tensor([0, 4, 6]), rows=6).tolist()
+    [11, 12, -1, -1, 21, -1]
+    """
+    torch = _torch()
+    from ..tensors._device import to_device
+
+    device = input_ids.device
+    cu = to_device(cu_seqlens, device).to(torch.int64)
+    cu_p = to_device(cu_seqlens_padded, device).to(torch.int64)
+    if cu_p.shape[0] <= 1 or input_ids.shape[0] == 0:
+        return torch.full((rows,), -1, dtype=torch.int64, device=device)
+    seq, pos = cp_row_positions(cu_p, rows, cp_size, cp_rank)
+    valid = (pos >= 0) & (pos + 1 < cu[seq + 1] - cu[seq])
+    src = (cu_p[seq] + pos + 1).clamp(0, input_ids.shape[0] - 1)
+    return torch.where(valid, input_ids[src].to(torch.int64), -1)
+
+
+def next_token_sources(cu_seqlens: Any, cu_seqlens_padded: Any = None, cp_size: int = 1,
+                       cp_rank: int = 0) -> np.ndarray:
+    """For every (local) packed row, the packed position of the token it predicts,
+    or -1 (padding, a sequence's last real token). From host offsets; the same rule
+    as :func:`next_token_targets` (which it runs on the positions themselves).
+
+    >>> next_token_sources([0, 3, 5], [0, 4, 6]).tolist()
+    [1, 2, -1, -1, 5, -1]
+    """
+    torch = _torch()
+    cp = as_positive_int(cp_size, "cp_size")
+    layout = _layout(cu_seqlens, cu_seqlens_padded, cp)
+    total = layout.num_tokens
+    return next_token_targets(torch.arange(total), torch.from_numpy(layout.cu_seqlens),
+                              torch.from_numpy(layout.cu_seqlens_padded), total // cp, cp, int(cp_rank)).numpy()
+
+
+def _offsets_on(device, cu_seqlens: Any, cu_seqlens_padded: Any, cp: int, rows: int, ids_len: int):
+    """(cu_seqlens, cu_seqlens_padded) as tensors on ``device``: host offsets are
+    validated against the shapes and copied with one pinned non-blocking copy;
+    device offsets are used as they are (not read back)."""
+    torch = _torch()
+    if cu_seqlens_padded is None:
+        cu_seqlens_padded = cu_seqlens
+    cu, padded = check_offsets(cu_seqlens, "cu_seqlens"), check_offsets(cu_seqlens_padded, "cu_seqlens_padded")
+    if isinstance(cu, np.ndarray) and isinstance(padded, np.ndarray):
+        layout = _layout(cu, padded, cp)
+        if rows != layout.local_tokens:
+            raise ValueError(f"logits has {rows} rows; the packed layout has {layout.local_tokens} "
+                             f"(cu_seqlens_padded[-1] = {layout.num_tokens}{f', cp_size = {cp}' if cp > 1 else ''})")
+        if ids_len != layout.num_tokens:
+            raise ValueError(f"input_ids must hold the full packed ids [{layout.num_tokens}], got {ids_len}")
+        return layout.offsets_on(device)
+    if isinstance(cu, np.ndarray) or isinstance(padded, np.ndarray):
+        raise TypeError("cu_seqlens and cu_seqlens_padded must both be device tensors or both host offsets")
+    return cu, padded
+
+
+def _check_target_ids(input_ids: "torch.Tensor", vocab: int) -> None:
+    """Ids a host can read without a device sync: every id must index the vocabulary
+    (negative ids mean "no target")."""
+    torch = _torch()
+    if input_ids.device.type != "cpu" or torch.compiler.is_compiling() or input_ids.numel() == 0:
+        return
+    top = int(input_ids.max())
+    if top >= vocab:
+        pos = int(torch.argmax((input_ids >= vocab).to(torch.uint8)))
+        raise ValueError(f"input_ids holds id {top} (first out-of-range id at packed position {pos}); the vocabulary "
+                         f"has {vocab} entries (logits.shape[1]); ids must be < {vocab}, or negative for no target")
+
+
+def packed_token_logprobs(
+    logits: "torch.Tensor",
+    input_ids: "torch.Tensor",
+    cu_seqlens: Any,
+    cu_seqlens_padded: Any = None,
+    *,
+    cp_size: int = 1,
+    cp_rank: int = 0,
+    return_entropy: bool = False,
+    temperature: float = 1.0,
+    vocab_parallel_group=None,
+    vocab_start: int = 0,
+    num_threads: int = 0,
+) -> TokenLogprobs:
+    """Log-probability of each packed token's next token, fused and differentiable.
+
+    Args:
+        logits: ``[T, V]`` (fp32, bf16, fp16; fp64 for ``gradcheck``) for the packed
+            rows; with CP this rank's ``T / cp_size`` zigzag-local rows; with a
+            vocabulary-parallel head the local vocabulary slice ``[T, V / TP]``.
+        input_ids: the full packed ids ``[T]`` (also under CP). An id < 0 (e.g.
+            -100) as a target means "no target": log-prob 0, entropy 0, no gradient.
+        cu_seqlens: real cumulative lengths ``[B + 1]``; cu_seqlens_padded: padded
+            cumulative lengths (the THD offsets), default ``cu_seqlens``. Lists, or
+            int32 arrays / tensors (the rule of the whole API, as Megatron-Core, TE
+            and flash-attn use). Host offsets are validated; device tensors are used
+            without a host read (static shapes, CUDA graphs: see
+            :func:`seqpack.pack_sequences_static`).
+        cp_size / cp_rank: context parallelism of ``logits``.
+        return_entropy: also compute the per-token entropy.
+        temperature: logits are divided by it first (positive, finite).
+        vocab_parallel_group / vocab_start: tensor-parallel vocabulary: the group
+            over which the slices are combined and this rank's first vocabulary id.
+        num_threads: CPU threads (0: all the process may use).
+
+    Returns:
+        :class:`TokenLogprobs` ``(logprobs, entropy)``; ``entropy`` is ``None``
+        unless asked for. The backward writes ``d/d logits`` directly (softmax
+        minus one-hot, scaled), in the logits' dtype; it is never ``[T, V]`` extra.
+    """
+    torch = _torch()
+    from . import _logprob_ops as ops
+
+    if not isinstance(logits, torch.Tensor) or logits.dim() != 2:
+        raise ValueError(f"logits must be a [T, V] tensor, got {getattr(logits, 'shape', type(logits))}")
+    if logits.dtype not in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
+        raise TypeError(f"logits must be float32, bfloat16, float16 or float64, got {logits.dtype}")
+    if logits.shape[1] == 0:
+        raise ValueError("logits must have at least one vocabulary column (V > 0)")
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 1:
+        raise ValueError("input_ids must be the 1-D packed token ids [T]")
+    if input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool:
+        raise TypeError(f"input_ids must be an integer tensor, got {input_ids.dtype}")
+    if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature > 0):
+        raise ValueError(f"temperature must be a positive finite number, got {temperature}")
+    cp = as_positive_int(cp_size, "cp_size")
+    if not 0 <= int(cp_rank) < cp:
+        raise ValueError(f"cp_rank must be in [0, cp_size = {cp}), got {cp_rank}")
+    rows = logits.shape[0]
+    cu, cu_p = _offsets_on(logits.device, cu_seqlens, cu_seqlens_padded, cp, rows, input_ids.shape[0])
+    if vocab_parallel_group is None:
+        _check_target_ids(input_ids, int(vocab_start) + logits.shape[1])
+    if logits.stride(1) != 1:
+        logits = logits.contiguous()
+    from ..tensors._device import to_device
+
+    targets = next_token_targets(to_device(input_ids, logits.device), cu, cu_p, rows, cp, int(cp_rank))
+    args = (logits, targets, int(vocab_start), float(temperature), bool(return_entropy), int(num_threads))
+    if vocab_parallel_group is None:
+        lp, ent, _, _ = torch.ops.seqpack.token_logprobs(*args)
+    else:
+        lp, ent, _, _ = ops.VocabParallelTokenLogprobs.apply(*args, vocab_parallel_group)
+    return TokenLogprobs(lp, ent if return_entropy else None)

@@ -1,0 +1,96 @@
+"""seqpack.tools.cli: the README's main job (`seqpack demo`) and `seqpack plan`."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from seqpack import cli
+
+SMALL = ["--dp", "2", "--capacity", "4096", "--round", "16"]
+
+
+def test_demo_prints_every_section(capsys):
+    assert cli.main(["demo", "-n", "512", *SMALL]) == 0
+    out = capsys.readouterr().out
+    for title in ("Data-parallel balance", "Sequence packing per rank", "Dynamic batching",
+                  "Load-balanced micro-batches"):
+        assert title in out
+    for name in ("first_fit_decreasing", "best_fit_decreasing", "modified_first_fit_decreasing",
+                 "concatenative", "first_fit_shuffle", "greedy_sequential", "karmarkar_karp", "optimal"):
+        assert name in out
+
+
+def test_demo_as_console_module():
+    # The README runs `seqpack demo`; `python -m seqpack` is the same entry point.
+    done = subprocess.run([sys.executable, "-m", "seqpack", "demo", "-n", "256", *SMALL],
+                          capture_output=True, text=True, check=True)
+    assert "Sequence packing per rank" in done.stdout
+
+
+def test_plan_reads_text_and_npy(tmp_path, capsys):
+    lengths = np.random.default_rng(3).integers(1, 4096, 200)
+    txt = tmp_path / "lens.txt"
+    txt.write_text("# response lengths\n" + "\n".join(map(str, lengths)) + "\n\n")
+    npy = tmp_path / "lens.npy"
+    np.save(npy, lengths.astype(np.int32))
+    assert cli.main(["plan", "--lengths", str(txt), "--json", *SMALL]) == 0
+    from_text = json.loads(capsys.readouterr().out)
+    assert cli.main(["plan", "--lengths", str(npy), "--json", *SMALL]) == 0
+    from_npy = json.loads(capsys.readouterr().out)
+
+    def without_timings(tables):
+        return [[row[:-1] for row in t["rows"]] for t in tables]
+
+    assert without_timings(from_text) == without_timings(from_npy)
+    packing = next(t for t in from_text if t["title"].startswith("Sequence packing"))
+    assert "bins" in packing["columns"]
+
+
+def test_plan_selected_algorithm(tmp_path, capsys):
+    path = tmp_path / "lens.txt"
+    path.write_text("100\n200\n3000\n")
+    assert cli.main(["plan", "--lengths", str(path), "--algorithm", "best_fit_decreasing", "--dp", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "best_fit_decreasing" in out and "modified_first_fit_decreasing" not in out
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [("12\nabc\n", "lens.txt:2: not an integer length"), ("12\n9000\n", "capacity")],
+)
+def test_plan_bad_lengths_exit_2_with_message(tmp_path, capsys, content, message):
+    path = tmp_path / "lens.txt"
+    path.write_text(content)
+    assert cli.main(["plan", "--lengths", str(path), "--dp", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("seqpack plan: error:") and message in err
+
+
+def test_plan_missing_file(tmp_path, capsys):
+    assert cli.main(["plan", "--lengths", str(tmp_path / "missing.txt")]) == 2
+    assert "No such file" in capsys.readouterr().err
+
+
+def test_plan_rejects_2d_npy(tmp_path, capsys):
+    path = tmp_path / "lens.npy"
+    np.save(path, np.ones((2, 2), dtype=np.int64))
+    assert cli.main(["plan", "--lengths", str(path)]) == 2
+    assert "1-D array of integer lengths" in capsys.readouterr().err
+
+
+def test_plot_writes_png(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "plan.png"
+    assert cli.main(["demo", "-n", "256", *SMALL, "--plot", str(out)]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert f"figure saved to {out}" in capsys.readouterr().out
+
+
+def test_bench_runs(capsys):
+    assert cli.main(["bench", "--sizes", "64", "--capacity", "512"]) == 0
+    assert "Planner speed" in capsys.readouterr().out
