@@ -79,8 +79,9 @@ def test_extension_carries_ampere_and_hopper_machine_code():
 
 @pytest.mark.parametrize(
     "module",
-    ["seqpack", "seqpack.packing", "seqpack.balance", "seqpack.metrics", "seqpack.dynamic_batching", "seqpack.thd",
-     "seqpack.cp", "seqpack.logprobs"],
+    ["seqpack", "seqpack.planning", "seqpack.planning.packing", "seqpack.planning.balance", "seqpack.planning.metrics",
+     "seqpack.planning.dynamic_batching", "seqpack.tensors.layout", "seqpack.tensors.thd", "seqpack.tensors.cp",
+     "seqpack.tensors.dataset", "seqpack.training.logprobs", "seqpack._lengths"],
 )
 def test_doctests(module):
     result = doctest.testmod(importlib.import_module(module), verbose=False, report=True)

@@ -10,3 +10,7 @@ adapters never import one another):
   collator (also ``seqpack.integrations.hf``).
 - :mod:`~seqpack.frameworks.config`: NeMo-RL and ROLL YAML keys (also ``seqpack.config``).
 """
+
+from .._lazy import submodules
+
+__getattr__ = submodules(__name__, ("batched_data_dict", "config", "hf", "roll", "verl"))

@@ -26,6 +26,7 @@ released; CUDA: one kernel launch per tensor on the current stream).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional, Union
 
@@ -33,7 +34,7 @@ import numpy as np
 
 from .. import _core
 from .._lengths import as_lengths, as_positive_int
-from .layout import PackedLayout, PackedSeqParams, alignment, check_offsets, megatron_packed_seq_params
+from .layout import PackedLayout, PackedSeqParams, alignment, host_offsets, megatron_packed_seq_params
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -46,6 +47,13 @@ def _torch():
     import torch
 
     return torch
+
+
+@functools.lru_cache(maxsize=None)
+def _host_only(fn):
+    """``fn`` run eagerly even inside ``torch.compile``: host bookkeeping on NumPy
+    arrays that Dynamo would otherwise try to trace as tensors."""
+    return _torch().compiler.disable(fn)
 
 
 def _check_device(t: "torch.Tensor", name: str) -> None:
@@ -277,7 +285,8 @@ def pack_sequences(
     from . import _ops
 
     device = first.device
-    layout = PackedLayout(plan.cu_seqlens, plan.cu_seqlens_padded, pad_multiple, int(plan.cp_size), int(plan.cp_rank))
+    layout = _host_only(PackedLayout)(plan.cu_seqlens, plan.cu_seqlens_padded, pad_multiple, int(plan.cp_size),
+                                      int(plan.cp_rank))
     result = _batch_from_plan(plan, layout, device, num_threads)
     for name, t in named.items():
         result.tensors[name] = _ops.pack_rows(t, plan, result._runs, float(pad_values.get(name, pad_value)),
@@ -323,7 +332,8 @@ def unpack_sequences(x: "torch.Tensor", cu_seqlens_padded: Any, cp_size: int = 1
     >>> [v.tolist() for v in seqpack.unpack_sequences(torch.arange(6), [0, 2, 6])]
     [[0, 1], [2, 3, 4, 5]]
     """
-    layout = PackedLayout.from_offsets(cu_seqlens_padded, cu_seqlens_padded, cp_size=cp_size)
+    offsets = host_offsets(cu_seqlens_padded, "cu_seqlens_padded")
+    layout = PackedLayout.from_offsets(offsets, offsets, cp_size=cp_size)
     if x.dim() < 1 or x.shape[0] != layout.local_tokens:
         raise ValueError(f"x has {x.shape[0] if x.dim() else 0} rows; cu_seqlens_padded[-1] / cp_size = "
                          f"{layout.local_tokens}")

@@ -2,3 +2,7 @@
 Python implementations of every planner, to compare with) and
 :mod:`~seqpack.testing.tiny_model` (a small Llama-shaped model that trains on packed
 or padded batches; imports torch)."""
+
+from .._lazy import submodules
+
+__getattr__ = submodules(__name__, ("reference", "tiny_model"))

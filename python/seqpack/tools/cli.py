@@ -63,7 +63,7 @@ def _run_report(lengths: np.ndarray, args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from .. import get_packer, karmarkar_karp
+    from ..planning import get_packer, karmarkar_karp
     from .report import Table
 
     rows = []

@@ -108,8 +108,8 @@ def next_token_sources(cu_seqlens: Any, cu_seqlens_padded: Any = None, cp_size: 
     cp = as_positive_int(cp_size, "cp_size")
     layout = _layout(cu_seqlens, cu_seqlens_padded, cp)
     total = layout.num_tokens
-    return next_token_targets(torch.arange(total), torch.from_numpy(layout.cu_seqlens),
-                              torch.from_numpy(layout.cu_seqlens_padded), total // cp, cp, int(cp_rank)).numpy()
+    cu, padded = layout.offsets_on("cpu")
+    return next_token_targets(torch.arange(total), cu, padded, total // cp, cp, int(cp_rank)).numpy()
 
 
 def _offsets_on(device, cu_seqlens: Any, cu_seqlens_padded: Any, cp: int, rows: int, ids_len: int):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given
@@ -108,15 +109,20 @@ def test_every_token_kept_once(lengths, pack_size, cp, algorithm):
 def test_collate_packs_cp_and_full():
     packs = pack_dataset([[1, 2, 3], [4, 5, 6, 7, 8], [9] * 7, [10]], pack_size=12, cp_size=2)
     full = collate_packs(packs)
-    assert full["qkv_format"] == "thd"
-    assert full["cu_seqlens_padded"].tolist() == [0, 4, 12, 20, 24]
-    assert full["cu_seqlens"].tolist() == [0, 3, 8, 15, 16]
-    assert full["cu_seqlens"].dtype == torch.int32 and full["max_seqlen_padded"] == 8
+    assert isinstance(full, seqpack.PackedBatch) and isinstance(full.layout, seqpack.PackedLayout)
+    assert full.cu_seqlens_padded.tolist() == [0, 4, 12, 20, 24]
+    assert full.cu_seqlens.tolist() == [0, 3, 8, 15, 16]
+    assert full.cu_seqlens.dtype == torch.int32 and full.max_seqlen_padded == 8
+    assert full.packed_seq_params().qkv_format == "thd"
+    # The plan's positions are the packs' own (the tail padding continues the last sequence).
+    assert torch.equal(full.position_ids, torch.from_numpy(np.concatenate([p["position_ids"] for p in packs])))
     for r in range(2):
         local = collate_packs(packs, cp_size=2, cp_rank=r)
-        index = torch.from_numpy(seqpack.cp_partition_indices(full["cu_seqlens_padded"], 2, r))
-        for key in ("input_ids", "labels", "position_ids"):
+        assert local.layout.cp_rank == r and local.num_tokens == 12
+        index = torch.from_numpy(seqpack.cp_partition_indices(full.cu_seqlens_padded, 2, r))
+        for key in ("input_ids", "labels"):
             assert torch.equal(local[key], full[key][index])
+        assert torch.equal(local.position_ids, full.position_ids[index])
     # The collated THD batch is what pack_sequences makes from the padded rows.
     ids = torch.zeros(4, 8, dtype=torch.int64)
     for b, seq in enumerate([[1, 2, 3], [4, 5, 6, 7, 8], [9] * 7, [10]]):
@@ -124,7 +130,16 @@ def test_collate_packs_cp_and_full():
     packed = seqpack.pack_sequences(ids, seq_lens=[3, 5, 7, 1], pad_multiple=4)
     # Pack 0 is [3->4, 5->8]; pack 1 [7->8, 1->4]: the same per-sequence padding.
     assert torch.equal(packed["input"], full["input_ids"])
-    assert torch.equal(packed.position_ids, full["position_ids"])
+    assert torch.equal(packed.position_ids, full.position_ids)
+    # ...and it unpacks to the padded rows.
+    assert torch.equal(full.unpack(full["input_ids"]), ids[:, :7])
+
+
+def test_collate_packs_rejects_inconsistent_packs():
+    packs = pack_dataset([[1, 2, 3], [4, 5]], pack_size=8)
+    packs[0]["seq_lens_padded"] = np.array([2, 6])
+    with pytest.raises(ValueError, match="sequence 0 has 3 real tokens but a padded length of 2"):
+        collate_packs(packs)
 
 
 def test_progress_bar_runs(capsys):

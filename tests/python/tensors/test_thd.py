@@ -228,7 +228,7 @@ def test_multithreaded_copies_match_single_thread():
 
 def test_direct_kernels_and_the_registered_ops_agree():
     # Plain no-grad tensors skip the operator dispatch; everything else goes through it.
-    from seqpack import _ops
+    from seqpack.tensors import _ops
 
     torch.manual_seed(1)
     mask = torch.tensor([[1, 1, 0, 1], [0, 1, 1, 1], [0, 0, 0, 0]])
@@ -300,20 +300,25 @@ def test_unpack_sequences_cp_local():
         seqpack.unpack_sequences(torch.zeros(3), [0, 6], cp_size=2)
 
 
-def test_cu_seqlens_must_be_int32():
+def test_offsets_take_int32_and_int64_and_refuse_the_rest():
     import numpy as np
 
-    with pytest.raises(TypeError, match="cu_seqlens_padded must be int32.*int64"):
-        seqpack.cp_partition_indices(torch.tensor([0, 8]), 2, 0)
-    with pytest.raises(TypeError, match="int32"):
-        seqpack.unpack_sequences(torch.zeros(8), np.array([0, 8]), cp_size=1)
-    assert seqpack.cp_partition_indices(torch.tensor([0, 8], dtype=torch.int32), 2, 0).tolist() == [0, 1, 6, 7]
+    for cu in ([0, 8], np.array([0, 8]), np.array([0, 8], np.int32), torch.tensor([0, 8]),
+               torch.tensor([0, 8], dtype=torch.int32)):
+        assert seqpack.cp_partition_indices(cu, 2, 0).tolist() == [0, 1, 6, 7]
+        assert [v.tolist() for v in seqpack.unpack_sequences(torch.arange(8), cu)] == [list(range(8))]
+    with pytest.raises(TypeError, match="cu_seqlens_padded must hold integers, got float64"):
+        seqpack.cp_partition_indices(np.array([0.0, 8.0]), 2, 0)
+    with pytest.raises(TypeError, match="cu_seqlens_padded must be a 1-D int32 or int64 tensor"):
+        seqpack.unpack_sequences(torch.zeros(8), torch.tensor([0.0, 8.0]))
+    with pytest.raises(ValueError, match="cu_seqlens_padded ends at 4294967296; offsets must fit in int32"):
+        seqpack.cp_partition_indices([0, 2**32], 1, 0)
 
 
 def test_cp_indices_errors():
     with pytest.raises(ValueError, match="2 \\* cp_size"):
         seqpack.cp_partition_indices([0, 6], 2, 0)
-    with pytest.raises(ValueError, match="non-decreasing"):
+    with pytest.raises(ValueError, match="never decrease"):
         seqpack.cp_partition_indices([0, 8, 4], 1, 0)
     assert seqpack.cp_partition_indices([0, 8, 16], 2, 1).tolist() == [2, 3, 4, 5, 10, 11, 12, 13]
 
@@ -322,7 +327,7 @@ def test_cp_indices_errors():
 
 
 def test_ops_pass_opcheck():
-    from seqpack import _ops
+    from seqpack.tensors import _ops
 
     x = torch.randn(3, 5, 4, dtype=torch.float64, requires_grad=True)
     packed = pack_sequences({"x": x}, seq_lens=[5, 2, 0], pad_multiple=4, cp_size=2, cp_rank=1)
@@ -423,7 +428,7 @@ def test_zero_size_trailing_dimension_round_trips():
 def test_torch_move_path_equals_the_kernel():
     # The PyTorch path (CUDA tensors where seqpack's kernels cannot run) on CPU
     # tensors: the same rows as the C++ executor.
-    from seqpack import _ops
+    from seqpack.tensors import _ops
 
     x = torch.randn(3, 7, 5)
     packed = pack_sequences({"x": x}, seq_lens=[7, 2, 4], pad_multiple=4, pad_value=2.5, cp_size=2, cp_rank=1)
@@ -439,7 +444,7 @@ def test_torch_move_path_equals_the_kernel():
 def test_host_to_device_segments():
     import numpy as np
 
-    from seqpack._device import host_to_device
+    from seqpack.tensors._device import host_to_device
 
     arrays = [np.arange(5, dtype=np.int64), np.zeros((0, 3), np.int64), np.array([1, 2], np.int32),
               np.frombuffer(b"abc", np.uint8)]

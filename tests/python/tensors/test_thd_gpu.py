@@ -118,7 +118,7 @@ def torch_unpack(y, lens, width, multiple, fill):
 
 
 def byte_tasks(packed, row_bytes):
-    """How many device tasks the pack of ``packed`` ran (host plan, as seqpack._ops builds it)."""
+    """How many device tasks the pack of ``packed`` ran (host plan, as seqpack.tensors._ops builds it)."""
     from seqpack import _core, _ops
 
     copies, fills = packed._runs()[:2]

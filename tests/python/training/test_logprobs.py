@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import seqpack
-from seqpack import _logprob_ops as lpmod
+from seqpack.training import _logprob_ops as lpmod
 from seqpack.logprobs import next_token_sources, packed_token_logprobs
 
 
@@ -180,9 +180,9 @@ def test_errors():
         packed_token_logprobs(torch.zeros(4, 3), ids, cu, cu_p)
     with pytest.raises(ValueError, match=r"input_ids must hold the full packed ids \[5\]"):
         packed_token_logprobs(torch.zeros(5, 3), ids[:4], cu, cu_p)
-    with pytest.raises(TypeError, match="int32"):
-        packed_token_logprobs(torch.zeros(5, 3), ids, cu.astype(np.int64), cu_p)
-    with pytest.raises(ValueError, match="padded length must be >= the real length"):
+    with pytest.raises(TypeError, match="cu_seqlens must hold integers"):
+        packed_token_logprobs(torch.zeros(5, 3), ids, cu.astype(np.float64), cu_p)
+    with pytest.raises(ValueError, match="sequence 0 has 4 real tokens but a padded length of 3"):
         packed_token_logprobs(torch.zeros(5, 3), ids, [0, 4, 5], [0, 3, 5])
     for bad in (0.0, -1.0, float("inf"), float("nan")):
         with pytest.raises(ValueError, match="temperature must be a positive finite number"):
@@ -352,13 +352,15 @@ def test_named_result():
     assert ent.shape == (18,) and lp.dtype == torch.float32
 
 
-def test_offsets_int32_rule_is_the_same_for_tensors_and_arrays():
+def test_offsets_rule_is_the_same_for_tensors_and_arrays():
+    # One rule for every function taking offsets (seqpack.tensors.layout.check_offsets):
+    # lists, int32/int64 arrays and tensors; varlen_attention takes the same forms.
     logits, ids, cu, _ = _issue_case()
     ref = packed_token_logprobs(logits, ids, cu).logprobs
-    assert torch.equal(packed_token_logprobs(logits, ids, torch.from_numpy(cu)).logprobs, ref)
-    assert torch.equal(packed_token_logprobs(logits, ids, cu.tolist()).logprobs, ref)
-    for bad in (cu.astype(np.int64), torch.from_numpy(cu.astype(np.int64))):
-        with pytest.raises(TypeError, match="cu_seqlens must be int32"):
+    for form in (torch.from_numpy(cu), cu.tolist(), cu.astype(np.int64), torch.from_numpy(cu.astype(np.int64))):
+        assert torch.equal(packed_token_logprobs(logits, ids, form).logprobs, ref)
+    for bad in (cu.astype(np.float32), torch.from_numpy(cu.astype(np.float32))):
+        with pytest.raises(TypeError, match="cu_seqlens must"):
             packed_token_logprobs(logits, ids, bad)
 
 

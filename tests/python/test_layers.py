@@ -1,0 +1,175 @@
+"""The package's layers: imports (eager and lazy, read from the source) only point
+down, adapters never import each other, and there is no import cycle."""
+
+from __future__ import annotations
+
+import ast
+import os
+import pathlib
+import subprocess
+import sys
+from typing import Dict, Iterator, Set, Tuple
+
+import pytest
+
+import seqpack
+
+ROOT = pathlib.Path(seqpack.__file__).resolve().parent
+
+# Lower number = lower layer; a module may import its own layer or lower ones.
+# "tools" and "testing" sit side by side on top and must not import each other.
+LAYERS = {"_core": 0, "_version": 0, "_lengths": 0, "_dist": 0, "_lazy": 0, "planning": 1, "tensors": 2, "training": 3,
+          "frameworks": 4, "tools": 5, "testing": 5}
+ADAPTERS = {"batched_data_dict", "roll", "verl", "hf", "config"}
+
+
+def _modules() -> Dict[str, pathlib.Path]:
+    out = {}
+    for path in ROOT.rglob("*.py"):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        out[".".join(("seqpack",) + parts)] = path
+    return out
+
+
+MODULES = _modules()
+KNOWN = set(MODULES) | {"seqpack._core"}  # the extension has no .py source
+
+
+def _resolve(name: str, package: str, level: int, imported: str) -> Iterator[str]:
+    """The seqpack modules an import statement loads (``from X import y`` loads the
+    module ``X.y`` when it is one, else ``X``)."""
+    if level:
+        base = package.split(".")
+        base = base[: len(base) - level + 1]
+        target = ".".join(base + ([name] if name else []))
+    else:
+        target = name
+    if not target.startswith("seqpack"):
+        return
+    if imported and f"{target}.{imported}" in KNOWN:
+        yield f"{target}.{imported}"
+    else:
+        yield target
+
+
+def _imports(module: str, path: pathlib.Path) -> Tuple[Set[str], Set[str]]:
+    """(runtime imports, type-checking-only imports) of one module."""
+    tree = ast.parse(path.read_text(), str(path))
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    type_only = {id(n) for block in ast.walk(tree) if isinstance(block, ast.If)
+                 and ast.unparse(block.test).endswith("TYPE_CHECKING") for n in ast.walk(block)}
+    runtime: Set[str] = set()
+    typing: Set[str] = set()
+    for node in ast.walk(tree):
+        found = typing if id(node) in type_only else runtime
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                found.update(_resolve(alias.name, package, 0, ""))
+        elif isinstance(node, ast.ImportFrom):
+            for alias in node.names:
+                found.update(_resolve(node.module or "", package, node.level, alias.name))
+    return runtime - {module}, typing - {module}
+
+
+_BOTH = {m: _imports(m, p) for m, p in MODULES.items()}
+GRAPH = {m: runtime for m, (runtime, _) in _BOTH.items()}  # what runs: the cycle check
+EVERY = {m: runtime | typing for m, (runtime, typing) in _BOTH.items()}  # layering holds for type imports too
+
+
+def _layer(module: str) -> Tuple[str, int]:
+    parts = module.split(".")
+    if len(parts) == 1:
+        return "seqpack", 99  # the facade: nothing inside the package may import it
+    return parts[1], LAYERS[parts[1]]
+
+
+def test_every_module_has_a_layer():
+    for module in MODULES:
+        if module != "seqpack" and module != "seqpack.__main__":
+            assert module.split(".")[1] in LAYERS, f"{module}: add its package to LAYERS"
+
+
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if m not in ("seqpack", "seqpack.__main__")))
+def test_imports_point_down(module):
+    name, level = _layer(module)
+    for target in EVERY[module]:
+        tname, tlevel = _layer(target)
+        assert tlevel <= level, f"{module} imports {target}: {name} (layer {level}) may not import {tname}"
+        if tlevel == level and tname != name:
+            pytest.fail(f"{module} imports {target}: {name} and {tname} are peers and must not import each other")
+
+
+def test_adapters_never_import_each_other():
+    for module, targets in EVERY.items():
+        if module.startswith("seqpack.frameworks.") and module.rpartition(".")[2] in ADAPTERS:
+            for target in targets:
+                assert not (target.startswith("seqpack.frameworks.") and target.rpartition(".")[2] in ADAPTERS), \
+                    f"adapter {module} imports adapter {target}"
+
+
+def test_no_import_cycles():
+    # Lazy (function-level) imports count: a cycle they keep alive is still a cycle.
+    state: Dict[str, int] = {}
+    stack = []
+
+    def visit(node: str) -> None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(GRAPH.get(node, ())):
+            if nxt not in GRAPH:
+                continue
+            if state.get(nxt) == 1:
+                cycle = stack[stack.index(nxt):] + [nxt]
+                pytest.fail("import cycle: " + " -> ".join(cycle))
+            if nxt not in state:
+                visit(nxt)
+        stack.pop()
+        state[node] = 2
+
+    for module in sorted(GRAPH):
+        if module not in state:
+            visit(module)
+
+
+def test_the_graph_test_can_fail():
+    # The checks above read real edges: e.g. training.loss -> tensors.cp exists.
+    assert "seqpack.tensors.cp" in GRAPH["seqpack.training.loss"]
+    assert "seqpack._core" in GRAPH["seqpack.planning.packing"]
+
+
+def _run(code: str) -> str:
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=os.environ.copy())
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip()
+
+
+def test_import_seqpack_is_lazy_and_torch_free():
+    loaded = _run("import sys, seqpack; print(sorted(m for m in sys.modules if m.startswith(('seqpack', 'torch'))))")
+    assert loaded == "['seqpack', 'seqpack._version']"
+    # Submodules are attributes on first use; the torch-free ones stay torch-free.
+    assert _run("import sys, seqpack; seqpack.config; seqpack.planning; seqpack.tensors; seqpack.training; "
+                "seqpack.tools; seqpack.testing.reference; print('torch' in sys.modules)") == "False"
+
+
+def test_moved_module_paths_are_the_same_modules():
+    import seqpack.frameworks.hf
+    import seqpack.integrations.hf
+    import seqpack.loss
+    import seqpack.roll
+    from seqpack.batched_data_dict import BatchedDataDict
+
+    assert seqpack.roll is seqpack.frameworks.roll
+    assert seqpack.loss is seqpack.training.loss
+    assert seqpack.integrations.hf is seqpack.frameworks.hf
+    assert BatchedDataDict is seqpack.BatchedDataDict
+    for old, new in seqpack._MOVED.items():
+        assert __import__(f"seqpack.{old}", fromlist=["_"]) is __import__(f"seqpack.{new}", fromlist=["_"]), old
+
+
+def test_unknown_attribute_is_an_attribute_error():
+    with pytest.raises(AttributeError, match="has no attribute 'nope'"):
+        seqpack.nope
+    with pytest.raises(ModuleNotFoundError):
+        __import__("seqpack.nope")
