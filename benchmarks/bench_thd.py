@@ -112,8 +112,7 @@ def bench_case(name, x, lens, cp, log, rows, targets, threads):
     # allocation or metadata): the bandwidth pack reaches.
     plan, kernel_out = packed._plan, torch.empty_like(y)
     row_bytes = y[:1].numel() * y.element_size()
-    t_kernel = measure(lambda: plan.pack_into(x.data_ptr(), x.shape[0] * x.shape[1], kernel_out.data_ptr(),
-                                              y.shape[0], row_bytes, bytes(row_bytes), threads), repeat=repeat)["min"]
+    t_kernel = measure(lambda: plan.pack_into(x, kernel_out, bytes(row_bytes), threads), repeat=repeat)["min"]
     assert torch.equal(kernel_out, y), name
     t_loop = measure(lambda: loop_pack(x, lens_list, multiple, cp, 0, 0), repeat=5, budget_s=20)["min"]
     t_unpack = measure(lambda: packed.unpack(y), repeat=repeat)["min"]

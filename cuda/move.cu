@@ -21,47 +21,46 @@ void check(cudaError_t err, const char* what) {
 bool aligned(const void* p, int64_t bytes) { return reinterpret_cast<uintptr_t>(p) % static_cast<uintptr_t>(bytes) == 0; }
 
 template <typename V>
-void launch(const void* src, void* dst, const ByteTask* tasks, int64_t num_tasks, const void* fill_row,
-            int64_t row_bytes, cudaStream_t stream) {
+void launch(const MoveBuffers& buffers, const ByteTask* tasks, int64_t num_tasks, cudaStream_t stream) {
   const auto blocks = static_cast<unsigned>(std::min(num_tasks, kMaxBlocks));
-  detail::move_kernel<V><<<blocks, kThreads, 0, stream>>>(static_cast<const char*>(src), static_cast<char*>(dst),
-                                                          tasks, num_tasks, static_cast<const char*>(fill_row),
-                                                          row_bytes);
+  detail::move_kernel<V><<<blocks, kThreads, 0, stream>>>(buffers, tasks, num_tasks);
 }
 
 }  // namespace
 
-void launch_move(const void* src, void* dst, const ByteTask* tasks, int64_t num_tasks, const void* fill_row,
-                 int64_t row_bytes, void* stream) {
-  if (num_tasks < 0 || row_bytes < 0)
-    throw std::invalid_argument("[seqpack.cuda_move] num_tasks and row_bytes must be >= 0");
-  if (num_tasks == 0 || row_bytes == 0) return;
-  if (src == nullptr || dst == nullptr || tasks == nullptr)
+void launch_move(const MoveBuffers& b, const ByteTask* tasks, int64_t num_tasks, void* stream) {
+  if (num_tasks < 0 || b.row_bytes < 0 || b.src_bytes < 0 || b.dst_bytes < 0)
+    throw std::invalid_argument("[seqpack.cuda_move] num_tasks, row_bytes and buffer sizes must be >= 0");
+  if (num_tasks == 0 || b.row_bytes == 0) return;
+  if (b.src == nullptr || b.dst == nullptr || tasks == nullptr)
     throw std::invalid_argument("[seqpack.cuda_move] src, dst and tasks must not be null");
   auto s = static_cast<cudaStream_t>(stream);
   // Task offsets are whole rows, so the widest access that divides row_bytes and
   // every base pointer is safe for all of them.
   auto fits = [&](int64_t w) {
-    return row_bytes % w == 0 && aligned(src, w) && aligned(dst, w) && (fill_row == nullptr || aligned(fill_row, w));
+    return b.row_bytes % w == 0 && aligned(b.src, w) && aligned(b.dst, w) &&
+           (b.fill_row == nullptr || aligned(b.fill_row, w));
   };
   if (fits(16))
-    launch<uint4>(src, dst, tasks, num_tasks, fill_row, row_bytes, s);
+    launch<uint4>(b, tasks, num_tasks, s);
   else if (fits(8))
-    launch<uint2>(src, dst, tasks, num_tasks, fill_row, row_bytes, s);
+    launch<uint2>(b, tasks, num_tasks, s);
   else if (fits(4))
-    launch<uint32_t>(src, dst, tasks, num_tasks, fill_row, row_bytes, s);
+    launch<uint32_t>(b, tasks, num_tasks, s);
   else
-    launch<uint8_t>(src, dst, tasks, num_tasks, fill_row, row_bytes, s);
+    launch<uint8_t>(b, tasks, num_tasks, s);
   check(cudaGetLastError(), "move kernel launch");
 }
 
-void launch_positions(const PositionRun* runs, int64_t num_runs, int64_t* out, void* stream) {
-  if (num_runs < 0) throw std::invalid_argument("[seqpack.cuda_positions] num_runs must be >= 0");
+void launch_positions(const PositionRun* runs, int64_t num_runs, int64_t* out, int64_t out_rows, void* stream) {
+  if (num_runs < 0 || out_rows < 0)
+    throw std::invalid_argument("[seqpack.cuda_positions] num_runs and out_rows must be >= 0");
   if (num_runs == 0) return;
   if (runs == nullptr || out == nullptr)
     throw std::invalid_argument("[seqpack.cuda_positions] runs and out must not be null");
   const auto blocks = static_cast<unsigned>(std::min(num_runs, kMaxBlocks));
-  detail::positions_kernel<<<blocks, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(runs, num_runs, out);
+  detail::positions_kernel<<<blocks, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(runs, num_runs, out,
+                                                                                         out_rows);
   check(cudaGetLastError(), "position ids kernel launch");
 }
 

@@ -10,14 +10,15 @@
 namespace seqpack::cuda::detail {
 
 template <typename V>
-__global__ void move_kernel(const char* __restrict__ src, char* __restrict__ dst, const ByteTask* __restrict__ tasks,
-                            int64_t num_tasks, const char* __restrict__ fill_row, int64_t row_bytes) {
+__global__ void move_kernel(MoveBuffers buffers, const ByteTask* __restrict__ tasks, int64_t num_tasks) {
   for (int64_t t = blockIdx.x; t < num_tasks; t += gridDim.x)
-    run_byte_task<V>(tasks[t], src, dst, fill_row, row_bytes, threadIdx.x, blockDim.x);
+    run_byte_task<V>(tasks[t], buffers, threadIdx.x, blockDim.x);
 }
 
-__global__ void positions_kernel(const PositionRun* __restrict__ runs, int64_t num_runs, int64_t* __restrict__ out) {
-  for (int64_t r = blockIdx.x; r < num_runs; r += gridDim.x) run_position_run(runs[r], out, threadIdx.x, blockDim.x);
+__global__ void positions_kernel(const PositionRun* __restrict__ runs, int64_t num_runs, int64_t* __restrict__ out,
+                                 int64_t out_rows) {
+  for (int64_t r = blockIdx.x; r < num_runs; r += gridDim.x)
+    run_position_run(runs[r], out, out_rows, threadIdx.x, blockDim.x);
 }
 
 }  // namespace seqpack::cuda::detail

@@ -1,9 +1,13 @@
-// Fused token log-probabilities: raw CPU pointers from torch (the Python layer
-// checks shapes, dtypes, devices and contiguity); the core runs without the GIL.
+// Fused token log-probabilities. Tensors arrive as DLPack (tensor.hpp) and are
+// checked here: shapes against the logits' rows and vocabulary, dtypes, strides and
+// one device for all. CPU tensors run the core without the GIL; CUDA tensors launch
+// on the caller's stream (seqpack built with nvcc).
+#include <optional>
 #include <string>
 
 #include "convert.hpp"
 #include "seqpack/logprob.hpp"
+#include "tensor.hpp"
 #ifdef SEQPACK_WITH_CUDA
 #include "seqpack/cuda_logprob.hpp"
 #endif
@@ -11,19 +15,44 @@
 namespace seqpack::bindings {
 namespace {
 
-LogitsView view(uintptr_t data, int64_t rows, int64_t vocab, int64_t row_stride, const std::string& dtype) {
-  LogitsView v{reinterpret_cast<const void*>(data), rows, vocab, row_stride, LogitsDtype::Float32};
-  if (dtype == "float32") v.dtype = LogitsDtype::Float32;
-  else if (dtype == "bfloat16") v.dtype = LogitsDtype::BFloat16;
-  else if (dtype == "float16") v.dtype = LogitsDtype::Float16;
-  else throw py::value_error("logits dtype must be float32, bfloat16 or float16, got " + dtype);
-  return v;
+LogitsView logits_view(const TensorArg& logits) {
+  logits.dims(2).dtype_in({Dtype::F32, Dtype::BF16, Dtype::F16}).inner_contiguous();
+  const LogitsDtype dtype = logits.is(Dtype::F32)    ? LogitsDtype::Float32
+                            : logits.is(Dtype::BF16) ? LogitsDtype::BFloat16
+                                                     : LogitsDtype::Float16;
+  return LogitsView{logits.data(), logits.size(0), logits.size(1), logits.size(0) > 1 ? logits.stride(0) : logits.size(1),
+                    dtype};
 }
 
-template <typename T>
-T* ptr(uintptr_t p) {
-  return reinterpret_cast<T*>(p);
+// The int64 targets [rows] and the fp32 per-row vectors [rows] on the logits' device.
+const int64_t* targets_of(const TensorArg& targets, const TensorArg& logits) {
+  targets.shape({logits.size(0)}).dtype_is(Dtype::I64).contiguous().same_device(logits);
+  return targets.ptr<const int64_t>();
 }
+
+// A per-row fp32 vector, or null for None (optional outputs and inputs).
+struct RowVector {
+  std::optional<TensorArg> arg;
+  RowVector(py::handle obj, const char* fn, const char* name, const TensorArg& logits) {
+    if (obj.is_none()) return;
+    arg.emplace(obj, fn, name);
+    arg->shape({logits.size(0)}).dtype_is(Dtype::F32).contiguous().same_device(logits);
+  }
+  template <typename T>
+  T* get() const {
+    return arg ? arg->ptr<T>() : nullptr;
+  }
+};
+
+void require(bool present, const char* fn, const char* name) {
+  if (!present) throw py::type_error(std::string("[") + fn + "] " + name + " must be a tensor, got None");
+}
+
+#ifndef SEQPACK_WITH_CUDA
+[[noreturn]] void no_cuda(const char* fn) {
+  throw py::value_error(std::string("[") + fn + "] the tensors are on a CUDA device but seqpack was built without CUDA");
+}
+#endif
 
 }  // namespace
 
@@ -31,63 +60,65 @@ void init_logprob(py::module_& m) {
   m.def("logprob_cpu_isa", &logprob_cpu_isa, "The CPU build of the log-prob kernels in use.");
   m.def(
       "logprob_row_stats",
-      [](uintptr_t logits, int64_t rows, int64_t vocab, int64_t row_stride, const std::string& dtype,
-         uintptr_t targets, int64_t vocab_start, float temperature, uintptr_t max, uintptr_t sumexp, uintptr_t zexp,
-         uintptr_t target_z, int num_threads) {
-        const LogitsView v = view(logits, rows, vocab, row_stride, dtype);
-        const RowStats out{ptr<float>(max), ptr<float>(sumexp), ptr<float>(zexp), ptr<float>(target_z)};
+      [](py::handle logits_obj, py::handle targets_obj, int64_t vocab_start, float temperature, py::handle max_obj,
+         py::handle sumexp_obj, py::handle zexp_obj, py::handle target_z_obj, int num_threads, uintptr_t stream) {
+        constexpr const char* fn = "logprob_row_stats";
+        TensorArg logits(logits_obj, fn, "logits"), targets(targets_obj, fn, "targets");
+        const LogitsView v = logits_view(logits);
+        const int64_t* ids = targets_of(targets, logits);
+        RowVector max(max_obj, fn, "max", logits), sumexp(sumexp_obj, fn, "sumexp", logits),
+            zexp(zexp_obj, fn, "zexp", logits), target_z(target_z_obj, fn, "target_z", logits);
+        require(max.arg && sumexp.arg && target_z.arg, fn, "max, sumexp and target_z");
+        const RowStats out{max.get<float>(), sumexp.get<float>(), zexp.get<float>(), target_z.get<float>()};
+        if (logits.on_cuda()) {
+#ifdef SEQPACK_WITH_CUDA
+          cuda::launch_logprob_row_stats(v, ids, vocab_start, temperature, out, reinterpret_cast<void*>(stream));
+#else
+          no_cuda(fn);
+#endif
+          return;
+        }
         py::gil_scoped_release release;
-        row_stats(v, ptr<const int64_t>(targets), vocab_start, temperature, out, num_threads);
+        row_stats(v, ids, vocab_start, temperature, out, num_threads);
       },
-      py::arg("logits"), py::arg("rows"), py::arg("vocab"), py::arg("row_stride"), py::arg("dtype"),
-      py::arg("targets"), py::arg("vocab_start"), py::arg("temperature"), py::arg("max"), py::arg("sumexp"),
-      py::arg("zexp"), py::arg("target_z"), py::arg("num_threads") = 0,
-      "Per-row max, sum exp(z - max), sum exp(z - max) z and the target's z of a (slice of) logits; "
-      "zexp = 0 skips the entropy sum.");
+      py::arg("logits"), py::arg("targets"), py::arg("vocab_start"), py::arg("temperature"), py::arg("max"),
+      py::arg("sumexp"), py::arg("zexp"), py::arg("target_z"), py::arg("num_threads") = 0, py::arg("stream") = 0,
+      "Per-row max, sum exp(z - max), sum exp(z - max) z and the target's z of a (slice of) logits "
+      "[rows, V] (float32/bfloat16/float16); zexp=None skips the entropy sum. CUDA tensors launch on `stream`.");
   m.def(
       "logprob_row_grad",
-      [](uintptr_t logits, int64_t rows, int64_t vocab, int64_t row_stride, const std::string& dtype,
-         uintptr_t targets, int64_t vocab_start, float temperature, uintptr_t max, uintptr_t log_sumexp,
-         uintptr_t entropy,
-         uintptr_t grad_logprob, uintptr_t grad_entropy, uintptr_t grad, int64_t grad_row_stride, int num_threads) {
-        const LogitsView v = view(logits, rows, vocab, row_stride, dtype);
-        const RowGradInputs in{ptr<const float>(max), ptr<const float>(log_sumexp), ptr<const float>(entropy),
-                               ptr<const float>(grad_logprob), ptr<const float>(grad_entropy)};
-        py::gil_scoped_release release;
-        row_grad(v, ptr<const int64_t>(targets), vocab_start, temperature, in, ptr<void>(grad), grad_row_stride,
-                 num_threads);
-      },
-      py::arg("logits"), py::arg("rows"), py::arg("vocab"), py::arg("row_stride"), py::arg("dtype"),
-      py::arg("targets"), py::arg("vocab_start"), py::arg("temperature"), py::arg("max"), py::arg("log_sumexp"),
-      py::arg("entropy"),
-      py::arg("grad_logprob"), py::arg("grad_entropy"), py::arg("grad"), py::arg("grad_row_stride"),
-      py::arg("num_threads") = 0,
-      "d(g_lp * logprob + g_ent * entropy)/d logits for a (slice of) logits, written in the logits' dtype.");
+      [](py::handle logits_obj, py::handle targets_obj, int64_t vocab_start, float temperature, py::handle max_obj,
+         py::handle log_sumexp_obj, py::handle entropy_obj, py::handle grad_logprob_obj, py::handle grad_entropy_obj,
+         py::handle grad_obj, int num_threads, uintptr_t stream) {
+        constexpr const char* fn = "logprob_row_grad";
+        TensorArg logits(logits_obj, fn, "logits"), targets(targets_obj, fn, "targets"), grad(grad_obj, fn, "grad");
+        const LogitsView v = logits_view(logits);
+        const int64_t* ids = targets_of(targets, logits);
+        grad.shape({logits.size(0), logits.size(1)}).same_dtype(logits).inner_contiguous().same_device(logits);
+        RowVector max(max_obj, fn, "max", logits), log_sumexp(log_sumexp_obj, fn, "log_sumexp", logits),
+            entropy(entropy_obj, fn, "entropy", logits), grad_logprob(grad_logprob_obj, fn, "grad_logprob", logits),
+            grad_entropy(grad_entropy_obj, fn, "grad_entropy", logits);
+        require(max.arg && log_sumexp.arg && grad_logprob.arg, fn, "max, log_sumexp and grad_logprob");
+        const RowGradInputs in{max.get<const float>(), log_sumexp.get<const float>(), entropy.get<const float>(),
+                               grad_logprob.get<const float>(), grad_entropy.get<const float>()};
+        const int64_t grad_stride = logits.size(0) > 1 ? grad.stride(0) : logits.size(1);
+        if (logits.on_cuda()) {
 #ifdef SEQPACK_WITH_CUDA
-  // The same on device pointers, launched on the caller's stream (cudaStream_t).
-  m.def(
-      "cuda_logprob_row_stats",
-      [](uintptr_t logits, int64_t rows, int64_t vocab, int64_t row_stride, const std::string& dtype,
-         uintptr_t targets, int64_t vocab_start, float temperature, uintptr_t max, uintptr_t sumexp, uintptr_t zexp,
-         uintptr_t target_z, uintptr_t stream) {
-        const LogitsView v = view(logits, rows, vocab, row_stride, dtype);
-        const RowStats out{ptr<float>(max), ptr<float>(sumexp), ptr<float>(zexp), ptr<float>(target_z)};
-        cuda::launch_logprob_row_stats(v, ptr<const int64_t>(targets), vocab_start, temperature, out,
-                                       reinterpret_cast<void*>(stream));
-      });
-  m.def(
-      "cuda_logprob_row_grad",
-      [](uintptr_t logits, int64_t rows, int64_t vocab, int64_t row_stride, const std::string& dtype,
-         uintptr_t targets, int64_t vocab_start, float temperature, uintptr_t max, uintptr_t log_sumexp,
-         uintptr_t entropy, uintptr_t grad_logprob, uintptr_t grad_entropy, uintptr_t grad, int64_t grad_row_stride,
-         uintptr_t stream) {
-        const LogitsView v = view(logits, rows, vocab, row_stride, dtype);
-        const RowGradInputs in{ptr<const float>(max), ptr<const float>(log_sumexp), ptr<const float>(entropy),
-                               ptr<const float>(grad_logprob), ptr<const float>(grad_entropy)};
-        cuda::launch_logprob_row_grad(v, ptr<const int64_t>(targets), vocab_start, temperature, in, ptr<void>(grad),
-                                      grad_row_stride, reinterpret_cast<void*>(stream));
-      });
+          cuda::launch_logprob_row_grad(v, ids, vocab_start, temperature, in, grad.data(), grad_stride,
+                                        reinterpret_cast<void*>(stream));
+#else
+          no_cuda(fn);
 #endif
+          return;
+        }
+        py::gil_scoped_release release;
+        row_grad(v, ids, vocab_start, temperature, in, grad.data(), grad_stride, num_threads);
+      },
+      py::arg("logits"), py::arg("targets"), py::arg("vocab_start"), py::arg("temperature"), py::arg("max"),
+      py::arg("log_sumexp"), py::arg("entropy"), py::arg("grad_logprob"), py::arg("grad_entropy"), py::arg("grad"),
+      py::arg("num_threads") = 0, py::arg("stream") = 0,
+      "d(g_lp * logprob + g_ent * entropy)/d logits for a (slice of) logits, written into grad [rows, V] in the "
+      "logits' dtype. CUDA tensors launch on `stream`.");
 }
 
 }  // namespace seqpack::bindings

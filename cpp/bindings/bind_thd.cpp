@@ -1,10 +1,11 @@
-// THD plans for seqpack.thd: a plan is built once from host lengths or a host mask;
-// moving tensors passes raw data pointers (the Python layer checks device, dtype,
-// contiguity and sizes), so the extension never links libtorch.
+// THD plans for seqpack.tensors: a plan is built once from host lengths or a host
+// mask; tensors to move arrive as DLPack (tensor.hpp), checked here against the
+// plan's sizes before any byte moves, so the extension never links libtorch.
 #include <cstring>
 #include <optional>
 
 #include "convert.hpp"
+#include "tensor.hpp"
 #include "seqpack/cp.hpp"
 #include "seqpack/move.hpp"
 #include "seqpack/thd.hpp"
@@ -68,26 +69,58 @@ py::array_t<int64_t> tasks_array(const MovePlan& plan, size_t row_bytes, size_t 
   return out;
 }
 
-void run_plan(const MovePlan& plan, uintptr_t src, int64_t src_rows, uintptr_t dst, int64_t dst_rows,
-              size_t row_bytes, const std::optional<py::bytes>& fill, int num_threads) {
-  std::string fill_bytes;
-  if (fill) {
-    fill_bytes = *fill;
-    if (fill_bytes.size() != row_bytes)
-      throw py::value_error("fill must be one row (" + std::to_string(row_bytes) + " bytes), got " +
-                            std::to_string(fill_bytes.size()));
-  }
-  py::gil_scoped_release release;
-  execute_move_plan(plan, reinterpret_cast<const void*>(src), src_rows, reinterpret_cast<void*>(dst), dst_rows,
-                    row_bytes, fill ? fill_bytes.data() : nullptr, num_threads);
+// The byte geometry of a move between two tensors: the first `src_lead` / `dst_lead`
+// dimensions are rows, the rest one row of the same bytes and dtype, dense.
+struct RowGeometry {
+  int64_t src_rows, dst_rows, row_bytes;
+};
+
+RowGeometry row_geometry(const TensorArg& src, int src_lead, const TensorArg& dst, int dst_lead) {
+  src.contiguous();
+  dst.contiguous().same_dtype(src).same_device(src);
+  const int64_t row_bytes = src.row_bytes(src_lead);
+  if (dst.row_bytes(dst_lead) != row_bytes)
+    throw py::value_error(std::string("[") + src.name() + " -> " + dst.name() + "] rows differ: " +
+                          std::to_string(row_bytes) + " bytes per source row, " +
+                          std::to_string(dst.row_bytes(dst_lead)) + " per destination row");
+  return {src.rows(src_lead), dst.rows(dst_lead), row_bytes};
 }
 
-// ThdPlan.pack_into / unpack_into: run one of the plan's moves on raw buffers.
+std::string fill_row(const std::optional<py::bytes>& fill, int64_t row_bytes) {
+  if (!fill) return {};
+  std::string bytes = *fill;
+  if (static_cast<int64_t>(bytes.size()) != row_bytes)
+    throw py::value_error("fill must be one row (" + std::to_string(row_bytes) + " bytes), got " +
+                          std::to_string(bytes.size()));
+  return bytes;
+}
+
+void run_plan(const MovePlan& plan, const TensorArg& src, int src_lead, const TensorArg& dst, int dst_lead,
+              const std::optional<py::bytes>& fill, int num_threads) {
+  src.on_cpu();
+  const RowGeometry g = row_geometry(src, src_lead, dst, dst_lead);
+  const std::string fill_bytes = fill_row(fill, g.row_bytes);
+  py::gil_scoped_release release;
+  execute_move_plan(plan, src.data(), g.src_rows, dst.data(), g.dst_rows, static_cast<size_t>(g.row_bytes),
+                    fill ? fill_bytes.data() : nullptr, num_threads);
+}
+
+// ThdPlan.pack_into / unpack_into: padded [batch, width, ...] <-> packed [rows, ...].
 template <typename Which>
-auto move_by(Which which) {
-  return [which](ThdPlan& p, uintptr_t src, int64_t src_rows, uintptr_t dst, int64_t dst_rows, size_t row_bytes,
-                 const std::optional<py::bytes>& fill, int num_threads) {
-    run_plan(which(p), src, src_rows, dst, dst_rows, row_bytes, fill, num_threads);
+auto move_by(Which which, bool packing) {
+  return [which, packing](ThdPlan& p, py::handle src_obj, py::handle dst_obj, const std::optional<py::bytes>& fill,
+                          int num_threads) {
+    const char* fn = packing ? "ThdPlan.pack_into" : "ThdPlan.unpack_into";
+    TensorArg src(src_obj, fn, "src"), dst(dst_obj, fn, "dst");
+    const TensorArg& padded = packing ? src : dst;
+    const TensorArg& packed = packing ? dst : src;
+    if (padded.ndim() < 2 || padded.size(0) != p.batch || padded.size(1) != p.width)
+      throw py::value_error(std::string("[") + fn + "] " + padded.name() + " must start with [batch, width] = [" +
+                            std::to_string(p.batch) + ", " + std::to_string(p.width) + "]");
+    if (packed.ndim() < 1 || packed.size(0) != p.pack.dst_rows)
+      throw py::value_error(std::string("[") + fn + "] " + packed.name() + " must have " +
+                            std::to_string(p.pack.dst_rows) + " rows (the plan's packed rows)");
+    run_plan(which(p), src, packing ? 2 : 1, dst, packing ? 1 : 2, fill, num_threads);
   };
 }
 
@@ -114,14 +147,18 @@ void init_thd(py::module_& m) {
   static_assert(sizeof(CopyRun) == 3 * sizeof(int64_t) && sizeof(FillRun) == 2 * sizeof(int64_t));
   m.def(
       "move_rows",
-      [](py::handle copies, py::handle fills, uintptr_t src, int64_t src_rows, uintptr_t dst, int64_t dst_rows,
-         size_t row_bytes, const std::optional<py::bytes>& fill, int num_threads) {
-        const MovePlan plan = plan_from_runs(copies, fills, src_rows, dst_rows);
-        run_plan(plan, src, src_rows, dst, dst_rows, row_bytes, fill, num_threads);
+      [](py::handle copies, py::handle fills, py::handle src_obj, int src_lead, py::handle dst_obj, int dst_lead,
+         const std::optional<py::bytes>& fill, int num_threads) {
+        TensorArg src(src_obj, "move_rows", "src"), dst(dst_obj, "move_rows", "dst");
+        src.on_cpu();
+        const RowGeometry g = row_geometry(src, src_lead, dst, dst_lead);
+        run_plan(plan_from_runs(copies, fills, g.src_rows, g.dst_rows), src, src_lead, dst, dst_lead, fill,
+                 num_threads);
       },
-      py::arg("copies"), py::arg("fills"), py::arg("src"), py::arg("src_rows"), py::arg("dst"), py::arg("dst_rows"),
-      py::arg("row_bytes"), py::arg("fill") = py::none(), py::arg("num_threads") = 0,
-      "Run copy/fill runs between raw CPU buffers (the CPU kernel of the seqpack torch ops).");
+      py::arg("copies"), py::arg("fills"), py::arg("src"), py::arg("src_lead"), py::arg("dst"), py::arg("dst_lead"),
+      py::arg("fill") = py::none(), py::arg("num_threads") = 0,
+      "Run copy/fill runs between CPU tensors (the CPU kernel of the seqpack torch ops); the first "
+      "src_lead / dst_lead dimensions are rows.");
   m.def(
       "byte_tasks",
       [](py::handle copies, py::handle fills, int64_t src_rows, int64_t dst_rows, size_t row_bytes,
@@ -184,19 +221,21 @@ void init_thd(py::module_& m) {
                                              p.pack.positions.size() * sizeof(PositionRun));
                                return out;
                              })
-      .def("pack_into", move_by([](ThdPlan& p) -> const MovePlan& { return p.pack; }), py::arg("src"), py::arg("src_rows"), py::arg("dst"),
-           py::arg("dst_rows"), py::arg("row_bytes"), py::arg("fill") = py::none(), py::arg("num_threads") = 0,
-           "Pack rows between raw CPU buffers by this plan (move_rows with its pack runs).")
-      .def("unpack_into", move_by([](ThdPlan& p) -> const MovePlan& { return p.unpack(); }), py::arg("src"), py::arg("src_rows"), py::arg("dst"),
-           py::arg("dst_rows"), py::arg("row_bytes"), py::arg("fill") = py::none(), py::arg("num_threads") = 0,
-           "Unpack rows between raw CPU buffers by this plan.")
+      .def("pack_into", move_by([](ThdPlan& p) -> const MovePlan& { return p.pack; }, true), py::arg("src"),
+           py::arg("dst"), py::arg("fill") = py::none(), py::arg("num_threads") = 0,
+           "Pack CPU tensor src [batch, width, ...] into dst [rows, ...] by this plan.")
+      .def("unpack_into", move_by([](ThdPlan& p) -> const MovePlan& { return p.unpack(); }, false), py::arg("src"),
+           py::arg("dst"), py::arg("fill") = py::none(), py::arg("num_threads") = 0,
+           "Unpack CPU tensor src [rows, ...] into dst [batch, width, ...] by this plan.")
       .def(
           "position_ids_into",
-          [](const ThdPlan& p, uintptr_t out, int64_t rows) {
+          [](const ThdPlan& p, py::handle out_obj) {
+            TensorArg out(out_obj, "ThdPlan.position_ids_into", "out");
+            out.on_cpu().shape({p.pack.dst_rows}).dtype_is(Dtype::I64).contiguous();
             py::gil_scoped_release release;
-            write_position_ids(p.pack, reinterpret_cast<int64_t*>(out), rows);
+            write_position_ids(p.pack, out.ptr<int64_t>(), p.pack.dst_rows);
           },
-          py::arg("out"), py::arg("rows"));
+          py::arg("out"), "Position ids of the packed rows into a CPU int64 tensor [rows].");
 
   m.def(
       "thd_plan",

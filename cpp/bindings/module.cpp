@@ -3,7 +3,10 @@
 // throws std::invalid_argument, which pybind11 raises as ValueError.
 #include <pybind11/pybind11.h>
 
+#include <optional>
+
 #include "seqpack/common.hpp"
+#include "tensor.hpp"
 
 #ifdef SEQPACK_WITH_CUDA
 #include "seqpack/cuda_device.hpp"
@@ -31,33 +34,62 @@ PYBIND11_MODULE(_core, m) {
   seqpack::bindings::init_logprob(m);
   m.def(
       "advise_huge_pages",
-      [](uintptr_t data, size_t bytes) { return seqpack::advise_huge_pages(reinterpret_cast<void*>(data), bytes); },
-      py::arg("data"), py::arg("bytes"),
-      "madvise(MADV_HUGEPAGE) on the 2 MiB-aligned interior of a fresh host buffer; False where unsupported.");
+      [](py::handle obj) {
+        seqpack::bindings::TensorArg t(obj, "advise_huge_pages", "tensor");
+        t.on_cpu().contiguous();
+        return seqpack::advise_huge_pages(t.data(), static_cast<size_t>(t.numel() * t.element_size()));
+      },
+      py::arg("tensor"),
+      "madvise(MADV_HUGEPAGE) on the 2 MiB-aligned interior of a fresh CPU tensor; False where unsupported.");
 #ifdef SEQPACK_WITH_CUDA
   m.attr("built_with_cuda") = true;
   m.attr("cuda_architectures") = SEQPACK_CUDA_ARCHITECTURES;  // CMake's list, e.g. "80-real,86-real,89-real,90"
   m.def("cuda_device_count", &seqpack::cuda::device_count);
   m.def("cuda_runtime_version", &seqpack::cuda::runtime_version);
   m.def("cuda_device_name", &seqpack::cuda::device_name, py::arg("index") = 0);
-  // Raw device pointers from torch (data_ptr) and the caller's cudaStream_t.
+  // Device tensors (DLPack) and the caller's cudaStream_t; sizes come from the tensors.
   m.def(
       "cuda_move",
-      [](uintptr_t src, uintptr_t dst, uintptr_t tasks, int64_t num_tasks, uintptr_t fill_row, int64_t row_bytes,
-         uintptr_t stream) {
-        seqpack::cuda::launch_move(reinterpret_cast<const void*>(src), reinterpret_cast<void*>(dst),
-                                   reinterpret_cast<const seqpack::ByteTask*>(tasks), num_tasks,
-                                   reinterpret_cast<const void*>(fill_row), row_bytes, reinterpret_cast<void*>(stream));
+      [](py::handle src_obj, int src_lead, py::handle dst_obj, int dst_lead, py::handle tasks_obj,
+         py::handle fill_obj, uintptr_t stream) {
+        using seqpack::bindings::Dtype;
+        using seqpack::bindings::TensorArg;
+        constexpr const char* fn = "cuda_move";
+        TensorArg src(src_obj, fn, "src"), dst(dst_obj, fn, "dst"), tasks(tasks_obj, fn, "tasks");
+        if (!src.on_cuda()) throw py::value_error("[cuda_move] src must be on a CUDA device");
+        src.contiguous();
+        dst.contiguous().same_dtype(src).same_device(src);
+        const int64_t row_bytes = src.row_bytes(src_lead);
+        if (dst.row_bytes(dst_lead) != row_bytes)
+          throw py::value_error("[cuda_move] src and dst rows differ in bytes");
+        tasks.shape({-1, 3}).dtype_is(Dtype::I64).contiguous().same_device(src);
+        const char* fill_row = nullptr;
+        std::optional<TensorArg> fill;
+        if (!fill_obj.is_none()) {
+          fill.emplace(fill_obj, fn, "fill");
+          fill->shape({row_bytes}).dtype_is(Dtype::U8).contiguous().same_device(src);
+          fill_row = fill->ptr<const char>();
+        }
+        const seqpack::MoveBuffers buffers{src.ptr<const char>(), src.numel() * src.element_size(), dst.ptr<char>(),
+                                           dst.numel() * dst.element_size(), fill_row, row_bytes};
+        seqpack::cuda::launch_move(buffers, tasks.ptr<const seqpack::ByteTask>(), tasks.size(0),
+                                   reinterpret_cast<void*>(stream));
       },
-      py::arg("src"), py::arg("dst"), py::arg("tasks"), py::arg("num_tasks"), py::arg("fill_row"),
-      py::arg("row_bytes"), py::arg("stream"));
+      py::arg("src"), py::arg("src_lead"), py::arg("dst"), py::arg("dst_lead"), py::arg("tasks"), py::arg("fill"),
+      py::arg("stream"));
   m.def(
       "cuda_positions",
-      [](uintptr_t runs, int64_t num_runs, uintptr_t out, uintptr_t stream) {
-        seqpack::cuda::launch_positions(reinterpret_cast<const seqpack::PositionRun*>(runs), num_runs,
-                                        reinterpret_cast<int64_t*>(out), reinterpret_cast<void*>(stream));
+      [](py::handle runs_obj, py::handle out_obj, uintptr_t stream) {
+        using seqpack::bindings::Dtype;
+        using seqpack::bindings::TensorArg;
+        TensorArg runs(runs_obj, "cuda_positions", "runs"), out(out_obj, "cuda_positions", "out");
+        if (!out.on_cuda()) throw py::value_error("[cuda_positions] out must be on a CUDA device");
+        out.dims(1).dtype_is(Dtype::I64).contiguous();
+        runs.shape({-1, 3}).dtype_is(Dtype::I64).contiguous().same_device(out);
+        seqpack::cuda::launch_positions(runs.ptr<const seqpack::PositionRun>(), runs.size(0), out.ptr<int64_t>(),
+                                        out.size(0), reinterpret_cast<void*>(stream));
       },
-      py::arg("runs"), py::arg("num_runs"), py::arg("out"), py::arg("stream"));
+      py::arg("runs"), py::arg("out"), py::arg("stream"));
 #else
   m.attr("built_with_cuda") = false;
   m.attr("cuda_architectures") = "";

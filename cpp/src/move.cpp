@@ -127,28 +127,22 @@ struct alignas(16) Word16 {
 };
 
 template <typename V>
-void replay_block(const std::vector<ByteTask>& tasks, const char* src, char* dst, const char* fill_row,
-                  size_t row_bytes, int64_t lanes) {
+void replay_block(const std::vector<ByteTask>& tasks, const MoveBuffers& buffers, int64_t lanes) {
   for (const ByteTask& t : tasks)
-    for (int64_t lane = 0; lane < lanes; ++lane)
-      run_byte_task<V>(t, src, dst, fill_row, static_cast<int64_t>(row_bytes), lane, lanes);
+    for (int64_t lane = 0; lane < lanes; ++lane) run_byte_task<V>(t, buffers, lane, lanes);
 }
 }  // namespace
 
-void execute_byte_tasks(const std::vector<ByteTask>& tasks, const void* src, void* dst, const void* fill_row,
-                        size_t row_bytes, int width, int64_t lanes) {
+void execute_byte_tasks(const std::vector<ByteTask>& tasks, const MoveBuffers& buffers, int width, int64_t lanes) {
   constexpr const char* fn = "execute_byte_tasks";
   if (lanes <= 0) throw_invalid(fn, "lanes must be positive");
   if (width != 1 && width != 4 && width != 8 && width != 16) throw_invalid(fn, "width must be 1, 4, 8 or 16");
-  if (row_bytes % static_cast<size_t>(width) != 0) throw_invalid(fn, "row_bytes must be a multiple of width");
-  const auto* s = static_cast<const char*>(src);
-  auto* d = static_cast<char*>(dst);
-  const auto* f = static_cast<const char*>(fill_row);
+  if (buffers.row_bytes % width != 0) throw_invalid(fn, "row_bytes must be a multiple of width");
   switch (width) {
-    case 16: replay_block<Word16>(tasks, s, d, f, row_bytes, lanes); break;
-    case 8: replay_block<uint64_t>(tasks, s, d, f, row_bytes, lanes); break;
-    case 4: replay_block<uint32_t>(tasks, s, d, f, row_bytes, lanes); break;
-    default: replay_block<uint8_t>(tasks, s, d, f, row_bytes, lanes); break;
+    case 16: replay_block<Word16>(tasks, buffers, lanes); break;
+    case 8: replay_block<uint64_t>(tasks, buffers, lanes); break;
+    case 4: replay_block<uint32_t>(tasks, buffers, lanes); break;
+    default: replay_block<uint8_t>(tasks, buffers, lanes); break;
   }
 }
 
@@ -158,8 +152,8 @@ void write_position_ids(const MovePlan& plan, int64_t* out, int64_t out_rows) {
     throw_invalid(fn, "the output has " + std::to_string(out_rows) + " rows, the plan writes " +
                           std::to_string(plan.dst_rows));
   for (const PositionRun& r : plan.positions) {
-    if (r.dst < 0 || r.count < 0 || r.dst + r.count > out_rows) throw_invalid(fn, "a position run leaves the output");
-    run_position_run(r, out, 0, 1);
+    if (!run_in_bounds(r, out_rows)) throw_invalid(fn, "a position run leaves the output");
+    run_position_run(r, out, out_rows, 0, 1);
   }
 }
 

@@ -1,9 +1,11 @@
 #include <algorithm>
+#include <cstdint>
 #include <cstring>
 #include <numeric>
 #include <vector>
 
 #include "seqpack/move.hpp"
+#include "seqpack/move_task.hpp"
 #include "test_helpers.hpp"
 
 namespace {
@@ -65,6 +67,13 @@ TEST(Move, PlansAreCheckedAgainstTheBuffers) {
 
 namespace {
 
+seqpack::MoveBuffers buffers(const std::vector<uint8_t>& src, std::vector<uint8_t>& dst, const uint8_t* fill,
+                             size_t row_bytes) {
+  return {reinterpret_cast<const char*>(src.data()), static_cast<int64_t>(src.size()),
+          reinterpret_cast<char*>(dst.data()), static_cast<int64_t>(dst.size()),
+          reinterpret_cast<const char*>(fill), static_cast<int64_t>(row_bytes)};
+}
+
 // The device kernel's task table, run on the CPU, reproduces the CPU executor.
 TEST(Move, ByteTasksReproduceThePlan) {
   using namespace seqpack;
@@ -96,19 +105,39 @@ TEST(Move, ByteTasksReproduceThePlan) {
           for (int width : {1, 4, 8, 16}) {  // the kernel's access widths, a block of 3 lanes
             if (row_bytes % static_cast<size_t>(width) != 0) continue;
             std::fill(got.begin(), got.end(), 0);
-            execute_byte_tasks(tasks, in.data(), got.data(), fill.data(), row_bytes, width, 3);
+            execute_byte_tasks(tasks, buffers(in, got, fill.data(), row_bytes), width, 3);
             EXPECT_EQ(got, expected) << "rank " << rank << ", row_bytes " << row_bytes << ", max_task " << max_task
                                      << ", width " << width;
           }
           // No fill row: zero bytes on both sides (the GPU used to dereference null).
           std::vector<uint8_t> zero_fill(out_rows * row_bytes, 7), zero_got(out_rows * row_bytes, 7);
           execute_move_plan(*plan, in.data(), plan->src_rows, zero_fill.data(), plan->dst_rows, row_bytes, nullptr, 1);
-          execute_byte_tasks(tasks, in.data(), zero_got.data(), nullptr, row_bytes, row_bytes % 4 ? 1 : 4, 2);
+          execute_byte_tasks(tasks, buffers(in, zero_got, nullptr, row_bytes), row_bytes % 4 ? 1 : 4, 2);
           EXPECT_EQ(zero_got, zero_fill);
         }
       }
     }
   }
+}
+
+// A task or position run that would leave its buffers (a corrupt table in device
+// memory) is skipped, not run out of bounds: the kernels cannot read the table back.
+TEST(Move, TasksAndRunsOutsideTheBuffersAreSkipped) {
+  using namespace seqpack;
+  std::vector<uint8_t> src(8, 1), dst(8, 0);
+  const std::vector<ByteTask> tasks = {{0, 0, 4},        // fine
+                                       {4, 6, 4},        // dst overflow
+                                       {6, 0, 4},        // src overflow
+                                       {-1, -2, 2},      // negative dst
+                                       {0, 4, -4},       // negative size
+                                       {0, INT64_MAX, 8}};  // offset + size wraps around
+  execute_byte_tasks(tasks, buffers(src, dst, nullptr, 1), 1, 2);
+  EXPECT_EQ(dst, (std::vector<uint8_t>{1, 1, 1, 1, 0, 0, 0, 0}));
+  std::vector<int64_t> out(4, -7);
+  for (const PositionRun& run : {PositionRun{0, 2, 5}, PositionRun{3, 2, 0}, PositionRun{-1, 1, 0},
+                                 PositionRun{INT64_MAX, 2, 0}})
+    for (int64_t lane = 0; lane < 2; ++lane) run_position_run(run, out.data(), 4, lane, 2);
+  EXPECT_EQ(out, (std::vector<int64_t>{5, 6, -7, -7}));
 }
 
 }  // namespace

@@ -30,8 +30,9 @@ std::vector<ByteTask> make_byte_tasks(const MovePlan& plan, size_t row_bytes, si
 // Runs byte tasks on the CPU as a CUDA block of `lanes` threads moving `width`
 // bytes (1, 4, 8 or 16) at a time would: the device kernel's code
 // (seqpack/move_task.hpp), for tests. A null fill_row fills zero bytes.
-void execute_byte_tasks(const std::vector<ByteTask>& tasks, const void* src, void* dst, const void* fill_row,
-                        size_t row_bytes, int width = 1, int64_t lanes = 1);
+struct MoveBuffers;  // seqpack/move_task.hpp
+void execute_byte_tasks(const std::vector<ByteTask>& tasks, const MoveBuffers& buffers, int width = 1,
+                        int64_t lanes = 1);
 
 // Writes the position ids of a pack plan into `out` (plan.dst_rows values).
 void write_position_ids(const MovePlan& plan, int64_t* out, int64_t out_rows);

@@ -10,11 +10,20 @@ from typing import List, Optional, Sequence
 
 import numpy as np
 import torch
+from torch.utils.dlpack import to_dlpack
 
 from .. import _core
 from .._lengths import round_up
 
 _ALIGN = 16  # bytes: every segment of the pinned buffer starts 16-byte aligned (vector loads)
+
+
+def dlpack(t: Optional[torch.Tensor]):
+    """``t`` as the DLPack capsule the extension reads (``None`` stays ``None``).
+    The binding checks shape, dtype, strides and device from it. ``to_dlpack`` costs
+    0.2 us a tensor where ``Tensor.__dlpack__`` costs about 4 us with its device
+    query (measured, torch 2.13 CPU): the fast path for the many small calls."""
+    return None if t is None else to_dlpack(t)
 
 
 def host_to_device(arrays: Sequence[np.ndarray], device: torch.device) -> List[torch.Tensor]:

@@ -26,7 +26,7 @@ import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from .. import _core
-from ._device import cuda_kernels, host_to_device
+from ._device import cuda_kernels, dlpack, host_to_device
 
 # Bytes per device task: big enough to amortise a thread block's start, small
 # enough that a long sequence spreads over many blocks.
@@ -49,12 +49,13 @@ def _move(src: torch.Tensor, move, out_shape: Sequence[int], trailing: Sequence[
     if row_bytes == 0 or dst_rows == 0:
         return out  # nothing to move (e.g. a zero-size trailing dimension)
     fill_row = _fill_bytes(src.dtype, tuple(trailing), fill)
+    src_lead, dst_lead = src.dim() - len(trailing), len(out_shape) - len(trailing)
     if src.device.type == "cpu":
         if callable(move):
-            move(src.data_ptr(), src_rows, out.data_ptr(), dst_rows, row_bytes, fill_row, num_threads)
+            move(dlpack(src), dlpack(out), fill_row, num_threads)
         else:
-            _core.move_rows(move[0].numpy(), move[1].numpy(), src.data_ptr(), src_rows, out.data_ptr(), dst_rows,
-                            row_bytes, fill=fill_row, num_threads=num_threads)
+            _core.move_rows(move[0].numpy(), move[1].numpy(), dlpack(src), src_lead, dlpack(out), dst_lead,
+                            fill=fill_row, num_threads=num_threads)
         return out
     copies, fills = move
     if not cuda_kernels(src.device):
@@ -65,8 +66,8 @@ def _move(src: torch.Tensor, move, out_shape: Sequence[int], trailing: Sequence[
     tasks = _core.byte_tasks(copies.numpy(), fills.numpy(), src_rows, dst_rows, row_bytes, MAX_TASK_BYTES)
     task_device, fill_device = host_to_device([tasks, np.frombuffer(fill_row, dtype=np.uint8)], src.device)
     with torch.cuda.device(src.device):
-        _core.cuda_move(src.data_ptr(), out.data_ptr(), task_device.data_ptr(), tasks.shape[0],
-                        fill_device.data_ptr(), row_bytes, torch.cuda.current_stream(src.device).cuda_stream)
+        _core.cuda_move(dlpack(src), src_lead, dlpack(out), dst_lead, dlpack(task_device), dlpack(fill_device),
+                        torch.cuda.current_stream(src.device).cuda_stream)
     return out
 
 

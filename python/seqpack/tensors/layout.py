@@ -229,7 +229,7 @@ class PackedLayout:
         joining the last sequence as Megatron-Core does.
 
         >>> PackedLayout.from_lengths([3, 5], pad_multiple=4, cp_size=2).cu_seqlens_padded.tolist()
-        [0, 4, 8]
+        [0, 4, 12]
         """
         layout = _core.thd_layout(
             core_lengths(seq_lens, "seq_lens"), as_positive_int(pad_multiple, "pad_multiple"),

@@ -73,20 +73,18 @@ def _plan_runs(plan) -> tuple:
 def _position_ids(plan, device) -> "torch.Tensor":
     torch = _torch()
     out = torch.empty(plan.local_rows, dtype=torch.int64, device=device)
-    if out.device.type == "cpu":
-        plan.position_ids_into(out.data_ptr(), plan.local_rows)
-        return out
-    from ._device import cuda_kernels, host_to_device
+    from ._device import cuda_kernels, dlpack, host_to_device
 
+    if out.device.type == "cpu":
+        plan.position_ids_into(dlpack(out))
+        return out
     if not cuda_kernels(out.device):  # positions on the host, one pinned copy
         host = np.empty(plan.local_rows, dtype=np.int64)
-        plan.position_ids_into(host.ctypes.data, plan.local_rows)
+        plan.position_ids_into(host)
         return host_to_device([host], out.device)[0]
-    runs = plan.position_runs
-    (run_tensor,) = host_to_device([runs], out.device)
+    (run_tensor,) = host_to_device([plan.position_runs], out.device)
     with torch.cuda.device(out.device):
-        _core.cuda_positions(run_tensor.data_ptr(), runs.shape[0], out.data_ptr(),
-                             torch.cuda.current_stream(out.device).cuda_stream)
+        _core.cuda_positions(dlpack(run_tensor), dlpack(out), torch.cuda.current_stream(out.device).cuda_stream)
     return out
 
 

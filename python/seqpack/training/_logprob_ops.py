@@ -20,7 +20,7 @@ from typing import Optional, Tuple
 import torch
 
 from .. import _core
-from ..tensors._device import cuda_kernels
+from ..tensors._device import cuda_kernels, dlpack
 
 _KERNEL_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 _HUGE_PAGES_FROM = 64 << 20  # bytes
@@ -44,13 +44,14 @@ def _kernel(logits: torch.Tensor) -> Optional[str]:
 
 
 def _launch(kernel: str, name: str, logits: torch.Tensor, args: tuple, num_threads: int) -> None:
-    """``_core.<name>`` on the CPU (with a thread count) or ``_core.cuda_<name>`` on
-    the logits' device and current stream."""
+    """``_core.<name>`` on the CPU (with a thread count) or on the logits' CUDA device
+    and current stream. Tensors cross as DLPack capsules; the binding checks them."""
+    args = tuple(dlpack(a) if isinstance(a, torch.Tensor) else a for a in args)
     if kernel == "cpu":
-        getattr(_core, name)(*args, num_threads)
+        getattr(_core, name)(*args, num_threads=num_threads)
     else:
         with torch.cuda.device(logits.device):
-            getattr(_core, f"cuda_{name}")(*args, torch.cuda.current_stream(logits.device).cuda_stream)
+            getattr(_core, name)(*args, stream=torch.cuda.current_stream(logits.device).cuda_stream)
 
 
 def _checked(logits: torch.Tensor, targets: torch.Tensor, *rows_vectors: torch.Tensor) -> torch.Tensor:
@@ -85,9 +86,7 @@ def logprob_stats(logits: torch.Tensor, targets: torch.Tensor, vocab_start: int,
     kernel = _kernel(logits)
     if kernel is None:
         return _stats_torch(logits, targets, vocab_start, temperature, entropy, out)
-    args = (logits.data_ptr(), rows, vocab, logits.stride(0), _KERNEL_DTYPES[logits.dtype], targets.data_ptr(),
-            vocab_start, temperature, out[0].data_ptr(), out[1].data_ptr(), out[3].data_ptr() if entropy else 0,
-            out[2].data_ptr())
+    args = (logits, targets, vocab_start, temperature, out[0], out[1], out[3] if entropy else None, out[2])
     _launch(kernel, "logprob_row_stats", logits, args, num_threads)
     return out
 
@@ -138,12 +137,9 @@ def logprob_grad(logits: torch.Tensor, targets: torch.Tensor, vocab_start: int, 
     if kernel == "cpu" and grad.nbytes >= _HUGE_PAGES_FROM:
         # A fresh gradient as large as the logits: with 4 KiB pages its first-touch
         # faults cost as much as the kernel itself.
-        _core.advise_huge_pages(grad.data_ptr(), grad.nbytes)
-    rows, vocab = logits.shape
-    m, log_se, g_lp = vectors  # every tensor whose pointer goes to the kernel is held here
-    args = (logits.data_ptr(), rows, vocab, logits.stride(0), _KERNEL_DTYPES[logits.dtype], targets.data_ptr(),
-            vocab_start, temperature, m.data_ptr(), log_se.data_ptr(), ent.data_ptr() if ent is not None else 0,
-            g_lp.data_ptr(), g_ent.data_ptr() if g_ent is not None else 0, grad.data_ptr(), grad.stride(0))
+        _core.advise_huge_pages(grad)
+    m, log_se, g_lp = vectors
+    args = (logits, targets, vocab_start, temperature, m, log_se, ent, g_lp, g_ent, grad)
     _launch(kernel, "logprob_row_grad", logits, args, num_threads)
     return grad
 

@@ -142,8 +142,7 @@ def test_torch_fallback_matches_the_kernel():
     stats = torch.empty(4, total)
     lpmod._stats_torch(logits, targets, 0, 0.7, True, stats)
     k = torch.empty(4, total)
-    seqpack._core.logprob_row_stats(logits.data_ptr(), total, vocab, vocab, "float32", targets.data_ptr(), 0, 0.7,
-                                    k[0].data_ptr(), k[1].data_ptr(), k[3].data_ptr(), k[2].data_ptr(), 0)
+    seqpack._core.logprob_row_stats(logits, targets, 0, 0.7, k[0], k[1], k[3], k[2], 0)
     torch.testing.assert_close(stats, k, rtol=1e-5, atol=1e-5)
     m, log_se = stats[0], stats[1].log()
     ent = log_se - stats[3] / stats[1]
@@ -153,9 +152,7 @@ def test_torch_fallback_matches_the_kernel():
     ours = torch.empty_like(logits)
     lpmod._grad_torch(logits, targets, 0, 0.7, m, log_se, ent, g_lp, g_ent, ours)
     kernel = torch.empty_like(logits)
-    seqpack._core.logprob_row_grad(logits.data_ptr(), total, vocab, vocab, "float32", targets.data_ptr(), 0, 0.7,
-                                   m.data_ptr(), log_se.data_ptr(), ent.data_ptr(), g_lp.data_ptr(), g_ent.data_ptr(),
-                                   kernel.data_ptr(), vocab, 0)
+    seqpack._core.logprob_row_grad(logits, targets, 0, 0.7, m, log_se, ent, g_lp, g_ent, kernel, 0)
     torch.testing.assert_close(ours, kernel, rtol=1e-5, atol=1e-6)  # 1 - p near p = 1 cancels
 
 
