@@ -44,7 +44,7 @@ fi
 
 # The sanitizer's subset: fast tests covering both kernels' vectorised and scalar
 # paths, grid-stride loops, masked/NaN rows, vocabulary slices, misaligned and
-# strided views, empty batches and zero-size rows (names in tests/python/test_*_gpu.py).
+# strided views, empty batches and zero-size rows (names in tests/python/*/test_*_gpu.py).
 SANITIZER_TESTS="(test_logprobs_match_torch and 1027) or test_masked_all_masked_and_nan_rows"
 SANITIZER_TESTS+=" or (test_vocab_start_slice and 384) or (test_misaligned_and_strided and bf16)"
 SANITIZER_TESTS+=" or test_empty_batch or (test_more_rows_than_one_grid and bf16) or test_pack_many_sequences"
@@ -233,7 +233,7 @@ sanitize() {  # sanitize TOOL
   # sanitizer sees the real bounds (and initialisation state) of each buffer.
   PYTORCH_NO_CUDA_MEMORY_CACHING=1 ${LIMIT[@]+"${LIMIT[@]}"} "$SANITIZER" --tool "$1" ${filter[@]+"${filter[@]}"} --error-exitcode 86 \
     --print-limit 200 \
-    "$PY" -m pytest python/test_logprobs_gpu.py python/test_thd_gpu.py -m gpu -q -x -p no:cacheprovider \
+    "$PY" -m pytest python/training/test_logprobs_gpu.py python/tensors/test_thd_gpu.py -m gpu -q -x -p no:cacheprovider \
     -k "$SANITIZER_TESTS"
 }
 

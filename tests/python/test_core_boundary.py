@@ -145,3 +145,27 @@ def test_public_ops_still_reach_the_kernels():
     lp = seqpack.packed_token_logprobs(logits, ids, [0, 3, 6]).logprobs
     ref = torch.log_softmax(logits, 1)
     assert torch.allclose(lp[0], ref[0, 2]) and lp[2] == 0
+
+
+@pytest.mark.gpu
+def test_device_mismatches_are_refused_before_any_launch():
+    logits = torch.randn(5, 7, device="cuda")
+    args = _stats_args(logits=logits, targets=torch.zeros(5, dtype=torch.int64))  # targets on the host
+    with pytest.raises(ValueError, match="targets must be on the device of logits"):
+        _core.logprob_row_stats(**args)
+    out = torch.zeros(4, 5, device="cuda")
+    args = _stats_args(logits=logits, targets=torch.zeros(5, dtype=torch.int64, device="cuda"), max=out[0],
+                       sumexp=out[1], zexp=out[3], target_z=out[2])
+    _core.logprob_row_stats(**args, stream=torch.cuda.current_stream().cuda_stream)
+    torch.testing.assert_close(out[0], logits.max(1).values)
+    plan = _plan()
+    with pytest.raises(ValueError, match=r"\[ThdPlan.pack_into\] src must be on the CPU"):
+        plan.pack_into(torch.zeros(2, 4, 3, device="cuda"), torch.empty(6, 3, device="cuda"))
+    with pytest.raises(ValueError, match="out must be on the CPU"):
+        plan.position_ids_into(torch.empty(6, dtype=torch.int64, device="cuda"))
+    x = torch.zeros(4, 2, device="cuda")
+    with pytest.raises(ValueError, match="dst must be on the device of src"):
+        _core.cuda_move(x, 1, torch.zeros(4, 2), 1, torch.zeros(0, 3, dtype=torch.int64, device="cuda"), None, 0)
+    with pytest.raises(ValueError, match=r"fill must have shape \[8\]"):
+        _core.cuda_move(x, 1, x.clone(), 1, torch.zeros(0, 3, dtype=torch.int64, device="cuda"),
+                        torch.zeros(4, dtype=torch.uint8, device="cuda"), 0)

@@ -138,3 +138,18 @@ def test_readme_trainer_example_runs(monkeypatch):
     namespace: dict = {}
     exec(block, namespace)
     assert namespace["params"].qkv_format == "thd" and namespace["tokens"].dim() == 1
+
+
+def test_package_carries_type_information_and_one_version():
+    import importlib.metadata
+    import pathlib
+
+    root = pathlib.Path(seqpack.__file__).parent
+    assert (root / "py.typed").is_file()
+    stub = root / "_core.pyi"
+    assert stub.is_file(), "the build generates _core.pyi with pybind11-stubgen (a build requirement)"
+    text = stub.read_text()
+    public = [n for n in dir(seqpack._core) if not n.startswith("_")]
+    missing = [n for n in public if n not in text]
+    assert not missing, f"_core.pyi lacks {missing}: regenerate it (rebuild)"
+    assert importlib.metadata.version("seqpack") == seqpack.__version__

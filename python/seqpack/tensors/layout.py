@@ -182,9 +182,11 @@ def _frozen_int32(a: np.ndarray) -> np.ndarray:
 class PackedLayout:
     """Where each sequence's tokens sit in a packed THD tensor, and for which
     context-parallel split. Immutable; built by :meth:`from_lengths` or
-    :meth:`from_offsets` (both validate), produced by :func:`seqpack.pack_sequences`,
-    :func:`seqpack.collate_packs` and the HF collator, taken by the log-prob, loss,
-    attention and CP functions.
+    :meth:`from_offsets` (both validate), held by every :class:`seqpack.PackedBatch`
+    (:func:`seqpack.pack_sequences`, :func:`seqpack.collate_packs`, and through them
+    ``BatchedDataDict``'s micro-batches and the HF ``PackingCollator``). Taken in
+    place of offsets by :func:`seqpack.packed_token_logprobs`,
+    :class:`seqpack.SequencePackingLossWrapper` and :func:`seqpack.cp_attention`.
 
     Attributes:
         cu_seqlens: ``[B + 1]`` int32 NumPy (read-only): cumulative real lengths.

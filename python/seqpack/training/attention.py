@@ -164,8 +164,9 @@ def varlen_attention(
 
     Args:
         q: ``[Tq, Hq, D]``; k, v: ``[Tk, Hk, D]`` (``Hq`` a multiple of ``Hk``: GQA).
-        cu_seqlens_q / cu_seqlens_k: ``[B + 1]`` int32 offsets of each sequence's
-            rows (host or device; device offsets are not read back).
+        cu_seqlens_q / cu_seqlens_k: ``[B + 1]`` offsets of each sequence's rows,
+            any form of :func:`seqpack.tensors.layout.check_offsets` (host or device;
+            device offsets are not read back).
         max_seqlen_q / max_seqlen_k: the longest query / key sequence.
         causal: bottom-right aligned causal mask per sequence.
         softmax_scale: default ``1 / sqrt(D)``.

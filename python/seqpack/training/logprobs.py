@@ -116,21 +116,27 @@ def _offsets_on(device, cu_seqlens: Any, cu_seqlens_padded: Any, cp: int, rows: 
     """(cu_seqlens, cu_seqlens_padded) as tensors on ``device``: host offsets are
     validated against the shapes and copied with one pinned non-blocking copy;
     device offsets are used as they are (not read back)."""
-    torch = _torch()
+    if isinstance(cu_seqlens, PackedLayout):
+        return _sized(cu_seqlens, rows, ids_len).offsets_on(device)
     if cu_seqlens_padded is None:
         cu_seqlens_padded = cu_seqlens
     cu, padded = check_offsets(cu_seqlens, "cu_seqlens"), check_offsets(cu_seqlens_padded, "cu_seqlens_padded")
     if isinstance(cu, np.ndarray) and isinstance(padded, np.ndarray):
-        layout = _layout(cu, padded, cp)
-        if rows != layout.local_tokens:
-            raise ValueError(f"logits has {rows} rows; the packed layout has {layout.local_tokens} "
-                             f"(cu_seqlens_padded[-1] = {layout.num_tokens}{f', cp_size = {cp}' if cp > 1 else ''})")
-        if ids_len != layout.num_tokens:
-            raise ValueError(f"input_ids must hold the full packed ids [{layout.num_tokens}], got {ids_len}")
-        return layout.offsets_on(device)
+        return _sized(_layout(cu, padded, cp), rows, ids_len).offsets_on(device)
     if isinstance(cu, np.ndarray) or isinstance(padded, np.ndarray):
         raise TypeError("cu_seqlens and cu_seqlens_padded must both be device tensors or both host offsets")
     return cu, padded
+
+
+def _sized(layout: PackedLayout, rows: int, ids_len: int) -> PackedLayout:
+    """``layout`` after checking it against the logits' rows and the ids' length."""
+    if rows != layout.local_tokens:
+        cp = layout.cp_size
+        raise ValueError(f"logits has {rows} rows; the packed layout has {layout.local_tokens} "
+                         f"(cu_seqlens_padded[-1] = {layout.num_tokens}{f', cp_size = {cp}' if cp > 1 else ''})")
+    if ids_len != layout.num_tokens:
+        raise ValueError(f"input_ids must hold the full packed ids [{layout.num_tokens}], got {ids_len}")
+    return layout
 
 
 def _check_target_ids(input_ids: "torch.Tensor", vocab: int) -> None:
@@ -169,11 +175,13 @@ def packed_token_logprobs(
         input_ids: the full packed ids ``[T]`` (also under CP). An id < 0 (e.g.
             -100) as a target means "no target": log-prob 0, entropy 0, no gradient.
         cu_seqlens: real cumulative lengths ``[B + 1]``; cu_seqlens_padded: padded
-            cumulative lengths (the THD offsets), default ``cu_seqlens``. Lists, or
-            int32 arrays / tensors (the rule of the whole API, as Megatron-Core, TE
-            and flash-attn use). Host offsets are validated; device tensors are used
-            without a host read (static shapes, CUDA graphs: see
-            :func:`seqpack.pack_sequences_static`).
+            cumulative lengths (the THD offsets), default ``cu_seqlens``. Any form of
+            :func:`seqpack.tensors.layout.check_offsets` (lists, int32/int64 arrays
+            and tensors: the rule of the whole API). Host offsets are validated;
+            device tensors are used without a host read (static shapes, CUDA graphs:
+            see :func:`seqpack.pack_sequences_static`). Or a
+            :class:`~seqpack.PackedLayout` (e.g. ``packed_batch.layout``), which also
+            gives ``cu_seqlens_padded``, ``cp_size`` and ``cp_rank``.
         cp_size / cp_rank: context parallelism of ``logits``.
         return_entropy: also compute the per-token entropy.
         temperature: logits are divided by it first (positive, finite).
@@ -201,6 +209,10 @@ def packed_token_logprobs(
         raise TypeError(f"input_ids must be an integer tensor, got {input_ids.dtype}")
     if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature > 0):
         raise ValueError(f"temperature must be a positive finite number, got {temperature}")
+    if isinstance(cu_seqlens, PackedLayout):  # the layout carries the offsets and the CP split
+        if cu_seqlens_padded is not None:
+            raise ValueError("give cu_seqlens_padded only with plain offsets, not with a PackedLayout")
+        cp_size, cp_rank = cu_seqlens.cp_size, cu_seqlens.cp_rank
     cp = as_positive_int(cp_size, "cp_size")
     if not 0 <= int(cp_rank) < cp:
         raise ValueError(f"cp_rank must be in [0, cp_size = {cp}), got {cp_rank}")

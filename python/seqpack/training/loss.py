@@ -378,8 +378,10 @@ class SequencePackingLossWrapper:
         prepare_fn: ``prepare_fn(logits=, data=, loss_fn=, vocab_parallel_rank=,
             vocab_parallel_group=, context_parallel_group=) -> (loss_input, data)``;
             default :func:`prepare_loss_input` (fused log-probs of the sequence).
-        cu_seqlens_q / cu_seqlens_q_padded: ``[B + 1]`` int32 offsets of the packed
-            sequences before CP sharding (real / padded); read to the host once.
+        cu_seqlens_q / cu_seqlens_q_padded: ``[B + 1]`` offsets of the packed
+            sequences before CP sharding (real / padded; any form of
+            :func:`seqpack.tensors.layout.check_offsets`, read to the host once), or a
+            :class:`~seqpack.PackedLayout` as ``cu_seqlens_q``.
         vocab_parallel_rank / vocab_parallel_group / context_parallel_group: TP and CP.
         fused: compute every sequence's log-probs in one pass over the packed
             logits, one CP all-gather per call, and call ``loss_fn`` once on the whole
@@ -401,8 +403,11 @@ class SequencePackingLossWrapper:
             raise ValueError("cu_seqlens_q is required")
         _check_packable(loss_fn)
         self.loss_fn, self.prepare_fn, self.fused, self.temperature = loss_fn, prepare_fn, fused, float(temperature)
-        layout = PackedLayout.from_offsets(_host_cu(cu_seqlens_q, "cu_seqlens_q"), None if cu_seqlens_q_padded is None
-                                           else _host_cu(cu_seqlens_q_padded, "cu_seqlens_q_padded"))
+        if isinstance(cu_seqlens_q, PackedLayout):
+            layout = cu_seqlens_q
+        else:
+            layout = PackedLayout.from_offsets(_host_cu(cu_seqlens_q, "cu_seqlens_q"), None if cu_seqlens_q_padded is
+                                               None else _host_cu(cu_seqlens_q_padded, "cu_seqlens_q_padded"))
         self.cu = layout.cu_seqlens.astype(np.int64)
         self.cu_padded = layout.cu_seqlens_padded.astype(np.int64)
         self.vocab_parallel_rank, self.vocab_parallel_group = vocab_parallel_rank, vocab_parallel_group
