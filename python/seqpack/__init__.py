@@ -57,7 +57,7 @@ _export("planning.metrics", "PackingMetrics", "dp_balance_metrics", "dynamic_bat
 # Packed tensors
 _export("tensors.layout", "PackedLayout", "alignment")
 _export("tensors.thd", "PackedBatch", "PackedSeqParams", "StaticPackedBatch", "pack_sequences",
-        "pack_sequences_static", "unpack_sequences")
+        "pack_sequences_static", "pack_to_layout", "unpack_sequences")
 _export("tensors.cp", "cp_partition_indices", "cp_restore_order")
 _export("tensors.dataset", "PackedDataset", "collate_packs", "pack_dataset")
 # Training ops
@@ -74,7 +74,8 @@ __all__ = [
     "get_seqlen_balanced_partitions", "karmarkar_karp", "plan_micro_batches", "MicroBatchPlan",
     "plan_dynamic_batching", "DynamicBatchingPlan", "PackingMetrics",
     # packed tensors
-    "PackedLayout", "alignment", "PackedBatch", "PackedSeqParams", "pack_sequences", "unpack_sequences",
+    "PackedLayout", "alignment", "PackedBatch", "PackedSeqParams", "pack_sequences", "pack_to_layout",
+    "unpack_sequences",
     "StaticPackedBatch", "pack_sequences_static", "cp_partition_indices", "cp_restore_order",
     "collate_packs", "pack_dataset",
     # training
@@ -193,7 +194,7 @@ if TYPE_CHECKING:  # what the lazy attributes resolve to, for type checkers and 
     from .tensors.dataset import PackedDataset, collate_packs, pack_dataset
     from .tensors.layout import PackedLayout, alignment
     from .tensors.thd import (PackedBatch, PackedSeqParams, StaticPackedBatch, pack_sequences, pack_sequences_static,
-                              unpack_sequences)
+                              pack_to_layout, unpack_sequences)
     from .training.attention import attention_backends, cp_attention, varlen_attention
     from .training.logprobs import TokenLogprobs, packed_token_logprobs
     from .training.loss import ClippedPGLoss, NLLLoss, SequencePackingLossWrapper, prepare_loss_input

@@ -14,10 +14,10 @@ from .cp import cp_partition_indices, cp_restore_order
 from .dataset import PackedDataset, collate_packs, pack_dataset
 from .layout import PackedLayout, alignment, round_up
 from .thd import (PackedBatch, PackedSeqParams, StaticPackedBatch, pack_sequences, pack_sequences_static,
-                  unpack_sequences)
+                  pack_to_layout, unpack_sequences)
 
 __all__ = [
     "PackedBatch", "PackedDataset", "PackedLayout", "PackedSeqParams", "StaticPackedBatch", "alignment",
     "collate_packs", "cp_partition_indices", "cp_restore_order", "pack_dataset", "pack_sequences",
-    "pack_sequences_static", "round_up", "unpack_sequences",
+    "pack_sequences_static", "pack_to_layout", "round_up", "unpack_sequences",
 ]

@@ -39,7 +39,7 @@ from .layout import PackedLayout, PackedSeqParams, alignment, host_offsets, mega
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-__all__ = ["PackedBatch", "PackedSeqParams", "StaticPackedBatch", "alignment", "pack_sequences",
+__all__ = ["PackedBatch", "PackedSeqParams", "StaticPackedBatch", "alignment", "pack_sequences", "pack_to_layout",
            "pack_sequences_static", "unpack_sequences"]  # PackedSeqParams, alignment: from .layout
 
 
@@ -203,6 +203,44 @@ class PackedBatch(_NamedPackedTensors):
         return _ops.unpack_rows(x, self._plan, self._runs, float(fill), self._num_threads)
 
 
+def _named_tensors(tensors) -> tuple:
+    """``(dict of tensors, B, S)``: every tensor a CPU/CUDA ``[B, S, ...]`` on one device."""
+    torch = _torch()
+    named = {"input": tensors} if isinstance(tensors, torch.Tensor) else dict(tensors)
+    if not named:
+        raise ValueError("tensors must hold at least one tensor")
+    for name, t in named.items():
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"tensors[{name!r}] must be a torch.Tensor, got {type(t).__name__}")
+    first_name, first = next(iter(named.items()))
+    if first.dim() < 2:
+        raise ValueError(f"tensors[{first_name!r}] must be [B, S, ...], got shape {tuple(first.shape)}")
+    batch, width = int(first.shape[0]), int(first.shape[1])
+    for name, t in named.items():
+        if t.dim() < 2 or tuple(t.shape[:2]) != (batch, width):
+            raise ValueError(
+                f"tensors[{name!r}] has shape {tuple(t.shape)}; every tensor must start with [B, S] = [{batch}, {width}]"
+            )
+        _check_device(t, f"tensors[{name!r}]")
+        if t.device != first.device:
+            raise ValueError(f"tensors[{name!r}] is on {t.device}, tensors[{first_name!r}] on {first.device}")
+    return named, batch, width
+
+
+def _pack_named(result: "PackedBatch", named: Dict[str, "torch.Tensor"], pad_values, pad_value,
+                num_threads: int) -> "PackedBatch":
+    from . import _ops
+
+    pad_values = dict(pad_values or {})
+    unknown = set(pad_values) - set(named)
+    if unknown:
+        raise ValueError(f"pad_values names tensors that were not given: {sorted(unknown)}")
+    for name, t in named.items():
+        result.tensors[name] = _ops.pack_rows(t, result._plan, result._runs, float(pad_values.get(name, pad_value)),
+                                              num_threads)
+    return result
+
+
 def pack_sequences(
     tensors: Union["torch.Tensor", Mapping[str, "torch.Tensor"]],
     attention_mask: Optional["torch.Tensor"] = None,
@@ -238,24 +276,7 @@ def pack_sequences(
         num_threads: CPU threads for the copies (0: automatic).
     """
     torch = _torch()
-    named = {"input": tensors} if isinstance(tensors, torch.Tensor) else dict(tensors)
-    if not named:
-        raise ValueError("tensors must hold at least one tensor")
-    for name, t in named.items():
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"tensors[{name!r}] must be a torch.Tensor, got {type(t).__name__}")
-    first_name, first = next(iter(named.items()))
-    if first.dim() < 2:
-        raise ValueError(f"tensors[{first_name!r}] must be [B, S, ...], got shape {tuple(first.shape)}")
-    batch, width = int(first.shape[0]), int(first.shape[1])
-    for name, t in named.items():
-        if t.dim() < 2 or tuple(t.shape[:2]) != (batch, width):
-            raise ValueError(
-                f"tensors[{name!r}] has shape {tuple(t.shape)}; every tensor must start with [B, S] = [{batch}, {width}]"
-            )
-        _check_device(t, f"tensors[{name!r}]")
-        if t.device != first.device:
-            raise ValueError(f"tensors[{name!r}] is on {t.device}, tensors[{first_name!r}] on {first.device}")
+    named, batch, width = _named_tensors(tensors)
     if (attention_mask is None) == (seq_lens is None):
         raise ValueError("give exactly one of attention_mask and seq_lens")
     mask = None
@@ -276,20 +297,38 @@ def pack_sequences(
         as_positive_int(cp_size, "cp_size"),
         int(cp_rank),
     )
-    pad_values = dict(pad_values or {})
-    unknown = set(pad_values) - set(named)
-    if unknown:
-        raise ValueError(f"pad_values names tensors that were not given: {sorted(unknown)}")
-    from . import _ops
-
-    device = first.device
     layout = _host_only(PackedLayout)(plan.cu_seqlens, plan.cu_seqlens_padded, pad_multiple, int(plan.cp_size),
                                       int(plan.cp_rank))
-    result = _batch_from_plan(plan, layout, device, num_threads)
-    for name, t in named.items():
-        result.tensors[name] = _ops.pack_rows(t, plan, result._runs, float(pad_values.get(name, pad_value)),
-                                              num_threads)
-    return result
+    device = next(iter(named.values())).device
+    return _pack_named(_batch_from_plan(plan, layout, device, num_threads), named, pad_values, pad_value, num_threads)
+
+
+def pack_to_layout(
+    tensors: Union["torch.Tensor", Mapping[str, "torch.Tensor"]],
+    layout: PackedLayout,
+    *,
+    pad_values: Optional[Mapping[str, Union[int, float, bool]]] = None,
+    pad_value: Union[int, float, bool] = 0,
+    num_threads: int = 0,
+) -> PackedBatch:
+    """Pack right-padded ``[B, S, ...]`` tensors into a given :class:`PackedLayout`
+    (sequence ``b``'s ``layout.seq_lens[b]`` real tokens to its offset; rank
+    ``layout.cp_rank``'s rows with CP): for offsets that come from elsewhere (a
+    trainer's ``cu_seqlens``, a dataset) rather than from a pad multiple.
+
+    >>> import torch, seqpack
+    >>> layout = seqpack.PackedLayout.from_offsets([0, 2, 5], [0, 3, 8])
+    >>> seqpack.pack_to_layout(torch.tensor([[5, 6, 0], [7, 8, 9]]), layout)["input"].tolist()
+    [5, 6, 0, 7, 8, 9, 0, 0]
+    """
+    named, batch, width = _named_tensors(tensors)
+    if not isinstance(layout, PackedLayout):
+        raise TypeError(f"layout must be a PackedLayout, got {type(layout).__name__}")
+    if batch != layout.num_sequences:
+        raise ValueError(f"the tensors hold {batch} rows; the layout has {layout.num_sequences} sequences")
+    plan = _core.thd_plan_for_layout(layout._core_layout, width, layout.cp_rank)
+    device = next(iter(named.values())).device
+    return _pack_named(_batch_from_plan(plan, layout, device, num_threads), named, pad_values, pad_value, num_threads)
 
 
 def _batch_from_plan(plan, layout: PackedLayout, device, num_threads: int = 0) -> "PackedBatch":

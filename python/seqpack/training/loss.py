@@ -38,6 +38,7 @@ import numpy as np
 from .._lengths import as_lengths
 from ..tensors.cp import gather_cp
 from ..tensors.layout import PackedLayout, host_offsets
+from ..tensors.thd import pack_to_layout
 from .logprobs import packed_token_logprobs
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -464,36 +465,27 @@ class SequencePackingLossWrapper:
 
         logits2d = logits.reshape(-1, logits.shape[-1])
         ids = data["input_ids"]
-        batch, width = ids.shape[0], ids.shape[1]
-        lengths = np.minimum(np.diff(self.cu), width)
-        # Host-built index maps, used once each on the device.
-        rows = np.repeat(np.arange(batch), lengths)
-        cols = np.concatenate([np.arange(n) for n in lengths]) if batch else np.zeros(0, np.int64)
-        dest = self.cu_padded[rows] + cols
-        packed = torch.zeros(int(self.cu_padded[-1]), dtype=ids.dtype, device=ids.device)
-        from ..tensors._device import host_to_device
-
-        dest_t, rows_t, cols_t = host_to_device([dest, rows, cols], ids.device)  # one pinned copy, no sync
-        packed[dest_t] = ids[rows_t, cols_t]
+        width = ids.shape[1]
+        # The packed ids through the C++ plan of this layout (real lengths cut to the
+        # rows' width, as NeMo-RL's trim); its unpack maps results back to [B, S].
+        layout = PackedLayout.from_offsets(np.concatenate([[0], np.cumsum(np.minimum(np.diff(self.cu), width))]),
+                                           self.cu_padded)
+        packed = pack_to_layout({"input_ids": ids}, layout)
         cp_size, cp_rank = _group_info(self.context_parallel_group)
         entropy = bool(getattr(self.loss_fn, "needs_entropy", False))
         vocab_start = (self.vocab_parallel_rank or 0) * logits2d.shape[1]
-        cu_padded = self.cu_padded.tolist()
-        cu_real = np.concatenate([[0], np.cumsum(lengths)]).tolist()  # real lengths, as the padded spans hold them
-        lp, ent = packed_token_logprobs(logits2d, packed, cu_real, cu_padded,
-                                        cp_size=cp_size, cp_rank=cp_rank, return_entropy=entropy,
-                                        temperature=self.temperature, vocab_parallel_group=self.vocab_parallel_group,
-                                        vocab_start=vocab_start)
+        lp, ent = packed_token_logprobs(logits2d, packed["input_ids"], PackedLayout(
+            layout.cu_seqlens, layout.cu_seqlens_padded, cp_size=cp_size, cp_rank=cp_rank), return_entropy=entropy,
+            temperature=self.temperature, vocab_parallel_group=self.vocab_parallel_group, vocab_start=vocab_start)
         if cp_size > 1:
-            lp = gather_cp(lp, cu_padded, self.context_parallel_group)
+            lp = gather_cp(lp, layout.cu_seqlens_padded, self.context_parallel_group)
             if ent is not None:
-                ent = gather_cp(ent, cu_padded, self.context_parallel_group)
-        keep = cols < lengths[rows] - 1  # next-token positions: all but each sequence's last
-        rows_k, cols_k, src = host_to_device([rows[keep], cols[keep], dest[keep]], lp.device)
-        index = (rows_k, cols_k)
-        loss_input = {"next_token_logprobs": lp.new_zeros((batch, width - 1)).index_put(index, lp[src])}
+                ent = gather_cp(ent, layout.cu_seqlens_padded, self.context_parallel_group)
+        # A row's log-prob is its next token's: [B, S] -> NeMo-RL's [B, S - 1] (0 past
+        # each sequence's last real token, where the packed values are 0 already).
+        loss_input = {"next_token_logprobs": packed.unpack(lp)[:, :-1]}
         if ent is not None:
-            loss_input["next_token_entropy"] = ent.new_zeros((batch, width - 1)).index_put(index, ent[src])
+            loss_input["next_token_entropy"] = packed.unpack(ent)[:, :-1]
         return self.loss_fn(data=data, global_valid_seqs=global_valid_seqs, global_valid_toks=global_valid_toks,
                             **loss_input)
 

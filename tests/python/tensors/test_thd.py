@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import seqpack
@@ -451,3 +451,28 @@ def test_host_to_device_segments():
     out = host_to_device(arrays, torch.device("cpu"))
     for a, t in zip(arrays, out):
         assert t.shape == a.shape and t.numpy().tobytes() == a.tobytes()
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 9), min_size=1, max_size=6), st.sampled_from([1, 2, 4]), st.sampled_from([1, 2]),
+       st.data())
+def test_pack_to_layout_equals_pack_sequences_of_the_same_layout(lens, multiple, cp, data):
+    multiple = multiple * 2 * cp if cp > 1 else multiple
+    rank = data.draw(st.integers(0, cp - 1))
+    width = max(lens) + data.draw(st.integers(0, 2))
+    x = torch.randn(len(lens), width, 3)
+    ref = seqpack.pack_sequences(x, seq_lens=lens, pad_multiple=multiple, pad_value=-1.0, cp_size=cp, cp_rank=rank)
+    got = seqpack.pack_to_layout(x, ref.layout, pad_value=-1.0)
+    assert torch.equal(got["input"], ref["input"])
+    assert torch.equal(got.position_ids, ref.position_ids)
+    assert torch.equal(got.unpack(got["input"]), ref.unpack(ref["input"]))
+
+
+def test_pack_to_layout_errors():
+    layout = seqpack.PackedLayout.from_offsets([0, 2, 5], [0, 3, 8])
+    with pytest.raises(ValueError, match="the tensors hold 3 rows; the layout has 2 sequences"):
+        seqpack.pack_to_layout(torch.zeros(3, 4), layout)
+    with pytest.raises(TypeError, match="layout must be a PackedLayout"):
+        seqpack.pack_to_layout(torch.zeros(2, 4), [0, 2, 5])
+    with pytest.raises(ValueError, match="seq_lens"):  # a row narrower than its sequence
+        seqpack.pack_to_layout(torch.zeros(2, 2), layout)
