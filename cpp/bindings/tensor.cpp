@@ -144,6 +144,7 @@ const TensorArg& TensorArg::same_dtype(const TensorArg& other) const {
 }
 
 const TensorArg& TensorArg::contiguous() const {
+  if (numel() == 0) return *this;  // no element to address: any strides will do
   int64_t expected = 1;
   for (int d = t_->ndim - 1; d >= 0; --d) {
     if (t_->shape[d] != 1 && stride(d) != expected) fail_value("must be contiguous (dense, row-major)");
@@ -154,6 +155,7 @@ const TensorArg& TensorArg::contiguous() const {
 
 const TensorArg& TensorArg::inner_contiguous() const {
   dims(2);
+  if (numel() == 0) return *this;
   if ((t_->shape[1] > 1 && stride(1) != 1) || (t_->shape[0] > 1 && stride(0) < t_->shape[1]))
     fail_value("must have unit column stride and a row stride >= its columns");
   return *this;

@@ -132,6 +132,13 @@ def test_cuda_entry_points_refuse_host_tensors():
         _core.cuda_positions(torch.zeros(1, 3, dtype=torch.int64), torch.zeros(4, dtype=torch.int64), 0)
 
 
+def test_empty_tensors_are_contiguous_whatever_their_strides():
+    plan = _core.thd_plan([0], None, 1, 0, 1, 0, 1, 1, 0)
+    src = np.empty((1, 0), dtype=np.int64)  # NumPy gives this strides (0, 8)
+    dst = np.empty(0, dtype=np.int64)
+    plan.pack_into(src, dst, np.int64(0).tobytes())
+
+
 def test_huge_page_advice_takes_a_tensor():
     assert _core.advise_huge_pages(torch.empty(16)) in (True, False)
     with pytest.raises(ValueError, match="tensor must be contiguous"):

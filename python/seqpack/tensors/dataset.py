@@ -32,7 +32,8 @@ import numpy as np
 
 from .._lengths import as_positive_int
 from ..planning.packing import get_packer
-from .layout import alignment, round_up
+from .. import _core
+from .layout import PackedLayout, alignment, round_up
 
 if TYPE_CHECKING:  # pragma: no cover
     from .thd import PackedBatch
@@ -160,34 +161,29 @@ def pack_dataset(
 
     packs: List[Dict[str, np.ndarray]] = []
     real = 0
+    id_fill, label_fill = np.int64(padding_idx).tobytes(), np.int64(label_pad).tobytes()
     for members in tqdm(bins, desc="seqpack: packing", disable=not show, unit="pack"):
-        input_ids = np.full(size, padding_idx, dtype=np.int64)
-        labels = np.full(size, label_pad, dtype=np.int64)
-        positions = np.empty(size, dtype=np.int64)
-        seq_lens, seq_lens_padded = [], []
-        offset = 0
-        for k in members:
-            n, p = ids_list[k].size, padded[k]
-            input_ids[offset:offset + n] = ids_list[k]
-            labels[offset:offset + n] = labels_list[k]
-            if mask_first_label and n:
-                labels[offset] = label_pad
-            positions[offset:offset + p] = np.arange(p)
-            seq_lens.append(n)
-            seq_lens_padded.append(p)
-            offset += p
-            real += n
-        # The pack's tail padding joins its last sequence (positions keep counting).
-        if offset < size:
-            start = seq_lens_padded[-1] if seq_lens_padded else 0  # the last sequence's next position
-            positions[offset:] = np.arange(start, start + size - offset)
-            if seq_lens_padded:
-                seq_lens_padded[-1] += size - offset
-            else:  # pragma: no cover - a pack always holds a sequence
-                seq_lens, seq_lens_padded = [0], [size]
-        packs.append(dict(input_ids=input_ids, labels=labels, position_ids=positions,
-                          seq_lens=np.asarray(seq_lens, dtype=np.int64),
-                          seq_lens_padded=np.asarray(seq_lens_padded, dtype=np.int64)))
+        # Each pack is a PackedLayout whose tail padding joins its last sequence
+        # (pad_packed_to), filled through the C++ plan: the rules of every THD batch.
+        lens = np.array([ids_list[k].size for k in members], dtype=np.int64)
+        layout = PackedLayout.from_lengths(lens, pad_multiple=multiple, pad_packed_to=size)
+        width = int(lens.max())
+        rows_ids = np.empty((len(members), width), dtype=np.int64)
+        rows_labels = np.empty((len(members), width), dtype=np.int64)
+        for i, k in enumerate(members):
+            rows_ids[i, :lens[i]] = ids_list[k]
+            rows_labels[i, :lens[i]] = labels_list[k]
+        if mask_first_label and width:
+            rows_labels[lens > 0, 0] = label_pad
+        plan = _core.thd_plan_for_layout(layout._core_layout, width, 0)
+        pack = dict(input_ids=np.empty(size, dtype=np.int64), labels=np.empty(size, dtype=np.int64),
+                    position_ids=np.empty(size, dtype=np.int64), seq_lens=layout.seq_lens,
+                    seq_lens_padded=layout.padded_lens)
+        plan.pack_into(rows_ids, pack["input_ids"], id_fill)
+        plan.pack_into(rows_labels, pack["labels"], label_fill)
+        plan.position_ids_into(pack["position_ids"])
+        packs.append(pack)
+        real += int(lens.sum())
     return PackedDataset(packs=packs, pack_size=size, pad_multiple=multiple, num_examples=len(examples),
                          dropped=dropped, truncated=truncated, real_tokens=real)
 
@@ -210,8 +206,6 @@ def collate_packs(packs: Sequence[Mapping[str, Any]], cp_size: int = 1, cp_rank:
     """
     import torch
 
-    from .. import _core
-    from .layout import PackedLayout
     from .thd import _batch_from_plan
 
     if not packs:
