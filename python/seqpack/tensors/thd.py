@@ -11,9 +11,11 @@
 With ``cp_size > 1`` every padded sequence is cut into ``2 * cp_size`` chunks and
 rank ``r`` gets chunks ``r`` and ``2 * cp_size - 1 - r`` of each sequence (the
 zigzag layout of Megatron-Core / Transformer Engine), built directly from the
-padded batch. The plan (offsets, runs) is computed once on the host from the mask
-or the lengths; the copies run in C++ on raw buffers (CPU: multi-threaded, GIL
-released; CUDA: one kernel launch per tensor on the current stream).
+padded batch. The plan (a :class:`~seqpack.PackedLayout` and the runs that fill it)
+is computed once on the host from the mask or the lengths; the tensors reach C++ as
+DLPack, checked there against the plan, and the copies run in C++ (CPU:
+multi-threaded, GIL released; CUDA: one kernel launch per tensor on the current
+stream).
 
     >>> import torch, seqpack
     >>> ids = torch.tensor([[5, 6, 0, 0], [7, 8, 9, 0]])

@@ -55,7 +55,7 @@ def _launch(kernel: str, name: str, logits: torch.Tensor, args: tuple, num_threa
 
 
 def _checked(logits: torch.Tensor, targets: torch.Tensor, *rows_vectors: torch.Tensor) -> torch.Tensor:
-    """The operators' inputs as the kernels read them (raw pointers): targets int64
+    """The operators' inputs as the kernels read them (the binding checks them again): targets int64
     ``[rows]`` on the logits' device, every per-row vector ``[rows]`` there too;
     returns logits with unit column stride and a row stride >= V (a copy otherwise)."""
     if logits.dim() != 2:
