@@ -106,7 +106,10 @@ def announce(env: Dict[str, str], torch_module: Any = None) -> Dict[str, str]:
 
 
 def format_table(title: str, columns: List[str], rows: Iterable[List[Any]], note: str = "") -> str:
-    from seqpack.tools.report import Table
+    try:
+        from seqpack.tools.report import Table
+    except ImportError:  # a build from before the layers, measured for an A/B comparison
+        from seqpack.report import Table
 
     return Table(title, columns, list(rows), note).format()
 

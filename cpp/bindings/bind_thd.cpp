@@ -197,6 +197,7 @@ void init_thd(py::module_& m) {
       .def_readonly("batch", &ThdPlan::batch)
       .def_readonly("width", &ThdPlan::width)
       .def_readonly("cp_rank", &ThdPlan::cp_rank)
+      .def_readonly("layout", &ThdPlan::layout)
       .def_property_readonly("cp_size", [](const ThdPlan& p) { return p.layout.cp_size; })
       .def_property_readonly("seq_lens", [](const ThdPlan& p) { return array_of(p.layout.seq_lens); })
       .def_property_readonly("padded_lens", [](const ThdPlan& p) { return array_of(p.layout.padded_lens); })

@@ -82,7 +82,7 @@ ThdLayout thd_layout_from_offsets(Lengths cu, Lengths cu_padded, int64_t cp_size
         throw_invalid(fn, std::string(name) + " must never decrease; entry " + std::to_string(i) + " is " +
                               std::to_string(offsets[i]) + " after " + std::to_string(offsets[i - 1]));
     if (offsets.back() > kInt32Max)
-      throw_invalid(fn, std::string(name) + " ends at " + std::to_string(offsets.back()) + ", beyond int32");
+      throw_invalid(fn, std::string(name) + " ends at " + std::to_string(offsets.back()) + "; offsets must fit in int32");
   };
   check(cu, "cu_seqlens");
   check(cu_padded, "cu_seqlens_padded");

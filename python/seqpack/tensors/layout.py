@@ -37,7 +37,7 @@ from .._lengths import as_positive_int, core_lengths, round_up
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-__all__ = ["PackedLayout", "PackedSeqParams", "alignment", "check_offsets", "host_offsets", "megatron_packed_seq_params", "round_up"]
+__all__ = ["PackedLayout", "PackedSeqParams", "alignment", "check_offsets", "host_offsets", "megatron_packed_seq_params", "reads_on_host", "round_up"]
 
 _INT32_MAX = 2**31 - 1
 _RULES = ("megatron", "roll")
@@ -75,7 +75,7 @@ def _torch():
     return torch
 
 
-def _reads_on_host(cu: Any) -> bool:
+def reads_on_host(cu: Any) -> bool:
     """True for offsets the host can read without a device synchronisation or a
     graph break: lists, NumPy arrays, CPU tensors outside ``torch.compile``."""
     if not hasattr(cu, "device") or not hasattr(cu, "dim"):
@@ -106,7 +106,7 @@ def check_offsets(cu: Any, name: str = "cu_seqlens") -> Union[np.ndarray, "torch
         torch = _torch()
         if cu.dim() != 1 or cu.dtype not in (torch.int32, torch.int64):
             raise TypeError(f"{name} must be a 1-D int32 or int64 tensor [B + 1], got {cu.dtype} {tuple(cu.shape)}")
-        if not _reads_on_host(cu):
+        if not reads_on_host(cu):
             if cu.shape[0] < 1:
                 raise ValueError(f"{name} must hold at least one offset")
             return cu.to(torch.int32)
@@ -170,12 +170,14 @@ def host_offsets(cu: Any, name: str = "cu_seqlens", *, copy_device: bool = False
     return out
 
 
-def _frozen_int32(a: np.ndarray) -> np.ndarray:
-    out = np.ascontiguousarray(a, dtype=np.int32)
-    if out is a:
-        out = out.copy()
-    out.flags.writeable = False
-    return out
+def _host_form(cu: Any, name: str) -> Any:
+    """``cu`` in a form the C++ core reads and checks itself (a 1-D integer NumPy
+    array or a list of ints), else through :func:`host_offsets` (forms, dtypes, devices)."""
+    if isinstance(cu, np.ndarray) and cu.ndim == 1 and cu.dtype.kind == "i":
+        return cu
+    if isinstance(cu, list) and all(type(v) is int for v in cu):
+        return cu
+    return host_offsets(cu, name)
 
 
 @dataclass(frozen=True, eq=False)
@@ -212,14 +214,27 @@ class PackedLayout:
                 not 0 <= self.cp_rank < cp:
             raise ValueError(f"cp_rank must be an int in [0, cp_size={cp}), got {self.cp_rank!r}")
         as_positive_int(self.pad_multiple, "pad_multiple")
-        cu = host_offsets(self.cu_seqlens, "cu_seqlens")
-        padded = host_offsets(self.cu_seqlens_padded, "cu_seqlens_padded")
-        # The pair's rules (padded spans hold real ones, CP chunks) live in the C++ core.
-        object.__setattr__(self, "_core_layout", _core.thd_layout_from_offsets(cu, padded, cp))
-        object.__setattr__(self, "cu_seqlens", _frozen_int32(cu))
-        object.__setattr__(self, "cu_seqlens_padded", _frozen_int32(padded))
-        object.__setattr__(self, "cp_size", cp)
-        object.__setattr__(self, "cp_rank", int(self.cp_rank))
+        cu, padded = _host_form(self.cu_seqlens, "cu_seqlens"), _host_form(self.cu_seqlens_padded, "cu_seqlens_padded")
+        # The values' rules (start at 0, never decrease, int32, padded spans hold the
+        # real ones, CP chunks) live in the C++ core; it returns the int32 offsets.
+        self._adopt(_core.thd_layout_from_offsets(cu, padded, cp), cp, int(self.cp_rank))
+
+    def _adopt(self, core: Any, cp_size: int, cp_rank: int) -> None:
+        cu, padded = core.cu_seqlens, core.cu_seqlens_padded  # fresh int32 arrays
+        cu.flags.writeable = False
+        padded.flags.writeable = False
+        for name, value in (("_core_layout", core), ("cu_seqlens", cu), ("cu_seqlens_padded", padded),
+                            ("cp_size", cp_size), ("cp_rank", cp_rank)):
+            object.__setattr__(self, name, value)
+
+    @classmethod
+    def _from_core(cls, core: Any, pad_multiple: int, cp_rank: int) -> "PackedLayout":
+        """A layout the C++ core has just built and checked (a plan's): no second pass."""
+        self = object.__new__(cls)
+        object.__setattr__(self, "pad_multiple", int(pad_multiple))
+        object.__setattr__(self, "_device_offsets", {})
+        self._adopt(core, int(core.cp_size), int(cp_rank))
+        return self
 
     # ---- constructors ------------------------------------------------------------
     @classmethod

@@ -28,7 +28,6 @@ stream).
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional, Union
 
@@ -49,13 +48,6 @@ def _torch():
     import torch
 
     return torch
-
-
-@functools.lru_cache(maxsize=None)
-def _host_only(fn):
-    """``fn`` run eagerly even inside ``torch.compile``: host bookkeeping on NumPy
-    arrays that Dynamo would otherwise try to trace as tensors."""
-    return _torch().compiler.disable(fn)
 
 
 def _check_device(t: "torch.Tensor", name: str) -> None:
@@ -299,8 +291,7 @@ def pack_sequences(
         as_positive_int(cp_size, "cp_size"),
         int(cp_rank),
     )
-    layout = _host_only(PackedLayout)(plan.cu_seqlens, plan.cu_seqlens_padded, pad_multiple, int(plan.cp_size),
-                                      int(plan.cp_rank))
+    layout = PackedLayout._from_core(plan.layout, pad_multiple, int(plan.cp_rank))
     device = next(iter(named.values())).device
     return _pack_named(_batch_from_plan(plan, layout, device, num_threads), named, pad_values, pad_value, num_threads)
 

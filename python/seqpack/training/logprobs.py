@@ -35,7 +35,7 @@ import numpy as np
 
 from .._lengths import as_lengths, as_positive_int
 from ..tensors.cp import cp_row_positions
-from ..tensors.layout import PackedLayout, check_offsets
+from ..tensors.layout import PackedLayout, check_offsets, reads_on_host
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -120,9 +120,9 @@ def _offsets_on(device, cu_seqlens: Any, cu_seqlens_padded: Any, cp: int, rows: 
         return _sized(cu_seqlens, rows, ids_len).offsets_on(device)
     if cu_seqlens_padded is None:
         cu_seqlens_padded = cu_seqlens
+    if reads_on_host(cu_seqlens) and reads_on_host(cu_seqlens_padded):  # validated once, by the layout
+        return _sized(_layout(cu_seqlens, cu_seqlens_padded, cp), rows, ids_len).offsets_on(device)
     cu, padded = check_offsets(cu_seqlens, "cu_seqlens"), check_offsets(cu_seqlens_padded, "cu_seqlens_padded")
-    if isinstance(cu, np.ndarray) and isinstance(padded, np.ndarray):
-        return _sized(_layout(cu, padded, cp), rows, ids_len).offsets_on(device)
     if isinstance(cu, np.ndarray) or isinstance(padded, np.ndarray):
         raise TypeError("cu_seqlens and cu_seqlens_padded must both be device tensors or both host offsets")
     return cu, padded
