@@ -78,8 +78,6 @@ def cp_row_positions(cu_seqlens_padded: "torch.Tensor", rows: int, cp_size: int 
 
 def cp_local_rows(full: "torch.Tensor", cu_seqlens_padded: Any, cp_size: int, cp_rank: int) -> "torch.Tensor":
     """Rank ``cp_rank``'s zigzag rows of a full THD tensor ``[T, ...]`` (one gather)."""
-    import torch
-
     if cp_size == 1:
         return full
     from ._device import host_to_device

@@ -29,11 +29,11 @@ raises when the ids are on the host, and gives NaN on a device (no host read).
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any, NamedTuple, Optional, Tuple
+from typing import TYPE_CHECKING, Any, NamedTuple, Optional
 
 import numpy as np
 
-from .._lengths import as_lengths, as_positive_int
+from .._lengths import as_positive_int
 from ..tensors.cp import cp_row_positions
 from ..tensors.layout import PackedLayout, check_offsets, reads_on_host
 

@@ -35,7 +35,6 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, Mapping, Optional, Tuple
 
 import numpy as np
 
-from .._lengths import as_lengths
 from ..tensors.cp import gather_cp
 from ..tensors.layout import PackedLayout, host_offsets
 from ..tensors.thd import pack_to_layout
@@ -461,8 +460,6 @@ class SequencePackingLossWrapper:
         return total, merged
 
     def _fused(self, logits, data, global_valid_seqs, global_valid_toks, cp):
-        import torch
-
         logits2d = logits.reshape(-1, logits.shape[-1])
         ids = data["input_ids"]
         width = ids.shape[1]
