@@ -15,13 +15,7 @@
 #include <initializer_list>
 #include <string>
 
-#if __has_include(<dlpack/dlpack.h>)
-#include <dlpack/dlpack.h>  // Debian's libdlpack-dev, apache-tvm-ffi's include dir
-#elif __has_include(<ATen/dlpack.h>)
-#include <ATen/dlpack.h>  // the copy PyTorch ships (a build against an installed torch)
-#else
-#error "seqpack needs dlpack/dlpack.h: install libdlpack-dev or apache-tvm-ffi, or build next to PyTorch"
-#endif
+#include <dlpack/dlpack.h>  // a C ABI header; CMakeLists.txt says where it comes from
 
 namespace seqpack::bindings {
 
