@@ -3,6 +3,7 @@ agreement of the ROLL/verl planners (and their synchronised errors), batch_balan
 
 import datetime
 import os
+import sys
 import socket
 import traceback
 
@@ -75,12 +76,23 @@ def check_batch_balance(rank, world):
     assert (int(lo), int(hi)) == (metrics["global_seqlen/balanced_min"], metrics["global_seqlen/balanced_max"])
 
 
+def _loss_helpers(*names):
+    """Helpers of training/test_loss.py, importable in a spawned rank whatever
+    pytest put on the parent's path."""
+    here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "training")
+    if here not in sys.path:
+        sys.path.insert(0, here)
+    import test_loss
+
+    return tuple(getattr(test_loss, n) for n in names)
+
+
 def check_loss_context_parallel(rank, world):
     # Every rank holds its zigzag rows of the packed logits; the loss (same on every
     # rank) / cp backwards into exactly the unpacked gradient of those rows.
     from seqpack import cp_partition_indices
     from seqpack.loss import ClippedPGLoss, SequencePackingLossWrapper
-    from test_loss import PG_CFG, make_batch, unpacked_loss
+    PG_CFG, make_batch, unpacked_loss = _loss_helpers("PG_CFG", "make_batch", "unpacked_loss")
 
     lengths = [7, 1, 12, 5]
     data, unpacked, packed, cu, cu_p, gvt, gvs = make_batch(lengths, 12, 48, seed=5, multiple=2 * world)
@@ -105,7 +117,7 @@ def check_loss_context_parallel(rank, world):
 
 def check_loss_vocab_parallel(rank, world):
     from seqpack.loss import NLLLoss, SequencePackingLossWrapper
-    from test_loss import make_batch, unpacked_loss
+    make_batch, unpacked_loss = _loss_helpers("make_batch", "unpacked_loss")
 
     lengths = [6, 3, 9]
     vocab = 48
@@ -215,14 +227,12 @@ CHECKS = {"all_gather": check_all_gather, "count_agreement": check_count_agreeme
 def worker(rank, world, port, names, errors):
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+        store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=datetime.timedelta(seconds=60))
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=60))
         for name in names:
             CHECKS[name](rank, world)
-        # Every rank done before any tears down: a rank whose peers (or the store's
-        # host, rank 0) have already exited can abort in gloo's teardown
-        # ("terminate called without an active exception", seen once in ~20 runs).
-        dist.barrier()
+        dist.barrier()  # every rank done before any tears down
     except BaseException:  # report to the parent, which fails the test
         errors.put(f"rank {rank}:\n{traceback.format_exc()}")
     finally:
@@ -234,6 +244,11 @@ def run_world(world, names):
     ctx = mp.get_context("spawn")
     errors = ctx.Queue()
     port = free_port()
+    # The store lives here, in the parent, until every rank has exited: with rank 0
+    # hosting it, a rank still tearing down when rank 0 exits could abort in gloo
+    # ("terminate called without an active exception", about 1 run in 15).
+    store = dist.TCPStore("127.0.0.1", port, world, is_master=True, wait_for_workers=False,  # noqa: F841
+                          timeout=datetime.timedelta(seconds=60))
     procs = [ctx.Process(target=worker, args=(r, world, port, names, errors)) for r in range(world)]
     for p in procs:
         p.start()
