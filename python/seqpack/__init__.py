@@ -54,6 +54,7 @@ _export("planning.balance", "MicroBatchPlan", "get_seqlen_balanced_partitions", 
         "log_seqlen_unbalance")
 _export("planning.dynamic_batching", "DynamicBatchingPlan", "plan_dynamic_batching")
 _export("planning.metrics", "PackingMetrics", "dp_balance_metrics", "dynamic_batching_metrics")
+_export("planning.cost", "CostModel")
 # Packed tensors
 _export("tensors.layout", "PackedLayout", "alignment")
 _export("tensors.thd", "PackedBatch", "PackedSeqParams", "StaticPackedBatch", "pack_sequences",
@@ -72,7 +73,7 @@ __all__ = [
     # planning
     "get_packer", "PackingAlgorithm", "SequencePacker",
     "get_seqlen_balanced_partitions", "karmarkar_karp", "plan_micro_batches", "MicroBatchPlan",
-    "plan_dynamic_batching", "DynamicBatchingPlan", "PackingMetrics",
+    "plan_dynamic_batching", "DynamicBatchingPlan", "PackingMetrics", "CostModel",
     # packed tensors
     "PackedLayout", "alignment", "PackedBatch", "PackedSeqParams", "pack_sequences", "pack_to_layout",
     "unpack_sequences",
@@ -187,6 +188,7 @@ if TYPE_CHECKING:  # what the lazy attributes resolve to, for type checkers and 
     from .planning.balance import (MicroBatchPlan, get_seqlen_balanced_partitions, greedy_lpt_partition,
                                    karmarkar_karp, log_seqlen_unbalance, plan_micro_batches, sequence_workloads,
                                    sorted_stride_partition)
+    from .planning.cost import CostModel
     from .planning.dynamic_batching import DynamicBatchingPlan, plan_dynamic_batching
     from .planning.metrics import PackingMetrics, dp_balance_metrics, dynamic_batching_metrics
     from .planning.packing import PackingAlgorithm, SequencePacker, adjust_bin_count, get_packer

@@ -1,0 +1,195 @@
+"""What a micro-batch costs: ``t = per_micro_batch + per_token·Σs + per_token_squared·Σs²``.
+
+The three terms are the fixed cost of running a micro-batch at all (kernel launches,
+FSDP/ZeRO-3 parameter all-gathers), the work linear in tokens (every matmul, the LM
+head) and attention, quadratic in each sequence's length ``s``::
+
+    micro-batch [3000, 500, 500]:  Σs = 4,000   Σs² = 9,500,000
+    CostModel.tokens()   ->  4,000               (what token caps balance)
+    CostModel.verl()     ->  24576·4,000 + 9.5e6 (verl's and ROLL's workload)
+
+Build one from explicit coefficients, from a transformer's shape
+(:meth:`CostModel.from_model`, forward + backward FLOPs), or from a few timed
+micro-batches on your hardware (:meth:`CostModel.fit`, least squares with
+non-negative coefficients, its R² attached).
+
+    >>> from seqpack.planning.cost import CostModel
+    >>> CostModel.tokens()([3000, 500, 500]), CostModel.verl()([3, 5])
+    (4000.0, 196642.0)
+    >>> fitted = CostModel.fit([[100], [200], [100, 100], [400]], [1.1, 1.8, 1.6, 3.8])
+    >>> [round(c, 9) for c in (fitted.per_micro_batch, fitted.per_token, fitted.per_token_squared)]
+    [0.6, 0.004, 1e-05]
+    >>> round(fitted.r_squared, 9)
+    1.0
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass, field
+from typing import Any, Iterable, List, Optional, Sequence
+
+import numpy as np
+
+from .._lengths import as_lengths, as_positive_int
+
+__all__ = ["CostModel"]
+
+_TERMS = ("per_micro_batch", "per_token", "per_token_squared")
+
+
+def _sums(micro_batches: Iterable[Any]) -> np.ndarray:
+    """``[n, 3]`` float64 rows ``(1, Σs, Σs²)`` of each micro-batch's lengths."""
+    rows: List[List[float]] = []
+    for i, mb in enumerate(micro_batches):
+        lens = as_lengths(mb, f"micro_batch_lengths[{i}]").astype(np.float64)
+        if (lens < 0).any():
+            raise ValueError(f"micro_batch_lengths[{i}] must hold lengths >= 0, got {lens.min():.0f}")
+        rows.append([1.0, float(lens.sum()), float((lens * lens).sum())])
+    return np.asarray(rows, dtype=np.float64).reshape(-1, 3)
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Predicted time (or work) of one micro-batch of sequence lengths ``s``:
+    ``per_micro_batch + per_token·Σs + per_token_squared·Σs²``. The units are the
+    caller's (seconds after :meth:`fit`, FLOPs from :meth:`from_model` without a
+    ``flops_per_second``); plans compare costs, so only ratios matter there.
+
+    Attributes:
+        per_micro_batch / per_token / per_token_squared: the coefficients (>= 0).
+        r_squared: the fit's coefficient of determination, for a fitted model.
+    """
+
+    per_micro_batch: float = 0.0
+    per_token: float = 1.0
+    per_token_squared: float = 0.0
+    r_squared: Optional[float] = field(default=None, compare=False)
+
+    def __post_init__(self) -> None:
+        for name in _TERMS:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+                raise TypeError(f"{name} must be a number, got {type(value).__name__}")
+            if not math.isfinite(float(value)) or float(value) < 0:
+                raise ValueError(f"{name} must be finite and >= 0, got {value}")
+            object.__setattr__(self, name, float(value))
+        if all(getattr(self, name) == 0 for name in _TERMS):
+            raise ValueError("a cost model needs at least one positive coefficient")
+
+    # ---- presets ------------------------------------------------------------------
+    @classmethod
+    def tokens(cls) -> "CostModel":
+        """Tokens only (what a token cap balances): ``Σs``."""
+        return cls(0.0, 1.0, 0.0)
+
+    @classmethod
+    def verl(cls) -> "CostModel":
+        """verl's and ROLL's per-sequence workload ``24576·s + s²`` (the linear layers
+        and attention of a hidden-4096 model, up to a constant)."""
+        from .balance import WORKLOAD_ATTENTION_COEFF
+
+        return cls(0.0, float(WORKLOAD_ATTENTION_COEFF), 1.0)
+
+    @classmethod
+    def from_model(cls, hidden_size: int, num_layers: int, num_attention_heads: int,
+                   num_key_value_heads: Optional[int] = None, intermediate_size: Optional[int] = None,
+                   vocab_size: int = 0, *, head_dim: Optional[int] = None, gated_mlp: bool = True,
+                   causal: bool = True, flops_per_second: Optional[float] = None,
+                   per_micro_batch: float = 0.0) -> "CostModel":
+        """Forward + backward FLOPs of a decoder-only transformer (Llama-shaped by
+        default: grouped-query attention, gated MLP), per micro-batch.
+
+        Per token and layer, the projections cost ``2·h·d·(2·Hq + 2·Hkv)`` and the MLP
+        ``2·k·h·i`` (``k = 3`` gated, 2 plain), plus ``2·h·V`` for the LM head once;
+        attention scores and their weighted sum cost ``4·Hq·d`` per attended pair,
+        ``s²/2`` pairs per causal sequence (``s²`` without the causal mask). The
+        backward pass is counted as twice the forward (x3 in total), as in the usual
+        ``6·N`` FLOPs per token. ``flops_per_second`` turns FLOPs into seconds;
+        ``per_micro_batch`` (in those units) adds a fixed cost per micro-batch.
+
+        >>> m = CostModel.from_model(4096, 32, 32, 32, 11008, 32000)  # Llama-2-7B, 6.74e9 parameters
+        >>> round(m.per_token / (6 * 6.74e9), 2), m.per_token_squared == 6 * 32 * 4096
+        (0.98, True)
+        """
+        h = as_positive_int(hidden_size, "hidden_size")
+        layers = as_positive_int(num_layers, "num_layers")
+        heads = as_positive_int(num_attention_heads, "num_attention_heads")
+        kv = heads if num_key_value_heads is None else as_positive_int(num_key_value_heads, "num_key_value_heads")
+        if heads % kv:
+            raise ValueError(f"num_attention_heads ({heads}) must be a multiple of num_key_value_heads ({kv})")
+        d = as_positive_int(head_dim, "head_dim") if head_dim is not None else h // heads
+        if d == 0:
+            raise ValueError(f"hidden_size ({h}) must be at least num_attention_heads ({heads}) without head_dim")
+        inter = 4 * h if intermediate_size is None else as_positive_int(intermediate_size, "intermediate_size")
+        vocab = as_positive_int(vocab_size, "vocab_size", allow_zero=True)
+        projections = 2 * h * d * (2 * heads + 2 * kv)
+        mlp = 2 * (3 if gated_mlp else 2) * h * inter
+        forward_per_token = layers * (projections + mlp) + 2 * h * vocab
+        forward_per_pair = layers * 4 * heads * d
+        pairs = 0.5 if causal else 1.0  # attended pairs per s² (the diagonal's s/2 is left out)
+        scale = 1.0
+        if flops_per_second is not None:
+            if not (isinstance(flops_per_second, (int, float)) and math.isfinite(flops_per_second)
+                    and flops_per_second > 0):
+                raise ValueError(f"flops_per_second must be a positive number, got {flops_per_second!r}")
+            scale = 1.0 / float(flops_per_second)
+        return cls(float(per_micro_batch), 3.0 * forward_per_token * scale, 3.0 * forward_per_pair * pairs * scale)
+
+    @classmethod
+    def fit(cls, micro_batch_lengths: Sequence[Any], seconds: Sequence[float]) -> "CostModel":
+        """Least-squares coefficients (all >= 0) from timed micro-batches: each
+        ``micro_batch_lengths[i]`` (the sequence lengths of one micro-batch) took
+        ``seconds[i]``. Use micro-batches of varied counts and lengths (a handful
+        each of short, long, few, many), at least three. The result carries its
+        ``r_squared`` on the samples.
+
+        Non-negativity is exact: every subset of the three terms is solved by
+        least squares and the best feasible one kept (8 small solves).
+        """
+        x = _sums(micro_batch_lengths)
+        y = np.asarray(seconds, dtype=np.float64).reshape(-1)
+        if y.shape[0] != x.shape[0]:
+            raise ValueError(f"seconds has {y.shape[0]} entries for {x.shape[0]} micro-batches")
+        if x.shape[0] < 3:
+            raise ValueError(f"fit needs at least 3 timed micro-batches, got {x.shape[0]}")
+        if not np.all(np.isfinite(y)) or (y < 0).any():
+            raise ValueError("seconds must be finite and >= 0")
+        scale = np.maximum(np.abs(x).max(axis=0), 1.0)  # columns of similar size: a stable solve
+        xs = x / scale
+        best, best_err = None, math.inf
+        for k in range(1, 4):
+            for cols in itertools.combinations(range(3), k):
+                coef, *_ = np.linalg.lstsq(xs[:, cols], y, rcond=None)
+                if (coef < 0).any():
+                    continue
+                err = float(np.sum((xs[:, cols] @ coef - y) ** 2))
+                if err < best_err * (1 - 1e-12):
+                    full = np.zeros(3)
+                    full[list(cols)] = coef
+                    best, best_err = full / scale, err
+        if best is None or not (best > 0).any():
+            raise ValueError("no cost model with a positive coefficient fits these timings")
+        total, energy = float(np.sum((y - y.mean()) ** 2)), float(np.sum(y * y))
+        if total > 1e-24 * energy:
+            r2 = 1.0 - best_err / total
+        else:  # equal timings: explained exactly (an overhead alone) or not at all
+            r2 = 1.0 if best_err <= 1e-12 * max(energy, 1e-300) else 0.0
+        return cls(float(best[0]), float(best[1]), float(best[2]), r_squared=r2)
+
+    # ---- evaluation ---------------------------------------------------------------
+    def __call__(self, lengths: Any) -> float:
+        """The cost of one micro-batch with these sequence lengths; an empty one (a
+        dummy micro-batch that still runs the collectives) costs ``per_micro_batch``."""
+        return float(self.micro_batch_costs([lengths])[0])
+
+    def micro_batch_costs(self, micro_batches: Sequence[Any]) -> np.ndarray:
+        """``[n]`` float64: the cost of each micro-batch (a list of lengths)."""
+        x = _sums(micro_batches)
+        return x @ np.array([self.per_micro_batch, self.per_token, self.per_token_squared])
+
+    def __repr__(self) -> str:
+        fit = "" if self.r_squared is None else f", r_squared={self.r_squared:.4f}"
+        return (f"CostModel(per_micro_batch={self.per_micro_batch:.6g}, per_token={self.per_token:.6g}, "
+                f"per_token_squared={self.per_token_squared:.6g}{fit})")
