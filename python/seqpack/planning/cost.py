@@ -146,7 +146,7 @@ class CostModel:
         ``r_squared`` on the samples.
 
         Non-negativity is exact: every subset of the three terms is solved by
-        least squares and the best feasible one kept (8 small solves).
+        least squares and the best feasible one kept (7 small solves).
         """
         x = _sums(micro_batch_lengths)
         y = np.asarray(seconds, dtype=np.float64).reshape(-1)
