@@ -69,23 +69,6 @@ py::array_t<int64_t> tasks_array(const MovePlan& plan, size_t row_bytes, size_t 
   return out;
 }
 
-// The byte geometry of a move between two tensors: the first `src_lead` / `dst_lead`
-// dimensions are rows, the rest one row of the same bytes and dtype, dense.
-struct RowGeometry {
-  int64_t src_rows, dst_rows, row_bytes;
-};
-
-RowGeometry row_geometry(const TensorArg& src, int src_lead, const TensorArg& dst, int dst_lead) {
-  src.contiguous();
-  dst.contiguous().same_dtype(src).same_device(src);
-  const int64_t row_bytes = src.row_bytes(src_lead);
-  if (dst.row_bytes(dst_lead) != row_bytes)
-    throw py::value_error(std::string("[") + src.name() + " -> " + dst.name() + "] rows differ: " +
-                          std::to_string(row_bytes) + " bytes per source row, " +
-                          std::to_string(dst.row_bytes(dst_lead)) + " per destination row");
-  return {src.rows(src_lead), dst.rows(dst_lead), row_bytes};
-}
-
 std::string fill_row(const std::optional<py::bytes>& fill, int64_t row_bytes) {
   if (!fill) return {};
   std::string bytes = *fill;
@@ -95,10 +78,9 @@ std::string fill_row(const std::optional<py::bytes>& fill, int64_t row_bytes) {
   return bytes;
 }
 
-void run_plan(const MovePlan& plan, const TensorArg& src, int src_lead, const TensorArg& dst, int dst_lead,
+// Runs `plan` between CPU tensors whose geometry move_geometry has checked.
+void run_plan(const MovePlan& plan, const TensorArg& src, const TensorArg& dst, const MoveGeometry& g,
               const std::optional<py::bytes>& fill, int num_threads) {
-  src.on_cpu();
-  const RowGeometry g = row_geometry(src, src_lead, dst, dst_lead);
   const std::string fill_bytes = fill_row(fill, g.row_bytes);
   py::gil_scoped_release release;
   execute_move_plan(plan, src.data(), g.src_rows, dst.data(), g.dst_rows, static_cast<size_t>(g.row_bytes),
@@ -120,7 +102,8 @@ auto move_by(Which which, bool packing) {
     if (packed.ndim() < 1 || packed.size(0) != p.pack.dst_rows)
       throw py::value_error(std::string("[") + fn + "] " + packed.name() + " must have " +
                             std::to_string(p.pack.dst_rows) + " rows (the plan's packed rows)");
-    run_plan(which(p), src, packing ? 2 : 1, dst, packing ? 1 : 2, fill, num_threads);
+    src.on_cpu();
+    run_plan(which(p), src, dst, move_geometry(src, packing ? 2 : 1, dst, packing ? 1 : 2), fill, num_threads);
   };
 }
 
@@ -151,9 +134,8 @@ void init_thd(py::module_& m) {
          const std::optional<py::bytes>& fill, int num_threads) {
         TensorArg src(src_obj, "move_rows", "src"), dst(dst_obj, "move_rows", "dst");
         src.on_cpu();
-        const RowGeometry g = row_geometry(src, src_lead, dst, dst_lead);
-        run_plan(plan_from_runs(copies, fills, g.src_rows, g.dst_rows), src, src_lead, dst, dst_lead, fill,
-                 num_threads);
+        const MoveGeometry g = move_geometry(src, src_lead, dst, dst_lead);
+        run_plan(plan_from_runs(copies, fills, g.src_rows, g.dst_rows), src, dst, g, fill, num_threads);
       },
       py::arg("copies"), py::arg("fills"), py::arg("src"), py::arg("src_lead"), py::arg("dst"), py::arg("dst_lead"),
       py::arg("fill") = py::none(), py::arg("num_threads") = 0,

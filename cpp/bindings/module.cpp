@@ -57,11 +57,7 @@ PYBIND11_MODULE(_core, m) {
         constexpr const char* fn = "cuda_move";
         TensorArg src(src_obj, fn, "src"), dst(dst_obj, fn, "dst"), tasks(tasks_obj, fn, "tasks");
         if (!src.on_cuda()) throw py::value_error("[cuda_move] src must be on a CUDA device");
-        src.contiguous();
-        dst.contiguous().same_dtype(src).same_device(src);
-        const int64_t row_bytes = src.row_bytes(src_lead);
-        if (dst.row_bytes(dst_lead) != row_bytes)
-          throw py::value_error("[cuda_move] src and dst rows differ in bytes");
+        const int64_t row_bytes = seqpack::bindings::move_geometry(src, src_lead, dst, dst_lead).row_bytes;
         tasks.shape({-1, 3}).dtype_is(Dtype::I64).contiguous().same_device(src);
         const char* fill_row = nullptr;
         std::optional<TensorArg> fill;

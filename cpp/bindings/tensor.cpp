@@ -186,4 +186,15 @@ int64_t TensorArg::row_bytes(int lead) const {
   return n;
 }
 
+MoveGeometry move_geometry(const TensorArg& src, int src_lead, const TensorArg& dst, int dst_lead) {
+  src.contiguous();
+  dst.contiguous().same_dtype(src).same_device(src);
+  const int64_t row_bytes = src.row_bytes(src_lead);
+  if (dst.row_bytes(dst_lead) != row_bytes)
+    throw py::value_error(std::string("[") + src.name() + " -> " + dst.name() + "] rows differ: " +
+                          std::to_string(row_bytes) + " bytes per source row, " +
+                          std::to_string(dst.row_bytes(dst_lead)) + " per destination row");
+  return {src.rows(src_lead), dst.rows(dst_lead), row_bytes};
+}
+
 }  // namespace seqpack::bindings

@@ -74,4 +74,12 @@ class TensorArg {
   const char* name_;
 };
 
+// The byte geometry of a row move between two tensors: the first `src_lead` /
+// `dst_lead` dimensions are rows, the rest one row; both dense, of one dtype and
+// device, with the same bytes per row (checked here).
+struct MoveGeometry {
+  int64_t src_rows, dst_rows, row_bytes;
+};
+MoveGeometry move_geometry(const TensorArg& src, int src_lead, const TensorArg& dst, int dst_lead);
+
 }  // namespace seqpack::bindings
