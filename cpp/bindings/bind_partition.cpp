@@ -1,6 +1,7 @@
 #include "convert.hpp"
 #include "seqpack/microbatch.hpp"
 #include "seqpack/partition.hpp"
+#include "seqpack/step.hpp"
 
 namespace seqpack::bindings {
 
@@ -65,6 +66,50 @@ void init_partition(py::module_& m) {
       },
       py::arg("lengths"), py::arg("max_tokens"), py::arg("min_num") = 1, py::arg("multiple_of") = 1,
       py::arg("attention_coeff") = 0, py::arg("small_at_ends") = false);
+  m.def(
+      "plan_step",
+      [](py::handle lengths, int64_t dp_size, int64_t max_tokens, double per_micro_batch, double per_token,
+         double per_token_squared, const std::string& sync, int64_t mini_batches, int64_t min_micro_batches,
+         int64_t multiple_of, std::optional<uint64_t> seed) {
+        LengthsArg arg(lengths, "lengths");
+        StepOptions o;
+        o.dp_size = dp_size;
+        o.max_tokens = max_tokens;
+        o.cost = StepCost{per_micro_batch, per_token, per_token_squared};
+        if (sync == "micro_batch") o.sync = StepSync::MicroBatch;
+        else if (sync == "step") o.sync = StepSync::Step;
+        else throw py::value_error("sync must be 'micro_batch' or 'step', got '" + sync + "'");
+        o.mini_batches = mini_batches;
+        o.min_micro_batches = min_micro_batches;
+        o.multiple_of = multiple_of;
+        o.seed = seed;
+        StepPlan plan;
+        {
+          py::gil_scoped_release release;
+          plan = plan_step(arg.view(), o);
+        }
+        py::list minis;
+        for (MiniBatchStep& mb : plan.mini_batches) {
+          py::dict d;
+          d["begin"] = mb.begin;
+          d["end"] = mb.end;
+          d["num_micro_batches"] = mb.num_micro_batches;
+          d["cells"] = to_list(mb.cells);
+          d["costs"] = mb.costs;
+          d["tokens"] = mb.tokens;
+          d["predicted_time"] = mb.predicted_time;
+          d["lower_bound"] = mb.lower_bound;
+          minis.append(d);
+        }
+        py::dict out;
+        out["mini_batches"] = minis;
+        out["predicted_time"] = plan.predicted_time;
+        out["lower_bound"] = plan.lower_bound;
+        return out;
+      },
+      py::arg("lengths"), py::arg("dp_size"), py::arg("max_tokens"), py::arg("per_micro_batch"), py::arg("per_token"),
+      py::arg("per_token_squared"), py::arg("sync") = "micro_batch", py::arg("mini_batches") = 1,
+      py::arg("min_micro_batches") = 1, py::arg("multiple_of") = 1, py::arg("seed") = py::none());
 }
 
 }  // namespace seqpack::bindings

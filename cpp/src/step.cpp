@@ -1,0 +1,512 @@
+#include "seqpack/step.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+#include <queue>
+#include <string>
+#include <utility>
+
+#include "seqpack/packing.hpp"
+
+namespace seqpack {
+namespace {
+
+constexpr const char* kFn = "plan_step";
+// Cells planned per mini-batch at most (dp_size · K): far above any real step,
+// low enough that a typo in min_micro_batches cannot exhaust memory.
+constexpr int64_t kMaxCells = int64_t{1} << 24;
+// Relative margin under which two predicted times count as equal.
+constexpr double kTie = 1e-12;
+
+struct Item {
+  int64_t index;  // global
+  int64_t s;
+  double w;
+};
+
+// A mini-batch's sequences heaviest first: (work, length) descending, then the
+// seeded tie key (or the index) ascending.
+std::vector<Item> sorted_items(Lengths lengths, int64_t begin, int64_t end, const StepOptions& o) {
+  const auto n = static_cast<size_t>(end - begin);
+  std::vector<Item> items(n);
+  std::vector<uint64_t> tie(n);
+  std::iota(tie.begin(), tie.end(), 0);
+  if (o.seed) {
+    Rng rng(*o.seed + 0x9E3779B97F4A7C15ULL * static_cast<uint64_t>(begin));
+    for (auto& t : tie) t = rng.next();
+  }
+  std::vector<size_t> order(n);
+  std::iota(order.begin(), order.end(), 0);
+  for (size_t j = 0; j < n; ++j) {
+    const int64_t s = lengths[static_cast<size_t>(begin) + j];
+    items[j] = Item{begin + static_cast<int64_t>(j), s, o.cost.work(s)};
+  }
+  std::sort(order.begin(), order.end(), [&](size_t a, size_t b) {
+    if (items[a].w != items[b].w) return items[a].w > items[b].w;
+    if (items[a].s != items[b].s) return items[a].s > items[b].s;
+    if (tie[a] != tie[b]) return tie[a] < tie[b];
+    return a < b;
+  });
+  std::vector<Item> out(n);
+  for (size_t j = 0; j < n; ++j) out[j] = items[order[j]];
+  return out;
+}
+
+struct Cells {
+  std::vector<std::vector<Item>> items;
+  std::vector<double> load;  // Σ work
+  std::vector<int64_t> tokens;
+
+  explicit Cells(size_t c) : items(c), load(c, 0.0), tokens(c, 0) {}
+  size_t size() const { return items.size(); }
+  void add(size_t c, const Item& it) {
+    items[c].push_back(it);
+    load[c] += it.w;
+    tokens[c] += it.s;
+  }
+  Item remove(size_t c, size_t pos) {
+    const Item it = items[c][pos];
+    items[c].erase(items[c].begin() + static_cast<std::ptrdiff_t>(pos));
+    load[c] -= it.w;
+    tokens[c] -= it.s;
+    return it;
+  }
+};
+
+bool lighter(const Item& a, const Item& b) {
+  if (a.w != b.w) return a.w < b.w;
+  if (a.s != b.s) return a.s < b.s;
+  return a.index < b.index;
+}
+
+// Gives each empty cell in `scope` the lightest sequence of a cell in `scope`
+// holding two or more, so a dummy remains only where every cell holds at most one.
+void fill_dummies(Cells& cells, const std::vector<size_t>& scope) {
+  std::vector<size_t> empty;
+  std::vector<std::pair<Item, size_t>> spare;  // (sequence, its cell)
+  for (size_t c : scope) {
+    if (cells.items[c].empty()) empty.push_back(c);
+    if (cells.items[c].size() >= 2)
+      for (const Item& it : cells.items[c]) spare.push_back({it, c});
+  }
+  if (empty.empty() || spare.empty()) return;
+  std::sort(spare.begin(), spare.end(), [](const auto& a, const auto& b) { return lighter(a.first, b.first); });
+  size_t next = 0;
+  for (size_t e : empty) {
+    while (next < spare.size() && cells.items[spare[next].second].size() < 2) ++next;
+    if (next == spare.size()) return;
+    const auto [it, from] = spare[next++];
+    auto& src = cells.items[from];
+    const auto pos = static_cast<size_t>(
+        std::find_if(src.begin(), src.end(), [&](const Item& x) { return x.index == it.index; }) - src.begin());
+    cells.add(e, cells.remove(from, pos));
+  }
+}
+
+// ---- MicroBatch sync: cells aimed at per-step levels, then grouped into steps.
+
+// Step floors: the heaviest sequences that cannot share a micro-batch (more than
+// half the cap) at positions 0, R, 2R, ... of the heaviest-first order.
+std::vector<double> step_floors(const std::vector<Item>& items, int64_t R, int64_t cap, int64_t* big_count) {
+  std::vector<double> floors;
+  int64_t big = 0;
+  for (const Item& it : items) {
+    if (2 * it.s <= cap) continue;
+    if (big % R == 0) floors.push_back(it.w);
+    ++big;
+  }
+  if (big_count) *big_count = big;
+  return floors;
+}
+
+// The level L with  Σ_k max(floor_k, L) = W / R  over K steps (floors beyond their
+// count are 0).
+double water_level(const std::vector<double>& floors, double per_rank, int64_t K) {
+  const auto P = static_cast<int64_t>(floors.size());
+  std::vector<double> prefix(floors.size() + 1, 0.0);
+  for (size_t k = 0; k < floors.size(); ++k) prefix[k + 1] = prefix[k] + floors[k];
+  if (prefix.back() >= per_rank) return 0.0;
+  // j = the number of steps whose floor stays at or above the level.
+  for (int64_t j = std::min(P, K - 1); j >= 0; --j) {
+    const auto u = static_cast<size_t>(j);
+    const double level = (per_rank - prefix[u]) / static_cast<double>(K - j);
+    if ((j == 0 || floors[u - 1] >= level) && (j == P || level >= floors[u])) return level;
+  }
+  return per_rank / static_cast<double>(K);
+}
+
+// Places the heaviest-first sequences into K·R cells: the sequences above half
+// the cap one per cell, R per step; every other sequence into the cell furthest
+// below its step's target (its floor, or the common water level) that still has
+// room for it. Returns nothing when a sequence finds no room.
+std::optional<Cells> place_for_micro_batch_sync(const std::vector<Item>& items, int64_t R, int64_t K, int64_t cap) {
+  const auto C = static_cast<size_t>(R * K);
+  int64_t big = 0;
+  const std::vector<double> floors = step_floors(items, R, cap, &big);
+  if (big > static_cast<int64_t>(C)) return std::nullopt;
+  double total = 0.0;
+  for (const Item& it : items) total += it.w;
+  const double level = water_level(floors, total / static_cast<double>(R), K);
+  std::vector<double> target(C, level);
+  for (size_t k = 0; k < floors.size(); ++k)
+    for (int64_t r = 0; r < R; ++r) target[k * static_cast<size_t>(R) + static_cast<size_t>(r)] = std::max(floors[k], level);
+  Cells cells(C);
+  size_t next_big = 0;
+  using Entry = std::pair<double, int64_t>;  // (key, -cell): larger key first, then the lower cell
+  std::priority_queue<Entry> open, parked;   // open: by slack; parked (no room for the current one): by room
+  for (const Item& it : items) {
+    if (2 * it.s > cap) cells.add(next_big++, it);
+  }
+  for (size_t c = 0; c < C; ++c) open.push({target[c] - cells.load[c], -static_cast<int64_t>(c)});
+  for (const Item& it : items) {
+    if (2 * it.s > cap) continue;
+    while (!parked.empty() && parked.top().first >= static_cast<double>(it.s)) {
+      const auto c = static_cast<size_t>(-parked.top().second);
+      parked.pop();
+      open.push({target[c] - cells.load[c], -static_cast<int64_t>(c)});
+    }
+    size_t c = 0;
+    for (;;) {
+      if (open.empty()) return std::nullopt;
+      c = static_cast<size_t>(-open.top().second);
+      open.pop();
+      if (cap - cells.tokens[c] >= it.s) break;
+      parked.push({static_cast<double>(cap - cells.tokens[c]), -static_cast<int64_t>(c)});
+    }
+    cells.add(c, it);
+    open.push({target[c] - cells.load[c], -static_cast<int64_t>(c)});
+  }
+  return cells;
+}
+
+// Cells heaviest first, R to a step (which minimises Σ_k max for given cells);
+// inside a step the heaviest cell goes to the rank with the least work so far.
+// Returns the cells' positions rank-major: layout[r·K + k] = cell.
+std::vector<size_t> group_into_steps(const Cells& cells, int64_t R, int64_t K) {
+  std::vector<size_t> order(cells.size());
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) { return cells.load[a] > cells.load[b]; });
+  std::vector<size_t> layout(cells.size());
+  std::vector<double> rank_load(static_cast<size_t>(R), 0.0);
+  std::vector<size_t> ranks(static_cast<size_t>(R));
+  for (int64_t k = 0; k < K; ++k) {
+    std::iota(ranks.begin(), ranks.end(), 0);
+    std::stable_sort(ranks.begin(), ranks.end(), [&](size_t a, size_t b) { return rank_load[a] < rank_load[b]; });
+    for (int64_t j = 0; j < R; ++j) {
+      const size_t cell = order[static_cast<size_t>(k * R + j)];
+      const size_t r = ranks[static_cast<size_t>(j)];
+      layout[r * static_cast<size_t>(K) + static_cast<size_t>(k)] = cell;
+      rank_load[r] += cells.load[cell];
+    }
+  }
+  return layout;
+}
+
+// ---- Step sync: ranks balanced on their total work, K cells each.
+
+// Each sequence (heaviest first) goes to the least-loaded rank with room for it,
+// into that rank's cell with the most room. Cells come rank-major.
+std::optional<Cells> place_for_step_sync(const std::vector<Item>& items, int64_t R, int64_t K, int64_t cap) {
+  Cells cells(static_cast<size_t>(R * K));
+  using Room = std::pair<int64_t, int64_t>;  // (room, -cell)
+  std::vector<std::priority_queue<Room>> rooms(static_cast<size_t>(R));
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t k = 0; k < K; ++k) rooms[static_cast<size_t>(r)].push({cap, -(r * K + k)});
+  std::vector<double> load(static_cast<size_t>(R), 0.0);
+  using Open = std::pair<double, int64_t>;  // (load, rank): least first
+  std::priority_queue<Open, std::vector<Open>, std::greater<>> open;
+  std::priority_queue<std::pair<int64_t, int64_t>> parked;  // (largest room, -rank)
+  for (int64_t r = 0; r < R; ++r) open.push({0.0, r});
+  for (const Item& it : items) {
+    while (!parked.empty() && parked.top().first >= it.s) {
+      const int64_t r = -parked.top().second;
+      parked.pop();
+      open.push({load[static_cast<size_t>(r)], r});
+    }
+    int64_t r = 0;
+    for (;;) {
+      if (open.empty()) return std::nullopt;
+      r = open.top().second;
+      open.pop();
+      if (rooms[static_cast<size_t>(r)].top().first >= it.s) break;
+      parked.push({rooms[static_cast<size_t>(r)].top().first, -r});
+    }
+    auto [room, neg_cell] = rooms[static_cast<size_t>(r)].top();
+    rooms[static_cast<size_t>(r)].pop();
+    cells.add(static_cast<size_t>(-neg_cell), it);
+    rooms[static_cast<size_t>(r)].push({room - it.s, neg_cell});
+    load[static_cast<size_t>(r)] += it.w;
+    open.push({load[static_cast<size_t>(r)], r});
+  }
+  return cells;
+}
+
+// Within each rank: dummies filled from the rank's own cells (its total is
+// unchanged), micro-batches heaviest first.
+std::vector<size_t> order_within_ranks(Cells& cells, int64_t R, int64_t K) {
+  std::vector<size_t> layout(cells.size());
+  for (int64_t r = 0; r < R; ++r) {
+    std::vector<size_t> scope(static_cast<size_t>(K));
+    std::iota(scope.begin(), scope.end(), static_cast<size_t>(r * K));
+    fill_dummies(cells, scope);
+    std::stable_sort(scope.begin(), scope.end(), [&](size_t a, size_t b) { return cells.load[a] > cells.load[b]; });
+    std::copy(scope.begin(), scope.end(), layout.begin() + r * K);
+  }
+  return layout;
+}
+
+// ---- The fallback that always exists: first-fit-decreasing bins under the cap.
+
+Cells ffd_cells(const std::vector<Item>& items, Lengths lengths, int64_t begin, int64_t end, int64_t R, int64_t K,
+                int64_t cap, StepSync sync) {
+  const IndexGroups bins = first_fit_decreasing(lengths.subspan(static_cast<size_t>(begin), static_cast<size_t>(end - begin)), cap);
+  std::vector<Item> by_index(items.size());
+  for (const Item& it : items) by_index[static_cast<size_t>(it.index - begin)] = it;
+  Cells cells(static_cast<size_t>(R * K));
+  if (sync == StepSync::MicroBatch) {
+    for (size_t b = 0; b < bins.size(); ++b)
+      for (int64_t i : bins.group(b)) cells.add(b, by_index[static_cast<size_t>(i)]);
+    return cells;
+  }
+  // Step sync: bins heaviest first to the least-loaded rank that has a free cell.
+  std::vector<double> bin_load(bins.size(), 0.0);
+  for (size_t b = 0; b < bins.size(); ++b)
+    for (int64_t i : bins.group(b)) bin_load[b] += by_index[static_cast<size_t>(i)].w;
+  std::vector<size_t> order(bins.size());
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) { return bin_load[a] > bin_load[b]; });
+  std::vector<double> load(static_cast<size_t>(R), 0.0);
+  std::vector<int64_t> used(static_cast<size_t>(R), 0);
+  for (size_t b : order) {
+    size_t best = SIZE_MAX;
+    for (size_t r = 0; r < static_cast<size_t>(R); ++r)
+      if (used[r] < K && (best == SIZE_MAX || load[r] < load[best])) best = r;
+    const size_t cell = best * static_cast<size_t>(K) + static_cast<size_t>(used[best]++);
+    for (int64_t i : bins.group(b)) cells.add(cell, by_index[static_cast<size_t>(i)]);
+    load[best] += bin_load[b];
+  }
+  return cells;
+}
+
+struct Candidate {
+  double time = 0.0;
+  int64_t K = 0;
+  std::vector<std::vector<Item>> cells;  // rank-major
+  std::vector<double> loads;
+  std::vector<int64_t> tokens;
+};
+
+Candidate finish(Cells cells, int64_t R, int64_t K, const StepOptions& o) {
+  std::vector<size_t> layout;
+  if (o.sync == StepSync::MicroBatch) {
+    std::vector<size_t> all(cells.size());
+    std::iota(all.begin(), all.end(), 0);
+    fill_dummies(cells, all);
+    layout = group_into_steps(cells, R, K);
+  } else {
+    layout = order_within_ranks(cells, R, K);
+  }
+  Candidate c;
+  c.K = K;
+  std::vector<double> costs;
+  for (size_t pos = 0; pos < layout.size(); ++pos) {
+    const size_t cell = layout[pos];
+    c.cells.push_back(std::move(cells.items[cell]));
+    c.loads.push_back(cells.load[cell]);
+    c.tokens.push_back(cells.tokens[cell]);
+    costs.push_back(o.cost.per_micro_batch + cells.load[cell]);
+  }
+  c.time = step_time(costs, R, K, o.sync);
+  return c;
+}
+
+int64_t min_micro_batches(Lengths lengths, const StepOptions& o) {
+  int64_t total = 0, big = 0;
+  for (int64_t s : lengths) {
+    total = checked_add(kFn, total, s);
+    if (2 * s > o.max_tokens) ++big;
+  }
+  const int64_t cells = std::max(ceil_div(total, o.max_tokens), big);
+  return round_up(std::max(o.min_micro_batches, ceil_div(cells, o.dp_size)), o.multiple_of);
+}
+
+// Fractional knapsack: the most Σs² that `budget` tokens of these lengths can
+// hold (longest first, the last one in part).
+double max_square_sum(std::vector<int64_t> lengths, double budget) {
+  std::sort(lengths.begin(), lengths.end(), std::greater<>());
+  double sq = 0.0;
+  for (int64_t s : lengths) {
+    const auto x = static_cast<double>(s);
+    if (budget <= 0) break;
+    const double take = std::min(x, budget);
+    sq += take * x;
+    budget -= take;
+  }
+  return sq;
+}
+
+MiniBatchStep plan_mini_batch(Lengths lengths, int64_t begin, int64_t end, const StepOptions& o) {
+  const int64_t R = o.dp_size, cap = o.max_tokens, mult = o.multiple_of;
+  const Lengths local = lengths.subspan(static_cast<size_t>(begin), static_cast<size_t>(end - begin));
+  const int64_t k_min = min_micro_batches(local, o);
+  MiniBatchStep out;
+  out.begin = begin;
+  out.end = end;
+  out.lower_bound = step_lower_bound(local, o);
+  const double variable_bound = out.lower_bound - static_cast<double>(k_min) * o.cost.per_micro_batch;
+  const std::vector<Item> items = sorted_items(lengths, begin, end, o);
+  const auto n = static_cast<int64_t>(items.size());
+  const int64_t k_cap = std::max(k_min, round_up(ceil_div(n, R), mult));
+
+  std::optional<Candidate> best;
+  auto consider = [&](Candidate c) {
+    if (!best || c.time < best->time * (1 - kTie)) {
+      best = std::move(c);
+      return true;
+    }
+    return false;
+  };
+  int tried_since_best = 0, failed = 0;
+  for (int64_t K = k_min; K <= k_cap; K += mult) {
+    if (best && static_cast<double>(K) * o.cost.per_micro_batch + variable_bound >= best->time * (1 - kTie)) break;
+    if (best && best->time <= out.lower_bound * (1 + 1e-9)) break;
+    std::optional<Cells> cells = o.sync == StepSync::MicroBatch ? place_for_micro_batch_sync(items, R, K, cap)
+                                                                 : place_for_step_sync(items, R, K, cap);
+    if (!cells) {
+      if (++failed >= 16) break;
+      continue;
+    }
+    if (consider(finish(std::move(*cells), R, K, o))) {
+      tried_since_best = 0;
+    } else if (++tried_since_best >= 4) {
+      break;
+    }
+  }
+  // First-fit-decreasing bins always fit the cap: the plan of last resort, and a
+  // candidate like any other.
+  {
+    const auto bins = static_cast<int64_t>(first_fit_decreasing(local, cap).size());
+    const int64_t K = std::max(k_min, round_up(ceil_div(bins, R), mult));
+    consider(finish(ffd_cells(items, lengths, begin, end, R, K, cap, o.sync), R, K, o));
+  }
+  out.num_micro_batches = best->K;
+  out.predicted_time = best->time;
+  for (size_t c = 0; c < best->cells.size(); ++c) {
+    std::vector<int64_t> idx;
+    idx.reserve(best->cells[c].size());
+    for (const Item& it : best->cells[c]) idx.push_back(it.index);
+    std::sort(idx.begin(), idx.end());
+    out.cells.push_group(idx);
+    out.costs.push_back(o.cost.per_micro_batch + best->loads[c]);
+    out.tokens.push_back(best->tokens[c]);
+  }
+  return out;
+}
+
+void check_options(const StepOptions& o) {
+  check_positive(kFn, "dp_size", o.dp_size);
+  check_positive(kFn, "max_tokens", o.max_tokens);
+  check_positive(kFn, "mini_batches", o.mini_batches);
+  check_positive(kFn, "min_micro_batches", o.min_micro_batches);
+  check_positive(kFn, "multiple_of", o.multiple_of);
+  const std::pair<const char*, double> terms[] = {{"cost.per_micro_batch", o.cost.per_micro_batch},
+                                                  {"cost.per_token", o.cost.per_token},
+                                                  {"cost.per_token_squared", o.cost.per_token_squared}};
+  for (const auto& [name, v] : terms)
+    if (!std::isfinite(v) || v < 0) throw_invalid(kFn, std::string(name) + " must be finite and >= 0, got " + std::to_string(v));
+  if (o.cost.per_micro_batch == 0 && o.cost.per_token == 0 && o.cost.per_token_squared == 0)
+    throw_invalid(kFn, "cost needs at least one positive coefficient");
+}
+
+}  // namespace
+
+double step_time(const std::vector<double>& costs, int64_t R, int64_t K, StepSync sync) {
+  double time = 0.0;
+  if (sync == StepSync::MicroBatch) {
+    for (int64_t k = 0; k < K; ++k) {
+      double m = 0.0;
+      for (int64_t r = 0; r < R; ++r) m = std::max(m, costs[static_cast<size_t>(r * K + k)]);
+      time += m;
+    }
+  } else {
+    for (int64_t r = 0; r < R; ++r) {
+      double sum = 0.0;
+      for (int64_t k = 0; k < K; ++k) sum += costs[static_cast<size_t>(r * K + k)];
+      time = std::max(time, sum);
+    }
+  }
+  return time;
+}
+
+double step_lower_bound(Lengths lengths, const StepOptions& o) {
+  check_options(o);
+  check_non_negative_lengths(kFn, "lengths", lengths);
+  check_lengths_fit(kFn, "lengths", lengths, o.max_tokens, "max_tokens");
+  const int64_t k_min = min_micro_batches(lengths, o);
+  const auto R = static_cast<double>(o.dp_size);
+  double work = 0.0, heaviest = 0.0, tokens = 0.0;
+  std::vector<Item> big;
+  for (size_t i = 0; i < lengths.size(); ++i) {
+    const double w = o.cost.work(lengths[i]);
+    work += w;
+    tokens += static_cast<double>(lengths[i]);
+    heaviest = std::max(heaviest, w);
+    if (2 * lengths[i] > o.max_tokens) big.push_back({static_cast<int64_t>(i), lengths[i], w});
+  }
+  double variable = std::max(work / R, heaviest);
+  if (o.sync == StepSync::MicroBatch && !big.empty()) {
+    // Step maxima sorted descending satisfy M_(j) >= floor_j (R sequences above
+    // half the cap per step at most). A step holds at most R·cap tokens, so at most
+    // H1 = c1·R·cap linear work and H2 = H1 + c2·(the most Σs² of R·cap tokens)
+    // in all, and at most R·M_k: raising Σ M_k by one absorbs at most R of either.
+    std::sort(big.begin(), big.end(), [](const Item& a, const Item& b) { return a.w > b.w; });
+    std::vector<double> floors;
+    for (size_t j = 0; j < big.size(); j += static_cast<size_t>(o.dp_size)) floors.push_back(big[j].w);
+    const double step_tokens = R * static_cast<double>(o.max_tokens);
+    const double h1 = o.cost.per_token * step_tokens;
+    const double h2 =
+        h1 + o.cost.per_token_squared * max_square_sum(std::vector<int64_t>(lengths.begin(), lengths.end()), step_tokens);
+    double floor_sum = 0.0, held_linear = 0.0, held_all = 0.0;
+    for (double f : floors) {
+      floor_sum += f;
+      held_linear += std::min(R * f, h1);
+      held_all += std::min(R * f, h2);
+    }
+    const double excess =
+        std::max({0.0, o.cost.per_token * tokens - held_linear, work - held_all});
+    variable = std::max(variable, floor_sum + excess / R);
+  }
+  return static_cast<double>(k_min) * o.cost.per_micro_batch + variable;
+}
+
+StepPlan plan_step(Lengths lengths, const StepOptions& o) {
+  check_options(o);
+  check_non_negative_lengths(kFn, "lengths", lengths);
+  check_lengths_fit(kFn, "lengths", lengths, o.max_tokens, "max_tokens");
+  const auto n = static_cast<int64_t>(lengths.size());
+  if (n < o.mini_batches)
+    throw_invalid(kFn, "lengths: " + std::to_string(n) + " sequences cannot fill mini_batches=" +
+                           std::to_string(o.mini_batches) + " mini-batches (each needs at least one)");
+  int64_t total = 0;
+  for (int64_t s : lengths) total = checked_add(kFn, total, s);
+  StepPlan plan;
+  const int64_t base = n / o.mini_batches, extra = n % o.mini_batches;
+  int64_t begin = 0;
+  for (int64_t m = 0; m < o.mini_batches; ++m) {
+    const int64_t end = begin + base + (m < extra ? 1 : 0);
+    const Lengths local = lengths.subspan(static_cast<size_t>(begin), static_cast<size_t>(end - begin));
+    const int64_t k_min = min_micro_batches(local, o);
+    if (k_min > kMaxCells / o.dp_size)
+      throw_invalid(kFn, "min_micro_batches: " + std::to_string(k_min) + " micro-batches on each of dp_size=" +
+                             std::to_string(o.dp_size) + " ranks exceed the " + std::to_string(kMaxCells) +
+                             " micro-batches a mini-batch may plan");
+    plan.mini_batches.push_back(plan_mini_batch(lengths, begin, end, o));
+    plan.predicted_time += plan.mini_batches.back().predicted_time;
+    plan.lower_bound += plan.mini_batches.back().lower_bound;
+    begin = end;
+  }
+  return plan;
+}
+
+}  // namespace seqpack

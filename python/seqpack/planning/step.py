@@ -1,0 +1,223 @@
+"""Plan a whole training step: sequences over data-parallel ranks *and* micro-batches
+at once, for the fastest step under a :class:`~seqpack.planning.cost.CostModel`.
+
+Frameworks plan in two blind steps (balance over ranks, then cut each rank's share
+into micro-batches). What the step costs depends on how the ranks synchronise:
+
+* ``sync="micro_batch"`` (FSDP / ZeRO-3: every micro-batch all-gathers the
+  parameters, ranks move in lock-step): ``Σ_k max_r cost(r, k)``.
+* ``sync="step"`` (DDP, Megatron: gradients reduced once per step):
+  ``max_r Σ_k cost(r, k)``.
+
+:func:`plan_step` minimises the one you name, in C++, and guarantees: every index
+once; no micro-batch above ``max_tokens``; in each mini-batch the same number of
+micro-batches on every rank (so no collective is needed to agree on it); dummies
+(empty micro-batches, still run for the collectives) only where needed; the same
+plan on every rank for the same lengths and seed.
+
+    >>> from seqpack.planning.step import plan_step
+    >>> plan = plan_step([3000, 500, 500, 2500, 1000, 400], dp_size=2, max_tokens=4000)
+    >>> plan.assignment
+    [[[[0], [2, 5]], [[3], [1, 4]]]]
+    >>> plan.num_micro_batches, plan.predicted_time, plan.lower_bound
+    ([2], 4000.0, 3950.0)
+"""
+
+from __future__ import annotations
+
+import html
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from .. import _core
+from .._lengths import as_lengths, as_positive_int
+from .cost import CostModel
+
+__all__ = ["StepPlan", "plan_step"]
+
+_SYNC = ("micro_batch", "step")
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """The plan of one training step (one or more mini-batches / optimizer steps).
+
+    Attributes:
+        assignment: ``assignment[m][r][k]`` - the sequence indices (sorted) of
+            mini-batch ``m``, rank ``r``, micro-batch ``k``; ``[]`` is a dummy.
+        costs: the cost model's prediction for each micro-batch, same shape
+            (a dummy costs ``per_micro_batch``).
+        tokens: token sum of each micro-batch, same shape, each ``<= max_tokens``.
+        num_micro_batches: micro-batches per rank in each mini-batch.
+        mini_batch_ranges: ``(begin, end)`` of each mini-batch in the global batch.
+        predicted_time: the step's time under the cost model and ``sync``, summed
+            over mini-batches.
+        lower_bound: a proven lower bound on ``predicted_time`` for any plan of the
+            same inputs (docs/planning.md, "How far from optimal").
+    """
+
+    assignment: List[List[List[List[int]]]]
+    costs: List[List[List[float]]]
+    tokens: List[List[List[int]]]
+    num_micro_batches: List[int]
+    mini_batch_ranges: List[Tuple[int, int]]
+    predicted_time: float
+    lower_bound: float
+    dp_size: int
+    max_tokens: int
+    sync: str
+    cost: CostModel
+
+    @property
+    def gap(self) -> float:
+        """``predicted_time / lower_bound`` (1.0: provably optimal)."""
+        return self.predicted_time / self.lower_bound if self.lower_bound > 0 else 1.0
+
+    @property
+    def num_sequences(self) -> int:
+        return self.mini_batch_ranges[-1][1] if self.mini_batch_ranges else 0
+
+    @property
+    def num_dummies(self) -> int:
+        return sum(not cell for mb in self.assignment for rank in mb for cell in rank)
+
+    def rank(self, r: int) -> List[List[List[int]]]:
+        """Rank ``r``'s micro-batches: ``[m][k]`` lists of sequence indices."""
+        if isinstance(r, bool) or not isinstance(r, (int, np.integer)) or not 0 <= r < self.dp_size:
+            raise ValueError(f"r must be a rank in [0, {self.dp_size}), got {r!r}")
+        return [mb[r] for mb in self.assignment]
+
+    def valid_tokens(self, mask_lengths: Any) -> List[int]:
+        """The global number of loss tokens of each mini-batch: the normaliser of a
+        token-mean loss, known at plan time from per-sequence counts, so no
+        all-reduce is needed and context parallelism cannot over-count it.
+
+        Args:
+            mask_lengths: loss tokens per sequence (e.g. the response lengths, or
+                ``loss_mask.sum(-1)``), one per sequence of the global batch.
+
+        >>> plan_step([5, 3, 4, 2], dp_size=2, max_tokens=8, mini_batches=2).valid_tokens([4, 2, 3, 1])
+        [6, 4]
+        """
+        counts = as_lengths(mask_lengths, "mask_lengths")
+        if len(counts) != self.num_sequences:
+            raise ValueError(f"mask_lengths has {len(counts)} entries, the plan {self.num_sequences} sequences")
+        if len(counts) and counts.min() < 0:
+            raise ValueError(f"mask_lengths must be >= 0, got {int(counts.min())}")
+        return [int(counts[b:e].astype(np.int64).sum()) for b, e in self.mini_batch_ranges]
+
+    @property
+    def metrics(self) -> Dict[str, float]:
+        """Scalars for logging: predicted time, bound, gap, micro-batch counts,
+        dummies, the fullest micro-batch and the spread of ranks' total cost."""
+        rank_totals = np.zeros(self.dp_size)
+        for mb in self.costs:
+            for r, rank in enumerate(mb):
+                rank_totals[r] += sum(rank)
+        fill = [t for mb in self.tokens for rank in mb for t in rank]
+        return {
+            "predicted_time": self.predicted_time,
+            "lower_bound": self.lower_bound,
+            "gap": self.gap,
+            "micro_batches_per_rank": float(sum(self.num_micro_batches)),
+            "dummies": float(self.num_dummies),
+            "max_fill": max(fill) / self.max_tokens if fill else 0.0,
+            "mean_fill": float(np.mean(fill)) / self.max_tokens if fill else 0.0,
+            "rank_cost_max_over_mean": float(rank_totals.max() / rank_totals.mean()) if rank_totals.mean() > 0 else 1.0,
+        }
+
+    def _repr_html_(self) -> str:
+        m = self.metrics
+        head = html.escape(
+            f"StepPlan: {self.num_sequences} sequences, dp_size {self.dp_size}, sync {self.sync}, "
+            f"{len(self.assignment)} mini-batch(es) x {self.num_micro_batches} micro-batches, cap {self.max_tokens}; "
+            f"predicted {self.predicted_time:.6g} (lower bound {self.lower_bound:.6g}, gap {self.gap:.4f}), "
+            f"{self.num_dummies} dummies"
+        )
+        rows = []
+        for mi, mb in enumerate(self.assignment):
+            for r, rank in enumerate(mb):
+                cells = " | ".join(
+                    f"{len(cell)} seq / {self.tokens[mi][r][k]} tok" if cell else "dummy" for k, cell in enumerate(rank)
+                )
+                rows.append(f"<tr><td>{mi}</td><td>{r}</td><td>{sum(self.costs[mi][r]):.6g}</td>"
+                            f"<td>{html.escape(cells)}</td></tr>")
+        return (f"<b>{head}</b><br>max fill {m['max_fill']:.1%}, mean fill {m['mean_fill']:.1%}"
+                "<table><tr><th>mini-batch</th><th>rank</th><th>cost</th><th>micro-batches</th></tr>"
+                + "".join(rows) + "</table>")
+
+
+def _nest(values: Sequence[Any], dp_size: int, k: int) -> List[List[Any]]:
+    return [list(values[r * k:(r + 1) * k]) for r in range(dp_size)]
+
+
+def plan_step(
+    lengths: Any,
+    dp_size: int,
+    max_tokens: int,
+    *,
+    cost: Optional[CostModel] = None,
+    sync: str = "micro_batch",
+    mini_batches: int = 1,
+    min_micro_batches: int = 1,
+    multiple_of: int = 1,
+    seed: Optional[int] = None,
+) -> StepPlan:
+    """Assign every sequence of a global batch to (mini-batch, rank, micro-batch)
+    for the fastest step under ``cost``.
+
+    Args:
+        lengths: tokens per sequence of the global batch (list, NumPy or tensor).
+        dp_size: data-parallel ranks.
+        max_tokens: hard cap on each micro-batch's token sum.
+        cost: what a micro-batch costs (default :meth:`CostModel.tokens`).
+        sync: ``"micro_batch"`` (FSDP / ZeRO-3, minimises ``Σ_k max_r``) or
+            ``"step"`` (DDP / Megatron, minimises ``max_r Σ_k``).
+        mini_batches: optimizer steps in this global batch; the batch is split into
+            contiguous near-equal parts (as ``numpy.array_split``) planned in turn.
+        min_micro_batches: at least this many micro-batches per rank and mini-batch.
+        multiple_of: the count per rank is a multiple of this (pipeline parallelism).
+        seed: breaks ties among equal lengths (``None``: by index). The plan is a
+            function of the inputs and the seed only, so every rank computes it
+            alone and all agree.
+
+    Raises:
+        ValueError: a sequence above ``max_tokens``, fewer sequences than
+            ``mini_batches``, a bad ``sync`` or a non-positive count.
+        TypeError: ``cost`` is not a :class:`CostModel`.
+    """
+    if cost is None:
+        cost = CostModel.tokens()
+    if not isinstance(cost, CostModel):
+        raise TypeError(f"cost must be a seqpack.CostModel, got {type(cost).__name__}")
+    if sync not in _SYNC:
+        raise ValueError(f"sync must be 'micro_batch' (FSDP / ZeRO-3) or 'step' (DDP / Megatron), got {sync!r}")
+    if seed is not None:
+        seed = as_positive_int(seed, "seed", allow_zero=True)
+    dp_size = as_positive_int(dp_size, "dp_size")
+    max_tokens = as_positive_int(max_tokens, "max_tokens")
+    raw = _core.plan_step(
+        as_lengths(lengths, "lengths"), dp_size, max_tokens,
+        cost.per_micro_batch, cost.per_token, cost.per_token_squared,
+        sync=sync,
+        mini_batches=as_positive_int(mini_batches, "mini_batches"),
+        min_micro_batches=as_positive_int(min_micro_batches, "min_micro_batches"),
+        multiple_of=as_positive_int(multiple_of, "multiple_of"),
+        seed=seed,
+    )
+    minis = raw["mini_batches"]
+    return StepPlan(
+        assignment=[_nest(mb["cells"], dp_size, mb["num_micro_batches"]) for mb in minis],
+        costs=[_nest(mb["costs"], dp_size, mb["num_micro_batches"]) for mb in minis],
+        tokens=[_nest(mb["tokens"], dp_size, mb["num_micro_batches"]) for mb in minis],
+        num_micro_batches=[mb["num_micro_batches"] for mb in minis],
+        mini_batch_ranges=[(mb["begin"], mb["end"]) for mb in minis],
+        predicted_time=raw["predicted_time"],
+        lower_bound=raw["lower_bound"],
+        dp_size=dp_size,
+        max_tokens=max_tokens,
+        sync=sync,
+        cost=cost,
+    )
