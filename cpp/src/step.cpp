@@ -5,6 +5,7 @@
 #include <numeric>
 #include <queue>
 #include <string>
+#include <tuple>
 #include <utility>
 
 #include "seqpack/packing.hpp"
@@ -153,29 +154,35 @@ std::optional<Cells> place_for_micro_batch_sync(const std::vector<Item>& items, 
     for (int64_t r = 0; r < R; ++r) target[k * static_cast<size_t>(R) + static_cast<size_t>(r)] = std::max(floors[k], level);
   Cells cells(C);
   size_t next_big = 0;
-  using Entry = std::pair<double, int64_t>;  // (key, -cell): larger key first, then the lower cell
-  std::priority_queue<Entry> open, parked;   // open: by slack; parked (no room for the current one): by room
   for (const Item& it : items) {
     if (2 * it.s > cap) cells.add(next_big++, it);
   }
-  for (size_t c = 0; c < C; ++c) open.push({target[c] - cells.load[c], -static_cast<int64_t>(c)});
+  // open: cells by (slack to the target, then the lightest, then the lowest index);
+  // parked (no room for the current sequence): by room.
+  using Open = std::tuple<double, double, int64_t>;  // (slack, -load, -cell)
+  std::priority_queue<Open> open;
+  std::priority_queue<std::pair<int64_t, int64_t>> parked;  // (room, -cell)
+  auto reopen = [&](size_t c) {
+    open.push({target[c] - cells.load[c], -cells.load[c], -static_cast<int64_t>(c)});
+  };
+  for (size_t c = 0; c < C; ++c) reopen(c);
   for (const Item& it : items) {
     if (2 * it.s > cap) continue;
-    while (!parked.empty() && parked.top().first >= static_cast<double>(it.s)) {
+    while (!parked.empty() && parked.top().first >= it.s) {
       const auto c = static_cast<size_t>(-parked.top().second);
       parked.pop();
-      open.push({target[c] - cells.load[c], -static_cast<int64_t>(c)});
+      reopen(c);
     }
     size_t c = 0;
     for (;;) {
       if (open.empty()) return std::nullopt;
-      c = static_cast<size_t>(-open.top().second);
+      c = static_cast<size_t>(-std::get<2>(open.top()));
       open.pop();
       if (cap - cells.tokens[c] >= it.s) break;
-      parked.push({static_cast<double>(cap - cells.tokens[c]), -static_cast<int64_t>(c)});
+      parked.push({cap - cells.tokens[c], -static_cast<int64_t>(c)});
     }
     cells.add(c, it);
-    open.push({target[c] - cells.load[c], -static_cast<int64_t>(c)});
+    reopen(c);
   }
   return cells;
 }
@@ -242,6 +249,74 @@ std::optional<Cells> place_for_step_sync(const std::vector<Item>& items, int64_t
   return cells;
 }
 
+// Step sync polish: moves and swaps between the most and the least loaded rank
+// that lower the larger of the two, keeping every cell within the cap; stops when
+// none helps or after a bounded amount of work.
+void balance_ranks(Cells& cells, int64_t R, int64_t K, int64_t cap) {
+  std::vector<double> load(static_cast<size_t>(R), 0.0);
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t k = 0; k < K; ++k) load[static_cast<size_t>(r)] += cells.load[static_cast<size_t>(r * K + k)];
+  int64_t budget = int64_t{1} << 24;  // pair checks
+  for (int64_t iter = 0; iter < 8 * R + 64 && budget > 0; ++iter) {
+    const auto h = static_cast<size_t>(std::max_element(load.begin(), load.end()) - load.begin());
+    const auto l = static_cast<size_t>(std::min_element(load.begin(), load.end()) - load.begin());
+    const double gap = load[h] - load[l];
+    if (!(gap > 0)) break;
+    double best = load[h];
+    size_t best_ca = 0, best_a = 0, best_cb = 0, best_b = SIZE_MAX;  // best_b == SIZE_MAX: a move
+    bool found = false;
+    // The cell of rank l with the most room takes moves.
+    size_t roomiest = l * static_cast<size_t>(K);
+    for (int64_t k = 1; k < K; ++k) {
+      const size_t c = l * static_cast<size_t>(K) + static_cast<size_t>(k);
+      if (cells.tokens[c] < cells.tokens[roomiest]) roomiest = c;
+    }
+    // Rank l's sequences by work: a swap wants w_b near w_a - gap / 2.
+    std::vector<std::pair<double, std::pair<size_t, size_t>>> lows;  // (w, (cell, position))
+    for (int64_t kb = 0; kb < K; ++kb) {
+      const size_t cb = l * static_cast<size_t>(K) + static_cast<size_t>(kb);
+      for (size_t b = 0; b < cells.items[cb].size(); ++b) lows.push_back({cells.items[cb][b].w, {cb, b}});
+    }
+    std::sort(lows.begin(), lows.end());
+    budget -= static_cast<int64_t>(lows.size());
+    constexpr ptrdiff_t kWindow = 8;  // candidates tried on each side of the ideal partner
+    for (int64_t ka = 0; ka < K; ++ka) {
+      const size_t ca = h * static_cast<size_t>(K) + static_cast<size_t>(ka);
+      for (size_t a = 0; a < cells.items[ca].size(); ++a) {
+        const Item& ia = cells.items[ca][a];
+        if (ia.w < gap && cells.tokens[roomiest] + ia.s <= cap) {
+          const double m = std::max(load[h] - ia.w, load[l] + ia.w);
+          if (m < best) best = m, best_ca = ca, best_a = a, best_cb = roomiest, best_b = SIZE_MAX, found = true;
+        }
+        const auto mid = std::lower_bound(lows.begin(), lows.end(), std::make_pair(ia.w - gap / 2, std::make_pair(size_t{0}, size_t{0}))) - lows.begin();
+        const ptrdiff_t lo = std::max<ptrdiff_t>(0, mid - kWindow);
+        const ptrdiff_t hi = std::min<ptrdiff_t>(static_cast<ptrdiff_t>(lows.size()), mid + kWindow);
+        budget -= hi - lo;
+        for (ptrdiff_t j = lo; j < hi; ++j) {
+          const auto [cb, b] = lows[static_cast<size_t>(j)].second;
+          const Item& ib = cells.items[cb][b];
+          const double d = ia.w - ib.w;
+          if (!(d > 0) || d >= gap) continue;
+          if (cells.tokens[ca] - ia.s + ib.s > cap || cells.tokens[cb] - ib.s + ia.s > cap) continue;
+          const double m = std::max(load[h] - d, load[l] + d);
+          if (m < best) best = m, best_ca = ca, best_a = a, best_cb = cb, best_b = b, found = true;
+        }
+      }
+    }
+    if (!found) break;
+    const Item a = cells.remove(best_ca, best_a);
+    load[h] -= a.w;
+    load[l] += a.w;
+    if (best_b != SIZE_MAX) {
+      const Item b = cells.remove(best_cb, best_b);
+      cells.add(best_ca, b);
+      load[h] += b.w;
+      load[l] -= b.w;
+    }
+    cells.add(best_cb, a);
+  }
+}
+
 // Within each rank: dummies filled from the rank's own cells (its total is
 // unchanged), micro-batches heaviest first.
 std::vector<size_t> order_within_ranks(Cells& cells, int64_t R, int64_t K) {
@@ -292,31 +367,24 @@ Cells ffd_cells(const std::vector<Item>& items, Lengths lengths, int64_t begin, 
 struct Candidate {
   double time = 0.0;
   int64_t K = 0;
-  std::vector<std::vector<Item>> cells;  // rank-major
-  std::vector<double> loads;
-  std::vector<int64_t> tokens;
+  Cells cells{0};
+  std::vector<size_t> layout;  // rank-major position r·K + k -> cell
 };
 
+// Dummies filled, cells laid out rank-major, the time under the sync mode.
 Candidate finish(Cells cells, int64_t R, int64_t K, const StepOptions& o) {
-  std::vector<size_t> layout;
+  Candidate c{0.0, K, std::move(cells), {}};
   if (o.sync == StepSync::MicroBatch) {
-    std::vector<size_t> all(cells.size());
+    std::vector<size_t> all(c.cells.size());
     std::iota(all.begin(), all.end(), 0);
-    fill_dummies(cells, all);
-    layout = group_into_steps(cells, R, K);
+    fill_dummies(c.cells, all);
+    c.layout = group_into_steps(c.cells, R, K);
   } else {
-    layout = order_within_ranks(cells, R, K);
+    c.layout = order_within_ranks(c.cells, R, K);
   }
-  Candidate c;
-  c.K = K;
   std::vector<double> costs;
-  for (size_t pos = 0; pos < layout.size(); ++pos) {
-    const size_t cell = layout[pos];
-    c.cells.push_back(std::move(cells.items[cell]));
-    c.loads.push_back(cells.load[cell]);
-    c.tokens.push_back(cells.tokens[cell]);
-    costs.push_back(o.cost.per_micro_batch + cells.load[cell]);
-  }
+  costs.reserve(c.layout.size());
+  for (size_t cell : c.layout) costs.push_back(o.cost.per_micro_batch + c.cells.load[cell]);
   c.time = step_time(costs, R, K, o.sync);
   return c;
 }
@@ -390,16 +458,21 @@ MiniBatchStep plan_mini_batch(Lengths lengths, int64_t begin, int64_t end, const
     const int64_t K = std::max(k_min, round_up(ceil_div(bins, R), mult));
     consider(finish(ffd_cells(items, lengths, begin, end, R, K, cap, o.sync), R, K, o));
   }
+  if (o.sync == StepSync::Step) {
+    // Polish the chosen plan only (it never raises the heaviest rank).
+    balance_ranks(best->cells, R, best->K, cap);
+    best = finish(std::move(best->cells), R, best->K, o);
+  }
   out.num_micro_batches = best->K;
   out.predicted_time = best->time;
-  for (size_t c = 0; c < best->cells.size(); ++c) {
+  for (size_t cell : best->layout) {
     std::vector<int64_t> idx;
-    idx.reserve(best->cells[c].size());
-    for (const Item& it : best->cells[c]) idx.push_back(it.index);
+    idx.reserve(best->cells.items[cell].size());
+    for (const Item& it : best->cells.items[cell]) idx.push_back(it.index);
     std::sort(idx.begin(), idx.end());
     out.cells.push_group(idx);
-    out.costs.push_back(o.cost.per_micro_batch + best->loads[c]);
-    out.tokens.push_back(best->tokens[c]);
+    out.costs.push_back(o.cost.per_micro_batch + best->cells.load[cell]);
+    out.tokens.push_back(best->cells.tokens[cell]);
   }
   return out;
 }

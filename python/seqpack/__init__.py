@@ -55,6 +55,7 @@ _export("planning.balance", "MicroBatchPlan", "get_seqlen_balanced_partitions", 
 _export("planning.dynamic_batching", "DynamicBatchingPlan", "plan_dynamic_batching")
 _export("planning.metrics", "PackingMetrics", "dp_balance_metrics", "dynamic_batching_metrics")
 _export("planning.cost", "CostModel")
+_export("planning.step", "StepPlan", "plan_step")
 # Packed tensors
 _export("tensors.layout", "PackedLayout", "alignment")
 _export("tensors.thd", "PackedBatch", "PackedSeqParams", "StaticPackedBatch", "pack_sequences",
@@ -73,7 +74,7 @@ __all__ = [
     # planning
     "get_packer", "PackingAlgorithm", "SequencePacker",
     "get_seqlen_balanced_partitions", "karmarkar_karp", "plan_micro_batches", "MicroBatchPlan",
-    "plan_dynamic_batching", "DynamicBatchingPlan", "PackingMetrics", "CostModel",
+    "plan_dynamic_batching", "DynamicBatchingPlan", "PackingMetrics", "CostModel", "plan_step", "StepPlan",
     # packed tensors
     "PackedLayout", "alignment", "PackedBatch", "PackedSeqParams", "pack_sequences", "pack_to_layout",
     "unpack_sequences",

@@ -7,6 +7,7 @@
 - :mod:`~seqpack.planning.dynamic_batching`: NeMo-RL's dynamic batching plan.
 - :mod:`~seqpack.planning.metrics`: packing, balance and padding metrics.
 - :mod:`~seqpack.planning.cost`: :class:`CostModel`, what a micro-batch costs.
+- :mod:`~seqpack.planning.step`: :func:`plan_step`, ranks and micro-batches planned together.
 
 >>> from seqpack.planning import get_packer
 >>> get_packer("first_fit_decreasing", bin_capacity=10).pack([6, 5, 4, 3])
@@ -19,10 +20,11 @@ from .cost import CostModel
 from .dynamic_batching import DynamicBatchingPlan, plan_dynamic_batching
 from .metrics import PackingMetrics, dp_balance_metrics, dynamic_batching_metrics
 from .packing import PackingAlgorithm, SequencePacker, adjust_bin_count, get_packer
+from .step import StepPlan, plan_step
 
 __all__ = [
     "CostModel", "DynamicBatchingPlan", "MicroBatchPlan", "PackingAlgorithm", "PackingMetrics", "SequencePacker",
     "adjust_bin_count", "dp_balance_metrics", "dynamic_batching_metrics", "get_packer",
     "get_seqlen_balanced_partitions", "greedy_lpt_partition", "karmarkar_karp", "log_seqlen_unbalance",
-    "plan_dynamic_batching", "plan_micro_batches", "sequence_workloads", "sorted_stride_partition",
+    "plan_dynamic_batching", "plan_micro_batches", "plan_step", "sequence_workloads", "sorted_stride_partition", "StepPlan",
 ]

@@ -1,0 +1,77 @@
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <numeric>
+#include <stdexcept>
+
+#include "seqpack/step.hpp"
+
+namespace seqpack {
+namespace {
+
+StepOptions options(int64_t dp, int64_t cap, StepSync sync) {
+  StepOptions o;
+  o.dp_size = dp;
+  o.max_tokens = cap;
+  o.sync = sync;
+  return o;
+}
+
+TEST(PlanStep, EveryIndexOnceUnderTheCapWithEqualCounts) {
+  std::vector<int64_t> lengths;
+  for (int64_t i = 0; i < 500; ++i) lengths.push_back(1 + (i * 7919) % 4000);
+  for (StepSync sync : {StepSync::MicroBatch, StepSync::Step}) {
+    StepOptions o = options(8, 4096, sync);
+    o.cost = StepCost{10.0, 1.0, 1e-3};
+    o.mini_batches = 2;
+    o.multiple_of = 2;
+    const StepPlan plan = plan_step(lengths, o);
+    std::vector<int64_t> seen;
+    double time = 0.0;
+    for (const MiniBatchStep& mb : plan.mini_batches) {
+      EXPECT_EQ(mb.num_micro_batches % 2, 0);
+      ASSERT_EQ(mb.cells.size(), static_cast<size_t>(8 * mb.num_micro_batches));
+      for (size_t c = 0; c < mb.cells.size(); ++c) {
+        int64_t tokens = 0;
+        for (int64_t i : mb.cells.group(c)) {
+          seen.push_back(i);
+          tokens += lengths[i];
+          EXPECT_TRUE(i >= mb.begin && i < mb.end);
+        }
+        EXPECT_LE(tokens, 4096);
+        EXPECT_EQ(tokens, mb.tokens[c]);
+      }
+      EXPECT_DOUBLE_EQ(step_time(mb.costs, 8, mb.num_micro_batches, sync), mb.predicted_time);
+      EXPECT_LE(mb.lower_bound, mb.predicted_time);
+      time += mb.predicted_time;
+    }
+    std::sort(seen.begin(), seen.end());
+    std::vector<int64_t> all(lengths.size());
+    std::iota(all.begin(), all.end(), 0);
+    EXPECT_EQ(seen, all);
+    EXPECT_DOUBLE_EQ(plan.predicted_time, time);
+    EXPECT_LE(plan.predicted_time, 1.03 * plan.lower_bound);
+  }
+}
+
+TEST(PlanStep, StepTimeFollowsTheSyncMode) {
+  // Two ranks, two micro-batches, rank-major: rank 0 = {4, 1}, rank 1 = {2, 3}.
+  const std::vector<double> costs{4, 1, 2, 3};
+  EXPECT_DOUBLE_EQ(step_time(costs, 2, 2, StepSync::MicroBatch), 4 + 3);
+  EXPECT_DOUBLE_EQ(step_time(costs, 2, 2, StepSync::Step), 5);
+}
+
+TEST(PlanStep, BadArgumentsThrowNamingThem) {
+  const std::vector<int64_t> lengths{5, 3};
+  EXPECT_THROW(plan_step(lengths, options(0, 10, StepSync::Step)), std::invalid_argument);
+  EXPECT_THROW(plan_step(lengths, options(2, 4, StepSync::Step)), std::invalid_argument);
+  StepOptions o = options(2, 10, StepSync::MicroBatch);
+  o.cost = StepCost{0, 0, 0};
+  EXPECT_THROW(plan_step(lengths, o), std::invalid_argument);
+  o = options(2, 10, StepSync::MicroBatch);
+  o.mini_batches = 3;
+  EXPECT_THROW(plan_step(lengths, o), std::invalid_argument);
+}
+
+}  // namespace
+}  // namespace seqpack
