@@ -12,15 +12,18 @@ namespace seqpack {
 //
 // Bit-for-bit the partitions of verl's `karmarkar_karp` (the version ROLL ships
 // too): same initial states (items by (value, index) ascending; with equal_size
-// one state per k consecutive items), the same heap discipline as Python's heapq,
+// one state per k consecutive items), the same order of pops as Python's heapq,
 // and the same tie-breaks (largest spread first, then the state whose largest
 // set is larger by (sum, count, first item)). Groups come in verl's order (sets
 // by decreasing sum) with items in merge order; `sort_groups` sorts the indices
 // inside each group instead, as `get_seqlen_balanced_partitions` returns them.
 //
-// Unlike the Python version, a state keeps only its non-empty sets, so a merge
-// costs O((a + b) log(a + b)) for a and b non-empty sets rather than O(k log k),
-// and the item lists are spliced in O(1).
+// Unlike the Python version, a state keeps only its non-empty sets (16 bytes
+// each), a merge inserts the fewer changed sets into the longer sorted run
+// (O(fewer · log k) comparisons instead of a sort of k), item lists are spliced in
+// O(1), and the priority queue is a 4-ary heap with its keys inline. No two states
+// compare equal, so the order of pops - and the result - is heapq's: 10M lengths
+// into k = 1024 take about 7 s instead of minutes.
 // Requires 1 <= k <= n; with equal_size, n % k == 0 and every group gets n / k items.
 IndexGroups karmarkar_karp(Lengths values, int64_t k, bool equal_size, bool sort_groups = false);
 
