@@ -19,8 +19,11 @@ Planning times are the best of 3 runs (one run where the first takes over 10 s).
 
 Part 2, a real step: a tiny Llama-shaped model on the CPU, DP = 2 gloo processes
 (one thread each), every micro-batch forward + backward then an all-reduce of every
-gradient (the FSDP lock-step), one global batch of RL-like lengths; a cost model is
-first fitted to timed micro-batches on this machine and used to plan.
+gradient (one flat bucket by default, --allreduce per_tensor: one call per tensor),
+the FSDP lock-step, one global batch of RL-like lengths (rl_long_tail scaled to a
+cap of 2048). A cost model is first fitted to timed micro-batches on this machine;
+seqpack plans with it; the step time of seqpack's plan, the two-step plan, verl,
+NeMo-RL and TRL AsyncGRPO is measured and compared with the model's prediction.
 
     python benchmarks/bench_step.py            # full run (a few minutes on 2 cores)
     python benchmarks/bench_step.py --quick    # smoke test (seconds)
@@ -291,7 +294,8 @@ def real_worker(rank, world, port, job, results):
     import torch.distributed as dist
 
     import seqpack
-    from seqpack.testing.pipelines import seqpack_two_step_pipeline, verl_pipeline
+    from seqpack.testing.pipelines import (nemo_rl_pipeline, seqpack_two_step_pipeline, trl_async_grpo_pipeline,
+                                           verl_pipeline)
     from seqpack.testing.tiny_model import TinyCausalLM, TinyConfig, packed_loss
 
     try:
@@ -356,15 +360,25 @@ def real_worker(rank, world, port, job, results):
             model.zero_grad(set_to_none=False)
         fitted = CostModel.fit(calib, secs)
         cap = job["cap"]
-        plans = {
-            "seqpack plan_step": plan_step(lengths, world, cap, cost=fitted, sync="micro_batch").assignment,
-            "seqpack_two_step": seqpack_two_step_pipeline(lengths, world, cap, cost=fitted),
-            "verl": verl_pipeline(lengths, world, cap),
+        planners = {
+            "seqpack plan_step": lambda: plan_step(lengths, world, cap, cost=fitted, sync="micro_batch").assignment,
+            "seqpack_two_step": lambda: seqpack_two_step_pipeline(lengths, world, cap, cost=fitted),
+            "verl": lambda: verl_pipeline(lengths, world, cap),
+            "nemo_rl": lambda: nemo_rl_pipeline(lengths, world, cap),
+            "trl_async_grpo": lambda: trl_async_grpo_pipeline(lengths, world, cap),
         }
-        out = {"fit": fitted, "calib": list(zip([list(c) for c in calib], secs)), "steps": {}}
-        for name, assignment in plans.items():
-            times = []
-            for r in range(job["repeat"] + 1):  # the first run warms up
+        out = {"fit": fitted, "calib": list(zip([list(c) for c in calib], secs)), "steps": {}, "errors": {}}
+        plans = {}
+        for name, planner in planners.items():
+            try:
+                plans[name] = planner()
+            except Exception as exc:  # same inputs on every rank: every rank skips it
+                out["errors"][name] = short_error(exc)
+        times = {name: [] for name in plans}
+        # Round-robin over the plans (round 0 warms up), so that a change in the machine's
+        # load during the runs hits every plan alike.
+        for r in range(job["repeat"] + 1):
+            for name, assignment in plans.items():
                 model.zero_grad(set_to_none=False)
                 dist.barrier()
                 t0 = time.perf_counter()
@@ -373,9 +387,11 @@ def real_worker(rank, world, port, job, results):
                         run_cell(cell)
                 dist.barrier()
                 if r:
-                    times.append(time.perf_counter() - t0)
+                    times[name].append(time.perf_counter() - t0)
+        for name, assignment in plans.items():
             sim = simulate(assignment, lengths, fitted, "micro_batch", cap)
-            out["steps"][name] = {"times": times, "predicted": sim["time"], "cap_violations": sim["cap_violations"],
+            out["steps"][name] = {"times": times[name], "predicted": sim["time"],
+                                  "cap_violations": sim["cap_violations"],
                                   "micro_batches": sum(sim["num_micro_batches"]),
                                   "dummies": sum(not c for mini in assignment for rk in mini for c in rk)}
         if rank == 0:
@@ -461,14 +477,18 @@ def part2(args, log):
         log.add(case, name, "step_s_min", min(s["times"]))
         log.add(case, name, "predicted_s", s["predicted"])
         log.add(case, name, "cap_violations", s["cap_violations"])
+    for name, msg in got["errors"].items():
+        rows.append([name] + [msg] + ["-"] * 7)
+        log.add(case, name, "error", msg)
     print()
     print(format_table(
         f"Real step, DP {world} (gloo, CPU): one global batch, micro-batches in lock-step (median of {repeat} "
-        "after a warm-up)",
+        "after a warm-up, plans run round-robin)",
         ["plan", "mbs/rank", "dummies", "cap viol", "predicted s", "measured s", "measured / predicted",
          "x seqpack (predicted)", "x seqpack (measured)"], rows,
         note="predicted: pipelines.simulate of the plan under the fitted cost model, sync=micro_batch. seqpack plans "
-             "with the fitted model; seqpack_two_step with it too; verl with its own workload (24576·s + s²).\n"
+             "with the fitted model, seqpack_two_step too; verl with its own workload (24576·s + s²); NeMo-RL (MFFD) "
+             "and TRL AsyncGRPO (token budget) with tokens.\n"
              f"part 2 took {time.perf_counter() - t0:.0f} s (process start-up included)."))
 
 
@@ -483,8 +503,8 @@ def main() -> int:
                         help="pipelines balance with their frameworks' default workloads, not the simulated cost")
     parser.add_argument("--skip-real", action="store_true", help="skip part 2 (the real DP=2 step)")
     parser.add_argument("--real-n", type=int, default=128, help="sequences in part 2's global batch")
-    parser.add_argument("--allreduce", choices=("per_tensor", "bucket"), default="per_tensor",
-                        help="part 2: one all_reduce per gradient tensor, or one flat bucket")
+    parser.add_argument("--allreduce", choices=("bucket", "per_tensor"), default="bucket",
+                        help="part 2: all gradients in one flat all_reduce (as DDP/FSDP bucket them), or one per tensor")
     parser.add_argument("--skip-sim", action="store_true", help="skip part 1 (the simulated tables)")
     args = parser.parse_args()
     env = announce(environment(), torch)

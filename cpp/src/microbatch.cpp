@@ -3,9 +3,11 @@
 #include <algorithm>
 #include <cstdint>
 #include <numeric>
+#include <optional>
 
 #include "seqpack/packing.hpp"
 #include "seqpack/partition.hpp"
+#include "seqpack/step.hpp"
 
 namespace seqpack {
 
@@ -51,52 +53,6 @@ Candidate evaluate(IndexGroups groups, Lengths lengths, Lengths workloads, const
   return c;
 }
 
-// Lowers the heaviest group's workload by moving one sequence to the lightest
-// group, or swapping one pair between them, as long as both stay within the
-// token cap; repeats until neither helps (each step strictly lowers the larger of
-// the two, so it terminates; the step count is bounded as well).
-IndexGroups rebalance_within_cap(const IndexGroups& groups, Lengths lengths, Lengths work, int64_t cap) {
-  std::vector<std::vector<int64_t>> g = groups.to_nested();
-  const size_t k = g.size();
-  if (k < 2) return groups;
-  std::vector<int64_t> tokens = group_sums(groups, lengths), load = group_sums(groups, work);
-  const size_t max_steps = 8 * lengths.size() + 16;
-  for (size_t step = 0; step < max_steps; ++step) {
-    const auto h = static_cast<size_t>(std::max_element(load.begin(), load.end()) - load.begin());
-    const auto l = static_cast<size_t>(std::min_element(load.begin(), load.end()) - load.begin());
-    if (load[h] == load[l]) break;
-    int64_t best_max = load[h];
-    size_t best_i = SIZE_MAX, best_j = SIZE_MAX;  // j == SIZE_MAX: a move, not a swap
-    for (size_t i = 0; i < g[h].size(); ++i) {
-      const int64_t si = lengths[g[h][i]], wi = work[g[h][i]];
-      if (tokens[l] + si <= cap) {
-        const int64_t m = std::max(load[h] - wi, load[l] + wi);
-        if (m < best_max) best_max = m, best_i = i, best_j = SIZE_MAX;
-      }
-      for (size_t j = 0; j < g[l].size(); ++j) {
-        const int64_t sj = lengths[g[l][j]], wj = work[g[l][j]];
-        if (wj >= wi || tokens[l] + si - sj > cap || tokens[h] - si + sj > cap) continue;
-        const int64_t m = std::max(load[h] - wi + wj, load[l] + wi - wj);
-        if (m < best_max) best_max = m, best_i = i, best_j = j;
-      }
-    }
-    if (best_i == SIZE_MAX) break;
-    const int64_t a = g[h][best_i];
-    tokens[h] -= lengths[a], load[h] -= work[a], tokens[l] += lengths[a], load[l] += work[a];
-    if (best_j == SIZE_MAX) {
-      g[h].erase(g[h].begin() + static_cast<std::ptrdiff_t>(best_i));
-      g[l].push_back(a);
-    } else {
-      const int64_t b = g[l][best_j];
-      tokens[l] -= lengths[b], load[l] -= work[b], tokens[h] += lengths[b], load[h] += work[b];
-      g[h][best_i] = b;
-      g[l][best_j] = a;
-    }
-  }
-  for (auto& group : g) std::sort(group.begin(), group.end());
-  return IndexGroups::from_nested(g);
-}
-
 }  // namespace
 
 MicroBatchPlan plan_micro_batches(Lengths lengths, const MicroBatchOptions& o) {
@@ -120,6 +76,17 @@ MicroBatchPlan plan_micro_batches(Lengths lengths, const MicroBatchOptions& o) {
                           std::to_string(o.min_num) + ", multiple_of=" + std::to_string(o.multiple_of) +
                           ", ceil(total/max_tokens)=" + std::to_string(ceil_div(total, o.max_tokens)) +
                           ") but there are only " + std::to_string(n) + " sequences");
+  if (first == 1 && total <= o.max_tokens) {  // one micro-batch holds them all
+    std::vector<int64_t> all(lengths.size());
+    std::iota(all.begin(), all.end(), 0);
+    plan.groups.push_group(all);
+    plan.tokens.push_back(total);
+    int64_t load = 0;
+    for (int64_t w : work_vec) load = checked_add(fn, load, w);
+    plan.workloads.push_back(load);
+    plan.method = "karmarkar_karp";  // what KK returns for k = 1
+    return plan;
+  }
   // First-fit-decreasing on tokens always respects the cap: any k between its bin
   // count and n is feasible by splitting bins (adjust_bin_count), which bounds
   // the search.
@@ -130,44 +97,77 @@ MicroBatchPlan plan_micro_batches(Lengths lengths, const MicroBatchOptions& o) {
     throw_invalid(fn, "no micro-batch count that is a multiple of multiple_of=" + std::to_string(o.multiple_of) +
                           " and at most the " + std::to_string(n) +
                           " sequences keeps every micro-batch <= max_tokens=" + std::to_string(o.max_tokens));
-  Candidate best;
-  bool found = false;
-  for (int64_t k = first; k <= last && !found; k += o.multiple_of) {
-    for (int method = 0; method < 2; ++method) {
-      Candidate c = method == 0 ? evaluate(karmarkar_karp(work, k, false, true), lengths, work, "karmarkar_karp")
-                                : evaluate(greedy_lpt_partition(work, k, false), lengths, work, "greedy_lpt");
-      if (c.max_tokens > o.max_tokens) continue;
-      if (!found || c.max_workload < best.max_workload) best = std::move(c);
-      found = true;
+  // A count k is tried with Karmarkar-Karp and LPT on the workload (verl's and
+  // ROLL's planners; up to kExactLimit sequences), keeping the better one that
+  // fits the cap, else with the cap-aware greedy. A few O(n log n) tries find the
+  // count (below), instead of one try per count.
+  constexpr int64_t kExactLimit = 65536;
+  std::vector<double> work_d(work_vec.begin(), work_vec.end());
+  auto attempt = [&](int64_t k) -> std::optional<Candidate> {
+    std::optional<Candidate> found;
+    if (n <= kExactLimit) {
+      for (int method = 0; method < 2; ++method) {
+        Candidate c = method == 0 ? evaluate(karmarkar_karp(work, k, false, true), lengths, work, "karmarkar_karp")
+                                  : evaluate(greedy_lpt_partition(work, k, false), lengths, work, "greedy_lpt");
+        if (c.max_tokens > o.max_tokens) continue;
+        if (!found || c.max_workload < found->max_workload) found = std::move(c);
+      }
     }
-    if (!found && k + o.multiple_of > last && k >= static_cast<int64_t>(ffd.size())) {
-      // First-fit-decreasing packs tight but leaves the last bins light: rebalance
-      // its bins on the workload without crossing the cap.
-      best = evaluate(rebalance_within_cap(adjust_bin_count(ffd, k, 1), lengths, work, o.max_tokens), lengths, work,
-                      "first_fit_decreasing");
-      found = true;
+    if (!found) {
+      if (auto groups = capped_greedy_partition(lengths, work_d, k, o.max_tokens))
+        found = evaluate(std::move(*groups), lengths, work, "capped_greedy");
+    }
+    return found;
+  };
+  // Sequences above half the cap cannot share a micro-batch: no count below
+  // theirs can work.
+  int64_t big = 0;
+  for (int64_t s : lengths) big += 2 * s > o.max_tokens ? 1 : 0;
+  const int64_t start = round_up(std::max(first, big), o.multiple_of);
+  // The smallest count tried first (usually it works); else the largest, and if
+  // that works, bisection between them for the smallest that does.
+  std::optional<Candidate> best;
+  if (start <= last) best = attempt(start);
+  if (!best && start < last) {
+    if ((best = attempt(last))) {
+      int64_t failed = start, works = last;
+      while (works - failed > o.multiple_of) {
+        const int64_t mid = failed + (works - failed) / o.multiple_of / 2 * o.multiple_of;
+        if (auto c = attempt(mid)) {
+          best = std::move(c);
+          works = mid;
+        } else {
+          failed = mid;
+        }
+      }
     }
   }
-  if (!found)
+  if (!best && last >= static_cast<int64_t>(ffd.size())) {
+    // First-fit-decreasing's bins fit by construction: split to `last`, then
+    // rebalanced on the workload without crossing the cap.
+    best = evaluate(rebalance_under_cap(adjust_bin_count(ffd, last, 1), lengths, work_d, o.max_tokens), lengths, work,
+                    "first_fit_decreasing");
+  }
+  if (!best)
     throw_invalid(fn, "no plan with every micro-batch <= max_tokens=" + std::to_string(o.max_tokens) +
                           " and a count that is a multiple of " + std::to_string(o.multiple_of) +
                           " up to " + std::to_string(n) + " sequences");
   // Order: heaviest first, or lightest at both ends.
-  const size_t k = best.groups.size();
+  const size_t k = best->groups.size();
   std::vector<int64_t> order(k);
   if (o.small_at_ends) {
-    order = small_at_ends_order(best.workloads);
+    order = small_at_ends_order(best->workloads);
   } else {
     std::iota(order.begin(), order.end(), 0);
     std::stable_sort(order.begin(), order.end(),
-                     [&](int64_t a, int64_t b) { return best.workloads[a] > best.workloads[b]; });
+                     [&](int64_t a, int64_t b) { return best->workloads[a] > best->workloads[b]; });
   }
   for (int64_t g : order) {
-    plan.groups.push_group(best.groups.group(static_cast<size_t>(g)));
-    plan.tokens.push_back(best.tokens[g]);
-    plan.workloads.push_back(best.workloads[g]);
+    plan.groups.push_group(best->groups.group(static_cast<size_t>(g)));
+    plan.tokens.push_back(best->tokens[g]);
+    plan.workloads.push_back(best->workloads[g]);
   }
-  plan.method = best.method;
+  plan.method = best->method;
   return plan;
 }
 

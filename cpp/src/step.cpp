@@ -258,6 +258,7 @@ void balance_ranks(Cells& cells, int64_t R, int64_t K, int64_t cap) {
     for (int64_t k = 0; k < K; ++k) load[static_cast<size_t>(r)] += cells.load[static_cast<size_t>(r * K + k)];
   int64_t budget = int64_t{1} << 24;  // pair checks
   for (int64_t iter = 0; iter < 8 * R + 64 && budget > 0; ++iter) {
+    budget -= R;
     const auto h = static_cast<size_t>(std::max_element(load.begin(), load.end()) - load.begin());
     const auto l = static_cast<size_t>(std::min_element(load.begin(), load.end()) - load.begin());
     const double gap = load[h] - load[l];
@@ -580,6 +581,49 @@ StepPlan plan_step(Lengths lengths, const StepOptions& o) {
     begin = end;
   }
   return plan;
+}
+
+namespace {
+
+std::vector<Item> items_by_work(Lengths lengths, std::span<const double> work) {
+  std::vector<Item> items(lengths.size());
+  for (size_t i = 0; i < lengths.size(); ++i) items[i] = Item{static_cast<int64_t>(i), lengths[i], work[i]};
+  std::sort(items.begin(), items.end(), [](const Item& a, const Item& b) {
+    if (a.w != b.w) return a.w > b.w;
+    if (a.s != b.s) return a.s > b.s;
+    return a.index < b.index;
+  });
+  return items;
+}
+
+IndexGroups to_groups(const Cells& cells) {
+  IndexGroups out;
+  std::vector<int64_t> idx;
+  for (const auto& cell : cells.items) {
+    idx.clear();
+    for (const Item& it : cell) idx.push_back(it.index);
+    std::sort(idx.begin(), idx.end());
+    out.push_group(idx);
+  }
+  return out;
+}
+
+}  // namespace
+
+std::optional<IndexGroups> capped_greedy_partition(Lengths lengths, std::span<const double> work, int64_t k,
+                                                   int64_t cap) {
+  std::optional<Cells> cells = place_for_step_sync(items_by_work(lengths, work), k, 1, cap);
+  if (!cells) return std::nullopt;
+  balance_ranks(*cells, k, 1, cap);
+  return to_groups(*cells);
+}
+
+IndexGroups rebalance_under_cap(const IndexGroups& groups, Lengths lengths, std::span<const double> work, int64_t cap) {
+  Cells cells(groups.size());
+  for (size_t g = 0; g < groups.size(); ++g)
+    for (int64_t i : groups.group(g)) cells.add(g, Item{i, lengths[static_cast<size_t>(i)], work[static_cast<size_t>(i)]});
+  balance_ranks(cells, static_cast<int64_t>(groups.size()), 1, cap);
+  return to_groups(cells);
 }
 
 }  // namespace seqpack

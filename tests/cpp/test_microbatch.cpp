@@ -71,7 +71,8 @@ MicroBatchOptions options(int64_t max_tokens, int64_t min_num = 1, int64_t multi
   if (count > round_up(std::max(ffd, lower), o.multiple_of))
     return ::testing::AssertionFailure() << count << " micro-batches, more than the FFD bound";
   const char* m = p.method;
-  if (std::strcmp(m, "karmarkar_karp") && std::strcmp(m, "greedy_lpt") && std::strcmp(m, "first_fit_decreasing"))
+  if (std::strcmp(m, "karmarkar_karp") && std::strcmp(m, "greedy_lpt") && std::strcmp(m, "capped_greedy") &&
+      std::strcmp(m, "first_fit_decreasing"))
     return ::testing::AssertionFailure() << "unknown method " << m;
   return IsOrdered(p.workloads, o.small_at_ends);
 }
@@ -120,17 +121,18 @@ TEST(MicroBatch, TightCapNeedsMoreThanTheLowerBound) {
   EXPECT_TRUE(IsValidPlan(plan_micro_batches(skewed, o), skewed, o));
 }
 
-TEST(MicroBatch, FirstFitFallbackIsRebalancedWithinTheCap) {
-  // Only first-fit-decreasing's 2 bins fit the cap of 10 ({0,1,2,5} and {3,4}:
-  // workloads 98 and 61 with 4*s + s^2); moves and swaps within the cap bring the
-  // heaviest down to 89.
+TEST(MicroBatch, CappedGreedyWhenKarmarkarKarpAndLptOverflow) {
+  // At 2 micro-batches of cap 10, KK and LPT on the workload 4*s + s^2 both
+  // overflow; first-fit-decreasing's bins ({0,1,2,5} and {3,4}: workloads 98 and
+  // 61) fit, and the cap-aware greedy does better: {1,3} and {0,2,4,5}, 89 and 70.
   const Vec lengths = {2, 2, 4, 7, 3, 1};
   const MicroBatchOptions o = options(10, 1, 1, 4);
   const MicroBatchPlan p = plan_micro_batches(lengths, o);
-  EXPECT_STREQ(p.method, "first_fit_decreasing");
+  EXPECT_STREQ(p.method, "capped_greedy");
   EXPECT_TRUE(IsValidPlan(p, lengths, o));
   ASSERT_EQ(p.groups.size(), 2u);
-  EXPECT_EQ(*std::max_element(p.workloads.begin(), p.workloads.end()), 89);
+  EXPECT_EQ(p.groups.to_nested(), (seqpack_test::Nested{{1, 3}, {0, 2, 4, 5}}));
+  EXPECT_EQ(p.workloads, (Vec{89, 70}));
 }
 
 TEST(MicroBatch, EmptyInputGivesAnEmptyPlan) {

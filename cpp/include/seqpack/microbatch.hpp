@@ -5,9 +5,12 @@
 // k = ceil(total / cap) and balance with Karmarkar-Karp; the cap is only a target
 // and is exceeded whenever KK cannot balance tightly enough. Here the cap is a
 // hard constraint: plan_micro_batches returns the smallest admissible k for which
-// it finds a balanced partition with every micro-batch's token sum <= max_tokens
-// (Karmarkar-Karp or LPT; when only first-fit-decreasing's tight bins fit, those
-// bins rebalanced on the workload by moves and swaps that keep the cap).
+// it finds a balanced partition with every micro-batch's token sum <= max_tokens:
+// Karmarkar-Karp or LPT (up to 65,536 sequences), else a cap-aware greedy (each
+// sequence to the lightest micro-batch with room), else first-fit-decreasing's
+// tight bins, each then rebalanced on the workload by moves and swaps that keep
+// the cap. k is tried at its lower bound, then at first-fit-decreasing's count and
+// bisected in between: a few O(n log n) tries (1M lengths in under a second).
 #include <cstdint>
 #include <vector>
 
