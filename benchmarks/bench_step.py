@@ -344,20 +344,18 @@ def real_worker(rank, world, port, job, results):
         model.zero_grad(set_to_none=False)
         calib = job["calibration"]
         cg = torch.Generator().manual_seed(2)
-        secs = []
-        for lens in calib:
-            x = torch.randint(0, cfg.vocab_size, (len(lens), max(lens)), generator=cg)
-            sl = torch.tensor(lens, dtype=torch.long)
-            best = math.inf
-            for _ in range(job["calib_repeat"]):
+        inputs = [(torch.randint(0, cfg.vocab_size, (len(lens), max(lens)), generator=cg),
+                   torch.tensor(lens, dtype=torch.long)) for lens in calib]
+        secs = [math.inf] * len(calib)
+        for _ in range(job["calib_repeat"]):  # round-robin, best of the rounds
+            for i, (x, sl) in enumerate(inputs):
                 dist.barrier()
                 t0 = time.perf_counter()
                 micro_batch(x, sl)
                 t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
                 dist.all_reduce(t, op=dist.ReduceOp.MAX)
-                best = min(best, float(t))
-            secs.append(best)
-            model.zero_grad(set_to_none=False)
+                secs[i] = min(secs[i], float(t))
+                model.zero_grad(set_to_none=False)
         fitted = CostModel.fit(calib, secs)
         cap = job["cap"]
         planners = {
