@@ -218,10 +218,33 @@ def check_train_dp_cp(rank, world):
         assert float((grad - reference[n]).abs().max() / scale) <= 1e-5, n
 
 
+def check_step_plan(rank, world):
+    """Every rank plans the step alone from the same global lengths; the plans agree
+    without any communication, every rank runs the same number of lock-step
+    collectives (one per micro-batch, dummies included), and the plan's
+    valid_tokens is the all-reduced count of loss tokens."""
+    from seqpack import CostModel, plan_step
+    from seqpack.testing.pipelines import rl_long_tail
+
+    lengths = rl_long_tail(16 * world + 3, seed=11, max_len=2048).tolist()
+    plan = plan_step(lengths, world, 4096, cost=CostModel.verl(), mini_batches=2, min_micro_batches=2, seed=5)
+    plans = [None] * world
+    dist.all_gather_object(plans, plan.assignment)  # only to check that they agree
+    assert all(p == plans[0] for p in plans)
+    for m in range(2):
+        mine = torch.zeros(1, dtype=torch.long)
+        for cell in plan.assignment[m][rank]:
+            tokens = torch.tensor([sum(lengths[i] for i in cell)], dtype=torch.long)
+            mine += tokens
+            dist.all_reduce(tokens)  # the FSDP lock-step: one collective per micro-batch on every rank
+        dist.all_reduce(mine)
+        assert mine.item() == plan.valid_tokens(lengths)[m]
+
+
 CHECKS = {"all_gather": check_all_gather, "count_agreement": check_count_agreement,
           "synchronised_error": check_synchronised_error, "batch_balance": check_batch_balance,
           "loss_context_parallel": check_loss_context_parallel, "loss_vocab_parallel": check_loss_vocab_parallel,
-          "cp_attention": check_cp_attention, "train_dp_cp": check_train_dp_cp}
+          "cp_attention": check_cp_attention, "train_dp_cp": check_train_dp_cp, "step_plan": check_step_plan}
 
 
 def worker(rank, world, port, names, errors):

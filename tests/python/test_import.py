@@ -80,7 +80,8 @@ def test_extension_carries_ampere_and_hopper_machine_code():
 @pytest.mark.parametrize(
     "module",
     ["seqpack", "seqpack.planning", "seqpack.planning.packing", "seqpack.planning.balance", "seqpack.planning.metrics",
-     "seqpack.planning.dynamic_batching", "seqpack.planning.cost", "seqpack.tensors.layout", "seqpack.tensors.thd",
+     "seqpack.planning.dynamic_batching", "seqpack.planning.cost", "seqpack.planning.step", "seqpack.tensors.layout",
+     "seqpack.tensors.thd", "seqpack.frameworks._batch", "seqpack.frameworks.verl", "seqpack.testing.pipelines",
      "seqpack.tensors.cp",
      "seqpack.tensors.dataset", "seqpack.training.logprobs", "seqpack._lengths"],
 )

@@ -4,7 +4,7 @@ dicts, verl TensorDict-like dicts). Torch is imported only when a tensor shows u
 
 from __future__ import annotations
 
-from typing import Any, Dict, Mapping, Sequence
+from typing import Any, Dict, Mapping, Optional, Sequence
 
 import numpy as np
 
@@ -63,3 +63,74 @@ def mask_lengths(batch: Mapping[str, Any], name: str = "batch") -> np.ndarray:
     if mask.ndim != 2:
         raise ValueError(f"{name}['attention_mask'] must be [B, S], got shape {mask.shape}")
     return (mask != 0).sum(axis=1).astype(np.int64)
+
+
+# Keys whose zeros mean "no loss on this token / row" in the frameworks seqpack
+# adapts (verl: response_mask, loss_mask; NeMo-RL: token_mask, sample_mask).
+LOSS_MASK_KEYS = ("loss_mask", "response_mask", "token_mask", "sample_mask")
+
+
+def _zeros_like(v: Any) -> Any:
+    if is_tensor(v) or isinstance(v, np.ndarray):
+        return v * 0
+    return [type(x)(0) if isinstance(x, (int, float, bool)) else x for x in v]
+
+
+def dummy_row(batch: Mapping[str, Any], *, loss_mask_keys: Sequence[str] = LOSS_MASK_KEYS,
+              length_key: Optional[str] = None, name: str = "batch") -> Dict[str, Any]:
+    """A one-row batch that runs the model on a single real token and adds nothing
+    to the loss: the micro-batch a rank with no work runs so that every rank's
+    collectives (FSDP all-gathers, gradient reductions) still match.
+
+    Row 0 of ``batch`` with every ``loss_mask_keys`` value zeroed, ``labels`` set to
+    -100 (ignored by HF losses), the ``attention_mask`` (when present) keeping only
+    its first real token, and ``length_key`` (e.g. NeMo-RL's ``input_lengths``) set
+    to 1.
+
+    >>> import numpy as np
+    >>> row = dummy_row({"attention_mask": np.array([[0, 1, 1], [1, 1, 0]]), "loss_mask": np.ones((2, 3))})
+    >>> row["attention_mask"].tolist(), row["loss_mask"].tolist()
+    ([[0, 1, 0]], [[0.0, 0.0, 0.0]])
+    """
+    if batch_size(batch, name) == 0:
+        raise ValueError(f"{name} has no rows: a dummy micro-batch copies one row's shapes and dtypes")
+    row = select_all(batch, [0])
+    for key in loss_mask_keys:
+        if key in row:
+            row[key] = _zeros_like(row[key])
+    if "labels" in row and (is_tensor(row["labels"]) or isinstance(row["labels"], np.ndarray)):
+        row["labels"] = row["labels"] * 0 - 100
+    mask = row.get("attention_mask")
+    if mask is not None and (is_tensor(mask) or isinstance(mask, np.ndarray)) and mask.ndim == 2:
+        real = np.flatnonzero(np.asarray(mask[0].tolist()) != 0)
+        first = int(real[0]) if real.size else 0
+        kept = mask * 0
+        kept[0, first] = 1
+        row["attention_mask"] = kept
+    if length_key is not None and length_key in row:
+        v = row[length_key]
+        row[length_key] = v * 0 + 1 if (is_tensor(v) or isinstance(v, np.ndarray)) else [1]
+    return row
+
+
+def step_plan_parts(plan: Any, dp_rank: Any, mini_batch: Any, rows_here: int, cap: Optional[int],
+                    cap_name: str) -> "list[list[int]]":
+    """Rank ``dp_rank``'s micro-batches of ``mini_batch`` in a
+    :class:`seqpack.StepPlan`, as positions into the rank's rows (``[]``: a dummy),
+    after checking the batch is the one planned. Every rank checks only its own
+    inputs and runs no collective: the plan already gives every rank the same count.
+    """
+    from ..planning.step import StepPlan
+
+    if not isinstance(plan, StepPlan):
+        raise TypeError(f"step_plan must be a seqpack.StepPlan, got {type(plan).__name__}")
+    if isinstance(dp_rank, bool) or not isinstance(dp_rank, (int, np.integer)):
+        raise TypeError(f"dp_rank must be an int when step_plan is given, got {type(dp_rank).__name__}")
+    parts = plan.local_micro_batches(int(dp_rank), mini_batch)
+    planned = sum(len(p) for p in parts)
+    if planned != rows_here:
+        raise ValueError(f"the batch has {rows_here} rows but step_plan gives rank {dp_rank} {planned} in "
+                         f"mini-batch {mini_batch}: build it from step_plan.rank_rows({dp_rank}, {mini_batch})")
+    if cap is not None and plan.max_tokens > cap:
+        raise ValueError(f"step_plan was planned with max_tokens={plan.max_tokens}, above {cap_name}={cap}")
+    return parts

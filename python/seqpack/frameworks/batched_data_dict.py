@@ -32,8 +32,10 @@ as NeMo-RL uses it).
 
 Beyond NeMo-RL (opt-in): ``balance="karmarkar_karp"`` in ``sequence_packing_args``
 deals bins to shards by load, ``dynamic_batching_args["rule"] = "optimal"``
-plans micro-batches with the fewest padded tokens, and
-:meth:`BatchedDataDict.make_packed_microbatch_iterator` yields ready THD
+plans micro-batches with the fewest padded tokens, ``step_plan=`` shards by a
+:func:`seqpack.plan_step` plan (ranks and micro-batches planned together; a
+rank's empty micro-batch is yielded as a one-token dummy row with zero loss masks),
+and :meth:`BatchedDataDict.make_packed_microbatch_iterator` yields ready THD
 micro-batches.
 """
 
@@ -46,6 +48,7 @@ from typing import (TYPE_CHECKING, Any, Dict, Generic, Iterator, List, Literal, 
 
 import numpy as np
 
+from ._batch import dummy_row
 from ._batch import is_packed as _is_packed
 from ._batch import is_tensor as _is_tensor
 from ._batch import rows as _rows
@@ -58,6 +61,7 @@ from ..tensors.layout import alignment, round_up
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
+    from ..planning.step import StepPlan
     from ..tensors.thd import PackedBatch
 
 try:  # Python 3.11+
@@ -348,6 +352,7 @@ class BatchedDataDict(UserDict, Generic[DictT]):
         allow_uneven_shards: bool = False,
         dynamic_batching_args: Optional[DynamicBatchingArgs] = None,
         sequence_packing_args: Optional[SequencePackingArgs] = None,
+        step_plan: Optional["StepPlan"] = None,
     ) -> Union[List["SlicedDataDict"], Tuple[List["SlicedDataDict"], List[int]]]:
         """Shard each global batch (``batch_size`` rows) across ``shards`` ranks.
 
@@ -357,8 +362,12 @@ class BatchedDataDict(UserDict, Generic[DictT]):
         max length <= max_tokens_per_microbatch``). Sequence packing: per global batch
         the lengths (padded to ``sequence_length_pad_multiple``) are packed into a
         multiple of ``shards`` bins, dealt round-robin (or by load with
-        ``balance="karmarkar_karp"``). With either, returns ``(shards,
-        sorted_indices)``.
+        ``balance="karmarkar_karp"``). With ``step_plan`` (a
+        :func:`seqpack.plan_step` plan of these rows, ``dp_size == shards``, one
+        mini-batch per global batch), shard ``s`` takes rank ``s``'s rows and
+        micro-batches as planned; an empty micro-batch (a dummy) becomes a one-row,
+        one-token micro-batch with zero loss masks in the iterators. With any of the
+        three, returns ``(shards, sorted_indices)``.
 
         Example:
             >>> data = BatchedDataDict(problem_id=[0, 0, 1, 1, 2, 2, 3, 3])
@@ -369,6 +378,10 @@ class BatchedDataDict(UserDict, Generic[DictT]):
             _check(batch_size is None, "batch_size must be None if allow_uneven_shards is True")
         _check(dynamic_batching_args is None or sequence_packing_args is None,
                "dynamic_batching_args and sequence_packing_args cannot be passed together")
+        if step_plan is not None:
+            _check(dynamic_batching_args is None and sequence_packing_args is None,
+                   "step_plan cannot be combined with dynamic_batching_args or sequence_packing_args")
+            return self._shard_by_plan(shards, batch_size, step_plan)
         _check(isinstance(shards, int) and shards > 0, f"shards must be a positive int, got {shards!r}")
         total = self._batch_size()
         if batch_size is None:
@@ -453,6 +466,44 @@ class BatchedDataDict(UserDict, Generic[DictT]):
             out.append(shard)
         return out, [i for r in rows for i in r]
 
+    def _shard_by_plan(self, shards: int, batch_size: Optional[int], plan: "StepPlan"):
+        from ..planning.step import StepPlan
+
+        _check(isinstance(plan, StepPlan), f"step_plan must be a seqpack.StepPlan, got {type(plan).__name__}")
+        _check(plan.dp_size == shards, f"step_plan was planned for dp_size={plan.dp_size}, not shards={shards}")
+        total = self._batch_size()
+        _check(plan.num_sequences == total, f"step_plan covers {plan.num_sequences} rows, the data has {total}")
+        if batch_size is not None:
+            expected = [(c, c + batch_size) for c in range(0, total, batch_size)]
+            _check(plan.mini_batch_ranges == expected,
+                   f"step_plan's mini-batches {plan.mini_batch_ranges} are not the global batches of "
+                   f"batch_size={batch_size}")
+        rows: List[List[int]] = [plan.rank_rows(s) for s in range(shards)]
+        out = []
+        for s in range(shards):
+            shard = self._gather(rows[s], SlicedDataDict, sorted(self.data))
+            shard.micro_batch_indices, shard.micro_batch_lengths, shard.elem_counts_per_gb = [], [], []
+            for m, mini_batch in enumerate(plan.assignment):
+                bounds, start = [], 0  # row ranges within the global batch, as sequence packing's
+                for cell in mini_batch[s]:
+                    bounds.append([start, start + len(cell)])
+                    start += len(cell)
+                shard.micro_batch_indices.append(bounds)
+                shard.micro_batch_lengths.append(list(plan.tokens[m][s]))
+                shard.elem_counts_per_gb.append(start)
+            out.append(shard)
+        return out, [i for r in rows for i in r]
+
+    def dummy_microbatch(self, input_lengths_key: str = "input_lengths") -> "SlicedDataDict":
+        """A one-row micro-batch that runs one token and adds nothing to the loss
+        (row 0 with ``token_mask``/``sample_mask``/``loss_mask`` zeroed and
+        ``input_lengths_key`` set to 1): what a rank with no work at a micro-batch
+        step runs, so FSDP's per-micro-batch collectives still match."""
+        return SlicedDataDict(dummy_row(self.data, length_key=input_lengths_key, name="BatchedDataDict"))
+
+    def _slice_or_dummy(self, start: int, end: int) -> "SlicedDataDict":
+        return self.slice(start, end) if end > start else self.dummy_microbatch()
+
     # ---------------------------------------------------------------- per global batch
 
     def get_batch(self, batch_idx: int, batch_size: Optional[int] = None) -> "SlicedDataDict":
@@ -503,9 +554,10 @@ class BatchedDataDict(UserDict, Generic[DictT]):
         return len(self.micro_batch_indices[0])
 
     def make_microbatch_iterator_for_packable_sequences(self) -> Iterator["SlicedDataDict"]:
-        """The packed micro-batches (bins) as row slices."""
+        """The packed micro-batches (bins) as row slices (an empty one, a
+        :func:`seqpack.plan_step` dummy, as :meth:`dummy_microbatch`)."""
         indices, _ = self._one_plan()
-        return (self.slice(start, end) for start, end in indices)
+        return (self._slice_or_dummy(start, end) for start, end in indices)
 
     def get_microbatch_iterator_for_packable_sequences_len(self) -> Tuple[int, int]:
         """(micro-batch count, largest packed token count)."""
@@ -548,8 +600,12 @@ class BatchedDataDict(UserDict, Generic[DictT]):
 
         def gen():
             for start, end in indices:
-                mb = {k: self.data[k][start:end] for k in keys}
-                yield pack_sequences(mb, seq_lens=lens[start:end], pad_multiple=multiple, pad_values=pad_values,
+                if end > start:
+                    mb, mb_lens = {k: self.data[k][start:end] for k in keys}, lens[start:end]
+                else:  # a dummy: one token, zero loss masks
+                    dummy = self.dummy_microbatch(input_lengths_key)
+                    mb, mb_lens = {k: dummy[k] for k in keys}, np.ones(1, dtype=np.int64)
+                yield pack_sequences(mb, seq_lens=mb_lens, pad_multiple=multiple, pad_values=pad_values,
                                      pad_packed_to=pad_to, cp_size=cp_size, cp_rank=cp_rank)
 
         return gen()

@@ -32,18 +32,21 @@ from __future__ import annotations
 
 import copy
 import warnings
-from typing import Any, Dict, Iterator, List, Mapping, MutableMapping, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Mapping, MutableMapping, Optional, Sequence, Tuple
 
 import numpy as np
 
 from .. import _core
-from ._batch import batch_size, is_tensor, mask_lengths, select_all
+from ._batch import batch_size, dummy_row, is_tensor, mask_lengths, select_all, step_plan_parts
 from .._dist import active, agree_on_count
 from .._lengths import as_positive_int
 from ..tensors.layout import alignment, round_up
 from ..planning.balance import WORKLOAD_ATTENTION_COEFF, MicroBatchPlan, get_seqlen_balanced_partitions, plan_micro_batches, sequence_workloads
 from ..planning.dynamic_batching import plan_dynamic_batching
 from ..planning.metrics import dp_balance_metrics, dynamic_batching_metrics
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..planning.step import StepPlan
 
 __all__ = [
     "ROLL_ATTENTION_COEFF",
@@ -298,6 +301,9 @@ def make_micro_batch_iter_for_sequence_packing(
     vp_size: int = 1,
     dp_group=None,
     micro_batch_size: Optional[int] = None,
+    step_plan: Optional["StepPlan"] = None,
+    dp_rank: Optional[int] = None,
+    mini_batch_index: int = 0,
 ) -> Iterator[RollBatch]:
     """Micro-batches of a mini-batch for sequence packing (ROLL ``algorithm``
     ``"none"``: consecutive chunks of ``micro_batch_size`` rows; ``"load_balance"``:
@@ -311,6 +317,14 @@ def make_micro_batch_iter_for_sequence_packing(
     is initialised) every rank uses the largest rank's count. Micro-batches run
     light, heavy, ..., heavy, light (pipeline bubbles at the ends are small).
 
+    ``step_plan`` (with ``dp_rank``, ``mini_batch_index``): rank ``dp_rank``'s
+    micro-batches of that mini-batch from a :func:`seqpack.plan_step` plan
+    (``mini_batch`` holds ``step_plan.rank_rows(dp_rank, mini_batch_index)``); the
+    count is the same on every rank by construction, so no collective runs. An
+    empty micro-batch is yielded as a one-row dummy (one token, zero loss masks)
+    with ``is_padding_batch=True``: drop its outputs before
+    :func:`restore_results_order`.
+
     Each micro-batch's ``meta_info``: ``micro_batch_idx``, ``num_micro_batchs``,
     ``partition_indices``, ``partition_indices_list``, ``mini_batch_size``,
     ``is_padding_batch`` and ``sequence_packing_metrics``.
@@ -323,6 +337,11 @@ def make_micro_batch_iter_for_sequence_packing(
                              f"got {micro_batch_size!r}")
         parts = [list(range(s, s + micro_batch_size)) for s in range(0, n, micro_batch_size)]
         return _yield_parts(mini_batch, meta, parts, n, {}, reorder=False)
+    if step_plan is not None:
+        cap = None if max_packed_sequence_length is None else as_positive_int(max_packed_sequence_length,
+                                                                              "max_packed_sequence_length")
+        parts = step_plan_parts(step_plan, dp_rank, mini_batch_index, n, cap, "max_packed_sequence_length")
+        return _yield_parts(mini_batch, meta, parts, n, step_plan.metrics, reorder=True)
     if algorithm != "load_balance":
         raise ValueError(f"Illegal sequence packing algorithm {algorithm!r}, algorithm must be in "
                          "['none', 'load_balance']")
@@ -360,10 +379,11 @@ def make_micro_batch_iter_for_sequence_packing(
 def _yield_parts(batch, meta, parts, n, metrics, reorder: bool) -> Iterator[RollBatch]:
     def gen():
         for k, part in enumerate(parts):
-            mb = RollBatch(select_all(batch, part), meta_info=copy.deepcopy(meta))
+            mb = RollBatch(select_all(batch, part) if part else dummy_row(batch, name="mini_batch"),
+                           meta_info=copy.deepcopy(meta))
             mb.meta_info.update(micro_batch_idx=k, num_micro_batchs=len(parts), partition_indices=list(part),
                                 partition_indices_list=[list(p) for p in parts] if reorder else [],
-                                mini_batch_size=n, is_padding_batch=False, sequence_packing_metrics=dict(metrics))
+                                mini_batch_size=n, is_padding_batch=not part, sequence_packing_metrics=dict(metrics))
             yield mb
 
     return gen()

@@ -19,12 +19,15 @@ rank runs (no rank waits alone).
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Mapping, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional, Tuple
 
-from ._batch import mask_lengths, select_all
+from ._batch import batch_size, dummy_row, mask_lengths, select_all, step_plan_parts
 from .._dist import active, agree_on_count
 from .._lengths import as_positive_int
 from ..planning.balance import WORKLOAD_ATTENTION_COEFF, get_seqlen_balanced_partitions, plan_micro_batches
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..planning.step import StepPlan
 
 __all__ = ["ceildiv", "get_reverse_idx", "get_seqlen_balanced_partitions", "rearrange_micro_batches",
            "roundup_divisible"]
@@ -54,6 +57,10 @@ def rearrange_micro_batches(
     same_micro_num_in_dp: bool = True,
     min_num_micro_batch: Optional[int] = None,
     use_dynamic_bsz_balance: bool = True,
+    *,
+    step_plan: Optional["StepPlan"] = None,
+    dp_rank: Optional[int] = None,
+    mini_batch: int = 0,
 ) -> Tuple[List[Any], List[List[int]]]:
     """Split a batch into micro-batches of at most ``max_token_len`` real tokens.
 
@@ -67,6 +74,12 @@ def rearrange_micro_batches(
         min_num_micro_batch: lower bound on the count (e.g. pipeline stages).
         use_dynamic_bsz_balance: order micro-batches light, heavy, ..., heavy, light
             by the workload ``24576·s + s²``; otherwise heaviest first.
+        step_plan, dp_rank, mini_batch: take rank ``dp_rank``'s micro-batches of
+            ``mini_batch`` from a :func:`seqpack.plan_step` plan of the global batch
+            (``batch`` holds ``step_plan.rank_rows(dp_rank, mini_batch)``). The plan
+            gives every rank the same count, so no collective runs; an empty
+            micro-batch becomes a one-row dummy (one token, zero loss masks) with no
+            entry in ``micro_bsz_idx``.
 
     Returns:
         ``(micro_batches, micro_bsz_idx)``: the sub-batches (rows ascending) and
@@ -77,6 +90,9 @@ def rearrange_micro_batches(
             reach with its rows (raised on every rank).
     """
     cap = as_positive_int(max_token_len, "max_token_len")
+    if step_plan is not None:
+        parts = step_plan_parts(step_plan, dp_rank, mini_batch, batch_size(batch), cap, "max_token_len")
+        return [_select(batch, p) if p else _dummy(batch) for p in parts], parts
     lengths = mask_lengths(batch)
     if lengths.size and lengths.max() > cap:
         raise ValueError(f"a sequence has {int(lengths.max())} tokens, more than max_token_len={cap}")
@@ -94,6 +110,13 @@ def rearrange_micro_batches(
                               "rearrange_micro_batches")
     micro_batches = [_select(batch, part) for part in plan.micro_batches]
     return micro_batches, [list(p) for p in plan.micro_batches]
+
+
+def _dummy(batch: Mapping[str, Any]) -> Any:
+    row = dummy_row(batch)
+    if not isinstance(batch, dict) and hasattr(batch, "batch_size"):  # a TensorDict keeps its type
+        return type(batch)(row, batch_size=[1])
+    return row
 
 
 def _select(batch: Mapping[str, Any], rows: List[int]) -> Any:

@@ -17,10 +17,10 @@ plan on every rank for the same lengths and seed.
 
     >>> from seqpack.planning.step import plan_step
     >>> plan = plan_step([3000, 500, 500, 2500, 1000, 400], dp_size=2, max_tokens=4000)
-    >>> plan.assignment
-    [[[[0], [2, 5]], [[3], [1, 4]]]]
+    >>> plan.assignment            # [mini-batch][rank][micro-batch] -> sequence indices
+    [[[[0, 1, 2]], [[3, 4, 5]]]]
     >>> plan.num_micro_batches, plan.predicted_time, plan.lower_bound
-    ([2], 4000.0, 3950.0)
+    ([1], 4000.0, 3950.0)
 """
 
 from __future__ import annotations
@@ -88,6 +88,38 @@ class StepPlan:
         if isinstance(r, bool) or not isinstance(r, (int, np.integer)) or not 0 <= r < self.dp_size:
             raise ValueError(f"r must be a rank in [0, {self.dp_size}), got {r!r}")
         return [mb[r] for mb in self.assignment]
+
+    def rank_rows(self, r: int, mini_batch: Optional[int] = None) -> List[int]:
+        """Rank ``r``'s sequence indices in the order it runs them: micro-batch by
+        micro-batch, mini-batch by mini-batch (or only ``mini_batch``'s). A shard
+        built from these rows holds each micro-batch contiguously.
+
+        >>> plan_step([5, 3, 4, 2], dp_size=2, max_tokens=8).rank_rows(0)
+        [0, 3]
+        """
+        self.rank(r)
+        minis = range(len(self.assignment)) if mini_batch is None else [self._mini_batch(mini_batch)]
+        return [i for m in minis for cell in self.assignment[m][r] for i in cell]
+
+    def local_micro_batches(self, r: int, mini_batch: int = 0) -> List[List[int]]:
+        """Rank ``r``'s micro-batches of ``mini_batch`` as positions into
+        ``rank_rows(r, mini_batch)`` (what a rank holding only its own rows
+        indexes); ``[]`` is a dummy.
+
+        >>> plan_step([5, 3, 4, 2], dp_size=2, max_tokens=8).local_micro_batches(1)
+        [[0, 1]]
+        """
+        self.rank(r)
+        out, start = [], 0
+        for cell in self.assignment[self._mini_batch(mini_batch)][r]:
+            out.append(list(range(start, start + len(cell))))
+            start += len(cell)
+        return out
+
+    def _mini_batch(self, m: Any) -> int:
+        if isinstance(m, bool) or not isinstance(m, (int, np.integer)) or not 0 <= m < len(self.assignment):
+            raise ValueError(f"mini_batch must be in [0, {len(self.assignment)}), got {m!r}")
+        return int(m)
 
     def valid_tokens(self, mask_lengths: Any) -> List[int]:
         """The global number of loss tokens of each mini-batch: the normaliser of a
