@@ -156,6 +156,50 @@ def bench_caps(trials, log, targets):
          ["seqpack.plan_micro_batches (hard cap)", hard_batches, hard_viol, "0.00%"]]))
 
 
+# Measured on this machine before issue 14 (commit 98f8147, 2026-11-24), one run
+# each: the one-count-at-a-time micro-batch search and the vector-of-sets KK.
+BEFORE_S = {("kk", 1_000_000, 1024): 9.85, ("kk", 1_000_000, 8): 1.34,
+            ("plan_micro_batches", 16_384): 0.055, ("plan_micro_batches", 65_536): 1.80}
+
+
+def bench_scale(quick, log, targets):
+    """The planners at the sizes of issue 14: KK at 10M lengths into 1,024 parts,
+    plan_micro_batches up to 1M (and 10M into one micro-batch)."""
+    rows = []
+    kk_sizes = [(100_000, 1024)] if quick else [(1_000_000, 8), (1_000_000, 1024), (10_000_000, 1024)]
+    for n, k in kk_sizes:
+        values = synthetic_rl_lengths(n, seed=4)
+        m = measure(lambda: seqpack.karmarkar_karp(values, k, False), repeat=1 if n >= 10**7 else 3, warmup=0)
+        log.timing(f"scale/kk/n={n}/k={k}", "seqpack", m)
+        before = BEFORE_S.get(("kk", n, k))
+        rows.append([f"karmarkar_karp n={n:,} k={k}", m["min"], before or "-", before / m["min"] if before else "-"])
+        targets[("scale_kk", n, k)] = m["min"]
+    pmb_sizes = [16_384] if quick else [16_384, 65_536, 131_072, 1_000_000]
+    for n in pmb_sizes:
+        lengths = synthetic_rl_lengths(n, seed=5, max_len=CAPACITY)
+        for coeff in (None, 24576):
+            m = measure(lambda: seqpack.plan_micro_batches(lengths, CAPACITY, attention_coeff=coeff),
+                        repeat=1 if n >= 10**6 else 3, warmup=0)
+            plan = seqpack.plan_micro_batches(lengths, CAPACITY, attention_coeff=coeff)
+            log.timing(f"scale/plan_micro_batches/n={n}/coeff={coeff}", "seqpack", m)
+            before = BEFORE_S.get(("plan_micro_batches", n)) if coeff is None else None
+            rows.append([f"plan_micro_batches n={n:,} {'tokens' if coeff is None else 'workload'} "
+                         f"({plan.num_micro_batches:,} mb, bound {plan.lower_bound:,}, {plan.method})",
+                         m["min"], before or "-", before / m["min"] if before else "-"])
+            targets[("scale_pmb", n, coeff)] = m["min"]
+    if not quick:
+        lengths = synthetic_rl_lengths(10_000_000, seed=6, max_len=CAPACITY)
+        m = measure(lambda: seqpack.plan_micro_batches(lengths, int(lengths.sum())), repeat=1, warmup=0)
+        rows.append(["plan_micro_batches n=10,000,000 into one micro-batch", m["min"], "-", "-"])
+        targets[("scale_pmb_one", 10_000_000)] = m["min"]
+    print(format_table(
+        "Planners at scale (issue 14): seconds, and the same call before (commit 98f8147)",
+        ["call", "seconds", "before s", "speedup"], rows,
+        note="RL-like lognormal lengths, cap 8192; 'workload' balances 24576*s + s^2. Before: the KK kept each "
+             "state's sets in a vector re-sorted on every merge; plan_micro_batches tried every count from "
+             "ceil(total/cap) up, with KK and LPT at each (the issue measured 131k at 19 s and 1M at > 300 s)."))
+
+
 def summarize(targets, sizes, million):
     big = max(sizes)
     rows = []
@@ -189,6 +233,13 @@ def summarize(targets, sizes, million):
     row("P2 KK spread vs Python KK", "<=", "equal (same partitions)" if spreads_ok else "worse", spreads_ok)
     caps = targets["caps"]
     row("P2 cap violations (hard-cap planner)", "0", f"{caps['hard']} / {caps['trials']}", caps["hard"] == 0)
+    kk10 = targets.get(("scale_kk", 10_000_000, 1024))
+    if kk10 is not None:
+        row("issue 14: karmarkar_karp, 10M lengths, k=1024", "<= 10 s", f"{kk10:.2f} s", kk10 <= 10)
+    pmb = targets.get(("scale_pmb", 1_000_000, None))
+    if pmb is not None:
+        worst = max(pmb, targets[("scale_pmb", 1_000_000, 24576)])
+        row("issue 14: plan_micro_batches, 1M lengths", "<= 1 s", f"{worst:.2f} s", worst <= 1)
     print(format_table("Targets (SPEC section 6)", ["target", "goal", "measured", "status"], rows))
 
 
@@ -207,6 +258,7 @@ def main() -> int:
              log, targets)
     bench_million(million, log, targets)
     bench_caps(50 if args.quick else 500, log, targets)
+    bench_scale(args.quick, log, targets)
     summarize(targets, sizes, million)
     print(f"\nCSV: {log.write()}")
     return 0
