@@ -421,6 +421,7 @@ def part2(args, log):
           f"{lengths.mean():.0f}, max {lengths.max()}), DP {world} gloo processes x 1 thread, tiny model {REAL_MODEL}",
           flush=True)
     t0 = time.perf_counter()
+    load0 = os.getloadavg()[0]
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
@@ -487,7 +488,9 @@ def part2(args, log):
         note="predicted: pipelines.simulate of the plan under the fitted cost model, sync=micro_batch. seqpack plans "
              "with the fitted model, seqpack_two_step too; verl with its own workload (24576·s + s²); NeMo-RL (MFFD) "
              "and TRL AsyncGRPO (token budget) with tokens.\n"
-             f"part 2 took {time.perf_counter() - t0:.0f} s (process start-up included)."))
+             f"part 2 took {time.perf_counter() - t0:.0f} s (process start-up included); 1-minute load average "
+             f"{load0:.2f} before, {os.getloadavg()[0]:.2f} after (on {os.cpu_count()} cores: anything else running "
+             "takes a core from a rank, and the lock-step makes both wait)."))
 
 
 # --------------------------------------------------------------------------- main

@@ -2,13 +2,17 @@
 
 #include <algorithm>
 #include <cmath>
+#include <functional>
 #include <numeric>
 #include <queue>
 #include <string>
 #include <tuple>
 #include <utility>
 
+#include "seqpack/microbatch.hpp"
 #include "seqpack/packing.hpp"
+#include "seqpack/partition.hpp"
+#include "thread_pool.hpp"
 
 namespace seqpack {
 namespace {
@@ -332,6 +336,63 @@ std::vector<size_t> order_within_ranks(Cells& cells, int64_t R, int64_t K) {
   return layout;
 }
 
+// ---- The two-step plan from seqpack's parts, a candidate so plan_step never loses
+// to it: Karmarkar-Karp over the ranks on tokens (equal-size when the mini-batch
+// divides), then plan_micro_batches on each rank balancing attention_coeff·s + s²
+// (attention_coeff = per_token / per_token_squared, or tokens), every rank at the
+// largest rank's count (rounded to multiple_of, at least min_micro_batches).
+// Returns the cells rank-major and the count.
+std::pair<Cells, int64_t> two_step_cells(Lengths lengths, int64_t begin, int64_t end, const StepOptions& o) {
+  const int64_t R = o.dp_size, n = end - begin;
+  const Lengths local = lengths.subspan(static_cast<size_t>(begin), static_cast<size_t>(n));
+  IndexGroups parts;
+  if (n >= R) {
+    parts = karmarkar_karp(local, R, n % R == 0, true);
+  } else {
+    for (int64_t i = 0; i < R; ++i) parts.push_group(i < n ? std::vector<int64_t>{i} : std::vector<int64_t>{});
+  }
+  MicroBatchOptions mo;
+  mo.max_tokens = o.max_tokens;
+  if (o.cost.per_token_squared > 0)
+    mo.attention_coeff = std::max<int64_t>(1, std::llround(o.cost.per_token / o.cost.per_token_squared));
+  std::vector<std::vector<int64_t>> rank_lengths(static_cast<size_t>(R));
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t i : parts.group(static_cast<size_t>(r))) rank_lengths[static_cast<size_t>(r)].push_back(local[static_cast<size_t>(i)]);
+  // Each rank's plan is independent: spread them over the pool's threads.
+  std::vector<MicroBatchPlan> plans(static_cast<size_t>(R));
+  const size_t threads = std::min(static_cast<size_t>(R), detail::available_threads());
+  auto each_rank = [&](const std::function<void(size_t)>& fn) {
+    detail::parallel_for(threads, [&](size_t t) {
+      for (size_t r = t; r < static_cast<size_t>(R); r += threads) fn(r);
+    });
+  };
+  each_rank([&](size_t r) {
+    if (!rank_lengths[r].empty()) plans[r] = plan_micro_batches(rank_lengths[r], mo);
+  });
+  int64_t count = o.min_micro_batches;
+  for (const MicroBatchPlan& plan : plans) count = std::max(count, static_cast<int64_t>(plan.groups.size()));
+  count = round_up(count, o.multiple_of);
+  each_rank([&](size_t r) {
+    const auto have = static_cast<int64_t>(plans[r].groups.size());
+    if (rank_lengths[r].empty() || have >= count) return;
+    MicroBatchOptions more = mo;
+    more.min_num = std::min(count, static_cast<int64_t>(rank_lengths[r].size()));
+    plans[r] = plan_micro_batches(rank_lengths[r], more);
+  });
+  Cells cells(static_cast<size_t>(R * count));
+  for (int64_t r = 0; r < R; ++r) {
+    const MicroBatchPlan& plan = plans[static_cast<size_t>(r)];
+    const auto part = parts.group(static_cast<size_t>(r));
+    for (size_t k = 0; k < plan.groups.size(); ++k)
+      for (int64_t j : plan.groups.group(k)) {
+        const int64_t i = begin + part[static_cast<size_t>(j)];
+        const int64_t s = lengths[static_cast<size_t>(i)];
+        cells.add(static_cast<size_t>(r * count) + k, Item{i, s, o.cost.work(s)});
+      }
+  }
+  return {std::move(cells), count};
+}
+
 // ---- The fallback that always exists: first-fit-decreasing bins under the cap.
 
 Cells ffd_cells(const std::vector<Item>& items, Lengths lengths, int64_t begin, int64_t end, int64_t R, int64_t K,
@@ -451,6 +512,10 @@ MiniBatchStep plan_mini_batch(Lengths lengths, int64_t begin, int64_t end, const
     } else if (++tried_since_best >= 4) {
       break;
     }
+  }
+  {
+    auto [cells, K] = two_step_cells(lengths, begin, end, o);
+    consider(finish(std::move(cells), R, K, o));
   }
   // First-fit-decreasing bins always fit the cap: the plan of last resort, and a
   // candidate like any other.
