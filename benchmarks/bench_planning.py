@@ -157,7 +157,8 @@ def bench_caps(trials, log, targets):
 
 
 # Measured on this machine before issue 14 (commit 98f8147, 2026-11-24), one run
-# each: the one-count-at-a-time micro-batch search and the vector-of-sets KK.
+# each, on RL-like lengths of the same distribution but another draw: the
+# one-count-at-a-time micro-batch search and the vector-of-sets KK.
 BEFORE_S = {("kk", 1_000_000, 1024): 9.85, ("kk", 1_000_000, 8): 1.34,
             ("plan_micro_batches", 16_384): 0.055, ("plan_micro_batches", 65_536): 1.80}
 
@@ -195,7 +196,8 @@ def bench_scale(quick, log, targets):
     print(format_table(
         "Planners at scale (issue 14): seconds, and the same call before (commit 98f8147)",
         ["call", "seconds", "before s", "speedup"], rows,
-        note="RL-like lognormal lengths, cap 8192; 'workload' balances 24576*s + s^2. Before: the KK kept each "
+        note="RL-like lognormal lengths, cap 8192; 'workload' balances 24576*s + s^2. Before (one run, another "
+             "draw of the same distribution): the KK kept each "
              "state's sets in a vector re-sorted on every merge; plan_micro_batches tried every count from "
              "ceil(total/cap) up, with KK and LPT at each (the issue measured 131k at 19 s and 1M at > 300 s)."))
 
