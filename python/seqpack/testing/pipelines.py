@@ -128,16 +128,20 @@ def _balance_batch_keep_minibatch(workloads: List[int], dp: int) -> List[List[in
     return ranks
 
 
-def _kk_micro_batches(workloads: List[int], count: int, small_at_ends: bool) -> List[List[int]]:
-    """KK of one rank's rows into ``count`` micro-batches (``equal_size=False``), as
+def _kk_micro_batches(ranks: List[List[int]], work: List[int], count: int, small_at_ends: bool) -> List[Cells]:
+    """KK of each rank's rows into ``count`` micro-batches (``equal_size=False``), as
     verl's ``rearrange_micro_batches`` and ROLL's ``LoadBalancePacker`` do; with
     ``small_at_ends`` sorted by ``(workload, first row)`` descending and interleaved
     ``mbs[::2][::-1] + mbs[1::2]`` (lightest micro-batches first and last)."""
-    mbs = get_seqlen_balanced_partitions(workloads, count, equal_size=False)
-    if small_at_ends:
-        mbs.sort(key=lambda p: (sum(workloads[j] for j in p), p[0] if p else 0), reverse=True)
-        mbs = mbs[::2][::-1] + mbs[1::2]
-    return mbs
+    out: List[Cells] = []
+    for rows in ranks:
+        workloads = [work[i] for i in rows]
+        mbs = get_seqlen_balanced_partitions(workloads, count, equal_size=False)
+        if small_at_ends:
+            mbs.sort(key=lambda p: (sum(workloads[j] for j in p), p[0] if p else 0), reverse=True)
+            mbs = mbs[::2][::-1] + mbs[1::2]
+        out.append([[rows[j] for j in mb] for mb in mbs])
+    return out
 
 
 # --------------------------------------------------------------------------- NeMo-RL
@@ -224,11 +228,7 @@ def verl_pipeline(lengths: Any, dp_size: int, max_tokens: int, *, mini_batches: 
         work = _workloads(chunk, cost)
         ranks = _balance_batch_keep_minibatch(work, dp)
         count = max(min(len(rows), _ceildiv(sum(chunk[i] for i in rows), cap)) for rows in ranks)
-        out: List[Cells] = []
-        for rows in ranks:
-            mbs = _kk_micro_batches([work[i] for i in rows], count, use_dynamic_bsz_balance)
-            out.append([[rows[j] for j in mb] for mb in mbs])
-        return out
+        return _kk_micro_batches(ranks, work, count, use_dynamic_bsz_balance)
 
     return _plan(lengths, dp_size, max_tokens, mini_batches, plan)
 
@@ -279,12 +279,7 @@ def roll_pipeline(lengths: Any, dp_size: int, max_tokens: int, *, mini_batches: 
         if count > min(len(rows) for rows in ranks):
             raise ValueError(f"ROLL LoadBalancePacker: {count} micro-batches for "
                              f"{min(len(rows) for rows in ranks)} rows on a rank")
-        work = _workloads(padded, cost)
-        out: List[Cells] = []
-        for rows in ranks:
-            mbs = _kk_micro_batches([work[i] for i in rows], count, True)
-            out.append([[rows[j] for j in mb] for mb in mbs])
-        return out
+        return _kk_micro_batches(ranks, _workloads(padded, cost), count, True)
 
     return _plan(lengths, dp_size, max_tokens, mini_batches, plan)
 
