@@ -122,7 +122,7 @@ MicroBatchPlan plan_micro_batches(Lengths lengths, const MicroBatchOptions& o) {
   // Sequences above half the cap cannot share a micro-batch: no count below
   // theirs can work.
   int64_t big = 0;
-  for (int64_t s : lengths) big += 2 * s > o.max_tokens ? 1 : 0;
+  for (int64_t s : lengths) big += s > o.max_tokens / 2 ? 1 : 0;  // 2s > cap, without overflow
   const int64_t start = round_up(std::max(first, big), o.multiple_of);
   // The smallest count tried first (usually it works); else the largest, and if
   // that works, bisection between them for the smallest that does.

@@ -117,7 +117,7 @@ std::vector<double> step_floors(const std::vector<Item>& items, int64_t R, int64
   std::vector<double> floors;
   int64_t big = 0;
   for (const Item& it : items) {
-    if (2 * it.s <= cap) continue;
+    if (it.s <= cap / 2) continue;
     if (big % R == 0) floors.push_back(it.w);
     ++big;
   }
@@ -155,11 +155,12 @@ std::optional<Cells> place_for_micro_batch_sync(const std::vector<Item>& items, 
   const double level = water_level(floors, total / static_cast<double>(R), K);
   std::vector<double> target(C, level);
   for (size_t k = 0; k < floors.size(); ++k)
-    for (int64_t r = 0; r < R; ++r) target[k * static_cast<size_t>(R) + static_cast<size_t>(r)] = std::max(floors[k], level);
+    for (int64_t r = 0; r < R; ++r)
+      target[k * static_cast<size_t>(R) + static_cast<size_t>(r)] = std::max(floors[k], level);
   Cells cells(C);
   size_t next_big = 0;
   for (const Item& it : items) {
-    if (2 * it.s > cap) cells.add(next_big++, it);
+    if (it.s > cap / 2) cells.add(next_big++, it);
   }
   // open: cells by (slack to the target, then the lightest, then the lowest index);
   // parked (no room for the current sequence): by room.
@@ -171,7 +172,7 @@ std::optional<Cells> place_for_micro_batch_sync(const std::vector<Item>& items, 
   };
   for (size_t c = 0; c < C; ++c) reopen(c);
   for (const Item& it : items) {
-    if (2 * it.s > cap) continue;
+    if (it.s > cap / 2) continue;
     while (!parked.empty() && parked.top().first >= it.s) {
       const auto c = static_cast<size_t>(-parked.top().second);
       parked.pop();
@@ -293,7 +294,8 @@ void balance_ranks(Cells& cells, int64_t R, int64_t K, int64_t cap) {
           const double m = std::max(load[h] - ia.w, load[l] + ia.w);
           if (m < best) best = m, best_ca = ca, best_a = a, best_cb = roomiest, best_b = SIZE_MAX, found = true;
         }
-        const auto mid = std::lower_bound(lows.begin(), lows.end(), std::make_pair(ia.w - gap / 2, std::make_pair(size_t{0}, size_t{0}))) - lows.begin();
+        const auto ideal = std::make_pair(ia.w - gap / 2, std::make_pair(size_t{0}, size_t{0}));
+        const auto mid = std::lower_bound(lows.begin(), lows.end(), ideal) - lows.begin();
         const ptrdiff_t lo = std::max<ptrdiff_t>(0, mid - kWindow);
         const ptrdiff_t hi = std::min<ptrdiff_t>(static_cast<ptrdiff_t>(lows.size()), mid + kWindow);
         budget -= hi - lo;
@@ -357,7 +359,8 @@ std::pair<Cells, int64_t> two_step_cells(Lengths lengths, int64_t begin, int64_t
     mo.attention_coeff = std::max<int64_t>(1, std::llround(o.cost.per_token / o.cost.per_token_squared));
   std::vector<std::vector<int64_t>> rank_lengths(static_cast<size_t>(R));
   for (int64_t r = 0; r < R; ++r)
-    for (int64_t i : parts.group(static_cast<size_t>(r))) rank_lengths[static_cast<size_t>(r)].push_back(local[static_cast<size_t>(i)]);
+    for (int64_t i : parts.group(static_cast<size_t>(r)))
+      rank_lengths[static_cast<size_t>(r)].push_back(local[static_cast<size_t>(i)]);
   // Each rank's plan is independent: spread them over the pool's threads.
   std::vector<MicroBatchPlan> plans(static_cast<size_t>(R));
   const size_t threads = std::min(static_cast<size_t>(R), detail::available_threads());
@@ -397,7 +400,8 @@ std::pair<Cells, int64_t> two_step_cells(Lengths lengths, int64_t begin, int64_t
 
 Cells ffd_cells(const std::vector<Item>& items, Lengths lengths, int64_t begin, int64_t end, int64_t R, int64_t K,
                 int64_t cap, StepSync sync) {
-  const IndexGroups bins = first_fit_decreasing(lengths.subspan(static_cast<size_t>(begin), static_cast<size_t>(end - begin)), cap);
+  const Lengths local = lengths.subspan(static_cast<size_t>(begin), static_cast<size_t>(end - begin));
+  const IndexGroups bins = first_fit_decreasing(local, cap);
   std::vector<Item> by_index(items.size());
   for (const Item& it : items) by_index[static_cast<size_t>(it.index - begin)] = it;
   Cells cells(static_cast<size_t>(R * K));
@@ -455,7 +459,7 @@ int64_t min_micro_batches(Lengths lengths, const StepOptions& o) {
   int64_t total = 0, big = 0;
   for (int64_t s : lengths) {
     total = checked_add(kFn, total, s);
-    if (2 * s > o.max_tokens) ++big;
+    if (s > o.max_tokens / 2) ++big;
   }
   const int64_t cells = std::max(ceil_div(total, o.max_tokens), big);
   return round_up(std::max(o.min_micro_batches, ceil_div(cells, o.dp_size)), o.multiple_of);
@@ -553,7 +557,8 @@ void check_options(const StepOptions& o) {
                                                   {"cost.per_token", o.cost.per_token},
                                                   {"cost.per_token_squared", o.cost.per_token_squared}};
   for (const auto& [name, v] : terms)
-    if (!std::isfinite(v) || v < 0) throw_invalid(kFn, std::string(name) + " must be finite and >= 0, got " + std::to_string(v));
+    if (!std::isfinite(v) || v < 0)
+      throw_invalid(kFn, std::string(name) + " must be finite and >= 0, got " + std::to_string(v));
   if (o.cost.per_micro_batch == 0 && o.cost.per_token == 0 && o.cost.per_token_squared == 0)
     throw_invalid(kFn, "cost needs at least one positive coefficient");
 }
@@ -591,7 +596,7 @@ double step_lower_bound(Lengths lengths, const StepOptions& o) {
     work += w;
     tokens += static_cast<double>(lengths[i]);
     heaviest = std::max(heaviest, w);
-    if (2 * lengths[i] > o.max_tokens) big.push_back({static_cast<int64_t>(i), lengths[i], w});
+    if (lengths[i] > o.max_tokens / 2) big.push_back({static_cast<int64_t>(i), lengths[i], w});
   }
   double variable = std::max(work / R, heaviest);
   if (o.sync == StepSync::MicroBatch && !big.empty()) {
@@ -604,8 +609,8 @@ double step_lower_bound(Lengths lengths, const StepOptions& o) {
     for (size_t j = 0; j < big.size(); j += static_cast<size_t>(o.dp_size)) floors.push_back(big[j].w);
     const double step_tokens = R * static_cast<double>(o.max_tokens);
     const double h1 = o.cost.per_token * step_tokens;
-    const double h2 =
-        h1 + o.cost.per_token_squared * max_square_sum(std::vector<int64_t>(lengths.begin(), lengths.end()), step_tokens);
+    const std::vector<int64_t> all(lengths.begin(), lengths.end());
+    const double h2 = h1 + o.cost.per_token_squared * max_square_sum(all, step_tokens);
     double floor_sum = 0.0, held_linear = 0.0, held_all = 0.0;
     for (double f : floors) {
       floor_sum += f;
@@ -686,7 +691,8 @@ std::optional<IndexGroups> capped_greedy_partition(Lengths lengths, std::span<co
 IndexGroups rebalance_under_cap(const IndexGroups& groups, Lengths lengths, std::span<const double> work, int64_t cap) {
   Cells cells(groups.size());
   for (size_t g = 0; g < groups.size(); ++g)
-    for (int64_t i : groups.group(g)) cells.add(g, Item{i, lengths[static_cast<size_t>(i)], work[static_cast<size_t>(i)]});
+    for (int64_t i : groups.group(g))
+      cells.add(g, Item{i, lengths[static_cast<size_t>(i)], work[static_cast<size_t>(i)]});
   balance_ranks(cells, static_cast<int64_t>(groups.size()), 1, cap);
   return to_groups(cells);
 }

@@ -366,8 +366,10 @@ class BatchedDataDict(UserDict, Generic[DictT]):
         :func:`seqpack.plan_step` plan of these rows, ``dp_size == shards``, one
         mini-batch per global batch), shard ``s`` takes rank ``s``'s rows and
         micro-batches as planned; an empty micro-batch (a dummy) becomes a one-row,
-        one-token micro-batch with zero loss masks in the iterators. With any of the
-        three, returns ``(shards, sorted_indices)``.
+        one-token micro-batch with zero loss masks in the iterators (plan on the
+        lengths as packed, rounded up to the pad multiple, so that the cap and
+        ``micro_batch_lengths`` hold after padding). With any of the three, returns
+        ``(shards, sorted_indices)``.
 
         Example:
             >>> data = BatchedDataDict(problem_id=[0, 0, 1, 1, 2, 2, 3, 3])

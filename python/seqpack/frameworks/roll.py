@@ -323,7 +323,8 @@ def make_micro_batch_iter_for_sequence_packing(
     count is the same on every rank by construction, so no collective runs. An
     empty micro-batch is yielded as a one-row dummy (one token, zero loss masks)
     with ``is_padding_batch=True``: drop its outputs before
-    :func:`restore_results_order`.
+    :func:`restore_results_order`. Plan on the lengths as packed (each rounded up
+    to the pad multiple) so that the cap holds after padding.
 
     Each micro-batch's ``meta_info``: ``micro_batch_idx``, ``num_micro_batchs``,
     ``partition_indices``, ``partition_indices_list``, ``mini_batch_size``,
