@@ -63,7 +63,7 @@ _export("tensors.thd", "PackedBatch", "PackedSeqParams", "StaticPackedBatch", "p
 _export("tensors.cp", "cp_partition_indices", "cp_restore_order")
 _export("tensors.dataset", "PackedDataset", "collate_packs", "pack_dataset")
 # Training ops
-_export("training.logprobs", "TokenLogprobs", "packed_token_logprobs")
+_export("training.logprobs", "TokenLogprobs", "packed_token_logprobs", "linear_token_logprobs")
 _export("training.loss", "SequencePackingLossWrapper", "prepare_loss_input", "NLLLoss", "ClippedPGLoss")
 _export("training.attention", "varlen_attention", "cp_attention", "attention_backends")
 # Frameworks
@@ -81,7 +81,8 @@ __all__ = [
     "StaticPackedBatch", "pack_sequences_static", "cp_partition_indices", "cp_restore_order",
     "collate_packs", "pack_dataset",
     # training
-    "packed_token_logprobs", "TokenLogprobs", "SequencePackingLossWrapper", "prepare_loss_input",
+    "packed_token_logprobs", "linear_token_logprobs", "TokenLogprobs", "SequencePackingLossWrapper",
+    "prepare_loss_input",
     "varlen_attention", "cp_attention",
     # frameworks
     "BatchedDataDict",

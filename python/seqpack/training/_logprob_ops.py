@@ -234,6 +234,26 @@ def _token_logprobs_backward(ctx, grad_logprob, grad_entropy, grad_max, grad_log
 token_logprobs.register_autograd(_token_logprobs_backward, setup_context=_setup)
 
 
+def combine_slices(stats: torch.Tensor, targets: torch.Tensor, vocab_start: int, vocab: int, group
+                   ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The statistics of the whole vocabulary from each rank's slice: two all-reduces
+    of ``[rows]`` vectors (the max, then the sums rebased to it, with the count of
+    ranks that hold the target). Returns (stats, owned)."""
+    import torch.distributed as dist
+
+    m = stats[0].clone()
+    dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
+    # Rebase each slice's sums to the global max (logprob_math.hpp's lse_rebase):
+    # a slice with only masked logits (max -inf) contributes 0, not -inf * 0.
+    same = stats[0] == m
+    e = torch.where(same, 1.0, torch.exp(stats[0] - m))
+    ed = torch.where(same | (e == 0), 0.0, e * (stats[0] - m))
+    owned = owned_by(targets, vocab_start, vocab).to(m.dtype)
+    sums = torch.stack([stats[1] * e, stats[2], e * stats[3] + ed * stats[1], owned])
+    dist.all_reduce(sums, group=group)
+    return torch.stack([m, sums[0], sums[1], sums[2]]), sums[3] > 0
+
+
 class VocabParallelTokenLogprobs(torch.autograd.Function):
     """The same with the vocabulary split over a (tensor-parallel) group: each rank's
     statistics are combined with two all-reduces of ``[rows]`` vectors (max, then
@@ -241,21 +261,9 @@ class VocabParallelTokenLogprobs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, targets, vocab_start, temperature, return_entropy, num_threads, group):
-        import torch.distributed as dist
-
         s = logprob_stats(logits, targets, vocab_start, temperature, return_entropy, num_threads)
-        m = s[0].clone()
-        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
-        # Rebase each slice's sums to the global max (logprob_math.hpp's lse_rebase):
-        # a slice with only masked logits (max -inf) contributes 0, not -inf * 0.
-        same = s[0] == m
-        e = torch.where(same, 1.0, torch.exp(s[0] - m))
-        ed = torch.where(same | (e == 0), 0.0, e * (s[0] - m))
-        owned = owned_by(targets, vocab_start, logits.shape[1]).to(m.dtype)
-        sums = torch.stack([s[1] * e, s[2], e * s[3] + ed * s[1], owned])
-        dist.all_reduce(sums, group=group)
-        stats = torch.stack([m, sums[0], sums[1], sums[2]])
-        logprob, ent, m, log_se = finish(stats, targets, sums[3] > 0, return_entropy)
+        stats, owned = combine_slices(s, targets, vocab_start, logits.shape[1], group)
+        logprob, ent, m, log_se = finish(stats, targets, owned, return_entropy)
         _save(ctx, logits, targets, vocab_start, temperature, return_entropy, num_threads, m, log_se, ent)
         ctx.mark_non_differentiable(m, log_se)
         return logprob, ent, m, log_se
@@ -263,3 +271,134 @@ class VocabParallelTokenLogprobs(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_logprob, grad_entropy, grad_max, grad_log_sumexp):
         return backward(ctx, grad_logprob, grad_entropy), None, None, None, None, None, None
+
+
+# ---- seqpack::linear_token_logprobs: from hidden states and the LM head -------------
+# Logits exist a chunk of rows at a time ([chunk, V]); the backward recomputes each
+# chunk's logits. Default chunk: about 2^24 logits (64 MiB in fp32).
+_CHUNK_LOGITS = 1 << 24
+
+
+def chunk_rows(chunk_tokens: int, rows: int, vocab: int) -> int:
+    """Rows per chunk: ``chunk_tokens`` when given (> 0), else ~2^24 logits."""
+    if chunk_tokens > 0:
+        return chunk_tokens
+    return max(1, min(max(rows, 1), _CHUNK_LOGITS // max(vocab, 1)))
+
+
+def _linear(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    return torch.nn.functional.linear(hidden, weight, bias)
+
+
+def linear_stats(hidden, weight, bias, targets, vocab_start, temperature, entropy, num_threads, chunk):
+    """:func:`logprob_stats` of ``hidden @ weight.T + bias``, a chunk of rows at a time."""
+    rows = hidden.shape[0]
+    out = torch.zeros((4, rows), dtype=acc_dtype(hidden.dtype), device=hidden.device)
+    for lo in range(0, rows, chunk):
+        hi = min(rows, lo + chunk)
+        logits = _linear(hidden[lo:hi], weight, bias)
+        out[:, lo:hi] = logprob_stats(logits, targets[lo:hi], vocab_start, temperature, entropy, num_threads)
+    return out
+
+
+def linear_grads(ctx, grad_logprob, grad_entropy, needs: Tuple[bool, bool, bool]):
+    """(d hidden, d weight, d bias), a chunk at a time: each chunk's logits recomputed,
+    their gradient from :func:`logprob_grad`, then two matmuls; the weight's and the
+    bias' gradients accumulate in fp32 for bf16 / fp16."""
+    hidden, weight, bias, targets, m, log_se, ent = ctx.saved_tensors
+    has = targets >= 0
+    g_lp = torch.where(has, grad_logprob, 0.0) if grad_logprob is not None else torch.zeros_like(m)
+    g_ent = torch.where(has, grad_entropy, 0.0) if ctx.return_entropy and grad_entropy is not None else None
+    want_h, want_w, want_b = needs
+    acc = torch.float32 if hidden.dtype in (torch.bfloat16, torch.float16) else hidden.dtype
+    g_hidden = torch.zeros_like(hidden) if want_h else None
+    g_weight = torch.zeros(weight.shape, dtype=acc, device=weight.device) if want_w else None
+    g_bias = torch.zeros(weight.shape[0], dtype=acc, device=weight.device) if want_b and bias is not None else None
+    silent = g_lp == 0
+    if g_ent is not None:
+        silent = silent & (g_ent == 0)
+    rows = hidden.shape[0]
+    for lo in range(0, rows, ctx.chunk):
+        hi = min(rows, lo + ctx.chunk)
+        if hidden.device.type == "cpu" and bool(silent[lo:hi].all()):
+            continue  # nothing flows back from these rows (padding, no targets)
+        h = hidden[lo:hi]
+        grad = logprob_grad(_linear(h, weight, bias), targets[lo:hi], ctx.vocab_start, ctx.temperature,
+                            m[lo:hi], log_se[lo:hi], ent[lo:hi] if g_ent is not None else None, g_lp[lo:hi],
+                            g_ent[lo:hi] if g_ent is not None else None, ctx.num_threads)
+        if g_hidden is not None:
+            g_hidden[lo:hi] = grad @ weight
+        if g_weight is not None:
+            g_weight.addmm_(grad.t().to(acc), h.to(acc))
+        if g_bias is not None:
+            g_bias += grad.sum(0, dtype=acc)
+    return (g_hidden, None if g_weight is None else g_weight.to(weight.dtype),
+            None if g_bias is None else g_bias.to(bias.dtype))
+
+
+def _save_linear(ctx, hidden, weight, bias, targets, vocab_start, temperature, return_entropy, num_threads, chunk,
+                 m, log_se, ent):
+    ctx.save_for_backward(hidden, weight, bias, targets, m, log_se, ent)
+    ctx.vocab_start, ctx.temperature, ctx.return_entropy = vocab_start, temperature, return_entropy
+    ctx.num_threads, ctx.chunk = num_threads, chunk
+
+
+@torch.library.custom_op("seqpack::linear_token_logprobs", mutates_args=())
+def linear_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                          targets: torch.Tensor, vocab_start: int, temperature: float, return_entropy: bool,
+                          num_threads: int, chunk: int
+                          ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-row log-prob of ``targets`` (and entropy) under ``hidden @ weight.T + bias``,
+    never holding more than ``chunk`` rows of logits."""
+    stats = linear_stats(hidden, weight, bias, targets, vocab_start, temperature, return_entropy, num_threads, chunk)
+    return finish(stats, targets, owned_by(targets, vocab_start, weight.shape[0]), return_entropy)
+
+
+@linear_token_logprobs.register_fake
+def _(hidden, weight, bias, targets, vocab_start, temperature, return_entropy, num_threads, chunk):
+    rows, dtype = hidden.shape[0], acc_dtype(hidden.dtype)
+    new = lambda n: hidden.new_empty(n, dtype=dtype)  # noqa: E731
+    return new(rows), new(rows if return_entropy else 0), new(rows), new(rows)
+
+
+def _setup_linear(ctx, inputs, output):
+    hidden, weight, bias, targets, vocab_start, temperature, return_entropy, num_threads, chunk = inputs
+    _, ent, m, log_se = output
+    _save_linear(ctx, hidden, weight, bias, targets, vocab_start, temperature, return_entropy, num_threads, chunk,
+                 m, log_se, ent)
+
+
+def _linear_backward(ctx, grad_logprob, grad_entropy, grad_max, grad_log_sumexp):
+    g_h, g_w, g_b = linear_grads(ctx, grad_logprob, grad_entropy, tuple(ctx.needs_input_grad[:3]))
+    return g_h, g_w, g_b, None, None, None, None, None, None
+
+
+linear_token_logprobs.register_autograd(_linear_backward, setup_context=_setup_linear)
+
+
+class VocabParallelLinearTokenLogprobs(torch.autograd.Function):
+    """:func:`linear_token_logprobs` with the LM head's vocabulary split over a group:
+    the statistics of all chunks are combined once (two all-reduces of ``[rows]``
+    vectors); the backward all-reduces the hidden states' gradient (each rank's
+    slice contributes to every row) unless ``reduce_hidden_grad`` is off."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, vocab_start, temperature, return_entropy, num_threads, chunk,
+                group, reduce_hidden_grad):
+        s = linear_stats(hidden, weight, bias, targets, vocab_start, temperature, return_entropy, num_threads, chunk)
+        stats, owned = combine_slices(s, targets, vocab_start, weight.shape[0], group)
+        logprob, ent, m, log_se = finish(stats, targets, owned, return_entropy)
+        _save_linear(ctx, hidden, weight, bias, targets, vocab_start, temperature, return_entropy, num_threads, chunk,
+                     m, log_se, ent)
+        ctx.group, ctx.reduce_hidden_grad = group, reduce_hidden_grad
+        ctx.mark_non_differentiable(m, log_se)
+        return logprob, ent, m, log_se
+
+    @staticmethod
+    def backward(ctx, grad_logprob, grad_entropy, grad_max, grad_log_sumexp):
+        import torch.distributed as dist
+
+        g_h, g_w, g_b = linear_grads(ctx, grad_logprob, grad_entropy, tuple(ctx.needs_input_grad[:3]))
+        if g_h is not None and ctx.reduce_hidden_grad:
+            dist.all_reduce(g_h, group=ctx.group)
+        return g_h, g_w, g_b, None, None, None, None, None, None, None, None

@@ -40,7 +40,8 @@ from ..tensors.layout import PackedLayout, check_offsets, reads_on_host
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-__all__ = ["TokenLogprobs", "next_token_sources", "next_token_targets", "packed_token_logprobs"]
+__all__ = ["TokenLogprobs", "linear_token_logprobs", "next_token_sources", "next_token_targets",
+           "packed_token_logprobs"]
 
 
 class TokenLogprobs(NamedTuple):
@@ -203,6 +204,24 @@ def packed_token_logprobs(
         raise TypeError(f"logits must be float32, bfloat16, float16 or float64, got {logits.dtype}")
     if logits.shape[1] == 0:
         raise ValueError("logits must have at least one vocabulary column (V > 0)")
+    targets, cp, cp_rank = _targets(logits.shape[0], logits.device, logits.shape[1], input_ids, cu_seqlens,
+                                    cu_seqlens_padded, cp_size, cp_rank, temperature, vocab_parallel_group,
+                                    vocab_start)
+    if logits.stride(1) != 1:
+        logits = logits.contiguous()
+    args = (logits, targets, int(vocab_start), float(temperature), bool(return_entropy), int(num_threads))
+    if vocab_parallel_group is None:
+        lp, ent, _, _ = torch.ops.seqpack.token_logprobs(*args)
+    else:
+        lp, ent, _, _ = ops.VocabParallelTokenLogprobs.apply(*args, vocab_parallel_group)
+    return TokenLogprobs(lp, ent if return_entropy else None)
+
+
+def _targets(rows: int, device, vocab: int, input_ids: Any, cu_seqlens: Any, cu_seqlens_padded: Any, cp_size: Any,
+             cp_rank: Any, temperature: Any, vocab_parallel_group, vocab_start: int):
+    """The shared argument rules of the log-prob functions; returns each local row's
+    target id (-1: none) on ``device``, and the CP size and rank."""
+    torch = _torch()
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 1:
         raise ValueError("input_ids must be the 1-D packed token ids [T]")
     if input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool:
@@ -216,18 +235,92 @@ def packed_token_logprobs(
     cp = as_positive_int(cp_size, "cp_size")
     if not 0 <= int(cp_rank) < cp:
         raise ValueError(f"cp_rank must be in [0, cp_size = {cp}), got {cp_rank}")
-    rows = logits.shape[0]
-    cu, cu_p = _offsets_on(logits.device, cu_seqlens, cu_seqlens_padded, cp, rows, input_ids.shape[0])
+    cu, cu_p = _offsets_on(device, cu_seqlens, cu_seqlens_padded, cp, rows, input_ids.shape[0])
     if vocab_parallel_group is None:
-        _check_target_ids(input_ids, int(vocab_start) + logits.shape[1])
-    if logits.stride(1) != 1:
-        logits = logits.contiguous()
+        _check_target_ids(input_ids, int(vocab_start) + vocab)
     from ..tensors._device import to_device
 
-    targets = next_token_targets(to_device(input_ids, logits.device), cu, cu_p, rows, cp, int(cp_rank))
-    args = (logits, targets, int(vocab_start), float(temperature), bool(return_entropy), int(num_threads))
+    return next_token_targets(to_device(input_ids, device), cu, cu_p, rows, cp, int(cp_rank)), cp, int(cp_rank)
+
+
+def linear_token_logprobs(
+    hidden: "torch.Tensor",
+    weight: "torch.Tensor",
+    input_ids: "torch.Tensor",
+    cu_seqlens: Any,
+    cu_seqlens_padded: Any = None,
+    *,
+    bias: Optional["torch.Tensor"] = None,
+    cp_size: int = 1,
+    cp_rank: int = 0,
+    return_entropy: bool = False,
+    temperature: float = 1.0,
+    vocab_parallel_group=None,
+    vocab_start: int = 0,
+    chunk_tokens: Optional[int] = None,
+    reduce_hidden_grad: bool = True,
+    num_threads: int = 0,
+) -> TokenLogprobs:
+    """:func:`packed_token_logprobs` of ``hidden @ weight.T + bias`` without ever
+    holding the ``[T, V]`` logits: the LM head and the log-probs fused, a chunk of
+    ``chunk_tokens`` rows at a time, forward and backward.
+
+    The forward computes each chunk's logits (PyTorch's matmul: BLAS, cuBLAS), reduces
+    them to four numbers per row with seqpack's kernels and drops them; the backward
+    recomputes each chunk's logits, writes their gradient with seqpack's kernels and
+    turns it into ``grad_hidden`` (``grad @ weight``) and ``grad_weight`` /
+    ``grad_bias`` (accumulated over chunks in fp32 for bf16 / fp16). At most one
+    chunk of logits and one of their gradient exist at a time.
+
+    Args:
+        hidden: ``[T, H]`` final hidden states of the packed tokens (CP-local rows
+            under context parallelism), float32 / bfloat16 / float16 / float64.
+        weight: ``[V, H]`` the LM head (this rank's vocabulary slice under
+            tensor parallelism), same dtype and device; bias: ``[V]`` or None.
+        input_ids, cu_seqlens, cu_seqlens_padded, cp_size, cp_rank, return_entropy,
+            temperature, vocab_parallel_group, vocab_start, num_threads: as
+            :func:`packed_token_logprobs`.
+        chunk_tokens: rows of logits per chunk (default: about 2^24 logits, e.g. 110
+            rows at V = 152k); 1 to T.
+        reduce_hidden_grad: with ``vocab_parallel_group``, all-reduce ``grad_hidden``
+            over the group (every slice of the head contributes to every row). Turn it
+            off when ``hidden`` already went through Megatron's
+            ``copy_to_tensor_model_parallel_region``, whose backward does it.
+
+    >>> import torch, seqpack
+    >>> hidden, head = torch.zeros(6, 8), torch.zeros(4, 8)      # uniform over 4 tokens
+    >>> ids = torch.tensor([1, 2, 3, 0, 1, 0])
+    >>> seqpack.linear_token_logprobs(hidden, head, ids, [0, 3, 5], [0, 4, 6]).logprobs.tolist()
+    [-1.3862943649291992, -1.3862943649291992, 0.0, 0.0, -1.3862943649291992, 0.0]
+    """
+    torch = _torch()
+    from . import _logprob_ops as ops
+
+    if not isinstance(hidden, torch.Tensor) or hidden.dim() != 2:
+        raise ValueError(f"hidden must be a [T, H] tensor, got {getattr(hidden, 'shape', type(hidden))}")
+    if hidden.dtype not in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
+        raise TypeError(f"hidden must be float32, bfloat16, float16 or float64, got {hidden.dtype}")
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or weight.shape[1] != hidden.shape[1]:
+        raise ValueError(f"weight must be the [V, H = {hidden.shape[1]}] LM head, got "
+                         f"{tuple(getattr(weight, 'shape', ())) or type(weight).__name__}")
+    if weight.shape[0] == 0:
+        raise ValueError("weight must have at least one vocabulary row (V > 0)")
+    for name, t in (("weight", weight), ("bias", bias)):
+        if t is not None and (t.dtype != hidden.dtype or t.device != hidden.device):
+            raise TypeError(f"{name} must be {hidden.dtype} on {hidden.device} like hidden, got {t.dtype} on "
+                            f"{t.device}")
+    if bias is not None and tuple(bias.shape) != (weight.shape[0],):
+        raise ValueError(f"bias must be [V = {weight.shape[0]}], got {tuple(bias.shape)}")
+    chunk = 0 if chunk_tokens is None else as_positive_int(chunk_tokens, "chunk_tokens")
+    targets, cp, cp_rank = _targets(hidden.shape[0], hidden.device, weight.shape[0], input_ids, cu_seqlens,
+                                    cu_seqlens_padded, cp_size, cp_rank, temperature, vocab_parallel_group,
+                                    vocab_start)
+    chunk = ops.chunk_rows(chunk, hidden.shape[0], weight.shape[0])
+    args = (hidden, weight, bias, targets, int(vocab_start), float(temperature), bool(return_entropy),
+            int(num_threads), chunk)
     if vocab_parallel_group is None:
-        lp, ent, _, _ = torch.ops.seqpack.token_logprobs(*args)
+        lp, ent, _, _ = torch.ops.seqpack.linear_token_logprobs(*args)
     else:
-        lp, ent, _, _ = ops.VocabParallelTokenLogprobs.apply(*args, vocab_parallel_group)
+        lp, ent, _, _ = ops.VocabParallelLinearTokenLogprobs.apply(*args, vocab_parallel_group,
+                                                                   bool(reduce_hidden_grad))
     return TokenLogprobs(lp, ent if return_entropy else None)
