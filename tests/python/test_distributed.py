@@ -139,6 +139,33 @@ def check_loss_vocab_parallel(rank, world):
                                        atol=1e-7)
 
 
+def check_linear_vocab_parallel(rank, world):
+    """linear_token_logprobs with the LM head's vocabulary split over the ranks:
+    log-probs, entropies and every gradient equal the single-rank computation."""
+    from seqpack import linear_token_logprobs
+
+    g = torch.Generator().manual_seed(3)
+    cu, width, hidden = [0, 7, 11, 21], 12, 6
+    vocab = width * world
+    h = torch.randn(21, hidden, generator=g)
+    w = torch.randn(vocab, hidden, generator=g) / hidden**0.5
+    b = torch.randn(vocab, generator=g)
+    ids = torch.randint(0, vocab, (21,), generator=g)
+    leaves = [t.clone().requires_grad_() for t in (h, w, b)]
+    full = linear_token_logprobs(*leaves[:2], ids, cu, bias=leaves[2], return_entropy=True)
+    (full.logprobs.sum() + 0.5 * full.entropy.sum()).backward()
+    cols = slice(rank * width, (rank + 1) * width)
+    mine = [h.clone().requires_grad_(), w[cols].clone().requires_grad_(), b[cols].clone().requires_grad_()]
+    out = linear_token_logprobs(*mine[:2], ids, cu, bias=mine[2], return_entropy=True, chunk_tokens=5,
+                                vocab_parallel_group=dist.group.WORLD, vocab_start=rank * width)
+    torch.testing.assert_close(out.logprobs, full.logprobs, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(out.entropy, full.entropy, rtol=1e-5, atol=1e-6)
+    (out.logprobs.sum() + 0.5 * out.entropy.sum()).backward()
+    torch.testing.assert_close(mine[0].grad, leaves[0].grad, rtol=1e-5, atol=1e-6)  # all-reduced over the group
+    torch.testing.assert_close(mine[1].grad, leaves[1].grad[cols], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(mine[2].grad, leaves[2].grad[cols], rtol=1e-5, atol=1e-6)
+
+
 def check_cp_attention(rank, world):
     # Zigzag-local q/k/v on every rank; cp_attention's rows and gradients equal the
     # full varlen attention's rows of this rank (CP=world), GQA, all heads at once
@@ -244,7 +271,8 @@ def check_step_plan(rank, world):
 CHECKS = {"all_gather": check_all_gather, "count_agreement": check_count_agreement,
           "synchronised_error": check_synchronised_error, "batch_balance": check_batch_balance,
           "loss_context_parallel": check_loss_context_parallel, "loss_vocab_parallel": check_loss_vocab_parallel,
-          "cp_attention": check_cp_attention, "train_dp_cp": check_train_dp_cp, "step_plan": check_step_plan}
+          "cp_attention": check_cp_attention, "train_dp_cp": check_train_dp_cp, "step_plan": check_step_plan,
+          "linear_vocab_parallel": check_linear_vocab_parallel}
 
 
 def worker(rank, world, port, names, errors):

@@ -314,14 +314,9 @@ def linear_grads(ctx, grad_logprob, grad_entropy, needs: Tuple[bool, bool, bool]
     g_hidden = torch.zeros_like(hidden) if want_h else None
     g_weight = torch.zeros(weight.shape, dtype=acc, device=weight.device) if want_w else None
     g_bias = torch.zeros(weight.shape[0], dtype=acc, device=weight.device) if want_b and bias is not None else None
-    silent = g_lp == 0
-    if g_ent is not None:
-        silent = silent & (g_ent == 0)
     rows = hidden.shape[0]
-    for lo in range(0, rows, ctx.chunk):
+    for lo in range(0, rows, ctx.chunk):  # no data-dependent skips: traceable, no host reads
         hi = min(rows, lo + ctx.chunk)
-        if hidden.device.type == "cpu" and bool(silent[lo:hi].all()):
-            continue  # nothing flows back from these rows (padding, no targets)
         h = hidden[lo:hi]
         grad = logprob_grad(_linear(h, weight, bias), targets[lo:hi], ctx.vocab_start, ctx.temperature,
                             m[lo:hi], log_se[lo:hi], ent[lo:hi] if g_ent is not None else None, g_lp[lo:hi],
