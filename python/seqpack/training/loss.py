@@ -38,7 +38,7 @@ import numpy as np
 from ..tensors.cp import gather_cp
 from ..tensors.layout import PackedLayout, host_offsets
 from ..tensors.thd import pack_to_layout
-from .logprobs import packed_token_logprobs
+from .logprobs import linear_token_logprobs, packed_token_logprobs
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -336,12 +336,29 @@ def _group_info(group) -> Tuple[int, int]:
     return dist.get_world_size(group), dist.get_rank(group)
 
 
+def _rows_logprobs(rows, lm_head_weight, lm_head_bias, vocab_parallel_rank, *args, **kwargs):
+    """:func:`packed_token_logprobs` of ``rows`` (logits), or with ``lm_head_weight``
+    :func:`linear_token_logprobs` of ``rows`` (hidden states) and that head, with this
+    vocabulary-parallel rank's slice start."""
+    if lm_head_weight is None:
+        if lm_head_bias is not None:
+            raise ValueError("lm_head_bias needs lm_head_weight")
+        vocab_start = (vocab_parallel_rank or 0) * rows.shape[1]
+        return packed_token_logprobs(rows, *args, vocab_start=vocab_start, **kwargs)
+    vocab_start = (vocab_parallel_rank or 0) * lm_head_weight.shape[0]
+    return linear_token_logprobs(rows, lm_head_weight, *args, bias=lm_head_bias, vocab_start=vocab_start, **kwargs)
+
+
 def prepare_loss_input(logits, data, loss_fn=None, vocab_parallel_rank=None, vocab_parallel_group=None,
-                       context_parallel_group=None, temperature: float = 1.0):
+                       context_parallel_group=None, temperature: float = 1.0, *, lm_head_weight=None,
+                       lm_head_bias=None):
     """seqpack's default ``prepare_fn`` for one packed sequence: the fused
     log-probs of its (CP-local, vocab-local) logits, all-gathered over CP, as
     ``({"next_token_logprobs": [1, L - 1]}, data)`` (and ``next_token_entropy``
-    when ``loss_fn.needs_entropy``)."""
+    when ``loss_fn.needs_entropy``). With ``lm_head_weight`` (``[V, H]``, this
+    rank's vocabulary slice under TP; ``lm_head_bias`` optional) ``logits`` holds the
+    final hidden states ``[..., H]`` instead, and the logits are never materialised
+    (:func:`seqpack.linear_token_logprobs`)."""
     import torch
 
     logits2d = logits.reshape(-1, logits.shape[-1])
@@ -354,10 +371,9 @@ def prepare_loss_input(logits, data, loss_fn=None, vocab_parallel_rank=None, voc
     packed_ids = torch.zeros(padded, dtype=ids.dtype, device=ids.device)
     packed_ids[:width] = ids
     entropy = bool(getattr(loss_fn, "needs_entropy", False))
-    vocab_start = (vocab_parallel_rank or 0) * logits2d.shape[1]
-    lp, ent = packed_token_logprobs(logits2d, packed_ids, [0, width], [0, padded], cp_size=cp, cp_rank=cp_rank,
-                                    return_entropy=entropy, temperature=temperature,
-                                    vocab_parallel_group=vocab_parallel_group, vocab_start=vocab_start)
+    lp, ent = _rows_logprobs(logits2d, lm_head_weight, lm_head_bias, vocab_parallel_rank, packed_ids, [0, width],
+                             [0, padded], cp_size=cp, cp_rank=cp_rank, return_entropy=entropy,
+                             temperature=temperature, vocab_parallel_group=vocab_parallel_group)
     if cp > 1:
         lp = gather_cp(lp, [0, padded], context_parallel_group)
         ent = gather_cp(ent, [0, padded], context_parallel_group) if ent is not None else None
@@ -388,6 +404,13 @@ class SequencePackingLossWrapper:
             ``[B, S - 1]`` micro-batch (NeMo-RL's ``SequencePackingFusionLossWrapper``);
             needs a log-prob loss (``input_type == "logprob"``).
         temperature: divide the logits by it (inside the fused kernel; no copy).
+
+    Called as ``wrapper(next_token_logits, data, global_valid_seqs,
+    global_valid_toks)``; with ``fused=True`` also as ``wrapper(hidden_states, data,
+    global_valid_seqs, global_valid_toks, lm_head_weight=W, lm_head_bias=b)``: the
+    final hidden states ``[T, H]`` and the LM head ``[V, H]`` (this rank's slice
+    under TP), whose logits are never materialised
+    (:func:`seqpack.linear_token_logprobs`).
 
     Per sequence ``i`` (``fused=False``) the logits rows ``[cu_p[i] // cp,
     cu_p[i + 1] // cp)`` and the data row trimmed to ``cu[i + 1] - cu[i]`` columns go
@@ -431,10 +454,14 @@ class SequencePackingLossWrapper:
             raise ValueError(f"data must hold the {batch} sequences of cu_seqlens_q; got rows {wrong}")
         return cp, batch
 
-    def __call__(self, next_token_logits, data, global_valid_seqs, global_valid_toks):
+    def __call__(self, next_token_logits, data, global_valid_seqs, global_valid_toks, *, lm_head_weight=None,
+                 lm_head_bias=None):
         cp, batch = self._check(next_token_logits, data)
         if self.fused:
-            return self._fused(next_token_logits, data, global_valid_seqs, global_valid_toks, cp)
+            return self._fused(next_token_logits, data, global_valid_seqs, global_valid_toks, lm_head_weight,
+                               lm_head_bias)
+        if lm_head_weight is not None or lm_head_bias is not None:
+            raise ValueError("lm_head_weight / lm_head_bias (hidden states in, no logits) need fused=True")
         logits = next_token_logits if next_token_logits.dim() == 3 else next_token_logits[None]
         lengths = np.diff(self.cu).tolist()
         starts = (self.cu_padded // cp).tolist()
@@ -459,7 +486,7 @@ class SequencePackingLossWrapper:
             _merge_metrics(merged, metrics)
         return total, merged
 
-    def _fused(self, logits, data, global_valid_seqs, global_valid_toks, cp):
+    def _fused(self, logits, data, global_valid_seqs, global_valid_toks, lm_head_weight, lm_head_bias):
         logits2d = logits.reshape(-1, logits.shape[-1])
         ids = data["input_ids"]
         width = ids.shape[1]
@@ -470,10 +497,10 @@ class SequencePackingLossWrapper:
         packed = pack_to_layout({"input_ids": ids}, layout)
         cp_size, cp_rank = _group_info(self.context_parallel_group)
         entropy = bool(getattr(self.loss_fn, "needs_entropy", False))
-        vocab_start = (self.vocab_parallel_rank or 0) * logits2d.shape[1]
-        lp, ent = packed_token_logprobs(logits2d, packed["input_ids"], PackedLayout(
-            layout.cu_seqlens, layout.cu_seqlens_padded, cp_size=cp_size, cp_rank=cp_rank), return_entropy=entropy,
-            temperature=self.temperature, vocab_parallel_group=self.vocab_parallel_group, vocab_start=vocab_start)
+        lp, ent = _rows_logprobs(logits2d, lm_head_weight, lm_head_bias, self.vocab_parallel_rank, packed["input_ids"],
+                                 PackedLayout(layout.cu_seqlens, layout.cu_seqlens_padded, cp_size=cp_size,
+                                              cp_rank=cp_rank), return_entropy=entropy, temperature=self.temperature,
+                                 vocab_parallel_group=self.vocab_parallel_group)
         if cp_size > 1:
             lp = gather_cp(lp, layout.cu_seqlens_padded, self.context_parallel_group)
             if ent is not None:

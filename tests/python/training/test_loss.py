@@ -10,7 +10,7 @@ import torch
 
 from seqpack import BatchedDataDict
 from seqpack.loss import (ClippedPGLoss, NLLLoss, SequencePackingLossWrapper, calculate_kl, clipped_pg_loss,
-                          masked_mean, nll_loss, segment_masked_mean, segment_mean, segment_sum)
+                          masked_mean, nll_loss, prepare_loss_input, segment_masked_mean, segment_mean, segment_sum)
 
 PG_CFG = {"ratio_clip_min": 0.2, "ratio_clip_max": 0.28, "ratio_clip_c": 3.0, "reference_policy_kl_penalty": 0.05,
           "reference_policy_kl_type": "k3", "use_importance_sampling_correction": True}
@@ -74,6 +74,40 @@ def test_wrapper_equals_the_unpacked_loss(loss_fn, fused):
     assert set(metrics) == set(base_metrics)
     for key, value in base_metrics.items():
         assert metrics[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
+
+
+@pytest.mark.parametrize("loss_fn", [NLLLoss(), ClippedPGLoss({**PG_CFG, "entropy_coef": 0.01})], ids=["nll", "pg+entropy"])
+def test_hidden_states_and_lm_head_instead_of_logits(loss_fn):
+    # The wrapper (fused) and prepare_loss_input take the final hidden states and
+    # the LM head: the same loss and gradients as through F.linear's logits.
+    lengths = [7, 1, 12, 4]
+    data, _, _, cu, cu_p, gvt, gvs = make_batch(lengths, 12, 50, multiple=4)
+    g = torch.Generator().manual_seed(5)
+    hidden0, head0, bias0 = (torch.randn(int(cu_p[-1]), 16, generator=g), torch.randn(50, 16, generator=g) / 4,
+                             torch.randn(50, generator=g))
+    wrapper = SequencePackingLossWrapper(loss_fn, None, cu, cu_p, fused=True)
+    results = []
+    for through_logits in (True, False):
+        hidden, head, bias = (t.clone().requires_grad_() for t in (hidden0, head0, bias0))
+        if through_logits:
+            loss, metrics = wrapper(torch.nn.functional.linear(hidden, head, bias), data, gvs, gvt)
+        else:
+            loss, metrics = wrapper(hidden, data, gvs, gvt, lm_head_weight=head, lm_head_bias=bias)
+        loss.backward()
+        results.append((loss, metrics, hidden.grad, head.grad, bias.grad))
+    (loss_a, m_a, *grads_a), (loss_b, m_b, *grads_b) = results
+    torch.testing.assert_close(loss_b, loss_a, rtol=1e-6, atol=1e-7)
+    for a, b in zip(grads_a, grads_b):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+    assert m_a.keys() == m_b.keys()
+    seq = {k: v[2:3, :12] if v.dim() > 1 else v[2:3] for k, v in data.items()}
+    rows = slice(int(cu_p[2]), int(cu_p[3]))
+    via_logits, _ = prepare_loss_input(torch.nn.functional.linear(hidden0[rows], head0), seq, loss_fn)
+    via_head, _ = prepare_loss_input(hidden0[rows], seq, loss_fn, lm_head_weight=head0)
+    for key in via_logits:
+        torch.testing.assert_close(via_head[key], via_logits[key])
+    with pytest.raises(ValueError, match="need fused=True"):
+        SequencePackingLossWrapper(loss_fn, None, cu, cu_p)(hidden0, data, gvs, gvt, lm_head_weight=head0)
 
 
 def test_per_sequence_metric_merge_is_nemo_rls():
