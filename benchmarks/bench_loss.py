@@ -13,6 +13,10 @@ minus the [T, V] gradient that every method must return. PyTorch and the fused p
 run again in a child process with THP_MEM_ALLOC_ENABLE=1 (PyTorch's huge-page
 allocation for large CPU tensors), where PyTorch pays fewer first-touch page faults.
 
+A second table: the LM head fused in (``seqpack.linear_token_logprobs``: hidden
+states [T, H] and the head [V, H] in, never the [T, V] logits) vs ``F.linear`` +
+``log_softmax`` + gather, forward + backward to the hidden states and the head.
+
     python benchmarks/bench_loss.py            # full run
     python benchmarks/bench_loss.py --quick    # small sizes, smoke test
 """
@@ -158,12 +162,94 @@ def cases(quick, max_logits_gib=1.23, only=None):
     return [c for c in out if only is None or only in c[0]]
 
 
+# ---- the LM head fused in: linear_token_logprobs vs F.linear + log_softmax + gather
+
+
+def linear_case(tokens, hidden, vocab, seed=0):
+    """RL-like packed sequences filling ``tokens`` rows, hidden states, a head, ids."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = []
+    for n in synthetic_rl_lengths(tokens, seed=seed, max_len=4096):
+        lengths.append(int(min(n, tokens - sum(lengths))))
+        if sum(lengths) == tokens:
+            break
+    cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    h = torch.randn(tokens, hidden, generator=g)
+    w = torch.randn(vocab, hidden, generator=g) / hidden**0.5
+    ids = torch.randint(0, vocab, (tokens,), generator=g)
+    sources = torch.from_numpy(seqpack.logprobs.next_token_sources(cu))
+    targets = torch.where(sources >= 0, ids[sources.clamp(min=0)], 0)
+    mask = (sources >= 0).float()
+    return h, w, ids, cu, targets, mask
+
+
+def run_linear(method, h, w, ids, cu, targets, mask):
+    h, w = h.detach().requires_grad_(), w.detach().requires_grad_()
+    if method == "torch":
+        lp = torch.log_softmax(torch.nn.functional.linear(h, w), -1).gather(-1, targets[:, None])[:, 0] * mask
+    else:
+        lp = seqpack.linear_token_logprobs(h, w, ids, cu).logprobs
+    loss = -lp.sum() / mask.sum()
+    loss.backward()
+    return loss.detach(), h.grad, w.grad
+
+
+def bench_linear(quick, log):
+    """Forward + backward time (best run) and extra peak memory (the peak RSS rise
+    minus the gradients of the hidden states and the head, which both return)."""
+    if quick:
+        shapes, repeat = [(512, 64, 2048), (1024, 64, 8192)], 2
+    else:  # H = 1024: the largest whose PyTorch baseline runs these sizes in minutes on 2 cores
+        shapes, repeat = [(2048, 1024, 32000), (8192, 1024, 32000), (16384, 1024, 32000), (2048, 1024, 152064)], 1
+    rows, results = [], {}
+    warm = linear_case(64, 16, 256)  # loads the kernels, starts the thread pool: not counted below
+    for m in ("torch", "fused"):
+        run_linear(m, *warm)
+    for tokens, hidden, vocab in shapes:
+        case = linear_case(tokens, hidden, vocab)
+        returned_mib = (tokens + vocab) * hidden * 4 / 2**20
+        mems, times, outs = {}, {}, {}
+        for m in ("torch", "fused"):
+            mems[m] = max(0.0, peak_extra_mib(lambda: outs.__setitem__(m, run_linear(m, *case))) - returned_mib)
+        for a, b in zip(outs["fused"], outs["torch"]):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+        outs.clear()
+        for m in ("torch", "fused"):
+            times[m] = float("inf")
+        for _ in range(repeat):  # alternating, best of `repeat` (the memory run warmed both up)
+            for m in ("torch", "fused"):
+                gc.collect()
+                t0 = time.perf_counter()
+                run_linear(m, *case)
+                times[m] = min(times[m], time.perf_counter() - t0)
+        name = f"T={tokens}/H={hidden}/V={vocab}"
+        for m in times:
+            log.add(f"linear/{name}", m, "seconds", times[m])
+            log.add(f"linear/{name}", m, "peak_extra_mib", mems[m])
+        logits_mib = tokens * vocab * 4 / 2**20
+        rows.append([tokens, hidden, vocab, logits_mib, times["torch"], times["fused"], times["fused"] / times["torch"],
+                     mems["torch"], mems["fused"], mems["fused"] / max(mems["torch"], 1e-9)])
+        results[name] = (times, mems, vocab)
+        print(f"  linear {name}: done", flush=True)
+    print(format_table(
+        "LM head + log-probs, forward + backward, CPU fp32: F.linear + log_softmax + gather vs "
+        "seqpack.linear_token_logprobs (default chunks: ~2^24 logits)",
+        ["T", "H", "V", "[T, V] fp32 MiB", "torch s", "fused s", "fused / torch", "torch extra MiB",
+         "fused extra MiB", "fused / torch memory"], rows,
+        note="extra MiB: peak RSS rise during forward+backward minus the gradients of the hidden states [T, H] and "
+             "of the head [V, H] that both return. Targets (issue 15): extra memory <= 1/8 of PyTorch's at "
+             "V = 152k; time <= 1.25x PyTorch's."))
+    return results
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--csv")
     parser.add_argument("--max-logits-gib", type=float, default=1.23, help="largest [T, V] fp32 logits per case")
     parser.add_argument("--only", help="run the cases whose name contains this")
+    parser.add_argument("--skip-linear", action="store_true", help="skip the LM-head table")
+    parser.add_argument("--linear-only", action="store_true", help="only the LM-head table")
     parser.add_argument("--thp-child", action="store_true", help=argparse.SUPPRESS)  # internal: JSON out
     args = parser.parse_args()
     repeat = 2 if args.quick else 5
@@ -175,6 +261,10 @@ def main() -> int:
     env = announce(environment(), torch)
     env["logprob_cpu_isa"] = seqpack._core.logprob_cpu_isa()
     log = CsvLog("loss", env, args.csv)
+    if args.linear_only:
+        bench_linear(args.quick, log)
+        print(f"\nCSV: {log.write()}")
+        return 0
     rows, results = [], {}
     for case, lengths, vocab in cases(args.quick, args.max_logits_gib, args.only):
         results[case] = r = bench_case(case, lengths, vocab, repeat, ("torch", "loop", "fused"))
@@ -204,6 +294,8 @@ def main() -> int:
         note="THP: the same in a process with THP_MEM_ALLOC_ENABLE=1 (PyTorch allocates large CPU tensors on "
              "huge pages). extra MiB: peak RSS rise during forward+backward minus the [T, V] fp32 gradient every "
              f"method returns. Kernel build: {env['logprob_cpu_isa']}."))
+    if not args.skip_linear:
+        bench_linear(args.quick, log)
     print(f"\nCSV: {log.write()}")
     return 0
 

@@ -45,13 +45,16 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = [
     "ClippedPGLoss",
+    "LossConfigError",
     "LossType",
+    "PG_DEFAULTS",
     "NLLLoss",
     "SequencePackingLossWrapper",
     "calculate_kl",
     "clipped_pg_loss",
     "masked_mean",
     "nll_loss",
+    "pg_config",
     "prepare_loss_input",
     "segment_masked_mean",
     "segment_mean",
@@ -119,15 +122,36 @@ def segment_masked_mean(values: "torch.Tensor", mask: "torch.Tensor", cu_seqlens
 # ---------------------------------------------------------------- losses
 
 
+class LossConfigError(ValueError, AssertionError):
+    """A loss configuration seqpack cannot honour: an unknown or unimplemented key, or
+    a combination NeMo-RL forbids (a ``ValueError``; also an ``AssertionError``, which
+    is what NeMo-RL's own checks raise)."""
+
+
 def calculate_kl(logprobs: "torch.Tensor", logprobs_reference: "torch.Tensor", kl_type: str = "k3",
-                 input_clamp_value: Optional[float] = 20.0, output_clamp_value: Optional[float] = 10.0):
-    """Per-token KL estimate of the policy against a reference (NeMo-RL's):
-    ``k1 = -d``, ``k2 = d^2 / 2``, ``k3 = e^d - 1 - d`` with ``d = ref - logprobs``."""
+                 input_clamp_value: Optional[float] = 20.0, output_clamp_value: Optional[float] = 10.0,
+                 importance_sampling_weights: Optional["torch.Tensor"] = None) -> "torch.Tensor":
+    """Per-token KL estimate of the policy against a reference (NeMo-RL's, current):
+    ``k1 = -d``, ``k2 = d^2 / 2``, ``k3 = e^d - 1 - d`` with ``d = ref - logprobs``
+    clamped to ``±input_clamp_value``; multiplied by ``importance_sampling_weights``
+    (when given) *before* the ``±output_clamp_value`` clamp. Where the input clamp is
+    active the weights are detached, so a clamped token has no gradient at all
+    (NeMo-RL #2958); elsewhere a weight that carries a gradient adds the
+    score-function term ``kl · d log w`` (NeMo-RL #2506).
+
+    >>> import torch
+    >>> calculate_kl(torch.tensor([-1.0, -1.0]), torch.tensor([0.0, -30.0]), "k1").tolist()
+    [-1.0, 10.0]
+    """
     import torch
 
     d = logprobs_reference - logprobs
+    w = importance_sampling_weights
     if input_clamp_value is not None:
-        d = d.clamp(-input_clamp_value, input_clamp_value)
+        clamped = d.clamp(-input_clamp_value, input_clamp_value)
+        if w is not None:
+            w = torch.where(d == clamped, w, w.detach())
+        d = clamped
     if kl_type == "k1":
         kl = -d
     elif kl_type == "k2":
@@ -136,6 +160,8 @@ def calculate_kl(logprobs: "torch.Tensor", logprobs_reference: "torch.Tensor", k
         kl = torch.exp(d) - 1 - d
     else:
         raise ValueError(f"kl_type must be 'k1', 'k2' or 'k3', got {kl_type!r}")
+    if w is not None:
+        kl = w * kl
     if output_clamp_value is not None:
         kl = kl.clamp(-output_clamp_value, output_clamp_value)
     return kl
@@ -154,100 +180,243 @@ def _finite(t):
     return torch.nan_to_num(t, nan=0.0, posinf=0.0, neginf=0.0)
 
 
-def clipped_pg_loss(
-    logprobs: "torch.Tensor",
-    prev_logprobs: "torch.Tensor",
-    advantages: "torch.Tensor",
-    mask: "torch.Tensor",
-    global_valid_toks: Any,
-    *,
-    ratio_clip_min: float = 0.2,
-    ratio_clip_max: float = 0.2,
-    ratio_clip_c: Optional[float] = None,
-    reference_logprobs: Optional["torch.Tensor"] = None,
-    kl_penalty: float = 0.0,
-    kl_type: str = "k3",
-    kl_input_clamp_value: Optional[float] = 20.0,
-    kl_output_clamp_value: Optional[float] = 10.0,
-    generation_logprobs: Optional["torch.Tensor"] = None,
-    use_importance_sampling_correction: bool = False,
-    use_on_policy_kl_approximation: bool = False,
-    disable_ppo_ratio: bool = False,
-    force_on_policy_ratio: bool = False,
-    entropy: Optional["torch.Tensor"] = None,
-    entropy_coef: float = 0.0,
-    sequence_mean: Optional[Tuple[Any, "torch.Tensor", Any]] = None,
-) -> Tuple["torch.Tensor", Dict[str, float]]:
-    """PPO / GRPO clipped surrogate (+ dual clip, KL to a reference, importance
-    sampling correction, entropy bonus), NeMo-RL's formulas, on tensors of any
-    shape (the packed stream ``[T]`` or ``[B, S - 1]``).
+# NeMo-RL's ClippedPGLossFn configuration (its current pydantic model), defaults
+# included, plus seqpack's entropy_coef. Any other key raises LossConfigError.
+PG_DEFAULTS: Dict[str, Any] = {
+    "ratio_clip_min": 0.2,
+    "ratio_clip_max": 0.2,
+    "ratio_clip_c": None,
+    "reference_policy_kl_penalty": 0.01,
+    "reference_policy_kl_type": "k3",
+    "kl_input_clamp_value": 20.0,
+    "kl_output_clamp_value": 10.0,
+    "use_kl_in_reward": False,
+    "disable_ppo_ratio": False,
+    "token_level_loss": True,
+    "sequence_level_importance_ratios": False,
+    "use_on_policy_kl_approximation": False,
+    "use_importance_sampling_correction": False,
+    "truncated_importance_sampling_type": None,
+    "truncated_importance_sampling_ratio": None,
+    "truncated_importance_sampling_ratio_min": None,
+    "force_on_policy_ratio": False,
+    "use_cispo": False,
+    "positive_example_nll_weight": 0.0,
+    "entropy_coef": 0.0,
+}
+# Keys of NeMo-RL's ClippedPGLossFn (or of its open branches) that seqpack does not implement.
+PG_NOT_IMPLEMENTED = ("seq_logprob_error_in_loss", "metrics_level", "enable_torch_compile", "opd_full",
+                      "opd_student_topk")
+_TIS_TYPES = ("tis", "icepop", "seq-mask-tis")
 
-    Token level (default): ``sum_t (loss_t * mask_t) / global_valid_toks``.
-    ``sequence_mean=(segments, sample_mask, global_valid_seqs)`` gives the
-    sequence-level mean of per-sequence token means instead, with ``segments``
-    the packed ``cu_seqlens`` (for ``[T]``) or ``None`` (rows of ``[B, S - 1]``).
+
+def _check(condition: bool, message: str) -> None:
+    if not condition:
+        raise LossConfigError(message)
+
+
+def pg_config(cfg: Optional[Mapping[str, Any]]) -> Dict[str, Any]:
+    """``cfg`` over :data:`PG_DEFAULTS`, validated as NeMo-RL's ``ClippedPGLossFn``
+    validates it (plus the checks it defers to the first call); unknown and
+    unimplemented keys raise :class:`LossConfigError` naming the key."""
+    cfg = dict(cfg or {})
+    for key in cfg:
+        if key in PG_NOT_IMPLEMENTED:
+            raise LossConfigError(f"cfg[{key!r}] is a NeMo-RL ClippedPGLossFn option that seqpack does not implement")
+        if key not in PG_DEFAULTS:
+            raise LossConfigError(f"cfg[{key!r}] is not a ClippedPGLossFn key (known: {', '.join(PG_DEFAULTS)})")
+    c = {**PG_DEFAULTS, **cfg}
+    for key in ("ratio_clip_min", "ratio_clip_max", "reference_policy_kl_penalty", "positive_example_nll_weight",
+                "entropy_coef"):
+        v = c[key]
+        _check(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0,
+               f"cfg[{key!r}] must be a finite number >= 0, got {v!r}")
+    if c["ratio_clip_c"] is not None:
+        _check(isinstance(c["ratio_clip_c"], (int, float)) and c["ratio_clip_c"] > 1,
+               f"cfg['ratio_clip_c'] (dual clip) must be > 1, got {c['ratio_clip_c']!r}")
+    _check(c["reference_policy_kl_type"] in ("k1", "k2", "k3"),
+           f"cfg['reference_policy_kl_type'] must be 'k1', 'k2' or 'k3', got {c['reference_policy_kl_type']!r}")
+    if c["sequence_level_importance_ratios"]:
+        _check(not c["token_level_loss"], "sequence_level_importance_ratios (GSPO) is mutually exclusive with "
+                                          "token-level loss: set token_level_loss to False")
+    if c["use_cispo"]:
+        for key, bad in (("disable_ppo_ratio", True), ("force_on_policy_ratio", True),
+                         ("sequence_level_importance_ratios", True), ("token_level_loss", False)):
+            _check(bool(c[key]) != bad, f"use_cispo is incompatible with {key}={c[key]!r}")
+        _check(c["ratio_clip_c"] is None, "use_cispo is incompatible with ratio_clip_c (dual clip)")
+    kind, hi, lo = (c["truncated_importance_sampling_type"], c["truncated_importance_sampling_ratio"],
+                    c["truncated_importance_sampling_ratio_min"])
+    if kind is None:
+        _check(hi is None, "truncated_importance_sampling_ratio needs a truncated_importance_sampling_type "
+                           f"(one of {', '.join(_TIS_TYPES)})")
+    else:
+        _check(c["use_importance_sampling_correction"],
+               "truncated importance sampling needs use_importance_sampling_correction=True")
+        _check(kind in _TIS_TYPES, f"truncated_importance_sampling_type must be one of {_TIS_TYPES}, got {kind!r}")
+        _check(hi is not None and hi > 0, f"truncated_importance_sampling_ratio should be positive, got {hi!r}")
+        if lo is not None:
+            _check(lo <= hi, "truncated_importance_sampling_ratio_min must be <= truncated_importance_sampling_ratio")
+        if kind in ("icepop", "seq-mask-tis"):
+            _check(lo is not None, f"truncated_importance_sampling_type={kind!r} needs "
+                                   "truncated_importance_sampling_ratio_min")
+        if kind == "seq-mask-tis":
+            _check(not c["sequence_level_importance_ratios"], "seq-mask-tis is incompatible with "
+                                                              "sequence_level_importance_ratios")
+    return c
+
+
+def _require(data: Mapping[str, Any], key: str, why: str):
+    if key not in data:
+        raise ValueError(f"data[{key!r}] is required ({why})")
+    return data[key][:, 1:]
+
+
+def clipped_pg_loss(next_token_logprobs: "torch.Tensor", data: Mapping[str, Any], global_valid_seqs: Any,
+                    global_valid_toks: Any, cfg: Optional[Mapping[str, Any]] = None,
+                    next_token_entropy: Optional["torch.Tensor"] = None) -> Tuple["torch.Tensor", Dict[str, float]]:
+    """NeMo-RL's current ``ClippedPGLossFn``: PPO / GRPO clipped surrogate, dual clip,
+    REINFORCE (``disable_ppo_ratio``), ``force_on_policy_ratio``, CISPO, GSPO
+    (sequence-level ratios), importance-sampling correction with truncation
+    (``tis`` / ``icepop`` / ``seq-mask-tis``), the KL penalty to a reference with
+    its score-function gradient (optionally the on-policy approximation and
+    ``curr_logprobs_unfiltered``), VAPO's positive-example NLL, token- or
+    sequence-level reduction over the global counts, and its metrics; plus
+    seqpack's ``entropy_coef`` (an entropy bonus on ``next_token_entropy``).
+
+    ``next_token_logprobs`` is ``[B, S - 1]``; ``data`` holds ``token_mask``,
+    ``sample_mask`` ``[B]``, ``advantages``, ``generation_logprobs``,
+    ``prev_logprobs`` (unless ``force_on_policy_ratio``),
+    ``reference_policy_logprobs`` (with a KL penalty) as ``[B, S]`` (read as
+    ``[:, 1:]``), optionally ``curr_logprobs_unfiltered`` ``[B, S - 1]`` and
+    ``rewards`` ``[B]``. ``cfg`` is validated by :func:`pg_config`.
     """
     import torch
 
-    def reduce(x):
-        if sequence_mean is None:
-            return masked_mean(x, mask, global_normalization_factor=global_valid_toks)
-        segments, sample_mask, global_valid_seqs = sequence_mean
-        per_seq = masked_mean(x, mask, dim=-1) if segments is None else segment_masked_mean(x, mask, segments)
-        return masked_mean(per_seq, sample_mask, global_normalization_factor=global_valid_seqs)
+    c = pg_config(cfg) if not isinstance(cfg, _PGConfig) else cfg.values
+    curr = next_token_logprobs
+    if curr.dtype in (torch.bfloat16, torch.float16):
+        curr = curr.float()
+    tok = data["token_mask"][:, 1:].to(curr.dtype)
+    sm = data["sample_mask"].to(curr.dtype)
+    mask = tok * sm[:, None]
+    adv = _require(data, "advantages", "the policy gradient's advantages")
+    gen = _require(data, "generation_logprobs", "NeMo-RL's ClippedPGLossFn reads the generation log-probs")
+    prev = curr.detach() if c["force_on_policy_ratio"] else _require(data, "prev_logprobs", "the PPO ratio")
+    g_tok, g_seq = global_valid_toks, global_valid_seqs
+    token_level = c["token_level_loss"]
+    kl_type = c["reference_policy_kl_type"]
 
-    if use_importance_sampling_correction or use_on_policy_kl_approximation:
-        if generation_logprobs is None:
-            raise ValueError("generation_logprobs are needed for importance sampling / the on-policy KL approximation")
-    kl = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
-    if kl_penalty:
-        if reference_logprobs is None:
-            raise ValueError("reference_logprobs are needed when kl_penalty != 0")
-        weight = _finite(torch.exp(logprobs - generation_logprobs)).detach() if use_on_policy_kl_approximation else 1.0
-        kl = reduce(weight * kl_penalty * calculate_kl(logprobs, reference_logprobs, kl_type, kl_input_clamp_value,
-                                                       kl_output_clamp_value))
-    if force_on_policy_ratio:
-        ratios = torch.exp(logprobs - logprobs.detach())
+    def reduce(x):
+        if token_level:
+            return masked_mean(x, mask, global_normalization_factor=g_tok)
+        return masked_mean(masked_mean(x, tok, dim=-1), sm, global_normalization_factor=g_seq)
+
+    metrics: Dict[str, float] = {}
+    with torch.no_grad():
+        mean = lambda x: masked_mean(x, mask, global_normalization_factor=g_tok).item()  # noqa: E731
+        metrics["token_mult_prob_error"] = mean(torch.exp((gen - prev).abs() * mask))
+        metrics["gen_kl_error"] = mean(calculate_kl(gen, prev, kl_type, None, None))
+        metrics["policy_kl_error"] = mean(calculate_kl(prev, gen, kl_type, None, None))
+        mid = torch.logaddexp(prev, gen) - math.log(2.0)
+        metrics["js_divergence_error"] = mean(0.5 * (torch.exp(prev - mid) - (prev - mid) - 1)
+                                              + 0.5 * (torch.exp(gen - mid) - (gen - mid) - 1))
+
+    beta = 0.0 if c["use_kl_in_reward"] else c["reference_policy_kl_penalty"]
+    kl = torch.zeros((), dtype=curr.dtype, device=curr.device)
+    if beta:
+        unfiltered = data.get("curr_logprobs_unfiltered", curr)
+        ref = _require(data, "reference_policy_logprobs", "the KL penalty (reference_policy_kl_penalty != 0)")
+        if c["use_on_policy_kl_approximation"]:
+            weights = torch.exp(unfiltered - gen)
+        else:  # 1 in value, d log pi in gradient: the KL's score-function term
+            weights = torch.exp(unfiltered - unfiltered.detach())
+        kl = reduce(beta * calculate_kl(unfiltered, ref, kl_type, c["kl_input_clamp_value"],
+                                        c["kl_output_clamp_value"], importance_sampling_weights=_finite(weights)))
+
+    lo_clip, hi_clip = 1 - c["ratio_clip_min"], 1 + c["ratio_clip_max"]
+    if c["force_on_policy_ratio"]:
+        ratios = torch.exp(curr - curr.detach())
         clamped = ratios
-    elif not disable_ppo_ratio:
-        ratios = torch.exp(logprobs - prev_logprobs)
-        clamped = ratios.clamp(1 - ratio_clip_min, 1 + ratio_clip_max)
+    elif not c["disable_ppo_ratio"]:
+        log_ratio = curr - prev
+        if c["sequence_level_importance_ratios"]:  # GSPO: the geometric mean over each sequence's tokens
+            ratios = torch.exp(masked_mean(log_ratio, tok, dim=-1))[:, None].expand_as(log_ratio)
+        else:
+            ratios = torch.exp(log_ratio)
+        clamped = ratios.clamp(lo_clip, hi_clip)
     else:
-        ratios = clamped = logprobs
-    clip_loss = torch.maximum(-advantages * ratios, -advantages * clamped)
-    if ratio_clip_c is not None:
-        clip_loss = torch.where(advantages < 0, torch.minimum(clip_loss, -advantages * ratio_clip_c), clip_loss)
-    weights = _finite(torch.exp(prev_logprobs - generation_logprobs)).detach() \
-        if use_importance_sampling_correction else None
-    actor = reduce(clip_loss if weights is None else weights * clip_loss)
-    loss = actor + kl
-    if entropy_coef:
-        if entropy is None:
-            raise ValueError("entropy is needed when entropy_coef != 0")
-        loss = loss - entropy_coef * reduce(entropy)
+        ratios = clamped = curr
+    if c["use_cispo"]:
+        clip_loss = -adv * clamped.detach() * curr
+    else:
+        clip_loss = torch.maximum(-adv * ratios, -adv * clamped)
+    if c["ratio_clip_c"] is not None:
+        clip_loss = torch.where(adv < 0, torch.minimum(clip_loss, -adv * c["ratio_clip_c"]), clip_loss)
+
+    with torch.no_grad():  # the actor's importance weights never carry a gradient
+        if c["sequence_level_importance_ratios"]:
+            weights = _finite(torch.exp(((prev - gen) * mask).sum(-1)))[:, None]
+        else:
+            weights = _finite(torch.exp(prev - gen))
+        kind, hi, lo = (c["truncated_importance_sampling_type"], c["truncated_importance_sampling_ratio"],
+                        c["truncated_importance_sampling_ratio_min"])
+        if kind == "tis":
+            lo = 0.0 if lo is None else lo
+            metrics["is_oob_ratio"] = mean(((weights > hi) | (weights < lo)).to(curr.dtype))
+            weights = weights.clamp(lo, hi)
+        elif kind == "icepop":
+            keep = (weights >= lo) & (weights <= hi)
+            metrics["is_oob_ratio"] = mean((~keep).to(curr.dtype))
+            weights = torch.where(keep, weights, 0.0)
+        elif kind == "seq-mask-tis":
+            geo = torch.exp(masked_mean(_finite(prev - gen), tok, dim=-1))
+            keep = ((geo >= lo) & (geo <= hi)).to(curr.dtype)
+            metrics["is_oob_ratio"] = masked_mean(1 - keep, sm, global_normalization_factor=g_seq).item()
+            weights = weights * keep[:, None]
+    actor = reduce(weights * clip_loss if c["use_importance_sampling_correction"] else clip_loss)
+
+    nll = torch.zeros((), dtype=curr.dtype, device=curr.device)
+    mu = c["positive_example_nll_weight"]
+    if mu > 0 and "rewards" in data:  # VAPO: NLL on the sequences with a positive reward
+        positive = mask * (data["rewards"] > 0).to(curr.dtype)[:, None]
+        count = positive.sum()
+        if count > 0:
+            nll = masked_mean(-curr, positive, global_normalization_factor=count)
+    loss = actor + kl + mu * nll
+    if c["entropy_coef"]:
+        if next_token_entropy is None:
+            raise ValueError("next_token_entropy is needed when entropy_coef != 0")
+        loss = loss - c["entropy_coef"] * reduce(next_token_entropy)
+
     with torch.no_grad():
         valid = mask.bool()
         picked, picked_clamped = ratios.detach()[valid], clamped.detach()[valid]
-        metrics = {
+        metrics.update({
             "loss": loss.item(),
-            "probs_ratio": masked_mean(ratios.detach(), mask, global_normalization_factor=global_valid_toks).item(),
-            "probs_ratio_clamped": masked_mean(clamped.detach(), mask,
-                                               global_normalization_factor=global_valid_toks).item(),
+            "probs_ratio": mean(ratios.detach()),
+            "probs_ratio_clamped": mean(clamped.detach()),
             "probs_ratio_min": picked.min().item() if picked.numel() else math.inf,
             "probs_ratio_max": picked.max().item() if picked.numel() else -math.inf,
             "probs_ratio_clamped_min": picked_clamped.min().item() if picked.numel() else math.inf,
             "probs_ratio_clamped_max": picked_clamped.max().item() if picked.numel() else -math.inf,
-            "kl_penalty": kl.item() / kl_penalty if kl_penalty else 0.0,
-        }
-        if generation_logprobs is not None:
-            metrics["sampling_importance_ratio"] = masked_mean(
-                _finite(torch.exp(prev_logprobs - generation_logprobs)), mask,
-                global_normalization_factor=global_valid_toks).item()
-            metrics["approx_entropy"] = -masked_mean(torch.exp(logprobs - generation_logprobs) * logprobs, mask,
-                                                     global_normalization_factor=global_valid_toks).item()
-        if entropy is not None:
-            metrics["entropy"] = masked_mean(entropy.detach(), mask, global_normalization_factor=global_valid_toks).item()
+            "kl_penalty": kl.item() / beta if beta and kl.item() else 0.0,
+            "sampling_importance_ratio": (
+                masked_mean(weights[:, 0], sm, global_normalization_factor=g_seq).item()
+                if c["sequence_level_importance_ratios"] else mean(weights)),
+            "num_valid_samples": float(data["sample_mask"].sum().item()),
+            "approx_entropy": -mean(torch.exp(curr - gen) * curr),
+            "positive_nll_loss": nll.item(),
+        })
+        if next_token_entropy is not None:
+            metrics["entropy"] = mean(next_token_entropy.detach())
     return loss, metrics
+
+
+class _PGConfig:
+    """A validated configuration (so a loss object validates once)."""
+
+    def __init__(self, cfg: Optional[Mapping[str, Any]]):
+        self.values = pg_config(cfg)
 
 
 def _shifted(data: Mapping[str, Any], key: str):
@@ -268,44 +437,28 @@ class NLLLoss:
 
 
 class ClippedPGLoss:
-    """PPO / GRPO loss through the wrapper, configured with NeMo-RL's
-    ``ClippedPGLossFn`` keys (``ratio_clip_min/max/c``,
-    ``reference_policy_kl_penalty``, ``reference_policy_kl_type``,
-    ``kl_input/output_clamp_value``, ``token_level_loss``, ``disable_ppo_ratio``,
-    ``force_on_policy_ratio``, ``use_importance_sampling_correction``,
-    ``use_on_policy_kl_approximation``) plus seqpack's ``entropy_coef``."""
+    """PPO / GRPO loss through the wrapper: NeMo-RL's current ``ClippedPGLossFn``
+    (see :func:`clipped_pg_loss` for what it computes and :data:`PG_DEFAULTS` for
+    the keys), validated at construction: an unknown or unimplemented key, or a
+    combination NeMo-RL forbids, raises :class:`LossConfigError` naming it.
+
+    With ``positive_example_nll_weight > 0`` (VAPO) the loss divides by the
+    micro-batch's own count of positive-reward tokens, so it does not split over
+    sequences: the per-sequence wrapper refuses it (use ``fused=True``).
+    """
 
     input_type = "logprob"
-    _UNSUPPORTED = ("truncated_importance_sampling_ratio", "sequence_level_importance_ratios")
 
-    def __init__(self, cfg: Mapping[str, Any]):
-        for key in self._UNSUPPORTED:
-            if cfg.get(key):
-                raise ValueError(f"cfg[{key!r}] is not supported by seqpack's ClippedPGLoss; NeMo-RL's ClippedPGLossFn "
-                                 "runs through SequencePackingLossWrapper unchanged")
-        self.cfg = dict(cfg)
-        self.loss_type = LossType.TOKEN_LEVEL if cfg.get("token_level_loss", True) else LossType.SEQUENCE_LEVEL
-        self.needs_entropy = bool(cfg.get("entropy_coef", 0.0))
+    def __init__(self, cfg: Optional[Mapping[str, Any]] = None):
+        self._config = _PGConfig(cfg)
+        self.cfg = self._config.values
+        self.loss_type = LossType.TOKEN_LEVEL if self.cfg["token_level_loss"] else LossType.SEQUENCE_LEVEL
+        self.needs_entropy = bool(self.cfg["entropy_coef"])
+        self.splits_per_sequence = not self.cfg["positive_example_nll_weight"]
 
     def __call__(self, next_token_logprobs, data, global_valid_seqs, global_valid_toks, next_token_entropy=None, **_):
-        c = self.cfg
-        sample_mask = data["sample_mask"]
-        mask = data["token_mask"][:, 1:] * sample_mask[:, None]
-        sequence_mean = None if self.loss_type == LossType.TOKEN_LEVEL else (None, sample_mask, global_valid_seqs)
-        loss, metrics = clipped_pg_loss(
-            next_token_logprobs.float(), _shifted(data, "prev_logprobs"), _shifted(data, "advantages"), mask,
-            global_valid_toks, ratio_clip_min=c.get("ratio_clip_min", 0.2), ratio_clip_max=c.get("ratio_clip_max", 0.2),
-            ratio_clip_c=c.get("ratio_clip_c"), reference_logprobs=_shifted(data, "reference_policy_logprobs"),
-            kl_penalty=c.get("reference_policy_kl_penalty", 0.0), kl_type=c.get("reference_policy_kl_type", "k3"),
-            kl_input_clamp_value=c.get("kl_input_clamp_value", 20.0),
-            kl_output_clamp_value=c.get("kl_output_clamp_value", 10.0),
-            generation_logprobs=_shifted(data, "generation_logprobs"),
-            use_importance_sampling_correction=c.get("use_importance_sampling_correction", False),
-            use_on_policy_kl_approximation=c.get("use_on_policy_kl_approximation", False),
-            disable_ppo_ratio=c.get("disable_ppo_ratio", False), force_on_policy_ratio=c.get("force_on_policy_ratio", False),
-            entropy=next_token_entropy, entropy_coef=c.get("entropy_coef", 0.0), sequence_mean=sequence_mean)
-        metrics["num_valid_samples"] = float(sample_mask.sum().item())
-        return loss, metrics
+        return clipped_pg_loss(next_token_logprobs, data, global_valid_seqs, global_valid_toks, self._config,
+                               next_token_entropy)
 
 
 # ---------------------------------------------------------------- the wrapper
@@ -352,34 +505,41 @@ def _rows_logprobs(rows, lm_head_weight, lm_head_bias, vocab_parallel_rank, *arg
 def prepare_loss_input(logits, data, loss_fn=None, vocab_parallel_rank=None, vocab_parallel_group=None,
                        context_parallel_group=None, temperature: float = 1.0, *, lm_head_weight=None,
                        lm_head_bias=None):
-    """seqpack's default ``prepare_fn`` for one packed sequence: the fused
-    log-probs of its (CP-local, vocab-local) logits, all-gathered over CP, as
-    ``({"next_token_logprobs": [1, L - 1]}, data)`` (and ``next_token_entropy``
-    when ``loss_fn.needs_entropy``). With ``lm_head_weight`` (``[V, H]``, this
+    """seqpack's default ``prepare_fn``: the fused log-probs of each row's
+    (CP-local, vocab-local) logits ``[B, S, V]`` (one packed sequence: ``B = 1``),
+    all-gathered over CP, as ``({"next_token_logprobs": [B, L - 1]}, data)`` with
+    ``L`` the width of ``data["input_ids"]`` (and ``next_token_entropy`` when
+    ``loss_fn.needs_entropy``). With ``lm_head_weight`` (``[V, H]``, this
     rank's vocabulary slice under TP; ``lm_head_bias`` optional) ``logits`` holds the
     final hidden states ``[..., H]`` instead, and the logits are never materialised
     (:func:`seqpack.linear_token_logprobs`)."""
     import torch
 
-    logits2d = logits.reshape(-1, logits.shape[-1])
+    rows = logits.reshape(-1, logits.shape[-1])
     cp, cp_rank = _group_info(context_parallel_group)
-    ids = data["input_ids"][0]
-    width = ids.shape[0]
-    padded = logits2d.shape[0] * cp
+    ids = data["input_ids"]
+    if ids.dim() != 2:
+        raise ValueError(f"data['input_ids'] must be [B, S], got shape {tuple(ids.shape)}")
+    batch, width = ids.shape
+    if batch == 0 or rows.shape[0] % batch:
+        raise ValueError(f"logits hold {rows.shape[0]} positions, not a multiple of data's {batch} rows")
+    padded = rows.shape[0] // batch * cp  # each row a sequence of this padded width (CP-sharded like one)
     if padded < width:
         raise ValueError(f"the sequence's logits cover {padded} positions, its data {width}")
-    packed_ids = torch.zeros(padded, dtype=ids.dtype, device=ids.device)
-    packed_ids[:width] = ids
+    packed_ids = torch.zeros(batch, padded, dtype=ids.dtype, device=ids.device)
+    packed_ids[:, :width] = ids
+    cu = [i * width for i in range(batch + 1)]
+    cu_p = [i * padded for i in range(batch + 1)]
     entropy = bool(getattr(loss_fn, "needs_entropy", False))
-    lp, ent = _rows_logprobs(logits2d, lm_head_weight, lm_head_bias, vocab_parallel_rank, packed_ids, [0, width],
-                             [0, padded], cp_size=cp, cp_rank=cp_rank, return_entropy=entropy,
-                             temperature=temperature, vocab_parallel_group=vocab_parallel_group)
+    lp, ent = _rows_logprobs(rows, lm_head_weight, lm_head_bias, vocab_parallel_rank, packed_ids.reshape(-1), cu,
+                             cu_p, cp_size=cp, cp_rank=cp_rank, return_entropy=entropy, temperature=temperature,
+                             vocab_parallel_group=vocab_parallel_group)
     if cp > 1:
-        lp = gather_cp(lp, [0, padded], context_parallel_group)
-        ent = gather_cp(ent, [0, padded], context_parallel_group) if ent is not None else None
-    loss_input = {"next_token_logprobs": lp[None, : width - 1]}
+        lp = gather_cp(lp, cu_p, context_parallel_group)
+        ent = gather_cp(ent, cu_p, context_parallel_group) if ent is not None else None
+    loss_input = {"next_token_logprobs": lp.view(batch, padded)[:, : width - 1]}
     if ent is not None:
-        loss_input["next_token_entropy"] = ent[None, : width - 1]
+        loss_input["next_token_entropy"] = ent.view(batch, padded)[:, : width - 1]
     return loss_input, data
 
 
@@ -435,6 +595,9 @@ class SequencePackingLossWrapper:
         self.cu_padded = layout.cu_seqlens_padded.astype(np.int64)
         self.vocab_parallel_rank, self.vocab_parallel_group = vocab_parallel_rank, vocab_parallel_group
         self.context_parallel_group = context_parallel_group
+        if not fused and not getattr(loss_fn, "splits_per_sequence", True):
+            raise ValueError(f"{type(loss_fn).__name__} does not split over sequences (e.g. VAPO's "
+                             "positive_example_nll_weight divides by the micro-batch's own token count): use fused=True")
         if fused and (prepare_fn is not None or not _is_logprob_loss(loss_fn)):
             raise ValueError("fused=True computes the log-probs itself: it needs a log-prob loss "
                              "(loss_fn.input_type == 'logprob') and no prepare_fn")

@@ -175,7 +175,7 @@ def test_wrapper_errors():
 
     with pytest.raises(ValueError, match="couples the sequences of a batch"):
         SequencePackingLossWrapper(DPOLossFn(), None, cu, cu_p)
-    with pytest.raises(ValueError, match="not supported by seqpack's ClippedPGLoss"):
+    with pytest.raises(ValueError, match="needs a truncated_importance_sampling_type"):
         ClippedPGLoss({"truncated_importance_sampling_ratio": 2.0})
 
 
@@ -186,22 +186,17 @@ def vec(*values):
     return torch.tensor(values, dtype=torch.float32)
 
 
-def test_nemo_rl_clipped_pg_vectors():
-    a, p, c, m = vec(1, -1, 2), vec(-1, -1, -1), vec(-1.69315, -1.0, -0.59453), torch.ones(3)
-    assert clipped_pg_loss(c, p, a, m, 3)[0].item() == pytest.approx(-0.6333, abs=1e-4)
-    assert clipped_pg_loss(vec(-0.5, -1, -1.5), p, a, m, 3, disable_ppo_ratio=True)[0].item() == \
-        pytest.approx(0.8333, abs=1e-4)
-    loss, metrics = clipped_pg_loss(c, p, a, m, 3, force_on_policy_ratio=True)
-    assert loss.item() == pytest.approx(-0.6667, abs=1e-4) and metrics["probs_ratio_min"] == 1.0
-    kl_only = clipped_pg_loss(vec(0, -1, -2), torch.zeros(3), torch.zeros(3), m, 3, kl_penalty=0.1,
-                              reference_logprobs=vec(-1, -1, -1))[0]
-    assert kl_only.item() == pytest.approx(0.0362, abs=1e-4)
-    corrected = clipped_pg_loss(c, p, a, m, 3, generation_logprobs=vec(-0.5, -1.5, -0.8),
-                                use_importance_sampling_correction=True)[0]
-    assert corrected.item() == pytest.approx(-0.2065, abs=1e-4)
-    dual = clipped_pg_loss(vec(-1.69315, -1, -0.69741), vec(-1, -1, -3), vec(1, -1, -4), m, 3, ratio_clip_c=3.0)[0]
-    assert dual.item() == pytest.approx(4.1667, abs=1e-4)
-    assert clipped_pg_loss(c, p, a, torch.zeros(3), 0.0, kl_penalty=0.1, reference_logprobs=p)[0].item() == 0.0
+def test_clipped_pg_loss_function_is_the_class():
+    # The functional form takes NeMo-RL's (data, counts, cfg) like the class; the
+    # literal NeMo-RL vectors are in test_nemo_rl_loss.py.
+    data = {"token_mask": torch.tensor([[0, 1, 1, 1]]), "sample_mask": torch.ones(1),
+            "advantages": torch.tensor([[0, 1.0, -1, 2]]), "prev_logprobs": torch.full((1, 4), -1.0),
+            "generation_logprobs": torch.full((1, 4), -1.0)}
+    curr = vec(-1.69315, -1.0, -0.59453)[None]
+    cfg = {"reference_policy_kl_penalty": 0.0}
+    loss, metrics = clipped_pg_loss(curr, data, torch.tensor(1.0), torch.tensor(3.0), cfg)
+    assert loss.item() == pytest.approx(-0.6333, abs=1e-4)
+    assert (loss, metrics) == ClippedPGLoss(cfg)(curr, data, torch.tensor(1.0), torch.tensor(3.0))
 
 
 def test_nemo_rl_kl_and_nll_vectors():
