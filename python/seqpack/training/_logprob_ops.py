@@ -243,15 +243,29 @@ def combine_slices(stats: torch.Tensor, targets: torch.Tensor, vocab_start: int,
 
     m = stats[0].clone()
     dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
-    # Rebase each slice's sums to the global max (logprob_math.hpp's lse_rebase):
-    # a slice with only masked logits (max -inf) contributes 0, not -inf * 0.
+    s, t = rebase(stats, m)
+    owned = owned_by(targets, vocab_start, vocab).to(m.dtype)
+    sums = torch.stack([s, stats[2], t, owned])
+    dist.all_reduce(sums, group=group)
+    return torch.stack([m, sums[0], sums[1], sums[2]]), sums[3] > 0
+
+
+def rebase(stats: torch.Tensor, m: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """A slice's (sum exp, sum exp * (z - max)) re-expressed at the maximum ``m`` >= its
+    own (logprob_math.hpp's lse_rebase): a slice with only masked logits (max -inf)
+    contributes 0, not -inf * 0."""
     same = stats[0] == m
     e = torch.where(same, 1.0, torch.exp(stats[0] - m))
     ed = torch.where(same | (e == 0), 0.0, e * (stats[0] - m))
-    owned = owned_by(targets, vocab_start, vocab).to(m.dtype)
-    sums = torch.stack([stats[1] * e, stats[2], e * stats[3] + ed * stats[1], owned])
-    dist.all_reduce(sums, group=group)
-    return torch.stack([m, sums[0], sums[1], sums[2]]), sums[3] > 0
+    return stats[1] * e, e * stats[3] + ed * stats[1]
+
+
+def merge_stats(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """The statistics of two vocabulary slices of the same rows, as one (exact)."""
+    m = torch.maximum(a[0], b[0])  # NaN propagates
+    sa, ta = rebase(a, m)
+    sb, tb = rebase(b, m)
+    return torch.stack([m, sa + sb, a[2] + b[2], ta + tb])
 
 
 class VocabParallelTokenLogprobs(torch.autograd.Function):
@@ -274,8 +288,13 @@ class VocabParallelTokenLogprobs(torch.autograd.Function):
 
 
 # ---- seqpack::linear_token_logprobs: from hidden states and the LM head -------------
-# Logits exist a chunk of rows at a time ([chunk, V]); the backward recomputes each
-# chunk's logits. Default chunk: about 2^24 logits (64 MiB in fp32).
+# Logits exist one tile at a time, at most ``chunk`` rows' worth (``chunk × V``); the
+# backward recomputes each tile. A tile is ``chunk`` rows by the whole vocabulary,
+# or, when there are fewer rows than vocabulary entries, every row by a slice of
+# the vocabulary: the gradient that accumulates over tiles is then the hidden
+# states' [T, H] instead of the head's [V, H], and the head's gradient is written
+# once per slice (fewer passes over the larger matrix, and matmuls with K = T).
+# Default chunk: about 2^24 logits (64 MiB in fp32).
 _CHUNK_LOGITS = 1 << 24
 
 
@@ -286,48 +305,77 @@ def chunk_rows(chunk_tokens: int, rows: int, vocab: int) -> int:
     return max(1, min(max(rows, 1), _CHUNK_LOGITS // max(vocab, 1)))
 
 
+def tiles(rows: int, vocab: int, chunk: int):
+    """(row range, vocabulary range) of each tile, within ``chunk × vocab`` logits."""
+    if rows <= chunk or rows >= vocab:
+        return [((lo, min(rows, lo + chunk)), (0, vocab)) for lo in range(0, rows, chunk)]
+    width = max(1, chunk * vocab // rows)
+    return [((0, rows), (v0, min(vocab, v0 + width))) for v0 in range(0, vocab, width)]
+
+
 def _linear(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
     return torch.nn.functional.linear(hidden, weight, bias)
 
 
+def _tile_logits(hidden, weight, bias, r, v):
+    return _linear(hidden[r[0]:r[1]], weight[v[0]:v[1]], None if bias is None else bias[v[0]:v[1]])
+
+
 def linear_stats(hidden, weight, bias, targets, vocab_start, temperature, entropy, num_threads, chunk):
-    """:func:`logprob_stats` of ``hidden @ weight.T + bias``, a chunk of rows at a time."""
+    """:func:`logprob_stats` of ``hidden @ weight.T + bias``, a tile at a time (vocabulary
+    slices of the same rows merged exactly)."""
     rows = hidden.shape[0]
     out = torch.zeros((4, rows), dtype=acc_dtype(hidden.dtype), device=hidden.device)
-    for lo in range(0, rows, chunk):
-        hi = min(rows, lo + chunk)
-        logits = _linear(hidden[lo:hi], weight, bias)
-        out[:, lo:hi] = logprob_stats(logits, targets[lo:hi], vocab_start, temperature, entropy, num_threads)
-    return out
+    merged = None
+    for r, v in tiles(rows, weight.shape[0], chunk):
+        s = logprob_stats(_tile_logits(hidden, weight, bias, r, v), targets[r[0]:r[1]], vocab_start + v[0],
+                          temperature, entropy, num_threads)
+        if v == (0, weight.shape[0]):
+            out[:, r[0]:r[1]] = s
+        else:
+            merged = s if merged is None else merge_stats(merged, s)
+    return out if merged is None else merged
 
 
 def linear_grads(ctx, grad_logprob, grad_entropy, needs: Tuple[bool, bool, bool]):
-    """(d hidden, d weight, d bias), a chunk at a time: each chunk's logits recomputed,
-    their gradient from :func:`logprob_grad`, then two matmuls; the weight's and the
-    bias' gradients accumulate in fp32 for bf16 / fp16."""
+    """(d hidden, d weight, d bias), a tile at a time: each tile's logits recomputed,
+    their gradient from :func:`logprob_grad`, then two matmuls; what accumulates over
+    tiles accumulates in fp32 for bf16 / fp16."""
     hidden, weight, bias, targets, m, log_se, ent = ctx.saved_tensors
     has = targets >= 0
     g_lp = torch.where(has, grad_logprob, 0.0) if grad_logprob is not None else torch.zeros_like(m)
     g_ent = torch.where(has, grad_entropy, 0.0) if ctx.return_entropy and grad_entropy is not None else None
     want_h, want_w, want_b = needs
+    want_b = want_b and bias is not None
     acc = torch.float32 if hidden.dtype in (torch.bfloat16, torch.float16) else hidden.dtype
-    g_hidden = torch.zeros_like(hidden) if want_h else None
-    g_weight = torch.zeros(weight.shape, dtype=acc, device=weight.device) if want_w else None
-    g_bias = torch.zeros(weight.shape[0], dtype=acc, device=weight.device) if want_b and bias is not None else None
-    rows = hidden.shape[0]
-    for lo in range(0, rows, ctx.chunk):  # no data-dependent skips: traceable, no host reads
-        hi = min(rows, lo + ctx.chunk)
+    rows, vocab = hidden.shape[0], weight.shape[0]
+    plan = tiles(rows, vocab, ctx.chunk)
+    by_rows = plan[0][1] == (0, vocab)  # tiles of rows: the head's gradient accumulates
+    g_hidden = (torch.zeros_like(hidden) if by_rows else torch.zeros(hidden.shape, dtype=acc,
+                                                                      device=hidden.device)) if want_h else None
+    g_weight = (torch.zeros(weight.shape, dtype=acc, device=weight.device) if by_rows
+                else torch.empty_like(weight)) if want_w else None
+    g_bias = torch.zeros(vocab, dtype=acc, device=weight.device) if want_b else None
+    for r, v in plan:  # no data-dependent skips: traceable, no host reads
+        (lo, hi), (v0, v1) = r, v
         h = hidden[lo:hi]
-        grad = logprob_grad(_linear(h, weight, bias), targets[lo:hi], ctx.vocab_start, ctx.temperature,
-                            m[lo:hi], log_se[lo:hi], ent[lo:hi] if g_ent is not None else None, g_lp[lo:hi],
-                            g_ent[lo:hi] if g_ent is not None else None, ctx.num_threads)
+        grad = logprob_grad(_tile_logits(hidden, weight, bias, r, v), targets[lo:hi], ctx.vocab_start + v0,
+                            ctx.temperature, m[lo:hi], log_se[lo:hi], ent[lo:hi] if g_ent is not None else None,
+                            g_lp[lo:hi], g_ent[lo:hi] if g_ent is not None else None, ctx.num_threads)
         if g_hidden is not None:
-            g_hidden[lo:hi] = grad @ weight
+            if by_rows:
+                g_hidden[lo:hi] = grad @ weight
+            else:
+                g_hidden.addmm_(grad.to(acc), weight[v0:v1].to(acc))
         if g_weight is not None:
-            g_weight.addmm_(grad.t().to(acc), h.to(acc))
+            if by_rows:
+                g_weight.addmm_(grad.t().to(acc), h.to(acc))
+            else:
+                g_weight[v0:v1] = grad.t() @ h
         if g_bias is not None:
-            g_bias += grad.sum(0, dtype=acc)
-    return (g_hidden, None if g_weight is None else g_weight.to(weight.dtype),
+            g_bias[v0:v1] += grad.sum(0, dtype=acc)
+    return (None if g_hidden is None else g_hidden.to(hidden.dtype),
+            None if g_weight is None else g_weight.to(weight.dtype),
             None if g_bias is None else g_bias.to(bias.dtype))
 
 

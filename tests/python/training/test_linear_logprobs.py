@@ -153,6 +153,27 @@ def test_custom_op_passes_opcheck_and_never_holds_all_logits(monkeypatch):
     assert shapes and max(s[0] for s in shapes) == 4  # forward and backward: a chunk of logits at a time
 
 
+def test_fewer_rows_than_vocabulary_tiles_the_vocabulary(monkeypatch):
+    # T < V: each tile is every row by a slice of the head (the head's gradient is
+    # written once per slice); the results equal the unchunked computation.
+    lengths = [7, 9]
+    cu, cu_p = layout(lengths, 1)
+    h, w, b = (t.requires_grad_() for t in head(16, 8, 100, seed=6))
+    ids = torch.randint(0, 100, (16,), generator=torch.Generator().manual_seed(7))
+    shapes = []
+    real = ops._linear
+    monkeypatch.setattr(ops, "_linear", lambda *a: shapes.append(tuple(real(*a).shape)) or real(*a))
+    out = linear_token_logprobs(h, w, ids, cu, cu_p, bias=b, return_entropy=True, chunk_tokens=3)
+    grads = torch.autograd.grad(out.logprobs.sum() + out.entropy.sum(), (h, w, b))
+    assert set(shapes) == {(16, 18), (16, 10)} and len(shapes) == 12  # 3 x 100 logits: 18 columns, twice
+    monkeypatch.setattr(ops, "_linear", real)
+    full = seqpack.packed_token_logprobs(F.linear(h, w, b), ids, cu, cu_p, return_entropy=True)
+    torch.testing.assert_close(out.logprobs, full.logprobs)
+    torch.testing.assert_close(out.entropy, full.entropy)
+    for a, c in zip(grads, torch.autograd.grad(full.logprobs.sum() + full.entropy.sum(), (h, w, b))):
+        torch.testing.assert_close(a, c, rtol=1e-5, atol=1e-6)
+
+
 def test_errors_name_the_argument():
     h, w, b = head(6, 4, 5, seed=2)
     ids = torch.zeros(6, dtype=torch.long)
