@@ -47,6 +47,7 @@ __all__ = [
     "ClippedPGLoss",
     "LossConfigError",
     "LossType",
+    "MetricNormalization",
     "PG_DEFAULTS",
     "NLLLoss",
     "SequencePackingLossWrapper",
@@ -67,6 +68,16 @@ class LossType:
 
     TOKEN_LEVEL = "token_level"
     SEQUENCE_LEVEL = "sequence_level"
+
+
+class MetricNormalization:
+    """What a metric was divided by (NeMo-RL's ``metric_normalizations``): the global
+    valid tokens, the global valid sequences, or nothing (counts, extrema). A trainer
+    that sums micro-batch metrics computed with a unit normaliser divides by these."""
+
+    TOKENS = "tokens"
+    SEQUENCES = "sequences"
+    NONE = "none"
 
 
 MIN_KEYS = {"probs_ratio_min", "probs_ratio_clamped_min"}
@@ -412,6 +423,26 @@ def clipped_pg_loss(next_token_logprobs: "torch.Tensor", data: Mapping[str, Any]
     return loss, metrics
 
 
+def _pg_metric_normalizations(c: Mapping[str, Any]) -> Dict[str, str]:
+    """NeMo-RL's advertised normaliser of each ClippedPG metric."""
+    n = MetricNormalization
+    level = n.TOKENS if c["token_level_loss"] else n.SEQUENCES
+    out = {"loss": level, "kl_penalty": level,
+           "sampling_importance_ratio": n.SEQUENCES if c["sequence_level_importance_ratios"] else n.TOKENS}
+    for key in ("probs_ratio", "probs_ratio_clamped", "token_mult_prob_error", "gen_kl_error", "policy_kl_error",
+                "js_divergence_error", "approx_entropy"):
+        out[key] = n.TOKENS
+    for key in ("num_valid_samples", "positive_nll_loss", "probs_ratio_min", "probs_ratio_max",
+                "probs_ratio_clamped_min", "probs_ratio_clamped_max"):
+        out[key] = n.NONE
+    kind = c["truncated_importance_sampling_type"]
+    if kind is not None:
+        out["is_oob_ratio"] = n.SEQUENCES if kind == "seq-mask-tis" else n.TOKENS
+    if c["entropy_coef"]:
+        out["entropy"] = n.TOKENS
+    return out
+
+
 class _PGConfig:
     """A validated configuration (so a loss object validates once)."""
 
@@ -428,6 +459,8 @@ class NLLLoss:
 
     loss_type = LossType.TOKEN_LEVEL
     input_type = "logprob"
+    metric_normalizations = {"loss": MetricNormalization.TOKENS, "num_unmasked_tokens": MetricNormalization.NONE,
+                             "num_valid_samples": MetricNormalization.NONE}
 
     def __call__(self, next_token_logprobs, data, global_valid_seqs, global_valid_toks, **_):
         mask = data["token_mask"][:, 1:] * data["sample_mask"][:, None]
@@ -455,6 +488,7 @@ class ClippedPGLoss:
         self.loss_type = LossType.TOKEN_LEVEL if self.cfg["token_level_loss"] else LossType.SEQUENCE_LEVEL
         self.needs_entropy = bool(self.cfg["entropy_coef"])
         self.splits_per_sequence = not self.cfg["positive_example_nll_weight"]
+        self.metric_normalizations = _pg_metric_normalizations(self.cfg)
 
     def __call__(self, next_token_logprobs, data, global_valid_seqs, global_valid_toks, next_token_entropy=None, **_):
         return clipped_pg_loss(next_token_logprobs, data, global_valid_seqs, global_valid_toks, self._config,

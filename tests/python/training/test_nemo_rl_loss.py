@@ -285,6 +285,30 @@ def test_configuration_errors_name_the_rule(cfg, match):
     assert isinstance(info.value, ValueError) and isinstance(info.value, AssertionError)
 
 
+@pytest.mark.parametrize("cfg, expected", [
+    ({}, dict(loss="tokens", kl_penalty="tokens", sampling_importance_ratio="tokens", probs_ratio="tokens",
+              approx_entropy="tokens", num_valid_samples="none", probs_ratio_min="none", positive_nll_loss="none")),
+    ({"sequence_level_importance_ratios": True, "token_level_loss": False},
+     dict(loss="sequences", kl_penalty="sequences", sampling_importance_ratio="sequences")),
+    ({"use_importance_sampling_correction": True, "truncated_importance_sampling_type": "seq-mask-tis",
+      "truncated_importance_sampling_ratio": 1.5, "truncated_importance_sampling_ratio_min": 0.5},
+     dict(loss="tokens", is_oob_ratio="sequences")),
+    ({"use_importance_sampling_correction": True, "truncated_importance_sampling_type": "tis",
+      "truncated_importance_sampling_ratio": 1.5, "token_level_loss": False},
+     dict(loss="sequences", is_oob_ratio="tokens")),
+])
+def test_metric_normalizations_as_advertised(cfg, expected):
+    advertised = ClippedPGLoss(cfg).metric_normalizations
+    for key, value in expected.items():
+        assert advertised[key] == value, key
+    assert ("is_oob_ratio" in advertised) == ("truncated_importance_sampling_type" in cfg)
+    data = golden_data({})
+    _, metrics = ClippedPGLoss(cfg)(torch.tensor(CURR, dtype=torch.float64), data, *counts(data))
+    assert set(metrics) == set(advertised)  # every metric is advertised
+    assert NLLLoss.metric_normalizations == {"loss": "tokens", "num_unmasked_tokens": "none",
+                                             "num_valid_samples": "none"}
+
+
 def test_vapo_does_not_split_over_sequences():
     with pytest.raises(ValueError, match="use fused=True"):
         SequencePackingLossWrapper(ClippedPGLoss({"positive_example_nll_weight": 0.3}), None, [0, 3])
