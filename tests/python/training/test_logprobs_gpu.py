@@ -59,7 +59,9 @@ def test_wrapper_on_cuda_equals_cpu():
     logits = torch.randn(int(cu[-1]), vocab, generator=g)
     data = {"input_ids": torch.randint(0, vocab, (3, width), generator=g), "token_mask": torch.ones(3, width),
             "sample_mask": torch.ones(3), "advantages": torch.randn(3, width, generator=g),
-            "prev_logprobs": -torch.rand(3, width, generator=g)}
+            "prev_logprobs": -torch.rand(3, width, generator=g),
+            "generation_logprobs": -torch.rand(3, width, generator=g),
+            "reference_policy_logprobs": -torch.rand(3, width, generator=g)}
     loss_fn = ClippedPGLoss({})
     out = []
     for device in ("cpu", "cuda"):
@@ -70,6 +72,37 @@ def test_wrapper_on_cuda_equals_cpu():
         out.append((loss.item(), x.grad.cpu()))
     assert out[0][0] == pytest.approx(out[1][0], rel=1e-5)
     torch.testing.assert_close(out[1][1], out[0][1], rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_linear_token_logprobs_on_cuda_equals_pytorch(dtype):
+    # The LM head fused in, on the GPU: against F.linear + log_softmax + gather in
+    # fp64 (values, and the gradients of hidden and head), tiles of both kinds.
+    import torch.nn.functional as F
+    from seqpack.logprobs import linear_token_logprobs, next_token_sources
+
+    g = torch.Generator().manual_seed(3)
+    lengths = [300, 17, 700]
+    cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    total, hidden, vocab = int(cu[-1]), 64, 5000
+    h = torch.randn(total, hidden, generator=g)
+    w = torch.randn(vocab, hidden, generator=g) / 8
+    ids = torch.randint(0, vocab, (total,), generator=g)
+    sources = next_token_sources(cu)
+    rows = torch.from_numpy(np.nonzero(sources >= 0)[0])
+    targets = ids[torch.from_numpy(sources[sources >= 0])]
+    hd, wd = h.double().requires_grad_(), w.double().requires_grad_()
+    ref = torch.zeros(total, dtype=torch.float64).index_put(
+        (rows,), torch.log_softmax(F.linear(hd, wd), -1)[rows, targets])
+    ref.sum().backward()
+    for chunk in (64, 2000):  # vocabulary slices (T < V), then row chunks
+        hc, wc = h.to("cuda", dtype).requires_grad_(), w.to("cuda", dtype).requires_grad_()
+        out = linear_token_logprobs(hc, wc, ids.cuda(), cu, chunk_tokens=chunk).logprobs
+        out.sum().backward()
+        tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=3e-2, atol=3e-2)
+        torch.testing.assert_close(out.double().cpu(), ref.detach(), **tol)
+        torch.testing.assert_close(hc.grad.double().cpu(), hd.grad, **tol)
+        torch.testing.assert_close(wc.grad.double().cpu(), wd.grad, **tol)
 
 
 # ---- against PyTorch ------------------------------------------------------------------
