@@ -1,5 +1,6 @@
 #include "convert.hpp"
 
+#include <cstring>
 #include <limits>
 #include <string>
 
@@ -65,10 +66,18 @@ LengthsArg::LengthsArg(py::handle obj, const char* name) {
   if (kind != 'i' && kind != 'u')
     throw py::type_error(std::string(name) + " must hold integers, got dtype " +
                          std::string(py::str(array_.dtype())));
+  if (!array_.dtype().attr("isnative").cast<bool>())  // big-endian data on a little-endian host, or the reverse
+    array_ = py::array::ensure(array_.attr("astype")(array_.dtype().attr("newbyteorder")("=")));
   const auto size = array_.itemsize();
   const bool c_contig = array_.flags() & py::array::c_style;
   if (kind == 'i' && size == 8 && c_contig) {
-    view_ = Lengths(static_cast<const int64_t*>(array_.data()), static_cast<size_t>(array_.shape(0)));
+    // A snapshot, taken with the GIL held: the core reads it with the GIL released,
+    // so another thread writing the array can give garbage or an error, never a
+    // value that changed after it was checked.
+    const auto n = static_cast<size_t>(array_.shape(0));
+    owned_.resize(n);
+    std::memcpy(owned_.data(), array_.data(), n * sizeof(int64_t));
+    view_ = Lengths(owned_);
     return;
   }
   switch (size * (kind == 'u' ? -1 : 1)) {

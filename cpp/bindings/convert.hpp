@@ -11,8 +11,9 @@ namespace seqpack::bindings {
 
 namespace py = pybind11;
 
-// A read-only int64 view of a 1-D integer array. An int64 C-contiguous array is
-// used in place; other integer dtypes and strides are converted once, in C++.
+// An int64 copy of a 1-D integer sequence, taken with the GIL held (the core reads it
+// with the GIL released, so a racing writer cannot change a checked value): lists,
+// tuples and arrays of any integer dtype, stride and byte order.
 class LengthsArg {
  public:
   LengthsArg(py::handle obj, const char* name);

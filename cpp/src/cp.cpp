@@ -1,5 +1,6 @@
 #include "seqpack/cp.hpp"
 
+#include <cstdint>
 #include <string>
 
 namespace seqpack {
@@ -8,6 +9,8 @@ namespace {
 // Validates cu_seqlens_padded for a CP split and returns the number of sequences.
 size_t check_cu(const char* fn, std::span<const int64_t> cu, int64_t cp_size) {
   check_positive(fn, "cp_size", cp_size);
+  if (cp_size > INT64_MAX / 2)
+    throw_invalid(fn, "cp_size: 2 * cp_size chunks must fit in int64, got cp_size = " + std::to_string(cp_size));
   if (cu.empty() || cu[0] != 0) throw_invalid(fn, "cu_seqlens_padded must start at 0");
   for (size_t i = 1; i < cu.size(); ++i) {
     const int64_t len = cu[i] - cu[i - 1];

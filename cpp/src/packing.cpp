@@ -123,7 +123,7 @@ IndexGroups concatenative(Lengths lengths, int64_t bin_capacity, int64_t max_seq
   std::iota(out.indices.begin(), out.indices.end(), 0);
   int64_t load = 0, count = 0;
   for (size_t i = 0; i < lengths.size(); ++i) {
-    const bool full = load + lengths[i] > bin_capacity ||
+    const bool full = lengths[i] > bin_capacity - load ||  // load <= bin_capacity: no overflow
                       (max_sequences_per_bin != -1 && count >= max_sequences_per_bin);
     if (full && count > 0) {
       out.offsets.push_back(static_cast<int64_t>(i));
@@ -368,7 +368,7 @@ IndexGroups adjust_bin_count(const IndexGroups& bins, int64_t min_bin_count, int
     throw_invalid(fn, "bin_count_multiple must be positive, got " + std::to_string(bin_count_multiple));
   const auto current = static_cast<int64_t>(bins.size());
   int64_t target = std::max(current, min_bin_count);
-  target = round_up(target, bin_count_multiple);
+  target = checked_mul(fn, ceil_div(target, bin_count_multiple), bin_count_multiple);
   if (target == current) return bins;
   const auto total = static_cast<int64_t>(bins.indices.size());
   if (total < target)

@@ -57,7 +57,8 @@ int64_t checked_mul(const char* function, int64_t a, int64_t b);
 // kernel refuses, returns false and changes nothing. Contents are unaffected.
 bool advise_huge_pages(void* data, size_t bytes);
 
-inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+// a >= 0, b > 0; exact for every such pair (a + b - 1 would overflow near INT64_MAX).
+inline int64_t ceil_div(int64_t a, int64_t b) { return a / b + (a % b != 0 ? 1 : 0); }
 inline int64_t round_up(int64_t a, int64_t multiple) { return ceil_div(a, multiple) * multiple; }
 
 // A portable, seeded PRNG (SplitMix64) with an unbiased bounded draw, so a seed

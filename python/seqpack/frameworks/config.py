@@ -528,12 +528,20 @@ def _resolve(data: Any) -> Any:
 
 
 def _has_interpolation(data: Any) -> bool:
-    if isinstance(data, str):
-        return "${" in data
-    if isinstance(data, Mapping):
-        return any(_has_interpolation(v) for v in data.values())
-    if isinstance(data, (list, tuple)):
-        return any(_has_interpolation(v) for v in data)
+    """Whether any string holds ``${``. Each container is visited once: YAML aliases
+    share nodes, and a "billion laughs" document of nested aliases would otherwise
+    take exponential time to walk."""
+    seen, stack = set(), [data]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, str):
+            if "${" in node:
+                return True
+        elif isinstance(node, (Mapping, list, tuple)):
+            if id(node) in seen:
+                continue
+            seen.add(id(node))
+            stack.extend(node.values() if isinstance(node, Mapping) else node)
     return False
 
 
