@@ -18,7 +18,7 @@ std::vector<MicroBatchRange> greedy_ranges(const std::vector<int64_t>& padded, i
     MicroBatchRange& cur = ranges.back();
     const int64_t rows = cur.end - cur.start + 1;
     running_max = std::max(running_max, padded[j]);
-    if (rows * running_max <= cap) {
+    if (running_max <= cap / rows) {  // rows * running_max <= cap, without overflow
       cur.end += 1;
       cur.length = running_max;
     } else {
@@ -48,13 +48,15 @@ std::vector<MicroBatchRange> optimal_ranges(const std::vector<int64_t>& padded, 
     for (size_t i = j; i-- > 0;) {
       run_max = std::max(run_max, padded[i]);
       const auto rows = static_cast<int64_t>(j - i);
-      if (rows * run_max > cap) break;
+      if (run_max > cap / rows) break;  // rows * run_max > cap, without overflow
       const int64_t cost = rows * run_max;
       for (size_t r = 0; r < m; ++r) {
         const Cell& from = cell[i * m + r];
         if (from.tokens == kInf) continue;
         Cell& to = cell[j * m + (r + 1) % m];
-        const int64_t t = from.tokens + cost, c = from.count + 1;
+        int64_t t = 0;
+        if (__builtin_add_overflow(from.tokens, cost, &t)) t = kInf;  // past any real plan
+        const int64_t c = from.count + 1;
         if (t < to.tokens || (t == to.tokens && c < to.count)) to = {t, c, static_cast<int64_t>(i)};
       }
     }
@@ -171,7 +173,12 @@ DynamicBatchingPlan plan_dynamic_batching(Lengths lengths, const DynamicBatching
         ranges = optimal_ranges(padded, o.max_tokens_per_microbatch, o.pp_size);
         break;
     }
-    for (const auto& r : ranges) plan.padded_tokens += (r.end - r.start) * r.length * o.shards;
+    for (const auto& r : ranges) {
+      int64_t cell = 0;
+      if (__builtin_mul_overflow(r.end - r.start, r.length, &cell) || __builtin_mul_overflow(cell, o.shards, &cell) ||
+          __builtin_add_overflow(plan.padded_tokens, cell, &plan.padded_tokens))
+        throw_invalid(kFn, "the padded token count (rows x padded length x shards) overflows int64");
+    }
     plan.chunks.push_back(std::move(ranges));
   }
   for (int64_t s : lengths) plan.valid_tokens = checked_add(kFn, plan.valid_tokens, s);

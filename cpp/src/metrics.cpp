@@ -49,8 +49,17 @@ BalanceStats dp_balance_stats(Lengths lengths, const IndexGroups& partitions) {
   const auto k = static_cast<int64_t>(partitions.size());
   if (k < 1) throw_invalid(fn, "partitions must not be empty");
   if (n < k) throw_invalid(fn, "fewer sequences (" + std::to_string(n) + ") than partitions (" + std::to_string(k) + ")");
-  for (int64_t i : partitions.indices)
+  check_non_negative_lengths(fn, "seqlen_list", lengths);
+  std::vector<char> seen(static_cast<size_t>(n), 0);
+  for (int64_t i : partitions.indices) {
     if (i < 0 || i >= n) throw_invalid(fn, "partitions: index " + std::to_string(i) + " is out of range");
+    if (seen[static_cast<size_t>(i)]++) throw_invalid(fn, "partitions: index " + std::to_string(i) + " appears twice");
+  }
+  if (partitions.indices.size() != static_cast<size_t>(n))
+    throw_invalid(fn, "partitions must hold every index of seqlen_list once: " +
+                          std::to_string(n - static_cast<int64_t>(partitions.indices.size())) + " are missing");
+  int64_t all = 0;
+  for (int64_t v : lengths) all = checked_add(fn, all, v);  // every partial sum below fits too
   BalanceStats s;
   const int64_t per = n / k;
   int64_t total = 0;

@@ -16,6 +16,8 @@ ThdLayout make_thd_layout(Lengths seq_lens, const ThdOptions& o) {
   check_positive(fn, "pad_multiple", o.pad_multiple);
   check_positive(fn, "pad_packed_multiple", o.pad_packed_multiple);
   check_positive(fn, "cp_size", o.cp_size);
+  if (o.cp_size > INT64_MAX / 2)
+    throw_invalid(fn, "cp_size: 2 * cp_size chunks must fit in int64, got cp_size = " + std::to_string(o.cp_size));
   if (o.pad_packed_to < 0) throw_invalid(fn, "pad_packed_to must be >= 0 (0: no bin padding)");
   check_non_negative_lengths(fn, "seq_lens", seq_lens);
   if (o.cp_size > 1) {

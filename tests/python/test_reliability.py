@@ -99,3 +99,41 @@ def test_config_billion_laughs_finishes():
         print("done")
     """, timeout=60)
     assert child.returncode == 0 and "done" in child.stdout, child.stderr[-2000:]
+
+
+@pytest.mark.parametrize("args, kwargs", [(([2**62, 1], 2, 2**63 - 1, 1), {}),
+                                          (([2**62, 1], 2, 2**63 - 1, 1), {"rule": "optimal"}),
+                                          (([1, 2], 1, 2**63 - 1, 2**62), {})])
+def test_dynamic_batching_never_wraps_around(args, kwargs):
+    # Before: padded_tokens = -2^63, a negative micro-batch length, two rows of 2^62
+    # in one micro-batch capped at 2^63 - 1.
+    try:
+        plan = seqpack.plan_dynamic_batching(*args, **kwargs)
+    except ValueError as e:
+        assert "overflows int64" in str(e)
+        return
+    cap = args[2]
+    assert plan.padded_tokens >= 0
+    for lengths, ranges in zip(plan.micro_batch_lengths, plan.micro_batch_indices):
+        for n, (a, b) in zip(lengths, ranges):
+            assert n >= 0 and (b - a) * n <= cap
+
+
+def test_balance_metrics_check_their_inputs():
+    from seqpack.planning.metrics import dp_balance_metrics
+
+    with pytest.raises(ValueError, match="overflows int64"):  # was min = max = -2^63
+        dp_balance_metrics([2**62] * 4, [[0, 1], [2, 3]], "x")
+    with pytest.raises(ValueError, match="index 0 appears twice"):
+        dp_balance_metrics([1, 2, 3, 4], [[0, 0], [2, 3]], "x")
+    with pytest.raises(ValueError, match="1 are missing"):
+        dp_balance_metrics([1, 2, 3, 4], [[0], [2, 3]], "x")
+    with pytest.raises(ValueError, match=r"seqlen_list\[1\] = -2 is negative"):
+        dp_balance_metrics([1, -2, 3, 4], [[0, 1], [2, 3]], "x")
+
+
+def test_pack_sequences_refuses_a_cp_size_whose_double_overflows():
+    import torch
+
+    with pytest.raises(ValueError, match="cp_size: 2 \\* cp_size chunks must fit in int64"):  # was: 0 rows
+        seqpack.pack_sequences({"input_ids": torch.arange(8)[None]}, seq_lens=[8], pad_multiple=2, cp_size=2**63 - 1)
