@@ -137,3 +137,34 @@ def test_pack_sequences_refuses_a_cp_size_whose_double_overflows():
 
     with pytest.raises(ValueError, match="cp_size: 2 \\* cp_size chunks must fit in int64"):  # was: 0 rows
         seqpack.pack_sequences({"input_ids": torch.arange(8)[None]}, seq_lens=[8], pad_multiple=2, cp_size=2**63 - 1)
+
+
+def test_an_indexable_non_mapping_batch_is_refused_not_iterated_forever():
+    # ROLL's DataProto has __len__ and __getitem__ that never raises IndexError:
+    # "attention_mask" in proto iterated it forever.
+    child = run_child("""
+        import numpy as np
+        from seqpack import roll
+
+        class DataProto:
+            batch, non_tensor_batch, meta_info = {"attention_mask": np.ones((4, 3))}, {}, {}
+            def __len__(self):
+                return 4
+            def __getitem__(self, i):
+                return i
+        try:
+            roll.dynamic_batching_shard(DataProto(), 2, 100, 1)
+        except TypeError as e:
+            print("TypeError", e)
+    """, timeout=60)
+    assert child.returncode == 0 and "TypeError origin_batch must be a mapping" in child.stdout, child.stderr[-2000:]
+    assert "DataProto: pass its tensors" in child.stdout
+
+
+def test_verl_refuses_values_with_other_row_counts():
+    import torch
+
+    from seqpack.verl import rearrange_micro_batches
+
+    with pytest.raises(ValueError, match="share dimension 0"):  # rows 3 and 4 of x were dropped
+        rearrange_micro_batches({"attention_mask": torch.ones(3, 4), "x": torch.arange(5)}, max_token_len=8)

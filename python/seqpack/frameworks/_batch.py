@@ -45,7 +45,21 @@ def select_all(batch: Mapping[str, Any], indices: Sequence[int]) -> Dict[str, An
     return {k: select(k, v, indices) for k, v in batch.items()}
 
 
+def check_mapping(batch: Any, name: str = "batch") -> None:
+    """A batch is a mapping of row-aligned values (dict, BatchedDataDict, TensorDict:
+    ``keys()`` and ``[key]``). Anything else is refused here: ``"key" in obj`` on an
+    object with ``__getitem__`` but no ``__contains__`` (ROLL's / verl's
+    ``DataProto``) iterates ``obj[0], obj[1], ...`` and never ends."""
+    if isinstance(batch, Mapping) or (callable(getattr(batch, "keys", None)) and hasattr(batch, "__getitem__")):
+        return
+    hint = ""
+    if hasattr(batch, "batch") and hasattr(batch, "non_tensor_batch"):
+        hint = " (a DataProto: pass its tensors, e.g. dict(proto.batch), or the adapter's mapping)"
+    raise TypeError(f"{name} must be a mapping of row-aligned tensors/arrays, got {type(batch).__name__}{hint}")
+
+
 def batch_size(batch: Mapping[str, Any], name: str = "batch") -> int:
+    check_mapping(batch, name)
     sizes = {k: rows(v) for k, v in batch.items()}
     if len(set(sizes.values())) != 1:
         raise ValueError(f"{name} values must share dimension 0, got sizes {sizes}")
@@ -54,6 +68,7 @@ def batch_size(batch: Mapping[str, Any], name: str = "batch") -> int:
 
 def mask_lengths(batch: Mapping[str, Any], name: str = "batch") -> np.ndarray:
     """Real tokens per row: ``attention_mask.sum(-1)`` of a ``[B, S]`` mask."""
+    check_mapping(batch, name)
     if "attention_mask" not in batch:
         raise ValueError(f"{name} needs an 'attention_mask' [B, S] (1 on real tokens)")
     mask = batch["attention_mask"]

@@ -94,6 +94,7 @@ def rearrange_micro_batches(
         parts = step_plan_parts(step_plan, dp_rank, mini_batch, batch_size(batch), cap, "max_token_len")
         return [_select(batch, p) if p else _dummy(batch) for p in parts], parts
     lengths = mask_lengths(batch)
+    batch_size(batch)  # every value must have the mask's rows (extra rows were silently dropped)
     if lengths.size and lengths.max() > cap:
         raise ValueError(f"a sequence has {int(lengths.max())} tokens, more than max_token_len={cap}")
     multiple = as_positive_int(num_batches_divided_by, "num_batches_divided_by") if num_batches_divided_by else 1
