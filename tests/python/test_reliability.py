@@ -168,3 +168,36 @@ def test_verl_refuses_values_with_other_row_counts():
 
     with pytest.raises(ValueError, match="share dimension 0"):  # rows 3 and 4 of x were dropped
         rearrange_micro_batches({"attention_mask": torch.ones(3, 4), "x": torch.arange(5)}, max_token_len=8)
+
+
+def test_get_batch_refuses_an_index_out_of_range():
+    import torch
+
+    from seqpack import BatchedDataDict
+
+    data = BatchedDataDict(x=torch.arange(8))
+    assert data.get_batch(1, batch_size=4)["x"].tolist() == [4, 5, 6, 7]
+    for bad in (-1, 2, 1.0):  # -1 gave empty rows with the last batch's metadata; 2 an IndexError
+        with pytest.raises(ValueError, match=r"batch_idx must be an int in \[0, 2\)"):
+            data.get_batch(bad, batch_size=4)
+
+
+def test_restore_results_order_needs_a_permutation():
+    import torch
+
+    from seqpack import roll
+
+    with pytest.raises(ValueError, match="exactly once"):
+        roll.restore_results_order({"x": torch.arange(3)}, [[0, 1], [1]])
+
+
+def test_the_loss_wrapper_refuses_data_narrower_than_the_sequences():
+    import torch
+
+    from seqpack.loss import NLLLoss, SequencePackingLossWrapper
+
+    data = {"input_ids": torch.zeros(1, 6, dtype=torch.long), "token_mask": torch.ones(1, 6),
+            "sample_mask": torch.ones(1)}
+    for fused in (False, True):  # 6 columns were used silently for a 10-token sequence
+        with pytest.raises(ValueError, match="has 6 columns but cu_seqlens_q has a sequence of 10 tokens"):
+            SequencePackingLossWrapper(NLLLoss(), None, [0, 10], fused=fused)(torch.zeros(10, 5), data, 1, 5)

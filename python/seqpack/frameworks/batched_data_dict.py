@@ -511,9 +511,14 @@ class BatchedDataDict(UserDict, Generic[DictT]):
     def get_batch(self, batch_idx: int, batch_size: Optional[int] = None) -> "SlicedDataDict":
         """Global batch ``batch_idx`` of a shard, with its metadata (packed shards
         know their per-batch row counts; others need ``batch_size``)."""
+        def check_index(count: int) -> None:
+            _check(isinstance(batch_idx, (int, np.integer)) and not isinstance(batch_idx, bool)
+                   and 0 <= batch_idx < count, f"batch_idx must be an int in [0, {count}), got {batch_idx!r}")
+
         if self.elem_counts_per_gb is not None:
             _check(self.micro_batch_indices is not None,
                    "micro_batch_indices must be provided if sequence_packing is True")
+            check_index(len(self.elem_counts_per_gb))
             bounds = np.concatenate([[0], np.cumsum(self.elem_counts_per_gb)]).tolist()
             out = self.slice(int(bounds[batch_idx]), int(bounds[batch_idx + 1]))
             out.micro_batch_indices = [self.micro_batch_indices[batch_idx]]
@@ -521,6 +526,9 @@ class BatchedDataDict(UserDict, Generic[DictT]):
             out.elem_counts_per_gb = [self.elem_counts_per_gb[batch_idx]]
             return out
         _check(batch_size is not None, "batch_size is required unless the data is a sequence-packed shard")
+        _check(isinstance(batch_size, (int, np.integer)) and batch_size > 0,
+               f"batch_size must be a positive int, got {batch_size!r}")
+        check_index(-(-self.size // batch_size))
         out = self.slice(batch_size * batch_idx, batch_size * (batch_idx + 1))
         if self.micro_batch_indices is not None:
             out.micro_batch_indices = [self.micro_batch_indices[batch_idx]]

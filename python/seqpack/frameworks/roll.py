@@ -400,6 +400,9 @@ def restore_results_order(results: Mapping[str, Any], partition_indices_list: Se
     if not partition_indices_list:
         return dict(results)
     flat = [i for part in partition_indices_list for i in part]
+    if sorted(flat) != list(range(len(flat))):
+        raise ValueError(f"partition_indices_list must hold each of the {len(flat)} rows 0..{len(flat) - 1} exactly "
+                         "once (a permutation); it has duplicates or gaps")
     inverse = np.empty(len(flat), dtype=np.int64)
     inverse[np.asarray(flat, dtype=np.int64)] = np.arange(len(flat))
     out = {}

@@ -645,6 +645,11 @@ class SequencePackingLossWrapper:
             raise ValueError(f"next_token_logits has {rows} rows (x cp_size {cp}); cu_seqlens_q_padded ends at "
                              f"{int(self.cu_padded[-1])}")
         batch = len(self.cu) - 1
+        ids = data.get("input_ids") if hasattr(data, "get") else None
+        longest = int(np.diff(self.cu).max()) if batch else 0
+        if ids is not None and getattr(ids, "dim", lambda: 0)() == 2 and ids.shape[1] < longest:
+            raise ValueError(f"data['input_ids'] has {ids.shape[1]} columns but cu_seqlens_q has a sequence of "
+                             f"{longest} tokens: the data rows must cover every real token")
         sizes = {k: (v.shape[0] if hasattr(v, "shape") else len(v)) for k, v in data.items()}
         wrong = {k: n for k, n in sizes.items() if n != batch}
         if wrong:
