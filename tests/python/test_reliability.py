@@ -201,3 +201,28 @@ def test_the_loss_wrapper_refuses_data_narrower_than_the_sequences():
     for fused in (False, True):  # 6 columns were used silently for a 10-token sequence
         with pytest.raises(ValueError, match="has 6 columns but cu_seqlens_q has a sequence of 10 tokens"):
             SequencePackingLossWrapper(NLLLoss(), None, [0, 10], fused=fused)(torch.zeros(10, 5), data, 1, 5)
+
+
+@pytest.mark.parametrize("yaml_text, match", [
+    ("policy:\n  sequence_packing:\n    enabled: true\n    train_mb_tokens: 4096\n    algoritm: first_fit_decreasing\n",
+     r"policy.sequence_packing.algoritm: unknown key; did you mean 'algorithm'"),
+    ("policy:\n  sequence_packng:\n    enabled: true\n    train_mb_tokens: 4096\n",
+     r"policy.sequence_packng: unknown section; did you mean 'sequence_packing'"),
+    ("policy:\n  dynamic_batching:\n    enabled: true\n    train_mb_token: 4096\n",
+     r"policy.dynamic_batching.train_mb_token: unknown key; did you mean 'train_mb_tokens'"),
+    ("actor_train:\n  use_sequence_packing: true\n  sequence_packing_args:\n    algoritm: load_balance\n",
+     r"actor_train.sequence_packing_args.algoritm: unknown key; did you mean 'algorithm'"),
+])
+def test_config_typos_in_seqpacks_sections_are_errors(yaml_text, match):
+    from seqpack import config
+
+    with pytest.raises(config.ConfigError, match=match):  # the typo used to be ignored (default MFFD, packing off)
+        config.load(yaml_text)
+
+
+def test_config_keys_outside_seqpacks_sections_are_left_alone():
+    from seqpack import config
+
+    cfg = config.load("policy:\n  max_total_sequence_length: 4096\n  some_future_option: 3\n  sequence_packing:\n"
+                      "    enabled: true\n    train_mb_tokens: 4096\n")
+    assert cfg.sequence_packing.enabled

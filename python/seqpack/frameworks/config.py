@@ -317,6 +317,21 @@ class _Reader:
         value = self.data.get(name)
         return _Reader({} if value is None else value, self.key(name))
 
+    def only(self, allowed) -> "_Reader":
+        """A section seqpack owns: any other key is a typo, named with a did-you-mean."""
+        for key in self.data:
+            if key not in allowed:
+                raise ConfigError(f"{self.key(key)}: unknown key{_did_you_mean(key, allowed)} "
+                                  f"(known: {', '.join(sorted(allowed))})")
+        return self
+
+    def no_lookalike(self, sections) -> None:
+        """A key of this mapping that is close to, but not, one of ``sections`` is a
+        misspelled section (which would otherwise silently turn its feature off)."""
+        for key in self.data:
+            if key not in sections and _did_you_mean(key, sections, cutoff=0.85):
+                raise ConfigError(f"{self.key(key)}: unknown section{_did_you_mean(key, sections, cutoff=0.85)}")
+
     def bool(self, name: str, default: bool = False) -> bool:
         value = self.data.get(name, default)
         if value is None:
@@ -344,6 +359,21 @@ class _Reader:
         return value.strip().lower()
 
 
+def _did_you_mean(key: Any, options, cutoff: float = 0.6) -> str:
+    import difflib
+
+    close = difflib.get_close_matches(str(key), list(options), n=1, cutoff=cutoff)
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
+# The keys seqpack reads in the sections it owns.
+NEMO_RL_SEQUENCE_PACKING_KEYS = ("enabled", "train_mb_tokens", "logprob_mb_tokens", "algorithm",
+                                 "sequence_length_round", "microbatch_order")
+NEMO_RL_DYNAMIC_BATCHING_KEYS = ("enabled", "train_mb_tokens", "logprob_mb_tokens", "sequence_length_round")
+ROLL_SEQUENCE_PACKING_KEYS = ("algorithm", "max_packed_sequence_length_train", "max_packed_sequence_length_forward",
+                              "min_num_micro_batches_train", "min_num_micro_batches_forward")
+
+
 def _packing_algorithm(r: _Reader, name: str) -> str:
     options = tuple(a.value for a in PackingAlgorithm)
     return r.choice(name, options, "modified_first_fit_decreasing")
@@ -368,7 +398,9 @@ def _load_nemo_rl(data: Mapping[str, Any]) -> SeqpackConfig:
             backend="megatron")
     max_seqlen = policy.int("max_total_sequence_length")
 
-    sp_r, db_r = policy.section("sequence_packing"), policy.section("dynamic_batching")
+    policy.no_lookalike(("sequence_packing", "dynamic_batching"))
+    sp_r = policy.section("sequence_packing").only(NEMO_RL_SEQUENCE_PACKING_KEYS)
+    db_r = policy.section("dynamic_batching").only(NEMO_RL_DYNAMIC_BATCHING_KEYS)
     sp_on, db_on = sp_r.bool("enabled"), db_r.bool("enabled")
     if sp_on and db_on:
         raise ConfigError("policy.sequence_packing.enabled: sequence packing and dynamic batching are exclusive; "
@@ -456,7 +488,8 @@ def _load_roll(data: Mapping[str, Any], role: str) -> SeqpackConfig:
         raise ConfigError(f"{role}.use_sequence_packing: ROLL packs sequences with Megatron strategies only, "
                           f"got strategy_args.strategy_name = {strategy_name!r}")
 
-    args = worker.section("sequence_packing_args")
+    worker.no_lookalike(("sequence_packing_args", "use_sequence_packing"))
+    args = worker.section("sequence_packing_args").only(ROLL_SEQUENCE_PACKING_KEYS)
     pad_multiple = alignment(parallel.cp, parallel.tp, rule="roll")
 
     def packed_cap(phase: str, batch: Optional[int]) -> Optional[int]:
