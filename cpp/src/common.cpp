@@ -106,4 +106,18 @@ uint64_t Rng::below(uint64_t bound) {
   return x % bound;
 }
 
+void check_each_index_once(const char* fn, const char* name, const IndexGroups& groups, int64_t n) {
+  std::vector<char> seen(static_cast<size_t>(n), 0);
+  for (int64_t i : groups.indices) {
+    if (i < 0 || i >= n)
+      throw_invalid(fn, std::string(name) + ": index " + std::to_string(i) + " is out of range for " +
+                            std::to_string(n) + " sequence lengths");
+    if (seen[static_cast<size_t>(i)]++)
+      throw_invalid(fn, std::string(name) + ": index " + std::to_string(i) + " appears twice");
+  }
+  if (groups.indices.size() != static_cast<size_t>(n))
+    throw_invalid(fn, std::string(name) + " must hold every index once: " +
+                          std::to_string(n - static_cast<int64_t>(groups.indices.size())) + " are missing");
+}
+
 }  // namespace seqpack

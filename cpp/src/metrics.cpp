@@ -11,10 +11,10 @@ PackingStats packing_stats(Lengths lengths, const IndexGroups& bins, int64_t bin
   PackingStats s;
   if (bins.size() == 0) return s;
   const auto n = static_cast<int64_t>(lengths.size());
-  for (int64_t i : bins.indices)
-    if (i < 0 || i >= n)
-      throw_invalid(fn, "bins: index " + std::to_string(i) + " is out of range for " + std::to_string(n) +
-                            " sequence lengths");
+  check_non_negative_lengths(fn, "sequence_lengths", lengths);
+  check_each_index_once(fn, "bins", bins, n);
+  int64_t all = 0;
+  for (int64_t v : lengths) all = checked_add(fn, all, v);  // every bin's load fits too
   const std::vector<int64_t> loads = group_sums(bins, lengths);
   s.num_sequences = n;
   s.num_bins = static_cast<int64_t>(bins.size());
@@ -50,14 +50,7 @@ BalanceStats dp_balance_stats(Lengths lengths, const IndexGroups& partitions) {
   if (k < 1) throw_invalid(fn, "partitions must not be empty");
   if (n < k) throw_invalid(fn, "fewer sequences (" + std::to_string(n) + ") than partitions (" + std::to_string(k) + ")");
   check_non_negative_lengths(fn, "seqlen_list", lengths);
-  std::vector<char> seen(static_cast<size_t>(n), 0);
-  for (int64_t i : partitions.indices) {
-    if (i < 0 || i >= n) throw_invalid(fn, "partitions: index " + std::to_string(i) + " is out of range");
-    if (seen[static_cast<size_t>(i)]++) throw_invalid(fn, "partitions: index " + std::to_string(i) + " appears twice");
-  }
-  if (partitions.indices.size() != static_cast<size_t>(n))
-    throw_invalid(fn, "partitions must hold every index of seqlen_list once: " +
-                          std::to_string(n - static_cast<int64_t>(partitions.indices.size())) + " are missing");
+  check_each_index_once(fn, "partitions", partitions, n);
   int64_t all = 0;
   for (int64_t v : lengths) all = checked_add(fn, all, v);  // every partial sum below fits too
   BalanceStats s;

@@ -226,3 +226,23 @@ def test_config_keys_outside_seqpacks_sections_are_left_alone():
     cfg = config.load("policy:\n  max_total_sequence_length: 4096\n  some_future_option: 3\n  sequence_packing:\n"
                       "    enabled: true\n    train_mb_tokens: 4096\n")
     assert cfg.sequence_packing.enabled
+
+
+@pytest.mark.parametrize("lengths, bins, match", [([30, 30, 30], [[0, 0], [1]], "index 0 appears twice"),
+                                                  ([30, -30, 30], [[0, 1], [2]], "is negative"),
+                                                  ([30, 30, 30], [[0], [1]], "1 are missing")])
+def test_packing_metrics_check_the_solution(lengths, bins, match):
+    from seqpack.planning.metrics import PackingMetrics
+
+    with pytest.raises(ValueError, match=match):  # utilization 1.5 and waste -50% before
+        PackingMetrics().calculate_stats_only(lengths, bins, 100)
+
+
+def test_roll_dynamic_batching_refuses_left_padding():
+    import torch
+
+    from seqpack import roll
+
+    mask = torch.tensor([[0, 0, 1, 1], [0, 0, 0, 1]])  # 0 of 3 real tokens survived the column cut
+    with pytest.raises(ValueError, match="row 0 is not right-padded"):
+        roll.dynamic_batching_shard({"input_ids": torch.arange(8).reshape(2, 4), "attention_mask": mask}, 1, 100, 1)

@@ -47,6 +47,9 @@ void check_positive_lengths(const char* function, const char* name, Lengths leng
 void check_lengths_fit(const char* function, const char* name, Lengths lengths,
                        int64_t capacity, const char* capacity_name);
 
+// Every index in [0, n) appears in `groups` exactly once (a partition of the items).
+void check_each_index_once(const char* function, const char* name, const IndexGroups& groups, int64_t n);
+
 // Adds with an overflow check (sums of lengths/workloads stay in int64).
 int64_t checked_add(const char* function, int64_t a, int64_t b);
 int64_t checked_mul(const char* function, int64_t a, int64_t b);

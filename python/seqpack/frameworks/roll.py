@@ -158,6 +158,7 @@ def dynamic_batching_shard(
         raise ValueError(f"rule must be 'roll' or 'optimal', got {rule!r}")
     lengths = mask_lengths(origin_batch, "origin_batch")
     n = batch_size(origin_batch, "origin_batch")
+    _check_right_padded(origin_batch["attention_mask"], lengths)
     if n % dp_size:
         raise ValueError(f"the batch has {n} rows, not a multiple of dp_size={dp_size}")
     if (lengths == 0).any():
@@ -185,6 +186,19 @@ def dynamic_batching_shard(
     width = int(np.shape(origin_batch["attention_mask"])[1])
     metrics = dynamic_batching_metrics(int(lengths.sum()), padded_tokens, n, width, log_prefix)
     return out, metrics
+
+
+def _check_right_padded(mask: Any, lengths: np.ndarray) -> None:
+    """Dynamic batching keeps each micro-batch's first ``length`` columns: a row whose
+    real tokens do not start at column 0 would lose them (seqpack's THD packing takes
+    any padding; this path needs right padding)."""
+    m = np.asarray(mask.detach().cpu() if is_tensor(mask) else mask) != 0
+    expected = np.arange(m.shape[1])[None, :] < lengths[:, None]
+    bad = np.nonzero((m != expected).any(axis=1))[0]
+    if bad.size:
+        raise ValueError(f"origin_batch['attention_mask'] row {int(bad[0])} is not right-padded (its real tokens do "
+                         "not start at column 0): dynamic batching cuts columns past each micro-batch's longest row, "
+                         "so left-padded tokens would be dropped; right-pad the batch or use sequence packing")
 
 
 def _check_ranges(ranges: Sequence[Sequence[int]], rows: int) -> None:
