@@ -246,3 +246,10 @@ def test_roll_dynamic_batching_refuses_left_padding():
     mask = torch.tensor([[0, 0, 1, 1], [0, 0, 0, 1]])  # 0 of 3 real tokens survived the column cut
     with pytest.raises(ValueError, match="row 0 is not right-padded"):
         roll.dynamic_batching_shard({"input_ids": torch.arange(8).reshape(2, 4), "attention_mask": mask}, 1, 100, 1)
+
+
+def test_pack_dataset_refuses_packs_beyond_int32_offsets():
+    from seqpack import pack_dataset
+
+    with pytest.raises(ValueError, match="pack_size must fit the int32 offsets"):  # allocated 16 GiB per pack before
+        pack_dataset([[1, 2, 3]], pack_size=2**31)

@@ -117,6 +117,8 @@ def pack_dataset(
         progress: tqdm progress bar (default: on for more than 100k examples).
     """
     size = as_positive_int(pack_size, "pack_size")
+    if size > np.iinfo(np.int32).max:  # each pack's cu_seqlens are int32 (and a pack is allocated whole)
+        raise ValueError(f"pack_size must fit the int32 offsets of a pack (<= {np.iinfo(np.int32).max}), got {size}")
     cp = as_positive_int(cp_size, "cp_size")
     multiple = as_positive_int(pad_multiple, "pad_multiple") if pad_multiple is not None else alignment(cp_size=cp)
     if cp > 1 and multiple % (2 * cp):
