@@ -26,6 +26,28 @@ def all_reduce_int(value: int, op: str, group=None) -> int:
     return int(t.item())
 
 
+def checked_on_every_rank(local: Callable[[], T], group, what: str, agree: bool = True) -> T:
+    """``local()`` (a rank's own checks and first plan), then one all-reduce so that
+    every rank of ``group`` learns whether any rank failed: the failing rank raises
+    its own error, every other rank a ``ValueError`` saying another rank failed, so
+    none goes on to a collective the failing rank will never join. Without ``agree``
+    (no process group) this is just ``local()``."""
+    if not agree:
+        return local()
+    result: Optional[T] = None
+    failure: Optional[BaseException] = None
+    try:
+        result = local()
+    except (ValueError, TypeError) as exc:
+        failure = exc
+    if all_reduce_int(0 if failure is not None else 1, "min", group) == 0:
+        if failure is not None:
+            raise failure
+        raise ValueError(f"{what}: another rank's input failed its checks (its error names the rule broken); "
+                         "every rank stops here instead of waiting in a collective")
+    return result
+
+
 def agree_on_count(local: int, plan_with: Callable[[int], T], count_of: Callable[[T], int], group,
                    what: str) -> T:
     """Plans with the same count on every rank of ``group``: the largest local

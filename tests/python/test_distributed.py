@@ -268,11 +268,45 @@ def check_step_plan(rank, world):
         assert mine.item() == plan.valid_tokens(lengths)[m]
 
 
+def check_a_failing_rank_stops_every_rank(rank, world):
+    """One rank's input breaks a rule (a sequence over the cap, no attention_mask):
+    it raises its own error and every other rank raises too, instead of waiting in
+    the count agreement's all-reduce (bounded by the test's timeout)."""
+    from seqpack import roll
+    from seqpack.verl import rearrange_micro_batches
+
+    mask = torch.ones(4, 6, dtype=torch.long)
+    if rank == world - 1:
+        mask = torch.cat([mask, torch.ones(4, 4, dtype=torch.long)], 1)  # 10 tokens: over the cap of 8
+    calls = [lambda b: rearrange_micro_batches(b, max_token_len=8),
+             lambda b: list(roll.make_micro_batch_iter_for_sequence_packing(
+                 roll.RollBatch(b, meta_info={}), max_packed_sequence_length=8, pad_multiple=1))]
+    for call in calls:
+        try:
+            call({"attention_mask": mask, "input_ids": torch.zeros_like(mask)})
+        except ValueError as exc:
+            expected = "more than max_token_len" if rank == world - 1 else "another rank's input failed"
+            assert expected in str(exc) or "exceeds max_packed_sequence_length" in str(exc), str(exc)
+        else:
+            raise AssertionError("every rank must raise")
+    batch = {"input_ids": torch.zeros(4, 6, dtype=torch.long)}
+    if rank != 0:
+        batch["attention_mask"] = torch.ones(4, 6, dtype=torch.long)
+    try:  # rank 0 has no attention_mask
+        rearrange_micro_batches(batch, max_token_len=8)
+    except ValueError as exc:
+        assert ("attention_mask" in str(exc)) if rank == 0 else ("another rank's input failed" in str(exc))
+    else:
+        raise AssertionError("every rank must raise")
+    dist.barrier()  # and they are still in step
+
+
 CHECKS = {"all_gather": check_all_gather, "count_agreement": check_count_agreement,
           "synchronised_error": check_synchronised_error, "batch_balance": check_batch_balance,
           "loss_context_parallel": check_loss_context_parallel, "loss_vocab_parallel": check_loss_vocab_parallel,
           "cp_attention": check_cp_attention, "train_dp_cp": check_train_dp_cp, "step_plan": check_step_plan,
-          "linear_vocab_parallel": check_linear_vocab_parallel}
+          "linear_vocab_parallel": check_linear_vocab_parallel,
+          "failing_rank_stops_every_rank": check_a_failing_rank_stops_every_rank}
 
 
 def worker(rank, world, port, names, errors):

@@ -38,7 +38,7 @@ import numpy as np
 
 from .. import _core
 from ._batch import batch_size, dummy_row, is_tensor, mask_lengths, select_all, step_plan_parts
-from .._dist import active, agree_on_count
+from .._dist import active, agree_on_count, checked_on_every_rank
 from .._lengths import as_positive_int
 from ..tensors.layout import alignment, round_up
 from ..planning.balance import WORKLOAD_ATTENTION_COEFF, MicroBatchPlan, get_seqlen_balanced_partitions, plan_micro_batches, sequence_workloads
@@ -345,41 +345,48 @@ def make_micro_batch_iter_for_sequence_packing(
     ``is_padding_batch`` and ``sequence_packing_metrics``.
     """
     meta = _meta(mini_batch)
-    n = batch_size(mini_batch, "mini_batch")
     if algorithm == "none":
+        n = batch_size(mini_batch, "mini_batch")
         if not isinstance(micro_batch_size, int) or micro_batch_size <= 0 or n % micro_batch_size:
             raise ValueError(f"algorithm 'none' needs a micro_batch_size > 0 dividing the {n} rows, "
                              f"got {micro_batch_size!r}")
         parts = [list(range(s, s + micro_batch_size)) for s in range(0, n, micro_batch_size)]
         return _yield_parts(mini_batch, meta, parts, n, {}, reorder=False)
     if step_plan is not None:
+        n = batch_size(mini_batch, "mini_batch")
         cap = None if max_packed_sequence_length is None else as_positive_int(max_packed_sequence_length,
                                                                               "max_packed_sequence_length")
         parts = step_plan_parts(step_plan, dp_rank, mini_batch_index, n, cap, "max_packed_sequence_length")
         return _yield_parts(mini_batch, meta, parts, n, step_plan.metrics, reorder=True)
-    if algorithm != "load_balance":
-        raise ValueError(f"Illegal sequence packing algorithm {algorithm!r}, algorithm must be in "
-                         "['none', 'load_balance']")
-    if max_packed_sequence_length is None:
-        raise ValueError("max_packed_sequence_length is required with algorithm 'load_balance'")
-    cap = as_positive_int(max_packed_sequence_length, "max_packed_sequence_length")
-    tp, cp = as_positive_int(tp_size, "tp_size"), as_positive_int(cp_size, "cp_size")
-    multiple = as_positive_int(pad_multiple, "pad_multiple") if pad_multiple else alignment(cp, tp, rule="roll")
-    padded = round_up(mask_lengths(mini_batch, "mini_batch"), multiple)
-    if n and padded.max() > cap:
-        raise ValueError(f"a sequence padded to {int(padded.max())} tokens (pad multiple {multiple}) exceeds "
-                         f"max_packed_sequence_length={cap}")
-    vp = as_positive_int(vp_size, "vp_size")
-    min_num = as_positive_int(min_num_micro_batches, "min_num_micro_batches")
+    agree = dp_group is not None or active()
+    box: Dict[str, Any] = {}
 
     def plan_with(count: int) -> MicroBatchPlan:
-        return plan_micro_batches(padded, cap, min_num=count, multiple_of=vp, attention_coeff=ROLL_ATTENTION_COEFF,
-                                  order="small_at_ends")
+        return plan_micro_batches(box["padded"], box["cap"], min_num=count, multiple_of=box["vp"],
+                                  attention_coeff=ROLL_ATTENTION_COEFF, order="small_at_ends")
 
-    plan = plan_with(min_num)
-    if dp_group is not None or active():
+    def local() -> MicroBatchPlan:  # every check that can differ between ranks, inside the agreement
+        box["n"] = n = batch_size(mini_batch, "mini_batch")
+        if algorithm != "load_balance":
+            raise ValueError(f"Illegal sequence packing algorithm {algorithm!r}, algorithm must be in "
+                             "['none', 'load_balance']")
+        if max_packed_sequence_length is None:
+            raise ValueError("max_packed_sequence_length is required with algorithm 'load_balance'")
+        box["cap"] = cap = as_positive_int(max_packed_sequence_length, "max_packed_sequence_length")
+        tp, cp = as_positive_int(tp_size, "tp_size"), as_positive_int(cp_size, "cp_size")
+        multiple = as_positive_int(pad_multiple, "pad_multiple") if pad_multiple else alignment(cp, tp, rule="roll")
+        box["padded"] = padded = round_up(mask_lengths(mini_batch, "mini_batch"), multiple)
+        if n and padded.max() > cap:
+            raise ValueError(f"a sequence padded to {int(padded.max())} tokens (pad multiple {multiple}) exceeds "
+                             f"max_packed_sequence_length={cap}")
+        box["vp"] = as_positive_int(vp_size, "vp_size")
+        return plan_with(as_positive_int(min_num_micro_batches, "min_num_micro_batches"))
+
+    plan = checked_on_every_rank(local, dp_group, "make_micro_batch_iter_for_sequence_packing", agree)
+    if agree:
         plan = agree_on_count(plan.num_micro_batches, plan_with, lambda p: p.num_micro_batches, dp_group,
                               "make_micro_batch_iter_for_sequence_packing")
+    n, cap, padded = box["n"], box["cap"], box["padded"]
     metrics = {
         "num_micro_batches": plan.num_micro_batches,
         "max_packed_tokens": max(plan.tokens) if plan.tokens else 0,

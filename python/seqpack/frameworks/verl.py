@@ -22,7 +22,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional, Tuple
 
 from ._batch import batch_size, dummy_row, mask_lengths, select_all, step_plan_parts
-from .._dist import active, agree_on_count
+from .._dist import active, agree_on_count, checked_on_every_rank
 from .._lengths import as_positive_int
 from ..planning.balance import WORKLOAD_ATTENTION_COEFF, get_seqlen_balanced_partitions, plan_micro_batches
 
@@ -93,20 +93,26 @@ def rearrange_micro_batches(
     if step_plan is not None:
         parts = step_plan_parts(step_plan, dp_rank, mini_batch, batch_size(batch), cap, "max_token_len")
         return [_select(batch, p) if p else _dummy(batch) for p in parts], parts
-    lengths = mask_lengths(batch)
-    batch_size(batch)  # every value must have the mask's rows (extra rows were silently dropped)
-    if lengths.size and lengths.max() > cap:
-        raise ValueError(f"a sequence has {int(lengths.max())} tokens, more than max_token_len={cap}")
-    multiple = as_positive_int(num_batches_divided_by, "num_batches_divided_by") if num_batches_divided_by else 1
-    min_num = as_positive_int(min_num_micro_batch, "min_num_micro_batch") if min_num_micro_batch else 1
+    agree = same_micro_num_in_dp and (dp_group is not None or active())
     order = "small_at_ends" if use_dynamic_bsz_balance else "heaviest_first"
+    box = {}
 
     def plan_with(count: int):
-        return plan_micro_batches(lengths, cap, min_num=count, multiple_of=multiple,
+        return plan_micro_batches(box["lengths"], cap, min_num=count, multiple_of=box["multiple"],
                                   attention_coeff=WORKLOAD_ATTENTION_COEFF, order=order)
 
-    plan = plan_with(min_num)
-    if same_micro_num_in_dp and (dp_group is not None or active()):
+    def local():  # every check that can differ between ranks, inside the agreement
+        box["lengths"] = lengths = mask_lengths(batch)
+        batch_size(batch)  # every value must have the mask's rows (extra rows were silently dropped)
+        if lengths.size and lengths.max() > cap:
+            raise ValueError(f"a sequence has {int(lengths.max())} tokens, more than max_token_len={cap}")
+        box["multiple"] = (as_positive_int(num_batches_divided_by, "num_batches_divided_by")
+                           if num_batches_divided_by else 1)
+        min_num = as_positive_int(min_num_micro_batch, "min_num_micro_batch") if min_num_micro_batch else 1
+        return plan_with(min_num)
+
+    plan = checked_on_every_rank(local, dp_group, "rearrange_micro_batches", agree)
+    if agree:
         plan = agree_on_count(plan.num_micro_batches, plan_with, lambda p: p.num_micro_batches, dp_group,
                               "rearrange_micro_batches")
     micro_batches = [_select(batch, part) for part in plan.micro_batches]
