@@ -480,14 +480,51 @@ double max_square_sum(std::vector<int64_t> lengths, double budget) {
   return sq;
 }
 
-MiniBatchStep plan_mini_batch(Lengths lengths, int64_t begin, int64_t end, const StepOptions& o) {
+// step_lower_bound of validated lengths and options, K_min given.
+double lower_bound_of(Lengths lengths, const StepOptions& o, int64_t k_min) {
+  const auto R = static_cast<double>(o.dp_size);
+  double work = 0.0, heaviest = 0.0, tokens = 0.0;
+  std::vector<Item> big;
+  for (size_t i = 0; i < lengths.size(); ++i) {
+    const double w = o.cost.work(lengths[i]);
+    work += w;
+    tokens += static_cast<double>(lengths[i]);
+    heaviest = std::max(heaviest, w);
+    if (lengths[i] > o.max_tokens / 2) big.push_back({static_cast<int64_t>(i), lengths[i], w});
+  }
+  double variable = std::max(work / R, heaviest);
+  if (o.sync == StepSync::MicroBatch && !big.empty()) {
+    // Step maxima sorted descending satisfy M_(j) >= floor_j (R sequences above
+    // half the cap per step at most). A step holds at most R·cap tokens, so at most
+    // H1 = c1·R·cap linear work and H2 = H1 + c2·(the most Σs² of R·cap tokens)
+    // in all, and at most R·M_k: raising Σ M_k by one absorbs at most R of either.
+    std::sort(big.begin(), big.end(), [](const Item& a, const Item& b) { return a.w > b.w; });
+    std::vector<double> floors;
+    for (size_t j = 0; j < big.size(); j += static_cast<size_t>(o.dp_size)) floors.push_back(big[j].w);
+    const double step_tokens = R * static_cast<double>(o.max_tokens);
+    const double h1 = o.cost.per_token * step_tokens;
+    const std::vector<int64_t> all(lengths.begin(), lengths.end());
+    const double h2 = h1 + o.cost.per_token_squared * max_square_sum(all, step_tokens);
+    double floor_sum = 0.0, held_linear = 0.0, held_all = 0.0;
+    for (double f : floors) {
+      floor_sum += f;
+      held_linear += std::min(R * f, h1);
+      held_all += std::min(R * f, h2);
+    }
+    const double excess =
+        std::max({0.0, o.cost.per_token * tokens - held_linear, work - held_all});
+    variable = std::max(variable, floor_sum + excess / R);
+  }
+  return static_cast<double>(k_min) * o.cost.per_micro_batch + variable;
+}
+
+MiniBatchStep plan_mini_batch(Lengths lengths, int64_t begin, int64_t end, const StepOptions& o, int64_t k_min) {
   const int64_t R = o.dp_size, cap = o.max_tokens, mult = o.multiple_of;
   const Lengths local = lengths.subspan(static_cast<size_t>(begin), static_cast<size_t>(end - begin));
-  const int64_t k_min = min_micro_batches(local, o);
   MiniBatchStep out;
   out.begin = begin;
   out.end = end;
-  out.lower_bound = step_lower_bound(local, o);
+  out.lower_bound = lower_bound_of(local, o, k_min);
   const double variable_bound = out.lower_bound - static_cast<double>(k_min) * o.cost.per_micro_batch;
   const std::vector<Item> items = sorted_items(lengths, begin, end, o);
   const auto n = static_cast<int64_t>(items.size());
@@ -587,41 +624,7 @@ double step_lower_bound(Lengths lengths, const StepOptions& o) {
   check_options(o);
   check_non_negative_lengths(kFn, "lengths", lengths);
   check_lengths_fit(kFn, "lengths", lengths, o.max_tokens, "max_tokens");
-  const int64_t k_min = min_micro_batches(lengths, o);
-  const auto R = static_cast<double>(o.dp_size);
-  double work = 0.0, heaviest = 0.0, tokens = 0.0;
-  std::vector<Item> big;
-  for (size_t i = 0; i < lengths.size(); ++i) {
-    const double w = o.cost.work(lengths[i]);
-    work += w;
-    tokens += static_cast<double>(lengths[i]);
-    heaviest = std::max(heaviest, w);
-    if (lengths[i] > o.max_tokens / 2) big.push_back({static_cast<int64_t>(i), lengths[i], w});
-  }
-  double variable = std::max(work / R, heaviest);
-  if (o.sync == StepSync::MicroBatch && !big.empty()) {
-    // Step maxima sorted descending satisfy M_(j) >= floor_j (R sequences above
-    // half the cap per step at most). A step holds at most R·cap tokens, so at most
-    // H1 = c1·R·cap linear work and H2 = H1 + c2·(the most Σs² of R·cap tokens)
-    // in all, and at most R·M_k: raising Σ M_k by one absorbs at most R of either.
-    std::sort(big.begin(), big.end(), [](const Item& a, const Item& b) { return a.w > b.w; });
-    std::vector<double> floors;
-    for (size_t j = 0; j < big.size(); j += static_cast<size_t>(o.dp_size)) floors.push_back(big[j].w);
-    const double step_tokens = R * static_cast<double>(o.max_tokens);
-    const double h1 = o.cost.per_token * step_tokens;
-    const std::vector<int64_t> all(lengths.begin(), lengths.end());
-    const double h2 = h1 + o.cost.per_token_squared * max_square_sum(all, step_tokens);
-    double floor_sum = 0.0, held_linear = 0.0, held_all = 0.0;
-    for (double f : floors) {
-      floor_sum += f;
-      held_linear += std::min(R * f, h1);
-      held_all += std::min(R * f, h2);
-    }
-    const double excess =
-        std::max({0.0, o.cost.per_token * tokens - held_linear, work - held_all});
-    variable = std::max(variable, floor_sum + excess / R);
-  }
-  return static_cast<double>(k_min) * o.cost.per_micro_batch + variable;
+  return lower_bound_of(lengths, o, min_micro_batches(lengths, o));
 }
 
 StepPlan plan_step(Lengths lengths, const StepOptions& o) {
@@ -645,7 +648,7 @@ StepPlan plan_step(Lengths lengths, const StepOptions& o) {
       throw_invalid(kFn, "min_micro_batches: " + std::to_string(k_min) + " micro-batches on each of dp_size=" +
                              std::to_string(o.dp_size) + " ranks exceed the " + std::to_string(kMaxCells) +
                              " micro-batches a mini-batch may plan");
-    plan.mini_batches.push_back(plan_mini_batch(lengths, begin, end, o));
+    plan.mini_batches.push_back(plan_mini_batch(lengths, begin, end, o, k_min));
     plan.predicted_time += plan.mini_batches.back().predicted_time;
     plan.lower_bound += plan.mini_batches.back().lower_bound;
     begin = end;
