@@ -1,27 +1,24 @@
 #include "convert.hpp"
 
-#include <cstring>
-#include <limits>
+#include <optional>
 #include <string>
 
 namespace seqpack::bindings {
 
 namespace {
 
-template <typename T>
-void copy_as_int64(const py::array& a, std::vector<int64_t>& out, const char* name) {
-  const auto n = static_cast<size_t>(a.shape(0));
-  const auto stride = a.strides(0);
-  const char* base = static_cast<const char*>(a.data());
-  out.resize(n);
-  for (size_t i = 0; i < n; ++i) {
-    const T v = *reinterpret_cast<const T*>(base + static_cast<py::ssize_t>(i) * stride);
-    if constexpr (std::is_unsigned_v<T> && sizeof(T) == 8) {
-      if (v > static_cast<T>(std::numeric_limits<int64_t>::max()))
-        throw py::value_error(std::string(name) + "[" + std::to_string(i) + "] does not fit in int64");
-    }
-    out[i] = static_cast<int64_t>(v);
-  }
+// An integer item (int, NumPy integer, anything with __index__) as int64; nullopt
+// for a non-integer; ValueError naming `name` + `where` when it does not fit.
+std::optional<int64_t> index_value(PyObject* item, const char* name, const std::string& where) {
+  if (!PyLong_Check(item) && !PyIndex_Check(item)) return std::nullopt;
+  auto as_int = py::reinterpret_steal<py::object>(PyNumber_Index(item));
+  if (!as_int) throw py::error_already_set();
+  int overflow = 0;
+  const long long v = PyLong_AsLongLongAndOverflow(as_int.ptr(), &overflow);
+  if (overflow != 0)
+    throw py::value_error(std::string(name) + where + " = " + std::string(py::str(as_int)) +
+                          " does not fit in int64");
+  return v;
 }
 
 }  // namespace
@@ -34,21 +31,10 @@ LengthsArg::LengthsArg(py::handle obj, const char* name) {
     PyObject** items = PySequence_Fast_ITEMS(seq);
     owned_.resize(static_cast<size_t>(n));
     bool all_integers = true;
-    for (Py_ssize_t i = 0; i < n; ++i) {
-      PyObject* item = items[i];
-      int overflow = 0;
-      long long v;
-      if (PyLong_Check(item)) {
-        v = PyLong_AsLongLongAndOverflow(item, &overflow);
-      } else if (PyIndex_Check(item)) {
-        v = py::cast<long long>(py::reinterpret_borrow<py::object>(item));
-      } else {
-        all_integers = false;
-        break;
-      }
-      if (overflow != 0)
-        throw py::value_error(std::string(name) + "[" + std::to_string(i) + "] does not fit in int64");
-      owned_[static_cast<size_t>(i)] = v;
+    for (Py_ssize_t i = 0; i < n && all_integers; ++i) {
+      const auto v = index_value(items[i], name, "[" + std::to_string(i) + "]");
+      if (v) owned_[static_cast<size_t>(i)] = *v;
+      all_integers = v.has_value();
     }
     if (all_integers) {
       view_ = Lengths(owned_);
@@ -66,31 +52,17 @@ LengthsArg::LengthsArg(py::handle obj, const char* name) {
   if (kind != 'i' && kind != 'u')
     throw py::type_error(std::string(name) + " must hold integers, got dtype " +
                          std::string(py::str(array_.dtype())));
-  if (!array_.dtype().attr("isnative").cast<bool>())  // big-endian data on a little-endian host, or the reverse
-    array_ = py::array::ensure(array_.attr("astype")(array_.dtype().attr("newbyteorder")("=")));
-  const auto size = array_.itemsize();
-  const bool c_contig = array_.flags() & py::array::c_style;
-  if (kind == 'i' && size == 8 && c_contig) {
-    // A snapshot, taken with the GIL held: the core reads it with the GIL released,
-    // so another thread writing the array can give garbage or an error, never a
-    // value that changed after it was checked.
-    const auto n = static_cast<size_t>(array_.shape(0));
-    owned_.resize(n);
-    std::memcpy(owned_.data(), array_.data(), n * sizeof(int64_t));
-    view_ = Lengths(owned_);
-    return;
-  }
-  switch (size * (kind == 'u' ? -1 : 1)) {
-    case 1: copy_as_int64<int8_t>(array_, owned_, name); break;
-    case 2: copy_as_int64<int16_t>(array_, owned_, name); break;
-    case 4: copy_as_int64<int32_t>(array_, owned_, name); break;
-    case 8: copy_as_int64<int64_t>(array_, owned_, name); break;
-    case -1: copy_as_int64<uint8_t>(array_, owned_, name); break;
-    case -2: copy_as_int64<uint16_t>(array_, owned_, name); break;
-    case -4: copy_as_int64<uint32_t>(array_, owned_, name); break;
-    case -8: copy_as_int64<uint64_t>(array_, owned_, name); break;
-    default: throw py::type_error(std::string(name) + ": unsupported integer width");
-  }
+  // A snapshot, taken with the GIL held: the core reads it with the GIL released, so
+  // another thread writing the array can give garbage or an error, never a value
+  // that changed after it was checked. Non-native byte order is swapped, not misread.
+  IntBuffer buffer;
+  buffer.data = array_.data();
+  buffer.size = array_.shape(0);
+  buffer.stride_bytes = array_.strides(0);
+  buffer.itemsize = static_cast<int>(array_.itemsize());
+  buffer.is_signed = kind == 'i';
+  buffer.swap_bytes = !array_.dtype().attr("isnative").cast<bool>();
+  owned_ = int64_from_buffer(buffer, "lengths", name);
   view_ = Lengths(owned_);
 }
 
@@ -128,7 +100,13 @@ IndexGroups groups_from(py::handle nested, const char* name) {
   for (py::handle g : nested) {
     if (!py::isinstance<py::sequence>(g) && !py::isinstance<py::array>(g))
       throw py::type_error(std::string(name) + " must be a list of lists of indices");
-    for (py::handle i : g) out.indices.push_back(py::cast<int64_t>(i));
+    for (py::handle i : g) {
+      const auto v = index_value(i.ptr(), name, "[" + std::to_string(out.size()) + "]");
+      if (!v)
+        throw py::type_error(std::string(name) + "[" + std::to_string(out.size()) + "] must hold integer indices, got " +
+                             std::string(py::str(py::type::handle_of(i).attr("__name__"))));
+      out.indices.push_back(*v);
+    }
     out.offsets.push_back(static_cast<int64_t>(out.indices.size()));
   }
   return out;

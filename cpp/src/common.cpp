@@ -1,6 +1,9 @@
 #include "seqpack/common.hpp"
 
+#include <algorithm>
+#include <cstring>
 #include <limits>
+#include <type_traits>
 
 #ifdef __linux__
 #include <sys/mman.h>
@@ -83,10 +86,64 @@ int64_t checked_add(const char* function, int64_t a, int64_t b) {
   return out;
 }
 
+int64_t round_up(const char* function, int64_t a, int64_t multiple) {
+  int64_t out;
+  if (__builtin_mul_overflow(ceil_div(a, multiple), multiple, &out))
+    throw_invalid(function, std::to_string(a) + " rounded up to a multiple of " + std::to_string(multiple) +
+                                " overflows int64");
+  return out;
+}
+
 int64_t checked_mul(const char* function, int64_t a, int64_t b) {
   int64_t out;
   if (__builtin_mul_overflow(a, b, &out))
     throw_invalid(function, "product overflows int64");
+  return out;
+}
+
+namespace {
+
+template <typename T>
+void copy_items(const IntBuffer& b, std::vector<int64_t>& out, const char* function, const char* name) {
+  const auto* base = static_cast<const unsigned char*>(b.data);
+  for (size_t i = 0; i < out.size(); ++i) {
+    unsigned char bytes[sizeof(T)];
+    std::memcpy(bytes, base + static_cast<int64_t>(i) * b.stride_bytes, sizeof(T));
+    if (b.swap_bytes) std::reverse(bytes, bytes + sizeof(T));
+    T v;
+    std::memcpy(&v, bytes, sizeof(T));
+    if constexpr (std::is_unsigned_v<T> && sizeof(T) == 8) {
+      if (v > static_cast<T>(std::numeric_limits<int64_t>::max()))
+        throw_invalid(function, std::string(name) + "[" + std::to_string(i) + "] = " + std::to_string(v) +
+                                    " does not fit in int64");
+    }
+    out[i] = static_cast<int64_t>(v);
+  }
+}
+
+}  // namespace
+
+std::vector<int64_t> int64_from_buffer(const IntBuffer& b, const char* function, const char* name) {
+  if (b.size < 0) throw_invalid(function, std::string(name) + ": negative size " + std::to_string(b.size));
+  std::vector<int64_t> out(static_cast<size_t>(b.size));
+  if (b.size == 0) return out;
+  if (b.is_signed && b.itemsize == 8 && b.stride_bytes == 8 && !b.swap_bytes) {
+    std::memcpy(out.data(), b.data, out.size() * sizeof(int64_t));  // the common case: one memcpy
+    return out;
+  }
+  switch (b.itemsize * (b.is_signed ? 1 : -1)) {
+    case 1: copy_items<int8_t>(b, out, function, name); break;
+    case 2: copy_items<int16_t>(b, out, function, name); break;
+    case 4: copy_items<int32_t>(b, out, function, name); break;
+    case 8: copy_items<int64_t>(b, out, function, name); break;
+    case -1: copy_items<uint8_t>(b, out, function, name); break;
+    case -2: copy_items<uint16_t>(b, out, function, name); break;
+    case -4: copy_items<uint32_t>(b, out, function, name); break;
+    case -8: copy_items<uint64_t>(b, out, function, name); break;
+    default:
+      throw_invalid(function, std::string(name) + ": unsupported integer width of " + std::to_string(b.itemsize) +
+                                  " bytes (1, 2, 4 or 8)");
+  }
   return out;
 }
 

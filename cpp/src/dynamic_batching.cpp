@@ -35,6 +35,9 @@ std::vector<MicroBatchRange> greedy_ranges(const std::vector<int64_t>& padded, i
 std::vector<MicroBatchRange> optimal_ranges(const std::vector<int64_t>& padded, int64_t cap, int64_t multiple) {
   const size_t n = padded.size();
   if (n == 0) return {};
+  if (multiple > static_cast<int64_t>(n))  // a count of at least `multiple` ranges, each a row or more
+    throw_invalid(kFn, "no plan has a micro-batch count that is a multiple of pp_size=" + std::to_string(multiple) +
+                           " with only " + std::to_string(n) + " rows per shard");
   const auto m = static_cast<size_t>(multiple);
   constexpr int64_t kInf = std::numeric_limits<int64_t>::max();
   struct Cell {
@@ -87,7 +90,7 @@ void split_ranges_to_multiple(std::vector<MicroBatchRange>& ranges, int64_t pp_s
   for (size_t i = 0; i < ranges.size(); ++i)
     if (ranges[i].end <= ranges[i].start || (i > 0 && ranges[i].start != ranges[i - 1].end))
       throw_invalid(fn, "ranges must be non-empty and contiguous");
-  int64_t needed = round_up(static_cast<int64_t>(ranges.size()), pp_size) - static_cast<int64_t>(ranges.size());
+  int64_t needed = round_up(fn, static_cast<int64_t>(ranges.size()), pp_size) - static_cast<int64_t>(ranges.size());
   for (; needed > 0; --needed) {
     size_t best = ranges.size();
     for (size_t i = 0; i < ranges.size(); ++i) {
@@ -127,8 +130,9 @@ DynamicBatchingPlan plan_dynamic_batching(Lengths lengths, const DynamicBatching
   const int64_t num_chunks = chunk == 0 ? 0 : n / chunk;
   const int64_t per_shard = chunk / std::max<int64_t>(o.shards, 1);
   plan.shard_chunk_size = per_shard;
-  std::vector<int64_t> order(static_cast<size_t>(chunk));
-  std::vector<int64_t> padded(static_cast<size_t>(per_shard));
+  // Sized only when there is a chunk (chunk <= n then): batch_size may be huge for n = 0.
+  std::vector<int64_t> order(static_cast<size_t>(num_chunks > 0 ? chunk : 0));
+  std::vector<int64_t> padded(static_cast<size_t>(num_chunks > 0 ? per_shard : 0));
   for (int64_t c = 0; c < num_chunks; ++c) {
     const int64_t base = c * chunk;
     std::iota(order.begin(), order.end(), base);
@@ -141,7 +145,7 @@ DynamicBatchingPlan plan_dynamic_batching(Lengths lengths, const DynamicBatching
     for (int64_t p = 0; p < chunk; ++p)
       padded[p / o.shards] = std::max(padded[p / o.shards], lengths[order[p]]);
     for (int64_t j = 0; j < per_shard; ++j) {
-      int64_t v = round_up(padded[j], o.sequence_length_round);
+      int64_t v = round_up(kFn, padded[j], o.sequence_length_round);
       if (rule == DynamicBatchingRule::NemoRL && o.max_seqlen > 0) v = std::min(v, o.max_seqlen);
       if (v > o.max_tokens_per_microbatch)
         throw_invalid(kFn, "a sequence padded to " + std::to_string(v) + " tokens (sequence_length_round=" +
@@ -162,7 +166,7 @@ DynamicBatchingPlan plan_dynamic_batching(Lengths lengths, const DynamicBatching
                                  std::to_string(o.sequence_length_round) + ")");
         ranges = greedy_ranges(padded, o.max_tokens_per_microbatch, o.sequence_length_round);
         if (o.pp_size > 1) {
-          if (round_up(static_cast<int64_t>(ranges.size()), o.pp_size) > per_shard)
+          if (o.pp_size > per_shard || round_up(kFn, static_cast<int64_t>(ranges.size()), o.pp_size) > per_shard)
             throw_invalid(kFn, "cannot split " + std::to_string(ranges.size()) +
                                    " micro-batches into a multiple of pp_size=" + std::to_string(o.pp_size) +
                                    " with only " + std::to_string(per_shard) + " sequences per shard");

@@ -61,8 +61,12 @@ template <typename V>
 constexpr int64_t kLanesOf = sizeof(V) / sizeof(float);
 
 #ifdef SEQPACK_X86_DISPATCH
-// A non-temporal 64-byte store (AVX-512 builds only; inlined into them).
-SEQPACK_AVX512 inline void stream16(float* p, f16 v) { _mm512_stream_ps(p, std::bit_cast<__m512>(v)); }
+// A non-temporal 64-byte store (AVX-512 builds only; inlined into them). The vector
+// goes by address: clang < 15 refuses a 64-byte vector argument in a function whose
+// caller is not compiled for AVX-512 (an ABI change), even when it is inlined.
+SEQPACK_AVX512 inline void stream16(float* p, const f16* v) {
+  _mm512_stream_ps(p, _mm512_loadu_ps(reinterpret_cast<const float*>(v)));
+}
 #endif
 
 template <typename V>
@@ -234,7 +238,7 @@ template <typename T, typename V>
 #ifdef SEQPACK_X86_DISPATCH
       if constexpr (kLanes == 16) {
         if (stream) {  // non-temporal: the gradient is not read again soon; no read-for-ownership
-          stream16(g + i, out);
+          stream16(g + i, &out);
           continue;
         }
       }

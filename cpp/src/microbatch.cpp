@@ -70,7 +70,7 @@ MicroBatchPlan plan_micro_batches(Lengths lengths, const MicroBatchOptions& o) {
   const std::vector<int64_t> work_vec = sequence_workloads(lengths, o.attention_coeff);
   const Lengths work(work_vec);
   plan.lower_bound = std::max(o.min_num, ceil_div(total, o.max_tokens));
-  const int64_t first = round_up(plan.lower_bound, o.multiple_of);
+  const int64_t first = round_up(fn, plan.lower_bound, o.multiple_of);
   if (first > n)
     throw_invalid(fn, "need at least " + std::to_string(first) + " micro-batches (min_num=" +
                           std::to_string(o.min_num) + ", multiple_of=" + std::to_string(o.multiple_of) +
@@ -91,7 +91,7 @@ MicroBatchPlan plan_micro_batches(Lengths lengths, const MicroBatchOptions& o) {
   // count and n is feasible by splitting bins (adjust_bin_count), which bounds
   // the search.
   const IndexGroups ffd = first_fit_decreasing(lengths, o.max_tokens);
-  const int64_t feasible = round_up(std::max<int64_t>(static_cast<int64_t>(ffd.size()), first), o.multiple_of);
+  const int64_t feasible = round_up(fn, std::max<int64_t>(static_cast<int64_t>(ffd.size()), first), o.multiple_of);
   const int64_t last = std::min(feasible, n - n % o.multiple_of);
   if (last < first)
     throw_invalid(fn, "no micro-batch count that is a multiple of multiple_of=" + std::to_string(o.multiple_of) +
@@ -123,7 +123,7 @@ MicroBatchPlan plan_micro_batches(Lengths lengths, const MicroBatchOptions& o) {
   // theirs can work.
   int64_t big = 0;
   for (int64_t s : lengths) big += s > o.max_tokens / 2 ? 1 : 0;  // 2s > cap, without overflow
-  const int64_t start = round_up(std::max(first, big), o.multiple_of);
+  const int64_t start = round_up(fn, std::max(first, big), o.multiple_of);
   // The smallest count tried first (usually it works); else the largest, and if
   // that works, bisection between them for the smallest that does.
   std::optional<Candidate> best;

@@ -30,6 +30,15 @@ void fill_rows(char* dst, int64_t rows, size_t row_bytes, const char* fill_row, 
   }
 }
 
+// Rows [begin, begin + count) lie in [0, rows), written so that nothing overflows
+// (a corrupt plan may hold any int64).
+bool rows_in_bounds(int64_t begin, int64_t count, int64_t rows) {
+  return begin >= 0 && count >= 0 && begin <= rows && count <= rows - begin;
+}
+bool copy_in_bounds(const CopyRun& r, const MovePlan& plan) {
+  return rows_in_bounds(r.src, r.count, plan.src_rows) && rows_in_bounds(r.dst, r.count, plan.dst_rows);
+}
+
 }  // namespace
 
 void execute_move_plan(const MovePlan& plan, const void* src, int64_t src_rows, void* dst, int64_t dst_rows,
@@ -43,10 +52,10 @@ void execute_move_plan(const MovePlan& plan, const void* src, int64_t src_rows, 
                           std::to_string(plan.dst_rows));
   if (num_threads < 0) throw_invalid(fn, "num_threads must be >= 0");
   for (const CopyRun& r : plan.copies)
-    if (r.src < 0 || r.dst < 0 || r.count < 0 || r.src + r.count > plan.src_rows || r.dst + r.count > plan.dst_rows)
+    if (!copy_in_bounds(r, plan))
       throw_invalid(fn, "a copy run leaves the buffers (corrupt plan)");
   for (const FillRun& r : plan.fills)
-    if (r.dst < 0 || r.count < 0 || r.dst + r.count > plan.dst_rows)
+    if (!rows_in_bounds(r.dst, r.count, plan.dst_rows))
       throw_invalid(fn, "a fill run leaves the destination (corrupt plan)");
   if (row_bytes == 0) return;
   if ((src == nullptr && !plan.copies.empty()) || (dst == nullptr && plan.dst_rows > 0))
@@ -99,6 +108,11 @@ void execute_move_plan(const MovePlan& plan, const void* src, int64_t src_rows, 
 std::vector<ByteTask> make_byte_tasks(const MovePlan& plan, size_t row_bytes, size_t max_task_bytes) {
   constexpr const char* fn = "make_byte_tasks";
   if (row_bytes == 0) return {};
+  int64_t bytes = 0;  // byte offsets of both buffers must fit in int64
+  if (plan.src_rows < 0 || plan.dst_rows < 0 || row_bytes > static_cast<size_t>(INT64_MAX) ||
+      __builtin_mul_overflow(std::max(plan.src_rows, plan.dst_rows), static_cast<int64_t>(row_bytes), &bytes))
+    throw_invalid(fn, "the plan's rows (" + std::to_string(plan.src_rows) + " read, " + std::to_string(plan.dst_rows) +
+                          " written) times row_bytes (" + std::to_string(row_bytes) + ") must fit in int64 bytes");
   const auto rows_per_task = static_cast<int64_t>(std::max<size_t>(1, max_task_bytes / row_bytes));
   const auto rb = static_cast<int64_t>(row_bytes);
   std::vector<ByteTask> tasks;
@@ -109,12 +123,12 @@ std::vector<ByteTask> make_byte_tasks(const MovePlan& plan, size_t row_bytes, si
     }
   };
   for (const CopyRun& r : plan.copies) {
-    if (r.src < 0 || r.dst < 0 || r.count < 0 || r.src + r.count > plan.src_rows || r.dst + r.count > plan.dst_rows)
+    if (!copy_in_bounds(r, plan))
       throw_invalid(fn, "a copy run leaves the buffers (corrupt plan)");
     split(r.src, r.dst, r.count);
   }
   for (const FillRun& r : plan.fills) {
-    if (r.dst < 0 || r.count < 0 || r.dst + r.count > plan.dst_rows)
+    if (!rows_in_bounds(r.dst, r.count, plan.dst_rows))
       throw_invalid(fn, "a fill run leaves the destination (corrupt plan)");
     split(-1, r.dst, r.count);
   }

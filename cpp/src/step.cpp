@@ -103,8 +103,9 @@ void fill_dummies(Cells& cells, const std::vector<size_t>& scope) {
     if (next == spare.size()) return;
     const auto [it, from] = spare[next++];
     auto& src = cells.items[from];
+    const int64_t index = it.index;  // a structured binding cannot be captured before C++20 in clang < 16
     const auto pos = static_cast<size_t>(
-        std::find_if(src.begin(), src.end(), [&](const Item& x) { return x.index == it.index; }) - src.begin());
+        std::find_if(src.begin(), src.end(), [index](const Item& x) { return x.index == index; }) - src.begin());
     cells.add(e, cells.remove(from, pos));
   }
 }
@@ -374,7 +375,7 @@ std::pair<Cells, int64_t> two_step_cells(Lengths lengths, int64_t begin, int64_t
   });
   int64_t count = o.min_micro_batches;
   for (const MicroBatchPlan& plan : plans) count = std::max(count, static_cast<int64_t>(plan.groups.size()));
-  count = round_up(count, o.multiple_of);
+  count = round_up(kFn, count, o.multiple_of);
   each_rank([&](size_t r) {
     const auto have = static_cast<int64_t>(plans[r].groups.size());
     if (rank_lengths[r].empty() || have >= count) return;
@@ -462,7 +463,7 @@ int64_t min_micro_batches(Lengths lengths, const StepOptions& o) {
     if (s > o.max_tokens / 2) ++big;
   }
   const int64_t cells = std::max(ceil_div(total, o.max_tokens), big);
-  return round_up(std::max(o.min_micro_batches, ceil_div(cells, o.dp_size)), o.multiple_of);
+  return round_up(kFn, std::max(o.min_micro_batches, ceil_div(cells, o.dp_size)), o.multiple_of);
 }
 
 // Fractional knapsack: the most Σs² that `budget` tokens of these lengths can
@@ -528,7 +529,7 @@ MiniBatchStep plan_mini_batch(Lengths lengths, int64_t begin, int64_t end, const
   const double variable_bound = out.lower_bound - static_cast<double>(k_min) * o.cost.per_micro_batch;
   const std::vector<Item> items = sorted_items(lengths, begin, end, o);
   const auto n = static_cast<int64_t>(items.size());
-  const int64_t k_cap = std::max(k_min, round_up(ceil_div(n, R), mult));
+  const int64_t k_cap = std::max(k_min, round_up(kFn, ceil_div(n, R), mult));
 
   std::optional<Candidate> best;
   auto consider = [&](Candidate c) {
@@ -562,7 +563,7 @@ MiniBatchStep plan_mini_batch(Lengths lengths, int64_t begin, int64_t end, const
   // candidate like any other.
   {
     const auto bins = static_cast<int64_t>(first_fit_decreasing(local, cap).size());
-    const int64_t K = std::max(k_min, round_up(ceil_div(bins, R), mult));
+    const int64_t K = std::max(k_min, round_up(kFn, ceil_div(bins, R), mult));
     consider(finish(ffd_cells(items, lengths, begin, end, R, K, cap, o.sync), R, K, o));
   }
   if (o.sync == StepSync::Step) {

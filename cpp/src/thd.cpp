@@ -37,7 +37,7 @@ ThdLayout make_thd_layout(Lengths seq_lens, const ThdOptions& o) {
   out.cu_seqlens_padded.push_back(0);
   int64_t real = 0, padded = 0;
   for (int64_t len : seq_lens) {
-    const int64_t p = round_up(len, o.pad_multiple);
+    const int64_t p = round_up(fn, len, o.pad_multiple);
     real += len;
     padded = checked_add(fn, padded, p);
     if (padded > kInt32Max)
@@ -47,7 +47,7 @@ ThdLayout make_thd_layout(Lengths seq_lens, const ThdOptions& o) {
     out.cu_seqlens_padded.push_back(static_cast<int32_t>(padded));
     out.max_seqlen = std::max(out.max_seqlen, len);
   }
-  int64_t target = round_up(padded, o.pad_packed_multiple);
+  int64_t target = round_up(fn, padded, o.pad_packed_multiple);
   if (o.pad_packed_to > 0) {
     if (o.pad_packed_to < target)
       throw_invalid(fn, "pad_packed_to (" + std::to_string(o.pad_packed_to) + ") is below the packed length " +
@@ -117,6 +117,7 @@ SourceSpans spans_from_lengths(Lengths seq_lens, int64_t width) {
   if (width < 0) throw_invalid(fn, "width must be >= 0");
   check_non_negative_lengths(fn, "seq_lens", seq_lens);
   check_lengths_fit(fn, "seq_lens", seq_lens, width, "the padded width");
+  checked_mul(fn, static_cast<int64_t>(seq_lens.size()), width);  // the padded batch's rows fit in int64
   SourceSpans out;
   out.width = width;
   out.spans.reserve(seq_lens.size());
@@ -130,7 +131,7 @@ SourceSpans spans_from_lengths(Lengths seq_lens, int64_t width) {
 SourceSpans spans_from_mask(const uint8_t* mask, int64_t batch, int64_t width) {
   constexpr const char* fn = "spans_from_mask";
   if (batch < 0 || width < 0) throw_invalid(fn, "the mask shape must be non-negative");
-  if (batch * width > 0 && mask == nullptr) throw_invalid(fn, "mask is null");
+  if (checked_mul(fn, batch, width) > 0 && mask == nullptr) throw_invalid(fn, "mask is null");
   SourceSpans out;
   out.width = width;
   out.offsets.reserve(static_cast<size_t>(batch) + 1);
@@ -169,7 +170,7 @@ MovePlan make_pack_plan(const ThdLayout& layout, const SourceSpans& source, int6
       throw_invalid(fn, "sequence " + std::to_string(b) + " has " + std::to_string(real[b]) +
                             " tokens in the source but seq_lens says " + std::to_string(layout.seq_lens[b]));
   MovePlan plan;
-  plan.src_rows = source.batch_size() * source.width;
+  plan.src_rows = checked_mul(fn, source.batch_size(), source.width);
   plan.dst_rows = layout.local_rows();
   plan.copies.reserve(source.spans.size() * static_cast<size_t>(cp > 1 ? 2 : 1));
   plan.fills.reserve(static_cast<size_t>(layout.batch_size()));

@@ -41,4 +41,12 @@ TEST(ContextParallel, InvalidArguments) {
   EXPECT_TRUE(ThrowsInvalid([] { cp_restore_order(Vec{0, 8}, 0); }, {"cp_size"}));
 }
 
+// Found by fuzz_cp: a huge cp_size over empty sequences looped once per rank, and
+// offsets far apart overflowed when subtracted.
+TEST(ContextParallel, FuzzRegressions) {
+  EXPECT_TRUE(cp_restore_order(Vec{0, 0, 0}, int64_t{1} << 40).empty());
+  EXPECT_TRUE(ThrowsInvalid([] { cp_restore_order(Vec{0, 8, INT64_MIN + 2}, 2); }, {"non-decreasing"}));
+  EXPECT_TRUE(ThrowsInvalid([] { cp_partition_indices(Vec{0, int64_t{1} << 40}, 1, 0); }, {"int32"}));
+}
+
 }  // namespace

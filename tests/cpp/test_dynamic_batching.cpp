@@ -69,7 +69,7 @@ int64_t count(const DynamicBatchingPlan& p) {
       next = r.end;
       int64_t need = 0;
       for (int64_t j = r.start; j < r.end; ++j) {
-        int64_t len = round_up(row_max[j], o.sequence_length_round);
+        int64_t len = round_up("test", row_max[j], o.sequence_length_round);
         if (rule == Rule::NemoRL && o.max_seqlen > 0) len = std::min(len, o.max_seqlen);
         need = std::max(need, len);
       }
@@ -248,6 +248,25 @@ TEST(DynamicBatching, InvalidArguments) {
                             {"pp_size"}));
   EXPECT_TRUE(ThrowsInvalid([] { plan_dynamic_batching(kRoll, options(2, 0, 64, 1, 0, 8), Rule::Roll); },
                             {"pp_size"}));
+}
+
+// Found by fuzz_dynamic_batching: a huge batch_size with no sequences allocated
+// batch_size rows, pp_size above the rows allocated rows x pp_size cells, and
+// rounding a length near INT64_MAX up to sequence_length_round wrapped around.
+TEST(DynamicBatching, FuzzRegressions) {
+  DynamicBatchingOptions o;
+  o.shards = 2;
+  o.max_tokens_per_microbatch = 100;
+  o.batch_size = INT64_MAX - 1;
+  EXPECT_TRUE(plan_dynamic_batching(Vec{}, o, Rule::NemoRL).chunks.empty());
+  o.batch_size = 0;
+  o.pp_size = INT64_MAX - 2;
+  EXPECT_TRUE(ThrowsInvalid([&] { plan_dynamic_batching(Vec{1, 2, 3, 4}, o, Rule::Optimal); }, {"pp_size"}));
+  EXPECT_TRUE(ThrowsInvalid([&] { plan_dynamic_batching(Vec{1, 2, 3, 4}, o, Rule::Roll); }, {"pp_size"}));
+  o.pp_size = 1;
+  o.max_tokens_per_microbatch = INT64_MAX;
+  o.sequence_length_round = 8;
+  EXPECT_TRUE(ThrowsInvalid([&] { plan_dynamic_batching(Vec{INT64_MAX - 1, 1}, o, Rule::NemoRL); }, {"overflows int64"}));
 }
 
 }  // namespace

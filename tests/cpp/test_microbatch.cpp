@@ -68,7 +68,7 @@ MicroBatchOptions options(int64_t max_tokens, int64_t min_num = 1, int64_t multi
     return ::testing::AssertionFailure() << count << " micro-batches violates the count rule";
   // First-fit-decreasing bins split up to the count bound the search.
   const auto ffd = static_cast<int64_t>(first_fit_decreasing(lengths, o.max_tokens).size());
-  if (count > round_up(std::max(ffd, lower), o.multiple_of))
+  if (count > round_up("test", std::max(ffd, lower), o.multiple_of))
     return ::testing::AssertionFailure() << count << " micro-batches, more than the FFD bound";
   const char* m = p.method;
   if (std::strcmp(m, "karmarkar_karp") && std::strcmp(m, "greedy_lpt") && std::strcmp(m, "capped_greedy") &&
@@ -193,6 +193,16 @@ TEST(MicroBatch, InvalidArguments) {
   EXPECT_TRUE(ThrowsInvalid([] { plan_micro_batches(kRoll, options(4096, 0)); }, {"min_num"}));
   EXPECT_TRUE(ThrowsInvalid([] { plan_micro_batches(kRoll, options(4096, 1, 0)); }, {"multiple_of"}));
   EXPECT_TRUE(ThrowsInvalid([] { plan_micro_batches(Vec{5, -5}, options(100)); }, {"lengths"}));
+}
+
+// Found by fuzz_micro_batches' sanitizers: the lower bound rounded up to
+// multiple_of wrapped around (and passed the "more than n" check).
+TEST(MicroBatch, FuzzRegressions) {
+  MicroBatchOptions o;
+  o.max_tokens = 10;
+  o.min_num = INT64_MAX - 1;
+  o.multiple_of = 4;
+  EXPECT_TRUE(ThrowsInvalid([&] { plan_micro_batches(Vec{5, 3}, o); }, {"overflows int64"}));
 }
 
 }  // namespace

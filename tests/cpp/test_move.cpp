@@ -140,4 +140,21 @@ TEST(Move, TasksAndRunsOutsideTheBuffersAreSkipped) {
   EXPECT_EQ(out, (std::vector<int64_t>{5, 6, -7, -7}));
 }
 
+// Found by fuzz_byte_tasks: bounds checks that added a run's start and count
+// overflowed, and byte offsets (rows x row_bytes) could wrap around.
+TEST(Move, FuzzRegressions) {
+  MovePlan plan;
+  plan.src_rows = plan.dst_rows = 4;
+  plan.copies = {{INT64_MAX, 0, 2}};
+  std::vector<char> src(4), dst(4);
+  EXPECT_TRUE(ThrowsInvalid([&] { execute_move_plan(plan, src.data(), 4, dst.data(), 4, 1); }, {"copy run"}));
+  EXPECT_TRUE(ThrowsInvalid([&] { make_byte_tasks(plan, 1, 64); }, {"copy run"}));
+  plan.copies.clear();
+  plan.fills = {{2, INT64_MAX}};
+  EXPECT_TRUE(ThrowsInvalid([&] { make_byte_tasks(plan, 1, 64); }, {"fill run"}));
+  MovePlan huge;
+  huge.src_rows = huge.dst_rows = int64_t{1} << 62;
+  EXPECT_TRUE(ThrowsInvalid([&] { make_byte_tasks(huge, 8, 64); }, {"row_bytes", "int64"}));
+}
+
 }  // namespace

@@ -73,5 +73,13 @@ TEST(PlanStep, BadArgumentsThrowNamingThem) {
   EXPECT_THROW(plan_step(lengths, o), std::invalid_argument);
 }
 
+// Found by fuzz_step: the count rounded up to multiple_of wrapped around.
+TEST(PlanStep, FuzzRegressions) {
+  StepOptions o = options(2, 10, StepSync::MicroBatch);
+  o.min_micro_batches = INT64_MAX / 2 + 1;
+  o.multiple_of = 2;
+  EXPECT_THROW(plan_step(std::vector<int64_t>{5, 3}, o), std::invalid_argument);
+}
+
 }  // namespace
 }  // namespace seqpack

@@ -192,4 +192,14 @@ TEST(Thd, InvalidArguments) {
   EXPECT_TRUE(ThrowsInvalid([&] { make_thd_layout(Vec{1, 1, 1}, big); }, {"int32"}));
 }
 
+// Found by fuzz_thd: the padded batch's rows (batch x width) and a length rounded
+// up to pad_multiple wrapped around.
+TEST(Thd, FuzzRegressions) {
+  EXPECT_TRUE(ThrowsInvalid([] { spans_from_lengths(Vec{1, 2, 3}, INT64_MAX / 2); }, {"overflows int64"}));
+  EXPECT_TRUE(ThrowsInvalid([] { spans_from_mask(nullptr, 3, INT64_MAX / 2); }, {"overflows int64"}));
+  ThdOptions o;
+  o.pad_multiple = 4;
+  EXPECT_TRUE(ThrowsInvalid([&] { make_thd_layout(Vec{INT64_MAX - 1}, o); }, {"overflows int64"}));
+}
+
 }  // namespace

@@ -54,6 +54,22 @@ void check_each_index_once(const char* function, const char* name, const IndexGr
 int64_t checked_add(const char* function, int64_t a, int64_t b);
 int64_t checked_mul(const char* function, int64_t a, int64_t b);
 
+// An integer array as raw memory, as a buffer protocol / NumPy array describes it:
+// `size` items of `itemsize` bytes (1, 2, 4 or 8), `stride_bytes` apart (may be
+// negative), signed or not, in the host's byte order unless `swap_bytes`.
+struct IntBuffer {
+  const void* data = nullptr;
+  int64_t size = 0;
+  int64_t stride_bytes = 0;
+  int itemsize = 8;
+  bool is_signed = true;
+  bool swap_bytes = false;
+};
+
+// Copies `buffer` into int64 values. Throws (naming `name` and the item) for an
+// unsupported width, a negative size, or an unsigned 64-bit value above INT64_MAX.
+std::vector<int64_t> int64_from_buffer(const IntBuffer& buffer, const char* function, const char* name);
+
 // Asks the kernel to back the 2 MiB-aligned interior of a fresh (not yet touched)
 // buffer with transparent huge pages: one page fault per 2 MiB instead of 512 when
 // a kernel first writes it. Linux only (MADV_HUGEPAGE); elsewhere, or when the
@@ -62,7 +78,8 @@ bool advise_huge_pages(void* data, size_t bytes);
 
 // a >= 0, b > 0; exact for every such pair (a + b - 1 would overflow near INT64_MAX).
 inline int64_t ceil_div(int64_t a, int64_t b) { return a / b + (a % b != 0 ? 1 : 0); }
-inline int64_t round_up(int64_t a, int64_t multiple) { return ceil_div(a, multiple) * multiple; }
+// a >= 0, multiple > 0; throws (naming `function`) when the result overflows int64.
+int64_t round_up(const char* function, int64_t a, int64_t multiple);
 
 // A portable, seeded PRNG (SplitMix64) with an unbiased bounded draw, so a seed
 // gives the same stream on every platform and standard library.
