@@ -66,18 +66,28 @@ def batch_size(batch: Mapping[str, Any], name: str = "batch") -> int:
     return next(iter(sizes.values()))
 
 
-def mask_lengths(batch: Mapping[str, Any], name: str = "batch") -> np.ndarray:
-    """Real tokens per row: ``attention_mask.sum(-1)`` of a ``[B, S]`` mask."""
+def host_mask(batch: Mapping[str, Any], name: str = "batch") -> np.ndarray:
+    """``batch['attention_mask']`` as a ``[B, S]`` host array in its own dtype (a CPU
+    tensor is viewed, a device one copied as it is: no conversion)."""
     check_mapping(batch, name)
     if "attention_mask" not in batch:
         raise ValueError(f"{name} needs an 'attention_mask' [B, S] (1 on real tokens)")
     mask = batch["attention_mask"]
     if is_tensor(mask):
+        from .._lengths import check_not_meta
+
+        check_not_meta(mask, f"{name}['attention_mask']")
         mask = mask.detach().cpu().numpy()
     mask = np.asarray(mask)
     if mask.ndim != 2:
         raise ValueError(f"{name}['attention_mask'] must be [B, S], got shape {mask.shape}")
-    return (mask != 0).sum(axis=1).astype(np.int64)
+    return mask
+
+
+def mask_lengths(batch: Mapping[str, Any], name: str = "batch") -> np.ndarray:
+    """Real tokens per row: the non-zeros of each row of a ``[B, S]`` mask, counted
+    in the mask's own dtype (``(mask != 0).sum(1)`` copied the mask first)."""
+    return np.count_nonzero(host_mask(batch, name), axis=1).astype(np.int64)
 
 
 # Keys whose zeros mean "no loss on this token / row" in the frameworks seqpack

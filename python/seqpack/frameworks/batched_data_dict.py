@@ -53,6 +53,7 @@ from ._batch import is_packed as _is_packed
 from ._batch import is_tensor as _is_tensor
 from ._batch import rows as _rows
 from ._batch import select as _select
+from .._lengths import as_lengths, as_positive_int, check_not_meta
 from ..planning.balance import get_seqlen_balanced_partitions
 from ..planning.dynamic_batching import plan_dynamic_batching
 from ..planning.packing import get_packer
@@ -113,6 +114,15 @@ def _check(condition: bool, message: str) -> None:
         raise BatchedDataDictError(message)
 
 
+def _positive(value: Any, name: str) -> int:
+    """:func:`seqpack._lengths.as_positive_int` (a ``TypeError`` for a non-int), its
+    ``ValueError`` as a :class:`BatchedDataDictError`."""
+    try:
+        return as_positive_int(value, name)
+    except ValueError as e:
+        raise BatchedDataDictError(str(e)) from None
+
+
 def _media_memo(item: Any) -> Dict[int, Any]:
     """A ``deepcopy`` memo mapping every array, tensor and bytes leaf of ``item`` to
     itself, so copies share them (containers are still copied)."""
@@ -134,6 +144,7 @@ def _lengths(data: Mapping[str, Any], key: str) -> np.ndarray:
         raise BatchedDataDictError(f"input_lengths_key {key!r} is not in the data (keys: {sorted(data)})")
     v = data[key]
     if _is_tensor(v):
+        check_not_meta(v, f"data[{key!r}]")
         v = v.detach().cpu().numpy()
     lens = np.asarray(v)
     _check(lens.ndim == 1 and (lens.size == 0 or np.issubdtype(lens.dtype, np.integer)),
@@ -238,10 +249,18 @@ class BatchedDataDict(UserDict, Generic[DictT]):
     # ---------------------------------------------------------------- sizes
 
     def _batch_size(self) -> int:
+        _check(bool(self.data), "the BatchedDataDict has no keys (an empty batch)")
         sizes = {_rows(v) for v in self.data.values()}
         _check(len(sizes) == 1, "Batch sizes are not the same across the rollout batch, found sizes: "
                                 f"[{','.join(str(s) for s in sorted(sizes))}]")
         return sizes.pop()
+
+    def _rows_to_split(self) -> int:
+        """The row count, which must be positive: an empty batch has nothing to
+        shard or iterate (NeMo-RL divides by zero or yields nothing)."""
+        size = self._batch_size()
+        _check(size > 0, "the BatchedDataDict has no rows (every value is empty): nothing to shard or iterate")
+        return size
 
     @property
     def size(self) -> int:
@@ -384,12 +403,10 @@ class BatchedDataDict(UserDict, Generic[DictT]):
             _check(dynamic_batching_args is None and sequence_packing_args is None,
                    "step_plan cannot be combined with dynamic_batching_args or sequence_packing_args")
             return self._shard_by_plan(shards, batch_size, step_plan)
-        _check(isinstance(shards, int) and shards > 0, f"shards must be a positive int, got {shards!r}")
-        total = self._batch_size()
-        if batch_size is None:
-            batch_size = total
-        _check(batch_size > 0 and total % batch_size == 0,
-               f"Total batch size ({total}) is not a multiple of batch_size ({batch_size})")
+        shards = _positive(shards, "shards")
+        total = self._rows_to_split()
+        batch_size = total if batch_size is None else _positive(batch_size, "batch_size")
+        _check(total % batch_size == 0, f"Total batch size ({total}) is not a multiple of batch_size ({batch_size})")
         if not allow_uneven_shards:
             _check(batch_size % shards == 0, f"Batch size ({batch_size}) is not a multiple of shards ({shards})")
         if dynamic_batching_args is not None:
@@ -526,8 +543,7 @@ class BatchedDataDict(UserDict, Generic[DictT]):
             out.elem_counts_per_gb = [self.elem_counts_per_gb[batch_idx]]
             return out
         _check(batch_size is not None, "batch_size is required unless the data is a sequence-packed shard")
-        _check(isinstance(batch_size, (int, np.integer)) and batch_size > 0,
-               f"batch_size must be a positive int, got {batch_size!r}")
+        batch_size = _positive(batch_size, "batch_size")
         check_index(-(-self.size // batch_size))
         out = self.slice(batch_size * batch_idx, batch_size * (batch_idx + 1))
         if self.micro_batch_indices is not None:
@@ -543,8 +559,11 @@ class BatchedDataDict(UserDict, Generic[DictT]):
 
     def make_microbatch_iterator(self, microbatch_size: int) -> Iterator["SlicedDataDict"]:
         """Consecutive slices of ``microbatch_size`` rows."""
+        microbatch_size = _positive(microbatch_size, "microbatch_size")
+        _check(bool(self.data), "the BatchedDataDict has no keys (an empty batch)")
         size = self.size
-        _check(microbatch_size > 0 and size % microbatch_size == 0,
+        _check(size > 0, "the BatchedDataDict has no rows (every value is empty): nothing to shard or iterate")
+        _check(size % microbatch_size == 0,
                f"Data dict size ({size}) is not a multiple of the provided microbatch size ({microbatch_size})")
         return (self.slice(i, i + microbatch_size) for i in range(0, size, microbatch_size))
 
@@ -561,7 +580,7 @@ class BatchedDataDict(UserDict, Generic[DictT]):
         return gen()
 
     def get_microbatch_iterator_dynamic_shapes_len(self) -> int:
-        return len(self.micro_batch_indices[0])
+        return len(self._one_plan()[0])
 
     def make_microbatch_iterator_for_packable_sequences(self) -> Iterator["SlicedDataDict"]:
         """The packed micro-batches (bins) as row slices (an empty one, a
@@ -571,7 +590,8 @@ class BatchedDataDict(UserDict, Generic[DictT]):
 
     def get_microbatch_iterator_for_packable_sequences_len(self) -> Tuple[int, int]:
         """(micro-batch count, largest packed token count)."""
-        return len(self.micro_batch_indices[0]), max(self.micro_batch_lengths[0])
+        indices, lengths = self._one_plan()
+        return len(indices), max(lengths, default=0)
 
     def make_packed_microbatch_iterator(
         self,
@@ -598,7 +618,9 @@ class BatchedDataDict(UserDict, Generic[DictT]):
         from ..tensors.thd import pack_sequences
 
         indices, _ = self._one_plan()
-        multiple = pad_multiple or alignment(cp_size=cp_size, tp_size=tp_size, sequence_parallel=sequence_parallel)
+        multiple = alignment(cp_size=cp_size, tp_size=tp_size, sequence_parallel=sequence_parallel) \
+            if pad_multiple is None else _positive(pad_multiple, "pad_multiple")
+        pp_size = _positive(pp_size, "pp_size")
         lens = _lengths(self.data, input_lengths_key)
         if keys is None:
             keys = [k for k, v in self.data.items() if _is_tensor(v) and v.dim() >= 2]
@@ -630,8 +652,7 @@ class SlicedDataDict(BatchedDataDict):
 
 def _pack_chunks(lens: np.ndarray, shards: int, batch_size: int, args: Mapping[str, Any]):
     """Per global batch, the packer's bins (chunk-local indices) of the padded lengths."""
-    multiple = int(args["sequence_length_pad_multiple"])
-    _check(multiple > 0, f"sequence_length_pad_multiple must be positive, got {multiple}")
+    multiple = _positive(args["sequence_length_pad_multiple"], "sequence_length_pad_multiple")
     padded = round_up(lens, multiple)
     packer = get_packer(args["algorithm"], bin_capacity=args["max_tokens_per_microbatch"], min_bin_count=shards,
                         bin_count_multiple=shards)
@@ -660,8 +681,8 @@ def bin_assignment_spread(input_lengths: Any, shards: int, sequence_packing_args
     >>> spread["karmarkar_karp"]["spread"] <= spread["round_robin"]["spread"]
     True
     """
-    lens = np.asarray(input_lengths, dtype=np.int64)
-    batch_size = batch_size or len(lens)
+    lens = as_lengths(input_lengths, "input_lengths").astype(np.int64)
+    batch_size = len(lens) if batch_size is None else _positive(batch_size, "batch_size")
     bins_per_chunk, padded = _pack_chunks(lens, shards, batch_size, sequence_packing_args)
     report: Dict[str, Dict[str, float]] = {}
     for balance in ("round_robin", "karmarkar_karp"):

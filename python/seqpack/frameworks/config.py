@@ -40,6 +40,7 @@ OmegaConf ``DictConfig`` is resolved the same way.
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass, field
 from typing import Any, Dict, Mapping, Optional, Union
@@ -58,6 +59,7 @@ __all__ = [
     "load",
 ]
 
+MAX_DEPTH = 100  # nesting levels of a config; real ones have fewer than 10
 MICROBATCH_ORDERS = ("packer", "largest_first")
 ROLL_ALGORITHMS = ("none", "load_balance")
 PHASES = ("train", "logprob")
@@ -466,7 +468,11 @@ def _load_roll(data: Mapping[str, Any], role: str) -> SeqpackConfig:
         raise ConfigError(f"{role}: no such worker role in the config (roles: {sorted(data)})")
     worker = _Reader(data[role], role)
     strategy = worker.section("strategy_args")
-    strategy_name = strategy.data.get("strategy_name") or "megatron_train"
+    strategy_name = strategy.data.get("strategy_name")
+    if strategy_name is None:
+        strategy_name = "megatron_train"
+    elif not isinstance(strategy_name, str) or not strategy_name.strip():
+        raise ConfigError(f"{strategy.key('strategy_name')}: must be a non-empty string, got {strategy_name!r}")
     sc = strategy.section("strategy_config")
     parallel = ParallelConfig(
         tp=sc.int("tensor_model_parallel_size", 1), cp=sc.int("context_parallel_size", 1),
@@ -515,7 +521,10 @@ def _load_roll(data: Mapping[str, Any], role: str) -> SeqpackConfig:
 
     def dyn(phase: str, on: bool):
         cap_name, round_name = f"max_tokens_per_microbatch_in_{phase}", f"sequence_length_round_in_{phase}"
-        cap = worker.int(cap_name, minimum=0) or None
+        # ROLL's default cap is 0 (unset): accepted while dynamic batching is off,
+        # and then "must be >= 1", not "required", when it is on.
+        cap = worker.int(cap_name, minimum=1 if on else 0)
+        cap = None if cap == 0 else cap
         round_to = worker.int(round_name, 4)
         if not on:
             return cap, round_to
@@ -560,6 +569,66 @@ def _resolve(data: Any) -> Any:
     return data
 
 
+def _check_depth(data: Any) -> None:
+    """Refuse containers nested deeper than :data:`MAX_DEPTH` (OmegaConf, ``==`` and
+    ``repr`` recurse, and would raise ``RecursionError``). Iterative; a container is
+    expanded again only when reached deeper than before, so nodes shared through
+    YAML aliases cost at most ``MAX_DEPTH`` visits, and a self-referencing one counts
+    as too deep."""
+    best: Dict[int, int] = {}
+    stack = [(data, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if not isinstance(node, (Mapping, list, tuple)) or best.get(id(node), 0) >= depth:
+            continue
+        if depth > MAX_DEPTH:
+            raise ConfigError(f"the config is nested deeper than {MAX_DEPTH} levels")
+        best[id(node)] = depth
+        stack.extend((child, depth + 1) for child in (node.values() if isinstance(node, Mapping) else node))
+
+
+@functools.lru_cache(maxsize=1)
+def _yaml_loader():
+    """PyYAML's safe loader with the nesting limit applied while composing (its
+    composer recurses once per level)."""
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        depth = 0
+
+        def compose_node(self, parent, index):
+            self.depth += 1
+            try:
+                if self.depth > MAX_DEPTH:
+                    raise ConfigError(f"the config is nested deeper than {MAX_DEPTH} levels "
+                                      f"(line {self.peek_event().start_mark.line + 1})")
+                return super().compose_node(parent, index)
+            finally:
+                self.depth -= 1
+
+    return Loader
+
+
+def _read_source(source: Union[str, os.PathLike]) -> Any:
+    """The data of a YAML file or string. A string that looks like a path (no line
+    break nor ``": "``, and a path separator or a ``.yaml``/``.yml``/``.json``
+    ending) names a file: a missing one is a ``FileNotFoundError``, not YAML text."""
+    import yaml
+
+    text = str(source)
+    looks_like_path = "\n" not in text and ": " not in text and (
+        "/" in text or os.sep in text or text.strip().lower().endswith((".yaml", ".yml", ".json")))
+    if isinstance(source, os.PathLike) or looks_like_path or (os.path.exists(text) and "\n" not in text):
+        if not os.path.exists(text):
+            raise FileNotFoundError(f"no such config file: {text!r}")
+        with open(text, encoding="utf-8") as f:
+            text = f.read()
+    try:
+        return yaml.load(text, Loader=_yaml_loader())
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"the YAML does not parse: {exc}") from exc
+
+
 def _has_interpolation(data: Any) -> bool:
     """Whether any string holds ``${``. Each container is visited once: YAML aliases
     share nodes, and a "billion laughs" document of nested aliases would otherwise
@@ -591,21 +660,13 @@ def load(source: Union[str, os.PathLike, Mapping[str, Any]], *, schema: Optional
             ``reference``, ``critic``...).
 
     Raises:
-        ConfigError: naming the key path and the rule broken.
+        ConfigError: naming the key path and the rule broken (a ``ValueError``);
+            also for a config nested deeper than :data:`MAX_DEPTH` levels.
+        FileNotFoundError: ``source`` is a path (or a string that looks like one,
+            e.g. ending in ``.yaml``) and no such file exists.
     """
-    if isinstance(source, (str, os.PathLike)):
-        import yaml
-
-        text = str(source)
-        if isinstance(source, os.PathLike) or (os.path.exists(text) and "\n" not in text):
-            with open(source, encoding="utf-8") as f:
-                text = f.read()
-        try:
-            data = yaml.safe_load(text)
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"the YAML does not parse: {exc}") from exc
-    else:
-        data = source
+    data = _read_source(source) if isinstance(source, (str, os.PathLike)) else source
+    _check_depth(data)
     data = _resolve(data)
     if not isinstance(data, Mapping):
         raise ConfigError(f"the config must be a mapping at the top level, got {type(data).__name__}")

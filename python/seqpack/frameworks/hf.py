@@ -60,11 +60,9 @@ def attention_forward(module, query, key, value, attention_mask, dropout: float 
         mask = attention_mask[:, -s_k:].bool()
         if s_q != s_k:
             raise ValueError("a 2-D attention_mask needs as many queries as keys (no KV cache in seqpack attention)")
-        rows = mask.reshape(-1).nonzero().squeeze(1)
-        lengths = mask.sum(1)
-        cu = torch.zeros(batch + 1, dtype=torch.int32)
-        cu[1:] = torch.cumsum(lengths.cpu(), 0)
-        longest = int(lengths.max()) if batch else 0
+        rows = mask.reshape(-1).nonzero().squeeze(1)  # sorted: the offsets are a search, not mask.sum(1) (int64)
+        cu = torch.searchsorted(rows, torch.arange(batch + 1, device=rows.device) * s_k).to(torch.int32).cpu()
+        longest = int(cu.diff().max()) if batch else 0
         flat = [t.reshape(batch * s_q, *t.shape[2:]).index_select(0, rows) for t in (q, k, v)]
         out = varlen_attention(*flat, cu, cu, longest, longest, **attend)
         full = out.new_zeros(batch * s_q, *out.shape[1:]).index_copy(0, rows, out)

@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Mapping, MutableMap
 import numpy as np
 
 from .. import _core
-from ._batch import batch_size, dummy_row, is_tensor, mask_lengths, select_all, step_plan_parts
+from ._batch import batch_size, dummy_row, host_mask, is_tensor, mask_lengths, select_all, step_plan_parts
 from .._dist import active, agree_on_count, checked_on_every_rank
 from .._lengths import as_positive_int
 from ..tensors.layout import alignment, round_up
@@ -153,12 +153,12 @@ def dynamic_batching_shard(
     and ``num_micro_batchs``.
     """
     dp_size = as_positive_int(dp_size, "dp_size")
-    pp = as_positive_int(pipeline_model_parallel_size or 1, "pipeline_model_parallel_size")
+    pp = _pp_size(pipeline_model_parallel_size)
     if rule not in ("roll", "optimal"):
         raise ValueError(f"rule must be 'roll' or 'optimal', got {rule!r}")
     lengths = mask_lengths(origin_batch, "origin_batch")
     n = batch_size(origin_batch, "origin_batch")
-    _check_right_padded(origin_batch["attention_mask"], lengths)
+    _check_right_padded(host_mask(origin_batch, "origin_batch"), lengths)
     if n % dp_size:
         raise ValueError(f"the batch has {n} rows, not a multiple of dp_size={dp_size}")
     if (lengths == 0).any():
@@ -188,13 +188,24 @@ def dynamic_batching_shard(
     return out, metrics
 
 
-def _check_right_padded(mask: Any, lengths: np.ndarray) -> None:
+def _pp_size(pipeline_model_parallel_size: Any) -> int:
+    """ROLL's PP size: ``None`` is 1; otherwise a positive int (0 is an error, not 1)."""
+    if pipeline_model_parallel_size is None:
+        return 1
+    return as_positive_int(pipeline_model_parallel_size, "pipeline_model_parallel_size")
+
+
+def _check_right_padded(mask: np.ndarray, lengths: np.ndarray) -> None:
     """Dynamic batching keeps each micro-batch's first ``length`` columns: a row whose
     real tokens do not start at column 0 would lose them (seqpack's THD packing takes
-    any padding; this path needs right padding)."""
-    m = np.asarray(mask.detach().cpu() if is_tensor(mask) else mask) != 0
-    expected = np.arange(m.shape[1])[None, :] < lengths[:, None]
-    bad = np.nonzero((m != expected).any(axis=1))[0]
+    any padding; this path needs right padding). ``lengths`` are the rows' non-zero
+    counts, so a row is right-padded when it is full or its first zero is at column
+    ``length``; a bool mask is read in place (no [B, S] temporaries)."""
+    if mask.shape[1] == 0:
+        return
+    m = mask if mask.dtype == np.bool_ else mask != 0
+    first_zero = np.argmin(m, axis=1)
+    bad = np.nonzero((lengths < m.shape[1]) & (first_zero != lengths))[0]
     if bad.size:
         raise ValueError(f"origin_batch['attention_mask'] row {int(bad[0])} is not right-padded (its real tokens do "
                          "not start at column 0): dynamic batching cuts columns past each micro-batch's longest row, "
@@ -246,7 +257,7 @@ def make_mini_batch_iter_for_dynamic_batching(
         raise ValueError("global_micro_batch_indices and global_micro_batch_lengths differ in length")
     rows = batch_size(data, "data") if len(data) else 0
     _check_ranges(ranges, rows)
-    pp = as_positive_int(pipeline_model_parallel_size or 1, "pipeline_model_parallel_size")
+    pp = _pp_size(pipeline_model_parallel_size)
     groups: List[Tuple[List[List[int]], List[int]]] = []
     if keep_mini_batch:
         if not isinstance(mini_batch_size, int) or mini_batch_size <= 0 or rows % mini_batch_size:
@@ -265,7 +276,7 @@ def make_mini_batch_iter_for_dynamic_batching(
     else:
         for i in range(0, len(ranges), ga_steps):
             groups.append((ranges[i:i + ga_steps], lengths[i:i + ga_steps]))
-    epochs = int(epochs)
+    epochs = as_positive_int(epochs, "epochs", allow_zero=True)
 
     def gen():
         for _ in range(epochs):
@@ -374,7 +385,8 @@ def make_micro_batch_iter_for_sequence_packing(
             raise ValueError("max_packed_sequence_length is required with algorithm 'load_balance'")
         box["cap"] = cap = as_positive_int(max_packed_sequence_length, "max_packed_sequence_length")
         tp, cp = as_positive_int(tp_size, "tp_size"), as_positive_int(cp_size, "cp_size")
-        multiple = as_positive_int(pad_multiple, "pad_multiple") if pad_multiple else alignment(cp, tp, rule="roll")
+        multiple = alignment(cp, tp, rule="roll") if pad_multiple is None else as_positive_int(pad_multiple,
+                                                                                                "pad_multiple")
         box["padded"] = padded = round_up(mask_lengths(mini_batch, "mini_batch"), multiple)
         if n and padded.max() > cap:
             raise ValueError(f"a sequence padded to {int(padded.max())} tokens (pad multiple {multiple}) exceeds "

@@ -23,6 +23,15 @@ from .._lengths import as_lengths, as_positive_int, core_lengths
 from .metrics import dp_balance_metrics
 
 
+def _k(k_partitions: Any) -> int:
+    return as_positive_int(k_partitions, "k_partitions")
+
+
+def _coeff(attention_coeff: Any) -> int:
+    """``attention_coeff``: None or 0 balance tokens; a positive int the quadratic workload."""
+    return 0 if attention_coeff is None else as_positive_int(attention_coeff, "attention_coeff", allow_zero=True)
+
+
 def karmarkar_karp(seqlen_list: Any, k_partitions: int, equal_size: bool) -> List[List[int]]:
     """Karmarkar-Karp (largest differencing) k-way partition.
 
@@ -34,7 +43,7 @@ def karmarkar_karp(seqlen_list: Any, k_partitions: int, equal_size: bool) -> Lis
         ValueError: ``k_partitions < 1``, fewer items than partitions, negative
             values, or ``equal_size`` with ``n % k != 0``.
     """
-    return _core.karmarkar_karp(core_lengths(seqlen_list, "seqlen_list"), k_partitions, bool(equal_size))
+    return _core.karmarkar_karp(core_lengths(seqlen_list, "seqlen_list"), _k(k_partitions), bool(equal_size))
 
 
 def get_seqlen_balanced_partitions(seqlen_list: Any, k_partitions: int, equal_size: bool) -> List[List[int]]:
@@ -44,7 +53,7 @@ def get_seqlen_balanced_partitions(seqlen_list: Any, k_partitions: int, equal_si
         >>> get_seqlen_balanced_partitions([1, 1, 9, 9], 2, equal_size=True)
         [[0, 3], [1, 2]]
     """
-    return _core.karmarkar_karp(core_lengths(seqlen_list, "seqlen_list"), k_partitions, bool(equal_size), True)
+    return _core.karmarkar_karp(core_lengths(seqlen_list, "seqlen_list"), _k(k_partitions), bool(equal_size), True)
 
 
 def greedy_lpt_partition(seqlen_list: Any, k_partitions: int, equal_size: bool = False) -> List[List[int]]:
@@ -53,7 +62,7 @@ def greedy_lpt_partition(seqlen_list: Any, k_partitions: int, equal_size: bool =
     Indices are sorted within groups. (verl's ``greedy_partition`` takes items in
     input order instead; LPT sorts them first, which balances far better.)
     """
-    return _core.greedy_lpt_partition(core_lengths(seqlen_list, "seqlen_list"), k_partitions, bool(equal_size))
+    return _core.greedy_lpt_partition(core_lengths(seqlen_list, "seqlen_list"), _k(k_partitions), bool(equal_size))
 
 
 def sorted_stride_partition(seqlen_list: Any, k_partitions: int) -> List[List[int]]:
@@ -63,7 +72,7 @@ def sorted_stride_partition(seqlen_list: Any, k_partitions: int) -> List[List[in
         >>> sorted_stride_partition([2, 8, 4, 16], 2)
         [[0, 1], [2, 3]]
     """
-    return _core.sorted_stride_partition(core_lengths(seqlen_list, "seqlen_list"), k_partitions)
+    return _core.sorted_stride_partition(core_lengths(seqlen_list, "seqlen_list"), _k(k_partitions))
 
 
 def log_seqlen_unbalance(seqlen_list: Sequence[int], partitions: List[List[int]], prefix: str) -> Dict[str, float]:
@@ -83,7 +92,7 @@ def sequence_workloads(lengths: Any, attention_coeff: Optional[int] = None) -> n
     ``attention_coeff`` the ratio of their per-token cost to attention's
     per-token-pair cost, a few times the hidden size) plus causal attention.
     """
-    return _core.sequence_workloads(as_lengths(lengths, "lengths"), int(attention_coeff or 0))
+    return _core.sequence_workloads(as_lengths(lengths, "lengths"), _coeff(attention_coeff))
 
 
 @dataclass
@@ -191,7 +200,7 @@ def plan_micro_batches(
         max_tokens,
         as_positive_int(min_num, "min_num"),
         as_positive_int(multiple_of, "multiple_of"),
-        int(attention_coeff or 0),
+        _coeff(attention_coeff),
         order == "small_at_ends",
     )
     return MicroBatchPlan(

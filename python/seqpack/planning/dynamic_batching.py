@@ -113,19 +113,25 @@ def plan_dynamic_batching(
         rule: ``"nemo_rl"``, ``"roll"`` or ``"optimal"``.
         batch_size: chunk size (global batch per optimizer step); ``None`` is the
             whole batch. Sorting never crosses a chunk boundary.
-        max_seqlen: padded width of the batch; NeMo-RL clamps rounded lengths to
-            it (``"nemo_rl"`` only).
+        max_seqlen: padded width of the batch: every length must fit in it, and
+            rounded micro-batch lengths are clamped to it (NeMo-RL's rule;
+            ``"optimal"`` plans on the rounded lengths, then clamps).
         pp_size: ``"roll"``: split micro-batches until the count is a multiple
             (ROLL does this with VPP); ``"optimal"``: the count is a multiple.
 
     Raises:
-        ValueError: a padded length above the cap, sizes that do not divide, an
-            unknown rule.
+        ValueError: a padded length above the cap, a length above ``max_seqlen``,
+            sizes that do not divide, an unknown rule.
     """
     if rule not in RULES:
         raise ValueError(f"rule must be one of {RULES}, got {rule!r}")
     lengths = as_lengths(input_lengths, "input_lengths")
     shards = as_positive_int(shards, "shards")
+    width = 0 if max_seqlen is None else as_positive_int(max_seqlen, "max_seqlen")
+    if width and lengths.size and lengths.max() > width:
+        i = int(lengths.argmax())
+        raise ValueError(f"input_lengths[{i}] = {int(lengths[i])} exceeds max_seqlen = {width} (the padded width of "
+                         f"the batch): a micro-batch cannot be cut wider than its tensors")
     raw = _core.plan_dynamic_batching(
         lengths,
         rule,
@@ -133,16 +139,22 @@ def plan_dynamic_batching(
         0 if batch_size is None else as_positive_int(batch_size, "batch_size"),
         as_positive_int(max_tokens_per_microbatch, "max_tokens_per_microbatch"),
         as_positive_int(sequence_length_round, "sequence_length_round"),
-        0 if max_seqlen is None else as_positive_int(max_seqlen, "max_seqlen"),
+        width,
         as_positive_int(pp_size, "pp_size"),
     )
+    micro_batch_lengths, padded_tokens = raw["micro_batch_lengths"], raw["padded_tokens"]
+    if width and rule != "nemo_rl":  # the core clamps for NeMo-RL's rule only
+        micro_batch_lengths = [[min(length, width) for length in chunk] for chunk in micro_batch_lengths]
+        padded_tokens = shards * sum((e - s) * length for idx, lens in zip(raw["micro_batch_indices"],
+                                                                           micro_batch_lengths)
+                                     for (s, e), length in zip(idx, lens))
     return DynamicBatchingPlan(
         sorted_indices=raw["sorted_indices"],
         micro_batch_indices=raw["micro_batch_indices"],
-        micro_batch_lengths=raw["micro_batch_lengths"],
+        micro_batch_lengths=micro_batch_lengths,
         shards=shards,
         shard_chunk_size=raw["shard_chunk_size"],
-        padded_tokens=raw["padded_tokens"],
+        padded_tokens=padded_tokens,
         valid_tokens=raw["valid_tokens"],
         rule=rule,
     )

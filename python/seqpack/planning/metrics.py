@@ -87,7 +87,7 @@ class PackingMetrics:
         self.total_sequences += len(lengths)
         self.total_bins += len(bins)
         self.total_sequence_length += int(lengths.sum())
-        self.total_bin_capacity += len(bins) * bin_capacity
+        self.total_bin_capacity += len(bins) * int(bin_capacity)
         self.total_waste += stats["total_waste"]
         self.bin_utilizations.append(stats["average_utilization"])
         self.bin_counts.append(len(bins))

@@ -32,7 +32,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 import numpy as np
 
 from .. import _core
-from .._lengths import as_positive_int, core_lengths
+from .._lengths import as_positive_int, core_lengths, type_name
 from .metrics import PackingMetrics
 
 
@@ -78,16 +78,18 @@ class SequencePacker:
         bin_count_multiple: Optional[int] = None,
         seed: Optional[int] = None,
     ):
-        if min_bin_count is not None and min_bin_count < 0:
-            raise ValueError(f"min_bin_count must be nonnegative, got {min_bin_count}")
-        if bin_count_multiple is not None and bin_count_multiple < 1:
-            raise ValueError(f"bin_count_multiple must be positive, got {bin_count_multiple}")
+        if min_bin_count is not None:
+            min_bin_count = as_positive_int(min_bin_count, "min_bin_count", allow_zero=True)
+        if bin_count_multiple is not None:
+            bin_count_multiple = as_positive_int(bin_count_multiple, "bin_count_multiple")
+        if seed is not None and (isinstance(seed, (bool, np.bool_)) or not isinstance(seed, (int, np.integer))):
+            raise TypeError(f"seed must be an int or None, got {type_name(seed)}")
         self.algorithm = algorithm
         self.bin_capacity = as_positive_int(bin_capacity, "bin_capacity")
         self.collect_metrics = collect_metrics
         self.min_bin_count = min_bin_count
         self.bin_count_multiple = bin_count_multiple
-        self.seed = seed
+        self.seed = seed  # any int: the core takes it modulo 2**64
         self.metrics: Optional[PackingMetrics] = PackingMetrics() if collect_metrics else None
 
     def _core_args(self) -> Dict[str, Any]:
@@ -98,8 +100,8 @@ class SequencePacker:
             seed = random.getrandbits(64) if self.algorithm is PackingAlgorithm.FIRST_FIT_SHUFFLE else 0
         return dict(
             bin_capacity=self.bin_capacity,
-            min_bin_count=self.min_bin_count or 0,
-            bin_count_multiple=self.bin_count_multiple or 1,
+            min_bin_count=0 if self.min_bin_count is None else self.min_bin_count,
+            bin_count_multiple=1 if self.bin_count_multiple is None else self.bin_count_multiple,
             seed=int(seed) & 0xFFFFFFFFFFFFFFFF,
         )
 
@@ -197,4 +199,5 @@ def adjust_bin_count(bins: List[List[int]], min_bin_count: int = 0, bin_count_mu
         >>> adjust_bin_count([[8, 0], [7, 1], [6, 2], [5, 3], [4]], min_bin_count=7)
         [[8, 0], [7, 1], [6], [5], [4], [3], [2]]
     """
-    return _core.adjust_bin_count(bins, min_bin_count, bin_count_multiple)
+    return _core.adjust_bin_count(bins, as_positive_int(min_bin_count, "min_bin_count", allow_zero=True),
+                                  as_positive_int(bin_count_multiple, "bin_count_multiple"))

@@ -13,9 +13,27 @@ import torch
 from torch.utils.dlpack import to_dlpack
 
 from .. import _core
-from .._lengths import round_up
+from .._lengths import check_not_meta, round_up, type_name
 
 _ALIGN = 16  # bytes: every segment of the pinned buffer starts 16-byte aligned (vector loads)
+
+
+def check_tensor(x, name: str) -> torch.Tensor:
+    """``x`` if it is a torch tensor holding data: anything else (a NumPy array,
+    a list, ``None``) is a ``TypeError`` naming its type, and a tensor on the meta
+    device (a shape without values) a ``ValueError``. The one check of every tensor
+    argument of the tensor and training APIs.
+
+        >>> check_tensor(np.zeros(2), "x")
+        Traceback (most recent call last):
+        ...
+        TypeError: x must be a torch.Tensor (convert with torch.as_tensor), got numpy.ndarray
+    """
+    if not isinstance(x, torch.Tensor):
+        hint = " (convert with torch.as_tensor)" if isinstance(x, np.ndarray) else ""
+        raise TypeError(f"{name} must be a torch.Tensor{hint}, got {type_name(x)}")
+    check_not_meta(x, name)
+    return x
 
 
 def dlpack(t: Optional[torch.Tensor]):

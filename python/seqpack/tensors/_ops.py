@@ -7,6 +7,10 @@ CPU int64 tensors of row runs, so the ops are plain functions of tensors:
 
     copies [n, 3]: (src row, dst row, rows)     fills [n, 2]: (dst row, rows)
 
+The fill is a ``Scalar`` (``torch.types.Number``): an integer pad reaches an
+integer tensor exactly (a ``float`` would round 2**53 + 1, and 2**63 - 1 to
+-2**63); :func:`check_fill` validates it against the tensor's dtype first.
+
 ``pack_rows`` / ``unpack_rows`` are what seqpack.thd calls: for plain tensors that
 need no gradient, outside ``torch.compile`` and dispatch modes, they run the
 plan's kernels directly (the operator dispatch costs ~10 µs, as much as a small
@@ -19,13 +23,15 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Callable, Sequence, Tuple
+from typing import Any, Callable, Sequence, Tuple, Union
 
 import numpy as np
 import torch
+from torch.types import Number
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from .. import _core
+from .._lengths import type_name
 from ._device import cuda_kernels, dlpack, host_to_device
 
 # Bytes per device task: big enough to amortise a thread block's start, small
@@ -33,14 +39,56 @@ from ._device import cuda_kernels, dlpack, host_to_device
 MAX_TASK_BYTES = 1 << 16
 
 
+def check_fill(value: Any, dtype: torch.dtype, name: str) -> Union[int, float, bool, complex]:
+    """``value`` as the pad of a ``dtype`` tensor, exactly: an ``int`` for integer
+    and bool dtypes (integral floats such as ``-100.0`` are accepted; it must lie in
+    the dtype's range), a ``float`` (any, ``-inf`` and NaN included) for floating
+    dtypes.
+
+    Raises:
+        TypeError: ``value`` is not a number (a string, ``None``).
+        ValueError: for an integer or bool dtype, a non-integral value (1.5, NaN,
+            inf) or one outside ``torch.iinfo(dtype)`` (bool: 0 and 1).
+
+    >>> check_fill(2**53 + 1, torch.int64, "pad_value")
+    9007199254740993
+    >>> check_fill(256, torch.uint8, "pad_value")
+    Traceback (most recent call last):
+    ...
+    ValueError: pad_value = 256 is outside torch.uint8's range [0, 255]
+    """
+    if not isinstance(value, (bool, int, float, np.bool_, np.integer, np.floating)):
+        if isinstance(value, (complex, np.complexfloating)) and dtype.is_complex:
+            return complex(value)
+        raise TypeError(f"{name} must be a number, got {type_name(value)}")
+    if dtype.is_floating_point or dtype.is_complex:
+        try:
+            return float(value)
+        except OverflowError:
+            raise ValueError(f"{name} = {value} does not fit in a float ({dtype})") from None
+    if isinstance(value, (float, np.floating)):
+        if not (math.isfinite(value) and float(value).is_integer()):
+            raise ValueError(f"{name} must be an integer for {dtype}, got {value}")
+    value = int(value)
+    low, high = (0, 1) if dtype == torch.bool else (torch.iinfo(dtype).min, torch.iinfo(dtype).max)
+    if not low <= value <= high:
+        raise ValueError(f"{name} = {value} is outside {dtype}'s range [{low}, {high}]")
+    return bool(value) if dtype == torch.bool else value
+
+
+def _fill_bytes(dtype: torch.dtype, trailing: Tuple[int, ...], fill: Number) -> bytes:
+    """One padded row of ``fill`` as raw bytes."""
+    # Cached by the fill's type and repr as well: 0.0 == -0.0 and 1 == 1.0 == True hash alike.
+    return _fill_row(dtype, trailing, type(fill), repr(fill), fill)
+
+
 @functools.lru_cache(maxsize=256)
-def _fill_bytes(dtype: torch.dtype, trailing: Tuple[int, ...], fill: float) -> bytes:
-    """One padded row of ``fill`` as raw bytes (cached: the same few pads recur)."""
+def _fill_row(dtype: torch.dtype, trailing: Tuple[int, ...], kind: type, text: str, fill: Number) -> bytes:
     return torch.full((1, *trailing), fill, dtype=dtype).view(torch.uint8).numpy().tobytes()
 
 
 def _move(src: torch.Tensor, move, out_shape: Sequence[int], trailing: Sequence[int], src_rows: int,
-          dst_rows: int, fill: float, num_threads: int) -> torch.Tensor:
+          dst_rows: int, fill: Number, num_threads: int) -> torch.Tensor:
     """Rows of ``src`` into a new ``out_shape`` tensor. ``move`` is a pair of run
     tensors ``(copies, fills)``, or (CPU only) a plan's ``pack_into``/``unpack_into``."""
     src = src.contiguous()
@@ -72,7 +120,7 @@ def _move(src: torch.Tensor, move, out_shape: Sequence[int], trailing: Sequence[
 
 
 def _move_torch(src: torch.Tensor, copies: np.ndarray, out: torch.Tensor, src_rows: int, dst_rows: int,
-                fill: float) -> torch.Tensor:
+                fill: Number) -> torch.Tensor:
     """The same move in PyTorch ops (a row index on the host, a gather on the
     device), for CUDA tensors where seqpack's kernels cannot run."""
     index = np.full(dst_rows, -1, dtype=np.int64)
@@ -100,7 +148,7 @@ def _unpack_impl(y, move, batch, width, fill, num_threads):
 
 @torch.library.custom_op("seqpack::pack", mutates_args=())
 def pack(x: torch.Tensor, pack_copies: torch.Tensor, pack_fills: torch.Tensor, unpack_copies: torch.Tensor,
-         unpack_fills: torch.Tensor, rows: int, fill: float, num_threads: int) -> torch.Tensor:
+         unpack_fills: torch.Tensor, rows: int, fill: Number, num_threads: int) -> torch.Tensor:
     """``[B, S, ...] -> [rows, ...]`` by the pack runs (the unpack runs serve the backward)."""
     return _pack_impl(x, (pack_copies, pack_fills), rows, fill, num_threads)
 
@@ -112,7 +160,7 @@ def _pack_fake(x, pack_copies, pack_fills, unpack_copies, unpack_fills, rows, fi
 
 @torch.library.custom_op("seqpack::unpack", mutates_args=())
 def unpack(y: torch.Tensor, pack_copies: torch.Tensor, pack_fills: torch.Tensor, unpack_copies: torch.Tensor,
-           unpack_fills: torch.Tensor, batch: int, width: int, fill: float, num_threads: int) -> torch.Tensor:
+           unpack_fills: torch.Tensor, batch: int, width: int, fill: Number, num_threads: int) -> torch.Tensor:
     """``[rows, ...] -> [batch, width, ...]`` by the unpack runs."""
     return _unpack_impl(y, (unpack_copies, unpack_fills), batch, width, fill, num_threads)
 
@@ -157,7 +205,7 @@ def _direct(x: torch.Tensor) -> bool:
             and not torch._C._is_torch_function_mode_enabled())
 
 
-def pack_rows(x: torch.Tensor, plan, runs: Callable[[], Tuple[torch.Tensor, ...]], fill: float,
+def pack_rows(x: torch.Tensor, plan, runs: Callable[[], Tuple[torch.Tensor, ...]], fill: Number,
               num_threads: int) -> torch.Tensor:
     """``seqpack::pack`` of ``x`` by a ThdPlan (``runs()`` gives its four run tensors)."""
     if _direct(x):
@@ -166,7 +214,7 @@ def pack_rows(x: torch.Tensor, plan, runs: Callable[[], Tuple[torch.Tensor, ...]
     return pack(x, *runs(), plan.local_rows, fill, num_threads)
 
 
-def unpack_rows(y: torch.Tensor, plan, runs: Callable[[], Tuple[torch.Tensor, ...]], fill: float,
+def unpack_rows(y: torch.Tensor, plan, runs: Callable[[], Tuple[torch.Tensor, ...]], fill: Number,
                 num_threads: int) -> torch.Tensor:
     """``seqpack::unpack`` of ``y`` by a ThdPlan (``runs()`` gives its four run tensors)."""
     if _direct(y):

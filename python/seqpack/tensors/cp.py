@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .. import _core
+from .._lengths import as_positive_int, check_not_meta
 from .layout import host_offsets
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -32,8 +33,9 @@ def cp_partition_indices(cu_seqlens_padded: Any, cp_size: int, cp_rank: int) -> 
     """Global THD positions held by ``cp_rank``, in its local order (int64); the same
     indices as Transformer Engine's ``thd_get_partitioned_indices``. Every padded
     length must be a multiple of ``2 * cp_size``."""
-    return _core.cp_partition_indices(host_offsets(cu_seqlens_padded, "cu_seqlens_padded"), int(cp_size),
-                                      int(cp_rank))
+    return _core.cp_partition_indices(host_offsets(cu_seqlens_padded, "cu_seqlens_padded"),
+                                      as_positive_int(cp_size, "cp_size"),
+                                      as_positive_int(cp_rank, "cp_rank", allow_zero=True))
 
 
 def cp_restore_order(cu_seqlens_padded: Any, cp_size: int) -> np.ndarray:
@@ -46,7 +48,8 @@ def cp_restore_order(cu_seqlens_padded: Any, cp_size: int) -> np.ndarray:
     >>> gathered[seqpack.cp_restore_order(cu, 2)].tolist() == list(range(16))
     True
     """
-    return _core.cp_restore_order(host_offsets(cu_seqlens_padded, "cu_seqlens_padded"), int(cp_size))
+    return _core.cp_restore_order(host_offsets(cu_seqlens_padded, "cu_seqlens_padded"),
+                                  as_positive_int(cp_size, "cp_size"))
 
 
 def cp_row_positions(cu_seqlens_padded: "torch.Tensor", rows: int, cp_size: int = 1, cp_rank: int = 0):
@@ -63,6 +66,7 @@ def cp_row_positions(cu_seqlens_padded: "torch.Tensor", rows: int, cp_size: int 
     """
     import torch
 
+    check_not_meta(cu_seqlens_padded, "cu_seqlens_padded")
     count = cu_seqlens_padded.shape[0] - 1
     j = torch.arange(rows, device=cu_seqlens_padded.device)
     # The last sequence starting at or before the row (an empty sequence shares its

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, Dict, Iterable, List, Mapping, Optional, 
 
 import numpy as np
 
-from .._lengths import as_positive_int
+from .._lengths import as_int64, as_positive_int
 from ..planning.packing import get_packer
 from .. import _core
 from .layout import PackedLayout, alignment, round_up
@@ -131,6 +131,7 @@ def pack_dataset(
         raise ValueError(f"too_long must be one of {', '.join(_POLICIES)}; got {too_long!r}")
     if max_packs is not None:
         as_positive_int(max_packs, "max_packs")
+    padding_idx, label_pad = as_int64(padding_idx, "padding_idx"), as_int64(label_pad, "label_pad")
 
     examples = examples if isinstance(examples, Sequence) else list(examples)
     from tqdm.auto import tqdm

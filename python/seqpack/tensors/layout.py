@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, Dict, Optional, Tuple, Union
 import numpy as np
 
 from .. import _core
-from .._lengths import as_positive_int, core_lengths, round_up
+from .._lengths import as_positive_int, check_not_meta, core_lengths, round_up
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -104,6 +104,7 @@ def check_offsets(cu: Any, name: str = "cu_seqlens") -> Union[np.ndarray, "torch
     """
     if hasattr(cu, "dim") and hasattr(cu, "device"):  # a torch tensor
         torch = _torch()
+        check_not_meta(cu, name)
         if cu.dim() != 1 or cu.dtype not in (torch.int32, torch.int64):
             raise TypeError(f"{name} must be a 1-D int32 or int64 tensor [B + 1], got {cu.dtype} {tuple(cu.shape)}")
         if not reads_on_host(cu):
@@ -210,8 +211,7 @@ class PackedLayout:
 
     def __post_init__(self) -> None:
         cp = as_positive_int(self.cp_size, "cp_size")
-        if isinstance(self.cp_rank, bool) or not isinstance(self.cp_rank, (int, np.integer)) or \
-                not 0 <= self.cp_rank < cp:
+        if as_positive_int(self.cp_rank, "cp_rank", allow_zero=True) >= cp:
             raise ValueError(f"cp_rank must be an int in [0, cp_size={cp}), got {self.cp_rank!r}")
         as_positive_int(self.pad_multiple, "pad_multiple")
         cu, padded = _host_form(self.cu_seqlens, "cu_seqlens"), _host_form(self.cu_seqlens_padded, "cu_seqlens_padded")

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional, Union
 import numpy as np
 
 from .. import _core
-from .._lengths import as_lengths, as_positive_int
+from .._lengths import as_lengths, as_positive_int, type_name
 from .layout import PackedLayout, PackedSeqParams, alignment, host_offsets, megatron_packed_seq_params
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -51,8 +51,13 @@ def _torch():
 
 
 def _check_device(t: "torch.Tensor", name: str) -> None:
-    """CPU and CUDA tensors move; on CUDA without seqpack's kernels (a build without
-    nvcc, a driver its runtime cannot use) a PyTorch path runs, with one warning."""
+    """``t`` must be a CPU or CUDA tensor (a ``TypeError`` for anything but a tensor,
+    a ``ValueError`` on the meta device). CPU and CUDA tensors move; on CUDA without
+    seqpack's kernels (a build without nvcc, a driver its runtime cannot use) a
+    PyTorch path runs, with one warning."""
+    from ._device import check_tensor
+
+    check_tensor(t, name)
     if t.device.type not in ("cpu", "cuda"):
         raise ValueError(f"{name} is on {t.device}; seqpack moves CPU and CUDA tensors")
 
@@ -62,6 +67,23 @@ def _plan_runs(plan) -> tuple:
     torch = _torch()
     return tuple(torch.from_numpy(np.asarray(a)) for a in
                  (plan.pack_copies, plan.pack_fills, plan.unpack_copies, plan.unpack_fills))
+
+
+def _host_mask(attention_mask: "torch.Tensor", batch: int, width: int) -> np.ndarray:
+    """``attention_mask`` as a C-contiguous uint8 host array (non-zero: a real token)
+    for the C++ planner, read in its own dtype: a bool or 8-bit mask is viewed, not
+    converted (``mask != 0`` on a bool tensor promotes it to int64, 8 bytes a token);
+    a wider one is compared with 0 on its device (one byte a token) before the copy."""
+    torch = _torch()
+    from ._device import check_tensor
+
+    check_tensor(attention_mask, "attention_mask")
+    if tuple(attention_mask.shape) != (batch, width):
+        raise ValueError(f"attention_mask must be [B, S] = [{batch}, {width}], got {tuple(attention_mask.shape)}")
+    mask = attention_mask.detach()
+    if mask.dtype not in (torch.bool, torch.uint8, torch.int8):
+        mask = mask != 0
+    return mask.cpu().contiguous().view(torch.uint8).numpy()
 
 
 def _position_ids(plan, device) -> "torch.Tensor":
@@ -189,23 +211,37 @@ class PackedBatch(_NamedPackedTensors):
         back to padded ``[B, S, ...]``; rows without a token of ``x`` (padding, other
         ranks' chunks) get ``fill``. Differentiable (its backward packs the gradient).
         """
+        _check_device(x, "x")
         if x.dim() < 1 or x.shape[0] != self.num_tokens:
             raise ValueError(f"x must have {self.num_tokens} rows (the packed length), got shape {tuple(x.shape)}")
-        _check_device(x, "x")
         from . import _ops
 
-        return _ops.unpack_rows(x, self._plan, self._runs, float(fill), self._num_threads)
+        return _ops.unpack_rows(x, self._plan, self._runs, _ops.check_fill(fill, x.dtype, "fill"), self._num_threads)
+
+
+def _as_named(tensors) -> Dict[str, "torch.Tensor"]:
+    """``tensors`` as a dict of names to tensors (one tensor is ``"input"``), each
+    checked by :func:`seqpack.tensors._device.check_tensor`."""
+    torch = _torch()
+    from ._device import check_tensor
+
+    if isinstance(tensors, torch.Tensor):
+        named = {"input": tensors}
+    elif isinstance(tensors, Mapping) or (callable(getattr(tensors, "keys", None)) and hasattr(tensors, "__getitem__")):
+        named = {name: tensors[name] for name in tensors.keys()}  # a dict, BatchedDataDict, TensorDict
+    else:
+        raise TypeError(f"tensors must be a torch.Tensor or a mapping of names to torch.Tensor, got "
+                        f"{type_name(tensors)}")
+    if not named:
+        raise ValueError("tensors must hold at least one tensor")
+    for name, t in named.items():
+        check_tensor(t, f"tensors[{name!r}]")
+    return named
 
 
 def _named_tensors(tensors) -> tuple:
     """``(dict of tensors, B, S)``: every tensor a CPU/CUDA ``[B, S, ...]`` on one device."""
-    torch = _torch()
-    named = {"input": tensors} if isinstance(tensors, torch.Tensor) else dict(tensors)
-    if not named:
-        raise ValueError("tensors must hold at least one tensor")
-    for name, t in named.items():
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"tensors[{name!r}] must be a torch.Tensor, got {type(t).__name__}")
+    named = _as_named(tensors)
     first_name, first = next(iter(named.items()))
     if first.dim() < 2:
         raise ValueError(f"tensors[{first_name!r}] must be [B, S, ...], got shape {tuple(first.shape)}")
@@ -230,9 +266,16 @@ def _pack_named(result: "PackedBatch", named: Dict[str, "torch.Tensor"], pad_val
     if unknown:
         raise ValueError(f"pad_values names tensors that were not given: {sorted(unknown)}")
     for name, t in named.items():
-        result.tensors[name] = _ops.pack_rows(t, result._plan, result._runs, float(pad_values.get(name, pad_value)),
+        value, arg = _pad_of(name, pad_values, pad_value)
+        result.tensors[name] = _ops.pack_rows(t, result._plan, result._runs, _ops.check_fill(value, t.dtype, arg),
                                               num_threads)
     return result
+
+
+def _pad_of(name: str, pad_values: Dict[str, Any], pad_value: Any) -> tuple:
+    """``(value, argument name)`` of tensor ``name``'s pad, for the messages of
+    :func:`seqpack.tensors._ops.check_fill`."""
+    return (pad_values[name], f"pad_values[{name!r}]") if name in pad_values else (pad_value, "pad_value")
 
 
 def pack_sequences(
@@ -269,16 +312,14 @@ def pack_sequences(
             local THD and its position ids, built without a full packed copy.
         num_threads: CPU threads for the copies (0: automatic).
     """
-    torch = _torch()
     named, batch, width = _named_tensors(tensors)
+    num_threads = as_positive_int(num_threads, "num_threads", allow_zero=True)
     if (attention_mask is None) == (seq_lens is None):
         raise ValueError("give exactly one of attention_mask and seq_lens")
     mask = None
     lens = None
     if attention_mask is not None:
-        if tuple(attention_mask.shape) != (batch, width):
-            raise ValueError(f"attention_mask must be [B, S] = [{batch}, {width}], got {tuple(attention_mask.shape)}")
-        mask = (attention_mask != 0).to(torch.uint8).cpu().contiguous().numpy()
+        mask = _host_mask(attention_mask, batch, width)
     else:
         lens = as_lengths(seq_lens, "seq_lens")
         if lens.shape[0] != batch:
@@ -289,7 +330,7 @@ def pack_sequences(
         0 if pad_packed_to is None else as_positive_int(pad_packed_to, "pad_packed_to"),
         1 if pad_packed_multiple is None else as_positive_int(pad_packed_multiple, "pad_packed_multiple"),
         as_positive_int(cp_size, "cp_size"),
-        int(cp_rank),
+        as_positive_int(cp_rank, "cp_rank", allow_zero=True),
     )
     layout = PackedLayout._from_core(plan.layout, pad_multiple, int(plan.cp_rank))
     device = next(iter(named.values())).device
@@ -315,6 +356,7 @@ def pack_to_layout(
     [5, 6, 0, 7, 8, 9, 0, 0]
     """
     named, batch, width = _named_tensors(tensors)
+    num_threads = as_positive_int(num_threads, "num_threads", allow_zero=True)
     if not isinstance(layout, PackedLayout):
         raise TypeError(f"layout must be a PackedLayout, got {type(layout).__name__}")
     if batch != layout.num_sequences:
@@ -362,6 +404,9 @@ def unpack_sequences(x: "torch.Tensor", cu_seqlens_padded: Any, cp_size: int = 1
     >>> [v.tolist() for v in seqpack.unpack_sequences(torch.arange(6), [0, 2, 6])]
     [[0, 1], [2, 3, 4, 5]]
     """
+    from ._device import check_tensor
+
+    check_tensor(x, "x")
     offsets = host_offsets(cu_seqlens_padded, "cu_seqlens_padded")
     layout = PackedLayout.from_offsets(offsets, offsets, cp_size=cp_size)
     if x.dim() < 1 or x.shape[0] != layout.local_tokens:
@@ -416,10 +461,15 @@ class StaticPackedBatch(_NamedPackedTensors):
         without a row (padding, other CP ranks' chunks) get ``fill``. PyTorch ops
         (one scatter), differentiable."""
         torch = _torch()
+        from ._device import check_tensor
+        from ._ops import check_fill
+
+        check_tensor(x, "x")
         batch, width = self.seq_lens.shape[0], self.max_seqlen
         if x.dim() < 1 or x.shape[0] != self.num_tokens:
             raise ValueError(f"x must have {self.num_tokens} rows (this batch's packed rows), got shape "
                              f"{tuple(x.shape)}")
+        fill = check_fill(fill, x.dtype, "fill")
         out = torch.full((batch * width + 1, *x.shape[1:]), fill, dtype=x.dtype, device=x.device)
         return out.index_put((self._destination,), x)[:-1].view(batch, width, *x.shape[1:])
 
@@ -473,11 +523,11 @@ def pack_sequences_static(
     True
     """
     torch = _torch()
+    from ._device import check_tensor
+    from ._ops import check_fill
     from .cp import cp_row_positions
 
-    named = {"input": tensors} if isinstance(tensors, torch.Tensor) else dict(tensors)
-    if not named or not all(isinstance(t, torch.Tensor) for t in named.values()):
-        raise TypeError("tensors must be a tensor or a non-empty dict of tensors")
+    named = _as_named(tensors)
     first = next(iter(named.values()))
     if first.dim() < 2:
         raise ValueError(f"tensors must be [B, S, ...], got shape {tuple(first.shape)}")
@@ -492,7 +542,8 @@ def pack_sequences_static(
         raise ValueError(f"max_seqs = {seqs} is below the batch size {batch}")
     multiple = as_positive_int(pad_multiple, "pad_multiple")
     cp = as_positive_int(cp_size, "cp_size")
-    if not 0 <= int(cp_rank) < cp:
+    cp_rank = as_positive_int(cp_rank, "cp_rank", allow_zero=True)
+    if cp_rank >= cp:
         raise ValueError(f"cp_rank must be in [0, cp_size = {cp}), got {cp_rank}")
     if cp > 1 and (multiple % (2 * cp) or capacity % (2 * cp)):
         raise ValueError(f"with cp_size = {cp}, pad_multiple ({multiple}) and max_tokens ({capacity}) must be "
@@ -501,6 +552,12 @@ def pack_sequences_static(
     unknown = set(pad_values) - set(named)
     if unknown:
         raise ValueError(f"pad_values names tensors that were not given: {sorted(unknown)}")
+    fills = {}
+    for name, t in named.items():
+        value, arg = _pad_of(name, pad_values, pad_value)
+        fills[name] = check_fill(value, t.dtype, arg)
+    if isinstance(seq_lens, torch.Tensor):
+        check_tensor(seq_lens, "seq_lens")
     if isinstance(seq_lens, torch.Tensor) and (seq_lens.device != torch.device("cpu") or
                                                 torch.compiler.is_compiling()):
         if tuple(seq_lens.shape) != (batch,) or seq_lens.dtype.is_floating_point:
@@ -535,7 +592,7 @@ def pack_sequences_static(
         torch.zeros(seqs + 1, dtype=torch.int64, device=device)
     rows = capacity // cp
     if batch:
-        seq, pos = cp_row_positions(cu_padded[: batch + 1], rows, cp, int(cp_rank))
+        seq, pos = cp_row_positions(cu_padded[: batch + 1], rows, cp, cp_rank)
         keep = pos < lens[seq]
     else:
         pos = torch.arange(rows, device=device)
@@ -544,7 +601,7 @@ def pack_sequences_static(
     packed = {}
     for name, t in named.items():
         trailing = t.shape[2:]
-        fill = torch.full((), pad_values.get(name, pad_value), dtype=t.dtype, device=device)
+        fill = torch.full((), fills[name], dtype=t.dtype, device=device)
         if batch * width == 0:
             packed[name] = fill.expand(rows, *trailing).clone()
             continue
@@ -553,4 +610,4 @@ def pack_sequences_static(
     return StaticPackedBatch(
         tensors=packed, cu_seqlens=cu.to(torch.int32), cu_seqlens_padded=cu_padded.to(torch.int32),
         max_seqlen=width, max_seqlen_padded=capacity, seq_lens=lens, position_ids=pos, cp_size=cp,
-        cp_rank=int(cp_rank), _destination=torch.where(keep, source, batch * width))
+        cp_rank=cp_rank, _destination=torch.where(keep, source, batch * width))

@@ -123,10 +123,19 @@ def _device_cu(cu: Any, device) -> "torch.Tensor":
 
 
 def _check(q, k, v, window_size, causal) -> Tuple[int, int]:
-    torch = _torch()
+    """The argument rules of the attention functions; returns the ``(left, right)``
+    window (``right`` is 0 when causal)."""
+    from ..tensors._device import check_tensor
+
     for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor) or t.dim() != 3:
-            raise ValueError(f"{name} must be a [T, H, D] tensor, got {getattr(t, 'shape', type(t))}")
+        if check_tensor(t, name).dim() != 3:
+            raise ValueError(f"{name} must be a [T, H, D] tensor, got {tuple(t.shape)}")
+        if not t.dtype.is_floating_point:
+            raise TypeError(f"{name} must be a floating-point tensor, got {t.dtype}")
+        if t.shape[1] == 0:
+            raise ValueError(f"{name} must have at least one head, got shape {tuple(t.shape)} (H = 0)")
+    if q.shape[2] == 0:
+        raise ValueError(f"the head dim D must be positive, got q of shape {tuple(q.shape)}")
     if k.shape[:2] != v.shape[:2]:
         raise ValueError(f"k and v must have the same rows and heads, got {tuple(k.shape)} and {tuple(v.shape)}")
     if q.shape[2] != k.shape[2]:
@@ -135,10 +144,25 @@ def _check(q, k, v, window_size, causal) -> Tuple[int, int]:
         raise ValueError(f"q heads ({q.shape[1]}) must be a multiple of k/v heads ({k.shape[1]}) (GQA)")
     if not (q.dtype == k.dtype == v.dtype) or not (q.device == k.device == v.device):
         raise ValueError("q, k and v must share dtype and device")
-    if len(window_size) != 2 or any(int(w) < -1 for w in window_size):
-        raise ValueError(f"window_size must be (left, right) with each >= -1, got {window_size}")
-    left, right = int(window_size[0]), int(window_size[1])
+    left, right = _window(window_size)
     return left, (0 if causal else right)
+
+
+def _window(window_size: Any) -> Tuple[int, int]:
+    """``window_size`` as ``(left, right)`` ints >= -1; ``None`` is no window,
+    ``(-1, -1)``, as flash-attn's default."""
+    if window_size is None:
+        return -1, -1
+    if isinstance(window_size, (str, bytes)) or not hasattr(window_size, "__len__") or len(window_size) != 2:
+        raise TypeError(f"window_size must be a (left, right) pair of ints (-1: unbounded) or None, got "
+                        f"{window_size!r}")
+    for i, w in enumerate(window_size):
+        if isinstance(w, (bool, np.bool_)) or not isinstance(w, (int, np.integer)):
+            raise TypeError(f"window_size[{i}] must be an int (-1: unbounded), got {type(w).__name__}")
+    left, right = int(window_size[0]), int(window_size[1])
+    if left < -1 or right < -1:
+        raise ValueError(f"window_size must be (left, right) with each >= -1, got {tuple(window_size)}")
+    return left, right
 
 
 def varlen_attention(
@@ -151,7 +175,7 @@ def varlen_attention(
     max_seqlen_k: int,
     causal: bool = True,
     softmax_scale: Optional[float] = None,
-    window_size: Sequence[int] = (-1, -1),
+    window_size: Optional[Sequence[int]] = (-1, -1),
     backend: str = "auto",
 ) -> "torch.Tensor":
     """Attention of packed queries over packed keys, sequence by sequence.
@@ -170,7 +194,8 @@ def varlen_attention(
         max_seqlen_q / max_seqlen_k: the longest query / key sequence.
         causal: bottom-right aligned causal mask per sequence.
         softmax_scale: default ``1 / sqrt(D)``.
-        window_size: ``(left, right)`` sliding window, -1 = unbounded.
+        window_size: ``(left, right)`` sliding window, -1 = unbounded; ``None`` is
+            ``(-1, -1)``.
         backend: ``"auto"`` or one of :data:`BACKENDS`.
 
     Returns:

@@ -83,11 +83,11 @@ def next_token_targets(input_ids: "torch.Tensor", cu_seqlens: "torch.Tensor", cu
     [11, 12, -1, -1, 21, -1]
     """
     torch = _torch()
-    from ..tensors._device import to_device
+    from ..tensors._device import check_tensor, to_device
 
-    device = input_ids.device
-    cu = to_device(cu_seqlens, device).to(torch.int64)
-    cu_p = to_device(cu_seqlens_padded, device).to(torch.int64)
+    device = check_tensor(input_ids, "input_ids").device
+    cu = to_device(check_tensor(cu_seqlens, "cu_seqlens"), device).to(torch.int64)
+    cu_p = to_device(check_tensor(cu_seqlens_padded, "cu_seqlens_padded"), device).to(torch.int64)
     if cu_p.shape[0] <= 1 or input_ids.shape[0] == 0:
         return torch.full((rows,), -1, dtype=torch.int64, device=device)
     seq, pos = cp_row_positions(cu_p, rows, cp_size, cp_rank)
@@ -110,7 +110,8 @@ def next_token_sources(cu_seqlens: Any, cu_seqlens_padded: Any = None, cp_size: 
     layout = _layout(cu_seqlens, cu_seqlens_padded, cp)
     total = layout.num_tokens
     cu, padded = layout.offsets_on("cpu")
-    return next_token_targets(torch.arange(total), cu, padded, total // cp, cp, int(cp_rank)).numpy()
+    cp_rank = as_positive_int(cp_rank, "cp_rank", allow_zero=True)
+    return next_token_targets(torch.arange(total), cu, padded, total // cp, cp, cp_rank).numpy()
 
 
 def _offsets_on(device, cu_seqlens: Any, cu_seqlens_padded: Any, cp: int, rows: int, ids_len: int):
@@ -197,19 +198,21 @@ def packed_token_logprobs(
     """
     torch = _torch()
     from . import _logprob_ops as ops
+    from ..tensors._device import check_tensor
 
-    if not isinstance(logits, torch.Tensor) or logits.dim() != 2:
-        raise ValueError(f"logits must be a [T, V] tensor, got {getattr(logits, 'shape', type(logits))}")
+    if check_tensor(logits, "logits").dim() != 2:
+        raise ValueError(f"logits must be a [T, V] tensor, got {tuple(logits.shape)}")
     if logits.dtype not in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
         raise TypeError(f"logits must be float32, bfloat16, float16 or float64, got {logits.dtype}")
     if logits.shape[1] == 0:
         raise ValueError("logits must have at least one vocabulary column (V > 0)")
+    vocab_start, num_threads = _int_args(vocab_start, num_threads)
     targets, cp, cp_rank = _targets(logits.shape[0], logits.device, logits.shape[1], input_ids, cu_seqlens,
                                     cu_seqlens_padded, cp_size, cp_rank, temperature, vocab_parallel_group,
                                     vocab_start)
     if logits.stride(1) != 1:
         logits = logits.contiguous()
-    args = (logits, targets, int(vocab_start), float(temperature), bool(return_entropy), int(num_threads))
+    args = (logits, targets, vocab_start, float(temperature), bool(return_entropy), num_threads)
     if vocab_parallel_group is None:
         lp, ent, _, _ = torch.ops.seqpack.token_logprobs(*args)
     else:
@@ -217,13 +220,22 @@ def packed_token_logprobs(
     return TokenLogprobs(lp, ent if return_entropy else None)
 
 
+def _int_args(vocab_start: Any, num_threads: Any):
+    """``(vocab_start, num_threads)`` as ints >= 0 (0 threads: automatic)."""
+    return (as_positive_int(vocab_start, "vocab_start", allow_zero=True),
+            as_positive_int(num_threads, "num_threads", allow_zero=True))
+
+
 def _targets(rows: int, device, vocab: int, input_ids: Any, cu_seqlens: Any, cu_seqlens_padded: Any, cp_size: Any,
              cp_rank: Any, temperature: Any, vocab_parallel_group, vocab_start: int):
-    """The shared argument rules of the log-prob functions; returns each local row's
-    target id (-1: none) on ``device``, and the CP size and rank."""
+    """The shared argument rules of the log-prob functions (``vocab_start`` checked
+    by :func:`_int_args`); returns each local row's target id (-1: none) on
+    ``device``, and the CP size and rank."""
     torch = _torch()
-    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 1:
-        raise ValueError("input_ids must be the 1-D packed token ids [T]")
+    from ..tensors._device import check_tensor
+
+    if check_tensor(input_ids, "input_ids").dim() != 1:
+        raise ValueError(f"input_ids must be the 1-D packed token ids [T], got shape {tuple(input_ids.shape)}")
     if input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool:
         raise TypeError(f"input_ids must be an integer tensor, got {input_ids.dtype}")
     if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature > 0):
@@ -233,14 +245,15 @@ def _targets(rows: int, device, vocab: int, input_ids: Any, cu_seqlens: Any, cu_
             raise ValueError("give cu_seqlens_padded only with plain offsets, not with a PackedLayout")
         cp_size, cp_rank = cu_seqlens.cp_size, cu_seqlens.cp_rank
     cp = as_positive_int(cp_size, "cp_size")
-    if not 0 <= int(cp_rank) < cp:
+    cp_rank = as_positive_int(cp_rank, "cp_rank", allow_zero=True)
+    if cp_rank >= cp:
         raise ValueError(f"cp_rank must be in [0, cp_size = {cp}), got {cp_rank}")
     cu, cu_p = _offsets_on(device, cu_seqlens, cu_seqlens_padded, cp, rows, input_ids.shape[0])
     if vocab_parallel_group is None:
-        _check_target_ids(input_ids, int(vocab_start) + vocab)
+        _check_target_ids(input_ids, vocab_start + vocab)
     from ..tensors._device import to_device
 
-    return next_token_targets(to_device(input_ids, device), cu, cu_p, rows, cp, int(cp_rank)), cp, int(cp_rank)
+    return next_token_targets(to_device(input_ids, device), cu, cu_p, rows, cp, cp_rank), cp, cp_rank
 
 
 def linear_token_logprobs(
@@ -295,14 +308,16 @@ def linear_token_logprobs(
     """
     torch = _torch()
     from . import _logprob_ops as ops
+    from ..tensors._device import check_tensor
 
-    if not isinstance(hidden, torch.Tensor) or hidden.dim() != 2:
-        raise ValueError(f"hidden must be a [T, H] tensor, got {getattr(hidden, 'shape', type(hidden))}")
+    if check_tensor(hidden, "hidden").dim() != 2:
+        raise ValueError(f"hidden must be a [T, H] tensor, got {tuple(hidden.shape)}")
     if hidden.dtype not in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
         raise TypeError(f"hidden must be float32, bfloat16, float16 or float64, got {hidden.dtype}")
-    if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or weight.shape[1] != hidden.shape[1]:
-        raise ValueError(f"weight must be the [V, H = {hidden.shape[1]}] LM head, got "
-                         f"{tuple(getattr(weight, 'shape', ())) or type(weight).__name__}")
+    if check_tensor(weight, "weight").dim() != 2 or weight.shape[1] != hidden.shape[1]:
+        raise ValueError(f"weight must be the [V, H = {hidden.shape[1]}] LM head, got {tuple(weight.shape)}")
+    if bias is not None:
+        check_tensor(bias, "bias")
     if weight.shape[0] == 0:
         raise ValueError("weight must have at least one vocabulary row (V > 0)")
     for name, t in (("weight", weight), ("bias", bias)):
@@ -312,12 +327,13 @@ def linear_token_logprobs(
     if bias is not None and tuple(bias.shape) != (weight.shape[0],):
         raise ValueError(f"bias must be [V = {weight.shape[0]}], got {tuple(bias.shape)}")
     chunk = 0 if chunk_tokens is None else as_positive_int(chunk_tokens, "chunk_tokens")
+    vocab_start, num_threads = _int_args(vocab_start, num_threads)
     targets, cp, cp_rank = _targets(hidden.shape[0], hidden.device, weight.shape[0], input_ids, cu_seqlens,
                                     cu_seqlens_padded, cp_size, cp_rank, temperature, vocab_parallel_group,
                                     vocab_start)
     chunk = ops.chunk_rows(chunk, hidden.shape[0], weight.shape[0])
-    args = (hidden, weight, bias, targets, int(vocab_start), float(temperature), bool(return_entropy),
-            int(num_threads), chunk)
+    args = (hidden, weight, bias, targets, vocab_start, float(temperature), bool(return_entropy), num_threads,
+            chunk)
     if vocab_parallel_group is None:
         lp, ent, _, _ = torch.ops.seqpack.linear_token_logprobs(*args)
     else:

@@ -102,6 +102,9 @@ def _segment_index(cu: np.ndarray, device):
 
 def segment_sum(values: "torch.Tensor", cu_seqlens: Any) -> "torch.Tensor":
     """Sum of ``values[cu[i]:cu[i + 1]]`` per sequence, ``[B, ...]`` (differentiable)."""
+    from ..tensors._device import check_tensor
+
+    check_tensor(values, "values")
     cu = _host_cu(cu_seqlens, "cu_seqlens")
     if values.shape[0] < cu[-1]:
         raise ValueError(f"values has {values.shape[0]} rows, cu_seqlens ends at {int(cu[-1])}")
@@ -637,6 +640,9 @@ class SequencePackingLossWrapper:
                              "(loss_fn.input_type == 'logprob') and no prepare_fn")
 
     def _check(self, logits, data) -> Tuple[Any, int]:
+        from ..tensors._device import check_tensor
+
+        check_tensor(logits, "next_token_logits")
         cp, _ = _group_info(self.context_parallel_group)
         rows = logits.shape[-2] if logits.dim() == 3 else logits.shape[0]
         if logits.dim() not in (2, 3) or (logits.dim() == 3 and logits.shape[0] != 1):

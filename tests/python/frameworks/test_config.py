@@ -202,7 +202,7 @@ def test_roll_dynamic_batching_errors():
     assert load(base).roll_dynamic_batching.train
     with pytest.raises(ConfigError, match="sequence_length_round_in_train: must be divisible by TP\\*CP = 4"):
         load(with_change("actor_train.sequence_length_round_in_train", 6, base))
-    with pytest.raises(ConfigError, match="max_tokens_per_microbatch_in_train: required"):
+    with pytest.raises(ConfigError, match="max_tokens_per_microbatch_in_train: must be >= 1, got 0"):
         load(with_change("actor_train.max_tokens_per_microbatch_in_train", 0, base))
     with pytest.raises(ConfigError, match="below the longest"):
         load(with_change("actor_train.max_tokens_per_microbatch_in_train", 2048, base))
