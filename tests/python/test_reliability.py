@@ -253,3 +253,14 @@ def test_pack_dataset_refuses_packs_beyond_int32_offsets():
 
     with pytest.raises(ValueError, match="pack_size must fit the int32 offsets"):  # allocated 16 GiB per pack before
         pack_dataset([[1, 2, 3]], pack_size=2**31)
+
+
+def test_integer_items_the_core_cannot_hold_are_named():
+    # Was pybind11's "Unable to cast Python instance ... to C++ type '?'".
+    packer = seqpack.get_packer("first_fit_decreasing", 100)
+    with pytest.raises(ValueError, match=r"sequence_lengths\[1\] = 18446744073709551615 does not fit in int64"):
+        packer.pack([3, np.uint64(2**64 - 1)])
+    with pytest.raises(TypeError, match=r"bins\[0\] must hold integer indices, got float"):
+        seqpack.PackingMetrics().calculate_stats_only([1, 2], [[0, 1.0]], 10)
+    # NumPy integers inside lists are read by value.
+    assert packer.pack([np.int16(5), np.uint64(7)]) == [[1, 0]]

@@ -227,7 +227,7 @@ def plan_step(
     if sync not in _SYNC:
         raise ValueError(f"sync must be 'micro_batch' (FSDP / ZeRO-3) or 'step' (DDP / Megatron), got {sync!r}")
     if seed is not None:
-        seed = as_positive_int(seed, "seed", allow_zero=True)
+        seed = as_positive_int(seed, "seed", allow_zero=True, maximum=2**64 - 1)  # a uint64 in the core
     dp_size = as_positive_int(dp_size, "dp_size")
     max_tokens = as_positive_int(max_tokens, "max_tokens")
     raw = _core.plan_step(
