@@ -264,3 +264,10 @@ def test_integer_items_the_core_cannot_hold_are_named():
         seqpack.PackingMetrics().calculate_stats_only([1, 2], [[0, 1.0]], 10)
     # NumPy integers inside lists are read by value.
     assert packer.pack([np.int16(5), np.uint64(7)]) == [[1, 0]]
+
+
+def test_a_bin_padding_multiple_near_int64_is_refused_not_ignored():
+    torch = pytest.importorskip("torch")
+    ids = torch.ones(2, 4, dtype=torch.long)
+    with pytest.raises(ValueError, match="does not fit in int32 cu_seqlens"):
+        seqpack.pack_sequences(ids, seq_lens=[2, 3], pad_packed_multiple=2**63 - 1)
