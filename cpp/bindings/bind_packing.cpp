@@ -33,6 +33,20 @@ void init_packing(py::module_& m) {
       py::arg("as_arrays") = false,
       "Pack lengths into bins; list of index lists, or (offsets, indices) arrays when as_arrays.");
   m.def(
+      "best_fit_decreasing_fifo",
+      [](py::handle lengths, int64_t bin_capacity, py::handle batch_bounds) {
+        LengthsArg arg(lengths, "sequence_lengths");
+        LengthsArg bounds(batch_bounds, "batch_bounds");
+        IndexGroups bins;
+        {
+          py::gil_scoped_release release;
+          bins = best_fit_decreasing_fifo(arg.view(), bin_capacity, bounds.view());
+        }
+        return py::make_tuple(to_array(std::move(bins.offsets)), to_array(std::move(bins.indices)));
+      },
+      py::arg("sequence_lengths"), py::arg("bin_capacity"), py::arg("batch_bounds") = py::tuple(),
+      "Best fit decreasing with TRL's tie-breaks, batch by batch; (offsets, indices) arrays.");
+  m.def(
       "adjust_bin_count",
       [](py::handle bins, int64_t min_bin_count, int64_t bin_count_multiple) {
         IndexGroups groups = groups_from(bins, "bins");

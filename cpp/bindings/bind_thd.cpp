@@ -94,6 +94,7 @@ auto move_by(Which which, bool packing) {
                           int num_threads) {
     const char* fn = packing ? "ThdPlan.pack_into" : "ThdPlan.unpack_into";
     TensorArg src(src_obj, fn, "src"), dst(dst_obj, fn, "dst");
+    dst.writable();
     const TensorArg& padded = packing ? src : dst;
     const TensorArg& packed = packing ? dst : src;
     if (padded.ndim() < 2 || padded.size(0) != p.batch || padded.size(1) != p.width)
@@ -133,6 +134,7 @@ void init_thd(py::module_& m) {
       [](py::handle copies, py::handle fills, py::handle src_obj, int src_lead, py::handle dst_obj, int dst_lead,
          const std::optional<py::bytes>& fill, int num_threads) {
         TensorArg src(src_obj, "move_rows", "src"), dst(dst_obj, "move_rows", "dst");
+        dst.writable();
         src.on_cpu();
         const MoveGeometry g = move_geometry(src, src_lead, dst, dst_lead);
         run_plan(plan_from_runs(copies, fills, g.src_rows, g.dst_rows), src, dst, g, fill, num_threads);

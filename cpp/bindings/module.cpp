@@ -56,6 +56,7 @@ PYBIND11_MODULE(_core, m) {
         using seqpack::bindings::TensorArg;
         constexpr const char* fn = "cuda_move";
         TensorArg src(src_obj, fn, "src"), dst(dst_obj, fn, "dst"), tasks(tasks_obj, fn, "tasks");
+        dst.writable();
         if (!src.on_cuda()) throw py::value_error("[cuda_move] src must be on a CUDA device");
         const int64_t row_bytes = seqpack::bindings::move_geometry(src, src_lead, dst, dst_lead).row_bytes;
         tasks.shape({-1, 3}).dtype_is(Dtype::I64).contiguous().same_device(src);

@@ -42,20 +42,36 @@ TensorArg::TensorArg(py::handle obj, const char* fn, const char* name) : fn_(fn)
                         obj.attr("__dlpack_device__")().cast<py::tuple>()[0].cast<int>() == kDLCUDA;
       capsule_ = cuda ? obj.attr("__dlpack__")(py::arg("stream") = -1) : obj.attr("__dlpack__")();
     } catch (py::error_already_set& e) {
-      fail_type(std::string("cannot be exported through DLPack: ") + e.what());
+      // A read-only array (NumPy's view of an Arrow buffer) has no legacy capsule;
+      // DLPack 1.0 exports it with a read-only flag (checked by writable()).
+      if (!e.matches(PyExc_BufferError)) fail_type(std::string("cannot be exported through DLPack: ") + e.what());
+      try {
+        capsule_ = obj.attr("__dlpack__")(py::arg("max_version") = py::make_tuple(1, 0));
+      } catch (py::error_already_set& e2) {
+        fail_type(std::string("cannot be exported through DLPack: ") + e2.what());
+      }
     }
   } else {
     fail_type(std::string("must be a tensor (an object with __dlpack__), got ") +
               py::str(py::type::of(obj).attr("__name__")).cast<std::string>());
   }
-  // A legacy "dltensor" capsule is borrowed, not consumed: its destructor frees it
-  // when the capsule object goes away, after this call.
-  auto* managed = static_cast<DLManagedTensor*>(PyCapsule_GetPointer(capsule_.ptr(), "dltensor"));
-  if (managed == nullptr) {
-    PyErr_Clear();
-    fail_type("must be an unconsumed DLPack capsule (\"dltensor\")");
+  // A capsule is borrowed, not consumed: its destructor frees the tensor when the
+  // capsule object goes away, after this call.
+  if (PyCapsule_IsValid(capsule_.ptr(), "dltensor_versioned")) {
+    auto* managed = static_cast<DLManagedTensorVersioned*>(PyCapsule_GetPointer(capsule_.ptr(), "dltensor_versioned"));
+    if (managed->version.major != DLPACK_MAJOR_VERSION)
+      fail_type("is a DLPack " + std::to_string(managed->version.major) + ".x tensor; this build reads DLPack " +
+                std::to_string(DLPACK_MAJOR_VERSION) + ".x");
+    read_only_ = (managed->flags & DLPACK_FLAG_BITMASK_READ_ONLY) != 0;
+    t_ = &managed->dl_tensor;
+  } else {
+    auto* managed = static_cast<DLManagedTensor*>(PyCapsule_GetPointer(capsule_.ptr(), "dltensor"));
+    if (managed == nullptr) {
+      PyErr_Clear();
+      fail_type("must be an unconsumed DLPack capsule (\"dltensor\" or \"dltensor_versioned\")");
+    }
+    t_ = &managed->dl_tensor;
   }
-  t_ = &managed->dl_tensor;
   if (t_->ndim < 0 || (t_->ndim > 0 && t_->shape == nullptr)) fail_value("has a malformed DLPack shape");
   if (t_->device.device_type != kDLCPU && t_->device.device_type != kDLCUDA &&
       t_->device.device_type != kDLCUDAHost)
@@ -101,6 +117,11 @@ void TensorArg::fail_value(const std::string& rule) const {
 
 void TensorArg::fail_type(const std::string& rule) const {
   throw py::type_error(std::string("[") + fn_ + "] " + name_ + " " + rule + (t_ ? where() : ""));
+}
+
+const TensorArg& TensorArg::writable() const {
+  if (read_only_) fail_value("is read-only and cannot be written");
+  return *this;
 }
 
 const TensorArg& TensorArg::dims(int n) const {

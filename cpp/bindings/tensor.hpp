@@ -55,6 +55,7 @@ class TensorArg {
   const TensorArg& contiguous() const;        // dense, row-major
   const TensorArg& inner_contiguous() const;  // 2-D: unit column stride, row stride >= columns
   const TensorArg& on_cpu() const;
+  const TensorArg& writable() const;  // not exported read-only (DLPack 1.0's flag)
   const TensorArg& same_device(const TensorArg& other) const;
 
   // Dense row-major bytes after the first `lead` dimensions (one "row").
@@ -70,6 +71,7 @@ class TensorArg {
 
   py::object capsule_;  // owns the DLManagedTensor for the duration of the call
   DLTensor* t_ = nullptr;
+  bool read_only_ = false;
   const char* fn_;
   const char* name_;
 };

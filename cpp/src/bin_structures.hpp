@@ -268,8 +268,11 @@ class BucketQueue {
   explicit BucketQueue(int64_t universe)
       : occupied_(universe), head_(static_cast<size_t>(universe), -1), tail_(static_cast<size_t>(universe), -1) {}
   bool empty() const { return size_ == 0; }
-  std::pair<int64_t, int64_t> top() const {
-    const int64_t key = occupied_.next(0);
+  std::pair<int64_t, int64_t> top() const { return first_at_least(0); }
+  // The oldest (key, stamp) among the smallest key >= x, or (-1, -1).
+  std::pair<int64_t, int64_t> first_at_least(int64_t x) const {
+    const int64_t key = occupied_.next(x);
+    if (key < 0) return {-1, -1};
     return {key, head_[static_cast<size_t>(key)]};
   }
   void push(int64_t key, int64_t stamp) {
@@ -285,8 +288,10 @@ class BucketQueue {
     tail_[k] = stamp;
     ++size_;
   }
-  void pop() {
-    const auto k = static_cast<size_t>(occupied_.next(0));
+  void pop() { pop(occupied_.next(0)); }
+  // Removes the oldest entry of `key` (which must hold one).
+  void pop(int64_t key) {
+    const auto k = static_cast<size_t>(key);
     head_[k] = next_[static_cast<size_t>(head_[k])];
     if (head_[k] < 0) occupied_.erase(static_cast<int64_t>(k));
     --size_;

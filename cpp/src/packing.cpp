@@ -208,6 +208,81 @@ IndexGroups best_fit_decreasing(Lengths lengths, int64_t bin_capacity) {
   return builder.finish();
 }
 
+namespace {
+
+// One batch of best_fit_decreasing_fifo: items[begin, end) placed into bins
+// numbered from `first_bin`; returns the next free bin number.
+int64_t bfd_fifo_batch(Lengths lengths, int64_t begin, int64_t end, int64_t capacity, int64_t first_bin,
+                       BinBuilder& builder) {
+  Buffer<int64_t> order(static_cast<size_t>(end - begin));
+  std::iota(order.begin(), order.end(), begin);
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return lengths[a] > lengths[b]; });
+  int64_t next_bin = first_bin;
+  if (capacity <= detail::kDenseValueLimit) {
+    // Open bins keyed by remaining space, first come first served per key: a
+    // pushed stamp names the bin that got that space at that time.
+    detail::BucketQueue open(capacity + 1);
+    Buffer<int64_t> bin_of_stamp;
+    bin_of_stamp.reserve(order.size());
+    for (int64_t item : order) {
+      const int64_t len = lengths[item];
+      auto [space, stamp] = open.first_at_least(len);
+      int64_t bin;
+      if (space < 0) {
+        bin = next_bin++;
+        space = capacity;
+      } else {
+        bin = bin_of_stamp[static_cast<size_t>(stamp)];
+        open.pop(space);
+      }
+      builder.place(bin, item);
+      bin_of_stamp.push_back(bin);
+      open.push(space - len, static_cast<int64_t>(bin_of_stamp.size()) - 1);
+    }
+    return next_bin;
+  }
+  // Large capacities: the same rule on an ordered set keyed by (remaining, stamp).
+  std::set<std::tuple<int64_t, int64_t, int64_t>> open;
+  int64_t stamp = 0;
+  for (int64_t item : order) {
+    const int64_t len = lengths[item];
+    auto it = open.lower_bound({len, std::numeric_limits<int64_t>::min(), 0});
+    int64_t bin, space;
+    if (it == open.end()) {
+      bin = next_bin++;
+      space = capacity;
+    } else {
+      std::tie(space, std::ignore, bin) = *it;
+      open.erase(it);
+    }
+    builder.place(bin, item);
+    open.emplace(space - len, stamp++, bin);
+  }
+  return next_bin;
+}
+
+}  // namespace
+
+IndexGroups best_fit_decreasing_fifo(Lengths lengths, int64_t bin_capacity, Lengths batch_bounds) {
+  const char* fn = "best_fit_decreasing_fifo";
+  check_positive(fn, "bin_capacity", bin_capacity);
+  check_positive_lengths(fn, "sequence_lengths", lengths);
+  check_lengths_fit(fn, "sequence_lengths", lengths, bin_capacity, "bin_capacity");
+  const auto n = static_cast<int64_t>(lengths.size());
+  const std::vector<int64_t> whole{0, n};
+  if (batch_bounds.empty()) batch_bounds = whole;
+  if (batch_bounds.front() != 0 || batch_bounds.back() != n)
+    throw_invalid(fn, "batch_bounds must start at 0 and end at the number of sequences (" + std::to_string(n) + ")");
+  for (size_t b = 1; b < batch_bounds.size(); ++b)
+    if (batch_bounds[b] < batch_bounds[b - 1])
+      throw_invalid(fn, "batch_bounds must never decrease (entry " + std::to_string(b) + ")");
+  BinBuilder builder(lengths.size());
+  int64_t bins = 0;
+  for (size_t b = 1; b < batch_bounds.size(); ++b)
+    bins = bfd_fifo_batch(lengths, batch_bounds[b - 1], batch_bounds[b], bin_capacity, bins, builder);
+  return builder.finish();
+}
+
 IndexGroups modified_first_fit_decreasing(Lengths lengths, int64_t bin_capacity) {
   const char* fn = "modified_first_fit_decreasing";
   check_positive(fn, "bin_capacity", bin_capacity);

@@ -110,6 +110,7 @@ _MOVED: Dict[str, str] = {
     "config": "frameworks.config",
     "integrations": "frameworks",
     "integrations.hf": "frameworks.hf",
+    "integrations.trl": "frameworks.trl",
     "report": "tools.report",
     "plot": "tools.plot",
     "cli": "tools.cli",

@@ -434,4 +434,25 @@ TEST(Packing, ParseAlgorithm) {
   EXPECT_TRUE(ThrowsInvalid([] { parse_algorithm(""); }, {"algorithm"}));
 }
 
+// TRL's pack_dataset docstring: lengths 5, 2, 3, 1 truncated to 4.
+TEST(BestFitDecreasingFifo, TrlDocstringExample) {
+  EXPECT_EQ(best_fit_decreasing_fifo(Vec{4, 2, 3, 1}, 4).to_nested(), (Nested{{0}, {2, 3}, {1}}));
+}
+
+// Equal lengths in index order; equal spaces first come first served (the plain
+// best_fit_decreasing breaks both ties the other way, as NeMo-RL's).
+TEST(BestFitDecreasingFifo, TiesAsTrl) {
+  EXPECT_EQ(best_fit_decreasing_fifo(Vec{3, 3, 1, 1}, 4).to_nested(), (Nested{{0, 2}, {1, 3}}));
+  const int64_t huge = int64_t{1} << 40;  // the ordered-set path, same rule
+  EXPECT_EQ(best_fit_decreasing_fifo(Vec{3, 3, huge - 3, huge - 3}, huge).to_nested(), (Nested{{2, 0}, {3, 1}}));
+}
+
+TEST(BestFitDecreasingFifo, BatchesArePackedApart) {
+  const Vec lengths{3, 1, 3, 1};
+  EXPECT_EQ(best_fit_decreasing_fifo(lengths, 4).to_nested(), (Nested{{0, 1}, {2, 3}}));
+  EXPECT_EQ(best_fit_decreasing_fifo(lengths, 4, Vec{0, 1, 4}).to_nested(), (Nested{{0}, {2, 1}, {3}}));
+  EXPECT_TRUE(ThrowsInvalid([&] { best_fit_decreasing_fifo(lengths, 4, Vec{0, 3}); }, {"batch_bounds"}));
+  EXPECT_TRUE(ThrowsInvalid([&] { best_fit_decreasing_fifo(Vec{0, 1}, 4); }, {"positive"}));
+}
+
 }  // namespace

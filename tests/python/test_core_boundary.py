@@ -121,6 +121,19 @@ def test_position_ids_and_move_rows_check_sizes():
         _core.move_rows(copies, fills, torch.ones(4, 2), 3, dst, 1)
 
 
+def test_read_only_arrays_are_read_through_dlpack_1_and_never_written():
+    # A NumPy view of an Arrow buffer is read-only: it has no legacy DLPack capsule,
+    # DLPack 1.0 exports it with a read-only flag (seqpack.integrations.trl reads one).
+    src = np.arange(8, dtype=np.int32)
+    src.setflags(write=False)
+    dst = np.zeros(4, dtype=np.int32)
+    runs, no_fills = np.array([[1, 0, 2], [5, 2, 2]], np.int64), np.zeros((0, 2), np.int64)
+    _core.move_rows(runs, no_fills, src, 1, dst, 1)
+    assert dst.tolist() == [1, 2, 5, 6]
+    with pytest.raises(ValueError, match="dst is read-only"):
+        _core.move_rows(runs, no_fills, dst, 1, src, 1)
+
+
 def test_cuda_entry_points_refuse_host_tensors():
     if not _core.built_with_cuda:
         pytest.skip("built without CUDA")

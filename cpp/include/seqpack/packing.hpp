@@ -62,6 +62,14 @@ IndexGroups first_fit_shuffle(Lengths lengths, int64_t bin_capacity, uint64_t se
 // that reached it most recently) over items sorted by (length, index) descending.
 // O(n log64 C) with a bitset over gap values for C <= 2^22, O(n log n) otherwise.
 IndexGroups best_fit_decreasing(Lengths lengths, int64_t bin_capacity);
+
+// Best fit decreasing with HF TRL's tie-breaks (trl.data_utils.pack_dataset,
+// strategy "bfd"): items by length descending, equal lengths in index order; each
+// goes to the bin with the smallest remaining space that holds it, among equal
+// spaces the bin that reached that space first, else to a new bin. Lengths must be
+// positive. With `batch_bounds` ([0, ..., n], as TRL packs each `datasets.map`
+// batch on its own) bins never mix batches and come batch by batch.
+IndexGroups best_fit_decreasing_fifo(Lengths lengths, int64_t bin_capacity, Lengths batch_bounds = {});
 // Johnson & Garey's MFFD as NeMo-RL implements it (5 phases). Lengths must be > 0.
 IndexGroups modified_first_fit_decreasing(Lengths lengths, int64_t bin_capacity);
 

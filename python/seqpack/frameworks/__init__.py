@@ -8,9 +8,11 @@ adapters never import one another):
 - :mod:`~seqpack.frameworks.verl`: verl's seqlen-balancing helpers (also ``seqpack.verl``).
 - :mod:`~seqpack.frameworks.hf`: HF transformers attention/mask functions and a packing
   collator (also ``seqpack.integrations.hf``).
+- :mod:`~seqpack.frameworks.trl`: HF TRL's ``pack_dataset`` on Arrow buffers (also
+  ``seqpack.integrations.trl``).
 - :mod:`~seqpack.frameworks.config`: NeMo-RL and ROLL YAML keys (also ``seqpack.config``).
 """
 
 from .._lazy import submodules
 
-__getattr__ = submodules(__name__, ("batched_data_dict", "config", "hf", "roll", "verl"))
+__getattr__ = submodules(__name__, ("batched_data_dict", "config", "hf", "roll", "trl", "verl"))
