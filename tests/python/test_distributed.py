@@ -1,27 +1,21 @@
 """Real torch.distributed (gloo, CPU processes): all_gather, the micro-batch count
-agreement of the ROLL/verl planners (and their synchronised errors), batch_balance."""
+agreement of the ROLL/verl planners (and their synchronised errors), batch_balance,
+the CP/vocab-parallel losses, cp_attention (and its synchronised errors). The
+spawn harness is in _gloo.py; test_distributed_properties.py draws failing ranks
+at random."""
 
-import datetime
 import os
 import sys
-import socket
-import traceback
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from _gloo import run_world
 
 from seqpack import BatchedDataDict, roll
 from seqpack.verl import rearrange_micro_batches
 
 TIMEOUT_S = 120
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def mask_of(lengths, width):
@@ -301,64 +295,71 @@ def check_a_failing_rank_stops_every_rank(rank, world):
     dist.barrier()  # and they are still in step
 
 
+def check_cp_attention_failing_rank(rank, world):
+    """One rank's q or k has the wrong rows or head dim, or it claims another
+    rank's cp_rank: that rank raises its own error and every other rank a
+    ValueError, instead of waiting in the K/V all-gather. K/V with fewer heads on
+    one rank pass that rank's own checks but not the fingerprint: every rank raises
+    the same error. The failing rank stays alive (it goes on to the next case), so
+    only the agreement can stop the others (the test's timeout bounds a hang); then
+    the normal path still matches the full attention."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from seqpack import varlen_attention
+    from seqpack.attention import cp_attention
+    from seqpack.cp import cp_local_rows
+
+    multiple = 2 * world
+    padded = [multiple, 3 * multiple, 2 * multiple]
+    cu_p = np.concatenate([[0], np.cumsum(padded)]).astype(np.int32)
+    g = torch.Generator().manual_seed(3)
+    full = [torch.randn(int(cu_p[-1]), h, 8, generator=g, dtype=torch.float64) for h in (4, 2, 2)]
+    batch = SimpleNamespace(cu_seqlens_padded=cu_p, cp_size=world, cp_rank=rank)
+    q, k, v = (cp_local_rows(t, cu_p, world, rank) for t in full)
+    last = world - 1
+    cases = [  # (failing rank, its q, k, v, its batch, its error)
+        (last, (torch.cat([q, q[:1]]), k, v), batch, "must hold this rank's"),
+        (0, (q, k[:-1], v[:-1]), batch, "must hold this rank's"),
+        (last, (q, k[..., :4], v), batch, "same head dim"),
+        (last, (q, k, v), SimpleNamespace(cu_seqlens_padded=cu_p, cp_size=world, cp_rank=0), "was built for"),
+        (0, (q, k[:, :1], v[:, :1]), batch, None),  # passes its own checks (GQA 4:1), not the fingerprint
+    ]
+    for bad, inputs, its_batch, error in cases:
+        args = inputs + (its_batch,) if rank == bad else (q, k, v, batch)
+        try:
+            cp_attention(*args, dist.group.WORLD)
+        except ValueError as exc:
+            expected = ("disagree on cu_seqlens_padded" if error is None
+                        else error if rank == bad else "another rank's input failed")
+            assert expected in str(exc), (bad, error, str(exc))
+        else:
+            raise AssertionError(f"every rank must raise (rank {bad}: {error})")
+    ref = cp_local_rows(varlen_attention(*full, cu_p, cu_p, max(padded), max(padded)), cu_p, world, rank)
+    for agree in (True, False):  # still in step, still right; agree=False: no all-reduce
+        out = cp_attention(q, k, v, batch, dist.group.WORLD, agree=agree)
+        torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-12)
+
+
 CHECKS = {"all_gather": check_all_gather, "count_agreement": check_count_agreement,
           "synchronised_error": check_synchronised_error, "batch_balance": check_batch_balance,
           "loss_context_parallel": check_loss_context_parallel, "loss_vocab_parallel": check_loss_vocab_parallel,
           "cp_attention": check_cp_attention, "train_dp_cp": check_train_dp_cp, "step_plan": check_step_plan,
           "linear_vocab_parallel": check_linear_vocab_parallel,
-          "failing_rank_stops_every_rank": check_a_failing_rank_stops_every_rank}
+          "failing_rank_stops_every_rank": check_a_failing_rank_stops_every_rank,
+          "cp_attention_failing_rank": check_cp_attention_failing_rank}
 
 
-def worker(rank, world, port, names, errors):
-    torch.set_num_threads(1)
-    try:
-        store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=datetime.timedelta(seconds=60))
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=60))
-        for name in names:
-            CHECKS[name](rank, world)
-        dist.barrier()  # every rank done before any tears down
-    except BaseException:  # report to the parent, which fails the test
-        errors.put(f"rank {rank}:\n{traceback.format_exc()}")
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
-def run_world(world, names):
-    ctx = mp.get_context("spawn")
-    errors = ctx.Queue()
-    port = free_port()
-    # The store lives here, in the parent, until every rank has exited: with rank 0
-    # hosting it, a rank still tearing down when rank 0 exits could abort in gloo
-    # ("terminate called without an active exception", about 1 run in 15).
-    store = dist.TCPStore("127.0.0.1", port, world, is_master=True, wait_for_workers=False,  # noqa: F841
-                          timeout=datetime.timedelta(seconds=60))
-    procs = [ctx.Process(target=worker, args=(r, world, port, names, errors)) for r in range(world)]
-    for p in procs:
-        p.start()
-    try:
-        for p in procs:
-            p.join(TIMEOUT_S)
-        alive = [p for p in procs if p.is_alive()]
-        assert not alive, f"{len(alive)} ranks still running after {TIMEOUT_S} s"
-        failures = []
-        while not errors.empty():
-            failures.append(errors.get())
-        assert not failures, "\n".join(failures)
-        assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
+def run_checks(rank, world, names):
+    for name in names:
+        CHECKS[name](rank, world)
 
 
 @pytest.mark.parametrize("world", [2, 3])
-def test_gloo_ranks(world):
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    run_world(world, [name for name in CHECKS if name != "train_dp_cp"])
+def test_gloo_ranks(world):  # every check but train_dp_cp (4 ranks), on 2 and 3 ranks
+    run_world(world, run_checks, ([name for name in CHECKS if name != "train_dp_cp"],), TIMEOUT_S)
 
 
 def test_gloo_four_context_parallel_ranks():
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    run_world(4, ["loss_context_parallel", "cp_attention", "train_dp_cp"])
+    run_world(4, run_checks, (["loss_context_parallel", "cp_attention", "train_dp_cp"],), TIMEOUT_S)

@@ -441,6 +441,48 @@ def _cp_plan(cu_padded: np.ndarray, cp: int, rank: int, causal: bool) -> Dict[st
                 k_index=k_index.astype(np.int64), max_q=int(q_lens.max(initial=0)), max_k=int(k_lens.max(initial=0)))
 
 
+def _cp_checks(q, k, v, packed_batch, size: int, me: int, causal: bool, softmax_scale, kv_heads_per_chunk,
+               backend: str) -> Dict[str, Any]:
+    """Every check of :func:`cp_attention` whose outcome can differ between ranks
+    (the batch's offsets, CP size and rank, this rank's q/k/v, the arguments), run
+    before its first collective and inside the agreement; returns what the call
+    needs."""
+    try:
+        layout = getattr(packed_batch, "layout", None)  # a PackedBatch's host offsets; else one copy
+        cu = layout.cu_seqlens_padded if layout is not None else packed_batch.cu_seqlens_padded
+        cp, rank = int(packed_batch.cp_size), int(packed_batch.cp_rank)
+    except AttributeError as exc:
+        raise TypeError(f"packed_batch must have cu_seqlens_padded, cp_size and cp_rank: {exc}") from None
+    if size != cp or me != rank:
+        raise ValueError(f"group has size {size} and this rank is {me} in it; "
+                         f"packed_batch was built for cp_size={cp}, cp_rank={rank}")
+    cu_p = host_offsets(cu, "packed_batch.cu_seqlens_padded", copy_device=True)
+    _check(q, k, v, (-1, -1), causal)
+    plan = _cp_plan(cu_p, cp, rank, causal)
+    local = int(cu_p[-1]) // cp
+    if q.shape[0] != local or k.shape[0] != local:
+        raise ValueError(f"q and k must hold this rank's {local} rows (cu_seqlens_padded[-1] / cp_size), "
+                         f"got {q.shape[0]} and {k.shape[0]}")
+    hk = k.shape[1]
+    step = hk if kv_heads_per_chunk is None else int(kv_heads_per_chunk)
+    if step < 1:
+        raise ValueError(f"kv_heads_per_chunk must be >= 1, got {kv_heads_per_chunk}")
+    scale = float(softmax_scale) if softmax_scale is not None else q.shape[2] ** -0.5
+    _pick(backend, q, (-1, 0 if causal else -1), causal)  # an unknown / unusable backend: before the gathers
+    return dict(cu_p=cu_p, plan=plan, step=min(step, hk), scale=scale)
+
+
+def _cp_fingerprint(checked: Dict[str, Any], k, v) -> int:
+    """What every CP rank must share, as one int below 2**56: the offsets (the size
+    and order of every gather), K's and V's heads, head dims and dtypes (the
+    gathered tensors), and the heads per gather (how many gathers)."""
+    import hashlib
+
+    h = hashlib.blake2b(np.ascontiguousarray(checked["cu_p"], dtype=np.int64).tobytes(), digest_size=7)
+    h.update(repr((tuple(k.shape[1:]), str(k.dtype), tuple(v.shape[1:]), str(v.dtype), checked["step"])).encode())
+    return int.from_bytes(h.digest(), "little")
+
+
 def cp_attention(
     q: "torch.Tensor",
     k: "torch.Tensor",
@@ -452,6 +494,7 @@ def cp_attention(
     softmax_scale: Optional[float] = None,
     kv_heads_per_chunk: Optional[int] = None,
     backend: str = "auto",
+    agree: bool = True,
 ) -> "torch.Tensor":
     """Context-parallel attention on this rank's zigzag-local THD rows.
 
@@ -466,6 +509,19 @@ def cp_attention(
     that many KV heads at a time and re-gathered in the backward
     (activation checkpointing) instead of being kept.
 
+    Before the first gather every rank runs its checks (the group's size and its
+    rank against the batch's ``cp_size``/``cp_rank``, the offsets and their
+    ``2 cp`` multiple, q/k/v shapes, dtypes and this rank's row count, the
+    arguments and backend), then one all-reduce over ``group`` tells every rank
+    whether any failed: the failing rank raises its own error, the others a
+    ``ValueError`` saying another rank failed, and none is left waiting in a
+    gather. The same all-reduce compares a fingerprint of what the gathers need to
+    be the same everywhere (the offsets, K/V heads, head dims and dtypes, the heads
+    per gather); a mismatch makes every rank raise. A process outside ``group``
+    (or without an initialised process group) raises at once: it cannot take part
+    in any collective over ``group``. The backward's collectives need no check:
+    every rank that passed the forward runs the same ones.
+
     Args:
         q, k, v: local rows ``[T / cp, Hq, D]`` and ``[T / cp, Hk, D]``.
         packed_batch: the :class:`seqpack.PackedBatch` of these rows (its
@@ -473,43 +529,42 @@ def cp_attention(
             object with those three attributes.
         group: the CP process group (``torch.distributed``; default WORLD); its
             size and this rank's index must be the batch's ``cp_size``/``cp_rank``.
+        agree: run the checks' all-reduce (default). It costs one small collective
+            and, on NCCL, a host-device synchronisation per call (the CPU waits
+            for the queued GPU work before reading the verdict). ``False`` skips
+            it - say, for every layer after the first of a micro-batch, when the
+            first layer agreed on the same ``packed_batch`` and the layers' q/k/v
+            shapes cannot differ between ranks; a rank that then fails a check
+            raises alone and the others wait in the gather.
 
     Returns:
         ``[T / cp, Hq, D]``, this rank's rows of the attention output.
     """
     import torch.distributed as dist
 
+    from .._dist import checked_on_every_rank
+    from ..tensors._device import host_to_device
     from ..tensors.cp import gather_cp
 
     torch = _torch()
-    layout = getattr(packed_batch, "layout", None)  # a PackedBatch's host offsets; else one copy
-    cu_p = host_offsets(layout.cu_seqlens_padded if layout is not None else packed_batch.cu_seqlens_padded,
-                        "packed_batch.cu_seqlens_padded", copy_device=True)
-    cp, rank = int(packed_batch.cp_size), int(packed_batch.cp_rank)
-    if dist.get_world_size(group) != cp or dist.get_rank(group) != rank:
-        raise ValueError(f"group has size {dist.get_world_size(group)} and this rank is {dist.get_rank(group)} in it; "
-                         f"packed_batch was built for cp_size={cp}, cp_rank={rank}")
-    _check(q, k, v, (-1, -1), causal)
-    local = int(cu_p[-1]) // cp
-    if q.shape[0] != local or k.shape[0] != local:
-        raise ValueError(f"q and k must hold this rank's {local} rows (cu_seqlens_padded[-1] / cp_size), "
-                         f"got {q.shape[0]} and {k.shape[0]}")
-    plan = _cp_plan(cu_p, cp, rank, causal)
-    cu32 = cu_p.astype(np.int32)
-    from ..tensors._device import host_to_device
-
+    size, me = dist.get_world_size(group), dist.get_rank(group)
+    if size < 1 or me < 0:
+        raise ValueError(f"this process is not in the CP group (size {size}, rank {me}); it cannot take part in "
+                         "cp_attention's collectives over it")
+    checked = checked_on_every_rank(
+        lambda: _cp_checks(q, k, v, packed_batch, size, me, causal, softmax_scale, kv_heads_per_chunk, backend),
+        group, "cp_attention", agree and size > 1, fingerprint=lambda c: _cp_fingerprint(c, k, v),
+        fingerprint_of="cu_seqlens_padded, K/V heads, head dims and dtypes or kv_heads_per_chunk")
+    plan, step, scale = checked["plan"], checked["step"], checked["scale"]
+    cu32 = checked["cu_p"].astype(np.int32)
     (k_index,) = host_to_device([plan["k_index"]], k.device)
     hk, group_size = k.shape[1], q.shape[1] // k.shape[1]
-    step = hk if kv_heads_per_chunk is None else int(kv_heads_per_chunk)
-    if step < 1:
-        raise ValueError(f"kv_heads_per_chunk must be >= 1, got {kv_heads_per_chunk}")
 
     def attend(qc, kc, vc):
         keys = gather_cp(kc, cu32, group).index_select(0, k_index)
         values = gather_cp(vc, cu32, group).index_select(0, k_index)
         return varlen_attention(qc, keys, values, plan["cu_q"], plan["cu_k"], plan["max_q"], plan["max_k"],
-                                causal=causal, softmax_scale=softmax_scale if softmax_scale is not None
-                                else q.shape[2] ** -0.5, backend=backend)
+                                causal=causal, softmax_scale=scale, backend=backend)
 
     if step >= hk:
         return attend(q, k, v)
