@@ -146,19 +146,21 @@ def test_an_indexable_non_mapping_batch_is_refused_not_iterated_forever():
         import numpy as np
         from seqpack import roll
 
-        class DataProto:
-            batch, non_tensor_batch, meta_info = {"attention_mask": np.ones((4, 3))}, {}, {}
+        class Indexable:
             def __len__(self):
                 return 4
             def __getitem__(self, i):
                 return i
-        try:
-            roll.dynamic_batching_shard(DataProto(), 2, 100, 1)
-        except TypeError as e:
-            print("TypeError", e)
+        class DataProto(Indexable):  # read as a DataProto now, but it cannot select rows
+            batch, non_tensor_batch, meta_info = {"attention_mask": np.ones((4, 3))}, {}, {}
+        for stand_in in (Indexable(), DataProto()):
+            try:
+                roll.dynamic_batching_shard(stand_in, 2, 100, 1)
+            except TypeError as e:
+                print("TypeError", e)
     """, timeout=60)
     assert child.returncode == 0 and "TypeError origin_batch must be a mapping" in child.stdout, child.stderr[-2000:]
-    assert "DataProto: pass its tensors" in child.stdout
+    assert "TypeError origin_batch looks like a DataProto" in child.stdout and "no select_idxs()" in child.stdout
 
 
 def test_verl_refuses_values_with_other_row_counts():

@@ -159,3 +159,65 @@ def step_plan_parts(plan: Any, dp_rank: Any, mini_batch: Any, rows_here: int, ca
     if cap is not None and plan.max_tokens > cap:
         raise ValueError(f"step_plan was planned with max_tokens={plan.max_tokens}, above {cap_name}={cap}")
     return parts
+
+
+# ---------------------------------------------------------------- DataProto (ROLL, verl)
+
+
+def is_data_proto(obj: Any) -> bool:
+    """ROLL's / verl's ``DataProto``, duck-typed: ``.batch`` (a TensorDict of tensors,
+    or ``None``), ``.non_tensor_batch`` (NumPy object arrays by name) and
+    ``.meta_info`` (a dict); not itself a mapping."""
+    return (not isinstance(obj, Mapping) and hasattr(obj, "batch") and hasattr(obj, "non_tensor_batch")
+            and hasattr(obj, "meta_info"))
+
+
+def proto_columns(proto: Any) -> Dict[str, Any]:
+    """A DataProto's row-aligned values by name (``batch``'s tensors, then
+    ``non_tensor_batch``'s arrays): a plain dict of the same objects, no copy. Only
+    ``keys()`` and ``[key]`` are used (a TensorDict iterates rows, not keys)."""
+    out: Dict[str, Any] = {}
+    tensors = proto.batch
+    if tensors is not None:
+        for key in list(tensors.keys()):
+            out[key] = tensors[key]
+    non_tensors = proto.non_tensor_batch
+    if non_tensors is not None:
+        for key in list(non_tensors.keys()):
+            out[key] = non_tensors[key]
+    return out
+
+
+def proto_select(proto: Any, indices: Sequence[int], name: str = "batch") -> Any:
+    """Rows ``indices`` of a DataProto, as a new object of its class: its own
+    ``select_idxs`` (ROLL's and verl's), else ``type(proto)(batch=...,
+    non_tensor_batch=..., meta_info=...)``. The result's ``meta_info`` may be the
+    input's own dict (ROLL's ``select_idxs`` shares it): assign a new dict before
+    writing to it."""
+    rows = [int(i) for i in indices]
+    if callable(getattr(proto, "select_idxs", None)):
+        return proto.select_idxs(rows)
+    tensors = proto.batch
+    if tensors is None:
+        batch = None
+    elif hasattr(tensors, "batch_size") and not isinstance(tensors, dict):  # a TensorDict keeps its type
+        import torch
+
+        batch = tensors[torch.as_tensor(rows, dtype=torch.long)]
+    else:
+        batch = {k: select(k, tensors[k], rows) for k in list(tensors.keys())}
+    non_tensors = {k: select(k, v, rows) for k, v in (proto.non_tensor_batch or {}).items()}
+    try:
+        return type(proto)(batch=batch, non_tensor_batch=non_tensors, meta_info=proto.meta_info)
+    except TypeError as exc:
+        raise TypeError(f"{name} looks like a DataProto (.batch, .non_tensor_batch, .meta_info) but has no "
+                        f"select_idxs() and {type(proto).__name__}(batch=..., non_tensor_batch=..., meta_info=...) "
+                        f"failed: {exc}") from None
+
+
+def proto_slice(proto: Any, start: int, end: int, name: str = "batch") -> Any:
+    """Rows ``[start, end)`` of a DataProto: its own ``slice`` (views, as ROLL's
+    iterators take them), else :func:`proto_select`. ``meta_info`` as there."""
+    if callable(getattr(proto, "slice", None)):
+        return proto.slice(int(start), int(end))
+    return proto_select(proto, range(int(start), int(end)), name)

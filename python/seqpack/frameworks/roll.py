@@ -1,9 +1,12 @@
-"""ROLL's balancing and micro-batching, on DataProto-like mappings.
+"""ROLL's balancing and micro-batching, on ROLL's ``DataProto`` or on mappings.
 
-A batch is a mapping of tensors (and NumPy arrays or lists) sharing dimension 0,
-with an ``attention_mask [B, S]``; results are :class:`RollBatch` dicts whose
-``meta_info`` holds what ROLL keeps in ``DataProto.meta_info``. No dependency on
-ROLL.
+A batch is ROLL's ``DataProto`` (``.batch`` tensors, ``.non_tensor_batch`` NumPy
+object arrays, ``.meta_info``; duck-typed, ROLL is never imported), whose results
+are built by its own ``select_idxs``/``slice`` and so keep its class, or a mapping
+of tensors (and NumPy arrays or lists) sharing dimension 0, whose results are
+:class:`RollBatch` dicts. Either needs an ``attention_mask [B, S]``; results carry
+the ``meta_info`` keys ROLL writes. Invalid input raises ``ValueError``; in
+dynamic batching, where ROLL asserts, a :class:`RollError` (also an ``AssertionError``).
 
 * :func:`batch_balance` - Karmarkar-Karp over DP ranks with equal sizes, rows
   reordered in place so rank ``r`` takes the ``r``-th contiguous block.
@@ -15,8 +18,11 @@ ROLL.
 * :func:`make_micro_batch_iter_for_sequence_packing` (``load_balance``) - packed
   micro-batches under a **hard** cap (ROLL's may exceed
   ``max_packed_sequence_length``), at least ``min_num_micro_batches``, a multiple
-  of the VPP size, the count agreed across the DP group; and
-  :func:`restore_results_order`.
+  of the VPP size, the count agreed across the DP group when ``torch.distributed``
+  is initialised; and :func:`restore_results_order`. ROLL's
+  :class:`LoadBalancePacker`, :class:`SequencePackingPacker`,
+  :class:`SequencePackingConfig`, :func:`get_sequence_packing_packer` and
+  :func:`calculate_workload` are thin adapters over them with ROLL's signatures.
 
 Example (ROLL's load-balance example: two micro-batches of exactly 4096 tokens):
     >>> import torch
@@ -31,13 +37,20 @@ Example (ROLL's load-balance example: two micro-batches of exactly 4096 tokens):
 from __future__ import annotations
 
 import copy
+import functools
+import math
+import types
 import warnings
-from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Mapping, MutableMapping, Optional, Sequence, Tuple
+from dataclasses import dataclass
+from numbers import Integral
+from typing import (TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Mapping, MutableMapping, Optional, Sequence,
+                    Tuple)
 
 import numpy as np
 
 from .. import _core
-from ._batch import batch_size, dummy_row, host_mask, is_tensor, mask_lengths, select_all, step_plan_parts
+from ._batch import (batch_size, dummy_row, host_mask, is_data_proto, is_tensor, mask_lengths, proto_columns,
+                     proto_select, proto_slice, select_all, step_plan_parts)
 from .._dist import active, agree_on_count, checked_on_every_rank
 from .._lengths import as_positive_int
 from ..tensors.layout import alignment, round_up
@@ -49,10 +62,16 @@ if TYPE_CHECKING:  # pragma: no cover
     from ..planning.step import StepPlan
 
 __all__ = [
+    "LoadBalancePacker",
     "ROLL_ATTENTION_COEFF",
     "RollBatch",
+    "RollError",
+    "SequencePackingConfig",
+    "SequencePackingPacker",
     "batch_balance",
+    "calculate_workload",
     "dynamic_batching_shard",
+    "get_sequence_packing_packer",
     "make_micro_batch_iter_for_dynamic_batching",
     "make_micro_batch_iter_for_sequence_packing",
     "make_mini_batch_iter_for_dynamic_batching",
@@ -78,14 +97,80 @@ class RollBatch(dict):
         return RollBatch({k: v[start:end] for k, v in self.items()}, meta_info=copy.deepcopy(self.meta_info))
 
 
-def _meta(batch: Mapping[str, Any]) -> Dict[str, Any]:
+class RollError(ValueError, AssertionError):
+    """Invalid arguments or data of the dynamic-batching functions: a ``ValueError``,
+    and also an ``AssertionError`` like ROLL's own checks there, so code (and ROLL's
+    tests) catching either keeps working."""
+
+
+def _as_roll_error(exc: ValueError) -> RollError:
+    return RollError(*exc.args).with_traceback(exc.__traceback__)
+
+
+def _guarded(gen: Iterator[Any]) -> Iterator[Any]:
+    try:
+        yield from gen
+    except ValueError as exc:
+        if type(exc) is not ValueError:
+            raise
+        raise _as_roll_error(exc) from None
+
+
+def _roll_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Plain ``ValueError``s of ``fn`` (and of the generator it returns) become
+    :class:`RollError` with the same message; other errors pass unchanged."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            out = fn(*args, **kwargs)
+        except ValueError as exc:
+            if type(exc) is not ValueError:
+                raise
+            raise _as_roll_error(exc) from None
+        return _guarded(out) if isinstance(out, types.GeneratorType) else out
+
+    return wrapper
+
+
+def _meta(batch: Any) -> Dict[str, Any]:
     return getattr(batch, "meta_info", None) or {}
+
+
+def _columns(batch: Any) -> Mapping[str, Any]:
+    """The batch's values by name: a DataProto's tensors and non-tensor arrays, or the mapping itself."""
+    return proto_columns(batch) if is_data_proto(batch) else batch
+
+
+def _write_meta(batch: Any, **values: Any) -> None:
+    """Keys ROLL writes on its input's ``meta_info`` (a DataProto's, a RollBatch's)."""
+    meta = getattr(batch, "meta_info", None)
+    if isinstance(meta, MutableMapping):
+        meta.update(values)
+
+
+def _agrees(dp_group: Any) -> bool:
+    """Whether the micro-batch count is agreed over a process group. ROLL agrees only
+    when ``torch.distributed`` is initialised, so a stand-in ``dp_group`` (ROLL's
+    tests pass a bare object) is ignored without one. Initialised, ``dp_group=None``
+    is the default group (when it has more than one rank); anything else must be a
+    ``ProcessGroup``."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return False
+    if dp_group is None:
+        return active()
+    if not isinstance(dp_group, dist.ProcessGroup):
+        raise TypeError(f"dp_group must be a torch.distributed ProcessGroup (or None for the default group) once "
+                        f"torch.distributed is initialised, got {type(dp_group).__name__}")
+    return True
 
 
 # ---------------------------------------------------------------- batch balance
 
 
-def batch_balance(batch: MutableMapping[str, Any], dp_size: int, minibatch_size: int,
+def batch_balance(batch: Any, dp_size: int, minibatch_size: int,
                   logging_prefix: str = "global_seqlen", keep_minibatch: bool = False) -> Dict[str, float]:
     """Balance the global batch over ``dp_size`` ranks, in place (ROLL's ``batch_balance``).
 
@@ -93,12 +178,14 @@ def batch_balance(batch: MutableMapping[str, Any], dp_size: int, minibatch_size:
     tokens); each rank's rows ordered small…large…small, then rank 0's rows, rank
     1's... so that the usual contiguous dispatch hands rank ``r`` its part. With
     ``keep_minibatch`` each mini-batch of ``minibatch_size`` rows is balanced on its
-    own. Returns ``{prefix}/min, max, minmax_diff`` (contiguous split),
+    own. A DataProto is reordered with its own ``reorder`` (as ROLL does), a mapping
+    key by key. Returns ``{prefix}/min, max, minmax_diff`` (contiguous split),
     ``balanced_min/max`` and ``mean`` in tokens.
     """
     dp_size = as_positive_int(dp_size, "dp_size")
-    lengths = mask_lengths(batch)
-    n = batch_size(batch)
+    cols = _columns(batch)
+    lengths = mask_lengths(cols)
+    n = batch_size(cols)
     if n % dp_size:
         raise ValueError(f"the batch has {n} rows, not a multiple of dp_size={dp_size}")
     work = sequence_workloads(lengths, ROLL_ATTENTION_COEFF)
@@ -117,16 +204,35 @@ def batch_balance(batch: MutableMapping[str, Any], dp_size: int, minibatch_size:
     for part in parts:
         part = sorted(part, key=lambda i: (work[i], i))
         ordered.extend(part[0::2] + part[1::2][::-1])
-    for key, value in select_all(batch, ordered).items():
-        batch[key] = value
+    if is_data_proto(batch):
+        _reorder_proto(batch, cols, ordered)
+    else:
+        for key, value in select_all(batch, ordered).items():
+            batch[key] = value
     return dp_balance_metrics(lengths.tolist(), parts, logging_prefix)
+
+
+def _reorder_proto(proto: Any, cols: Mapping[str, Any], order: List[int]) -> None:
+    if callable(getattr(proto, "reorder", None)):
+        import torch
+
+        proto.reorder(torch.as_tensor(order, dtype=torch.long))
+        return
+    tensors = proto.batch
+    tensor_keys = set(tensors.keys()) if tensors is not None else set()
+    for key, value in select_all(cols, order).items():
+        if key in tensor_keys:
+            tensors[key] = value
+        else:
+            proto.non_tensor_batch[key] = value
 
 
 # ---------------------------------------------------------------- dynamic batching
 
 
+@_roll_errors
 def dynamic_batching_shard(
-    origin_batch: Mapping[str, Any],
+    origin_batch: Any,
     dp_size: int,
     max_tokens_per_microbatch: int,
     sequence_length_round: int,
@@ -136,7 +242,7 @@ def dynamic_batching_shard(
     *,
     keep_dp_partition: bool = False,
     rule: str = "roll",
-) -> Tuple[RollBatch, Dict[str, float]]:
+) -> Tuple[Any, Dict[str, float]]:
     """ROLL's ``dynamic_batching_shard``: rows sorted by length and dealt across DP
     ranks (rank ``r`` gets the ``r``-th contiguous block of the result), and one
     plan of micro-batches shared by every rank: ``[start, end)`` row ranges whose
@@ -148,17 +254,19 @@ def dynamic_batching_shard(
     per-rank blocks (e.g. by :func:`batch_balance`); rows are sorted within each
     block and the balance is kept. ``rule="optimal"``: the fewest padded tokens.
 
-    Returns ``(batch, metrics)``; ``batch.meta_info`` holds
-    ``micro_batch_indices``/``micro_batch_lengths`` (and their ``global_`` copies)
-    and ``num_micro_batchs``.
+    Returns ``(batch, metrics)``: a DataProto of the input's class (its own
+    ``select_idxs``) or a :class:`RollBatch`, whose ``meta_info`` (a copy of the
+    input's) holds ``micro_batch_indices``/``micro_batch_lengths`` (and their
+    ``global_`` copies) and ``num_micro_batchs``; the input is not modified.
     """
     dp_size = as_positive_int(dp_size, "dp_size")
     pp = _pp_size(pipeline_model_parallel_size)
     if rule not in ("roll", "optimal"):
         raise ValueError(f"rule must be 'roll' or 'optimal', got {rule!r}")
-    lengths = mask_lengths(origin_batch, "origin_batch")
-    n = batch_size(origin_batch, "origin_batch")
-    _check_right_padded(host_mask(origin_batch, "origin_batch"), lengths)
+    cols = _columns(origin_batch)
+    lengths = mask_lengths(cols, "origin_batch")
+    n = batch_size(cols, "origin_batch")
+    _check_right_padded(host_mask(cols, "origin_batch"), lengths)
     if n % dp_size:
         raise ValueError(f"the batch has {n} rows, not a multiple of dp_size={dp_size}")
     if (lengths == 0).any():
@@ -180,10 +288,16 @@ def dynamic_batching_shard(
         order = plan.sorted_indices
         padded_tokens = plan.padded_tokens
     ranges, widths_per_mb = (plan.micro_batch_indices[0], plan.micro_batch_lengths[0]) if per_rank else ([], [])
-    out = RollBatch(select_all(origin_batch, order), meta_info=copy.deepcopy(_meta(origin_batch)))
-    out.meta_info.update(global_micro_batch_indices=ranges, global_micro_batch_lengths=widths_per_mb,
-                         micro_batch_indices=ranges, micro_batch_lengths=widths_per_mb, num_micro_batchs=len(ranges))
-    width = int(np.shape(origin_batch["attention_mask"])[1])
+    meta = copy.deepcopy(_meta(origin_batch))
+    meta.update(global_micro_batch_indices=ranges, global_micro_batch_lengths=widths_per_mb,
+                micro_batch_indices=copy.deepcopy(ranges), micro_batch_lengths=list(widths_per_mb),
+                num_micro_batchs=len(ranges))
+    if is_data_proto(origin_batch):
+        out = proto_select(origin_batch, order, "origin_batch")
+        out.meta_info = meta
+    else:
+        out = RollBatch(select_all(cols, order), meta_info=meta)
+    width = int(np.shape(cols["attention_mask"])[1])
     metrics = dynamic_batching_metrics(int(lengths.sum()), padded_tokens, n, width, log_prefix)
     return out, metrics
 
@@ -212,7 +326,7 @@ def _check_right_padded(mask: np.ndarray, lengths: np.ndarray) -> None:
                          "so left-padded tokens would be dropped; right-pad the batch or use sequence packing")
 
 
-def _check_ranges(ranges: Sequence[Sequence[int]], rows: int) -> None:
+def _check_ranges(ranges: Sequence[Sequence[int]], lengths: Sequence[Any], rows: int) -> None:
     if rows == 0:
         if ranges:
             raise ValueError("an empty batch cannot have micro-batch ranges")
@@ -220,34 +334,47 @@ def _check_ranges(ranges: Sequence[Sequence[int]], rows: int) -> None:
     if not ranges:
         raise ValueError("global micro-batch ranges are missing for a non-empty batch")
     expected = 0
-    for start, end in ranges:
+    for i, ((start, end), length) in enumerate(zip(ranges, lengths)):
+        if not all(isinstance(x, Integral) and not isinstance(x, bool) for x in (start, end)):
+            raise ValueError(f"micro-batch range {i} must contain integer offsets, got [{start!r}, {end!r}]")
         if start != expected:
             raise ValueError(f"global micro-batch ranges must be sorted and contiguous: expected start {expected}, "
                              f"got {start}")
         if not start < end <= rows:
             raise ValueError(f"global micro-batch range [{start}, {end}) is empty or beyond the {rows} rows")
+        if isinstance(length, bool) or not isinstance(length, Integral) or length <= 0:
+            raise ValueError(f"micro-batch length must be a positive integer, got {length!r} (range {i})")
         expected = end
     if expected != rows:
         raise ValueError(f"global micro-batch ranges must cover the complete local batch: they end at {expected}, "
                          f"the batch has {rows} rows")
 
 
+def _rows(data: Any, name: str) -> int:
+    if is_data_proto(data):
+        return len(data)
+    return batch_size(data, name) if len(data) else 0
+
+
+@_roll_errors
 def make_mini_batch_iter_for_dynamic_batching(
-    data: Mapping[str, Any],
+    data: Any,
     epochs: int,
     ga_steps: int = 1,
     keep_mini_batch: bool = False,
     mini_batch_size: Optional[int] = None,
     pipeline_model_parallel_size: Optional[int] = 1,
     virtual_pipeline_model_parallel_size: Optional[int] = None,
-) -> Iterator[RollBatch]:
+) -> Iterator[Any]:
     """Mini-batches (optimizer steps) of one rank's dynamically batched data.
 
     Groups ``ga_steps`` consecutive micro-batches per mini-batch, or with
     ``keep_mini_batch`` cuts the ranges at every ``mini_batch_size`` rows (and
     splits each group to a multiple of the PP size under VPP). Each yielded batch
-    carries its own ``micro_batch_indices`` (relative), ``micro_batch_lengths``,
+    (the DataProto's own ``slice``, or a :class:`RollBatch`) carries its own
+    ``micro_batch_indices`` (relative), ``micro_batch_lengths``,
     ``mini_batch_size`` and ``num_micro_batchs``; ``data.meta_info`` is untouched.
+    The layout is checked when called (ROLL: at the first ``next()``).
     """
     meta = _meta(data)
     ranges = [list(r) for r in meta.get("global_micro_batch_indices", [])]
@@ -255,8 +382,8 @@ def make_mini_batch_iter_for_dynamic_batching(
     ga_steps = as_positive_int(ga_steps, "ga_steps")
     if len(ranges) != len(lengths):
         raise ValueError("global_micro_batch_indices and global_micro_batch_lengths differ in length")
-    rows = batch_size(data, "data") if len(data) else 0
-    _check_ranges(ranges, rows)
+    rows = _rows(data, "data")
+    _check_ranges(ranges, lengths, rows)
     pp = _pp_size(pipeline_model_parallel_size)
     groups: List[Tuple[List[List[int]], List[int]]] = []
     if keep_mini_batch:
@@ -277,12 +404,17 @@ def make_mini_batch_iter_for_dynamic_batching(
         for i in range(0, len(ranges), ga_steps):
             groups.append((ranges[i:i + ga_steps], lengths[i:i + ga_steps]))
     epochs = as_positive_int(epochs, "epochs", allow_zero=True)
+    proto = is_data_proto(data)
 
     def gen():
         for _ in range(epochs):
             for idx, lens in groups:
                 start, end = idx[0][0], idx[-1][1]
-                mb = RollBatch({k: v[start:end] for k, v in data.items()}, meta_info=copy.deepcopy(meta))
+                if proto:
+                    mb = proto_slice(data, start, end, "data")
+                    mb.meta_info = copy.deepcopy(meta)
+                else:
+                    mb = RollBatch({k: v[start:end] for k, v in data.items()}, meta_info=copy.deepcopy(meta))
                 mb.meta_info.update(micro_batch_indices=[[s - start, e - start] for s, e in idx],
                                     micro_batch_lengths=list(lens), mini_batch_size=end - start,
                                     num_micro_batchs=len(idx))
@@ -291,21 +423,41 @@ def make_mini_batch_iter_for_dynamic_batching(
     return gen()
 
 
-def make_micro_batch_iter_for_dynamic_batching(mini_batch: Mapping[str, Any]) -> Iterator[RollBatch]:
+def _narrow(key: str, v: Any, width: int, ndim: int, length: int) -> Any:
+    """ROLL's column cut: tensors with ``input_ids``' rank (or ``position_ids``) as
+    wide as ``input_ids`` keep ``length`` columns, one narrower ``length - 1``."""
+    if is_tensor(v) and (v.dim() == ndim or key == "position_ids") and v.shape[-1] in (width, width - 1):
+        return v.narrow(-1, 0, length if v.shape[-1] == width else length - 1)
+    return v
+
+
+@_roll_errors
+def make_micro_batch_iter_for_dynamic_batching(mini_batch: Any) -> Iterator[Any]:
     """The micro-batches of a mini-batch, each cut to its padded length (columns of
-    tensors as wide as ``input_ids``, or one less, and ``position_ids``; right-padded data)."""
+    tensors as wide as ``input_ids``, or one less, and ``position_ids``; right-padded
+    data). A DataProto's micro-batches are its own ``slice``s with their ``batch``
+    tensors cut (non-tensor values whole), as ROLL does."""
     meta = _meta(mini_batch)
-    width = mini_batch["input_ids"].shape[-1]
-    ndim = mini_batch["input_ids"].dim()
+    proto = is_data_proto(mini_batch)
+    ids = _columns(mini_batch)["input_ids"]
+    width = ids.shape[-1]
+    ndim = ids.dim()
 
     def gen():
         for length, (start, end) in zip(meta["micro_batch_lengths"], meta["micro_batch_indices"]):
-            mb = RollBatch(meta_info=copy.deepcopy(meta))
-            for key, v in mini_batch.items():
-                v = v[start:end]
-                if is_tensor(v) and (v.dim() == ndim or key == "position_ids") and v.shape[-1] in (width, width - 1):
-                    v = v.narrow(-1, 0, length if v.shape[-1] == width else length - 1)
-                mb[key] = v
+            if proto:
+                mb = proto_slice(mini_batch, start, end, "mini_batch")
+                mb.meta_info = copy.deepcopy(meta)
+                tensors = mb.batch
+                for key in list(tensors.keys()):
+                    v = tensors[key]
+                    cut = _narrow(key, v, width, ndim, length)
+                    if cut is not v:
+                        tensors[key] = cut
+            else:
+                mb = RollBatch(meta_info=copy.deepcopy(meta))
+                for key, v in mini_batch.items():
+                    mb[key] = _narrow(key, v[start:end], width, ndim, length)
             yield mb
 
     return gen()
@@ -314,33 +466,103 @@ def make_micro_batch_iter_for_dynamic_batching(mini_batch: Mapping[str, Any]) ->
 # ---------------------------------------------------------------- sequence packing
 
 
+def calculate_workload(seqlen: Any) -> Any:
+    """ROLL's workload of a sequence (a FLOPs proxy): ``24576·s + s²``, for an int,
+    a NumPy array or a tensor of lengths.
+
+    >>> calculate_workload(1000)
+    25576000
+    """
+    return ROLL_ATTENTION_COEFF * seqlen + seqlen * seqlen
+
+
+def _roll_pad_factor(cp_size: Any, tp_size: Any) -> int:
+    """ROLL's ``get_pad_factor`` (its packer's and its Megatron strategy's):
+    ``lcm(16, 2·CP·TP)`` with CP, ``lcm(16, TP)`` without."""
+    return math.lcm(16, alignment(cp_size, tp_size, rule="roll"))
+
+
+def _phase_value(config: Any, is_train: bool, name: str, default: Any = None) -> Any:
+    """``config.<name>_train`` / ``_forward`` (ROLL's fields), else ``config.<name>``."""
+    value = getattr(config, f"{name}_{'train' if is_train else 'forward'}", None)
+    if value is None:
+        value = getattr(config, name, None)
+    return default if value is None else value
+
+
+def _roll_packing_metrics(lengths: np.ndarray, width: int, parts: Sequence[Sequence[int]],
+                          phase: str) -> Dict[str, float]:
+    """ROLL's ``sequence_packing_metrics`` (real tokens, ``{phase}/`` keys)."""
+    n, k = int(lengths.size), len(parts)
+    per_mb = [int(lengths[list(p)].sum()) if len(p) else 0 for p in parts]
+    top = max(per_mb) if per_mb else 1
+    low = min(per_mb) if per_mb else 0
+    return {
+        f"{phase}/num_micro_batches": float(k),
+        f"{phase}/effective_ratio": float(lengths.sum()) / (n * width) if n * width > 0 else 0.0,
+        f"{phase}/seq_len_balance_ratio": low / top if top > 0 else 0.0,
+        f"{phase}/avg_samples_per_pack": n / k if k > 0 else 0.0,
+    }
+
+
+def _phase_metrics(cols: Mapping[str, Any], parts: Sequence[Sequence[int]], phase: str) -> Dict[str, float]:
+    if "attention_mask" not in cols:  # algorithm "none" runs without one
+        return {}
+    return _roll_packing_metrics(mask_lengths(cols, "mini_batch"), int(np.shape(cols["attention_mask"])[1]), parts,
+                                 phase)
+
+
 def make_micro_batch_iter_for_sequence_packing(
-    mini_batch: Mapping[str, Any],
-    *,
-    max_packed_sequence_length: Optional[int] = None,
-    algorithm: str = "load_balance",
-    min_num_micro_batches: int = 1,
-    pad_multiple: Optional[int] = None,
+    mini_batch: Any,
     tp_size: int = 1,
     cp_size: int = 1,
-    vp_size: int = 1,
+    vp_size: Optional[int] = 1,
+    is_train: bool = False,
     dp_group=None,
     micro_batch_size: Optional[int] = None,
+    config: Any = None,
+    pp_size: Optional[int] = None,
+    *,
+    max_packed_sequence_length: Optional[int] = None,
+    algorithm: Optional[str] = None,
+    min_num_micro_batches: Optional[int] = None,
+    pad_multiple: Optional[int] = None,
     step_plan: Optional["StepPlan"] = None,
     dp_rank: Optional[int] = None,
     mini_batch_index: int = 0,
-) -> Iterator[RollBatch]:
+    strict: bool = True,
+) -> Iterator[Any]:
     """Micro-batches of a mini-batch for sequence packing (ROLL ``algorithm``
     ``"none"``: consecutive chunks of ``micro_batch_size`` rows; ``"load_balance"``:
     balanced micro-batches under a hard cap).
 
-    ``load_balance``: every sequence padded to ``pad_multiple`` (default ROLL's
-    ``2·CP·TP`` with CP, ``TP`` without), at least ``min_num_micro_batches``, a
-    multiple of ``vp_size``, the fewest such that Karmarkar-Karp (or LPT) balances
-    the workload ``24576·s + s²`` with every micro-batch's padded tokens <=
-    ``max_packed_sequence_length``; when ``dp_group`` is given (or a default group
-    is initialised) every rank uses the largest rank's count. Micro-batches run
+    ROLL's positional form ``(mini_batch, tp_size, cp_size, vp_size, is_train,
+    dp_group, micro_batch_size, config, pp_size)`` with a :class:`SequencePackingConfig`
+    (or ROLL's own) runs that config's packer (:func:`get_sequence_packing_packer`):
+    its algorithm, the phase's cap and minimum (``is_train``), ROLL's pad factor
+    ``lcm(16, 2·CP·TP)`` and, with ``vp_size > 1``, a count that is a multiple of
+    ``pp_size``. Without ``config`` the keywords say it all: ``algorithm``
+    (default ``"load_balance"``), ``max_packed_sequence_length``,
+    ``min_num_micro_batches`` (default 1), every sequence padded to ``pad_multiple``
+    (default ``2·CP·TP`` with CP, ``TP`` without) and a count that is a multiple of
+    ``vp_size`` (of ``pp_size`` when it is given and ``vp_size > 1``). A keyword
+    given with ``config`` overrides the config's value.
+
+    ``load_balance``: at least ``min_num_micro_batches``, the fewest such that
+    Karmarkar-Karp (or LPT) balances the workload ``24576·s + s²`` with every
+    micro-batch's padded tokens <= the cap; when ``torch.distributed`` is
+    initialised every rank of ``dp_group`` (``None``: the default group) uses the
+    largest rank's count. Without an initialised process group no collective runs,
+    whatever ``dp_group`` is (ROLL's tests pass a stand-in object). Micro-batches run
     light, heavy, ..., heavy, light (pipeline bubbles at the ends are small).
+
+    ``strict=False`` restores ROLL's rules exactly: ``load_balance`` takes
+    ``max(1, ceil(padded tokens / cap))`` micro-batches (at most the rows, at least
+    the minimum, the largest rank's, rounded up to the multiple), Karmarkar-Karp on
+    the workloads of the padded lengths, ordered as ROLL orders them, so a
+    micro-batch can exceed the cap; ``none`` takes ``rows // micro_batch_size``
+    chunks of ``np.array_split`` sizes instead of requiring the size to divide the
+    rows. A sequence longer than the cap is refused either way.
 
     ``step_plan`` (with ``dp_rank``, ``mini_batch_index``): rank ``dp_rank``'s
     micro-batches of that mini-batch from a :func:`seqpack.plan_step` plan
@@ -351,70 +573,165 @@ def make_micro_batch_iter_for_sequence_packing(
     :func:`restore_results_order`. Plan on the lengths as packed (each rounded up
     to the pad multiple) so that the cap holds after padding.
 
-    Each micro-batch's ``meta_info``: ``micro_batch_idx``, ``num_micro_batchs``,
-    ``partition_indices``, ``partition_indices_list``, ``mini_batch_size``,
-    ``is_padding_batch`` and ``sequence_packing_metrics``.
+    A DataProto's micro-batches are its own ``select_idxs`` (its class); a mapping's
+    are :class:`RollBatch`. As ROLL, the mini-batch's own ``meta_info`` (a
+    DataProto's or a RollBatch's) gets ``partition_indices_list`` and
+    ``sequence_packing_metrics`` (and, for ``"none"``, ``num_micro_batchs``), written
+    when this is called. Each micro-batch's ``meta_info`` is a copy of it plus
+    ``micro_batch_idx``, ``num_micro_batchs``, ``partition_indices``,
+    ``partition_indices_list``, ``mini_batch_size`` and ``is_padding_batch``.
+    ``sequence_packing_metrics`` holds ROLL's ``{train|forward}/num_micro_batches``,
+    ``/effective_ratio``, ``/seq_len_balance_ratio``, ``/avg_samples_per_pack`` and
+    seqpack's own (``load_balance``: ``num_micro_batches``, ``max_packed_tokens``,
+    ``mean_packed_tokens``, ``fill``, ``workload_imbalance``, ``padding_tokens``).
     """
-    meta = _meta(mini_batch)
+    if config is not None:
+        packer = get_sequence_packing_packer(config) if algorithm is None else _packer_for(algorithm, config)
+        return packer.make_micro_batch_iter_for_sequence_packing(
+            mini_batch, tp_size, cp_size, vp_size, is_train, dp_group, micro_batch_size,
+            1 if pp_size is None else pp_size, max_packed_sequence_length=max_packed_sequence_length,
+            min_num_micro_batches=min_num_micro_batches, pad_multiple=pad_multiple, step_plan=step_plan,
+            dp_rank=dp_rank, mini_batch_index=mini_batch_index, strict=strict)
+    return _sequence_packing(
+        mini_batch, algorithm="load_balance" if algorithm is None else algorithm, cap=max_packed_sequence_length,
+        min_num=1 if min_num_micro_batches is None else min_num_micro_batches, pad_multiple=pad_multiple,
+        pad_rule=lambda cp, tp: alignment(cp, tp, rule="roll"), tp_size=tp_size, cp_size=cp_size, vp_size=vp_size,
+        pp_size=pp_size, is_train=is_train, dp_group=dp_group, micro_batch_size=micro_batch_size,
+        step_plan=step_plan, dp_rank=dp_rank, mini_batch_index=mini_batch_index, strict=strict)
+
+
+def _sequence_packing(mini_batch: Any, *, algorithm: Any, cap: Any, min_num: Any, pad_multiple: Any,
+                      pad_rule: Callable[[int, int], int], tp_size: Any, cp_size: Any, vp_size: Any, pp_size: Any,
+                      is_train: bool, dp_group: Any, micro_batch_size: Any, step_plan: Any, dp_rank: Any,
+                      mini_batch_index: Any, strict: bool = True) -> Iterator[Any]:
+    phase = "train" if is_train else "forward"
+    cols = _columns(mini_batch)
+    meta = getattr(mini_batch, "meta_info", None)
+    if not isinstance(meta, MutableMapping):
+        meta = {}
     if algorithm == "none":
-        n = batch_size(mini_batch, "mini_batch")
-        if not isinstance(micro_batch_size, int) or micro_batch_size <= 0 or n % micro_batch_size:
-            raise ValueError(f"algorithm 'none' needs a micro_batch_size > 0 dividing the {n} rows, "
-                             f"got {micro_batch_size!r}")
-        parts = [list(range(s, s + micro_batch_size)) for s in range(0, n, micro_batch_size)]
-        return _yield_parts(mini_batch, meta, parts, n, {}, reorder=False)
+        n = batch_size(cols, "mini_batch")
+        if strict:
+            if not isinstance(micro_batch_size, int) or micro_batch_size <= 0 or n % micro_batch_size:
+                raise ValueError(f"algorithm 'none' needs a micro_batch_size > 0 dividing the {n} rows, "
+                                 f"got {micro_batch_size!r}")
+            parts = [list(range(s, s + micro_batch_size)) for s in range(0, n, micro_batch_size)]
+        else:  # ROLL: rows // micro_batch_size chunks, np.array_split's sizes
+            if not isinstance(micro_batch_size, int) or not 0 < micro_batch_size <= n:
+                raise ValueError(f"algorithm 'none' needs a micro_batch_size in [1, {n}] (the rows), "
+                                 f"got {micro_batch_size!r}")
+            parts = [p.tolist() for p in np.array_split(np.arange(n), n // micro_batch_size)]
+        metrics = _phase_metrics(cols, parts, phase)
+        _write_meta(mini_batch, partition_indices_list=[], num_micro_batchs=len(parts),
+                    sequence_packing_metrics=dict(metrics))
+        return _yield_parts(mini_batch, cols, meta, parts, n, metrics, reorder=False)
     if step_plan is not None:
-        n = batch_size(mini_batch, "mini_batch")
-        cap = None if max_packed_sequence_length is None else as_positive_int(max_packed_sequence_length,
-                                                                              "max_packed_sequence_length")
+        n = batch_size(cols, "mini_batch")
+        cap = None if cap is None else as_positive_int(cap, "max_packed_sequence_length")
         parts = step_plan_parts(step_plan, dp_rank, mini_batch_index, n, cap, "max_packed_sequence_length")
-        return _yield_parts(mini_batch, meta, parts, n, step_plan.metrics, reorder=True)
-    agree = dp_group is not None or active()
+        metrics = {**step_plan.metrics, **_phase_metrics(cols, parts, phase)}
+        _write_meta(mini_batch, partition_indices_list=[list(p) for p in parts],
+                    sequence_packing_metrics=dict(metrics))
+        return _yield_parts(mini_batch, cols, meta, parts, n, metrics, reorder=True)
+    agree = _agrees(dp_group)
     box: Dict[str, Any] = {}
 
     def plan_with(count: int) -> MicroBatchPlan:
-        return plan_micro_batches(box["padded"], box["cap"], min_num=count, multiple_of=box["vp"],
+        if not strict:
+            return _roll_soft_plan(box["padded"], box["cap"], count)
+        return plan_micro_batches(box["padded"], box["cap"], min_num=count, multiple_of=box["multiple"],
                                   attention_coeff=ROLL_ATTENTION_COEFF, order="small_at_ends")
 
     def local() -> MicroBatchPlan:  # every check that can differ between ranks, inside the agreement
-        box["n"] = n = batch_size(mini_batch, "mini_batch")
+        box["n"] = n = batch_size(cols, "mini_batch")
         if algorithm != "load_balance":
             raise ValueError(f"Illegal sequence packing algorithm {algorithm!r}, algorithm must be in "
                              "['none', 'load_balance']")
-        if max_packed_sequence_length is None:
+        if cap is None:
             raise ValueError("max_packed_sequence_length is required with algorithm 'load_balance'")
-        box["cap"] = cap = as_positive_int(max_packed_sequence_length, "max_packed_sequence_length")
+        box["cap"] = limit = as_positive_int(cap, "max_packed_sequence_length")
         tp, cp = as_positive_int(tp_size, "tp_size"), as_positive_int(cp_size, "cp_size")
-        multiple = alignment(cp, tp, rule="roll") if pad_multiple is None else as_positive_int(pad_multiple,
-                                                                                                "pad_multiple")
-        box["padded"] = padded = round_up(mask_lengths(mini_batch, "mini_batch"), multiple)
-        if n and padded.max() > cap:
+        multiple = (as_positive_int(pad_rule(cp, tp), "the pad factor") if pad_multiple is None
+                    else as_positive_int(pad_multiple, "pad_multiple"))
+        box["padded"] = padded = round_up(mask_lengths(cols, "mini_batch"), multiple)
+        if n and padded.max() > limit:
             raise ValueError(f"a sequence padded to {int(padded.max())} tokens (pad multiple {multiple}) exceeds "
-                             f"max_packed_sequence_length={cap}")
-        box["vp"] = as_positive_int(vp_size, "vp_size")
-        return plan_with(as_positive_int(min_num_micro_batches, "min_num_micro_batches"))
+                             f"max_packed_sequence_length={limit}")
+        vp = 1 if vp_size is None else as_positive_int(vp_size, "vp_size")
+        if pp_size is None:
+            box["multiple"] = vp
+        else:
+            pp = as_positive_int(pp_size, "pp_size")
+            box["multiple"] = pp if vp > 1 else 1
+        least = as_positive_int(min_num, "min_num_micro_batches")
+        if not strict:  # ROLL's count; rounding before the agreement's max is the same as after
+            count = max(min(max(1, -(-int(padded.sum()) // limit)), n), least)
+            return plan_with(-(-count // box["multiple"]) * box["multiple"])
+        return plan_with(least)
 
     plan = checked_on_every_rank(local, dp_group, "make_micro_batch_iter_for_sequence_packing", agree)
     if agree:
         plan = agree_on_count(plan.num_micro_batches, plan_with, lambda p: p.num_micro_batches, dp_group,
                               "make_micro_batch_iter_for_sequence_packing")
-    n, cap, padded = box["n"], box["cap"], box["padded"]
+    n, limit, padded = box["n"], box["cap"], box["padded"]
+    lengths = mask_lengths(cols)
     metrics = {
+        **_roll_packing_metrics(lengths, int(np.shape(cols["attention_mask"])[1]), plan.micro_batches, phase),
         "num_micro_batches": plan.num_micro_batches,
         "max_packed_tokens": max(plan.tokens) if plan.tokens else 0,
         "mean_packed_tokens": float(np.mean(plan.tokens)) if plan.tokens else 0.0,
-        "fill": float(np.sum(plan.tokens)) / (cap * plan.num_micro_batches) if plan.tokens else 0.0,
+        "fill": float(np.sum(plan.tokens)) / (limit * plan.num_micro_batches) if plan.tokens else 0.0,
         "workload_imbalance": plan.imbalance,
-        "padding_tokens": int(padded.sum() - mask_lengths(mini_batch).sum()),
+        "padding_tokens": int(padded.sum() - lengths.sum()),
     }
-    return _yield_parts(mini_batch, meta, plan.micro_batches, n, metrics, reorder=True)
+    _write_meta(mini_batch, partition_indices_list=[list(p) for p in plan.micro_batches],
+                sequence_packing_metrics=dict(metrics))
+    return _yield_parts(mini_batch, cols, meta, plan.micro_batches, n, metrics, reorder=True)
 
 
-def _yield_parts(batch, meta, parts, n, metrics, reorder: bool) -> Iterator[RollBatch]:
+def _roll_soft_plan(padded: np.ndarray, cap: int, count: int) -> MicroBatchPlan:
+    """ROLL's ``LoadBalancePacker`` plan for ``count`` micro-batches: Karmarkar-Karp
+    on ``24576·s + s²`` of the padded lengths, micro-batches sorted by (workload,
+    first row) descending and laid out ``[::2][::-1] + [1::2]``; no cap check."""
+    work = calculate_workload(padded.astype(np.int64))
+    parts = get_seqlen_balanced_partitions(work, count, equal_size=False)
+    keyed = sorted(((p, int(work[p].sum()), p[0] if p else 0) for p in parts), key=lambda x: (x[1], x[2]),
+                   reverse=True)
+    ordered = [list(x[0]) for x in keyed]
+    ordered = ordered[::2][::-1] + ordered[1::2]
+    return MicroBatchPlan(micro_batches=ordered, tokens=[int(padded[p].sum()) for p in ordered],
+                          workloads=[int(work[p].sum()) for p in ordered], max_tokens=cap,
+                          lower_bound=max(1, -(-int(padded.sum()) // cap)), method="karmarkar_karp",
+                          order="small_at_ends")
+
+
+def _proto_dummy(proto: Any, cols: Mapping[str, Any]) -> Any:
+    """A one-row DataProto of the input's class: row 0 with the values of
+    :func:`dummy_row` (one real token, zero loss masks)."""
+    row = dummy_row(cols, name="mini_batch")
+    out = proto_select(proto, [0], "mini_batch")
+    tensors = out.batch
+    tensor_keys = set(tensors.keys()) if tensors is not None else set()
+    for key, value in row.items():
+        if key in tensor_keys:
+            tensors[key] = value
+        else:
+            out.non_tensor_batch[key] = value
+    return out
+
+
+def _yield_parts(batch: Any, cols: Mapping[str, Any], meta: Dict[str, Any], parts: Sequence[Sequence[int]], n: int,
+                 metrics: Dict[str, Any], reorder: bool) -> Iterator[Any]:
+    proto = is_data_proto(batch)
+
     def gen():
         for k, part in enumerate(parts):
-            mb = RollBatch(select_all(batch, part) if part else dummy_row(batch, name="mini_batch"),
-                           meta_info=copy.deepcopy(meta))
+            if proto:
+                mb = proto_select(batch, part, "mini_batch") if part else _proto_dummy(batch, cols)
+                mb.meta_info = copy.deepcopy(meta)
+            else:
+                mb = RollBatch(select_all(cols, part) if part else dummy_row(cols, name="mini_batch"),
+                               meta_info=copy.deepcopy(meta))
             mb.meta_info.update(micro_batch_idx=k, num_micro_batchs=len(parts), partition_indices=list(part),
                                 partition_indices_list=[list(p) for p in parts] if reorder else [],
                                 mini_batch_size=n, is_padding_batch=not part, sequence_packing_metrics=dict(metrics))
@@ -423,11 +740,15 @@ def _yield_parts(batch, meta, parts, n, metrics, reorder: bool) -> Iterator[Roll
     return gen()
 
 
-def restore_results_order(results: Mapping[str, Any], partition_indices_list: Sequence[Sequence[int]]) -> Dict[str, Any]:
+def restore_results_order(results: Mapping[str, Any], partition_indices_list: Sequence[Sequence[int]],
+                          config: Any = None) -> Dict[str, Any]:
     """Put per-row results of the packed micro-batches (concatenated in the order
     they were yielded) back in the mini-batch's row order. Scalars and non-tensor
     values pass through; an empty ``partition_indices_list`` (algorithm ``none``)
-    changes nothing."""
+    changes nothing, nor does a ROLL ``config`` whose algorithm is ``"none"``
+    (``results`` is returned as it is, as ROLL does)."""
+    if config is not None and getattr(config, "algorithm", None) == "none":
+        return results  # type: ignore[return-value]
     if not results:
         return {}
     if not partition_indices_list:
@@ -449,3 +770,115 @@ def restore_results_order(results: Mapping[str, Any], partition_indices_list: Se
         else:
             out[key] = value
     return out
+
+
+# ---------------------------------------------------------------- ROLL's packer classes
+
+
+@dataclass
+class SequencePackingConfig:
+    """ROLL's ``sequence_packing_args`` (``roll.configs.worker_config.SequencePackingConfig``):
+    the same fields and defaults. ``max_packed_sequence_length`` (an older ROLL's
+    single cap) is read for a phase whose own cap is ``None``."""
+
+    algorithm: str = "none"
+    max_packed_sequence_length_forward: Optional[int] = None
+    max_packed_sequence_length_train: Optional[int] = None
+    min_num_micro_batches_forward: int = 1
+    min_num_micro_batches_train: int = 1
+    max_packed_sequence_length: Optional[int] = None
+
+
+class SequencePackingPacker:
+    """ROLL's packer for ``algorithm: none``: consecutive chunks of
+    ``micro_batch_size`` rows (here their count must divide the rows), order kept.
+
+    ``config`` is a :class:`SequencePackingConfig` or ROLL's own (read by attribute).
+    """
+
+    algorithm = "none"
+
+    def __init__(self, config: Any = None):
+        self.config = config if config is not None else SequencePackingConfig()
+
+    def get_pad_factor(self, cp_size: int, tp_size: int) -> int:
+        """ROLL's pad multiple: ``lcm(16, 2·CP·TP)`` with CP, ``lcm(16, TP)`` without."""
+        return _roll_pad_factor(cp_size, tp_size)
+
+    calculate_workload = staticmethod(calculate_workload)
+
+    @staticmethod
+    def ceildiv(a: int, b: int) -> int:
+        return -(a // -b)
+
+    def make_micro_batch_iter_for_sequence_packing(
+        self, mini_batch: Any, tp_size: int = 1, cp_size: int = 1, vp_size: Optional[int] = 1,
+        is_train: bool = False, dp_group=None, micro_batch_size: Optional[int] = None, pp_size: int = 1, *,
+        max_packed_sequence_length: Optional[int] = None, min_num_micro_batches: Optional[int] = None,
+        pad_multiple: Optional[int] = None, step_plan: Optional["StepPlan"] = None, dp_rank: Optional[int] = None,
+        mini_batch_index: int = 0, strict: bool = True,
+    ) -> Iterator[Any]:
+        """ROLL's signature; see :func:`make_micro_batch_iter_for_sequence_packing`
+        (the keywords after ``pp_size`` are seqpack's and override the config)."""
+        cap = (_phase_value(self.config, is_train, "max_packed_sequence_length")
+               if max_packed_sequence_length is None else max_packed_sequence_length)
+        min_num = (_phase_value(self.config, is_train, "min_num_micro_batches", 1)
+                   if min_num_micro_batches is None else min_num_micro_batches)
+        return _sequence_packing(
+            mini_batch, algorithm=self.algorithm, cap=cap, min_num=min_num, pad_multiple=pad_multiple,
+            pad_rule=self.get_pad_factor, tp_size=tp_size, cp_size=cp_size, vp_size=vp_size,
+            pp_size=1 if pp_size is None else pp_size, is_train=is_train, dp_group=dp_group,
+            micro_batch_size=micro_batch_size, step_plan=step_plan, dp_rank=dp_rank,
+            mini_batch_index=mini_batch_index, strict=strict)
+
+    @staticmethod
+    def restore_results_order(results: Mapping[str, Any], partition_indices_list: Sequence[Sequence[int]]) -> Any:
+        """Nothing to restore: the rows kept their order (``results`` as it is)."""
+        return results
+
+
+class LoadBalancePacker(SequencePackingPacker):
+    """ROLL's packer for ``algorithm: load_balance``, over seqpack's planner
+    (:func:`seqpack.plan_micro_batches`): the same signature, metadata and
+    ``partition_indices_list`` written on the mini-batch, but a **hard** cap (ROLL
+    splits into ``ceil(tokens / cap)`` parts, which can exceed it; ``strict=False``
+    restores that). ``dp_group`` may be ``None``; without an initialised process
+    group no collective runs."""
+
+    algorithm = "load_balance"
+
+    @staticmethod
+    def roundup_divisible(a: int, b: int) -> int:
+        return ((a + b - 1) // b) * b
+
+    @staticmethod
+    def calculate_workload_batch(seqlen_tensor: Any) -> Any:
+        return calculate_workload(seqlen_tensor)
+
+    @staticmethod
+    def get_device_name() -> str:
+        import torch
+
+        return f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
+
+    @staticmethod
+    def restore_results_order(results: Mapping[str, Any], partition_indices_list: Sequence[Sequence[int]]) -> Any:
+        """:func:`restore_results_order`."""
+        return restore_results_order(results, partition_indices_list)
+
+
+def _packer_for(algorithm: Any, config: Any) -> SequencePackingPacker:
+    if algorithm == "load_balance":
+        return LoadBalancePacker(config)
+    if algorithm == "none":
+        return SequencePackingPacker(config)
+    raise ValueError(f"Illegal sequence packing algorithm {algorithm!r}, algorithm must be in "
+                     "['none', 'load_balance']")
+
+
+def get_sequence_packing_packer(config: Any = None) -> SequencePackingPacker:
+    """ROLL's factory: the packer of ``config.algorithm`` (``None``: a default
+    :class:`SequencePackingConfig`, algorithm ``"none"``)."""
+    if config is None:
+        config = SequencePackingConfig()
+    return _packer_for(getattr(config, "algorithm", "none"), config)
