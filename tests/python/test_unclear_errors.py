@@ -56,7 +56,7 @@ INT_ARGS = [
     ("mini_batches", lambda v: seqpack.plan_step([1, 2], 1, 10, mini_batches=v), ()),
     ("min_micro_batches", lambda v: seqpack.plan_step([1, 2], 1, 10, min_micro_batches=v), ()),
     ("multiple_of", lambda v: seqpack.plan_step([1, 2], 1, 10, multiple_of=v), ()),
-    ("seed", lambda v: seqpack.plan_step([1, 2], 1, 10, seed=v), (None,)),
+    ("seed", lambda v: seqpack.plan_step([1, 2], 1, 10, seed=v), (None, 2**63)),  # a uint64
     ("pad_multiple", lambda v: seqpack.pack_sequences(IDS, seq_lens=[2, 3], pad_multiple=v), ()),
     ("pad_packed_to", lambda v: seqpack.pack_sequences(IDS, seq_lens=[2, 3], pad_packed_to=v), (None,)),
     ("pad_packed_multiple", lambda v: seqpack.pack_sequences(IDS, seq_lens=[2, 3], pad_packed_multiple=v), (None,)),
