@@ -1,7 +1,7 @@
-"""Sequence-packing / dynamic-batching configuration in NeMo-RL's and ROLL's schemas.
+"""Sequence-packing / dynamic-batching configuration in NeMo-RL's, ROLL's and verl's schemas.
 
-:func:`load` reads a YAML file, a YAML string or a mapping written for either
-framework, validates it, and returns a typed :class:`SeqpackConfig` whose methods
+:func:`load` reads a YAML file, a YAML string or a mapping written for one of these
+frameworks, validates it, and returns a typed :class:`SeqpackConfig` whose methods
 produce the arguments seqpack's APIs take. Errors are :class:`ConfigError`
 (a ``ValueError``) naming the key path and the rule broken.
 
@@ -27,15 +27,29 @@ ROLL (a worker role such as ``actor_train``)::
       sequence_packing_args: {algorithm: load_balance, max_packed_sequence_length_train: 8192,
                               max_packed_sequence_length_forward: 8192}
 
+verl (``actor_rollout_ref.*``, ``critic``, ``data``, ``trainer``; the composed config)::
+
+    data: {max_prompt_length: 1024, max_response_length: 3072, train_batch_size: 512}
+    actor_rollout_ref:
+      model: {use_remove_padding: true}
+      actor: {strategy: fsdp, ppo_mini_batch_size: 128, use_dynamic_bsz: true,
+              ppo_max_token_len_per_gpu: 16384, ulysses_sequence_parallel_size: 2}
+      ref: {log_prob_max_token_len_per_gpu: 32768}
+      rollout: {n: 8, log_prob_max_token_len_per_gpu: 32768}
+    trainer: {balance_batch: true}
+
 Example:
     >>> cfg = load({"policy": {"sequence_packing": {"enabled": True, "train_mb_tokens": 4096,
     ...     "algorithm": "modified_first_fit_decreasing"}, "dynamic_batching": {"enabled": False}}})
     >>> cfg.sequence_packing_args("train")["max_tokens_per_microbatch"]
     4096
 
-YAML interpolations (``${policy.x}``, NeMo-RL's ``${mul:a,b}``) are resolved with
-OmegaConf when it is installed (NeMo-RL installs it); a mapping that is already an
-OmegaConf ``DictConfig`` is resolved the same way.
+YAML interpolations (``${policy.x}``, NeMo-RL's ``${mul:a,b}``, verl's
+``${oc.select:key,default}``) are resolved with OmegaConf when it is installed
+(NeMo-RL and verl install it); a mapping that is already an OmegaConf ``DictConfig``
+is resolved the same way. Without OmegaConf, seqpack resolves ``${a.b}``, relative
+``${.a}`` / ``${..a}`` and ``${oc.select:a.b,default}`` itself; a value that needs
+another resolver is an error only if seqpack reads it.
 """
 
 from __future__ import annotations
@@ -56,6 +70,8 @@ __all__ = [
     "RollPackingConfig",
     "SeqpackConfig",
     "SequencePackingConfig",
+    "VerlConfig",
+    "VerlMicroBatching",
     "load",
 ]
 
@@ -63,6 +79,12 @@ MAX_DEPTH = 100  # nesting levels of a config; real ones have fewer than 10
 MICROBATCH_ORDERS = ("packer", "largest_first")
 ROLL_ALGORITHMS = ("none", "load_balance")
 PHASES = ("train", "logprob")
+SCHEMAS = ("nemo_rl", "roll", "verl")
+# verl's micro-batching roles: the actor's update, the actor's log-prob recompute
+# (configured under ``rollout``), the reference's log-probs, the critic's update and
+# the critic's value forward.
+VERL_ROLES = ("actor", "rollout", "ref", "critic", "critic_forward")
+INTERPOLATION_BUDGET = 100_000  # containers and strings the fallback resolver may produce
 
 
 class ConfigError(ValueError):
@@ -81,7 +103,8 @@ class ParallelConfig:
     pp: int = 1
     vpp: Optional[int] = None
     sequence_parallel: bool = False
-    backend: str = "megatron"  # NeMo-RL: "megatron" | "dtensor"; ROLL: the strategy name
+    backend: str = "megatron"  # NeMo-RL: "megatron" | "dtensor"; ROLL: the strategy name; verl: actor.strategy
+    ulysses: int = 1  # verl: the actor's Ulysses sequence-parallel size (FSDP strategies)
 
 
 @dataclass(frozen=True)
@@ -132,15 +155,88 @@ class RollDynamicBatchingConfig:
 
 
 @dataclass(frozen=True)
-class SeqpackConfig:
-    """A validated configuration (one schema's sections are set, the other's are ``None``).
+class VerlMicroBatching:
+    """How one verl role splits its batch into micro-batches.
 
     Attributes:
-        schema: ``"nemo_rl"`` or ``"roll"``.
-        parallel: TP/CP/PP/VPP sizes and sequence parallelism.
-        max_seqlen: ``policy.max_total_sequence_length`` / ROLL's ``sequence_length``.
+        path: the section the keys live in (``actor_rollout_ref.actor``, ...).
+        use_dynamic_bsz: micro-batches by a token cap (``use_dynamic_bsz`` /
+            ``log_prob_use_dynamic_bsz``) instead of a fixed row count.
+        max_token_len_per_gpu: the cap per GPU (``ppo_max_token_len_per_gpu``,
+            ``log_prob_max_token_len_per_gpu``, ``forward_max_token_len_per_gpu``).
+        micro_batch_size_per_gpu: the fixed row count per GPU when dynamic batching is off.
+        micro_batch_size: the deprecated global row count (verl divides it by the
+            data-parallel size).
+        sp_size: the ranks that share one micro-batch: the Ulysses sequence-parallel
+            size (FSDP strategies) or the context-parallel size (Megatron). verl caps a
+            micro-batch at ``max_token_len_per_gpu * sp_size`` tokens.
+        use_remove_padding: the micro-batch runs packed (THD, padding removed).
+    """
+
+    path: str
+    use_dynamic_bsz: bool = False
+    max_token_len_per_gpu: Optional[int] = None
+    micro_batch_size_per_gpu: Optional[int] = None
+    micro_batch_size: Optional[int] = None
+    sp_size: int = 1
+    use_remove_padding: bool = True
+
+    @property
+    def max_token_len(self) -> Optional[int]:
+        """The cap verl gives ``rearrange_micro_batches``: per GPU times ``sp_size``."""
+        return None if self.max_token_len_per_gpu is None else self.max_token_len_per_gpu * self.sp_size
+
+
+@dataclass(frozen=True)
+class VerlConfig:
+    """verl's batch sizes and per-role micro-batching (see :data:`VERL_ROLES`).
+
+    ``train_batch_size`` and ``ppo_mini_batch_size`` count prompts, as in verl: a step
+    trains on ``train_batch_size * rollout_n`` sequences, a mini-batch holds
+    ``ppo_mini_batch_size * rollout_n`` (:attr:`sequences_per_mini_batch`).
+    """
+
+    actor: VerlMicroBatching
+    rollout: VerlMicroBatching
+    ref: VerlMicroBatching
+    critic: VerlMicroBatching
+    critic_forward: VerlMicroBatching
+    strategy: str = "fsdp"
+    critic_strategy: str = "fsdp"
+    train_batch_size: int = 1024
+    ppo_mini_batch_size: int = 256
+    critic_ppo_mini_batch_size: int = 256
+    rollout_n: int = 1
+    balance_batch: bool = True
+    use_critic: bool = True
+    max_prompt_length: int = 512
+    max_response_length: int = 512
+
+    @property
+    def sequences_per_mini_batch(self) -> int:
+        """Sequences in one actor mini-batch, over all data-parallel ranks."""
+        return self.ppo_mini_batch_size * self.rollout_n
+
+    def role(self, name: str) -> VerlMicroBatching:
+        if name not in VERL_ROLES:
+            raise ConfigError(f"role must be one of {VERL_ROLES}, got {name!r}")
+        return getattr(self, name)
+
+
+@dataclass(frozen=True)
+class SeqpackConfig:
+    """A validated configuration (one schema's sections are set, the others' are ``None``).
+
+    Attributes:
+        schema: ``"nemo_rl"``, ``"roll"`` or ``"verl"``.
+        parallel: TP/CP/PP/VPP sizes and sequence parallelism (verl: the actor's,
+            with its Ulysses size in ``ulysses``).
+        max_seqlen: ``policy.max_total_sequence_length`` / ROLL's ``sequence_length`` /
+            verl's ``data.max_prompt_length + data.max_response_length``.
         global_batch_size: NeMo-RL ``policy.train_global_batch_size`` (the chunk size
-            of ``shard_by_batch_size`` when training).
+            of ``shard_by_batch_size`` when training); verl: the sequences of a step,
+            ``data.train_batch_size * actor_rollout_ref.rollout.n``.
+        verl: verl's batch sizes and per-role micro-batching.
     """
 
     schema: str
@@ -152,6 +248,7 @@ class SeqpackConfig:
     roll_packing: Optional[RollPackingConfig] = None
     roll_dynamic_batching: Optional[RollDynamicBatchingConfig] = None
     role: Optional[str] = None
+    verl: Optional[VerlConfig] = None
     raw: Dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     def to_dict(self) -> Dict[str, Any]:
@@ -159,6 +256,8 @@ class SeqpackConfig:
         NeMo-RL's pad multiple as ``make_sequence_length_divisible_by``);
         ``load(cfg.to_dict()) == cfg``."""
         p = self.parallel
+        if self.schema == "verl":
+            return _verl_to_dict(self)
         if self.schema == "nemo_rl":
             sp, db = self.sequence_packing, self.dynamic_batching
             backend = {"enabled": True, "sequence_parallel": p.sequence_parallel}
@@ -292,6 +391,38 @@ class SeqpackConfig:
         }
 
 
+    # verl ---------------------------------------------------------------
+    def _verl(self, what: str):
+        if self.schema != "verl":
+            raise ConfigError(f"{what} needs a verl config (actor_rollout_ref.*); this one is {self.schema}'s")
+
+    def micro_batching(self, role: str = "actor") -> VerlMicroBatching:
+        """verl's micro-batching of ``role`` (one of :data:`VERL_ROLES`)."""
+        self._verl("micro_batching")
+        return self.verl.role(role)
+
+    def rearrange_kwargs(self, role: str = "actor") -> Dict[str, Any]:
+        """Keyword arguments of :func:`seqpack.verl.rearrange_micro_batches` as verl
+        passes them for ``role``: ``max_token_len`` = the per-GPU cap times the
+        Ulysses (FSDP) or context-parallel (Megatron) size."""
+        mb = self.micro_batching(role)
+        if not mb.use_dynamic_bsz:
+            key = "use_dynamic_bsz" if role in ("actor", "critic", "critic_forward") else "log_prob_use_dynamic_bsz"
+            raise ConfigError(f"{mb.path}.{key}: dynamic batching is disabled")
+        return {"max_token_len": mb.max_token_len}
+
+    def balance_batch_kwargs(self, dp_size: int) -> Dict[str, Any]:
+        """Keyword arguments of :func:`seqpack.verl.get_seqlen_balanced_partitions`
+        (after ``seqlen_list``) for ``trainer.balance_batch``: one equal-size
+        partition per data-parallel rank."""
+        self._verl("balance_batch_kwargs")
+        if not self.verl.balance_batch:
+            raise ConfigError("trainer.balance_batch: batch balancing is disabled")
+        if isinstance(dp_size, bool) or not isinstance(dp_size, int) or dp_size < 1:
+            raise ConfigError(f"dp_size must be an integer >= 1, got {dp_size!r}")
+        return {"k_partitions": dp_size, "equal_size": True}
+
+
 def _phase_tokens(section, phase: str, path: str) -> int:
     if phase not in PHASES:
         raise ConfigError(f"phase must be one of {PHASES}, got {phase!r}")
@@ -308,6 +439,7 @@ class _Reader:
     """Typed access to a nested mapping that names the key path in every error."""
 
     def __init__(self, data: Mapping[str, Any], path: str):
+        _literal(data, path)
         if not isinstance(data, Mapping):
             raise ConfigError(f"{path}: must be a mapping, got {type(data).__name__}")
         self.data, self.path = data, path
@@ -327,15 +459,30 @@ class _Reader:
                                   f"(known: {', '.join(sorted(allowed))})")
         return self
 
-    def no_lookalike(self, sections) -> None:
+    def no_lookalike(self, sections, *, what: str = "section", known=()) -> "_Reader":
         """A key of this mapping that is close to, but not, one of ``sections`` is a
-        misspelled section (which would otherwise silently turn its feature off)."""
+        misspelled section (which would otherwise silently turn its feature off).
+        ``known``: the framework's own keys that are close to one (not typos)."""
         for key in self.data:
-            if key not in sections and _did_you_mean(key, sections, cutoff=0.85):
-                raise ConfigError(f"{self.key(key)}: unknown section{_did_you_mean(key, sections, cutoff=0.85)}")
+            if key not in sections and key not in known and _did_you_mean(key, sections, cutoff=0.85):
+                raise ConfigError(f"{self.key(key)}: unknown {what}{_did_you_mean(key, sections, cutoff=0.85)}")
+        return self
+
+    def get(self, name: str, default: Any = None) -> Any:
+        value = self.data.get(name, default)
+        _literal(value, self.key(name))
+        return value
+
+    def text(self, name: str, default: str) -> str:
+        value = self.get(name, default)
+        if value is None:
+            return default
+        if not isinstance(value, str) or not value.strip():
+            raise ConfigError(f"{self.key(name)}: must be a non-empty string, got {value!r}")
+        return value.strip()
 
     def bool(self, name: str, default: bool = False) -> bool:
-        value = self.data.get(name, default)
+        value = self.get(name, default)
         if value is None:
             return default
         if not isinstance(value, bool):
@@ -343,7 +490,7 @@ class _Reader:
         return value
 
     def int(self, name: str, default: Optional[int] = None, minimum: int = 1) -> Optional[int]:
-        value = self.data.get(name, default)
+        value = self.get(name, default)
         if value is None:
             return None
         if isinstance(value, bool) or not isinstance(value, int):
@@ -352,13 +499,27 @@ class _Reader:
             raise ConfigError(f"{self.key(name)}: must be >= {minimum}, got {value}")
         return value
 
+    def need(self, name: str, default: int) -> int:
+        """An integer >= 1 that may be left out (``default``) but not set to null."""
+        if name in self.data and self.data[name] is None:
+            raise ConfigError(f"{self.key(name)}: must be an integer, got None")
+        return self.int(name, default)
+
     def choice(self, name: str, options, default: str) -> str:
-        value = self.data.get(name, default)
+        value = self.get(name, default)
         if value is None:
             return default
         if not isinstance(value, str) or value.strip().lower() not in options:
             raise ConfigError(f"{self.key(name)}: must be one of {list(options)}, got {value!r}")
         return value.strip().lower()
+
+
+def _literal(value: Any, path: str) -> None:
+    """A value seqpack reads must not be an interpolation left unresolved (one that
+    needs a resolver other than ``oc.select`` while OmegaConf is not installed)."""
+    if isinstance(value, str) and "${" in value:
+        raise ConfigError(f"{path}: cannot resolve the interpolation {value!r} without OmegaConf; "
+                          "install omegaconf, or give a literal value")
 
 
 def _did_you_mean(key: Any, options, cutoff: float = 0.6) -> str:
@@ -468,7 +629,7 @@ def _load_roll(data: Mapping[str, Any], role: str) -> SeqpackConfig:
         raise ConfigError(f"{role}: no such worker role in the config (roles: {sorted(data)})")
     worker = _Reader(data[role], role)
     strategy = worker.section("strategy_args")
-    strategy_name = strategy.data.get("strategy_name")
+    strategy_name = strategy.get("strategy_name")
     if strategy_name is None:
         strategy_name = "megatron_train"
     elif not isinstance(strategy_name, str) or not strategy_name.strip():
@@ -548,25 +709,469 @@ def _load_roll(data: Mapping[str, Any], role: str) -> SeqpackConfig:
                          roll_dynamic_batching=roll_dynamic, role=role, raw=dict(data))
 
 
+# ---------------------------------------------------------------- verl
+
+# The keys seqpack reads in each verl section (a key close to one of them is a typo,
+# named with a did-you-mean), and verl's own keys that are close to one.
+VERL_TOP_SECTIONS = ("actor_rollout_ref", "critic", "data", "trainer", "algorithm")
+VERL_ARR_SECTIONS = ("actor", "ref", "rollout", "model")
+VERL_MICRO_KEYS = ("ppo_mini_batch_size", "ppo_micro_batch_size", "ppo_micro_batch_size_per_gpu", "use_dynamic_bsz",
+                   "ppo_max_token_len_per_gpu", "ulysses_sequence_parallel_size", "strategy")
+VERL_ACTOR_KEYS = VERL_MICRO_KEYS + ("use_remove_padding", "fsdp_config", "megatron")
+VERL_LOG_PROB_KEYS = ("log_prob_micro_batch_size", "log_prob_micro_batch_size_per_gpu", "log_prob_use_dynamic_bsz",
+                      "log_prob_max_token_len_per_gpu")
+VERL_REF_KEYS = VERL_LOG_PROB_KEYS + ("ulysses_sequence_parallel_size", "fsdp_config", "megatron")
+VERL_ROLLOUT_KEYS = VERL_LOG_PROB_KEYS + ("n",)
+VERL_CRITIC_KEYS = VERL_MICRO_KEYS + ("enable", "forward_max_token_len_per_gpu", "forward_micro_batch_size",
+                                      "forward_micro_batch_size_per_gpu", "model", "fsdp", "megatron")
+VERL_MEGATRON_KEYS = ("tensor_model_parallel_size", "context_parallel_size", "pipeline_model_parallel_size",
+                      "virtual_pipeline_model_parallel_size", "sequence_parallel")
+VERL_DATA_KEYS = ("train_batch_size", "max_prompt_length", "max_response_length")
+VERL_KNOWN_NEIGHBOURS = ("ppo_infer_micro_batch_size_per_gpu", "ppo_infer_max_token_len_per_gpu")
+VERL_DEFAULT_MAX_TOKEN_LEN = 16384  # actor (and, through oc.select, rollout/ref); the critic's is 32768
+VERL_DEFAULT_CRITIC_MAX_TOKEN_LEN = 32768
+
+
+def _verl_sp(r: _Reader, strategy: str, engine: str, default_ulysses: int, default_cp: int):
+    """``(sp_size, megatron parallel sizes or None)`` of one verl role.
+
+    FSDP strategies: the role's ``ulysses_sequence_parallel_size`` when above 1 (verl
+    copies it into the engine config), else the engine config's (``fsdp_config`` /
+    the critic's ``fsdp``). Megatron: ``megatron.context_parallel_size``."""
+    if strategy == "megatron":
+        meg = r.section("megatron").no_lookalike(VERL_MEGATRON_KEYS, what="key")
+        cp = meg.need("context_parallel_size", default_cp)
+        return cp, meg
+    top = r.need("ulysses_sequence_parallel_size", default_ulysses)
+    eng = r.section(engine).no_lookalike(("ulysses_sequence_parallel_size",), what="key")
+    inner = eng.need("ulysses_sequence_parallel_size", 1)
+    if top > 1 and inner > 1 and top != inner:
+        raise ConfigError(f"{r.key('ulysses_sequence_parallel_size')}: {top} disagrees with "
+                          f"{eng.key('ulysses_sequence_parallel_size')} = {inner}")
+    return (top if top > 1 else inner), None
+
+
+def _load_verl(data: Mapping[str, Any]) -> SeqpackConfig:
+    top = _Reader(data, "").no_lookalike(VERL_TOP_SECTIONS)
+    arr = top.section("actor_rollout_ref").no_lookalike(VERL_ARR_SECTIONS)
+    model = arr.section("model").no_lookalike(("use_remove_padding",), what="key")
+    actor = arr.section("actor").no_lookalike(VERL_ACTOR_KEYS, what="key", known=VERL_KNOWN_NEIGHBOURS)
+    ref = arr.section("ref").no_lookalike(VERL_REF_KEYS, what="key")
+    rollout = arr.section("rollout").no_lookalike(VERL_ROLLOUT_KEYS, what="key")
+    critic = top.section("critic").no_lookalike(VERL_CRITIC_KEYS, what="key", known=VERL_KNOWN_NEIGHBOURS)
+    data_r = top.section("data").no_lookalike(VERL_DATA_KEYS, what="key")
+    trainer = top.section("trainer").no_lookalike(("balance_batch",), what="key")
+    algorithm = top.section("algorithm").no_lookalike(("adv_estimator",), what="key")
+
+    prompt, response = data_r.need("max_prompt_length", 512), data_r.need("max_response_length", 512)
+    longest = prompt + response
+    train_batch_size = data_r.need("train_batch_size", 1024)
+    rollout_n = rollout.need("n", 1)
+
+    strategy = actor.text("strategy", "fsdp")
+    critic_strategy = critic.text("strategy", strategy)
+    model_rmpad = model.bool("use_remove_padding", True)
+    actor_rmpad = actor.bool("use_remove_padding", model_rmpad)
+    critic_rmpad = critic.section("model").no_lookalike(("use_remove_padding",), what="key").bool(
+        "use_remove_padding", True)
+
+    actor_sp, meg = _verl_sp(actor, strategy, "fsdp_config", 1, 1)
+    if meg is not None:
+        parallel = ParallelConfig(tp=meg.need("tensor_model_parallel_size", 1), cp=actor_sp,
+                                  pp=meg.need("pipeline_model_parallel_size", 1),
+                                  vpp=meg.int("virtual_pipeline_model_parallel_size"),
+                                  sequence_parallel=meg.bool("sequence_parallel", True), backend=strategy)
+    else:
+        parallel = ParallelConfig(backend=strategy, ulysses=actor_sp)
+    # ref's Ulysses size defaults to the actor's key (oc.select), not to the actor's engine config.
+    actor_ulysses_key = actor.need("ulysses_sequence_parallel_size", 1)
+    ref_sp, _ = _verl_sp(ref, strategy, "fsdp_config", actor_ulysses_key, actor_sp)
+    critic_sp, _ = _verl_sp(critic, critic_strategy, "fsdp", 1, 1)
+
+    enable = critic.get("enable")
+    if enable is not None:
+        use_critic = critic.bool("enable")
+    else:
+        use_critic = algorithm.text("adv_estimator", "gae") == "gae"
+
+    if strategy != "megatron":
+        for r, sp in ((actor, actor_sp), (ref, ref_sp)):
+            if sp > 1 and not model_rmpad:
+                raise ConfigError(f"{r.key('ulysses_sequence_parallel_size')}: Ulysses sequence parallelism ({sp}) "
+                                  "needs actor_rollout_ref.model.use_remove_padding = true")
+    if use_critic and critic_strategy != "megatron" and critic_sp > 1 and not critic_rmpad:
+        raise ConfigError(f"critic.ulysses_sequence_parallel_size: Ulysses sequence parallelism ({critic_sp}) "
+                          "needs critic.model.use_remove_padding = true")
+
+    def role(r: _Reader, keys, defaults, sp: int, rmpad: bool, check: bool, exclusive: bool,
+             role_strategy: str = strategy) -> VerlMicroBatching:
+        dyn_key, cap_key, per_gpu_key, global_key = keys
+        dyn_default, cap_default, per_gpu_default, global_default = defaults
+        dyn = r.bool(dyn_key, dyn_default)
+        cap = r.int(cap_key, cap_default)
+        per_gpu = r.int(per_gpu_key, per_gpu_default)
+        global_mbs = r.int(global_key, global_default)
+        if exclusive and not dyn and per_gpu is not None and global_mbs is not None:
+            raise ConfigError(f"{r.key(global_key)}: deprecated, and {r.key(per_gpu_key)} is set too; "
+                              f"remove {global_key}")
+        if dyn and check:
+            if cap is None:
+                raise ConfigError(f"{r.key(cap_key)}: required with {r.key(dyn_key)}")
+            if cap * sp < longest:
+                ranks = "context-parallel" if role_strategy == "megatron" else "Ulysses sequence-parallel"
+                times = "" if sp == 1 else f" x {sp} {ranks} ranks = {cap * sp}"
+                raise ConfigError(f"{r.key(cap_key)}: {cap}{times} is below the longest sequence, "
+                                  f"data.max_prompt_length + data.max_response_length = {prompt} + {response}")
+        return VerlMicroBatching(path=r.path, use_dynamic_bsz=dyn, max_token_len_per_gpu=cap,
+                                 micro_batch_size_per_gpu=per_gpu, micro_batch_size=global_mbs, sp_size=sp,
+                                 use_remove_padding=rmpad)
+
+    train_keys = ("use_dynamic_bsz", "ppo_max_token_len_per_gpu", "ppo_micro_batch_size_per_gpu",
+                  "ppo_micro_batch_size")
+    log_prob_keys = ("log_prob_use_dynamic_bsz", "log_prob_max_token_len_per_gpu",
+                     "log_prob_micro_batch_size_per_gpu", "log_prob_micro_batch_size")
+    actor_mb = role(actor, train_keys, (False, VERL_DEFAULT_MAX_TOKEN_LEN, None, None), actor_sp, actor_rmpad,
+                    True, True)
+    log_prob_defaults = (actor_mb.use_dynamic_bsz, actor_mb.max_token_len_per_gpu, None, None)
+    rollout_mb = role(rollout, log_prob_keys, log_prob_defaults, actor_sp, actor_rmpad, True, True)
+    ref_mb = role(ref, log_prob_keys, log_prob_defaults, ref_sp, model_rmpad, True, True)
+    critic_mb = role(critic, train_keys, (actor_mb.use_dynamic_bsz, VERL_DEFAULT_CRITIC_MAX_TOKEN_LEN, None, None),
+                     critic_sp, critic_rmpad, use_critic, False, critic_strategy)
+    forward_keys = ("use_dynamic_bsz", "forward_max_token_len_per_gpu", "forward_micro_batch_size_per_gpu",
+                    "forward_micro_batch_size")
+    critic_forward_mb = role(critic, forward_keys, (critic_mb.use_dynamic_bsz, critic_mb.max_token_len_per_gpu,
+                                                    critic_mb.micro_batch_size_per_gpu, critic_mb.micro_batch_size),
+                             critic_sp, critic_rmpad, use_critic, False, critic_strategy)
+
+    mini = actor.need("ppo_mini_batch_size", 256)
+    critic_mini = critic.need("ppo_mini_batch_size", mini)
+    for r, m, mb, check in ((actor, mini, actor_mb, True), (critic, critic_mini, critic_mb, use_critic)):
+        if not check or mb.use_dynamic_bsz:
+            continue
+        if m > train_batch_size:
+            raise ConfigError(f"{r.key('ppo_mini_batch_size')}: {m} is above "
+                              f"data.train_batch_size = {train_batch_size}")
+        if mb.micro_batch_size is not None and m % mb.micro_batch_size:
+            raise ConfigError(f"{r.key('ppo_mini_batch_size')}: must be divisible by "
+                              f"{r.key('ppo_micro_batch_size')} = {mb.micro_batch_size}, got {m}")
+
+    verl = VerlConfig(actor=actor_mb, rollout=rollout_mb, ref=ref_mb, critic=critic_mb,
+                      critic_forward=critic_forward_mb, strategy=strategy, critic_strategy=critic_strategy,
+                      train_batch_size=train_batch_size, ppo_mini_batch_size=mini,
+                      critic_ppo_mini_batch_size=critic_mini, rollout_n=rollout_n,
+                      balance_batch=trainer.bool("balance_batch", True), use_critic=use_critic,
+                      max_prompt_length=prompt, max_response_length=response)
+    return SeqpackConfig(schema="verl", parallel=parallel, max_seqlen=longest,
+                         global_batch_size=train_batch_size * rollout_n,
+                         verl=verl, raw=dict(data))
+
+
+def _verl_to_dict(cfg: SeqpackConfig) -> Dict[str, Any]:
+    v, p = cfg.verl, cfg.parallel
+
+    def keys(mb: VerlMicroBatching, prefix: str, names=("use_dynamic_bsz", "max_token_len_per_gpu",
+                                                         "micro_batch_size_per_gpu", "micro_batch_size")):
+        dyn, cap, per_gpu, global_mbs = names
+        return {dyn: mb.use_dynamic_bsz, f"{prefix}{cap}": mb.max_token_len_per_gpu,
+                f"{prefix}{per_gpu}": mb.micro_batch_size_per_gpu, f"{prefix}{global_mbs}": mb.micro_batch_size}
+
+    def sp(section: Dict[str, Any], strategy: str, size: int, engine: str) -> Dict[str, Any]:
+        if strategy == "megatron":
+            section["megatron"] = {"context_parallel_size": size}
+        else:
+            section["ulysses_sequence_parallel_size"] = size
+            section[engine] = {"ulysses_sequence_parallel_size": size}
+        return section
+
+    log_prob = ("log_prob_use_dynamic_bsz", "max_token_len_per_gpu", "micro_batch_size_per_gpu", "micro_batch_size")
+    actor = sp({"strategy": v.strategy, "ppo_mini_batch_size": v.ppo_mini_batch_size,
+                "use_remove_padding": v.actor.use_remove_padding, **keys(v.actor, "ppo_")},
+               v.strategy, v.actor.sp_size, "fsdp_config")
+    if v.strategy == "megatron":
+        actor["megatron"].update(tensor_model_parallel_size=p.tp, pipeline_model_parallel_size=p.pp,
+                                 virtual_pipeline_model_parallel_size=p.vpp, sequence_parallel=p.sequence_parallel)
+    critic = sp({"strategy": v.critic_strategy, "enable": v.use_critic,
+                 "ppo_mini_batch_size": v.critic_ppo_mini_batch_size,
+                 "model": {"use_remove_padding": v.critic.use_remove_padding}, **keys(v.critic, "ppo_"),
+                 **{k: val for k, val in keys(v.critic_forward, "forward_").items() if k != "use_dynamic_bsz"}},
+                v.critic_strategy, v.critic.sp_size, "fsdp")
+    return {
+        "data": {"train_batch_size": v.train_batch_size, "max_prompt_length": v.max_prompt_length,
+                 "max_response_length": v.max_response_length},
+        "actor_rollout_ref": {
+            "model": {"use_remove_padding": v.ref.use_remove_padding},
+            "actor": actor,
+            "ref": sp(keys(v.ref, "log_prob_", log_prob), v.strategy, v.ref.sp_size, "fsdp_config"),
+            "rollout": {"n": v.rollout_n, **keys(v.rollout, "log_prob_", log_prob)},
+        },
+        "critic": critic,
+        "trainer": {"balance_batch": v.balance_batch},
+    }
+
+
 # ---------------------------------------------------------------- entry point
 
 
+class _Unsupported(Exception):
+    """An interpolation the fallback resolver leaves for OmegaConf."""
+
+
+def _interpolation_spans(text: str):
+    """``(start, end)`` of each top-level ``${...}`` in ``text`` (nested braces and
+    interpolations inside count); escaped or unbalanced ones are unsupported."""
+    spans, i = [], 0
+    while True:
+        start = text.find("${", i)
+        if start < 0:
+            return spans
+        if start and text[start - 1] == "\\":
+            raise _Unsupported
+        depth, j = 0, start + 1
+        while j < len(text):
+            if text[j] == "{":
+                depth += 1
+            elif text[j] == "}":
+                depth -= 1
+                if depth == 0:
+                    break
+            j += 1
+        if depth:
+            raise _Unsupported
+        spans.append((start, j + 1))
+        i = j + 1
+
+
+def _split_args(text: str):
+    """Split resolver arguments at the commas outside brackets, braces and quotes."""
+    parts, depth, quote, start = [], 0, None, 0
+    for i, ch in enumerate(text):
+        if quote:
+            if ch == quote and text[i - 1] != "\\":
+                quote = None
+        elif ch in "'\"":
+            quote = ch
+        elif ch in "[{":
+            depth += 1
+        elif ch in "]}":
+            depth -= 1
+        elif ch == "," and depth == 0:
+            parts.append(text[start:i])
+            start = i + 1
+    parts.append(text[start:])
+    return parts
+
+
+class _PlainResolver:
+    """Resolves ``${a.b}``, ``${.a}`` / ``${..a}`` (relative to the value's mapping)
+    and ``${oc.select:key[,default]}`` without OmegaConf, like OmegaConf does: a
+    string that is one interpolation takes the value's type, interpolations inside a
+    longer string are formatted into it. Other resolvers (``${mul:...}``,
+    ``${oc.env:...}``) are left as written; reading such a value is an error. A
+    missing key or a cycle is an error, as with OmegaConf.
+
+    Subtrees without interpolations are shared, not copied; a subtree whose
+    interpolations are all absolute is resolved once however many YAML aliases
+    reach it, and :data:`INTERPOLATION_BUDGET` bounds the rest."""
+
+    _RELATIVE = ("${.", ":.", ",.")
+
+    def __init__(self, root: Any):
+        self.root = root
+        self.kinds: Dict[int, int] = {}      # id -> 0 no interpolation, 1 absolute only, 2 relative
+        self.memo: Dict[int, Any] = {}       # id -> resolved (kind 1)
+        self.at_path: Dict[tuple, Any] = {}  # resolved values looked up by path
+        self.active: set = set()             # paths being resolved (cycles)
+        self.produced = 0
+        self.nesting = 0                     # containers and references being resolved
+
+    def deeper(self) -> None:
+        self.nesting += 1
+        if self.nesting > 2 * MAX_DEPTH:  # a reference and a section each count: well inside Python's recursion limit
+            raise ConfigError(f"the config's sections and interpolations nest more than {2 * MAX_DEPTH} levels deep")
+
+    def kind(self, node: Any) -> int:
+        if isinstance(node, str):
+            if "${" not in node:
+                return 0
+            return 2 if any(m in node for m in self._RELATIVE) else 1
+        if not isinstance(node, (Mapping, list, tuple)):
+            return 0
+        key = id(node)
+        if key not in self.kinds:
+            self.kinds[key] = 0  # a self-reference (refused earlier by the depth check) adds nothing
+            children = node.values() if isinstance(node, Mapping) else node
+            self.kinds[key] = max((self.kind(c) for c in children), default=0)
+        return self.kinds[key]
+
+    def node(self, value: Any, path: tuple) -> Any:
+        kind = self.kind(value)
+        if kind == 0:
+            return value
+        if isinstance(value, str):
+            return self.string(value, path)
+        if kind == 1 and id(value) in self.memo:
+            return self.memo[id(value)]
+        self.produced += 1
+        if self.produced > INTERPOLATION_BUDGET:
+            raise ConfigError(f"the config's interpolations expand to more than {INTERPOLATION_BUDGET} values "
+                              "(YAML aliases of interpolated sections)")
+        self.deeper()
+        try:
+            if isinstance(value, Mapping):
+                out: Any = {k: self.node(v, path + (k,)) for k, v in value.items()}
+            else:
+                out = [self.node(v, path + (i,)) for i, v in enumerate(value)]
+        finally:
+            self.nesting -= 1
+        if kind == 1:
+            self.memo[id(value)] = out
+        return out
+
+    def where(self, path: tuple) -> str:
+        return ".".join(str(p) for p in path) or "the config"
+
+    def string(self, text: str, path: tuple) -> Any:
+        if path in self.active:
+            raise ConfigError(f"{self.where(path)}: the interpolation {text!r} is part of a cycle")
+        self.produced += 1
+        if self.produced > INTERPOLATION_BUDGET:
+            raise ConfigError(f"the config's interpolations expand to more than {INTERPOLATION_BUDGET} values "
+                              "(YAML aliases of interpolated sections)")
+        self.active.add(path)
+        try:
+            return self.interpolate(text, path)
+        except _Unsupported:
+            return text
+        finally:
+            self.active.discard(path)
+
+    def interpolate(self, text: str, path: tuple) -> Any:
+        spans = _interpolation_spans(text)
+        if len(spans) == 1 and spans[0] == (0, len(text)):
+            return self.expression(text[2:-1], text, path)
+        out, last = [], 0
+        for start, end in spans:
+            value = self.expression(text[start + 2:end - 1], text, path)
+            out.append(text[last:start] + str(value))
+            last = end
+        return "".join(out) + text[last:]
+
+    def expression(self, inner: str, text: str, path: tuple) -> Any:
+        inner = inner.strip()
+        if inner.startswith("oc.select:"):
+            args = _split_args(inner[len("oc.select:"):])
+            if len(args) > 2:
+                raise _Unsupported
+            found, value = self.lookup(args[0].strip(), text, path)
+            if found and value != "???":
+                return value
+            return self.literal(args[1], path) if len(args) == 2 else None
+        if ":" in inner or "${" in inner or not inner:
+            raise _Unsupported  # another resolver, or a computed key
+        found, value = self.lookup(inner, text, path)
+        if not found:
+            raise ConfigError(f"{self.where(path)}: the interpolation {text!r} refers to a missing key {inner!r}")
+        return value
+
+    def literal(self, text: str, path: tuple) -> Any:
+        text = text.strip()
+        if "${" in text:
+            return self.interpolate(text, path)
+        if len(text) >= 2 and text[0] == text[-1] and text[0] in "'\"":
+            return text[1:-1].replace("\\" + text[0], text[0])
+        import yaml
+
+        try:
+            return yaml.safe_load(text) if text else ""
+        except yaml.YAMLError:
+            return text
+
+    def lookup(self, key: str, text: str, path: tuple):
+        """``(found, resolved value)`` of ``key`` seen from the value at ``path``."""
+        if key.startswith("."):
+            dots = len(key) - len(key.lstrip("."))
+            base = path[:-1]
+            if dots - 1 > len(base):
+                return False, None
+            base = base[:len(base) - (dots - 1)]
+            rest = key[dots:]
+        else:
+            base, rest = (), key
+        parts = [p for p in rest.split(".")] if rest else []
+        if any(not p for p in parts) or "[" in rest:
+            raise _Unsupported
+        node, where = self.root, ()
+        for step in list(base) + parts:
+            if isinstance(node, str):  # an interpolation that gives a section
+                node = self.resolved(node, where)
+            if isinstance(node, Mapping):
+                if step in node:
+                    key_ = step
+                elif isinstance(step, str) and step.lstrip("-").isdigit() and int(step) in node:
+                    key_ = int(step)
+                else:
+                    return False, None
+            elif isinstance(node, list):
+                try:
+                    key_ = int(step)
+                    node[key_]
+                except (ValueError, IndexError):
+                    return False, None
+            else:
+                return False, None
+            node, where = node[key_], where + (key_,)
+        return True, self.resolved(node, where)
+
+    def resolved(self, node: Any, path: tuple) -> Any:
+        """The resolved value at ``path`` (``node`` as written there), once."""
+        if self.kind(node) == 0:
+            return node
+        if path not in self.at_path:
+            self.deeper()
+            try:
+                if isinstance(node, str):
+                    value = self.string(node, path)
+                else:
+                    if path in self.active:
+                        raise ConfigError(f"{self.where(path)}: an interpolation in it refers to it (a cycle)")
+                    self.active.add(path)
+                    try:
+                        value = self.node(node, path)
+                    finally:
+                        self.active.discard(path)
+            finally:
+                self.nesting -= 1
+            self.at_path[path] = value
+        return self.at_path[path]
+
+
 def _resolve(data: Any) -> Any:
-    """Plain containers, with OmegaConf interpolations resolved when present."""
+    """Plain containers, with interpolations resolved when present (by OmegaConf when
+    it is installed, else by :class:`_PlainResolver`)."""
     try:
         from omegaconf import DictConfig, OmegaConf
     except ImportError:
-        DictConfig = None
+        DictConfig = OmegaConf = None
     if DictConfig is not None and isinstance(data, DictConfig):
-        return OmegaConf.to_container(data, resolve=True)
-    if _has_interpolation(data):
-        if DictConfig is None:
-            raise ConfigError("the config uses ${...} interpolations; install omegaconf to resolve them, "
-                              "or give literal values")
-        if not OmegaConf.has_resolver("mul"):  # NeMo-RL's resolver
-            OmegaConf.register_new_resolver("mul", lambda a, b: a * b)
-        return OmegaConf.to_container(OmegaConf.create(data), resolve=True)
-    return data
+        return _omegaconf_container(OmegaConf, lambda: data)
+    if not _has_interpolation(data):
+        return data
+    if OmegaConf is None:
+        resolved = _PlainResolver(data).node(data, ())
+        _check_depth(resolved)  # a reference copies a section into another
+        return resolved
+    if not OmegaConf.has_resolver("mul"):  # NeMo-RL's resolver
+        OmegaConf.register_new_resolver("mul", lambda a, b: a * b)
+    return _omegaconf_container(OmegaConf, lambda: OmegaConf.create(data))
+
+
+def _omegaconf_container(OmegaConf, make) -> Any:
+    try:
+        return OmegaConf.to_container(make(), resolve=True)
+    except ConfigError:
+        raise
+    except Exception as exc:  # omegaconf's own errors: a missing key, a cycle, an unknown resolver
+        raise ConfigError(f"the config's interpolations do not resolve: {type(exc).__name__}: {exc}") from exc
 
 
 def _check_depth(data: Any) -> None:
@@ -654,10 +1259,12 @@ def load(source: Union[str, os.PathLike, Mapping[str, Any]], *, schema: Optional
     Args:
         source: a path to a YAML file, a YAML string, or a mapping (an OmegaConf
             ``DictConfig`` too).
-        schema: ``"nemo_rl"`` or ``"roll"``; by default a top-level ``policy`` key
-            means NeMo-RL and anything else ROLL.
+        schema: ``"nemo_rl"``, ``"roll"`` or ``"verl"``; by default a top-level
+            ``policy`` key means NeMo-RL, a top-level ``actor_rollout_ref`` key verl,
+            and anything else ROLL.
         role: the ROLL worker role to read (``actor_train``, ``actor_infer``,
-            ``reference``, ``critic``...).
+            ``reference``, ``critic``...). A verl config holds every role
+            (:meth:`SeqpackConfig.micro_batching`).
 
     Raises:
         ConfigError: naming the key path and the rule broken (a ``ValueError``);
@@ -671,9 +1278,11 @@ def load(source: Union[str, os.PathLike, Mapping[str, Any]], *, schema: Optional
     if not isinstance(data, Mapping):
         raise ConfigError(f"the config must be a mapping at the top level, got {type(data).__name__}")
     if schema is None:
-        schema = "nemo_rl" if "policy" in data else "roll"
+        schema = "nemo_rl" if "policy" in data else "verl" if "actor_rollout_ref" in data else "roll"
     if schema == "nemo_rl":
         return _load_nemo_rl(data)
     if schema == "roll":
         return _load_roll(data, role)
-    raise ConfigError(f"schema must be 'nemo_rl' or 'roll', got {schema!r}")
+    if schema == "verl":
+        return _load_verl(data)
+    raise ConfigError(f"schema must be one of {list(SCHEMAS)}, got {schema!r}")

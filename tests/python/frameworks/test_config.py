@@ -216,7 +216,7 @@ def test_top_level_errors(tmp_path):
     with pytest.raises(ConfigError, match="does not parse"):
         load("policy: [1,\n")
     with pytest.raises(ConfigError, match="schema must be"):
-        load({"policy": {}}, schema="verl")
+        load({"policy": {}}, schema="slime")
     path = tmp_path / "c.yaml"
     path.write_text("policy:\n  sequence_packing: {enabled: false}\n")
     assert load(path).schema == "nemo_rl" and load(str(path)).schema == "nemo_rl"
