@@ -10,7 +10,7 @@ adapters never import one another):
   collator (also ``seqpack.integrations.hf``).
 - :mod:`~seqpack.frameworks.trl`: HF TRL's ``pack_dataset`` on Arrow buffers (also
   ``seqpack.integrations.trl``).
-- :mod:`~seqpack.frameworks.config`: NeMo-RL and ROLL YAML keys (also ``seqpack.config``).
+- :mod:`~seqpack.frameworks.config`: NeMo-RL, ROLL and verl YAML keys (also ``seqpack.config``).
 """
 
 from .._lazy import submodules
