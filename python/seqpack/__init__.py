@@ -65,7 +65,7 @@ _export("tensors.dataset", "PackedDataset", "collate_packs", "pack_dataset")
 # Training ops
 _export("training.logprobs", "TokenLogprobs", "packed_token_logprobs", "linear_token_logprobs")
 _export("training.loss", "SequencePackingLossWrapper", "prepare_loss_input", "NLLLoss", "ClippedPGLoss")
-_export("training.attention", "varlen_attention", "cp_attention", "attention_backends")
+_export("training.attention", "varlen_attention", "cp_attention", "ulysses_attention", "attention_backends")
 # Frameworks
 _export("frameworks.batched_data_dict", "BatchedDataDict", "DynamicBatchingArgs", "SequencePackingArgs",
         "SlicedDataDict")
@@ -83,7 +83,7 @@ __all__ = [
     # training
     "packed_token_logprobs", "linear_token_logprobs", "TokenLogprobs", "SequencePackingLossWrapper",
     "prepare_loss_input",
-    "varlen_attention", "cp_attention",
+    "varlen_attention", "cp_attention", "ulysses_attention",
     # frameworks
     "BatchedDataDict",
     # support
@@ -200,6 +200,6 @@ if TYPE_CHECKING:  # what the lazy attributes resolve to, for type checkers and 
     from .tensors.layout import PackedLayout, alignment
     from .tensors.thd import (PackedBatch, PackedSeqParams, StaticPackedBatch, pack_sequences, pack_sequences_static,
                               pack_to_layout, unpack_sequences)
-    from .training.attention import attention_backends, cp_attention, varlen_attention
+    from .training.attention import attention_backends, cp_attention, ulysses_attention, varlen_attention
     from .training.logprobs import TokenLogprobs, packed_token_logprobs
     from .training.loss import ClippedPGLoss, NLLLoss, SequencePackingLossWrapper, prepare_loss_input

@@ -218,6 +218,53 @@ class PackedBatch(_NamedPackedTensors):
 
         return _ops.unpack_rows(x, self._plan, self._runs, _ops.check_fill(fill, x.dtype, "fill"), self._num_threads)
 
+    def ulysses_slice(self, x: Union["torch.Tensor", str], rank: int, world: int,
+                      fill: Union[int, float, bool] = 0) -> "torch.Tensor":
+        """Rank ``rank``'s contiguous rows of the packed stream for Ulysses sequence
+        parallelism over ``world`` ranks (:func:`seqpack.ulysses_attention`): the
+        ``T`` rows padded at the end to a multiple of ``world``, rows
+        ``[rank * n, (rank + 1) * n)`` with ``n = ceil(T / world)``; padding rows
+        get ``fill``. ``x`` is a ``[T, ...]`` tensor of this layout or the name of one
+        of the batch's tensors; ``"position_ids"`` gives the positions, the padding
+        counting ``0, 1, ...`` as verl's ``ulysses_pad_and_slice_inputs``.
+        Differentiable; see ``docs/ulysses.md``.
+
+        >>> import torch, seqpack
+        >>> b = seqpack.pack_sequences({"input_ids": torch.tensor([[1, 2, 3], [4, 5, 0]])}, seq_lens=[3, 2])
+        >>> [b.ulysses_slice("input_ids", r, 2).tolist() for r in range(2)]
+        [[1, 2, 3], [4, 5, 0]]
+        >>> [b.ulysses_slice("position_ids", r, 4).tolist() for r in range(4)]
+        [[0, 1], [2, 0], [1, 0], [1, 2]]
+        """
+        from . import _ulysses
+
+        if self.cp_size > 1:
+            raise ValueError(f"ulysses_slice cuts the full packed stream; this batch holds cp_rank {self.cp_rank}'s "
+                             f"zigzag rows of cp_size {self.cp_size}")
+        if isinstance(x, str):
+            if x == "position_ids":
+                return _ulysses.slice_positions(self.position_ids, rank, world)
+            if x not in self.tensors:
+                raise ValueError(f"x names no tensor of this batch: {x!r} (it holds {sorted(self.tensors)} and "
+                                 "'position_ids')")
+            x = self.tensors[x]
+        return _ulysses.slice_rows(x, self.num_tokens, rank, world, fill)
+
+    def ulysses_gather(self, local: "torch.Tensor", group: Any = None, *, agree: bool = True) -> "torch.Tensor":
+        """Every rank's :meth:`ulysses_slice` of one tensor, all-gathered over the SP
+        ``group`` (``torch.distributed``; default WORLD) and without the tail
+        padding: ``[T, ...]``. Backward: one reduce-scatter (the gradient summed over
+        the group, this rank's rows kept) - when every rank computes the same loss
+        on the gathered tensor, divide it by the group size. ``agree``: the rows,
+        shape and dtype are checked on every rank inside one all-reduce before the
+        gather, so a wrong shape on one rank makes every rank raise."""
+        from . import _ulysses
+
+        if self.cp_size > 1:
+            raise ValueError(f"ulysses_gather rebuilds the full packed stream; this batch holds cp_rank "
+                             f"{self.cp_rank}'s zigzag rows of cp_size {self.cp_size}")
+        return _ulysses.gather_rows(local, self.num_tokens, group, agree)
+
 
 def _as_named(tensors) -> Dict[str, "torch.Tensor"]:
     """``tensors`` as a dict of names to tensors (one tensor is ``"input"``), each
