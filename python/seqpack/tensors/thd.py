@@ -17,6 +17,13 @@ DLPack, checked there against the plan, and the copies run in C++ (CPU:
 multi-threaded, GIL released; CUDA: one kernel launch per tensor on the current
 stream).
 
+Position tensors with leading dimensions (M-RoPE's ``[3, B, S]`` temporal / height /
+width ids of Qwen2-VL-style models, or any ``[..., B, S]``) pack per sequence like
+every other tensor: one named in ``position_keys`` (default ``"position_ids"``) with
+three or more dimensions is read as ``[..., B, S]`` and packs to ``[..., T]``; the
+rows, the zigzag split and the padding of the sequence dimension are the same for
+every leading index, and ``unpack`` restores ``[..., B, S]``. See ``docs/vlm.md``.
+
     >>> import torch, seqpack
     >>> ids = torch.tensor([[5, 6, 0, 0], [7, 8, 9, 0]])
     >>> packed = seqpack.pack_sequences({"input_ids": ids}, seq_lens=[2, 3], pad_multiple=2)
@@ -29,7 +36,7 @@ stream).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional, Union
+from typing import TYPE_CHECKING, Any, Collection, Dict, FrozenSet, List, Mapping, Optional, Union
 
 import numpy as np
 
@@ -104,6 +111,84 @@ def _position_ids(plan, device) -> "torch.Tensor":
     return out
 
 
+# Names of the position tensors that may carry leading dimensions ([3, B, S] M-RoPE ids).
+POSITION_KEYS = ("position_ids",)
+
+
+def _position_names(position_keys: Any) -> FrozenSet[str]:
+    """``position_keys`` (one name, a collection of names, or None) as a frozenset."""
+    if position_keys is None:
+        return frozenset()
+    if isinstance(position_keys, str):
+        return frozenset((position_keys,))
+    try:
+        names = frozenset(position_keys)
+    except TypeError:
+        raise TypeError(f"position_keys must be a name or a collection of names, got {type_name(position_keys)}") \
+            from None
+    if not all(isinstance(n, str) for n in names):
+        raise TypeError(f"position_keys must hold tensor names (str), got {sorted(map(repr, names))}")
+    return names
+
+
+def _leading_names(named: Mapping[str, "torch.Tensor"], position_keys: Any) -> FrozenSet[str]:
+    """The tensors read as ``[..., B, S]``: position tensors of three or more dimensions."""
+    keys = _position_names(position_keys)
+    return frozenset(name for name, t in named.items() if name in keys and t.dim() >= 3)
+
+
+def _batch_dims(named: Mapping[str, "torch.Tensor"], leading: FrozenSet[str]) -> tuple:
+    """``(B, S)`` of the batch: the first ``[B, S, ...]`` tensor's first two dimensions,
+    else (position tensors only) the last two of the first ``[..., B, S]`` one."""
+    for name, t in named.items():
+        if name not in leading:
+            if t.dim() < 2:
+                raise ValueError(f"tensors[{name!r}] must be [B, S, ...], got shape {tuple(t.shape)}")
+            return int(t.shape[0]), int(t.shape[1])
+    first = next(iter(named.values()))
+    return int(first.shape[-2]), int(first.shape[-1])
+
+
+def _check_batch_shape(name: str, t: "torch.Tensor", leading: FrozenSet[str], batch: int, width: int) -> None:
+    if name in leading:
+        if tuple(t.shape[-2:]) != (batch, width):
+            raise ValueError(
+                f"tensors[{name!r}] has shape {tuple(t.shape)}; a position tensor of 3 or more dimensions must be "
+                f"[..., B, S] = [..., {batch}, {width}] (M-RoPE's [3, B, S]; a [B, 3, S] one is .transpose(0, 1))")
+    elif t.dim() < 2 or tuple(t.shape[:2]) != (batch, width):
+        raise ValueError(
+            f"tensors[{name!r}] has shape {tuple(t.shape)}; every tensor must start with [B, S] = [{batch}, {width}]"
+        )
+
+
+def _rows_first(t: "torch.Tensor") -> "torch.Tensor":
+    """``[..., B, S]`` as a ``[B, S, ...]`` view (the row move's input; contiguous, and
+    so not copied by it, when the tensor was a ``[B, S, ...]`` one moved)."""
+    return t.movedim((-2, -1), (0, 1))
+
+
+def _token_dim(x: "torch.Tensor", rows: int, dim: Any) -> int:
+    """The dimension of ``x`` that holds the ``rows`` packed tokens: 0 (``[T, ...]``)
+    or -1 (``[..., T]``, e.g. packed M-RoPE ids ``[3, T]``). ``dim=None``: 0 when
+    ``x`` has ``rows`` rows, else -1 when its last dimension has ``rows`` entries."""
+    if dim is None:
+        if x.dim() >= 1 and x.shape[0] == rows:
+            return 0
+        if x.dim() >= 2 and x.shape[-1] == rows:
+            return -1
+        raise ValueError(f"x must have {rows} rows (the packed length), or {rows} entries in its last dimension "
+                         f"([..., T] such as M-RoPE position ids), got shape {tuple(x.shape)}")
+    if isinstance(dim, bool) or not isinstance(dim, (int, np.integer)) or x.dim() < 1 or \
+            int(dim) not in (0, -1, x.dim() - 1):
+        raise ValueError(f"dim must be None, 0 ([T, ...]) or -1 ([..., T]) for x of shape {tuple(x.shape)}, "
+                         f"got {dim!r}")
+    token = 0 if int(dim) == 0 else -1
+    if x.shape[token] != rows:
+        raise ValueError(f"x must have {rows} rows (the packed length) in dimension {token}, got shape "
+                         f"{tuple(x.shape)}")
+    return token
+
+
 @dataclass
 class _NamedPackedTensors:
     """The fields, access by name and Megatron-Core view shared by
@@ -136,7 +221,9 @@ class PackedBatch(_NamedPackedTensors):
 
     Attributes:
         tensors: name -> packed THD tensor ``[T, ...]`` (``T = cu_seqlens_padded[-1]``,
-            or ``T / cp_size`` rows of rank ``cp_rank``'s local part with CP).
+            or ``T / cp_size`` rows of rank ``cp_rank``'s local part with CP); a
+            ``[..., B, S]`` position tensor (``position_keys``) packs to ``[..., T]``,
+            a view of a contiguous ``[T, ...]`` tensor.
         cu_seqlens: ``[B + 1]`` int32, cumulative real lengths.
         cu_seqlens_padded: ``[B + 1]`` int32, cumulative padded lengths (offsets in
             the full THD; a CP rank's local offsets are these ``// cp_size``).
@@ -197,21 +284,55 @@ class PackedBatch(_NamedPackedTensors):
         return dict(cu_seqlens_q=self.cu_seqlens_padded, cu_seqlens_k=self.cu_seqlens_padded,
                     max_seqlen_q=self.max_seqlen_padded, max_seqlen_k=self.max_seqlen_padded)
 
-    def hf_kwargs(self) -> Dict[str, Any]:
+    def hf_kwargs(self, mrope_position_ids: Optional["torch.Tensor"] = None) -> Dict[str, Any]:
         """The fields of HF transformers' ``DataCollatorWithFlattening``
-        (``position_ids [1, T]``, ``cu_seq_lens_q/k``, ``max_length_q/k``)."""
+        (``position_ids [1, T]``, ``cu_seq_lens_q/k``, ``max_length_q/k``).
+
+        ``mrope_position_ids``: this batch's packed M-RoPE ids ``[3, T]`` (such as
+        ``self["position_ids"]`` packed from ``[3, B, S]``). ``position_ids`` is then
+        ``[4, 1, T]``: row 0 this batch's text positions (restarting at 0 per
+        sequence, counting through its padding), rows 1-3 the M-RoPE ids - the layout
+        transformers' Qwen2-VL / Qwen2.5-VL text models take as a packed batch (they
+        find the sequences from row 0; ``[3, 1, T]`` ids are never read as packed). A
+        ``[4, T]`` tensor is taken as holding its text row already. See ``docs/vlm.md``.
+
+        >>> import torch, seqpack
+        >>> pos = torch.arange(3).view(1, 1, 3).expand(3, 2, 3)         # [3, B, S]
+        >>> b = seqpack.pack_sequences({"position_ids": pos}, seq_lens=[3, 2])
+        >>> b.hf_kwargs(b["position_ids"])["position_ids"][:, 0].tolist()
+        [[0, 1, 2, 0, 1], [0, 1, 2, 0, 1], [0, 1, 2, 0, 1], [0, 1, 2, 0, 1]]
+        """
         if self.cp_size > 1:
             raise ValueError("hf_kwargs describe a full THD batch; got cp_size > 1")
-        return dict(position_ids=self.position_ids.unsqueeze(0), cu_seq_lens_q=self.cu_seqlens_padded,
+        position_ids = self.position_ids.unsqueeze(0)
+        if mrope_position_ids is not None:
+            from ._device import check_tensor
+
+            check_tensor(mrope_position_ids, "mrope_position_ids")
+            rows = tuple(mrope_position_ids.shape)
+            if len(rows) != 2 or rows[0] not in (3, 4) or rows[1] != self.num_tokens:
+                raise ValueError(f"mrope_position_ids must be this batch's packed M-RoPE ids [3, T] (or [4, T] with "
+                                 f"the text row) with T = {self.num_tokens}, got shape {rows}")
+            mrope = mrope_position_ids.to(device=position_ids.device, dtype=position_ids.dtype)
+            position_ids = (mrope if rows[0] == 4 else _torch().cat([position_ids, mrope])).unsqueeze(1)
+        return dict(position_ids=position_ids, cu_seq_lens_q=self.cu_seqlens_padded,
                     cu_seq_lens_k=self.cu_seqlens_padded, max_length_q=self.max_seqlen_padded,
                     max_length_k=self.max_seqlen_padded)
 
-    def unpack(self, x: "torch.Tensor", fill: Union[int, float, bool] = 0) -> "torch.Tensor":
+    def unpack(self, x: "torch.Tensor", fill: Union[int, float, bool] = 0, *, dim: Optional[int] = None
+               ) -> "torch.Tensor":
         """THD ``[T, ...]`` (this batch's layout, or this rank's local rows with CP)
         back to padded ``[B, S, ...]``; rows without a token of ``x`` (padding, other
         ranks' chunks) get ``fill``. Differentiable (its backward packs the gradient).
+
+        ``[..., T]`` tensors (packed M-RoPE ids ``[3, T]``) come back as ``[..., B, S]``:
+        ``dim`` is the token dimension, 0 or -1; by default 0 when ``x`` has ``T``
+        rows, else -1 when its last dimension has ``T`` entries (give ``dim=-1`` where
+        both could hold, e.g. ``[3, T]`` with ``T = 3``).
         """
         _check_device(x, "x")
+        if _token_dim(x, self.num_tokens, dim) != 0:  # [..., T]: the row move on a [T, ...] view
+            return self.unpack(x.movedim(-1, 0), fill, dim=0).movedim((0, 1), (-2, -1))
         if x.dim() < 1 or x.shape[0] != self.num_tokens:
             raise ValueError(f"x must have {self.num_tokens} rows (the packed length), got shape {tuple(x.shape)}")
         from . import _ops
@@ -286,26 +407,24 @@ def _as_named(tensors) -> Dict[str, "torch.Tensor"]:
     return named
 
 
-def _named_tensors(tensors) -> tuple:
-    """``(dict of tensors, B, S)``: every tensor a CPU/CUDA ``[B, S, ...]`` on one device."""
+def _named_tensors(tensors, position_keys: Any = POSITION_KEYS) -> tuple:
+    """``(dict of tensors, B, S, leading)``: every tensor a CPU/CUDA ``[B, S, ...]`` on
+    one device, but the position tensors (names in ``position_keys``) of three or more
+    dimensions, which are ``[..., B, S]`` (``leading``: their names)."""
     named = _as_named(tensors)
+    leading = _leading_names(named, position_keys)
     first_name, first = next(iter(named.items()))
-    if first.dim() < 2:
-        raise ValueError(f"tensors[{first_name!r}] must be [B, S, ...], got shape {tuple(first.shape)}")
-    batch, width = int(first.shape[0]), int(first.shape[1])
+    batch, width = _batch_dims(named, leading)
     for name, t in named.items():
-        if t.dim() < 2 or tuple(t.shape[:2]) != (batch, width):
-            raise ValueError(
-                f"tensors[{name!r}] has shape {tuple(t.shape)}; every tensor must start with [B, S] = [{batch}, {width}]"
-            )
+        _check_batch_shape(name, t, leading, batch, width)
         _check_device(t, f"tensors[{name!r}]")
         if t.device != first.device:
             raise ValueError(f"tensors[{name!r}] is on {t.device}, tensors[{first_name!r}] on {first.device}")
-    return named, batch, width
+    return named, batch, width, leading
 
 
 def _pack_named(result: "PackedBatch", named: Dict[str, "torch.Tensor"], pad_values, pad_value,
-                num_threads: int) -> "PackedBatch":
+                num_threads: int, leading: FrozenSet[str] = frozenset()) -> "PackedBatch":
     from . import _ops
 
     pad_values = dict(pad_values or {})
@@ -314,8 +433,12 @@ def _pack_named(result: "PackedBatch", named: Dict[str, "torch.Tensor"], pad_val
         raise ValueError(f"pad_values names tensors that were not given: {sorted(unknown)}")
     for name, t in named.items():
         value, arg = _pad_of(name, pad_values, pad_value)
-        result.tensors[name] = _ops.pack_rows(t, result._plan, result._runs, _ops.check_fill(value, t.dtype, arg),
-                                              num_threads)
+        fill = _ops.check_fill(value, t.dtype, arg)
+        if name in leading:  # [..., B, S]: one row move of its [B, S, ...] view, the result [..., T]
+            result.tensors[name] = _ops.pack_rows(_rows_first(t), result._plan, result._runs, fill,
+                                                  num_threads).movedim(0, -1)
+        else:
+            result.tensors[name] = _ops.pack_rows(t, result._plan, result._runs, fill, num_threads)
     return result
 
 
@@ -338,6 +461,7 @@ def pack_sequences(
     cp_size: int = 1,
     cp_rank: int = 0,
     num_threads: int = 0,
+    position_keys: Collection[str] = POSITION_KEYS,
 ) -> PackedBatch:
     """Pack padded tensors ``[B, S, ...]`` into THD (or rank ``cp_rank``'s zigzag part).
 
@@ -358,8 +482,19 @@ def pack_sequences(
         cp_size / cp_rank: context parallelism; the result holds rank ``cp_rank``'s
             local THD and its position ids, built without a full packed copy.
         num_threads: CPU threads for the copies (0: automatic).
+        position_keys: names of position tensors that may carry leading dimensions:
+            one of these with three or more dimensions is ``[..., B, S]`` (M-RoPE's
+            ``[3, B, S]``) and packs to ``[..., T]`` (``[3, T]``), every leading index
+            split and padded like a ``[B, S]`` tensor (``pad_values`` / ``pad_value``;
+            with CP the same zigzag rows). Others, and 2-D ones, are ``[B, S, ...]``.
+
+    >>> import torch, seqpack
+    >>> pos = torch.tensor([[0, 1, 1, 2], [0, 1, 0, 0]]).expand(3, 2, 4)   # [3, B, S] M-RoPE ids
+    >>> b = seqpack.pack_sequences({"position_ids": pos}, seq_lens=[4, 2])
+    >>> b["position_ids"].shape, b.unpack(b["position_ids"]).shape
+    (torch.Size([3, 6]), torch.Size([3, 2, 4]))
     """
-    named, batch, width = _named_tensors(tensors)
+    named, batch, width, leading = _named_tensors(tensors, position_keys)
     num_threads = as_positive_int(num_threads, "num_threads", allow_zero=True)
     if (attention_mask is None) == (seq_lens is None):
         raise ValueError("give exactly one of attention_mask and seq_lens")
@@ -381,7 +516,8 @@ def pack_sequences(
     )
     layout = PackedLayout._from_core(plan.layout, pad_multiple, int(plan.cp_rank))
     device = next(iter(named.values())).device
-    return _pack_named(_batch_from_plan(plan, layout, device, num_threads), named, pad_values, pad_value, num_threads)
+    return _pack_named(_batch_from_plan(plan, layout, device, num_threads), named, pad_values, pad_value, num_threads,
+                       leading)
 
 
 def pack_to_layout(
@@ -391,18 +527,20 @@ def pack_to_layout(
     pad_values: Optional[Mapping[str, Union[int, float, bool]]] = None,
     pad_value: Union[int, float, bool] = 0,
     num_threads: int = 0,
+    position_keys: Collection[str] = POSITION_KEYS,
 ) -> PackedBatch:
     """Pack right-padded ``[B, S, ...]`` tensors into a given :class:`PackedLayout`
     (sequence ``b``'s ``layout.seq_lens[b]`` real tokens to its offset; rank
     ``layout.cp_rank``'s rows with CP): for offsets that come from elsewhere (a
     trainer's ``cu_seqlens``, a dataset) rather than from a pad multiple.
+    ``position_keys``: as in :func:`pack_sequences` (``[..., B, S]`` position ids).
 
     >>> import torch, seqpack
     >>> layout = seqpack.PackedLayout.from_offsets([0, 2, 5], [0, 3, 8])
     >>> seqpack.pack_to_layout(torch.tensor([[5, 6, 0], [7, 8, 9]]), layout)["input"].tolist()
     [5, 6, 0, 7, 8, 9, 0, 0]
     """
-    named, batch, width = _named_tensors(tensors)
+    named, batch, width, leading = _named_tensors(tensors, position_keys)
     num_threads = as_positive_int(num_threads, "num_threads", allow_zero=True)
     if not isinstance(layout, PackedLayout):
         raise TypeError(f"layout must be a PackedLayout, got {type(layout).__name__}")
@@ -410,7 +548,8 @@ def pack_to_layout(
         raise ValueError(f"the tensors hold {batch} rows; the layout has {layout.num_sequences} sequences")
     plan = _core.thd_plan_for_layout(layout._core_layout, width, layout.cp_rank)
     device = next(iter(named.values())).device
-    return _pack_named(_batch_from_plan(plan, layout, device, num_threads), named, pad_values, pad_value, num_threads)
+    return _pack_named(_batch_from_plan(plan, layout, device, num_threads), named, pad_values, pad_value, num_threads,
+                       leading)
 
 
 def _batch_from_plan(plan, layout: PackedLayout, device, num_threads: int = 0) -> "PackedBatch":
@@ -471,7 +610,8 @@ class StaticPackedBatch(_NamedPackedTensors):
 
     Attributes:
         tensors: name -> ``[max_tokens, ...]`` packed rows (``max_tokens / cp_size``
-            zigzag rows of rank ``cp_rank`` with CP).
+            zigzag rows of rank ``cp_rank`` with CP); ``[..., max_tokens]`` for a
+            ``[..., B, S]`` position tensor (``position_keys``).
         cu_seqlens: ``[max_seqs + 1]`` int32 real cumulative lengths; entries past
             the batch repeat the last value (zero-length sequences).
         cu_seqlens_padded: ``[max_seqs + 1]`` int32 offsets of the padded sequences;
@@ -503,15 +643,19 @@ class StaticPackedBatch(_NamedPackedTensors):
         return dict(cu_seqlens_q=self.cu_seqlens_padded, cu_seqlens_k=self.cu_seqlens_padded,
                     max_seqlen_q=self.max_seqlen_padded, max_seqlen_k=self.max_seqlen_padded)
 
-    def unpack(self, x: "torch.Tensor", fill: Union[int, float, bool] = 0) -> "torch.Tensor":
+    def unpack(self, x: "torch.Tensor", fill: Union[int, float, bool] = 0, *, dim: Optional[int] = None
+               ) -> "torch.Tensor":
         """This batch's rows ``[num_tokens, ...]`` back to ``[B, S, ...]``; positions
         without a row (padding, other CP ranks' chunks) get ``fill``. PyTorch ops
-        (one scatter), differentiable."""
+        (one scatter), differentiable. ``[..., num_tokens]`` (packed M-RoPE ids) back
+        to ``[..., B, S]``; ``dim`` as in :meth:`PackedBatch.unpack`."""
         torch = _torch()
         from ._device import check_tensor
         from ._ops import check_fill
 
         check_tensor(x, "x")
+        if _token_dim(x, self.num_tokens, dim) != 0:  # [..., T]: the scatter of its [T, ...] view
+            return self.unpack(x.movedim(-1, 0), fill, dim=0).movedim((0, 1), (-2, -1))
         batch, width = self.seq_lens.shape[0], self.max_seqlen
         if x.dim() < 1 or x.shape[0] != self.num_tokens:
             raise ValueError(f"x must have {self.num_tokens} rows (this batch's packed rows), got shape "
@@ -532,6 +676,7 @@ def pack_sequences_static(
     pad_value: Union[int, float, bool] = 0,
     cp_size: int = 1,
     cp_rank: int = 0,
+    position_keys: Collection[str] = POSITION_KEYS,
 ) -> StaticPackedBatch:
     """Pack right-padded ``[B, S, ...]`` tensors into ``[max_tokens, ...]`` THD rows
     with shapes fixed by the capacities and no host synchronisation: PyTorch ops
@@ -560,6 +705,8 @@ def pack_sequences_static(
             ``2 * cp_size - 1 - r`` of every padded sequence, the capacity padding
             included); ``pad_multiple`` and ``max_tokens`` must be multiples of
             ``2 * cp_size``.
+        position_keys: as in :func:`pack_sequences`: such a tensor of three or more
+            dimensions is ``[..., B, S]`` and packs to ``[..., max_tokens / cp_size]``.
 
     >>> import torch, seqpack
     >>> ids = torch.tensor([[5, 6, 7], [8, 0, 0], [9, 4, 0]])
@@ -575,12 +722,14 @@ def pack_sequences_static(
     from .cp import cp_row_positions
 
     named = _as_named(tensors)
+    leading = _leading_names(named, position_keys)
     first = next(iter(named.values()))
     if first.dim() < 2:
         raise ValueError(f"tensors must be [B, S, ...], got shape {tuple(first.shape)}")
-    batch, width, device = int(first.shape[0]), int(first.shape[1]), first.device
+    (batch, width), device = _batch_dims(named, leading), first.device
     for name, t in named.items():
-        if t.dim() < 2 or tuple(t.shape[:2]) != (batch, width) or t.device != device:
+        _check_batch_shape(name, t, leading, batch, width)
+        if t.device != device:
             raise ValueError(f"tensors[{name!r}] is {tuple(t.shape)} on {t.device}; every tensor must be "
                              f"[B, S, ...] = [{batch}, {width}, ...] on {device}")
     capacity = as_positive_int(max_tokens, "max_tokens")
@@ -647,13 +796,17 @@ def pack_sequences_static(
     source = (seq * width + pos.clamp(max=max(width - 1, 0))).clamp(max=max(batch * width - 1, 0))
     packed = {}
     for name, t in named.items():
+        if name in leading:  # [..., B, S]: gathered as its [B, S, ...] view, the result [..., rows]
+            t = _rows_first(t)
         trailing = t.shape[2:]
         fill = torch.full((), fills[name], dtype=t.dtype, device=device)
         if batch * width == 0:
             packed[name] = fill.expand(rows, *trailing).clone()
-            continue
-        gathered = t.reshape(batch * width, *trailing).index_select(0, source)
-        packed[name] = torch.where(keep.view(-1, *([1] * len(trailing))), gathered, fill)
+        else:
+            gathered = t.reshape(batch * width, *trailing).index_select(0, source)
+            packed[name] = torch.where(keep.view(-1, *([1] * len(trailing))), gathered, fill)
+        if name in leading:
+            packed[name] = packed[name].movedim(0, -1)
     return StaticPackedBatch(
         tensors=packed, cu_seqlens=cu.to(torch.int32), cu_seqlens_padded=cu_padded.to(torch.int32),
         max_seqlen=width, max_seqlen_padded=capacity, seq_lens=lens, position_ids=pos, cp_size=cp,
