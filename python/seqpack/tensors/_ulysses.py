@@ -43,34 +43,47 @@ def check_rank(rank: Any, world: Any) -> tuple:
     return rank, world
 
 
+def token_dim(x: torch.Tensor, total: int) -> int:
+    """The dimension of ``x`` that holds the ``total`` tokens: the first (``[T, ...]``),
+    else the last (``[..., T]``, M-RoPE position ids ``[3, T]``)."""
+    check_tensor(x, "x")
+    if x.dim() >= 1 and x.shape[0] == total:
+        return 0
+    if x.dim() >= 2 and x.shape[-1] == total:
+        return x.dim() - 1
+    raise ValueError(f"x must hold the {total} rows of the packed stream in its first or last dimension, "
+                     f"got shape {tuple(x.shape)}")
+
+
 def slice_rows(x: torch.Tensor, total: int, rank: Any, world: Any, fill: Union[int, float, bool] = 0) -> torch.Tensor:
-    """Rank ``rank``'s ``ceil(total / world)`` rows of ``x [total, ...]``; rows past
-    ``total`` get ``fill``. A view of ``x`` when the rank has no padding row, else a
-    new tensor; differentiable either way."""
+    """Rank ``rank``'s ``ceil(total / world)`` tokens of ``x [total, ...]`` (or
+    ``[..., total]``); tokens past ``total`` get ``fill``. A view of ``x`` when the
+    rank has no padding token, else a new tensor; differentiable either way."""
     from ._ops import check_fill
 
     rank, world = check_rank(rank, world)
-    check_tensor(x, "x")
-    if x.dim() < 1 or x.shape[0] != total:
-        raise ValueError(f"x must hold the {total} rows of the packed stream, got shape {tuple(x.shape)}")
+    dim = token_dim(x, total)
     n = local_rows(total, world)
     start, stop = min(rank * n, total), min((rank + 1) * n, total)
-    part = x[start:stop]
+    part = x.narrow(dim, start, stop - start)
     missing = n - (stop - start)
     if missing == 0:
         return part
-    pad = torch.full((missing, *x.shape[1:]), check_fill(fill, x.dtype, "fill"), dtype=x.dtype, device=x.device)
-    return torch.cat([part, pad])
+    shape = list(x.shape)
+    shape[dim] = missing
+    pad = torch.full(shape, check_fill(fill, x.dtype, "fill"), dtype=x.dtype, device=x.device)
+    return torch.cat([part, pad], dim=dim)
 
 
 def slice_positions(position_ids: torch.Tensor, rank: Any, world: Any) -> torch.Tensor:
-    """Rank ``rank``'s rows of ``position_ids [T]``; the tail padding counts
-    ``0, 1, ...`` (verl's convention)."""
+    """Rank ``rank``'s tokens of ``position_ids [T]`` (or ``[..., T]``, M-RoPE); the
+    tail padding counts ``0, 1, ...`` in every component (verl's convention)."""
     rank, world = check_rank(rank, world)
-    total = int(position_ids.shape[0])
+    total = int(position_ids.shape[-1])
     n = local_rows(total, world)
     tail = torch.arange(n * world - total, dtype=position_ids.dtype, device=position_ids.device)
-    return torch.cat([position_ids, tail])[rank * n:(rank + 1) * n]
+    full = torch.cat([position_ids, tail.expand(*position_ids.shape[:-1], -1)], dim=-1)
+    return full[..., rank * n:(rank + 1) * n]
 
 
 def _checks(local: torch.Tensor, total: int, size: int) -> int:

@@ -363,8 +363,10 @@ class PackedBatch(_NamedPackedTensors):
             raise ValueError(f"ulysses_slice cuts the full packed stream; this batch holds cp_rank {self.cp_rank}'s "
                              f"zigzag rows of cp_size {self.cp_size}")
         if isinstance(x, str):
-            if x == "position_ids":
-                return _ulysses.slice_positions(self.position_ids, rank, world)
+            if x == "position_ids":  # M-RoPE ids [..., T] when the batch packed them, else the 1-D ones
+                ids = self.tensors.get("position_ids")
+                return _ulysses.slice_positions(ids if ids is not None and ids.dim() >= 2 else self.position_ids,
+                                                rank, world)
             if x not in self.tensors:
                 raise ValueError(f"x names no tensor of this batch: {x!r} (it holds {sorted(self.tensors)} and "
                                  "'position_ids')")

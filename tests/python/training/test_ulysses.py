@@ -58,6 +58,18 @@ def test_slice_names_and_position_ids():
     assert batch.ulysses_slice("input_ids", 2, 3, fill=-7).tolist() == [9, 10, -7]
 
 
+def test_slice_of_mrope_position_ids_cuts_the_token_dim():
+    # M-RoPE ids pack to [3, T]: slices cut T (the last dim) for every component.
+    ids = torch.arange(1, 7).view(2, 3)
+    mrope = torch.stack([torch.arange(3).expand(2, 3) + 10 * c for c in range(3)])  # [3, B, S]
+    batch = seqpack.pack_sequences({"input_ids": ids, "position_ids": mrope}, seq_lens=[3, 2])  # T = 5
+    got = [batch.ulysses_slice("position_ids", r, 2) for r in range(2)]
+    assert [g.shape for g in got] == [(3, 3), (3, 3)]
+    assert got[0].tolist() == [[0, 1, 2], [10, 11, 12], [20, 21, 22]]
+    assert got[1].tolist() == [[0, 1, 0], [10, 11, 0], [20, 21, 0]]  # the padding token counts from 0
+    assert batch.ulysses_slice(batch["position_ids"], 1, 2, fill=-1)[:, -1].tolist() == [-1, -1, -1]
+
+
 def test_slice_errors():
     batch = _batch([3, 2])
     x = torch.zeros(5)
@@ -65,7 +77,7 @@ def test_slice_errors():
         batch.ulysses_slice(x, 2, 2)
     with pytest.raises(ValueError, match="world"):
         batch.ulysses_slice(x, 0, 0)
-    with pytest.raises(ValueError, match="x must hold the 5 rows"):
+    with pytest.raises(ValueError, match="x must hold the 5 rows of the packed stream in its first or last"):
         batch.ulysses_slice(torch.zeros(4), 0, 2)
     with pytest.raises(ValueError, match="names no tensor"):
         batch.ulysses_slice("labels", 0, 2)
