@@ -35,16 +35,17 @@ deals bins to shards by load, ``dynamic_batching_args["rule"] = "optimal"``
 plans micro-batches with the fewest padded tokens, ``step_plan=`` shards by a
 :func:`seqpack.plan_step` plan (ranks and micro-batches planned together; a
 rank's empty micro-batch is yielded as a one-token dummy row with zero loss masks),
-and :meth:`BatchedDataDict.make_packed_microbatch_iterator` yields ready THD
-micro-batches.
+:meth:`BatchedDataDict.make_packed_microbatch_iterator` yields ready THD
+micro-batches, and ``repeat_interleave(..., media_keys=)`` names more row keys whose
+leaves are media, shared with ``share_immutable_media`` like NeMo-RL's ``vllm_*`` keys.
 """
 
 from __future__ import annotations
 
 import copy
 from collections import UserDict
-from typing import (TYPE_CHECKING, Any, Dict, Generic, Iterator, List, Literal, Mapping, Optional, Sequence, Tuple,
-                    TypeVar, Union)
+from typing import (TYPE_CHECKING, Any, Collection, Dict, Generic, Iterator, List, Literal, Mapping, Optional,
+                    Sequence, Tuple, TypeVar, Union)
 
 import numpy as np
 
@@ -123,20 +124,83 @@ def _positive(value: Any, name: str) -> int:
         raise BatchedDataDictError(str(e)) from None
 
 
-def _media_memo(item: Any) -> Dict[int, Any]:
-    """A ``deepcopy`` memo mapping every array, tensor and bytes leaf of ``item`` to
-    itself, so copies share them (containers are still copied)."""
+# NeMo-RL's media vocabulary (nemo_rl.data.multimodal_utils): the row keys holding
+# native vLLM media, and the ``"type"`` of a content part that is media.
+NATIVE_MEDIA_KEYS = frozenset({"vllm_content", "vllm_images", "vllm_videos", "vllm_audios"})
+MEDIA_CONTENT_TYPES = frozenset({"input_image", "image", "image_url", "video", "audio"})
+# Media values and the per-segment metadata that must stay aligned with them, as NeMo-RL checks.
+COUPLED_MEDIA_KEYS = (("pixel_values", "image_grid_thw"), ("pixel_values", "imgs_sizes"),
+                      ("pixel_values", "num_frames"), ("pixel_values_videos", "video_grid_thw"))
+
+
+def _media_memo(item: Any, media_keys: Collection[str], in_media: bool = False) -> Dict[int, Any]:
+    """Prepare one row for ``repeat_interleave(share_immutable_media=True)``, as
+    NeMo-RL does: every ``PackedTensor`` in it is flagged for deduplication (its own
+    ``deepcopy`` then shares its segments), and a ``deepcopy`` memo maps to itself
+    every leaf under a media key (``media_keys``) or inside a typed media content
+    part (``{"type": "image", ...}``), so copies share those leaves. Everything else
+    (``token_ids`` tensors, text, every container) is copied."""
     memo: Dict[int, Any] = {}
-    stack = [item]
+    stack = [(item, in_media)]
     while stack:
-        x = stack.pop()
-        if isinstance(x, Mapping):
-            stack.extend(x.values())
+        x, media = stack.pop()
+        if _is_packed(x):
+            if callable(getattr(x, "enable_deduplication", None)):
+                x.enable_deduplication()
+            else:  # an older PackedTensor, without deduplication: its segments are shared directly
+                memo.update((id(t), t) for t in getattr(x, "tensors", ()) if t is not None)
+        elif isinstance(x, Mapping):
+            kind = x.get("type")
+            typed = isinstance(kind, str) and kind in MEDIA_CONTENT_TYPES
+            stack.extend((v, media or typed or k in media_keys) for k, v in x.items())
         elif isinstance(x, (list, tuple)):
-            stack.extend(x)
-        elif isinstance(x, (np.ndarray, bytes, bytearray)) or _is_tensor(x):
+            stack.extend((v, media) for v in x)
+        elif media:
             memo[id(x)] = x
     return memo
+
+
+def _empty_packed(v: Any) -> Any:
+    """No rows of a ``PackedTensor``'s kind: ``empty_rows_like(v, 0)`` (NeMo-RL's own
+    empty value); an older ``PackedTensor``, which cannot be built from an empty
+    list, as its ``empty_like`` with no rows left."""
+    cls = type(v)
+    if callable(getattr(cls, "empty_rows_like", None)):
+        return cls.empty_rows_like(v, 0)
+    if callable(getattr(cls, "empty_like", None)) and hasattr(v, "tensors"):
+        empty = cls.empty_like(v)
+        empty.tensors = []
+        return empty
+    return v.slice([])
+
+
+def _take(key: str, v: Any, rows: Sequence[int]) -> Any:
+    """Rows ``rows`` of one value (:func:`seqpack.frameworks._batch.select`); no rows
+    of a ``PackedTensor`` is its empty value, not an error."""
+    if _is_packed(v) and len(rows) == 0:
+        return _empty_packed(v)
+    return _select(key, v, rows)
+
+
+def _check_row_counts(batch: Mapping[str, Any], where: str) -> int:
+    """The one logical row count of every value of ``batch`` (``len`` of a
+    ``PackedTensor``), or a :class:`BatchedDataDictError`."""
+    sizes = {_rows(v) for v in batch.values()}
+    _check(len(sizes) <= 1, f"{where} has inconsistent logical row counts: {sorted(sizes)}")
+    return sizes.pop() if sizes else 0
+
+
+def _row_mapped(v: Any) -> bool:
+    """A ``PackedTensor`` with deduplication or a row-to-segment map (NeMo-RL's newer
+    ones); a plain one holds one segment per row."""
+    return bool(getattr(v, "deduplication_enabled", False)) or getattr(v, "_row_offsets", None) is not None
+
+
+def _segment_counts(v: Any) -> List[int]:
+    """Non-empty media segments per logical row of a ``PackedTensor``."""
+    if callable(getattr(v, "logical_segment_counts_by_row", None)):
+        return list(v.logical_segment_counts_by_row())
+    return [int(t is not None) for t in v.tensors]
 
 
 def _lengths(data: Mapping[str, Any], key: str) -> np.ndarray:
@@ -170,16 +234,27 @@ class BatchedDataDict(UserDict, Generic[DictT]):
                      *, allow_missing_packed_tensors: bool = False) -> "BatchedDataDict":
         """Concatenate batches along dim 0; keys come out sorted. 1-D tensors are
         concatenated, 2-D and higher are right-padded along dim 1 with
-        ``pad_value_dict.get(key, 0)``; lists are concatenated."""
+        ``pad_value_dict.get(key, 0)``; lists are concatenated.
+
+        A key missing from a non-empty batch is a ``KeyError``, except, with
+        ``allow_missing_packed_tensors``, a ``PackedTensor`` key, which gets empty
+        rows there (``empty_rows_like``). With that flag every batch's values must
+        agree on their logical row count (else "inconsistent logical row counts");
+        without it a batch's rows are its first value's, as in NeMo-RL."""
         import torch
 
         out = cls()
         if not batches:
             return out
         pad = pad_value_dict or {}
+        if allow_missing_packed_tensors:
+            counts = {id(b): _check_row_counts(b, f"Source batch {i}") for i, b in enumerate(batches)}
 
-        def rows_of(b: Mapping[str, Any]) -> int:
-            return _rows(next(iter(b.values()))) if len(b) else 0
+            def rows_of(b: Mapping[str, Any]) -> int:
+                return counts[id(b)]
+        else:
+            def rows_of(b: Mapping[str, Any]) -> int:
+                return _rows(next(iter(b.values()))) if len(b) else 0
 
         for key in sorted(set().union(*(b.keys() for b in batches))):
             missing = [i for i, b in enumerate(batches) if key not in b and rows_of(b) != 0]
@@ -275,7 +350,22 @@ class BatchedDataDict(UserDict, Generic[DictT]):
     def get_multimodal_dict(self, as_tensors: bool = False, device=None, pixel_dtype=None) -> dict:
         """The multimodal values (NeMo-RL ``PackedTensor``s, as tensors when
         ``as_tensors``; pixel values cast to ``pixel_dtype`` when given) and the
-        optional token-type tensors."""
+        optional token-type tensors.
+
+        With ``as_tensors``, coupled media keys (``pixel_values`` with
+        ``image_grid_thw`` / ``imgs_sizes`` / ``num_frames``, ``pixel_values_videos`` with
+        ``video_grid_thw``) must have the same ordered per-row segment counts, as
+        NeMo-RL checks; like NeMo-RL, only where one of them is deduplicated or
+        row-mapped (a plain ``PackedTensor`` has one segment per row)."""
+        if as_tensors:
+            for value_key, meta_key in COUPLED_MEDIA_KEYS:
+                value, meta = self.data.get(value_key), self.data.get(meta_key)
+                if not (_is_packed(value) and _is_packed(meta)) or not (_row_mapped(value) or _row_mapped(meta)):
+                    continue
+                value_counts, meta_counts = _segment_counts(value), _segment_counts(meta)
+                _check(value_counts == meta_counts,
+                       f"Coupled multimodal keys must have the same ordered per-row segment counts, but "
+                       f"{value_key!r} has {value_counts} and {meta_key!r} has {meta_counts}.")
         out = {}
         for key, v in self.data.items():
             if _is_packed(v):
@@ -292,14 +382,14 @@ class BatchedDataDict(UserDict, Generic[DictT]):
         """Rows ``indices`` of every value (copies); metadata is not carried."""
         if _is_tensor(indices):
             indices = indices.tolist()
-        return type(self)({k: _select(k, v, indices) for k, v in self.data.items()})
+        return type(self)({k: _take(k, v, indices) for k, v in self.data.items()})
 
     def slice(self, start: int, end: int) -> "SlicedDataDict":
         """Rows ``[start, end)`` (tensor views, new lists)."""
         out = SlicedDataDict()
         for key, v in self.data.items():
             if _is_packed(v):
-                out[key] = v.slice(list(range(start, end)))
+                out[key] = _take(key, v, list(range(start, end)))
                 continue
             if _is_tensor(v):
                 _check(end <= v.shape[0], f"end: {end} is greater than the shape of the tensor: {v.shape[0]} "
@@ -333,10 +423,17 @@ class BatchedDataDict(UserDict, Generic[DictT]):
         for key, v in self.data.items():
             self.data[key] = _select(key, v, inverse) if (_is_tensor(v) or _is_packed(v)) else [v[i] for i in inverse]
 
-    def repeat_interleave(self, num_repeats: int, *, share_immutable_media: bool = False) -> "BatchedDataDict":
+    def repeat_interleave(self, num_repeats: int, *, share_immutable_media: bool = False,
+                          media_keys: Collection[str] = ()) -> "BatchedDataDict":
         """Every row repeated ``num_repeats`` times in place. List items are deep
-        copies; with ``share_immutable_media`` their arrays, tensors and bytes (images,
-        audio) are shared by identity between the copies instead of duplicated."""
+        copies. With ``share_immutable_media`` (NeMo-RL's), only media is shared
+        between the copies: every ``PackedTensor`` is flagged for deduplication (its
+        segments are shared), and so are the leaves under NeMo-RL's native media keys
+        (``vllm_content``, ``vllm_images``, ``vllm_videos``, ``vllm_audios``, plus
+        seqpack's ``media_keys``) or inside a typed media content part
+        (``{"type": "image", ...}``); token ids, text and every container are still
+        copied, so editing one repeat never changes another."""
+        shared_keys = NATIVE_MEDIA_KEYS.union((media_keys,) if isinstance(media_keys, str) else media_keys)
         out = type(self)()
         for key, v in self.data.items():
             if _is_tensor(v):
@@ -344,8 +441,11 @@ class BatchedDataDict(UserDict, Generic[DictT]):
             elif _is_packed(v):
                 raise NotImplementedError("PackedTensor does not currently support repeat_interleave")
             else:
-                out[key] = [copy.deepcopy(item, _media_memo(item) if share_immutable_media else {})
-                            for item in v for _ in range(num_repeats)]
+                repeated = []
+                for item in v:
+                    memo = _media_memo(item, shared_keys, key in shared_keys) if share_immutable_media else {}
+                    repeated.extend(copy.deepcopy(item, dict(memo)) for _ in range(num_repeats))
+                out[key] = repeated
         return out
 
     def truncate_tensors(self, dim: int, truncated_len: int) -> None:
@@ -429,7 +529,7 @@ class BatchedDataDict(UserDict, Generic[DictT]):
         out = (cls or type(self))()
         for key in keys if keys is not None else self.data:
             v = self.data[key]
-            out[key] = _select(key, v, rows) if (_is_tensor(v) or _is_packed(v)) else [v[i] for i in rows]
+            out[key] = _take(key, v, rows) if (_is_tensor(v) or _is_packed(v)) else [v[i] for i in rows]
         return out
 
     def _shard_dynamic(self, shards: int, batch_size: int, args: Mapping[str, Any]):

@@ -19,10 +19,14 @@ from .balance import (MicroBatchPlan, get_seqlen_balanced_partitions, greedy_lpt
 from .cost import CostModel
 from .dynamic_batching import DynamicBatchingPlan, plan_dynamic_batching
 from .metrics import PackingMetrics, dp_balance_metrics, dynamic_batching_metrics
-from .packing import PackingAlgorithm, SequencePacker, adjust_bin_count, get_packer
+from .packing import (BestFitDecreasingPacker, ConcatenativePacker, FirstFitDecreasingPacker, FirstFitPacker,
+                      FirstFitShufflePacker, GreedySequentialPacker, ModifiedFirstFitDecreasingPacker, PackingAlgorithm,
+                      SequencePacker, adjust_bin_count, get_packer)
 from .step import StepPlan, plan_step
 
 __all__ = [
+    "BestFitDecreasingPacker", "ConcatenativePacker", "FirstFitDecreasingPacker", "FirstFitPacker",
+    "FirstFitShufflePacker", "GreedySequentialPacker", "ModifiedFirstFitDecreasingPacker",
     "CostModel", "DynamicBatchingPlan", "MicroBatchPlan", "PackingAlgorithm", "PackingMetrics", "SequencePacker",
     "adjust_bin_count", "dp_balance_metrics", "dynamic_batching_metrics", "get_packer",
     "get_seqlen_balanced_partitions", "greedy_lpt_partition", "karmarkar_karp", "log_seqlen_unbalance",

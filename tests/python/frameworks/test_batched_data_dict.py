@@ -179,7 +179,8 @@ def test_chunk_reorder_select_slice_repeat_truncate():
     rep = BatchedDataDict(t=torch.tensor([1, 2, 3]), o=[{"k": [1]}, {"k": [2]}, {"k": [3]}]).repeat_interleave(2)
     assert rep["t"].tolist() == [1, 1, 2, 2, 3, 3] and rep["o"][0] == rep["o"][1] and rep["o"][0] is not rep["o"][1]
     image = np.zeros((4, 4, 3), dtype=np.uint8)
-    shared = BatchedDataDict(msgs=[{"images": [image], "text": "hi"}]).repeat_interleave(2, share_immutable_media=True)
+    shared = BatchedDataDict(msgs=[{"images": [image], "text": "hi"}]).repeat_interleave(
+        2, share_immutable_media=True, media_keys=("images",))  # "images" is not one of NeMo-RL's media keys
     assert shared["msgs"][0]["images"][0] is image and shared["msgs"][1]["images"][0] is image
     assert shared["msgs"][0]["images"] is not shared["msgs"][1]["images"]
     copied = BatchedDataDict(msgs=[{"images": [image]}]).repeat_interleave(2)
