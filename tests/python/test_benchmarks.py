@@ -1,4 +1,4 @@
-"""The loss, training-step, boundary, THD and step-planning benchmark scripts still run (``--quick``: tiny sizes,
+"""The loss, training-step, boundary, THD, step-planning and TRL benchmark scripts still run (``--quick``: tiny sizes,
 a smoke test; their numbers come from full runs recorded in benchmarks/RESULTS.md)."""
 
 import os
@@ -16,7 +16,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 @pytest.mark.parametrize("script, title", [("bench_loss.py", "Packed SFT loss"), ("bench_train.py", "Training step"),
                                            ("bench_boundary.py", "Small calls through the boundary"),
                                            ("bench_thd.py", "THD pack / unpack on the CPU"),
-                                           ("bench_step.py", "Simulated step time")])
+                                           ("bench_step.py", "Simulated step time"),
+                                           ("bench_trl.py", "TRL pack_dataset")])
 def test_quick_run_prints_its_table(script, title, tmp_path):
     # The scripts import the same seqpack as this test (installed, or the source tree).
     here = str(pathlib.Path(seqpack.__file__).resolve().parents[1])
