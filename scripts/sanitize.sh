@@ -50,7 +50,10 @@ asan_runtime=$(clang++ -print-file-name=libclang_rt.asan-x86_64.so)
 (cd tests && LD_PRELOAD="$asan_runtime" PYTHONPATH="$PWD/../$pkg" \
   python3 -m pytest -q -p no:cacheprovider -x \
     python/planning python/tensors/test_thd.py python/tensors/test_layout.py \
-    python/test_reliability.py python/test_core_boundary.py)
+    python/test_reliability.py python/test_core_boundary.py \
+    python/test_pickling.py::test_corrupt_pickled_state_is_refused \
+    python/test_pickling.py::test_layout_pickles_through_its_offsets_and_keeps_working \
+    python/test_pickling.py::test_pickle_and_deepcopy_round_trip)
 
 echo "== libFuzzer: ${fuzz_seconds} s per target"
 work=$(mktemp -d)

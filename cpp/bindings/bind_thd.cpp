@@ -125,6 +125,67 @@ MovePlan plan_from_runs(py::handle copies, py::handle fills, int64_t src_rows, i
   return plan;
 }
 
+// ---- pickling: a layout is its offsets, a plan its layout and runs -------------
+// A restored object is checked as a caller's offsets and runs are (a pickle may
+// come from anywhere), never planned again: the runs are the plan.
+
+py::tuple layout_state(const ThdLayout& l) {
+  return py::make_tuple(array_of(l.cu_seqlens), array_of(l.cu_seqlens_padded), l.cp_size);
+}
+
+ThdLayout layout_from_state(const py::tuple& t) {
+  if (t.size() != 3) throw py::value_error("ThdLayout pickle: expected (cu_seqlens, cu_seqlens_padded, cp_size)");
+  LengthsArg cu(t[0], "cu_seqlens"), padded(t[1], "cu_seqlens_padded");
+  const auto cp_size = t[2].cast<int64_t>();
+  py::gil_scoped_release release;
+  return thd_layout_from_offsets(cu.view(), padded.view(), cp_size);
+}
+
+template <typename Run>
+std::vector<Run> runs_from(py::handle obj, const char* name) {
+  constexpr py::ssize_t fields = sizeof(Run) / sizeof(int64_t);
+  auto a = py::array_t<int64_t, py::array::c_style | py::array::forcecast>::ensure(obj);
+  if (!a || a.ndim() != 2 || a.shape(1) != fields)
+    throw py::value_error(std::string("ThdPlan pickle: ") + name + " must be an int64 array [n, " +
+                          std::to_string(fields) + "]");
+  std::vector<Run> runs(static_cast<size_t>(a.shape(0)));
+  if (!runs.empty()) std::memcpy(runs.data(), a.data(), runs.size() * sizeof(Run));
+  return runs;
+}
+
+py::array_t<int64_t> positions_array(const std::vector<PositionRun>& runs) {
+  py::array_t<int64_t> out({static_cast<py::ssize_t>(runs.size()), py::ssize_t{3}});
+  static_assert(sizeof(PositionRun) == 3 * sizeof(int64_t), "three int64s");
+  if (!runs.empty()) std::memcpy(out.mutable_data(), runs.data(), runs.size() * sizeof(PositionRun));
+  return out;
+}
+
+py::tuple plan_state(const ThdPlan& p) {
+  return py::make_tuple(layout_state(p.layout), p.batch, p.width, p.cp_rank, copies_array(p.pack.copies),
+                        fills_array(p.pack.fills), positions_array(p.pack.positions), p.pack.src_rows,
+                        p.pack.dst_rows);
+}
+
+ThdPlan plan_from_state(const py::tuple& t) {
+  constexpr const char* fn = "ThdPlan.__setstate__";
+  if (t.size() != 9) throw py::value_error("ThdPlan pickle: expected 9 fields");
+  ThdPlan p;
+  p.layout = layout_from_state(t[0].cast<py::tuple>());
+  p.batch = t[1].cast<int64_t>();
+  p.width = t[2].cast<int64_t>();
+  p.cp_rank = t[3].cast<int64_t>();
+  p.pack.copies = runs_from<CopyRun>(t[4], "copies");
+  p.pack.fills = runs_from<FillRun>(t[5], "fills");
+  p.pack.positions = runs_from<PositionRun>(t[6], "positions");
+  p.pack.src_rows = t[7].cast<int64_t>();
+  p.pack.dst_rows = t[8].cast<int64_t>();
+  if (p.batch != p.layout.batch_size() || p.width < 0 || p.cp_rank < 0 || p.cp_rank >= p.layout.cp_size ||
+      p.pack.src_rows != checked_mul(fn, "batch * width", p.batch, p.width) || p.pack.dst_rows != p.layout.local_rows())
+    throw_invalid(fn, "the plan's sizes do not match its layout (corrupt pickle)");
+  check_move_plan(p.pack, fn);
+  return p;
+}
+
 }  // namespace
 
 void init_thd(py::module_& m) {
@@ -158,7 +219,8 @@ void init_thd(py::module_& m) {
       .def_property_readonly("seq_lens", [](const ThdLayout& l) { return array_of(l.seq_lens); })
       .def_property_readonly("padded_lens", [](const ThdLayout& l) { return array_of(l.padded_lens); })
       .def_property_readonly("cu_seqlens", [](const ThdLayout& l) { return array_of(l.cu_seqlens); })
-      .def_property_readonly("cu_seqlens_padded", [](const ThdLayout& l) { return array_of(l.cu_seqlens_padded); });
+      .def_property_readonly("cu_seqlens_padded", [](const ThdLayout& l) { return array_of(l.cu_seqlens_padded); })
+      .def(py::pickle(&layout_state, &layout_from_state));
   m.def(
       "thd_layout",
       [](py::handle seq_lens, int64_t pad_multiple, int64_t pad_packed_to, int64_t pad_packed_multiple,
@@ -196,16 +258,8 @@ void init_thd(py::module_& m) {
       .def_property_readonly("pack_fills", [](const ThdPlan& p) { return fills_array(p.pack.fills); })
       .def_property_readonly("unpack_copies", [](ThdPlan& p) { return copies_array(p.unpack().copies); })
       .def_property_readonly("unpack_fills", [](ThdPlan& p) { return fills_array(p.unpack().fills); })
-      .def_property_readonly("position_runs",
-                             [](const ThdPlan& p) {
-                               py::array_t<int64_t> out(
-                                   {static_cast<py::ssize_t>(p.pack.positions.size()), py::ssize_t{3}});
-                               static_assert(sizeof(PositionRun) == 3 * sizeof(int64_t), "three int64s");
-                               if (!p.pack.positions.empty())
-                                 std::memcpy(out.mutable_data(), p.pack.positions.data(),
-                                             p.pack.positions.size() * sizeof(PositionRun));
-                               return out;
-                             })
+      .def_property_readonly("position_runs", [](const ThdPlan& p) { return positions_array(p.pack.positions); })
+      .def(py::pickle(&plan_state, &plan_from_state))
       .def("pack_into", move_by([](ThdPlan& p) -> const MovePlan& { return p.pack; }, true), py::arg("src"),
            py::arg("dst"), py::arg("fill") = py::none(), py::arg("num_threads") = 0,
            "Pack CPU tensor src [batch, width, ...] into dst [rows, ...] by this plan.")

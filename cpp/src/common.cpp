@@ -26,10 +26,10 @@ std::vector<std::vector<int64_t>> IndexGroups::to_nested() const {
   return out;
 }
 
-std::vector<int64_t> group_sums(const IndexGroups& groups, Lengths values) {
+std::vector<int64_t> group_sums(const IndexGroups& groups, Lengths values, const char* function, const char* what) {
   std::vector<int64_t> sums(groups.size(), 0);
   for (size_t g = 0; g < groups.size(); ++g)
-    for (int64_t i : groups.group(g)) sums[g] += values[static_cast<size_t>(i)];
+    for (int64_t i : groups.group(g)) sums[g] = checked_add(function, what, sums[g], values[static_cast<size_t>(i)]);
   return sums;
 }
 
@@ -79,11 +79,18 @@ void check_lengths_fit(const char* function, const char* name, Lengths lengths, 
                                   std::to_string(capacity));
 }
 
-int64_t checked_add(const char* function, int64_t a, int64_t b) {
+int64_t checked_add(const char* function, const char* what, int64_t a, int64_t b) {
   int64_t out;
-  if (__builtin_add_overflow(a, b, &out))
-    throw_invalid(function, "sum of lengths overflows int64");
+  if (__builtin_add_overflow(a, b, &out)) throw_invalid(function, std::string(what) + " overflows int64");
   return out;
+}
+
+int64_t checked_sum(const char* function, const char* name, Lengths values) {
+  int64_t total = 0;
+  for (int64_t v : values)
+    if (__builtin_add_overflow(total, v, &total))
+      throw_invalid(function, std::string("sum of ") + name + " overflows int64");
+  return total;
 }
 
 int64_t round_up(const char* function, int64_t a, int64_t multiple) {
@@ -94,10 +101,11 @@ int64_t round_up(const char* function, int64_t a, int64_t multiple) {
   return out;
 }
 
-int64_t checked_mul(const char* function, int64_t a, int64_t b) {
+int64_t checked_mul(const char* function, const char* what, int64_t a, int64_t b) {
   int64_t out;
   if (__builtin_mul_overflow(a, b, &out))
-    throw_invalid(function, "product overflows int64");
+    throw_invalid(function,
+                  std::string(what) + " = " + std::to_string(a) + " * " + std::to_string(b) + " overflows int64");
   return out;
 }
 

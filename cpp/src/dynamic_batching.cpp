@@ -185,7 +185,7 @@ DynamicBatchingPlan plan_dynamic_batching(Lengths lengths, const DynamicBatching
     }
     plan.chunks.push_back(std::move(ranges));
   }
-  for (int64_t s : lengths) plan.valid_tokens = checked_add(kFn, plan.valid_tokens, s);
+  plan.valid_tokens = checked_sum(kFn, "lengths (valid_tokens)", lengths);
   return plan;
 }
 

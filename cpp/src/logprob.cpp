@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <bit>
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <limits>
@@ -393,8 +394,14 @@ void check_view(const char* fn, const LogitsView& v, const int64_t* targets, flo
   if (v.rows > 0 && (v.rows - 1) > (std::numeric_limits<int64_t>::max() - v.vocab) / v.row_stride)
     throw_invalid(fn, "rows * row_stride overflows int64");
   if (v.rows > 0 && (v.data == nullptr || targets == nullptr)) throw_invalid(fn, "logits and targets must not be null");
-  if (!(temperature > 0.0f) || !std::isfinite(temperature))
-    throw_invalid(fn, "temperature must be a positive finite number");
+  // A normal float32: x / temperature and 1 / temperature stay finite for finite x
+  // of moderate size (a subnormal one has an infinite reciprocal).
+  if (!(temperature >= std::numeric_limits<float>::min()) || !(temperature <= std::numeric_limits<float>::max())) {
+    char shown[32];
+    std::snprintf(shown, sizeof shown, "%.9g", static_cast<double>(temperature));
+    throw_invalid(fn, std::string("temperature must be a normal positive float32 (1.1754944e-38 to "
+                                  "3.4028235e+38), got ") + shown);
+  }
 }
 }  // namespace
 

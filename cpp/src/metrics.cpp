@@ -13,13 +13,11 @@ PackingStats packing_stats(Lengths lengths, const IndexGroups& bins, int64_t bin
   const auto n = static_cast<int64_t>(lengths.size());
   check_non_negative_lengths(fn, "sequence_lengths", lengths);
   check_each_index_once(fn, "bins", bins, n);
-  int64_t all = 0;
-  for (int64_t v : lengths) all = checked_add(fn, all, v);  // every bin's load fits too
-  const std::vector<int64_t> loads = group_sums(bins, lengths);
+  s.total_sequence_length = checked_sum(fn, "sequence_lengths", lengths);  // every bin's load fits too
+  const std::vector<int64_t> loads = group_sums(bins, lengths, fn, "a bin's load");
   s.num_sequences = n;
   s.num_bins = static_cast<int64_t>(bins.size());
-  for (int64_t l : lengths) s.total_sequence_length = checked_add(fn, s.total_sequence_length, l);
-  s.total_bin_capacity = checked_mul(fn, s.num_bins, bin_capacity);
+  s.total_bin_capacity = checked_mul(fn, "num_bins * bin_capacity", s.num_bins, bin_capacity);
   s.total_waste = s.total_bin_capacity - s.total_sequence_length;
   s.average_utilization = static_cast<double>(s.total_sequence_length) / static_cast<double>(s.total_bin_capacity);
   s.waste_ratio = static_cast<double>(s.total_waste) / static_cast<double>(s.total_bin_capacity);
@@ -51,8 +49,7 @@ BalanceStats dp_balance_stats(Lengths lengths, const IndexGroups& partitions) {
   if (n < k) throw_invalid(fn, "fewer sequences (" + std::to_string(n) + ") than partitions (" + std::to_string(k) + ")");
   check_non_negative_lengths(fn, "seqlen_list", lengths);
   check_each_index_once(fn, "partitions", partitions, n);
-  int64_t all = 0;
-  for (int64_t v : lengths) all = checked_add(fn, all, v);  // every partial sum below fits too
+  checked_sum(fn, "seqlen_list", lengths);  // every partial sum below fits too
   BalanceStats s;
   const int64_t per = n / k;
   int64_t total = 0;
@@ -66,7 +63,7 @@ BalanceStats dp_balance_stats(Lengths lengths, const IndexGroups& partitions) {
     total += sum;
   }
   s.minmax_diff = s.max - s.min;
-  const std::vector<int64_t> sums = group_sums(partitions, lengths);
+  const std::vector<int64_t> sums = group_sums(partitions, lengths, fn, "a partition's sum");
   s.balanced_min = *std::min_element(sums.begin(), sums.end());
   s.balanced_max = *std::max_element(sums.begin(), sums.end());
   s.mean = static_cast<double>(total) / static_cast<double>(k);
@@ -76,7 +73,7 @@ BalanceStats dp_balance_stats(Lengths lengths, const IndexGroups& partitions) {
 DynamicBatchingStats dynamic_batching_stats(const DynamicBatchingPlan& plan, int64_t num_sequences, int64_t width) {
   DynamicBatchingStats s;
   s.valid_tokens = plan.valid_tokens;
-  s.actual_tokens_origin = checked_mul("dynamic_batching_stats", num_sequences, width);
+  s.actual_tokens_origin = checked_mul("dynamic_batching_stats", "num_sequences * width", num_sequences, width);
   s.actual_tokens = plan.padded_tokens;
   s.removed_padding_tokens = s.actual_tokens_origin - s.actual_tokens;
   s.removed_padding_ratio = s.actual_tokens_origin > 0 ? static_cast<double>(s.removed_padding_tokens) /

@@ -17,7 +17,10 @@ std::vector<int64_t> sequence_workloads(Lengths lengths, int64_t attention_coeff
   std::vector<int64_t> w(lengths.size());
   for (size_t i = 0; i < lengths.size(); ++i) {
     const int64_t s = lengths[i];
-    w[i] = attention_coeff > 0 ? checked_add(fn, checked_mul(fn, attention_coeff, s), checked_mul(fn, s, s)) : s;
+    w[i] = attention_coeff > 0 ? checked_add(fn, "a workload (attention_coeff * s + s * s)",
+                                             checked_mul(fn, "attention_coeff * s", attention_coeff, s),
+                                             checked_mul(fn, "s * s", s, s))
+                               : s;
   }
   return w;
 }
@@ -42,10 +45,12 @@ struct Candidate {
   const char* method = "";
 };
 
+// Sums cannot overflow: plan_micro_batches checked the totals of both.
 Candidate evaluate(IndexGroups groups, Lengths lengths, Lengths workloads, const char* method) {
+  constexpr const char* fn = "plan_micro_batches";
   Candidate c;
-  c.tokens = group_sums(groups, lengths);
-  c.workloads = group_sums(groups, workloads);
+  c.tokens = group_sums(groups, lengths, fn, "a micro-batch's tokens");
+  c.workloads = group_sums(groups, workloads, fn, "a micro-batch's workload");
   c.max_tokens = c.tokens.empty() ? 0 : *std::max_element(c.tokens.begin(), c.tokens.end());
   c.max_workload = c.workloads.empty() ? 0 : *std::max_element(c.workloads.begin(), c.workloads.end());
   c.groups = std::move(groups);
@@ -65,10 +70,12 @@ MicroBatchPlan plan_micro_batches(Lengths lengths, const MicroBatchOptions& o) {
   MicroBatchPlan plan;
   const auto n = static_cast<int64_t>(lengths.size());
   if (n == 0) return plan;
-  int64_t total = 0;
-  for (int64_t s : lengths) total = checked_add(fn, total, s);
+  const int64_t total = checked_sum(fn, "lengths", lengths);
   const std::vector<int64_t> work_vec = sequence_workloads(lengths, o.attention_coeff);
   const Lengths work(work_vec);
+  // Every group's workload then fits too (and the partitioners' own checks, which
+  // would name themselves, cannot fail).
+  const int64_t total_work = checked_sum(fn, "workloads (attention_coeff * s + s * s)", work);
   plan.lower_bound = std::max(o.min_num, ceil_div(total, o.max_tokens));
   const int64_t first = round_up(fn, plan.lower_bound, o.multiple_of);
   if (first > n)
@@ -81,9 +88,7 @@ MicroBatchPlan plan_micro_batches(Lengths lengths, const MicroBatchOptions& o) {
     std::iota(all.begin(), all.end(), 0);
     plan.groups.push_group(all);
     plan.tokens.push_back(total);
-    int64_t load = 0;
-    for (int64_t w : work_vec) load = checked_add(fn, load, w);
-    plan.workloads.push_back(load);
+    plan.workloads.push_back(total_work);
     plan.method = "karmarkar_karp";  // what KK returns for k = 1
     return plan;
   }

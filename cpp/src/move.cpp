@@ -41,6 +41,26 @@ bool copy_in_bounds(const CopyRun& r, const MovePlan& plan) {
 
 }  // namespace
 
+void check_move_plan(const MovePlan& plan, const char* fn) {
+  if (plan.src_rows < 0 || plan.dst_rows < 0)
+    throw_invalid(fn, "the plan's row counts must be >= 0 (corrupt plan)");
+  int64_t work = 0;  // rows moved in all: the executor splits this sum over threads
+  for (const CopyRun& r : plan.copies) {
+    if (!copy_in_bounds(r, plan)) throw_invalid(fn, "a copy run leaves the buffers (corrupt plan)");
+    work = checked_add(fn, "the rows the plan moves", work, r.count);
+  }
+  for (const FillRun& r : plan.fills) {
+    if (!rows_in_bounds(r.dst, r.count, plan.dst_rows))
+      throw_invalid(fn, "a fill run leaves the destination (corrupt plan)");
+    work = checked_add(fn, "the rows the plan moves", work, r.count);
+  }
+  for (const PositionRun& r : plan.positions) {
+    if (!run_in_bounds(r, plan.dst_rows)) throw_invalid(fn, "a position run leaves the destination (corrupt plan)");
+    if (r.first < 0 || r.first > INT64_MAX - r.count)  // positions first .. first + count - 1
+      throw_invalid(fn, "a position run's positions (first + count) overflow int64 or are negative (corrupt plan)");
+  }
+}
+
 void execute_move_plan(const MovePlan& plan, const void* src, int64_t src_rows, void* dst, int64_t dst_rows,
                        size_t row_bytes, const void* fill_row, int num_threads) {
   constexpr const char* fn = "execute_move_plan";
@@ -51,12 +71,7 @@ void execute_move_plan(const MovePlan& plan, const void* src, int64_t src_rows, 
     throw_invalid(fn, "the destination has " + std::to_string(dst_rows) + " rows, the plan writes " +
                           std::to_string(plan.dst_rows));
   if (num_threads < 0) throw_invalid(fn, "num_threads must be >= 0");
-  for (const CopyRun& r : plan.copies)
-    if (!copy_in_bounds(r, plan))
-      throw_invalid(fn, "a copy run leaves the buffers (corrupt plan)");
-  for (const FillRun& r : plan.fills)
-    if (!rows_in_bounds(r.dst, r.count, plan.dst_rows))
-      throw_invalid(fn, "a fill run leaves the destination (corrupt plan)");
+  check_move_plan(plan, fn);
   if (row_bytes == 0) return;
   if ((src == nullptr && !plan.copies.empty()) || (dst == nullptr && plan.dst_rows > 0))
     throw_invalid(fn, "null buffer");
@@ -122,16 +137,9 @@ std::vector<ByteTask> make_byte_tasks(const MovePlan& plan, size_t row_bytes, si
       tasks.push_back({src_row < 0 ? -1 : (src_row + k) * rb, (dst_row + k) * rb, n * rb});
     }
   };
-  for (const CopyRun& r : plan.copies) {
-    if (!copy_in_bounds(r, plan))
-      throw_invalid(fn, "a copy run leaves the buffers (corrupt plan)");
-    split(r.src, r.dst, r.count);
-  }
-  for (const FillRun& r : plan.fills) {
-    if (!rows_in_bounds(r.dst, r.count, plan.dst_rows))
-      throw_invalid(fn, "a fill run leaves the destination (corrupt plan)");
-    split(-1, r.dst, r.count);
-  }
+  check_move_plan(plan, fn);
+  for (const CopyRun& r : plan.copies) split(r.src, r.dst, r.count);
+  for (const FillRun& r : plan.fills) split(-1, r.dst, r.count);
   return tasks;
 }
 

@@ -81,10 +81,8 @@ IndexGroups first_fit_with(Lengths lengths, int64_t capacity, const Buffer<int64
   return builder.finish();
 }
 
-IndexGroups first_fit_in_order(Lengths lengths, int64_t capacity, const Buffer<int64_t>& order) {
-  int64_t total = 0;
-  for (int64_t l : lengths) total = checked_add("first_fit", total, l);
-  const int64_t bound = ceil_div(total, capacity);
+IndexGroups first_fit_in_order(const char* fn, Lengths lengths, int64_t capacity, const Buffer<int64_t>& order) {
+  const int64_t bound = ceil_div(checked_sum(fn, "sequence_lengths", lengths), capacity);
   if (capacity <= std::numeric_limits<int32_t>::max())
     return first_fit_with<int32_t>(lengths, capacity, order, bound);
   return first_fit_with<int64_t>(lengths, capacity, order, bound);
@@ -143,7 +141,7 @@ IndexGroups greedy_sequential(Lengths lengths, int64_t bin_capacity, int64_t max
 
 IndexGroups first_fit_decreasing(Lengths lengths, int64_t bin_capacity) {
   check_common("first_fit_decreasing", lengths, bin_capacity);
-  return first_fit_in_order(lengths, bin_capacity, decreasing_order(lengths));
+  return first_fit_in_order("first_fit_decreasing", lengths, bin_capacity, decreasing_order(lengths));
 }
 
 IndexGroups first_fit_shuffle(Lengths lengths, int64_t bin_capacity, uint64_t seed) {
@@ -152,7 +150,7 @@ IndexGroups first_fit_shuffle(Lengths lengths, int64_t bin_capacity, uint64_t se
   std::iota(order.begin(), order.end(), 0);
   Rng rng(seed);
   for (size_t i = order.size(); i > 1; --i) std::swap(order[i - 1], order[rng.below(i)]);
-  return first_fit_in_order(lengths, bin_capacity, order);
+  return first_fit_in_order("first_fit_shuffle", lengths, bin_capacity, order);
 }
 
 IndexGroups best_fit_decreasing(Lengths lengths, int64_t bin_capacity) {
@@ -443,7 +441,8 @@ IndexGroups adjust_bin_count(const IndexGroups& bins, int64_t min_bin_count, int
     throw_invalid(fn, "bin_count_multiple must be positive, got " + std::to_string(bin_count_multiple));
   const auto current = static_cast<int64_t>(bins.size());
   int64_t target = std::max(current, min_bin_count);
-  target = checked_mul(fn, ceil_div(target, bin_count_multiple), bin_count_multiple);
+  target = checked_mul(fn, "the bin count rounded up to bin_count_multiple", ceil_div(target, bin_count_multiple),
+                       bin_count_multiple);
   if (target == current) return bins;
   const auto total = static_cast<int64_t>(bins.indices.size());
   if (total < target)

@@ -19,8 +19,7 @@ void check_partition_args(const char* fn, Lengths values, int64_t k, bool equal_
   if (equal_size && n % k != 0)
     throw_invalid(fn, "equal_size=True needs the number of items (" + std::to_string(n) +
                           ") to be a multiple of k_partitions (" + std::to_string(k) + ")");
-  int64_t total = 0;
-  for (int64_t v : values) total = checked_add(fn, total, v);
+  checked_sum(fn, "seqlen_list", values);  // every partial sum fits too
   if (n > static_cast<int64_t>(UINT32_MAX))
     throw_invalid(fn, "seqlen_list: at most 2^32 - 1 items, got " + std::to_string(n));
 }

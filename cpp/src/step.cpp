@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <functional>
 #include <numeric>
 #include <queue>
@@ -356,8 +357,15 @@ std::pair<Cells, int64_t> two_step_cells(Lengths lengths, int64_t begin, int64_t
   }
   MicroBatchOptions mo;
   mo.max_tokens = o.max_tokens;
-  if (o.cost.per_token_squared > 0)
-    mo.attention_coeff = std::max<int64_t>(1, std::llround(o.cost.per_token / o.cost.per_token_squared));
+  if (o.cost.per_token_squared > 0) {
+    // plan_micro_batches balances integer workloads coeff·s + s², whose sum over a
+    // rank is at most (coeff + cap)·Σs: used only where that fits in int64 (with a
+    // margin), else tokens (this is one candidate; the cost decides between them).
+    const double coeff = std::max(1.0, std::round(o.cost.per_token / o.cost.per_token_squared));
+    double tokens = 0.0;
+    for (int64_t s : local) tokens += static_cast<double>(s);
+    if ((coeff + static_cast<double>(o.max_tokens)) * tokens < 0x1p62) mo.attention_coeff = static_cast<int64_t>(coeff);
+  }
   std::vector<std::vector<int64_t>> rank_lengths(static_cast<size_t>(R));
   for (int64_t r = 0; r < R; ++r)
     for (int64_t i : parts.group(static_cast<size_t>(r)))
@@ -457,11 +465,9 @@ Candidate finish(Cells cells, int64_t R, int64_t K, const StepOptions& o) {
 }
 
 int64_t min_micro_batches(Lengths lengths, const StepOptions& o) {
-  int64_t total = 0, big = 0;
-  for (int64_t s : lengths) {
-    total = checked_add(kFn, total, s);
-    if (s > o.max_tokens / 2) ++big;
-  }
+  const int64_t total = checked_sum(kFn, "lengths", lengths);
+  int64_t big = 0;
+  for (int64_t s : lengths) big += s > o.max_tokens / 2 ? 1 : 0;
   const int64_t cells = std::max(ceil_div(total, o.max_tokens), big);
   return round_up(kFn, std::max(o.min_micro_batches, ceil_div(cells, o.dp_size)), o.multiple_of);
 }
@@ -585,6 +591,12 @@ MiniBatchStep plan_mini_batch(Lengths lengths, int64_t begin, int64_t end, const
   return out;
 }
 
+std::string number(double v) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.6g", v);
+  return buf;
+}
+
 void check_options(const StepOptions& o) {
   check_positive(kFn, "dp_size", o.dp_size);
   check_positive(kFn, "max_tokens", o.max_tokens);
@@ -596,9 +608,47 @@ void check_options(const StepOptions& o) {
                                                   {"cost.per_token_squared", o.cost.per_token_squared}};
   for (const auto& [name, v] : terms)
     if (!std::isfinite(v) || v < 0)
-      throw_invalid(kFn, std::string(name) + " must be finite and >= 0, got " + std::to_string(v));
+      throw_invalid(kFn, std::string(name) + " must be finite and >= 0, got " + number(v));
   if (o.cost.per_micro_batch == 0 && o.cost.per_token == 0 && o.cost.per_token_squared == 0)
     throw_invalid(kFn, "cost needs at least one positive coefficient");
+  // The largest micro-batch (max_tokens tokens, one sequence: max_tokens² attended
+  // pairs) must have a finite cost, term by term and in all.
+  const auto cap = static_cast<double>(o.max_tokens);
+  const std::pair<const char*, double> largest[] = {{"cost.per_token * max_tokens", o.cost.per_token * cap},
+                                                    {"cost.per_token_squared * max_tokens^2",
+                                                     o.cost.per_token_squared * cap * cap}};
+  for (const auto& [name, v] : largest)
+    if (!std::isfinite(v))
+      throw_invalid(kFn, std::string(name) + " overflows float64 (max_tokens = " + std::to_string(o.max_tokens) +
+                             "): scale the cost model down, only its ratios matter");
+  if (!std::isfinite(o.cost.per_micro_batch + largest[0].second + largest[1].second))
+    throw_invalid(kFn, "the cost of a micro-batch of max_tokens = " + std::to_string(o.max_tokens) +
+                           " tokens overflows float64: scale the cost model down, only its ratios matter");
+}
+
+// A plan whose total overflowed: names the term of the cost model that contributes
+// the most to the step (per_micro_batch per micro-batch, per_token per token,
+// per_token_squared per attended pair).
+[[noreturn]] void throw_overflowed_time(Lengths lengths, const StepOptions& o, const StepPlan& plan) {
+  double cells = 0.0, tokens = 0.0, pairs = 0.0;
+  for (const MiniBatchStep& mb : plan.mini_batches) cells += static_cast<double>(mb.cells.size());
+  for (int64_t s : lengths) {
+    tokens += static_cast<double>(s);
+    pairs += static_cast<double>(s) * static_cast<double>(s);
+  }
+  struct Term {
+    const char* name;
+    double coeff, count;
+  };
+  const Term terms[] = {{"cost.per_micro_batch", o.cost.per_micro_batch, cells},
+                        {"cost.per_token", o.cost.per_token, tokens},
+                        {"cost.per_token_squared", o.cost.per_token_squared, pairs}};
+  const Term* worst = &terms[0];
+  for (const Term& t : terms)
+    if (!(t.coeff * t.count <= worst->coeff * worst->count)) worst = &t;
+  throw_invalid(kFn, std::string("the predicted step time overflows float64: ") + worst->name + " = " +
+                         number(worst->coeff) + " is too large for these lengths; scale the cost model down, "
+                         "only its ratios matter");
 }
 
 }  // namespace
@@ -636,8 +686,7 @@ StepPlan plan_step(Lengths lengths, const StepOptions& o) {
   if (n < o.mini_batches)
     throw_invalid(kFn, "lengths: " + std::to_string(n) + " sequences cannot fill mini_batches=" +
                            std::to_string(o.mini_batches) + " mini-batches (each needs at least one)");
-  int64_t total = 0;
-  for (int64_t s : lengths) total = checked_add(kFn, total, s);
+  checked_sum(kFn, "lengths", lengths);
   StepPlan plan;
   const int64_t base = n / o.mini_batches, extra = n % o.mini_batches;
   int64_t begin = 0;
@@ -654,6 +703,7 @@ StepPlan plan_step(Lengths lengths, const StepOptions& o) {
     plan.lower_bound += plan.mini_batches.back().lower_bound;
     begin = end;
   }
+  if (!std::isfinite(plan.predicted_time) || !std::isfinite(plan.lower_bound)) throw_overflowed_time(lengths, o, plan);
   return plan;
 }
 

@@ -39,7 +39,7 @@ ThdLayout make_thd_layout(Lengths seq_lens, const ThdOptions& o) {
   for (int64_t len : seq_lens) {
     const int64_t p = round_up(fn, len, o.pad_multiple);
     real += len;
-    padded = checked_add(fn, padded, p);
+    padded = checked_add(fn, "the packed length (sum of padded lengths)", padded, p);
     if (padded > kInt32Max)
       throw_invalid(fn, "the packed length " + std::to_string(padded) + " does not fit in int32 cu_seqlens");
     out.padded_lens.push_back(p);
@@ -117,7 +117,7 @@ SourceSpans spans_from_lengths(Lengths seq_lens, int64_t width) {
   if (width < 0) throw_invalid(fn, "width must be >= 0");
   check_non_negative_lengths(fn, "seq_lens", seq_lens);
   check_lengths_fit(fn, "seq_lens", seq_lens, width, "the padded width");
-  checked_mul(fn, static_cast<int64_t>(seq_lens.size()), width);  // the padded batch's rows fit in int64
+  checked_mul(fn, "batch * width", static_cast<int64_t>(seq_lens.size()), width);  // the padded rows fit in int64
   SourceSpans out;
   out.width = width;
   out.spans.reserve(seq_lens.size());
@@ -131,7 +131,7 @@ SourceSpans spans_from_lengths(Lengths seq_lens, int64_t width) {
 SourceSpans spans_from_mask(const uint8_t* mask, int64_t batch, int64_t width) {
   constexpr const char* fn = "spans_from_mask";
   if (batch < 0 || width < 0) throw_invalid(fn, "the mask shape must be non-negative");
-  if (checked_mul(fn, batch, width) > 0 && mask == nullptr) throw_invalid(fn, "mask is null");
+  if (checked_mul(fn, "batch * width", batch, width) > 0 && mask == nullptr) throw_invalid(fn, "mask is null");
   SourceSpans out;
   out.width = width;
   out.offsets.reserve(static_cast<size_t>(batch) + 1);
@@ -170,7 +170,7 @@ MovePlan make_pack_plan(const ThdLayout& layout, const SourceSpans& source, int6
       throw_invalid(fn, "sequence " + std::to_string(b) + " has " + std::to_string(real[b]) +
                             " tokens in the source but seq_lens says " + std::to_string(layout.seq_lens[b]));
   MovePlan plan;
-  plan.src_rows = checked_mul(fn, source.batch_size(), source.width);
+  plan.src_rows = checked_mul(fn, "batch * width", source.batch_size(), source.width);
   plan.dst_rows = layout.local_rows();
   plan.copies.reserve(source.spans.size() * static_cast<size_t>(cp > 1 ? 2 : 1));
   plan.fills.reserve(static_cast<size_t>(layout.batch_size()));

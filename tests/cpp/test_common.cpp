@@ -47,4 +47,21 @@ TEST(Common, RoundUpRefusesOverflow) {
   EXPECT_TRUE(ThrowsInvalid([] { round_up("t", INT64_MAX - 1, 4); }, {"[seqpack.t]", "overflows int64"}));
 }
 
+// Issue 26: every sum that can overflow is checked, and the error names what
+// overflowed (group sums used to wrap around silently).
+TEST(Common, CheckedArithmeticNamesWhatOverflowed) {
+  EXPECT_EQ(checked_add("t", "x + y", INT64_MAX - 1, 1), INT64_MAX);
+  EXPECT_TRUE(
+      ThrowsInvalid([] { checked_add("t", "sum of x", INT64_MAX, 1); }, {"[seqpack.t]", "sum of x overflows int64"}));
+  EXPECT_TRUE(ThrowsInvalid([] { checked_mul("t", "rows * width", INT64_MAX, 2); },
+                            {"rows * width = 9223372036854775807 * 2 overflows int64"}));
+  EXPECT_EQ(checked_sum("t", "lengths", Vec{INT64_MAX - 1, 1, 0}), INT64_MAX);
+  EXPECT_TRUE(
+      ThrowsInvalid([] { checked_sum("t", "lengths", Vec{INT64_MAX, 1}); }, {"sum of lengths overflows int64"}));
+  const IndexGroups g = IndexGroups::from_nested({{0}, {1, 2}});
+  EXPECT_EQ(group_sums(g, Vec{INT64_MAX, INT64_MAX - 1, 1}, "t", "a bin's load"), (Vec{INT64_MAX, INT64_MAX}));
+  EXPECT_TRUE(ThrowsInvalid([&] { group_sums(g, Vec{1, INT64_MAX, 1}, "t", "a bin's load"); },
+                            {"[seqpack.t]", "a bin's load overflows int64"}));
+}
+
 }  // namespace

@@ -4,6 +4,7 @@
 #include <bit>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <random>
 #include <vector>
 
@@ -182,6 +183,22 @@ TEST(Logprob, BadArgumentsThrow) {
       ThrowsInvalid([&] { row_stats({&x, 1, 2, 1, LogitsDtype::Float32}, &t, 0, 1.0f, stats); }, {"row_stride"}));
   EXPECT_TRUE(ThrowsInvalid([&] { row_stats({nullptr, 1, 1, 1, LogitsDtype::Float32}, &t, 0, 1.0f, stats); },
                             {"null"}));
+}
+
+// Issue 26: a subnormal temperature passed the "positive finite" check, and its
+// reciprocal (1e-40f -> inf) turned the gradient into inf / NaN.
+TEST(Logprob, TemperatureMustBeANormalFloat) {
+  const float x = 0.0f;
+  const int64_t t = 0;
+  float out[4];
+  const RowStats stats{out, out + 1, out + 2, out + 3};
+  const LogitsView v{&x, 1, 1, 1, LogitsDtype::Float32};
+  for (float bad : {1e-40f, std::numeric_limits<float>::denorm_min(), -1.0f, std::numeric_limits<float>::infinity(),
+                    std::numeric_limits<float>::quiet_NaN()})
+    EXPECT_TRUE(
+        ThrowsInvalid([&] { row_stats(v, &t, 0, bad, stats); }, {"temperature", "normal positive float32", "got"}));
+  row_stats(v, &t, 0, std::numeric_limits<float>::min(), stats);
+  row_stats(v, &t, 0, std::numeric_limits<float>::max(), stats);
 }
 
 TEST(Logprob, HugePageAdviceKeepsContents) {

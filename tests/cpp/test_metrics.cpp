@@ -152,4 +152,16 @@ TEST(Metrics, DynamicBatchingStats) {
   EXPECT_TRUE(ThrowsInvalid([&] { dynamic_batching_stats(plan, int64_t{1} << 40, int64_t{1} << 40); }, {"overflow"}));
 }
 
+// Issue 26: the overflow errors name the quantity that overflowed.
+TEST(Metrics, OverflowErrorsNameTheQuantity) {
+  EXPECT_TRUE(ThrowsInvalid([] { packing_stats(Vec{INT64_MAX, 1}, groups({{0}, {1}}), INT64_MAX); },
+                            {"[seqpack.packing_stats]", "sum of sequence_lengths overflows int64"}));
+  EXPECT_TRUE(ThrowsInvalid([] { packing_stats(Vec{5, 1}, groups({{0}, {1}}), INT64_MAX); },
+                            {"num_bins * bin_capacity"}));
+  EXPECT_TRUE(ThrowsInvalid([] { dp_balance_stats(Vec{INT64_MAX, 1}, groups({{0}, {1}})); },
+                            {"[seqpack.dp_balance_stats]", "sum of seqlen_list overflows int64"}));
+  EXPECT_TRUE(ThrowsInvalid([] { dynamic_batching_stats(DynamicBatchingPlan{}, INT64_MAX, 2); },
+                            {"num_sequences * width"}));
+}
+
 }  // namespace

@@ -205,4 +205,16 @@ TEST(MicroBatch, FuzzRegressions) {
   EXPECT_TRUE(ThrowsInvalid([&] { plan_micro_batches(Vec{5, 3}, o); }, {"overflows int64"}));
 }
 
+// Issue 26: workloads s + s² whose sum passes int64 (each one fits). Up to 65,536
+// sequences Karmarkar-Karp refused them under its own name; above, the cap-aware
+// greedy summed them unchecked and balanced wrapped-around loads.
+TEST(MicroBatch, WorkloadSumOverflowNamesPlanMicroBatches) {
+  const int64_t s = 3'000'000'000;  // s² = 9e18 fits in int64, two of them do not
+  for (size_t n : {size_t{4}, size_t{70'000}}) {
+    const Vec lengths(n, s);
+    EXPECT_TRUE(ThrowsInvalid([&] { plan_micro_batches(lengths, options(2 * s, 1, 1, 1)); },
+                              {"[seqpack.plan_micro_batches]", "sum of workloads", "overflows int64"}));
+  }
+}
+
 }  // namespace

@@ -63,6 +63,35 @@ TEST(Move, PlansAreCheckedAgainstTheBuffers) {
   EXPECT_TRUE(ThrowsInvalid([&] { write_position_ids(plan, pos.data(), 3); }, {"output"}));
 }
 
+// What a pickled plan must pass before it is adopted: every run inside the rows,
+// position runs included, and a total of moved rows within int64.
+TEST(Move, CheckMovePlanRefusesCorruptRunsAndOverflowingWork) {
+  MovePlan plan;
+  plan.src_rows = 4;
+  plan.dst_rows = 4;
+  plan.copies = {{0, 0, 2}};
+  plan.fills = {{2, 2}};
+  plan.positions = {{0, 4, 0}};
+  EXPECT_NO_THROW(check_move_plan(plan, "t"));
+  plan.positions = {{1, 4, 0}};
+  EXPECT_TRUE(ThrowsInvalid([&] { check_move_plan(plan, "t"); }, {"[seqpack.t]", "position run", "corrupt"}));
+  // Issue 26: positions first + i wrapped around int64 (undefined behaviour).
+  plan.positions = {{0, 4, INT64_MAX - 1}};
+  EXPECT_TRUE(ThrowsInvalid([&] { check_move_plan(plan, "t"); }, {"positions (first + count) overflow int64"}));
+  plan.positions = {{0, 4, -1}};
+  EXPECT_TRUE(ThrowsInvalid([&] { check_move_plan(plan, "t"); }, {"positions (first + count) overflow int64"}));
+  plan.positions = {{0, 4, INT64_MAX - 4}};
+  EXPECT_NO_THROW(check_move_plan(plan, "t"));
+  plan.positions.clear();
+  plan.dst_rows = -1;
+  EXPECT_TRUE(ThrowsInvalid([&] { check_move_plan(plan, "t"); }, {">= 0"}));
+  const int64_t big = INT64_MAX / 2 + 1;  // two runs of this many rows add up past int64
+  plan.src_rows = plan.dst_rows = INT64_MAX;
+  plan.copies = {{0, 0, big}, {0, 0, big}};
+  plan.fills.clear();
+  EXPECT_TRUE(ThrowsInvalid([&] { check_move_plan(plan, "t"); }, {"[seqpack.t]", "overflow"}));
+}
+
 }  // namespace
 
 namespace {

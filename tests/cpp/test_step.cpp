@@ -1,10 +1,14 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
 #include <numeric>
 #include <stdexcept>
+#include <utility>
+#include <vector>
 
 #include "seqpack/step.hpp"
+#include "test_helpers.hpp"
 
 namespace seqpack {
 namespace {
@@ -79,6 +83,49 @@ TEST(PlanStep, FuzzRegressions) {
   o.min_micro_batches = INT64_MAX / 2 + 1;
   o.multiple_of = 2;
   EXPECT_THROW(plan_step(std::vector<int64_t>{5, 3}, o), std::invalid_argument);
+}
+
+// Issue 26: the two-step candidate balanced integer workloads c1/c2·s + s², which
+// overflowed for valid inputs ("[seqpack.sequence_workloads] product overflows").
+TEST(PlanStep, LargeLengthsAndCoefficientRatiosStillPlan) {
+  const int64_t big = int64_t{1} << 32;  // s² = 2^64
+  const std::vector<std::pair<std::vector<int64_t>, StepCost>> cases = {
+      {{big, big, big, big}, StepCost{0.0, 1.0, 1.0}},
+      {{10000, 10000, 10000, 10000}, StepCost{0.0, 1.0, 1e-15}},  // c1 / c2 = 1e15
+      {{10000, 10000, 10000, 10000}, StepCost{0.0, 1.0, 1e-300}},
+  };
+  for (const auto& [lengths, cost] : cases)
+    for (StepSync sync : {StepSync::MicroBatch, StepSync::Step}) {
+      StepOptions o = options(2, 2 * lengths[0], sync);
+      o.cost = cost;
+      const StepPlan plan = plan_step(lengths, o);
+      ASSERT_EQ(plan.mini_batches.size(), 1u);
+      EXPECT_TRUE(seqpack_test::IsPartition(plan.mini_batches[0].cells, lengths.size(), true));
+      EXPECT_TRUE(std::isfinite(plan.predicted_time));
+      EXPECT_LE(plan.lower_bound, plan.predicted_time);
+    }
+}
+
+// Issue 26: finite coefficients whose products overflow gave predicted_time = inf
+// (and a gap of inf / inf = nan); now an error naming the coefficient.
+TEST(PlanStep, CostOverflowNamesTheCoefficient) {
+  const std::vector<int64_t> lengths(100, 100);
+  StepOptions o = options(1, int64_t{1} << 40, StepSync::MicroBatch);
+  o.cost = StepCost{0.0, 1e300, 0.0};
+  EXPECT_TRUE(seqpack_test::ThrowsInvalid([&] { plan_step(lengths, o); },
+                                          {"cost.per_token * max_tokens", "overflows float64"}));
+  o.cost = StepCost{0.0, 0.0, 1e290};
+  EXPECT_TRUE(seqpack_test::ThrowsInvalid([&] { plan_step(lengths, o); },
+                                          {"cost.per_token_squared * max_tokens^2", "overflows float64"}));
+  o.cost = StepCost{1.7e308, 1e295, 0.0};  // each term finite, their sum not
+  EXPECT_TRUE(seqpack_test::ThrowsInvalid([&] { plan_step(lengths, o); }, {"the cost of a micro-batch", "overflows"}));
+  // Each micro-batch's cost is finite, the step's (100 micro-batches) is not.
+  o = options(1, 100, StepSync::MicroBatch);
+  o.cost = StepCost{0.0, 1e305, 0.0};
+  EXPECT_TRUE(seqpack_test::ThrowsInvalid([&] { plan_step(lengths, o); },
+                                          {"predicted step time overflows float64", "cost.per_token = 1e+305"}));
+  o.sync = StepSync::Step;
+  EXPECT_TRUE(seqpack_test::ThrowsInvalid([&] { plan_step(lengths, o); }, {"cost.per_token = 1e+305"}));
 }
 
 }  // namespace

@@ -200,6 +200,12 @@ TEST(Thd, FuzzRegressions) {
   ThdOptions o;
   o.pad_multiple = 4;
   EXPECT_TRUE(ThrowsInvalid([&] { make_thd_layout(Vec{INT64_MAX - 1}, o); }, {"overflows int64"}));
+  // Issue 26: the errors name what overflowed.
+  EXPECT_TRUE(ThrowsInvalid([] { spans_from_lengths(Vec{1, 2, 3}, INT64_MAX / 2); }, {"batch * width"}));
+  EXPECT_TRUE(ThrowsInvalid([] { spans_from_mask(nullptr, 3, INT64_MAX / 2); }, {"batch * width"}));
+  ThdOptions one;
+  EXPECT_TRUE(
+      ThrowsInvalid([&] { make_thd_layout(Vec{1, INT64_MAX}, one); }, {"the packed length", "overflows int64"}));
 }
 
 }  // namespace

@@ -331,7 +331,7 @@ def check_cp_attention_failing_rank(rank, world):
         try:
             cp_attention(*args, dist.group.WORLD)
         except ValueError as exc:
-            expected = ("disagree on cu_seqlens_padded" if error is None
+            expected = ("disagree on the shapes of q, k and v" if error is None
                         else error if rank == bad else "another rank's input failed")
             assert expected in str(exc), (bad, error, str(exc))
         else:

@@ -391,7 +391,7 @@ def test_varlen_attention_arguments():
     assert torch.equal(seqpack.varlen_attention(q, q, q, cu, cu, 3, 3, window_size=None), unbounded)
     with pytest.raises(TypeError, match=r"window_size must be a \(left, right\) pair of ints"):
         seqpack.varlen_attention(q, q, q, cu, cu, 3, 3, window_size=3)
-    with pytest.raises(TypeError, match=r"window_size\[0\] must be an int .*got float"):
+    with pytest.raises(TypeError, match=r"window_size\[0\] must be an int, got float"):
         seqpack.varlen_attention(q, q, q, cu, cu, 3, 3, window_size=(1.5, 0))
 
 
@@ -424,3 +424,51 @@ def test_bool_masks_are_read_in_their_own_dtype():
     assert _numpy_peak(lambda: roll.dynamic_batching_shard(batch, 1, 64, 1)) <= 0.5 * mask.numel()
     packed = seqpack.pack_sequences(data, attention_mask=mask)
     assert packed.cu_seqlens.tolist() == [0, 3, 6, 9, 12]
+
+
+# ---------------------------------------------------------------- int64 overflow
+
+M64 = 2**63 - 1
+
+
+def _thd_plan_with_positions_from(first):
+    plan = seqpack.pack_sequences(IDS, seq_lens=[2, 3])._plan
+    state = plan.__getstate__()
+    positions = np.array(state[6]).copy()
+    positions[0, 2] = first
+    type(plan).__new__(type(plan)).__setstate__(state[:6] + (positions,) + state[7:])
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda: _thd_plan_with_positions_from(2**63 - 2), r"positions \(first \+ count\) overflow int64"),
+    (lambda: _thd_plan_with_positions_from(-5), r"positions \(first \+ count\) overflow int64 or are negative"),
+])
+def test_a_pickled_plan_whose_positions_overflow_is_refused(call, message):
+    # Issue 26: position ids first + i of a tampered pickle wrapped around int64.
+    with pytest.raises(ValueError, match=message):
+        call()
+
+
+@pytest.mark.parametrize("call, message", [
+    # Above 65,536 sequences the cap-aware greedy summed these unchecked; below,
+    # Karmarkar-Karp refused them under its own name.
+    (lambda: seqpack.plan_micro_batches([3 * 10**9] * 70_000, 6 * 10**9, attention_coeff=1),
+     r"^\[seqpack.plan_micro_batches\] sum of workloads \(attention_coeff \* s \+ s \* s\) overflows int64"),
+    (lambda: seqpack.plan_micro_batches([3 * 10**9] * 4, 6 * 10**9, attention_coeff=1),
+     r"^\[seqpack.plan_micro_batches\] sum of workloads"),
+    (lambda: seqpack.sequence_workloads([2**32], 1), r"s \* s = 4294967296 \* 4294967296 overflows int64"),
+    (lambda: seqpack.PackingMetrics().calculate_stats_only([M64, 1], [[0], [1]], M64),
+     r"\[seqpack.packing_stats\] sum of sequence_lengths overflows int64"),
+    (lambda: seqpack.karmarkar_karp([M64, 1], 2, False), r"\[seqpack.karmarkar_karp\] sum of seqlen_list overflows"),
+    (lambda: seqpack.get_packer("first_fit_decreasing", M64).pack([M64, 1]),
+     r"\[seqpack.first_fit_decreasing\] sum of sequence_lengths overflows int64"),
+    (lambda: seqpack.plan_step([M64, 1], 1, M64), r"\[seqpack.plan_step\] sum of lengths overflows int64"),
+    (lambda: seqpack.plan_dynamic_batching([M64, 1], 1, M64, 1), r"the padded token count .* overflows int64"),
+    (lambda: PackedLayout.from_lengths([1, M64]), r"the packed length \(sum of padded lengths\) overflows int64"),
+])
+def test_int64_overflows_name_what_overflowed(call, message):
+    # Issue 26: every sum of user values that can pass int64 is checked, and the
+    # error names it (they read "sum of lengths overflows int64" or "product
+    # overflows int64" whatever overflowed, or wrapped around).
+    with pytest.raises(ValueError, match=message):
+        call()

@@ -35,8 +35,11 @@ struct IndexGroups {
   bool operator==(const IndexGroups&) const = default;
 };
 
-// Sum of values[i] over each group.
-std::vector<int64_t> group_sums(const IndexGroups& groups, Lengths values);
+// Sum of values[i] over each group (indices in range). Checked: a sum past int64
+// throws "[seqpack.<function>] <what> overflows int64", e.g. what = "sum of
+// workloads in a micro-batch".
+std::vector<int64_t> group_sums(const IndexGroups& groups, Lengths values, const char* function = "group_sums",
+                                const char* what = "a group's sum");
 
 [[noreturn]] void throw_invalid(const char* function, const std::string& message);
 
@@ -50,9 +53,13 @@ void check_lengths_fit(const char* function, const char* name, Lengths lengths,
 // Every index in [0, n) appears in `groups` exactly once (a partition of the items).
 void check_each_index_once(const char* function, const char* name, const IndexGroups& groups, int64_t n);
 
-// Adds with an overflow check (sums of lengths/workloads stay in int64).
-int64_t checked_add(const char* function, int64_t a, int64_t b);
-int64_t checked_mul(const char* function, int64_t a, int64_t b);
+// a + b and a * b with an overflow check: a result past int64 throws
+// "[seqpack.<function>] <what> overflows int64", where `what` names the quantity in
+// the caller's terms ("sum of lengths", "num_sequences * width").
+int64_t checked_add(const char* function, const char* what, int64_t a, int64_t b);
+int64_t checked_mul(const char* function, const char* what, int64_t a, int64_t b);
+// The sum of every value, checked as checked_add (what: "sum of <name>").
+int64_t checked_sum(const char* function, const char* name, Lengths values);
 
 // An integer array as raw memory, as a buffer protocol / NumPy array describes it:
 // `size` items of `itemsize` bytes (1, 2, 4 or 8), `stride_bytes` apart (may be

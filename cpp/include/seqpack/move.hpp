@@ -8,6 +8,11 @@
 
 namespace seqpack {
 
+// Throws std::invalid_argument("[fn] ...") unless every run of `plan` lies inside
+// its src_rows / dst_rows and the rows it moves add up within int64: what a plan
+// from elsewhere (a pickle, a caller's run arrays) must satisfy before it runs.
+void check_move_plan(const MovePlan& plan, const char* fn);
+
 // Runs `plan` from `src` (plan.src_rows rows of row_bytes) into `dst`
 // (plan.dst_rows rows): copies, then fills with `fill_row` (row_bytes bytes; null
 // means zero bytes). src_rows / dst_rows are the buffers' real sizes, checked

@@ -149,9 +149,10 @@ def step_plan_parts(plan: Any, dp_rank: Any, mini_batch: Any, rows_here: int, ca
 
     if not isinstance(plan, StepPlan):
         raise TypeError(f"step_plan must be a seqpack.StepPlan, got {type(plan).__name__}")
-    if isinstance(dp_rank, bool) or not isinstance(dp_rank, (int, np.integer)):
-        raise TypeError(f"dp_rank must be an int when step_plan is given, got {type(dp_rank).__name__}")
-    parts = plan.local_micro_batches(int(dp_rank), mini_batch)
+    from .._lengths import as_int64
+
+    dp_rank = as_int64(dp_rank, "dp_rank")  # NumPy and 0-d tensor integers too; None is refused
+    parts = plan.local_micro_batches(dp_rank, mini_batch)
     planned = sum(len(p) for p in parts)
     if planned != rows_here:
         raise ValueError(f"the batch has {rows_here} rows but step_plan gives rank {dp_rank} {planned} in "

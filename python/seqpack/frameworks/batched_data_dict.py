@@ -43,6 +43,7 @@ leaves are media, shared with ``share_immutable_media`` like NeMo-RL's ``vllm_*`
 from __future__ import annotations
 
 import copy
+import pickle
 from collections import UserDict
 from typing import (TYPE_CHECKING, Any, Collection, Dict, Generic, Iterator, List, Literal, Mapping, Optional,
                     Sequence, Tuple, TypeVar, Union)
@@ -54,7 +55,8 @@ from ._batch import is_packed as _is_packed
 from ._batch import is_tensor as _is_tensor
 from ._batch import rows as _rows
 from ._batch import select as _select
-from .._lengths import as_lengths, as_positive_int, check_not_meta
+from .._equality import values_equal
+from .._lengths import as_int, as_lengths, as_positive_int, check_not_meta
 from ..planning.balance import get_seqlen_balanced_partitions
 from ..planning.dynamic_batching import plan_dynamic_batching
 from ..planning.packing import get_packer
@@ -227,6 +229,21 @@ class BatchedDataDict(UserDict, Generic[DictT]):
         self.micro_batch_lengths: Optional[List[List[int]]] = None
         self.elem_counts_per_gb: Optional[List[int]] = None
 
+    def __eq__(self, other: object) -> bool:
+        """Same keys and values (tensors equal in dtype, shape, device and every
+        element, where a plain dict would ask a tensor for its truth value) and the
+        same sharding metadata; a plain mapping compares by its items alone."""
+        if not isinstance(other, Mapping):
+            return NotImplemented
+        if not values_equal(dict(self.data), dict(other.items())):
+            return False
+        if not isinstance(other, BatchedDataDict):
+            return True
+        meta = ("micro_batch_indices", "micro_batch_lengths", "elem_counts_per_gb")
+        return type(self) is type(other) and all(values_equal(getattr(self, m), getattr(other, m)) for m in meta)
+
+    __hash__ = None  # mutable
+
     # ---------------------------------------------------------------- building
 
     @classmethod
@@ -292,14 +309,49 @@ class BatchedDataDict(UserDict, Generic[DictT]):
     def all_gather(self, group=None) -> "BatchedDataDict":
         """Every rank's rows, concatenated in rank order, over a ``torch.distributed``
         group (tensors through ``all_gather`` of the row counts and padded rows;
-        lists through ``all_gather_object``). Works with gloo and NCCL."""
+        lists through ``all_gather_object``). Works with gloo and NCCL.
+
+        The ranks may hold different row counts; everything else the gathers
+        exchange must match, and is checked before the first one inside one
+        all-reduce: the keys and their order, which values are tensors and which
+        lists, and each tensor's dtype and shape past its rows. A rank with an
+        unsupported value, or ranks that differ there, make every rank raise
+        instead of waiting. (The gathered tensors carry no gradient: an
+        all-gather is not differentiable, so ``requires_grad`` may differ.)"""
         import torch.distributed as dist
 
         import torch
 
+        from .._dist import checked_on_every_rank
+
         world = dist.get_world_size(group)
+        items = list(self.data.items())
+        payloads: Dict[Any, bytes] = {}
+
+        def local() -> List[tuple]:  # what each key's gathers exchange
+            kinds = []
+            for key, v in items:
+                if _is_tensor(v):
+                    if v.dim() < 1:
+                        raise ValueError(f"BatchedDataDict.all_gather: {key!r} is a 0-d tensor; every tensor value "
+                                         "needs a row dimension to gather")
+                    kinds.append((str(key), "tensor", tuple(v.shape[1:]), str(v.dtype)))
+                elif isinstance(v, list):  # pickled here: an unpicklable item fails inside the agreement
+                    payloads[key] = pickle.dumps(v, protocol=pickle.HIGHEST_PROTOCOL)
+                    kinds.append((str(key), "list", None, None))
+                else:
+                    raise NotImplementedError(f"Attempted to gather_and_balance_globally for unsupported type "
+                                              f"{type(v)} with key {key}. Please provide either a tensor or a list "
+                                              "of picklable objects.")
+            return kinds
+
+        checked_on_every_rank(local, group, "BatchedDataDict.all_gather", world > 1, fingerprint=lambda kinds: {
+            "the keys and their order": [k[0] for k in kinds],
+            "which values are tensors and which lists": [k[1] for k in kinds],
+            "each tensor's shape past its rows": [k[2] for k in kinds],
+            "each tensor's dtype": [k[3] for k in kinds]})
         out = type(self)()
-        for key, v in self.data.items():
+        for key, v in items:
             if _is_tensor(v):
                 count = torch.tensor([v.shape[0]], dtype=torch.int64, device=v.device)
                 counts = [torch.zeros_like(count) for _ in range(world)]
@@ -312,9 +364,7 @@ class BatchedDataDict(UserDict, Generic[DictT]):
                 dist.all_gather(parts, padded.contiguous(), group=group)
                 out[key] = torch.cat([p[:n] for p, n in zip(parts, sizes)])
             elif isinstance(v, list):
-                gathered: List[Any] = [None] * world
-                dist.all_gather_object(gathered, v, group=group)
-                out[key] = [x for part in gathered for x in part]
+                out[key] = [x for part in _gather_bytes(payloads[key], world, group) for x in pickle.loads(part)]
             else:
                 raise NotImplementedError(f"Attempted to gather_and_balance_globally for unsupported type {type(v)} "
                                           f"with key {key}. Please provide either a tensor or a list of picklable "
@@ -628,9 +678,14 @@ class BatchedDataDict(UserDict, Generic[DictT]):
     def get_batch(self, batch_idx: int, batch_size: Optional[int] = None) -> "SlicedDataDict":
         """Global batch ``batch_idx`` of a shard, with its metadata (packed shards
         know their per-batch row counts; others need ``batch_size``)."""
+        try:
+            batch_idx = as_int(batch_idx, "batch_idx")  # NumPy and 0-d tensor integers too
+        except TypeError:
+            pass  # refused below, by name
+
         def check_index(count: int) -> None:
-            _check(isinstance(batch_idx, (int, np.integer)) and not isinstance(batch_idx, bool)
-                   and 0 <= batch_idx < count, f"batch_idx must be an int in [0, {count}), got {batch_idx!r}")
+            _check(type(batch_idx) is int and 0 <= batch_idx < count,
+                   f"batch_idx must be an int in [0, {count}), got {batch_idx!r}")
 
         if self.elem_counts_per_gb is not None:
             _check(self.micro_batch_indices is not None,
@@ -795,3 +850,23 @@ def bin_assignment_spread(input_lengths: Any, shards: int, sequence_packing_args
             worst["spread"] = max(worst["spread"], max(per_shard) - min(per_shard))
         report[balance] = worst
     return report
+
+
+def _gather_bytes(payload: bytes, world: int, group: Any) -> List[bytes]:
+    """Every rank's ``payload``, in rank order: its length, then the bytes padded to
+    the longest, all-gathered (on the current CUDA device for NCCL, else the CPU)."""
+    import torch
+    import torch.distributed as dist
+
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else "cpu"
+    size = torch.tensor([len(payload)], dtype=torch.int64, device=device)
+    sizes = [torch.zeros_like(size) for _ in range(world)]
+    dist.all_gather(sizes, size, group=group)
+    lengths = [int(n.item()) for n in sizes]
+    buffer = torch.zeros(max(lengths), dtype=torch.uint8)
+    if payload:
+        buffer[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    buffer = buffer.to(device)
+    parts = [torch.empty_like(buffer) for _ in range(world)]
+    dist.all_gather(parts, buffer, group=group)
+    return [bytes(p[:n].cpu().numpy().tobytes()) for p, n in zip(parts, lengths)]

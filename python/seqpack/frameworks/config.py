@@ -59,6 +59,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Dict, Mapping, Optional, Union
 
+from .._lengths import INT64_MAX, as_int
 from ..planning.packing import PackingAlgorithm
 from ..tensors.layout import alignment, round_up
 
@@ -418,8 +419,12 @@ class SeqpackConfig:
         self._verl("balance_batch_kwargs")
         if not self.verl.balance_batch:
             raise ConfigError("trainer.balance_batch: batch balancing is disabled")
-        if isinstance(dp_size, bool) or not isinstance(dp_size, int) or dp_size < 1:
-            raise ConfigError(f"dp_size must be an integer >= 1, got {dp_size!r}")
+        try:
+            dp_size = as_int(dp_size, "dp_size")  # NumPy and 0-d tensor integers too
+        except TypeError:
+            raise ConfigError(f"dp_size must be an integer >= 1, got {dp_size!r}") from None
+        if not 1 <= dp_size <= INT64_MAX:
+            raise ConfigError(f"dp_size must be an integer >= 1 (and fit in int64), got {dp_size!r}")
         return {"k_partitions": dp_size, "equal_size": True}
 
 
@@ -493,10 +498,14 @@ class _Reader:
         value = self.get(name, default)
         if value is None:
             return None
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{self.key(name)}: must be an integer, got {value!r}")
+        try:
+            value = as_int(value, self.key(name))  # NumPy and 0-d tensor integers too
+        except TypeError:
+            raise ConfigError(f"{self.key(name)}: must be an integer, got {value!r}") from None
         if value < minimum:
             raise ConfigError(f"{self.key(name)}: must be >= {minimum}, got {value}")
+        if value > INT64_MAX:
+            raise ConfigError(f"{self.key(name)}: must fit in int64 (<= {INT64_MAX}), got {value}")
         return value
 
     def need(self, name: str, default: int) -> int:
@@ -961,14 +970,26 @@ def _split_args(text: str):
     return parts
 
 
+class _Need(Exception):
+    """Raised by :class:`_PlainResolver` while a value reads another that is not
+    resolved yet: the resolver resolves that one first, then tries again."""
+
+    def __init__(self, node: Any, path: tuple):
+        super().__init__(path)
+        self.node, self.path = node, path
+
+
 class _PlainResolver:
     """Resolves ``${a.b}``, ``${.a}`` / ``${..a}`` (relative to the value's mapping)
     and ``${oc.select:key[,default]}`` without OmegaConf, like OmegaConf does: a
     string that is one interpolation takes the value's type, interpolations inside a
     longer string are formatted into it. Other resolvers (``${mul:...}``,
     ``${oc.env:...}``) are left as written; reading such a value is an error. A
-    missing key or a cycle is an error, as with OmegaConf.
+    missing key or a cycle is an error naming the key, as with OmegaConf.
 
+    Iterative: values wait on an explicit stack for the values they read, so a
+    chain of references of any length resolves (Python's recursion limit does not
+    apply); only the config's own nesting (at most :data:`MAX_DEPTH`) recurses.
     Subtrees without interpolations are shared, not copied; a subtree whose
     interpolations are all absolute is resolved once however many YAML aliases
     reach it, and :data:`INTERPOLATION_BUDGET` bounds the rest."""
@@ -979,15 +1000,8 @@ class _PlainResolver:
         self.root = root
         self.kinds: Dict[int, int] = {}      # id -> 0 no interpolation, 1 absolute only, 2 relative
         self.memo: Dict[int, Any] = {}       # id -> resolved (kind 1)
-        self.at_path: Dict[tuple, Any] = {}  # resolved values looked up by path
-        self.active: set = set()             # paths being resolved (cycles)
+        self.at_path: Dict[tuple, Any] = {}  # resolved values by the path they are written at
         self.produced = 0
-        self.nesting = 0                     # containers and references being resolved
-
-    def deeper(self) -> None:
-        self.nesting += 1
-        if self.nesting > 2 * MAX_DEPTH:  # a reference and a section each count: well inside Python's recursion limit
-            raise ConfigError(f"the config's sections and interpolations nest more than {2 * MAX_DEPTH} levels deep")
 
     def kind(self, node: Any) -> int:
         if isinstance(node, str):
@@ -1003,47 +1017,83 @@ class _PlainResolver:
             self.kinds[key] = max((self.kind(c) for c in children), default=0)
         return self.kinds[key]
 
-    def node(self, value: Any, path: tuple) -> Any:
-        kind = self.kind(value)
-        if kind == 0:
-            return value
-        if isinstance(value, str):
-            return self.string(value, path)
-        if kind == 1 and id(value) in self.memo:
-            return self.memo[id(value)]
-        self.produced += 1
-        if self.produced > INTERPOLATION_BUDGET:
-            raise ConfigError(f"the config's interpolations expand to more than {INTERPOLATION_BUDGET} values "
-                              "(YAML aliases of interpolated sections)")
-        self.deeper()
-        try:
-            if isinstance(value, Mapping):
-                out: Any = {k: self.node(v, path + (k,)) for k, v in value.items()}
-            else:
-                out = [self.node(v, path + (i,)) for i, v in enumerate(value)]
-        finally:
-            self.nesting -= 1
-        if kind == 1:
-            self.memo[id(value)] = out
+    def run(self) -> Any:
+        """The whole config, resolved."""
+        return self.resolve(self.root, ())
+
+    def resolve(self, node: Any, path: tuple) -> Any:
+        """The resolved value of ``node``, written at ``path``. A stack of values
+        to resolve: a container first puts its children on it, a string that reads
+        a value not resolved yet puts that one on it and is tried again once it is.
+        A value read while it waits on the stack for others is a cycle."""
+        if self.kind(node) == 0:
+            return node
+        stack = [(node, path, False)]  # (node, path, children queued)
+        waiting = set()                # paths tried and waiting for others
+        while stack:
+            node_, path_, queued = stack[-1]
+            if path_ in self.at_path:  # resolved meanwhile, for another reader
+                stack.pop()
+                continue
+            waiting.add(path_)
+            try:
+                if isinstance(node_, str):
+                    value = self.string(node_, path_)
+                elif not queued and not (self.kind(node_) == 1 and id(node_) in self.memo):
+                    stack[-1] = (node_, path_, True)
+                    items = node_.items() if isinstance(node_, Mapping) else enumerate(node_)
+                    for key, child in reversed(list(items)):
+                        if self.kind(child) and path_ + (key,) not in self.at_path:
+                            stack.append((child, path_ + (key,), False))
+                    continue
+                else:
+                    value = self.container(node_, path_)
+            except _Need as need:
+                if need.path in waiting:
+                    what = (f"the interpolation {node_!r} is part of a cycle" if isinstance(node_, str)
+                            else "an interpolation in it refers to it (a cycle)")
+                    raise ConfigError(f"{self.where(path_)}: {what}") from None
+                stack.append((need.node, need.path, False))
+                continue
+            self.produced += 1
+            if self.produced > INTERPOLATION_BUDGET:
+                raise ConfigError(f"the config's interpolations expand to more than {INTERPOLATION_BUDGET} values "
+                                  "(YAML aliases of interpolated sections)")
+            self.at_path[path_] = value
+            waiting.discard(path_)
+            stack.pop()
+        return self.at_path[path]
+
+    def value(self, node: Any, path: tuple) -> Any:
+        """The resolved value of ``node`` (written at ``path``), or :class:`_Need`."""
+        if self.kind(node) == 0:
+            return node
+        if path in self.at_path:
+            return self.at_path[path]
+        if not isinstance(node, str) and self.kind(node) == 1 and id(node) in self.memo:
+            return self.memo[id(node)]
+        raise _Need(node, path)
+
+    def container(self, node: Any, path: tuple) -> Any:
+        """A container whose children are resolved (or :class:`_Need`)."""
+        if self.kind(node) == 1 and id(node) in self.memo:
+            return self.memo[id(node)]
+        if isinstance(node, Mapping):
+            out: Any = {k: self.value(v, path + (k,)) for k, v in node.items()}
+        else:
+            out = [self.value(v, path + (i,)) for i, v in enumerate(node)]
+        if self.kind(node) == 1:
+            self.memo[id(node)] = out
         return out
 
     def where(self, path: tuple) -> str:
         return ".".join(str(p) for p in path) or "the config"
 
     def string(self, text: str, path: tuple) -> Any:
-        if path in self.active:
-            raise ConfigError(f"{self.where(path)}: the interpolation {text!r} is part of a cycle")
-        self.produced += 1
-        if self.produced > INTERPOLATION_BUDGET:
-            raise ConfigError(f"the config's interpolations expand to more than {INTERPOLATION_BUDGET} values "
-                              "(YAML aliases of interpolated sections)")
-        self.active.add(path)
         try:
             return self.interpolate(text, path)
         except _Unsupported:
             return text
-        finally:
-            self.active.discard(path)
 
     def interpolate(self, text: str, path: tuple) -> Any:
         spans = _interpolation_spans(text)
@@ -1087,7 +1137,9 @@ class _PlainResolver:
             return text
 
     def lookup(self, key: str, text: str, path: tuple):
-        """``(found, resolved value)`` of ``key`` seen from the value at ``path``."""
+        """``(found, resolved value)`` of ``key`` seen from the value at ``path``
+        (:class:`_Need` when that value, or a section on the way given by an
+        interpolation, is not resolved yet)."""
         if key.startswith("."):
             dots = len(key) - len(key.lstrip("."))
             base = path[:-1]
@@ -1103,7 +1155,7 @@ class _PlainResolver:
         node, where = self.root, ()
         for step in list(base) + parts:
             if isinstance(node, str):  # an interpolation that gives a section
-                node = self.resolved(node, where)
+                node = self.value(node, where)
             if isinstance(node, Mapping):
                 if step in node:
                     key_ = step
@@ -1120,29 +1172,7 @@ class _PlainResolver:
             else:
                 return False, None
             node, where = node[key_], where + (key_,)
-        return True, self.resolved(node, where)
-
-    def resolved(self, node: Any, path: tuple) -> Any:
-        """The resolved value at ``path`` (``node`` as written there), once."""
-        if self.kind(node) == 0:
-            return node
-        if path not in self.at_path:
-            self.deeper()
-            try:
-                if isinstance(node, str):
-                    value = self.string(node, path)
-                else:
-                    if path in self.active:
-                        raise ConfigError(f"{self.where(path)}: an interpolation in it refers to it (a cycle)")
-                    self.active.add(path)
-                    try:
-                        value = self.node(node, path)
-                    finally:
-                        self.active.discard(path)
-            finally:
-                self.nesting -= 1
-            self.at_path[path] = value
-        return self.at_path[path]
+        return True, self.value(node, where)
 
 
 def _resolve(data: Any) -> Any:
@@ -1157,7 +1187,7 @@ def _resolve(data: Any) -> Any:
     if not _has_interpolation(data):
         return data
     if OmegaConf is None:
-        resolved = _PlainResolver(data).node(data, ())
+        resolved = _PlainResolver(data).run()
         _check_depth(resolved)  # a reference copies a section into another
         return resolved
     if not OmegaConf.has_resolver("mul"):  # NeMo-RL's resolver
@@ -1165,13 +1195,37 @@ def _resolve(data: Any) -> Any:
     return _omegaconf_container(OmegaConf, lambda: OmegaConf.create(data))
 
 
+class _RecursionInOmegaConf(ConfigError):
+    """OmegaConf ran out of Python recursion (it follows references recursively)."""
+
+
 def _omegaconf_container(OmegaConf, make) -> Any:
+    """``OmegaConf.to_container(make(), resolve=True)``, its errors as
+    :class:`ConfigError`. OmegaConf follows a chain of references recursively and
+    runs out of Python's recursion limit after a few hundred links; then the
+    references it shares with the fallback resolver (``${a.b}``, relative ones,
+    ``oc.select``) are resolved first by :class:`_PlainResolver`, iteratively, and
+    OmegaConf resolves the rest: a chain of any length resolves either way."""
+    try:
+        return _to_container(OmegaConf, make)
+    except _RecursionInOmegaConf:
+        raw = OmegaConf.to_container(make(), resolve=False)  # the values as written
+        plain = _PlainResolver(raw).run()
+        _check_depth(plain)
+        return _to_container(OmegaConf, lambda: OmegaConf.create(plain))
+
+
+def _to_container(OmegaConf, make) -> Any:
     try:
         return OmegaConf.to_container(make(), resolve=True)
     except ConfigError:
         raise
     except Exception as exc:  # omegaconf's own errors: a missing key, a cycle, an unknown resolver
-        raise ConfigError(f"the config's interpolations do not resolve: {type(exc).__name__}: {exc}") from exc
+        cause, seen = exc, 0
+        while cause is not None and not isinstance(cause, RecursionError) and seen < 8:
+            cause, seen = cause.__cause__ or cause.__context__, seen + 1
+        kind = _RecursionInOmegaConf if isinstance(cause, RecursionError) else ConfigError
+        raise kind(f"the config's interpolations do not resolve: {type(exc).__name__}: {exc}") from exc
 
 
 def _check_depth(data: Any) -> None:
@@ -1181,15 +1235,23 @@ def _check_depth(data: Any) -> None:
     YAML aliases cost at most ``MAX_DEPTH`` visits, and a self-referencing one counts
     as too deep."""
     best: Dict[int, int] = {}
-    stack = [(data, 1)]
+    stack: list = [(data, 1, None)]  # (node, depth, (key, parent's link) or None at the top)
     while stack:
-        node, depth = stack.pop()
+        node, depth, link = stack.pop()
         if not isinstance(node, (Mapping, list, tuple)) or best.get(id(node), 0) >= depth:
             continue
         if depth > MAX_DEPTH:
-            raise ConfigError(f"the config is nested deeper than {MAX_DEPTH} levels")
+            keys = []
+            while link is not None:
+                keys.append(str(link[0]))
+                link = link[1]
+            where = ".".join(reversed(keys))
+            shown = where if len(where) <= 120 else where[:60] + " ... " + where[-55:]
+            raise ConfigError(f"the config is nested deeper than {MAX_DEPTH} levels (at {shown}; a section "
+                              "holding itself through a reference, or a chain of sections referring to the next)")
         best[id(node)] = depth
-        stack.extend((child, depth + 1) for child in (node.values() if isinstance(node, Mapping) else node))
+        items = node.items() if isinstance(node, Mapping) else enumerate(node)
+        stack.extend((child, depth + 1, (key, link)) for key, child in items)
 
 
 @functools.lru_cache(maxsize=1)

@@ -29,7 +29,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 import numpy as np
 
-from .._lengths import as_positive_int
+from .._lengths import as_positive_int, as_real
 
 NAME = "seqpack"
 IGNORE_INDEX = -100
@@ -50,11 +50,12 @@ def attention_forward(module, query, key, value, attention_mask, dropout: float 
 
     from ..training.attention import varlen_attention
 
-    if dropout and module.training:
+    if as_real(dropout, "dropout", minimum=0, maximum=1) and module.training:
         raise ValueError("seqpack attention has no attention dropout; set the model's attention_dropout to 0")
     if softcap is not None:
         raise ValueError("seqpack attention does not support logit softcapping")
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    sliding_window = 0 if sliding_window is None else as_positive_int(sliding_window, "sliding_window", allow_zero=True)
     window = (sliding_window - 1, sliding_window - 1) if sliding_window else (-1, -1)
     batch, _, s_q, _ = query.shape
     s_k = key.shape[2]

@@ -52,7 +52,7 @@ from .. import _core
 from ._batch import (batch_size, dummy_row, host_mask, is_data_proto, is_tensor, mask_lengths, proto_columns,
                      proto_select, proto_slice, select_all, step_plan_parts)
 from .._dist import active, agree_on_count, checked_on_every_rank
-from .._lengths import as_positive_int
+from .._lengths import as_int, as_positive_int
 from ..tensors.layout import alignment, round_up
 from ..planning.balance import WORKLOAD_ATTENTION_COEFF, MicroBatchPlan, get_seqlen_balanced_partitions, plan_micro_batches, sequence_workloads
 from ..planning.dynamic_batching import plan_dynamic_batching
@@ -101,6 +101,16 @@ class RollError(ValueError, AssertionError):
     """Invalid arguments or data of the dynamic-batching functions: a ``ValueError``,
     and also an ``AssertionError`` like ROLL's own checks there, so code (and ROLL's
     tests) catching either keeps working."""
+
+
+def _int_like(value: Any) -> Any:
+    """An integer given as a Python or NumPy integer or a 0-d integer array or tensor,
+    as ``int``; anything else (a bool, a float, None) unchanged, for the caller's
+    check to refuse by name."""
+    try:
+        return as_int(value, "value")
+    except TypeError:
+        return value
 
 
 def _as_roll_error(exc: ValueError) -> RollError:
@@ -190,7 +200,8 @@ def batch_balance(batch: Any, dp_size: int, minibatch_size: int,
         raise ValueError(f"the batch has {n} rows, not a multiple of dp_size={dp_size}")
     work = sequence_workloads(lengths, ROLL_ATTENTION_COEFF)
     if keep_minibatch:
-        if not isinstance(minibatch_size, int) or minibatch_size <= 0 or n % minibatch_size or minibatch_size % dp_size:
+        minibatch_size = _int_like(minibatch_size)
+        if type(minibatch_size) is not int or minibatch_size <= 0 or n % minibatch_size or minibatch_size % dp_size:
             raise ValueError(f"keep_minibatch needs a minibatch_size > 0 dividing the batch ({n} rows) and "
                              f"divisible by dp_size={dp_size}, got {minibatch_size!r}")
         parts: List[List[int]] = [[] for _ in range(dp_size)]
@@ -387,7 +398,8 @@ def make_mini_batch_iter_for_dynamic_batching(
     pp = _pp_size(pipeline_model_parallel_size)
     groups: List[Tuple[List[List[int]], List[int]]] = []
     if keep_mini_batch:
-        if not isinstance(mini_batch_size, int) or mini_batch_size <= 0 or rows % mini_batch_size:
+        mini_batch_size = _int_like(mini_batch_size)
+        if type(mini_batch_size) is not int or mini_batch_size <= 0 or rows % mini_batch_size:
             raise ValueError(f"keep_mini_batch needs a mini_batch_size > 0 dividing the {rows} rows, "
                              f"got {mini_batch_size!r}")
         for g in range(rows // mini_batch_size):
@@ -612,12 +624,14 @@ def _sequence_packing(mini_batch: Any, *, algorithm: Any, cap: Any, min_num: Any
     if algorithm == "none":
         n = batch_size(cols, "mini_batch")
         if strict:
-            if not isinstance(micro_batch_size, int) or micro_batch_size <= 0 or n % micro_batch_size:
+            micro_batch_size = _int_like(micro_batch_size)
+            if type(micro_batch_size) is not int or micro_batch_size <= 0 or n % micro_batch_size:
                 raise ValueError(f"algorithm 'none' needs a micro_batch_size > 0 dividing the {n} rows, "
                                  f"got {micro_batch_size!r}")
             parts = [list(range(s, s + micro_batch_size)) for s in range(0, n, micro_batch_size)]
         else:  # ROLL: rows // micro_batch_size chunks, np.array_split's sizes
-            if not isinstance(micro_batch_size, int) or not 0 < micro_batch_size <= n:
+            micro_batch_size = _int_like(micro_batch_size)
+            if type(micro_batch_size) is not int or not 0 < micro_batch_size <= n:
                 raise ValueError(f"algorithm 'none' needs a micro_batch_size in [1, {n}] (the rows), "
                                  f"got {micro_batch_size!r}")
             parts = [p.tolist() for p in np.array_split(np.arange(n), n // micro_batch_size)]

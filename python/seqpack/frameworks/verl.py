@@ -267,14 +267,15 @@ def _plan_parts(views: Callable[[], Tuple[Mapping[str, Any], Mapping[str, Any]]]
     """Row indices of each micro-batch. ``views()`` gives ``(tensors, columns)``:
     the lengths come from ``tensors['attention_mask']``, and every value of
     ``columns`` must have its rows (called inside the agreement: it may raise)."""
-    cap = as_positive_int(max_token_len, "max_token_len")
     if step_plan is not None:
-        return step_plan_parts(step_plan, dp_rank, mini_batch, batch_size(views()[1]), cap, "max_token_len")
+        return step_plan_parts(step_plan, dp_rank, mini_batch, batch_size(views()[1]),
+                               as_positive_int(max_token_len, "max_token_len"), "max_token_len")
     if strict:
         agree = bool(same_micro_num_in_dp) and (dp_group is not None or active())
     else:  # verl: dist.is_initialized() and same_micro_num_in_dp and dp_group is not None
         agree = bool(same_micro_num_in_dp) and dp_group is not None and _initialized()
     box: Dict[str, Any] = {}
+    cap = 0  # max_token_len, checked inside the agreement (an invalid one on one rank stops every rank)
 
     def strict_plan(count: int) -> List[List[int]]:
         plan = plan_micro_batches(box["units"], cap, min_num=count, multiple_of=box["multiple"],
@@ -296,6 +297,8 @@ def _plan_parts(views: Callable[[], Tuple[Mapping[str, Any], Mapping[str, Any]]]
     plan_with = strict_plan if strict else verl_plan
 
     def local():  # every check that can differ between ranks, inside the agreement
+        nonlocal cap
+        cap = as_positive_int(max_token_len, "max_token_len")
         tensors, columns = views()
         lengths = mask_lengths(tensors)
         batch_size(columns)  # every value must have the mask's rows (extra rows were silently dropped)

@@ -32,7 +32,7 @@ from typing import Any, Iterable, List, Optional, Sequence
 
 import numpy as np
 
-from .._lengths import as_lengths, as_positive_int
+from .._lengths import as_lengths, as_positive_int, as_real, shown
 
 __all__ = ["CostModel"]
 
@@ -68,15 +68,14 @@ class CostModel:
     r_squared: Optional[float] = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
+        # Any number (NumPy scalars, 0-d arrays and tensors too) that is a finite
+        # float64 >= 0; an int too large for a float64 is a ValueError naming it.
         for name in _TERMS:
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
-                raise TypeError(f"{name} must be a number, got {type(value).__name__}")
-            if not math.isfinite(float(value)) or float(value) < 0:
-                raise ValueError(f"{name} must be finite and >= 0, got {value}")
-            object.__setattr__(self, name, float(value))
+            object.__setattr__(self, name, as_real(getattr(self, name), name, minimum=0))
         if all(getattr(self, name) == 0 for name in _TERMS):
             raise ValueError("a cost model needs at least one positive coefficient")
+        if self.r_squared is not None:
+            object.__setattr__(self, "r_squared", as_real(self.r_squared, "r_squared", finite=False))
 
     # ---- presets ------------------------------------------------------------------
     @classmethod
@@ -129,13 +128,15 @@ class CostModel:
         forward_per_token = layers * (projections + mlp) + 2 * h * vocab
         forward_per_pair = layers * 4 * heads * d
         pairs = 0.5 if causal else 1.0  # attended pairs per s² (the diagonal's s/2 is left out)
-        scale = 1.0
+        per_micro_batch = as_real(per_micro_batch, "per_micro_batch", minimum=0)
+        per_token, per_pair = 3.0 * forward_per_token, 3.0 * forward_per_pair * pairs  # < 2^260: finite floats
         if flops_per_second is not None:
-            if not (isinstance(flops_per_second, (int, float)) and math.isfinite(flops_per_second)
-                    and flops_per_second > 0):
-                raise ValueError(f"flops_per_second must be a positive number, got {flops_per_second!r}")
-            scale = 1.0 / float(flops_per_second)
-        return cls(float(per_micro_batch), 3.0 * forward_per_token * scale, 3.0 * forward_per_pair * pairs * scale)
+            flops = as_real(flops_per_second, "flops_per_second", minimum=0, minimum_inclusive=False)
+            per_token, per_pair = per_token / flops, per_pair / flops
+            if not math.isfinite(per_token):  # a subnormal rate: FLOPs / rate past float64
+                raise ValueError(f"flops_per_second is too small: this model's {3.0 * forward_per_token:.6g} FLOPs "
+                                 f"per token take inf seconds at {shown(flops_per_second)} FLOP/s")
+        return cls(per_micro_batch, per_token, per_pair)
 
     @classmethod
     def fit(cls, micro_batch_lengths: Sequence[Any], seconds: Sequence[float]) -> "CostModel":
@@ -185,9 +186,43 @@ class CostModel:
         return float(self.micro_batch_costs([lengths])[0])
 
     def micro_batch_costs(self, micro_batches: Sequence[Any]) -> np.ndarray:
-        """``[n]`` float64: the cost of each micro-batch (a list of lengths)."""
+        """``[n]`` float64: the cost of each micro-batch (a list of lengths).
+
+        Raises:
+            ValueError: a cost overflows float64; the message names the micro-batch
+                and the coefficient whose term overflows.
+        """
         x = _sums(micro_batches)
-        return x @ np.array([self.per_micro_batch, self.per_token, self.per_token_squared])
+        coeffs = np.array([self.per_micro_batch, self.per_token, self.per_token_squared])
+        with np.errstate(over="ignore", invalid="ignore"):
+            terms = x * coeffs
+            costs = terms.sum(axis=1)
+        if not np.all(np.isfinite(costs)):
+            i = int(np.argmin(np.isfinite(costs)))
+            self._overflow(f"micro_batch_lengths[{i}]", terms[i])
+        return costs
+
+    def check_finite(self, max_tokens: int, name: str = "max_tokens") -> None:
+        """Raise ``ValueError`` unless a micro-batch of ``max_tokens`` tokens (the
+        costliest: one sequence, ``max_tokens²`` attended pairs) has a finite cost,
+        naming the coefficient whose term overflows float64."""
+        cap = float(max_tokens)
+        self._overflow(f"a micro-batch of {name} = {max_tokens} tokens",
+                       np.array([self.per_micro_batch, self.per_token * cap, self.per_token_squared * cap * cap]))
+
+    def _overflow(self, what: str, terms: np.ndarray) -> None:
+        """Raise when the three terms of a cost (or their sum) are not finite."""
+        units = ("", " x Σs", " x Σs²")
+        for name, unit, term in zip(_TERMS, units, terms):
+            if not math.isfinite(term):
+                raise ValueError(f"the cost of {what} overflows float64: {name} = {getattr(self, name):.6g}{unit} "
+                                 "is inf; scale the cost model down (plans depend only on its ratios)")
+        with np.errstate(over="ignore"):
+            total = float(np.sum(terms))
+        if not math.isfinite(total):
+            name = _TERMS[int(np.argmax(terms))]
+            raise ValueError(f"the cost of {what} overflows float64: its terms are finite but their sum is not (the "
+                             f"largest: {name} = {getattr(self, name):.6g}); scale the cost model down")
 
     def __repr__(self) -> str:
         fit = "" if self.r_squared is None else f", r_squared={self.r_squared:.4f}"

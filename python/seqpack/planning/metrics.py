@@ -17,7 +17,7 @@ import math
 from typing import Any, Dict, List, Optional, Sequence
 
 from .. import _core
-from .._lengths import as_lengths, as_positive_int
+from .._lengths import as_lengths, as_positive_int, as_real
 
 _STAT_KEYS = (
     "num_sequences",
@@ -92,7 +92,7 @@ class PackingMetrics:
         self.bin_utilizations.append(stats["average_utilization"])
         self.bin_counts.append(len(bins))
         if packing_time is not None:
-            self.packing_times.append(packing_time)
+            self.packing_times.append(as_real(packing_time, "packing_time", minimum=0))
         self.min_utilization = min(self.min_utilization, stats["average_utilization"])
         self.max_utilization = max(self.max_utilization, stats["average_utilization"])
         self.min_waste_ratio = min(self.min_waste_ratio, stats["waste_ratio"])

@@ -33,7 +33,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 import numpy as np
 
 from .. import _core
-from .._lengths import as_lengths, as_positive_int, core_lengths, type_name
+from .._lengths import as_int, as_lengths, as_positive_int, core_lengths
 from .metrics import PackingMetrics
 
 
@@ -116,8 +116,8 @@ class SequencePacker:
             min_bin_count = as_positive_int(min_bin_count, "min_bin_count", allow_zero=True)
         if bin_count_multiple is not None:
             bin_count_multiple = as_positive_int(bin_count_multiple, "bin_count_multiple")
-        if seed is not None and (isinstance(seed, (bool, np.bool_)) or not isinstance(seed, (int, np.integer))):
-            raise TypeError(f"seed must be an int or None, got {type_name(seed)}")
+        if seed is not None:
+            seed = as_int(seed, "seed (an int or None)")
         self.bin_capacity = as_positive_int(bin_capacity, "bin_capacity")
         self.collect_metrics = collect_metrics
         self.min_bin_count = min_bin_count

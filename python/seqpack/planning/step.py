@@ -26,13 +26,13 @@ plan on every rank for the same lengths and seed.
 from __future__ import annotations
 
 import html
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from .. import _core
-from .._lengths import as_lengths, as_positive_int
+from .._lengths import INT64_MAX, as_int64, as_lengths, as_positive_int
 from .cost import CostModel
 
 __all__ = ["StepPlan", "plan_step"]
@@ -56,6 +56,8 @@ class StepPlan:
             over mini-batches.
         lower_bound: a proven lower bound on ``predicted_time`` for any plan of the
             same inputs (docs/planning.md, "How far from optimal").
+        lengths: the planned sequence lengths, one per sequence of the global batch
+            (what :meth:`valid_tokens` checks counts against).
     """
 
     assignment: List[List[List[List[int]]]]
@@ -69,6 +71,7 @@ class StepPlan:
     max_tokens: int
     sync: str
     cost: CostModel
+    lengths: Tuple[int, ...] = field(default=(), repr=False)
 
     @property
     def gap(self) -> float:
@@ -85,7 +88,8 @@ class StepPlan:
 
     def rank(self, r: int) -> List[List[List[int]]]:
         """Rank ``r``'s micro-batches: ``[m][k]`` lists of sequence indices."""
-        if isinstance(r, bool) or not isinstance(r, (int, np.integer)) or not 0 <= r < self.dp_size:
+        r = as_int64(r, "r")
+        if not 0 <= r < self.dp_size:
             raise ValueError(f"r must be a rank in [0, {self.dp_size}), got {r!r}")
         return [mb[r] for mb in self.assignment]
 
@@ -117,9 +121,10 @@ class StepPlan:
         return out
 
     def _mini_batch(self, m: Any) -> int:
-        if isinstance(m, bool) or not isinstance(m, (int, np.integer)) or not 0 <= m < len(self.assignment):
+        m = as_int64(m, "mini_batch")
+        if not 0 <= m < len(self.assignment):
             raise ValueError(f"mini_batch must be in [0, {len(self.assignment)}), got {m!r}")
-        return int(m)
+        return m
 
     def valid_tokens(self, mask_lengths: Any) -> List[int]:
         """The global number of loss tokens of each mini-batch: the normaliser of a
@@ -128,7 +133,13 @@ class StepPlan:
 
         Args:
             mask_lengths: loss tokens per sequence (e.g. the response lengths, or
-                ``loss_mask.sum(-1)``), one per sequence of the global batch.
+                ``loss_mask.sum(-1)``), one per sequence of the global batch, each
+                between 0 and that sequence's planned length.
+
+        Raises:
+            ValueError: a count is negative or above its sequence's length (the
+                message names the index and both values), or the counts do not
+                match the plan's sequences.
 
         >>> plan_step([5, 3, 4, 2], dp_size=2, max_tokens=8, mini_batches=2).valid_tokens([4, 2, 3, 1])
         [6, 4]
@@ -136,9 +147,24 @@ class StepPlan:
         counts = as_lengths(mask_lengths, "mask_lengths")
         if len(counts) != self.num_sequences:
             raise ValueError(f"mask_lengths has {len(counts)} entries, the plan {self.num_sequences} sequences")
-        if len(counts) and counts.min() < 0:
-            raise ValueError(f"mask_lengths must be >= 0, got {int(counts.min())}")
-        return [int(counts[b:e].astype(np.int64).sum()) for b, e in self.mini_batch_ranges]
+        if len(counts) == 0:
+            return [0 for _ in self.mini_batch_ranges]
+        if counts.min() < 0:
+            i = int(np.argmin(counts))
+            raise ValueError(f"mask_lengths must be >= 0, got mask_lengths[{i}] = {int(counts[i])}")
+        if counts.dtype == np.uint64 and counts.max() > INT64_MAX:  # compared exactly, as Python ints
+            counts = counts.astype(object)
+        if self.lengths:
+            lengths = np.asarray(self.lengths, dtype=np.int64)
+            over = np.flatnonzero(counts > lengths)
+            if over.size:
+                i = int(over[0])
+                raise ValueError(f"mask_lengths[{i}] = {int(counts[i])} exceeds the length of sequence {i} "
+                                 f"({int(lengths[i])}): a sequence has at most as many loss tokens as tokens")
+            # Each count <= its length, whose sum plan_step checked against int64.
+            return [int(counts[b:e].astype(np.int64).sum()) for b, e in self.mini_batch_ranges]
+        # A plan built without its lengths: exact Python sums, no wrap-around.
+        return [sum(int(c) for c in counts[b:e].tolist()) for b, e in self.mini_batch_ranges]
 
     @property
     def metrics(self) -> Dict[str, float]:
@@ -217,7 +243,9 @@ def plan_step(
 
     Raises:
         ValueError: a sequence above ``max_tokens``, fewer sequences than
-            ``mini_batches``, a bad ``sync`` or a non-positive count.
+            ``mini_batches``, a bad ``sync`` or a non-positive count; a cost that
+            overflows float64 (a micro-batch of ``max_tokens`` tokens, or the whole
+            step): the message names the coefficient, scale the model down.
         TypeError: ``cost`` is not a :class:`CostModel`.
     """
     if cost is None:
@@ -230,8 +258,10 @@ def plan_step(
         seed = as_positive_int(seed, "seed", allow_zero=True, maximum=2**64 - 1)  # a uint64 in the core
     dp_size = as_positive_int(dp_size, "dp_size")
     max_tokens = as_positive_int(max_tokens, "max_tokens")
+    cost.check_finite(max_tokens)
+    lengths = as_lengths(lengths, "lengths")
     raw = _core.plan_step(
-        as_lengths(lengths, "lengths"), dp_size, max_tokens,
+        lengths, dp_size, max_tokens,
         cost.per_micro_batch, cost.per_token, cost.per_token_squared,
         sync=sync,
         mini_batches=as_positive_int(mini_batches, "mini_batches"),
@@ -252,4 +282,5 @@ def plan_step(
         max_tokens=max_tokens,
         sync=sync,
         cost=cost,
+        lengths=tuple(lengths.tolist()),
     )

@@ -31,7 +31,7 @@ from torch.types import Number
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from .. import _core
-from .._lengths import type_name
+from .._lengths import item_of, type_name
 from ._device import cuda_kernels, dlpack, host_to_device
 
 # Bytes per device task: big enough to amortise a thread block's start, small
@@ -57,6 +57,7 @@ def check_fill(value: Any, dtype: torch.dtype, name: str) -> Union[int, float, b
     ...
     ValueError: pad_value = 256 is outside torch.uint8's range [0, 255]
     """
+    value = item_of(value, name)  # a 0-d array or tensor: the number it holds
     if not isinstance(value, (bool, int, float, np.bool_, np.integer, np.floating)):
         if isinstance(value, (complex, np.complexfloating)) and dtype.is_complex:
             return complex(value)

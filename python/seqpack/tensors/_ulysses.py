@@ -17,7 +17,7 @@ Imported with the tensor API (torch); :class:`seqpack.PackedBatch` exposes it as
 from __future__ import annotations
 
 import functools
-from typing import Any, Union
+from typing import Any, Callable, Optional, Union
 
 import torch
 
@@ -95,31 +95,38 @@ def _checks(local: torch.Tensor, total: int, size: int) -> int:
     return n
 
 
-def gather_rows(local: torch.Tensor, total: int, group: Any = None, agree: bool = True) -> torch.Tensor:
+def gather_rows(local: torch.Tensor, total: int, group: Any = None, agree: bool = True,
+                precheck: Optional[Callable[[], None]] = None) -> torch.Tensor:
     """Every rank's slice all-gathered over ``group`` (rank order) without the tail
     padding: the stream ``[total, ...]``. Backward: a reduce-scatter (the gradient
     summed over the group, each rank keeping its rows), as
     :func:`seqpack.tensors.cp.gather_cp`. With ``agree``, the row count and the
-    rows' shape and dtype are checked on every rank inside one all-reduce first, so a
-    rank with a wrong shape makes every rank raise instead of hanging."""
-    import hashlib
-
+    rows' shape, dtype and whether they require grad (with grad mode on: the
+    backward's reduce-scatter) are checked on every rank inside one all-reduce
+    first, so a rank with other inputs makes every rank raise instead of hanging.
+    ``precheck()``, when given, is the caller's own check of this rank, run inside
+    the same agreement."""
     import torch.distributed as dist
 
-    from .._dist import checked_on_every_rank
+    from .._dist import checked_on_every_rank, tensor_facts
 
     size, me = dist.get_world_size(group), dist.get_rank(group)
     if size < 1 or me < 0:
         raise ValueError(f"this process is not in the group (size {size}, rank {me}); it cannot take part in "
                          "ulysses_gather's all-gather over it")
 
-    def fingerprint(_):
-        h = hashlib.blake2b(repr((int(total), tuple(local.shape), str(local.dtype))).encode(), digest_size=7)
-        return int.from_bytes(h.digest(), "little")
+    def facts(_):
+        shared = tensor_facts(local)
+        return {"the packed stream's rows": int(total), "local's shape": shared["shape"],
+                "local's dtype": shared["dtype"],
+                "whether local requires grad (with grad mode on)": shared["requires_grad"]}
 
-    checked_on_every_rank(lambda: _checks(local, total, size), group, "ulysses_gather", agree and size > 1,
-                          fingerprint=fingerprint, fingerprint_of="the packed stream's rows or the shape or dtype "
-                                                                 "of the gathered tensor")
+    def own_checks():
+        if precheck is not None:
+            precheck()
+        return _checks(local, total, size)
+
+    checked_on_every_rank(own_checks, group, "ulysses_gather", agree and size > 1, fingerprint=facts)
     return _gather_function().apply(local, int(total), group)
 
 

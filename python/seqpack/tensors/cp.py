@@ -93,17 +93,55 @@ def cp_local_rows(full: "torch.Tensor", cu_seqlens_padded: Any, cp_size: int, cp
 _GATHER = None
 
 
-def gather_cp(local: "torch.Tensor", cu_seqlens_padded: Any, group) -> "torch.Tensor":
+def gather_cp(local: "torch.Tensor", cu_seqlens_padded: Any, group, *, agree: bool = True) -> "torch.Tensor":
     """Every CP rank's zigzag-local rows ``[T / cp, ...]``, all-gathered over
     ``group`` (one collective per micro-batch) and put back in sequence order
     ``[T, ...]``. Backward: one reduce-scatter - the gradient summed over the CP
     group, this rank's rows kept - so when every rank computes the same loss on
     the gathered tensor, divide that loss by the CP size (NeMo-RL's convention);
     when each rank's loss covers only its own part (attention K/V), the sum is the
-    gradient."""
+    gradient.
+
+    ``agree`` (default): before the gather every rank checks ``local`` (a tensor of
+    ``cu_seqlens_padded[-1] / cp`` rows) and the offsets (each padded length a
+    multiple of ``2 cp``), then one all-reduce over ``group`` tells every rank
+    whether any failed and compares the offsets, ``local``'s shape and dtype and
+    whether it requires grad (with grad mode on: the backward's reduce-scatter),
+    so a rank with other inputs makes every rank raise instead of leaving the others
+    waiting in the gather or its backward. ``False`` skips that collective when the
+    caller has agreed on all of it already."""
     global _GATHER
     if _GATHER is None:
         _GATHER = _make_gather()
+    if agree:
+        import torch.distributed as dist
+
+        from .._dist import checked_on_every_rank, tensor_facts
+
+        size, me = dist.get_world_size(group), dist.get_rank(group)
+        if size < 1 or me < 0:
+            raise ValueError(f"this process is not in the CP group (size {size}, rank {me}); it cannot take part "
+                             "in gather_cp's all-gather over it")
+
+        def local_checks() -> np.ndarray:
+            from ._device import check_tensor
+
+            check_tensor(local, "local")
+            cu = host_offsets(cu_seqlens_padded, "cu_seqlens_padded")
+            cp_restore_order(cu, size)  # each padded length a multiple of 2 * cp (named error)
+            rows = int(cu[-1]) // size
+            if local.dim() < 1 or local.shape[0] != rows:
+                raise ValueError(f"local must hold this rank's {rows} rows (cu_seqlens_padded[-1] = {int(cu[-1])} "
+                                 f"/ cp size {size}), got shape {tuple(local.shape)}")
+            return cu
+
+        def facts(cu: np.ndarray):
+            shared = tensor_facts(local)
+            return {"cu_seqlens_padded": cu.astype(np.int64), "local's shape": shared["shape"],
+                    "local's dtype": shared["dtype"], "whether local requires grad (with grad mode on)":
+                    shared["requires_grad"]}
+
+        checked_on_every_rank(local_checks, group, "gather_cp", size > 1, fingerprint=facts)
     return _GATHER.apply(local, cu_seqlens_padded, group)
 
 

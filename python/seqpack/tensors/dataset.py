@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any, Dict, Iterable, List, Mapping, Optional, 
 
 import numpy as np
 
+from .._equality import fields_equal
 from .._lengths import as_int64, as_positive_int
 from ..planning.packing import get_packer
 from .. import _core
@@ -44,7 +45,7 @@ _ALGORITHMS = ("greedy_sequential", "first_fit_decreasing", "best_fit_decreasing
 _POLICIES = ("error", "drop", "truncate")
 
 
-@dataclass
+@dataclass(eq=False)
 class PackedDataset(Sequence):
     """Packs (dicts of int64 NumPy arrays: ``input_ids``, ``labels``,
     ``position_ids`` of ``pack_size`` tokens; ``seq_lens``, ``seq_lens_padded``)
@@ -57,6 +58,9 @@ class PackedDataset(Sequence):
     dropped: List[int] = field(default_factory=list)      # indices of examples over pack_size (policy "drop")
     truncated: List[int] = field(default_factory=list)    # indices cut to fit (policy "truncate")
     real_tokens: int = 0
+
+    __eq__ = fields_equal
+    __hash__ = None  # mutable
 
     def __len__(self) -> int:
         return len(self.packs)

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any, Dict, Optional, Tuple, Union
 import numpy as np
 
 from .. import _core
+from .._equality import fields_equal
 from .._lengths import as_positive_int, check_not_meta, core_lengths, round_up
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -129,9 +130,10 @@ def check_offsets(cu: Any, name: str = "cu_seqlens") -> Union[np.ndarray, "torch
     return arr
 
 
-@dataclass
+@dataclass(eq=False)
 class PackedSeqParams:
-    """Megatron-Core's ``PackedSeqParams`` fields, when megatron-core is absent."""
+    """Megatron-Core's ``PackedSeqParams`` fields, when megatron-core is absent.
+    Equal when every field is (offsets compared element by element)."""
 
     qkv_format: str
     cu_seqlens_q: "torch.Tensor"
@@ -140,6 +142,9 @@ class PackedSeqParams:
     cu_seqlens_kv_padded: "torch.Tensor"
     max_seqlen_q: int
     max_seqlen_kv: int
+
+    __eq__ = fields_equal
+    __hash__ = None  # mutable
 
 
 def megatron_packed_seq_params(cu_seqlens: Any, cu_seqlens_padded: Any, max_seqlen_padded: int):
@@ -213,14 +218,14 @@ class PackedLayout:
         cp = as_positive_int(self.cp_size, "cp_size")
         if as_positive_int(self.cp_rank, "cp_rank", allow_zero=True) >= cp:
             raise ValueError(f"cp_rank must be an int in [0, cp_size={cp}), got {self.cp_rank!r}")
-        as_positive_int(self.pad_multiple, "pad_multiple")
+        object.__setattr__(self, "pad_multiple", as_positive_int(self.pad_multiple, "pad_multiple"))
         cu, padded = _host_form(self.cu_seqlens, "cu_seqlens"), _host_form(self.cu_seqlens_padded, "cu_seqlens_padded")
         # The values' rules (start at 0, never decrease, int32, padded spans hold the
         # real ones, CP chunks) live in the C++ core; it returns the int32 offsets.
         self._adopt(_core.thd_layout_from_offsets(cu, padded, cp), cp, int(self.cp_rank))
 
     def _adopt(self, core: Any, cp_size: int, cp_rank: int) -> None:
-        cu, padded = core.cu_seqlens, core.cu_seqlens_padded  # fresh int32 arrays
+        cu, padded = core.cu_seqlens, core.cu_seqlens_padded  # fresh int32 arrays, the layout's own
         cu.flags.writeable = False
         padded.flags.writeable = False
         for name, value in (("_core_layout", core), ("cu_seqlens", cu), ("cu_seqlens_padded", padded),
@@ -229,12 +234,35 @@ class PackedLayout:
 
     @classmethod
     def _from_core(cls, core: Any, pad_multiple: int, cp_rank: int) -> "PackedLayout":
-        """A layout the C++ core has just built and checked (a plan's): no second pass."""
+        """A layout the C++ core has just built and checked (a plan's, or the core
+        layout of a pickle, which checks its offsets as it loads): no second pass."""
+        if not isinstance(core, _core.ThdLayout):
+            raise TypeError(f"core must be a seqpack._core.ThdLayout, got {type(core).__name__}")
         self = object.__new__(cls)
-        object.__setattr__(self, "pad_multiple", int(pad_multiple))
+        object.__setattr__(self, "pad_multiple", as_positive_int(pad_multiple, "pad_multiple"))
         object.__setattr__(self, "_device_offsets", {})
-        self._adopt(core, int(core.cp_size), int(cp_rank))
+        cp_rank = as_positive_int(cp_rank, "cp_rank", allow_zero=True)
+        if cp_rank >= core.cp_size:
+            raise ValueError(f"cp_rank must be an int in [0, cp_size={core.cp_size}), got {cp_rank}")
+        self._adopt(core, int(core.cp_size), cp_rank)
         return self
+
+    # ---- value semantics: equality, hashing, pickling ----------------------------
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, PackedLayout):
+            return NotImplemented
+        return (self.pad_multiple, self.cp_size, self.cp_rank) == (other.pad_multiple, other.cp_size, other.cp_rank) \
+            and np.array_equal(self.cu_seqlens, other.cu_seqlens) \
+            and np.array_equal(self.cu_seqlens_padded, other.cu_seqlens_padded)
+
+    def __hash__(self) -> int:
+        return hash((self.cu_seqlens.tobytes(), self.cu_seqlens_padded.tobytes(), self.pad_multiple, self.cp_size,
+                     self.cp_rank))
+
+    def __reduce__(self):
+        # The C++ layout pickles as its offsets (checked again on load); the
+        # device-offset cache is not state and starts empty in the copy.
+        return PackedLayout._from_core, (self._core_layout, self.pad_multiple, self.cp_rank)
 
     # ---- constructors ------------------------------------------------------------
     @classmethod
@@ -309,8 +337,21 @@ class PackedLayout:
 
     # ---- tensors ------------------------------------------------------------------
     def offsets_on(self, device: Any = "cpu") -> Tuple["torch.Tensor", "torch.Tensor"]:
-        """``(cu_seqlens, cu_seqlens_padded)`` as int32 tensors on ``device``: one
-        pinned non-blocking copy the first time, cached after."""
+        """``(cu_seqlens, cu_seqlens_padded)`` as new int32 tensors on ``device``,
+        yours to keep or edit: the layout never shares storage with a tensor it
+        hands out. The host-to-device copy happens once (one pinned non-blocking
+        copy, cached); later calls copy on the device, without a host sync.
+
+        >>> layout = PackedLayout.from_lengths([3, 5], pad_multiple=4)
+        >>> cu, _ = layout.offsets_on("cpu"); cu += 1
+        >>> layout.offsets_on("cpu")[0].tolist()
+        [0, 3, 8]
+        """
+        return tuple(t.clone() for t in self._offsets_on(device))
+
+    def _offsets_on(self, device: Any) -> Tuple["torch.Tensor", "torch.Tensor"]:
+        """The cached offsets on ``device``, for seqpack's own kernels, which only
+        read them; never handed to a caller (see :meth:`offsets_on`)."""
         torch = _torch()
         device = torch.device(device)
         if device.type == "cuda" and device.index is None:
@@ -323,9 +364,15 @@ class PackedLayout:
             self._device_offsets[device] = cached
         return cached
 
+    def _seed_offsets(self, device: Any, cu_seqlens: "torch.Tensor", cu_seqlens_padded: "torch.Tensor") -> None:
+        """Cache copies of offsets already on ``device`` (a batch's, which the caller
+        keeps and may edit): a device-side copy instead of a second host copy."""
+        if device not in self._device_offsets:
+            self._device_offsets[device] = (cu_seqlens.clone(), cu_seqlens_padded.clone())
+
     def packed_seq_params(self, device: Any = "cpu"):
         """Megatron-Core ``PackedSeqParams`` of this layout with offsets on ``device``
-        (see :func:`megatron_packed_seq_params`)."""
+        (see :func:`megatron_packed_seq_params`; new tensors, as :meth:`offsets_on`)."""
         cu, padded = self.offsets_on(device)
         return megatron_packed_seq_params(cu, padded, self.max_seqlen_padded)
 

@@ -35,13 +35,14 @@ every leading index, and ``unpack`` restores ``[..., B, S]``. See ``docs/vlm.md`
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any, Collection, Dict, FrozenSet, List, Mapping, Optional, Union
 
 import numpy as np
 
 from .. import _core
-from .._lengths import as_lengths, as_positive_int, type_name
+from .._equality import values_equal
+from .._lengths import as_int64, as_lengths, as_positive_int, type_name
 from .layout import PackedLayout, PackedSeqParams, alignment, host_offsets, megatron_packed_seq_params
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -178,20 +179,20 @@ def _token_dim(x: "torch.Tensor", rows: int, dim: Any) -> int:
             return -1
         raise ValueError(f"x must have {rows} rows (the packed length), or {rows} entries in its last dimension "
                          f"([..., T] such as M-RoPE position ids), got shape {tuple(x.shape)}")
-    if isinstance(dim, bool) or not isinstance(dim, (int, np.integer)) or x.dim() < 1 or \
-            int(dim) not in (0, -1, x.dim() - 1):
+    dim = as_int64(dim, "dim")
+    if x.dim() < 1 or dim not in (0, -1, x.dim() - 1):
         raise ValueError(f"dim must be None, 0 ([T, ...]) or -1 ([..., T]) for x of shape {tuple(x.shape)}, "
                          f"got {dim!r}")
-    token = 0 if int(dim) == 0 else -1
+    token = 0 if dim == 0 else -1
     if x.shape[token] != rows:
         raise ValueError(f"x must have {rows} rows (the packed length) in dimension {token}, got shape "
                          f"{tuple(x.shape)}")
     return token
 
 
-@dataclass
+@dataclass(eq=False)
 class _NamedPackedTensors:
-    """The fields, access by name and Megatron-Core view shared by
+    """The fields, access by name, equality and Megatron-Core view shared by
     :class:`PackedBatch` and :class:`StaticPackedBatch`."""
 
     tensors: Dict[str, "torch.Tensor"]
@@ -204,6 +205,21 @@ class _NamedPackedTensors:
     def __getitem__(self, name: str) -> "torch.Tensor":
         return self.tensors[name]
 
+    def __eq__(self, other: object) -> bool:
+        """Same type, layout and sizes, and every tensor equal (dtype, shape,
+        device, values): what a pickled or deep-copied batch compares as. Caches
+        (position ids, run tensors) are not compared; they follow from the rest."""
+        if type(other) is not type(self):
+            return NotImplemented
+        names = [f.name for f in fields(self) if not f.name.startswith("_")]
+        return self._shape_key() == other._shape_key() and all(
+            values_equal(getattr(self, n), getattr(other, n)) for n in names)
+
+    __hash__ = None  # mutable: holds tensors
+
+    def _shape_key(self) -> tuple:
+        return ()
+
     def __contains__(self, name: str) -> bool:
         return name in self.tensors
 
@@ -215,7 +231,7 @@ class _NamedPackedTensors:
         return megatron_packed_seq_params(self.cu_seqlens, self.cu_seqlens_padded, self.max_seqlen_padded)
 
 
-@dataclass
+@dataclass(eq=False)
 class PackedBatch(_NamedPackedTensors):
     """The result of :func:`pack_sequences`.
 
@@ -244,6 +260,9 @@ class PackedBatch(_NamedPackedTensors):
     _device: Any = field(default=None, repr=False)
     _position_ids: Any = field(default=None, repr=False)
     _run_tensors: Optional[tuple] = field(default=None, repr=False)
+
+    def _shape_key(self) -> tuple:
+        return self.batch_size, self.width
 
     def _runs(self) -> tuple:
         """The plan's runs as tensors: what the torch operators (autograd,
@@ -380,13 +399,16 @@ class PackedBatch(_NamedPackedTensors):
         the group, this rank's rows kept) - when every rank computes the same loss
         on the gathered tensor, divide it by the group size. ``agree``: the rows,
         shape and dtype are checked on every rank inside one all-reduce before the
-        gather, so a wrong shape on one rank makes every rank raise."""
+        gather, so a wrong shape on one rank (or a batch with context parallelism)
+        makes every rank raise."""
         from . import _ulysses
 
-        if self.cp_size > 1:
-            raise ValueError(f"ulysses_gather rebuilds the full packed stream; this batch holds cp_rank "
-                             f"{self.cp_rank}'s zigzag rows of cp_size {self.cp_size}")
-        return _ulysses.gather_rows(local, self.num_tokens, group, agree)
+        def full_stream() -> None:
+            if self.cp_size > 1:
+                raise ValueError(f"ulysses_gather rebuilds the full packed stream; this batch holds cp_rank "
+                                 f"{self.cp_rank}'s zigzag rows of cp_size {self.cp_size}")
+
+        return _ulysses.gather_rows(local, self.num_tokens, group, agree, precheck=full_stream)
 
 
 def _as_named(tensors) -> Dict[str, "torch.Tensor"]:
@@ -562,7 +584,7 @@ def _batch_from_plan(plan, layout: PackedLayout, device, num_threads: int = 0) -
     # The four metadata arrays: one pinned non-blocking copy on CUDA, none on the CPU.
     cu_seqlens, cu_seqlens_padded, seq_lens_t, padded_lens = host_to_device(
         [layout.cu_seqlens, layout.cu_seqlens_padded, plan.seq_lens, plan.padded_lens], device)
-    layout._device_offsets[device] = (cu_seqlens, cu_seqlens_padded)
+    layout._seed_offsets(device, cu_seqlens, cu_seqlens_padded)  # copies: the batch's tensors are the caller's
     return PackedBatch(
         tensors={},
         cu_seqlens=cu_seqlens,
@@ -605,7 +627,7 @@ def unpack_sequences(x: "torch.Tensor", cu_seqlens_padded: Any, cp_size: int = 1
 
 
 # ---- static shapes: CUDA graphs and torch.compile --------------------------------
-@dataclass
+@dataclass(eq=False)
 class StaticPackedBatch(_NamedPackedTensors):
     """The result of :func:`pack_sequences_static`: every shape fixed by the
     capacities, every piece of metadata a tensor on the data's device.

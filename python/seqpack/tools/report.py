@@ -22,6 +22,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import numpy as np
 
+from .._equality import fields_equal
 from ..planning.balance import get_seqlen_balanced_partitions, greedy_lpt_partition, karmarkar_karp, plan_micro_batches
 from ..planning.dynamic_batching import plan_dynamic_batching
 from ..planning.packing import PackingAlgorithm, get_packer
@@ -98,7 +99,7 @@ def _timed(fn: Callable[[], Any]) -> tuple:
     return out, (time.perf_counter() - t0) * 1e3
 
 
-@dataclass
+@dataclass(eq=False)
 class Report:
     """Tables (and the data behind the figures) of one :func:`analyze` run."""
 
@@ -109,6 +110,9 @@ class Report:
     rank_loads: Dict[str, List[int]] = field(default_factory=dict)
     bin_loads: Dict[str, List[int]] = field(default_factory=dict)
     computed_tokens: Dict[str, int] = field(default_factory=dict)
+
+    __eq__ = fields_equal
+    __hash__ = None  # mutable
 
     def to_dict(self) -> Dict[str, List[Dict[str, Any]]]:
         """The tables as plain data: ``{title: [{column: value}, ...]}``."""

@@ -49,6 +49,7 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from .._lengths import as_int64, as_positive_int, as_real
 from ..tensors.layout import check_offsets, host_offsets
 
 if TYPE_CHECKING:
@@ -148,6 +149,14 @@ def _check(q, k, v, window_size, causal) -> Tuple[int, int]:
     return left, (0 if causal else right)
 
 
+def _scale(softmax_scale: Any, q) -> float:
+    """``softmax_scale`` as a float (a finite number > 0, any NumPy or 0-d tensor
+    number), by default ``1 / sqrt(D)``."""
+    if softmax_scale is None:
+        return q.shape[2] ** -0.5
+    return as_real(softmax_scale, "softmax_scale", minimum=0, minimum_inclusive=False)
+
+
 def _window(window_size: Any) -> Tuple[int, int]:
     """``window_size`` as ``(left, right)`` ints >= -1; ``None`` is no window,
     ``(-1, -1)``, as flash-attn's default."""
@@ -156,10 +165,7 @@ def _window(window_size: Any) -> Tuple[int, int]:
     if isinstance(window_size, (str, bytes)) or not hasattr(window_size, "__len__") or len(window_size) != 2:
         raise TypeError(f"window_size must be a (left, right) pair of ints (-1: unbounded) or None, got "
                         f"{window_size!r}")
-    for i, w in enumerate(window_size):
-        if isinstance(w, (bool, np.bool_)) or not isinstance(w, (int, np.integer)):
-            raise TypeError(f"window_size[{i}] must be an int (-1: unbounded), got {type(w).__name__}")
-    left, right = int(window_size[0]), int(window_size[1])
+    left, right = (as_int64(w, f"window_size[{i}]") for i, w in enumerate(window_size))
     if left < -1 or right < -1:
         raise ValueError(f"window_size must be (left, right) with each >= -1, got {tuple(window_size)}")
     return left, right
@@ -208,7 +214,9 @@ def varlen_attention(
     True
     """
     left, right = _check(q, k, v, window_size, causal)
-    scale = float(softmax_scale) if softmax_scale is not None else q.shape[2] ** -0.5
+    scale = _scale(softmax_scale, q)
+    max_seqlen_q = as_positive_int(max_seqlen_q, "max_seqlen_q", allow_zero=True)
+    max_seqlen_k = as_positive_int(max_seqlen_k, "max_seqlen_k", allow_zero=True)
     host_q, host_k = _host_cu(cu_seqlens_q, "cu_seqlens_q"), _host_cu(cu_seqlens_k, "cu_seqlens_k")
     if host_q is not None and host_k is not None:
         if host_q.size != host_k.size:
@@ -464,23 +472,25 @@ def _cp_checks(q, k, v, packed_batch, size: int, me: int, causal: bool, softmax_
         raise ValueError(f"q and k must hold this rank's {local} rows (cu_seqlens_padded[-1] / cp_size), "
                          f"got {q.shape[0]} and {k.shape[0]}")
     hk = k.shape[1]
-    step = hk if kv_heads_per_chunk is None else int(kv_heads_per_chunk)
-    if step < 1:
-        raise ValueError(f"kv_heads_per_chunk must be >= 1, got {kv_heads_per_chunk}")
-    scale = float(softmax_scale) if softmax_scale is not None else q.shape[2] ** -0.5
+    step = hk if kv_heads_per_chunk is None else as_positive_int(kv_heads_per_chunk, "kv_heads_per_chunk")
+    scale = _scale(softmax_scale, q)
     _pick(backend, q, (-1, 0 if causal else -1), causal)  # an unknown / unusable backend: before the gathers
     return dict(cu_p=cu_p, plan=plan, step=min(step, hk), scale=scale)
 
 
-def _cp_fingerprint(checked: Dict[str, Any], k, v) -> int:
-    """What every CP rank must share, as one int below 2**56: the offsets (the size
-    and order of every gather), K's and V's heads, head dims and dtypes (the
-    gathered tensors), and the heads per gather (how many gathers)."""
-    import hashlib
+def _cp_fingerprint(checked: Dict[str, Any], q, k, v) -> Dict[str, Any]:
+    """What every CP rank must share, as named facts: the offsets (the size and
+    order of every gather), q's, k's and v's shapes and dtypes (the gathered
+    tensors), whether each takes part in a backward (the gathers' reduce-scatters,
+    the checkpointed re-gathers), the autocast state and the heads per gather (how
+    many gathers)."""
+    from .._dist import autocast_state, tensor_facts
 
-    h = hashlib.blake2b(np.ascontiguousarray(checked["cu_p"], dtype=np.int64).tobytes(), digest_size=7)
-    h.update(repr((tuple(k.shape[1:]), str(k.dtype), tuple(v.shape[1:]), str(v.dtype), checked["step"])).encode())
-    return int.from_bytes(h.digest(), "little")
+    facts = tensor_facts(q, k, v)
+    return {"cu_seqlens_padded": checked["cu_p"].astype(np.int64),
+            "the shapes of q, k and v": facts["shape"], "the dtypes of q, k and v": facts["dtype"],
+            "which of q, k and v require grad (with grad mode on)": facts["requires_grad"],
+            "the autocast state": autocast_state(q.device.type), "kv_heads_per_chunk": checked["step"]}
 
 
 def cp_attention(
@@ -515,12 +525,14 @@ def cp_attention(
     arguments and backend), then one all-reduce over ``group`` tells every rank
     whether any failed: the failing rank raises its own error, the others a
     ``ValueError`` saying another rank failed, and none is left waiting in a
-    gather. The same all-reduce compares a fingerprint of what the gathers need to
-    be the same everywhere (the offsets, K/V heads, head dims and dtypes, the heads
-    per gather); a mismatch makes every rank raise. A process outside ``group``
-    (or without an initialised process group) raises at once: it cannot take part
-    in any collective over ``group``. The backward's collectives need no check:
-    every rank that passed the forward runs the same ones.
+    gather. The same all-reduce compares a fingerprint of what must be the same
+    everywhere (the offsets, q/k/v shapes and dtypes, which of them require grad
+    with grad mode on, the autocast state, the heads per gather); a mismatch makes
+    every rank raise, naming what differs. A process outside ``group`` (or without
+    an initialised process group) raises at once: it cannot take part in any
+    collective over ``group``. The backward's collectives need no check of their
+    own: every rank that passed the forward agreed on which tensors need a
+    gradient, so every rank runs the same ones.
 
     Args:
         q, k, v: local rows ``[T / cp, Hq, D]`` and ``[T / cp, Hk, D]``.
@@ -553,16 +565,16 @@ def cp_attention(
                          "cp_attention's collectives over it")
     checked = checked_on_every_rank(
         lambda: _cp_checks(q, k, v, packed_batch, size, me, causal, softmax_scale, kv_heads_per_chunk, backend),
-        group, "cp_attention", agree and size > 1, fingerprint=lambda c: _cp_fingerprint(c, k, v),
-        fingerprint_of="cu_seqlens_padded, K/V heads, head dims and dtypes or kv_heads_per_chunk")
+        group, "cp_attention", agree and size > 1, fingerprint=lambda c: _cp_fingerprint(c, q, k, v))
     plan, step, scale = checked["plan"], checked["step"], checked["scale"]
     cu32 = checked["cu_p"].astype(np.int32)
     (k_index,) = host_to_device([plan["k_index"]], k.device)
     hk, group_size = k.shape[1], q.shape[1] // k.shape[1]
 
     def attend(qc, kc, vc):
-        keys = gather_cp(kc, cu32, group).index_select(0, k_index)
-        values = gather_cp(vc, cu32, group).index_select(0, k_index)
+        # Agreed above (the offsets, k's and v's shapes, dtypes and requires_grad).
+        keys = gather_cp(kc, cu32, group, agree=False).index_select(0, k_index)
+        values = gather_cp(vc, cu32, group, agree=False).index_select(0, k_index)
         return varlen_attention(qc, keys, values, plan["cu_q"], plan["cu_k"], plan["max_q"], plan["max_k"],
                                 causal=causal, softmax_scale=scale, backend=backend)
 
@@ -660,21 +672,25 @@ def _ulysses_checks(q, k, v, packed_batch, size: int, me: int, causal: bool, sof
     if hk % size and size % hk:
         raise ValueError(f"k and v have {hk} heads: they must be a multiple of the group size {size}, or divide it "
                          "(fewer KV heads than ranks are replicated to the group size, as verl does)")
-    scale = float(softmax_scale) if softmax_scale is not None else q.shape[2] ** -0.5
+    scale = _scale(softmax_scale, q)
     _pick(backend, q, (left, right), causal)  # an unknown / unusable backend: before the all-to-all
     longest = int(np.diff(cu_p).max(initial=0))
     return dict(cu_p=cu_p, total=total, n=n, longest=longest, rep=max(1, size // hk), scale=scale)
 
 
-def _ulysses_fingerprint(checked: Dict[str, Any], q, k, v) -> int:
-    """What every rank must share, as one int below 2**56: the offsets (the stream
-    every rank attends over, and the rows of the all-to-alls) and q's, k's and v's
-    heads, head dims and dtypes (the exchanged blocks)."""
-    import hashlib
+def _ulysses_fingerprint(checked: Dict[str, Any], q, k, v) -> Dict[str, Any]:
+    """What every rank must share, as named facts: the offsets (the stream every
+    rank attends over, and the rows of the all-to-alls), q's, k's and v's shapes
+    and dtypes (the exchanged blocks), whether each takes part in a backward (its
+    inverse all-to-alls) and the autocast state (the dtype of the attention output,
+    exchanged back)."""
+    from .._dist import autocast_state, tensor_facts
 
-    h = hashlib.blake2b(np.ascontiguousarray(checked["cu_p"], dtype=np.int64).tobytes(), digest_size=7)
-    h.update(repr([(tuple(t.shape[1:]), str(t.dtype)) for t in (q, k, v)]).encode())
-    return int.from_bytes(h.digest(), "little")
+    facts = tensor_facts(q, k, v)
+    return {"cu_seqlens_padded": checked["cu_p"].astype(np.int64),
+            "the shapes of q, k and v": facts["shape"], "the dtypes of q, k and v": facts["dtype"],
+            "which of q, k and v require grad (with grad mode on)": facts["requires_grad"],
+            "the autocast state": autocast_state(q.device.type)}
 
 
 def ulysses_attention(
@@ -713,10 +729,13 @@ def ulysses_attention(
     size, the arguments and backend), then one all-reduce over ``group`` tells every
     rank whether any failed - the failing rank raises its own error, the others a
     ``ValueError`` saying another rank failed - and compares a fingerprint of what
-    must be the same everywhere (the offsets, q/k/v heads, head dims and dtypes); a
-    mismatch makes every rank raise. ``agree=False`` skips that all-reduce (one
-    small collective a call and, on NCCL, a host-device synchronisation), as in
-    :func:`cp_attention`.
+    must be the same everywhere (the offsets, q/k/v shapes and dtypes, which of
+    them require grad with grad mode on - the backward's inverse all-to-alls - and
+    the autocast state, which sets the dtype of the attention output exchanged
+    back); a mismatch makes every rank raise, naming what differs, so no rank's
+    backward waits for a rank that runs none. ``agree=False`` skips that all-reduce
+    (one small collective a call and, on NCCL, a host-device synchronisation), as
+    in :func:`cp_attention`.
 
     Args:
         q, k, v: this rank's rows ``[n, Hq, D]`` and ``[n, Hk, D]`` (``Dv`` for v).
@@ -742,8 +761,7 @@ def ulysses_attention(
                          "ulysses_attention's all-to-alls over it")
     checked = checked_on_every_rank(
         lambda: _ulysses_checks(q, k, v, packed_batch, size, me, causal, softmax_scale, window_size, backend),
-        group, "ulysses_attention", agree and size > 1, fingerprint=lambda c: _ulysses_fingerprint(c, q, k, v),
-        fingerprint_of="cu_seqlens_padded or q/k/v heads, head dims and dtypes")
+        group, "ulysses_attention", agree and size > 1, fingerprint=lambda c: _ulysses_fingerprint(c, q, k, v))
     total, n, longest, rep = checked["total"], checked["n"], checked["longest"], checked["rep"]
     cu = checked["cu_p"]
 

@@ -23,17 +23,26 @@ slice start: the per-row max and sums are combined with two all-reduces.
 Masked vocabulary entries (``-inf`` logits) have probability 0 and get a zero
 gradient; a NaN logit makes its row's results NaN (as ``log_softmax`` does); a
 row whose logits are all ``-inf`` is NaN too. A target id outside the vocabulary
-raises when the ids are on the host, and gives NaN on a device (no host read).
+``[vocab_start, vocab_start + V)`` - above it or, with ``vocab_start > 0``, below it
+- raises a ``ValueError`` when the ids are on the host and there is no
+vocabulary-parallel group (the whole vocabulary is local), and gives NaN on a device
+(no host read: the row is masked as not held, both bounds alike). With a group, ids
+outside this rank's slice are the other ranks' (combined by the all-reduces); an
+id no rank holds gives NaN. Negative ids mean "no target" everywhere.
+
+With a vocabulary-parallel group, every rank checks its arguments and then one
+all-reduce over the group tells every rank whether any failed, and compares what
+the all-reduces need to be the same everywhere (rows, dtypes, which inputs require
+grad, ...): a rank with other inputs makes every rank raise instead of waiting.
 """
 
 from __future__ import annotations
 
-import math
-from typing import TYPE_CHECKING, Any, NamedTuple, Optional
+from typing import TYPE_CHECKING, Any, Callable, Dict, NamedTuple, Optional, Tuple
 
 import numpy as np
 
-from .._lengths import as_positive_int
+from .._lengths import as_positive_int, as_temperature
 from ..tensors.cp import cp_row_positions
 from ..tensors.layout import PackedLayout, check_offsets, reads_on_host
 
@@ -109,7 +118,7 @@ def next_token_sources(cu_seqlens: Any, cu_seqlens_padded: Any = None, cp_size: 
     cp = as_positive_int(cp_size, "cp_size")
     layout = _layout(cu_seqlens, cu_seqlens_padded, cp)
     total = layout.num_tokens
-    cu, padded = layout.offsets_on("cpu")
+    cu, padded = layout._offsets_on("cpu")
     cp_rank = as_positive_int(cp_rank, "cp_rank", allow_zero=True)
     return next_token_targets(torch.arange(total), cu, padded, total // cp, cp, cp_rank).numpy()
 
@@ -119,11 +128,11 @@ def _offsets_on(device, cu_seqlens: Any, cu_seqlens_padded: Any, cp: int, rows: 
     validated against the shapes and copied with one pinned non-blocking copy;
     device offsets are used as they are (not read back)."""
     if isinstance(cu_seqlens, PackedLayout):
-        return _sized(cu_seqlens, rows, ids_len).offsets_on(device)
+        return _sized(cu_seqlens, rows, ids_len)._offsets_on(device)  # read only by the kernels
     if cu_seqlens_padded is None:
         cu_seqlens_padded = cu_seqlens
     if reads_on_host(cu_seqlens) and reads_on_host(cu_seqlens_padded):  # validated once, by the layout
-        return _sized(_layout(cu_seqlens, cu_seqlens_padded, cp), rows, ids_len).offsets_on(device)
+        return _sized(_layout(cu_seqlens, cu_seqlens_padded, cp), rows, ids_len)._offsets_on(device)
     cu, padded = check_offsets(cu_seqlens, "cu_seqlens"), check_offsets(cu_seqlens_padded, "cu_seqlens_padded")
     if isinstance(cu, np.ndarray) or isinstance(padded, np.ndarray):
         raise TypeError("cu_seqlens and cu_seqlens_padded must both be device tensors or both host offsets")
@@ -141,17 +150,39 @@ def _sized(layout: PackedLayout, rows: int, ids_len: int) -> PackedLayout:
     return layout
 
 
-def _check_target_ids(input_ids: "torch.Tensor", vocab: int) -> None:
-    """Ids a host can read without a device sync: every id must index the vocabulary
-    (negative ids mean "no target")."""
+def _check_target_ids(input_ids: "torch.Tensor", vocab_start: int, vocab: int) -> None:
+    """Ids a host can read without a device sync, with the whole vocabulary
+    ``[vocab_start, vocab_start + vocab)`` local: every id must index it, or be
+    negative ("no target"). Device ids (and ids under ``torch.compile``) are not
+    read: an id outside the vocabulary gives its row NaN there."""
     torch = _torch()
     if input_ids.device.type != "cpu" or torch.compiler.is_compiling() or input_ids.numel() == 0:
         return
-    top = int(input_ids.max())
-    if top >= vocab:
-        pos = int(torch.argmax((input_ids >= vocab).to(torch.uint8)))
-        raise ValueError(f"input_ids holds id {top} (first out-of-range id at packed position {pos}); the vocabulary "
-                         f"has {vocab} entries (logits.shape[1]); ids must be < {vocab}, or negative for no target")
+    end = vocab_start + vocab
+    bad = (input_ids >= end) | ((input_ids >= 0) & (input_ids < vocab_start))
+    if bool(bad.any()):
+        pos = int(torch.argmax(bad.to(torch.uint8)))
+        value = int(input_ids[pos])
+        if vocab_start == 0:
+            raise ValueError(f"input_ids holds id {value} (first out-of-range id at packed position {pos}); the "
+                             f"vocabulary has {vocab} entries (logits.shape[1]); ids must be < {vocab}, or negative "
+                             "for no target")
+        raise ValueError(f"input_ids holds id {value} (first out-of-range id at packed position {pos}); with "
+                         f"vocab_start = {vocab_start} and no vocab_parallel_group the vocabulary is ids "
+                         f"[{vocab_start}, {end}) ({vocab} entries); ids must be in [vocab_start, vocab_start + V) "
+                         f"= [{vocab_start}, {end}), or negative for no target")
+
+
+def _agreed(plan: Callable[[], Tuple[Callable[[], Any], Dict[str, Any]]], group: Any, agree: Any,
+            what: str) -> Callable[[], Any]:
+    """``plan()`` (every check of a log-prob call; gives the call and what its
+    collectives need to be the same on every rank), inside one agreement over the
+    vocabulary-parallel ``group`` when there is one; returns the call."""
+    from .._dist import checked_on_every_rank, groups_of
+
+    groups = [] if group is None else groups_of(group)
+    run, _ = checked_on_every_rank(plan, groups, what, bool(agree) and bool(groups), fingerprint=lambda p: p[1])
+    return run
 
 
 def packed_token_logprobs(
@@ -167,6 +198,7 @@ def packed_token_logprobs(
     vocab_parallel_group=None,
     vocab_start: int = 0,
     num_threads: int = 0,
+    agree: bool = True,
 ) -> TokenLogprobs:
     """Log-probability of each packed token's next token, fused and differentiable.
 
@@ -189,13 +221,30 @@ def packed_token_logprobs(
         temperature: logits are divided by it first (positive, finite).
         vocab_parallel_group / vocab_start: tensor-parallel vocabulary: the group
             over which the slices are combined and this rank's first vocabulary id.
+            Without a group the logits hold the whole vocabulary, ids
+            ``[vocab_start, vocab_start + V)``: host ids outside it raise.
         num_threads: CPU threads (0: all the process may use).
+        agree: with ``vocab_parallel_group``, run every check inside one
+            all-reduce over the group first (default): a rank whose arguments fail
+            makes every rank raise, and so do ranks that disagree on the logits'
+            rows, dtype or ``requires_grad``, the ids' shape, the offsets or the
+            autocast state. ``False`` skips that collective (the caller agreed).
 
     Returns:
         :class:`TokenLogprobs` ``(logprobs, entropy)``; ``entropy`` is ``None``
         unless asked for. The backward writes ``d/d logits`` directly (softmax
         minus one-hot, scaled), in the logits' dtype; it is never ``[T, V]`` extra.
     """
+    run = _agreed(lambda: _packed_plan(logits, input_ids, cu_seqlens, cu_seqlens_padded, cp_size, cp_rank,
+                                       return_entropy, temperature, vocab_parallel_group, vocab_start, num_threads),
+                  vocab_parallel_group, agree, "packed_token_logprobs")
+    return run()
+
+
+def _packed_plan(logits, input_ids, cu_seqlens, cu_seqlens_padded, cp_size, cp_rank, return_entropy, temperature,
+                 vocab_parallel_group, vocab_start, num_threads) -> Tuple[Callable[[], TokenLogprobs], Dict[str, Any]]:
+    """Every check of :func:`packed_token_logprobs`; returns the call, and what its
+    all-reduces (with a vocabulary-parallel group) need every rank to share."""
     torch = _torch()
     from . import _logprob_ops as ops
     from ..tensors._device import check_tensor
@@ -207,17 +256,26 @@ def packed_token_logprobs(
     if logits.shape[1] == 0:
         raise ValueError("logits must have at least one vocabulary column (V > 0)")
     vocab_start, num_threads = _int_args(vocab_start, num_threads)
-    targets, cp, cp_rank = _targets(logits.shape[0], logits.device, logits.shape[1], input_ids, cu_seqlens,
-                                    cu_seqlens_padded, cp_size, cp_rank, temperature, vocab_parallel_group,
-                                    vocab_start)
+    targets, layout = _targets(logits.shape[0], logits.device, logits.shape[1], input_ids, cu_seqlens,
+                               cu_seqlens_padded, cp_size, cp_rank, temperature, vocab_parallel_group, vocab_start)
     if logits.stride(1) != 1:
         logits = logits.contiguous()
-    args = (logits, targets, vocab_start, float(temperature), bool(return_entropy), num_threads)
-    if vocab_parallel_group is None:
-        lp, ent, _, _ = torch.ops.seqpack.token_logprobs(*args)
-    else:
-        lp, ent, _, _ = ops.VocabParallelTokenLogprobs.apply(*args, vocab_parallel_group)
-    return TokenLogprobs(lp, ent if return_entropy else None)
+    args = (logits, targets, vocab_start, as_temperature(temperature), bool(return_entropy), num_threads)
+
+    def run() -> TokenLogprobs:
+        if vocab_parallel_group is None:
+            lp, ent, _, _ = torch.ops.seqpack.token_logprobs(*args)
+        else:
+            lp, ent, _, _ = ops.VocabParallelTokenLogprobs.apply(*args, vocab_parallel_group)
+        return TokenLogprobs(lp, ent if return_entropy else None)
+
+    from .._dist import autocast_state, grad_on
+
+    # The vocabulary slices may differ in width (vocab_start says where each starts).
+    return run, {"the rows of logits": int(logits.shape[0]), "the dtype of logits": str(logits.dtype),
+                 "whether logits requires grad (with grad mode on)": grad_on(logits),
+                 "the shape of input_ids": tuple(input_ids.shape), "the packed layout": layout,
+                 "the autocast state": autocast_state(logits.device.type)}
 
 
 def _int_args(vocab_start: Any, num_threads: Any):
@@ -230,7 +288,8 @@ def _targets(rows: int, device, vocab: int, input_ids: Any, cu_seqlens: Any, cu_
              cp_rank: Any, temperature: Any, vocab_parallel_group, vocab_start: int):
     """The shared argument rules of the log-prob functions (``vocab_start`` checked
     by :func:`_int_args`); returns each local row's target id (-1: none) on
-    ``device``, and the CP size and rank."""
+    ``device``, and what the ranks of a vocabulary-parallel group must share about
+    the layout (the CP size and the host offsets; device offsets by their shapes)."""
     torch = _torch()
     from ..tensors._device import check_tensor
 
@@ -238,8 +297,7 @@ def _targets(rows: int, device, vocab: int, input_ids: Any, cu_seqlens: Any, cu_
         raise ValueError(f"input_ids must be the 1-D packed token ids [T], got shape {tuple(input_ids.shape)}")
     if input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool:
         raise TypeError(f"input_ids must be an integer tensor, got {input_ids.dtype}")
-    if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature > 0):
-        raise ValueError(f"temperature must be a positive finite number, got {temperature}")
+    as_temperature(temperature)  # a normal float32: what the kernels receive is always valid
     if isinstance(cu_seqlens, PackedLayout):  # the layout carries the offsets and the CP split
         if cu_seqlens_padded is not None:
             raise ValueError("give cu_seqlens_padded only with plain offsets, not with a PackedLayout")
@@ -250,10 +308,18 @@ def _targets(rows: int, device, vocab: int, input_ids: Any, cu_seqlens: Any, cu_
         raise ValueError(f"cp_rank must be in [0, cp_size = {cp}), got {cp_rank}")
     cu, cu_p = _offsets_on(device, cu_seqlens, cu_seqlens_padded, cp, rows, input_ids.shape[0])
     if vocab_parallel_group is None:
-        _check_target_ids(input_ids, vocab_start + vocab)
+        _check_target_ids(input_ids, vocab_start, vocab)
     from ..tensors._device import to_device
 
-    return next_token_targets(to_device(input_ids, device), cu, cu_p, rows, cp, cp_rank), cp, cp_rank
+    layout = None
+    if vocab_parallel_group is not None:  # facts for the agreement: host offsets by value, device ones by shape
+        if isinstance(cu_seqlens, PackedLayout):
+            layout = (cp, cu_seqlens.cu_seqlens.astype(np.int64), cu_seqlens.cu_seqlens_padded.astype(np.int64))
+        else:
+            given = (cu_seqlens, cu_seqlens if cu_seqlens_padded is None else cu_seqlens_padded)
+            layout = (cp,) + tuple(np.asarray(check_offsets(c), dtype=np.int64) if reads_on_host(c) else
+                                   tuple(c.shape) for c in given)
+    return next_token_targets(to_device(input_ids, device), cu, cu_p, rows, cp, cp_rank), layout
 
 
 def linear_token_logprobs(
@@ -273,6 +339,7 @@ def linear_token_logprobs(
     chunk_tokens: Optional[int] = None,
     reduce_hidden_grad: bool = True,
     num_threads: int = 0,
+    agree: bool = True,
 ) -> TokenLogprobs:
     """:func:`packed_token_logprobs` of ``hidden @ weight.T + bias`` without ever
     holding the ``[T, V]`` logits: the LM head and the log-probs fused, a chunk of
@@ -291,8 +358,10 @@ def linear_token_logprobs(
         weight: ``[V, H]`` the LM head (this rank's vocabulary slice under
             tensor parallelism), same dtype and device; bias: ``[V]`` or None.
         input_ids, cu_seqlens, cu_seqlens_padded, cp_size, cp_rank, return_entropy,
-            temperature, vocab_parallel_group, vocab_start, num_threads: as
-            :func:`packed_token_logprobs`.
+            temperature, vocab_parallel_group, vocab_start, num_threads, agree: as
+            :func:`packed_token_logprobs` (the agreement also compares hidden's
+            shape, the dtypes and ``requires_grad`` of hidden, weight and bias,
+            and ``reduce_hidden_grad``: the backward's all-reduce).
         chunk_tokens: rows of logits per chunk (default: about 2^24 logits, e.g. 110
             rows at V = 152k); 1 to T.
         reduce_hidden_grad: with ``vocab_parallel_group``, all-reduce ``grad_hidden``
@@ -306,6 +375,18 @@ def linear_token_logprobs(
     >>> seqpack.linear_token_logprobs(hidden, head, ids, [0, 3, 5], [0, 4, 6]).logprobs.tolist()
     [-1.3862943649291992, -1.3862943649291992, 0.0, 0.0, -1.3862943649291992, 0.0]
     """
+    run = _agreed(lambda: _linear_plan(hidden, weight, input_ids, cu_seqlens, cu_seqlens_padded, bias, cp_size,
+                                       cp_rank, return_entropy, temperature, vocab_parallel_group, vocab_start,
+                                       chunk_tokens, reduce_hidden_grad, num_threads),
+                  vocab_parallel_group, agree, "linear_token_logprobs")
+    return run()
+
+
+def _linear_plan(hidden, weight, input_ids, cu_seqlens, cu_seqlens_padded, bias, cp_size, cp_rank, return_entropy,
+                 temperature, vocab_parallel_group, vocab_start, chunk_tokens, reduce_hidden_grad,
+                 num_threads) -> Tuple[Callable[[], TokenLogprobs], Dict[str, Any]]:
+    """Every check of :func:`linear_token_logprobs`; returns the call, and what its
+    all-reduces (with a vocabulary-parallel group) need every rank to share."""
     torch = _torch()
     from . import _logprob_ops as ops
     from ..tensors._device import check_tensor
@@ -328,15 +409,25 @@ def linear_token_logprobs(
         raise ValueError(f"bias must be [V = {weight.shape[0]}], got {tuple(bias.shape)}")
     chunk = 0 if chunk_tokens is None else as_positive_int(chunk_tokens, "chunk_tokens")
     vocab_start, num_threads = _int_args(vocab_start, num_threads)
-    targets, cp, cp_rank = _targets(hidden.shape[0], hidden.device, weight.shape[0], input_ids, cu_seqlens,
-                                    cu_seqlens_padded, cp_size, cp_rank, temperature, vocab_parallel_group,
-                                    vocab_start)
+    targets, layout = _targets(hidden.shape[0], hidden.device, weight.shape[0], input_ids, cu_seqlens,
+                               cu_seqlens_padded, cp_size, cp_rank, temperature, vocab_parallel_group, vocab_start)
     chunk = ops.chunk_rows(chunk, hidden.shape[0], weight.shape[0])
-    args = (hidden, weight, bias, targets, vocab_start, float(temperature), bool(return_entropy), num_threads,
+    args = (hidden, weight, bias, targets, vocab_start, as_temperature(temperature), bool(return_entropy), num_threads,
             chunk)
-    if vocab_parallel_group is None:
-        lp, ent, _, _ = torch.ops.seqpack.linear_token_logprobs(*args)
-    else:
-        lp, ent, _, _ = ops.VocabParallelLinearTokenLogprobs.apply(*args, vocab_parallel_group,
-                                                                   bool(reduce_hidden_grad))
-    return TokenLogprobs(lp, ent if return_entropy else None)
+
+    def run() -> TokenLogprobs:
+        if vocab_parallel_group is None:
+            lp, ent, _, _ = torch.ops.seqpack.linear_token_logprobs(*args)
+        else:
+            lp, ent, _, _ = ops.VocabParallelLinearTokenLogprobs.apply(*args, vocab_parallel_group,
+                                                                       bool(reduce_hidden_grad))
+        return TokenLogprobs(lp, ent if return_entropy else None)
+
+    from .._dist import autocast_state, tensor_facts
+
+    facts = tensor_facts(hidden, weight, bias)
+    # The head's vocabulary slices may differ in width (vocab_start says where each starts).
+    return run, {"the shape of hidden": facts["shape"][0], "the dtypes of hidden, weight and bias": facts["dtype"],
+                 "which of hidden, weight and bias require grad (with grad mode on)": facts["requires_grad"],
+                 "reduce_hidden_grad": bool(reduce_hidden_grad), "the shape of input_ids": tuple(input_ids.shape),
+                 "the packed layout": layout, "the autocast state": autocast_state(hidden.device.type)}

@@ -38,7 +38,9 @@ import numpy as np
 from ..tensors.cp import gather_cp
 from ..tensors.layout import PackedLayout, host_offsets
 from ..tensors.thd import pack_to_layout
-from .logprobs import linear_token_logprobs, packed_token_logprobs
+from .._dist import autocast_state, checked_on_every_rank, groups_of, tensor_facts
+from .._lengths import as_real, as_temperature
+from .logprobs import _linear_plan, _packed_plan
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -162,6 +164,7 @@ def calculate_kl(logprobs: "torch.Tensor", logprobs_reference: "torch.Tensor", k
     d = logprobs_reference - logprobs
     w = importance_sampling_weights
     if input_clamp_value is not None:
+        input_clamp_value = as_real(input_clamp_value, "input_clamp_value", minimum=0, finite=False)
         clamped = d.clamp(-input_clamp_value, input_clamp_value)
         if w is not None:
             w = torch.where(d == clamped, w, w.detach())
@@ -177,6 +180,7 @@ def calculate_kl(logprobs: "torch.Tensor", logprobs_reference: "torch.Tensor", k
     if w is not None:
         kl = w * kl
     if output_clamp_value is not None:
+        output_clamp_value = as_real(output_clamp_value, "output_clamp_value", minimum=0, finite=False)
         kl = kl.clamp(-output_clamp_value, output_clamp_value)
     return kl
 
@@ -229,6 +233,23 @@ def _check(condition: bool, message: str) -> None:
         raise LossConfigError(message)
 
 
+class _LossConfigTypeError(LossConfigError, TypeError):
+    """A configuration value of the wrong type (a string, a bool, ``None``): a
+    :class:`LossConfigError` that is also a ``TypeError``."""
+
+
+def _cfg_real(c: Dict[str, Any], key: str, **rules: Any) -> float:
+    """``c[key]`` as a float by :func:`seqpack._lengths.as_real` (NumPy and 0-d
+    tensor numbers accepted), any refusal a :class:`LossConfigError` naming the key
+    (also a ``TypeError`` for a value of the wrong type)."""
+    try:
+        return as_real(c[key], f"cfg[{key!r}]", **rules)
+    except TypeError as e:
+        raise _LossConfigTypeError(str(e)) from None
+    except ValueError as e:
+        raise LossConfigError(str(e)) from None
+
+
 def pg_config(cfg: Optional[Mapping[str, Any]]) -> Dict[str, Any]:
     """``cfg`` over :data:`PG_DEFAULTS`, validated as NeMo-RL's ``ClippedPGLossFn``
     validates it (plus the checks it defers to the first call); unknown and
@@ -242,12 +263,10 @@ def pg_config(cfg: Optional[Mapping[str, Any]]) -> Dict[str, Any]:
     c = {**PG_DEFAULTS, **cfg}
     for key in ("ratio_clip_min", "ratio_clip_max", "reference_policy_kl_penalty", "positive_example_nll_weight",
                 "entropy_coef"):
-        v = c[key]
-        _check(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0,
-               f"cfg[{key!r}] must be a finite number >= 0, got {v!r}")
+        c[key] = _cfg_real(c, key, minimum=0)
     if c["ratio_clip_c"] is not None:
-        _check(isinstance(c["ratio_clip_c"], (int, float)) and c["ratio_clip_c"] > 1,
-               f"cfg['ratio_clip_c'] (dual clip) must be > 1, got {c['ratio_clip_c']!r}")
+        c["ratio_clip_c"] = _cfg_real(c, "ratio_clip_c", minimum=1, minimum_inclusive=False,
+                                      rule="> 1 (the dual-clip bound), a finite number")
     _check(c["reference_policy_kl_type"] in ("k1", "k2", "k3"),
            f"cfg['reference_policy_kl_type'] must be 'k1', 'k2' or 'k3', got {c['reference_policy_kl_type']!r}")
     if c["sequence_level_importance_ratios"]:
@@ -258,6 +277,12 @@ def pg_config(cfg: Optional[Mapping[str, Any]]) -> Dict[str, Any]:
                          ("sequence_level_importance_ratios", True), ("token_level_loss", False)):
             _check(bool(c[key]) != bad, f"use_cispo is incompatible with {key}={c[key]!r}")
         _check(c["ratio_clip_c"] is None, "use_cispo is incompatible with ratio_clip_c (dual clip)")
+    for key in ("kl_input_clamp_value", "kl_output_clamp_value"):  # None: no clamp
+        if c[key] is not None:
+            c[key] = _cfg_real(c, key, minimum=0, finite=False)
+    for key in ("truncated_importance_sampling_ratio", "truncated_importance_sampling_ratio_min"):
+        if c[key] is not None:
+            c[key] = _cfg_real(c, key, minimum=0, minimum_inclusive=False, rule="positive (a finite number > 0)")
     kind, hi, lo = (c["truncated_importance_sampling_type"], c["truncated_importance_sampling_ratio"],
                     c["truncated_importance_sampling_ratio_min"])
     if kind is None:
@@ -526,22 +551,28 @@ def _group_info(group) -> Tuple[int, int]:
     return dist.get_world_size(group), dist.get_rank(group)
 
 
-def _rows_logprobs(rows, lm_head_weight, lm_head_bias, vocab_parallel_rank, *args, **kwargs):
-    """:func:`packed_token_logprobs` of ``rows`` (logits), or with ``lm_head_weight``
-    :func:`linear_token_logprobs` of ``rows`` (hidden states) and that head, with this
-    vocabulary-parallel rank's slice start."""
+def _rows_plan(rows, lm_head_weight, lm_head_bias, vocab_parallel_rank, input_ids, cu, cu_p, *, cp_size, cp_rank,
+               return_entropy, temperature, vocab_parallel_group):
+    """Every check of :func:`packed_token_logprobs` of ``rows`` (logits), or with
+    ``lm_head_weight`` of :func:`linear_token_logprobs` of ``rows`` (hidden states)
+    and that head, with this vocabulary-parallel rank's slice start; returns the
+    call and what its all-reduces need every rank to share."""
+    from ..tensors._device import check_tensor
+
     if lm_head_weight is None:
         if lm_head_bias is not None:
             raise ValueError("lm_head_bias needs lm_head_weight")
         vocab_start = (vocab_parallel_rank or 0) * rows.shape[1]
-        return packed_token_logprobs(rows, *args, vocab_start=vocab_start, **kwargs)
-    vocab_start = (vocab_parallel_rank or 0) * lm_head_weight.shape[0]
-    return linear_token_logprobs(rows, lm_head_weight, *args, bias=lm_head_bias, vocab_start=vocab_start, **kwargs)
+        return _packed_plan(rows, input_ids, cu, cu_p, cp_size, cp_rank, return_entropy, temperature,
+                            vocab_parallel_group, vocab_start, 0)
+    vocab_start = (vocab_parallel_rank or 0) * check_tensor(lm_head_weight, "lm_head_weight").shape[0]
+    return _linear_plan(rows, lm_head_weight, input_ids, cu, cu_p, lm_head_bias, cp_size, cp_rank, return_entropy,
+                        temperature, vocab_parallel_group, vocab_start, None, True, 0)
 
 
 def prepare_loss_input(logits, data, loss_fn=None, vocab_parallel_rank=None, vocab_parallel_group=None,
                        context_parallel_group=None, temperature: float = 1.0, *, lm_head_weight=None,
-                       lm_head_bias=None):
+                       lm_head_bias=None, agree: bool = True):
     """seqpack's default ``prepare_fn``: the fused log-probs of each row's
     (CP-local, vocab-local) logits ``[B, S, V]`` (one packed sequence: ``B = 1``),
     all-gathered over CP, as ``({"next_token_logprobs": [B, L - 1]}, data)`` with
@@ -549,31 +580,46 @@ def prepare_loss_input(logits, data, loss_fn=None, vocab_parallel_rank=None, voc
     ``loss_fn.needs_entropy``). With ``lm_head_weight`` (``[V, H]``, this
     rank's vocabulary slice under TP; ``lm_head_bias`` optional) ``logits`` holds the
     final hidden states ``[..., H]`` instead, and the logits are never materialised
-    (:func:`seqpack.linear_token_logprobs`)."""
+    (:func:`seqpack.linear_token_logprobs`).
+
+    ``agree`` (default): with a TP or CP group, every check runs before the first
+    collective, inside one agreement over both groups (see
+    :func:`seqpack.packed_token_logprobs`), so a rank whose inputs fail or differ
+    (shapes, dtypes, ``requires_grad``) makes every rank raise."""
     import torch
 
-    rows = logits.reshape(-1, logits.shape[-1])
     cp, cp_rank = _group_info(context_parallel_group)
-    ids = data["input_ids"]
-    if ids.dim() != 2:
-        raise ValueError(f"data['input_ids'] must be [B, S], got shape {tuple(ids.shape)}")
-    batch, width = ids.shape
-    if batch == 0 or rows.shape[0] % batch:
-        raise ValueError(f"logits hold {rows.shape[0]} positions, not a multiple of data's {batch} rows")
-    padded = rows.shape[0] // batch * cp  # each row a sequence of this padded width (CP-sharded like one)
-    if padded < width:
-        raise ValueError(f"the sequence's logits cover {padded} positions, its data {width}")
-    packed_ids = torch.zeros(batch, padded, dtype=ids.dtype, device=ids.device)
-    packed_ids[:, :width] = ids
-    cu = [i * width for i in range(batch + 1)]
-    cu_p = [i * padded for i in range(batch + 1)]
-    entropy = bool(getattr(loss_fn, "needs_entropy", False))
-    lp, ent = _rows_logprobs(rows, lm_head_weight, lm_head_bias, vocab_parallel_rank, packed_ids.reshape(-1), cu,
-                             cu_p, cp_size=cp, cp_rank=cp_rank, return_entropy=entropy, temperature=temperature,
-                             vocab_parallel_group=vocab_parallel_group)
-    if cp > 1:
-        lp = gather_cp(lp, cu_p, context_parallel_group)
-        ent = gather_cp(ent, cu_p, context_parallel_group) if ent is not None else None
+
+    def local():
+        rows = logits.reshape(-1, logits.shape[-1])
+        ids = data["input_ids"]
+        if ids.dim() != 2:
+            raise ValueError(f"data['input_ids'] must be [B, S], got shape {tuple(ids.shape)}")
+        batch, width = ids.shape
+        if batch == 0 or rows.shape[0] % batch:
+            raise ValueError(f"logits hold {rows.shape[0]} positions, not a multiple of data's {batch} rows")
+        padded = rows.shape[0] // batch * cp  # each row a sequence of this padded width (CP-sharded like one)
+        if padded < width:
+            raise ValueError(f"the sequence's logits cover {padded} positions, its data {width}")
+        packed_ids = torch.zeros(batch, padded, dtype=ids.dtype, device=ids.device)
+        packed_ids[:, :width] = ids
+        cu = [i * width for i in range(batch + 1)]
+        cu_p = [i * padded for i in range(batch + 1)]
+        entropy = bool(getattr(loss_fn, "needs_entropy", False))
+        run, facts = _rows_plan(rows, lm_head_weight, lm_head_bias, vocab_parallel_rank, packed_ids.reshape(-1), cu,
+                                cu_p, cp_size=cp, cp_rank=cp_rank, return_entropy=entropy, temperature=temperature,
+                                vocab_parallel_group=vocab_parallel_group)
+        return run, {**facts, "the shape of logits": tuple(logits.shape), "the shape of data['input_ids']": (
+            batch, width)}, (batch, width, padded, cu_p)
+
+    groups = groups_of(vocab_parallel_group, context_parallel_group)
+    run, _, (batch, width, padded, cu_p) = checked_on_every_rank(local, groups, "prepare_loss_input",
+                                                                 bool(agree) and bool(groups),
+                                                                 fingerprint=lambda r: r[1])
+    lp, ent = run()
+    if cp > 1:  # agreed above: lp's rows, dtype and requires_grad follow the logits'
+        lp = gather_cp(lp, cu_p, context_parallel_group, agree=False)
+        ent = gather_cp(ent, cu_p, context_parallel_group, agree=False) if ent is not None else None
     loss_input = {"next_token_logprobs": lp.view(batch, padded)[:, : width - 1]}
     if ent is not None:
         loss_input["next_token_entropy"] = ent.view(batch, padded)[:, : width - 1]
@@ -613,16 +659,25 @@ class SequencePackingLossWrapper:
     cu_p[i + 1] // cp)`` and the data row trimmed to ``cu[i + 1] - cu[i]`` columns go
     through ``prepare_fn`` and ``loss_fn``; losses are summed, metrics summed except
     ``probs_ratio*_min`` / ``*_max`` (running min / max, infinities skipped).
+
+    With a TP or CP group, every check of a call (and, fused, of its log-probs)
+    runs before the first collective, inside one agreement over both groups: a
+    rank whose inputs fail them, or differ from the other ranks' (the layout, the
+    logits' shape, dtype and ``requires_grad``, the data's shapes, the autocast
+    state), makes every rank raise instead of leaving the others waiting. It costs
+    one small all-reduce per call (on NCCL a host synchronisation); ``agree=False``
+    skips it where the caller knows the ranks' inputs agree.
     """
 
     def __init__(self, loss_fn: Callable, prepare_fn: Optional[Callable] = None, cu_seqlens_q: Any = None,
                  cu_seqlens_q_padded: Any = None, vocab_parallel_rank: Optional[int] = None,
                  vocab_parallel_group=None, context_parallel_group=None, *, fused: bool = False,
-                 temperature: float = 1.0):
+                 temperature: float = 1.0, agree: bool = True):
         if cu_seqlens_q is None:
             raise ValueError("cu_seqlens_q is required")
         _check_packable(loss_fn)
-        self.loss_fn, self.prepare_fn, self.fused, self.temperature = loss_fn, prepare_fn, fused, float(temperature)
+        self.loss_fn, self.prepare_fn, self.fused, self.agree = loss_fn, prepare_fn, fused, bool(agree)
+        self.temperature = as_temperature(temperature)
         if isinstance(cu_seqlens_q, PackedLayout):
             layout = cu_seqlens_q
         else:
@@ -664,12 +719,34 @@ class SequencePackingLossWrapper:
 
     def __call__(self, next_token_logits, data, global_valid_seqs, global_valid_toks, *, lm_head_weight=None,
                  lm_head_bias=None):
-        cp, batch = self._check(next_token_logits, data)
+        def local():  # every check that can differ between ranks, before the first collective
+            cp, batch = self._check(next_token_logits, data)
+            if self.fused:
+                return cp, batch, self._fused_plan(next_token_logits, data, lm_head_weight, lm_head_bias)
+            if lm_head_weight is not None or lm_head_bias is not None:
+                raise ValueError("lm_head_weight / lm_head_bias (hidden states in, no logits) need fused=True")
+            return cp, batch, None
+
+        def facts(checked) -> Dict[str, Any]:
+            shared = tensor_facts(next_token_logits)
+            out = {"the packed layout (cu_seqlens_q, cu_seqlens_q_padded)": (self.cu, self.cu_padded),
+                   "the shape of next_token_logits": shared["shape"], "the dtype of next_token_logits":
+                   shared["dtype"], "whether next_token_logits requires grad (with grad mode on)":
+                   shared["requires_grad"], "the autocast state": autocast_state(next_token_logits.device.type),
+                   "the shapes of data's tensors": sorted((str(k), tuple(v.shape)) for k, v in data.items()
+                                                          if hasattr(v, "shape"))}
+            if checked[2] is not None:
+                out.update(checked[2][1])
+            return out
+
+        # One agreement over the TP and CP groups: a rank whose checks fail, or whose
+        # inputs differ from the others', makes every rank raise instead of leaving
+        # the others in the log-probs' all-reduces or the CP all-gather.
+        groups = groups_of(self.vocab_parallel_group, self.context_parallel_group)
+        cp, batch, plan = checked_on_every_rank(local, groups, "SequencePackingLossWrapper",
+                                                self.agree and bool(groups), fingerprint=facts)
         if self.fused:
-            return self._fused(next_token_logits, data, global_valid_seqs, global_valid_toks, lm_head_weight,
-                               lm_head_bias)
-        if lm_head_weight is not None or lm_head_bias is not None:
-            raise ValueError("lm_head_weight / lm_head_bias (hidden states in, no logits) need fused=True")
+            return plan[0](global_valid_seqs, global_valid_toks)
         logits = next_token_logits if next_token_logits.dim() == 3 else next_token_logits[None]
         lengths = np.diff(self.cu).tolist()
         starts = (self.cu_padded // cp).tolist()
@@ -694,7 +771,11 @@ class SequencePackingLossWrapper:
             _merge_metrics(merged, metrics)
         return total, merged
 
-    def _fused(self, logits, data, global_valid_seqs, global_valid_toks, lm_head_weight, lm_head_bias):
+    def _fused_plan(self, logits, data, lm_head_weight, lm_head_bias):
+        """Every check of the fused path; returns ``(finish, facts)``: ``finish(
+        global_valid_seqs, global_valid_toks)`` runs the log-probs, the CP gather
+        and the loss, and ``facts`` is what their collectives need every rank to
+        share."""
         logits2d = logits.reshape(-1, logits.shape[-1])
         ids = data["input_ids"]
         width = ids.shape[1]
@@ -705,21 +786,27 @@ class SequencePackingLossWrapper:
         packed = pack_to_layout({"input_ids": ids}, layout)
         cp_size, cp_rank = _group_info(self.context_parallel_group)
         entropy = bool(getattr(self.loss_fn, "needs_entropy", False))
-        lp, ent = _rows_logprobs(logits2d, lm_head_weight, lm_head_bias, self.vocab_parallel_rank, packed["input_ids"],
-                                 PackedLayout(layout.cu_seqlens, layout.cu_seqlens_padded, cp_size=cp_size,
-                                              cp_rank=cp_rank), return_entropy=entropy, temperature=self.temperature,
-                                 vocab_parallel_group=self.vocab_parallel_group)
-        if cp_size > 1:
-            lp = gather_cp(lp, layout.cu_seqlens_padded, self.context_parallel_group)
+        run, facts = _rows_plan(logits2d, lm_head_weight, lm_head_bias, self.vocab_parallel_rank, packed["input_ids"],
+                                PackedLayout(layout.cu_seqlens, layout.cu_seqlens_padded, cp_size=cp_size,
+                                             cp_rank=cp_rank), None, return_entropy=entropy,
+                                temperature=self.temperature, cp_size=cp_size, cp_rank=cp_rank,
+                                vocab_parallel_group=self.vocab_parallel_group)
+
+        def finish(global_valid_seqs, global_valid_toks):
+            lp, ent = run()
+            if cp_size > 1:  # agreed: lp's rows, dtype and requires_grad follow the logits'
+                lp = gather_cp(lp, layout.cu_seqlens_padded, self.context_parallel_group, agree=False)
+                if ent is not None:
+                    ent = gather_cp(ent, layout.cu_seqlens_padded, self.context_parallel_group, agree=False)
+            # A row's log-prob is its next token's: [B, S] -> NeMo-RL's [B, S - 1] (0 past
+            # each sequence's last real token, where the packed values are 0 already).
+            loss_input = {"next_token_logprobs": packed.unpack(lp)[:, :-1]}
             if ent is not None:
-                ent = gather_cp(ent, layout.cu_seqlens_padded, self.context_parallel_group)
-        # A row's log-prob is its next token's: [B, S] -> NeMo-RL's [B, S - 1] (0 past
-        # each sequence's last real token, where the packed values are 0 already).
-        loss_input = {"next_token_logprobs": packed.unpack(lp)[:, :-1]}
-        if ent is not None:
-            loss_input["next_token_entropy"] = packed.unpack(ent)[:, :-1]
-        return self.loss_fn(data=data, global_valid_seqs=global_valid_seqs, global_valid_toks=global_valid_toks,
-                            **loss_input)
+                loss_input["next_token_entropy"] = packed.unpack(ent)[:, :-1]
+            return self.loss_fn(data=data, global_valid_seqs=global_valid_seqs, global_valid_toks=global_valid_toks,
+                                **loss_input)
+
+        return finish, facts
 
 
 def _slice_row(data: Mapping[str, Any], i: int, length: int):

@@ -438,7 +438,50 @@ def test_fallback_resolver_bounds_aliases_and_chains():
     levels += [f"a{i}: &a{i} [" + ", ".join([f"*a{i - 1}"] * 10) + "]" for i in range(1, 8)]
     with pytest.raises(ConfigError, match="interpolations expand to more than"):
         load("\n".join(levels) + "\n")
-    # ... and a long chain of references is refused before Python's recursion limit.
+    # ... and a chain of sections, each referring to the next, nests the result too deeply.
     chain = "\n".join(f"k{i}:\n  v: ${{k{i + 1}}}" for i in range(150)) + "\nk150: 1\n"
-    with pytest.raises(ConfigError, match="nest more than 200 levels deep"):
+    with pytest.raises(ConfigError, match=r"nested deeper than 100 levels \(at k\d+\.v\.v"):
         load(chain)
+
+
+def _chain(links: int) -> str:
+    """A verl config whose actor cap is read through ``links`` references."""
+    return ("actor_rollout_ref:\n  actor:\n    use_dynamic_bsz: true\n    ppo_max_token_len_per_gpu: ${c0}\n"
+            + "".join(f"c{i}: ${{c{i + 1}}}\n" for i in range(links)) + f"c{links}: 4096\n")
+
+
+@pytest.mark.parametrize("links", [150, 250, 5000])
+def test_a_chain_of_references_of_any_length_resolves(links):
+    # Issue 26: 250 links raised a bare RecursionError (the resolver recursed ~6
+    # Python frames per link); it is iterative now, with or without OmegaConf.
+    cfg = load(_chain(links))
+    assert cfg.raw["c0"] == cfg.raw[f"c{links // 2}"] == 4096
+    assert cfg.micro_batching("actor").max_token_len == 4096
+
+
+def test_a_chain_omegaconf_cannot_follow_is_resolved_without_it(monkeypatch):
+    # OmegaConf follows references recursively; when it runs out of recursion the
+    # plain references are resolved iteratively first and OmegaConf does the rest.
+    import sys
+    import types
+
+    calls = []
+
+    class DictConfig(dict):
+        pass
+
+    class OmegaConf:
+        has_resolver = staticmethod(lambda name: True)
+        create = staticmethod(lambda data: DictConfig(data))
+
+        @staticmethod
+        def to_container(cfg, resolve):
+            calls.append(resolve)
+            if resolve and any("${" in v for v in cfg.values() if isinstance(v, str)):
+                raise RecursionError("maximum recursion depth exceeded while calling a Python object")
+            return dict(cfg)
+
+    monkeypatch.setitem(sys.modules, "omegaconf", types.SimpleNamespace(DictConfig=DictConfig, OmegaConf=OmegaConf))
+    doc = "actor_rollout_ref: {}\n" + "".join(f"c{i}: ${{c{i + 1}}}\n" for i in range(300)) + "c300: 7\n"
+    assert load(doc).raw["c0"] == 7
+    assert calls == [True, False, True]  # failed, read as written, resolved

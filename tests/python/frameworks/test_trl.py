@@ -114,3 +114,64 @@ def test_bad_input_is_named():
         pack_dataset(pa.table({"input_ids": [[1, 2]], "labels": [[1]]}), 4)
     with pytest.raises(TypeError, match="dataset must be a datasets.Dataset"):
         pack_dataset([[1, 2]], 4)
+
+
+@pytest.mark.parametrize("strategy", ["bfd", "wrapped"])
+@pytest.mark.parametrize("batch_size", [0, -1, np.int64(0)])
+def test_a_batch_size_of_none_or_below_one_is_the_whole_dataset(strategy, batch_size):
+    # Dataset.map's rule (TRL passes map_kwargs to it); before: "must be positive".
+    ds = random_dataset(np.random.default_rng(5), 120, 30)
+    whole = pack_dataset(ds, 32, strategy, map_kwargs={"batch_size": None})[:]
+    assert whole == pack_dataset(ds, 32, strategy, map_kwargs={"batch_size": len(ds)})[:]
+    assert pack_dataset(ds, 32, strategy, map_kwargs={"batch_size": batch_size})[:] == whole
+    assert trl_data_utils.pack_dataset(ds, 32, strategy, map_kwargs={"batch_size": batch_size})[:] == whole
+    table = ds.with_format("arrow")[:]
+    assert pack_dataset(table, 32, strategy, map_kwargs={"batch_size": batch_size}).to_pydict() == whole
+
+
+@pytest.mark.parametrize("kwargs", [{"num_proc": 2, "batch_size": 7}, {"num_proc": 3},
+                                    {"batch_size": 16, "drop_last_batch": True},
+                                    {"num_proc": 2, "batch_size": 9, "drop_last_batch": True}])
+def test_num_proc_and_drop_last_batch_cut_the_batches_as_map_does(kwargs):
+    # num_proc: contiguous shards, each batched on its own; drop_last_batch: each
+    # shard's short last batch left out. Before: both ignored (other packs than TRL's).
+    ds = random_dataset(np.random.default_rng(6), 61, 30, batch=7)
+    for strategy in ("bfd", "wrapped"):
+        ours = pack_dataset(ds, 24, strategy, map_kwargs=kwargs)
+        assert ours[:] == trl_data_utils.pack_dataset(ds, 24, strategy, map_kwargs=kwargs)[:]
+    with pytest.raises(ValueError, match=r"map_kwargs\['num_proc'\] must be >= 0 or None, got -1"):
+        pack_dataset(ds, 24, map_kwargs={"num_proc": -1})
+    # A batch_size above the rows and drop_last_batch: map calls nothing, no packs.
+    none = pack_dataset(ds, 24, map_kwargs={"batch_size": 2**63 - 1, "drop_last_batch": True})
+    assert len(none) == 0 and none.column_names == ["input_ids", "attention_mask", "labels", "seq_lengths"]
+
+
+def test_map_kwargs_trl_fails_with_are_refused_and_the_rest_are_not_dropped_silently():
+    ds = random_dataset(np.random.default_rng(7), 40, 20)
+    for key, value in [("batched", True), ("fn_kwargs", {}), ("with_indices", True), ("with_rank", True),
+                       ("input_columns", ["input_ids"]), ("num_procs", 2)]:
+        with pytest.raises(TypeError, match=rf"map_kwargs\['{key}'\]"):
+            pack_dataset(ds, 16, map_kwargs={key: value})
+    with pytest.raises(TypeError, match=r"map_kwargs\['batch_size'\] must be an int, got float"):
+        pack_dataset(ds, 16, map_kwargs={"batch_size": 2.5})
+    with pytest.raises(ValueError, match=r"map_kwargs\['remove_columns'\]: columns \['nope'\]"):
+        pack_dataset(ds, 16, map_kwargs={"remove_columns": "nope"})
+    # No change to the packs, as in TRL (with_indices=False is map's default).
+    quiet = {"with_indices": False, "desc": "packing", "writer_batch_size": 10, "load_from_cache_file": False,
+             "keep_in_memory": True, "remove_columns": ["labels"], "disable_nullable": True}
+    assert pack_dataset(ds, 16, map_kwargs=quiet)[:] == trl_data_utils.pack_dataset(ds, 16, map_kwargs=quiet)[:]
+    with pytest.warns(UserWarning, match=r"map_kwargs\['cache_file_name'\] is not used"):
+        pack_dataset(ds, 16, map_kwargs={"cache_file_name": "/nonexistent/packed.arrow"})
+    with pytest.warns(UserWarning, match=r"map_kwargs\['cache_file_names'\] is not used"):
+        pack_dataset(datasets.DatasetDict({"train": ds}), 16, map_kwargs={"cache_file_names": {"train": "x"}})
+    with pytest.raises(TypeError, match=r"map_kwargs\['new_fingerprint'\] is not an argument of DatasetDict.map"):
+        pack_dataset(datasets.DatasetDict({"train": ds}), 16, map_kwargs={"new_fingerprint": "f"})
+    # features: the output cast to them, as map(features=...) does.
+    column = datasets.List(datasets.Value("int32"))
+    features = datasets.Features({"input_ids": column, "attention_mask": column, "labels": column,
+                                  "seq_lengths": datasets.List(datasets.Value("int64"))})
+    ours = pack_dataset(ds, 16, map_kwargs={"features": features})
+    theirs = trl_data_utils.pack_dataset(ds, 16, map_kwargs={"features": features})
+    assert ours.features == theirs.features == features and ours[:] == theirs[:]
+    assert pack_dataset(ds, 16, map_kwargs={"new_fingerprint": "f1"})._fingerprint != \
+        pack_dataset(ds, 16, map_kwargs={"new_fingerprint": "f2"})._fingerprint

@@ -48,7 +48,7 @@ def test_from_model_counts_six_flops_per_parameter_and_quadratic_attention():
     assert seconds.per_token == pytest.approx(m.per_token / 1e15) and seconds.per_micro_batch == 0.01
     with pytest.raises(ValueError, match="multiple of num_key_value_heads"):
         CostModel.from_model(h, layers, 32, 5)
-    with pytest.raises(ValueError, match="flops_per_second must be a positive number"):
+    with pytest.raises(ValueError, match="flops_per_second must be a finite number > 0, got 0"):
         CostModel.from_model(h, layers, 32, flops_per_second=0)
 
 
@@ -80,11 +80,11 @@ def test_fit_keeps_coefficients_non_negative_and_reports_r_squared():
 
 
 def test_bad_input_is_named():
-    with pytest.raises(ValueError, match="per_token must be finite and >= 0"):
+    with pytest.raises(ValueError, match="per_token must be a finite number >= 0, got -1.0"):
         CostModel(0.0, -1.0, 0.0)
     with pytest.raises(ValueError, match="at least one positive coefficient"):
         CostModel(0.0, 0.0, 0.0)
-    with pytest.raises(TypeError, match="per_micro_batch must be a number"):
+    with pytest.raises(TypeError, match="per_micro_batch must be a real number, got str"):
         CostModel("1", 1.0, 0.0)
     with pytest.raises(ValueError, match="seconds has 2 entries for 3 micro-batches"):
         CostModel.fit([[1], [2], [3]], [1.0, 2.0])
@@ -94,3 +94,21 @@ def test_bad_input_is_named():
         CostModel.fit([[1], [2], [3]], [1.0, float("nan"), 2.0])
     with pytest.raises(ValueError, match=r"micro_batch_lengths\[1\]"):
         CostModel.fit([[1], [-2], [3]], [1.0, 2.0, 3.0])
+
+
+def test_costs_that_overflow_float64_name_the_coefficient():
+    # Issue 26: an integer coefficient of 10**400 was a bare OverflowError, and costs
+    # past float64 came back as inf.
+    with pytest.raises(ValueError, match=r"^per_token_squared must be a finite number >= 0 \(it must fit in a "
+                                         r"float64\)"):
+        CostModel(0, 1, 10**400)
+    model = CostModel(0.0, 0.0, 1e300)
+    assert model([10]) == 1e302
+    with pytest.raises(ValueError, match=r"^the cost of micro_batch_lengths\[1\] overflows float64: per_token_squared "
+                                         r"= 1e\+300 x Σs² is inf"):
+        model.micro_batch_costs([[10], [10**10]])
+    with pytest.raises(ValueError, match=r"terms are finite but their sum is not \(the largest: per_micro_batch"):
+        CostModel(1.7e308, 1e306, 0.0)([100])
+    with pytest.raises(ValueError, match=r"^flops_per_second is too small: .* FLOPs per token take inf seconds at "
+                                         r"5e-324 FLOP/s"):
+        CostModel.from_model(4096, 32, 32, flops_per_second=5e-324)

@@ -3,6 +3,7 @@ framework pipelines it must not lose to, and errors."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 
@@ -168,3 +169,53 @@ def test_errors_name_the_argument(kwargs, error, match):
     args.update(kwargs)
     with pytest.raises(error, match=match):
         plan_step(args.pop("lengths"), args.pop("dp_size"), args.pop("max_tokens"), **args)
+
+
+def test_valid_tokens_refuses_counts_above_their_lengths_and_never_wraps():
+    # Issue 26: counts were not checked against the lengths and summed in int64, so
+    # [2^63 - 1, 2^63 - 1] gave [-2] and uint64 counts above 2^63 wrapped too.
+    plan = plan_step([1, 4, 4], 2, 8)
+    assert plan.lengths == (1, 4, 4) and plan.valid_tokens([1, 4, 0]) == [5]
+    with pytest.raises(ValueError, match=r"mask_lengths\[0\] = 9223372036854775807 exceeds the length of sequence 0 "
+                                         r"\(1\)"):
+        plan.valid_tokens([2**63 - 1, 2**63 - 1, 0])
+    with pytest.raises(ValueError, match=r"mask_lengths\[2\] = 5 exceeds the length of sequence 2 \(4\)"):
+        plan.valid_tokens(np.array([1, 4, 5], dtype=np.uint8))
+    with pytest.raises(ValueError, match=r"mask_lengths\[1\] = 18446744073709551615 exceeds"):
+        plan.valid_tokens(np.array([0, 2**64 - 1, 0], dtype=np.uint64))
+    with pytest.raises(ValueError, match=r"mask_lengths must be >= 0, got mask_lengths\[1\] = -3"):
+        plan.valid_tokens([1, -3, 0])
+    # A plan built by hand, without its lengths: exact sums, past int64 too.
+    bare = dataclasses.replace(plan, lengths=())
+    assert bare.valid_tokens([2**63 - 1, 2**63 - 1, 3]) == [2**64 + 1]
+
+
+@pytest.mark.parametrize("cost, cap, match", [
+    (CostModel(0.0, 1e300, 0.0), 2**40, r"per_token = 1e\+300 x Σs is inf"),
+    (CostModel(0.0, 0.0, 1e290), 2**40, r"per_token_squared = 1e\+290 x Σs² is inf"),
+    (CostModel(1.7e308, 1e306, 0.0), 100, r"its terms are finite but their sum is not"),
+])
+def test_a_cost_overflowing_float64_names_the_coefficient(cost, cap, match):
+    # Issue 26: finite coefficients whose products overflow gave predicted_time = inf
+    # and gap = inf / inf = nan.
+    with pytest.raises(ValueError, match=r"^the cost of a micro-batch of max_tokens = \d+ tokens overflows float64: "
+                                         + match):
+        plan_step([100] * 4, 2, cap, cost=cost)
+
+
+def test_a_step_time_overflowing_float64_names_the_coefficient():
+    # Each micro-batch costs 1e307, the step's 100 of them do not fit a float64.
+    for sync in ("micro_batch", "step"):
+        with pytest.raises(ValueError, match=r"predicted step time overflows float64: cost.per_token = 1e\+305"):
+            plan_step([100] * 100, 1, 100, cost=CostModel(0.0, 1e305, 0.0), sync=sync)
+    plan = plan_step([100] * 100, 1, 100, cost=CostModel(0.0, 1e300, 0.0))
+    assert math.isfinite(plan.predicted_time) and plan.gap == plan.gap
+
+
+def test_large_lengths_with_an_attention_cost_still_plan():
+    # The two-step candidate balanced int64 workloads c1/c2·s + s², which overflowed
+    # for valid inputs ("[seqpack.sequence_workloads] product overflows int64").
+    for lengths, cost in [([2**32] * 4, CostModel(0.0, 1.0, 1.0)), ([10**4] * 4, CostModel(0.0, 1.0, 1e-15))]:
+        plan = plan_step(lengths, 2, 2 * lengths[0], cost=cost)
+        assert sorted(i for mb in plan.assignment for rank in mb for cell in rank for i in cell) == [0, 1, 2, 3]
+        assert plan.lower_bound <= plan.predicted_time < math.inf

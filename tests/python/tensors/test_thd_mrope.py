@@ -8,6 +8,7 @@ from __future__ import annotations
 import doctest
 import itertools
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given
@@ -167,8 +168,9 @@ def test_errors():
         packed.unpack(torch.zeros(2, 4))
     with pytest.raises(ValueError, match="dim must be None, 0"):
         packed.unpack(torch.zeros(3, 3), dim=2)
-    with pytest.raises(ValueError, match="dim must be None, 0"):
+    with pytest.raises(TypeError, match="dim must be an int, got bool"):
         packed.unpack(torch.zeros(3), dim=True)
+    assert torch.equal(packed.unpack(torch.arange(3), dim=np.int64(0)), packed.unpack(torch.arange(3), dim=0))
     with pytest.raises(ValueError, match="in dimension -1"):
         packed.unpack(torch.zeros(3, 2), dim=-1)
     with pytest.raises(ValueError, match=r"mrope_position_ids must be .* \[3, T\]"):

@@ -341,6 +341,47 @@ def test_target_ids_outside_the_vocabulary():
     assert (x.grad[0] == 0).all()
 
 
+@pytest.mark.parametrize("fn", ["packed", "linear"])
+def test_host_ids_outside_a_shifted_vocabulary_are_refused_on_both_sides(fn):
+    # Issue 26, item 4: with vocab_start > 0 and no group the logits hold the whole
+    # vocabulary [vocab_start, vocab_start + V); an id below vocab_start gave NaN
+    # (only the upper bound was checked).
+    g = torch.Generator().manual_seed(7)
+    hidden, weight = torch.randn(5, 3, generator=g), torch.randn(4, 3, generator=g)
+    logits = hidden @ weight.T
+
+    def call(ids):
+        if fn == "packed":
+            return packed_token_logprobs(logits, ids, [0, 5], vocab_start=10).logprobs
+        return seqpack.linear_token_logprobs(hidden, weight, ids, [0, 5], vocab_start=10).logprobs
+
+    good = torch.tensor([12, 11, 13, -100, 10])  # -100: no target
+    lp = call(good)
+    ref = torch.log_softmax(logits.double(), -1)
+    expect = torch.tensor([ref[0, 1], ref[1, 3], 0.0, ref[3, 0], 0.0], dtype=torch.float64)  # row i: ids[i + 1]
+    torch.testing.assert_close(lp.double(), expect, rtol=1e-5, atol=1e-6)
+    for bad_id, pos in ((3, 1), (0, 3), (9, 4), (14, 2)):  # below vocab_start (also 0), and at its end
+        ids = good.clone()
+        ids[pos] = bad_id
+        with pytest.raises(ValueError, match=rf"input_ids holds id {bad_id} \(first out-of-range id at packed "
+                                              rf"position {pos}\); with vocab_start = 10 .*\[10, 14\)"):
+            call(ids)
+
+
+def test_device_ids_outside_the_vocabulary_are_masked_on_both_sides():
+    # Device ids are not read on the host: the operators they run give NaN for an id
+    # above the vocabulary and, alike, for one below vocab_start (never a finite
+    # wrong value); negative ids stay "no target".
+    g = torch.Generator().manual_seed(8)
+    hidden, weight = torch.randn(5, 3, generator=g), torch.randn(4, 3, generator=g)
+    targets = torch.tensor([11, 9, 14, -1, 0])
+    lp, _, _, _ = torch.ops.seqpack.token_logprobs(hidden @ weight.T, targets, 10, 1.0, False, 0)
+    lin, _, _, _ = torch.ops.seqpack.linear_token_logprobs(hidden, weight, None, targets, 10, 1.0, False, 0, 2)
+    for out in (lp, lin):
+        assert torch.isfinite(out[0]) and out[3] == 0, out
+        assert torch.isnan(out[[1, 2, 4]]).all(), out
+
+
 def test_named_result():
     logits, ids, cu, _ = _issue_case()
     out = packed_token_logprobs(logits, ids, cu)

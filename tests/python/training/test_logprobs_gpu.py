@@ -353,6 +353,23 @@ def test_vocab_start_slice_matches_torch(dtype, start, width, entropy):
     assert_grads_close(x.grad, ref_x.grad, dtype)
 
 
+@pytest.mark.parametrize("fn", ["packed", "linear"])
+def test_device_ids_outside_a_shifted_vocabulary_give_nan_on_both_sides(fn):
+    # Issue 26, item 4: CUDA ids are not read on the host (no sync), so an id outside
+    # [vocab_start, vocab_start + V) is not refused: its row is NaN, below vocab_start
+    # as above the end (the host-id path raises for both instead).
+    g = torch.Generator().manual_seed(11)
+    hidden, weight = torch.randn(6, 8, generator=g).cuda(), torch.randn(4, 8, generator=g).cuda()
+    ids = torch.tensor([10, 11, 3, 13, 14, -100]).cuda()  # rows 0..4 predict ids[1..5]
+    if fn == "packed":
+        lp = packed_token_logprobs(hidden @ weight.T, ids, [0, 6], vocab_start=10).logprobs
+    else:
+        lp = seqpack.linear_token_logprobs(hidden, weight, ids, [0, 6], vocab_start=10).logprobs
+    lp = lp.cpu()
+    assert torch.isfinite(lp[[0, 2]]).all() and lp[4] == 0 and lp[5] == 0, lp
+    assert torch.isnan(lp[[1, 3]]).all(), lp  # targets 3 (below vocab_start) and 14 (past its end)
+
+
 @pytest.mark.parametrize("kind", ["column1", "row_stride", "odd_row_stride"])
 @pytest.mark.parametrize("vocab", [1024, 1027])
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
