@@ -144,7 +144,8 @@ ThdLayout layout_from_state(const py::tuple& t) {
 template <typename Run>
 std::vector<Run> runs_from(py::handle obj, const char* name) {
   constexpr py::ssize_t fields = sizeof(Run) / sizeof(int64_t);
-  auto a = py::array_t<int64_t, py::array::c_style | py::array::forcecast>::ensure(obj);
+  // No forcecast: integer arrays widen safely, a float array is refused, not truncated.
+  auto a = py::array_t<int64_t, py::array::c_style>::ensure(obj);
   if (!a || a.ndim() != 2 || a.shape(1) != fields)
     throw py::value_error(std::string("ThdPlan pickle: ") + name + " must be an int64 array [n, " +
                           std::to_string(fields) + "]");

@@ -38,10 +38,10 @@ ThdLayout make_thd_layout(Lengths seq_lens, const ThdOptions& o) {
   int64_t real = 0, padded = 0;
   for (int64_t len : seq_lens) {
     const int64_t p = round_up(fn, len, o.pad_multiple);
-    real += len;
     padded = checked_add(fn, "the packed length (sum of padded lengths)", padded, p);
     if (padded > kInt32Max)
       throw_invalid(fn, "the packed length " + std::to_string(padded) + " does not fit in int32 cu_seqlens");
+    real += len;  // <= padded (each len <= its padded length), so within int32 now
     out.padded_lens.push_back(p);
     out.cu_seqlens.push_back(static_cast<int32_t>(real));
     out.cu_seqlens_padded.push_back(static_cast<int32_t>(padded));

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["fields_equal", "values_equal"]
+__all__ = ["ValueEquality", "fields_equal", "values_equal"]
 
 
 def _is_tensor(x: Any) -> bool:
@@ -31,10 +31,16 @@ def _is_tensor(x: Any) -> bool:
 def values_equal(a: Any, b: Any) -> bool:
     """True when ``a`` and ``b`` hold the same values (recursively through
     mappings, lists and tuples); tensors and arrays must also agree in dtype and
-    shape, tensors in device and ``requires_grad``."""
+    shape, tensors in device and ``requires_grad``; NaN equals NaN."""
     if _is_tensor(a) or _is_tensor(b):
-        return (_is_tensor(a) and _is_tensor(b) and a.dtype == b.dtype and a.shape == b.shape
-                and a.device == b.device and a.requires_grad == b.requires_grad and bool(a.equal(b)))
+        if not (_is_tensor(a) and _is_tensor(b) and a.dtype == b.dtype and a.shape == b.shape
+                and a.device == b.device and a.requires_grad == b.requires_grad):
+            return False
+        if bool(a.equal(b)):
+            return True
+        # NaN equals NaN here, as in the arrays' branch: a copy of a batch holding NaN is equal to it.
+        return bool((a.dtype.is_floating_point or a.dtype.is_complex)
+                    and ((a == b) | (a.isnan() & b.isnan())).all())
     if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
         return (isinstance(a, np.ndarray) and isinstance(b, np.ndarray) and a.dtype == b.dtype
                 and a.shape == b.shape and bool(np.array_equal(a, b, equal_nan=a.dtype.kind in "fc")))
@@ -53,3 +59,18 @@ def fields_equal(self: Any, other: Any) -> Any:
     if type(other) is not type(self):
         return NotImplemented
     return all(values_equal(getattr(self, f.name), getattr(other, f.name)) for f in fields(self))
+
+
+class ValueEquality:
+    """Mixin for objects that are their attributes (packers, metric trackers, loss
+    functions): equal when of the same type with :func:`values_equal` attributes,
+    so a pickled or deep-copied one equals its original. Unhashable, as mutable."""
+
+    __slots__ = ()
+
+    def __eq__(self, other: Any) -> Any:
+        if type(other) is not type(self):
+            return NotImplemented
+        return values_equal(vars(self), vars(other))
+
+    __hash__ = None  # type: ignore[assignment]

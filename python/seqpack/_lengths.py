@@ -222,22 +222,27 @@ def as_real(value: Any, name: str, *, minimum: Optional[float] = None, minimum_i
     kind, item = _number(value, name, "a real number")
     if kind in "bc":
         raise TypeError(f"{name} must be a real number, got {_kind_of(value)}")
-    if rule is None:
-        rule = "a finite number" if finite else "a number"
-        if minimum is not None:
-            rule += f" {'>=' if minimum_inclusive else '>'} {minimum:g}"
-        if maximum is not None:
-            rule += f"{' and' if minimum is not None else ''} {'<=' if maximum_inclusive else '<'} {maximum:g}"
+
+    def refused(extra: str = "") -> ValueError:  # the message is written only on failure (hot paths call this)
+        text = rule
+        if text is None:
+            text = "a finite number" if finite else "a number"
+            if minimum is not None:
+                text += f" {'>=' if minimum_inclusive else '>'} {minimum:g}"
+            if maximum is not None:
+                text += f"{' and' if minimum is not None else ''} {'<=' if maximum_inclusive else '<'} {maximum:g}"
+        return ValueError(f"{name} must be {text}{extra}, got {shown(value)}")
+
     try:
         x = float(item)
     except OverflowError:
-        raise ValueError(f"{name} must be {rule} (it must fit in a float64), got {shown(value)}") from None
+        raise refused(" (it must fit in a float64)") from None
     if math.isnan(x) or (finite and math.isinf(x)):
-        raise ValueError(f"{name} must be {rule}, got {shown(value)}")
+        raise refused()
     if minimum is not None and (x < minimum if minimum_inclusive else x <= minimum):
-        raise ValueError(f"{name} must be {rule}, got {shown(value)}")
+        raise refused()
     if maximum is not None and (x > maximum if maximum_inclusive else x >= maximum):
-        raise ValueError(f"{name} must be {rule}, got {shown(value)}")
+        raise refused()
     return x
 
 
@@ -260,9 +265,11 @@ def as_temperature(value: Any, name: str = "temperature") -> float:
     ...
     ValueError: temperature must be a positive finite number in [1.1754944e-38, 3.4028235e+38] (...), got 1e-320
     """
-    return as_real(value, name, minimum=FLOAT32_NORMAL_MIN, maximum=FLOAT32_MAX,
-                   rule=f"a positive finite number in [{FLOAT32_NORMAL_MIN:.8g}, {FLOAT32_MAX:.8g}] (a normal float32: "
-                        "the kernels divide by it in float32)")
+    return as_real(value, name, minimum=FLOAT32_NORMAL_MIN, maximum=FLOAT32_MAX, rule=_TEMPERATURE_RULE)
+
+
+_TEMPERATURE_RULE = (f"a positive finite number in [{FLOAT32_NORMAL_MIN:.8g}, {FLOAT32_MAX:.8g}] (a normal float32: "
+                     "the kernels divide by it in float32)")
 
 
 def round_up(x: Any, multiple: int) -> Any:

@@ -41,7 +41,7 @@ import torch.distributed as dist
 from _gloo import RankPool
 
 WORLD = 2
-CASE_TIMEOUT_S = 15
+CASE_TIMEOUT_S = 45  # first-use imports and backward passes on 2 busy cores fit well inside
 CASE_IDS = itertools.count(1)
 OTHERS = ("another rank's input failed", "disagree on")
 

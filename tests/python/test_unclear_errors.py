@@ -23,7 +23,7 @@ from seqpack.training.logprobs import next_token_sources, next_token_targets
 IDS = torch.zeros(2, 4, dtype=torch.long)
 LOGITS = torch.zeros(5, 4)
 PACKED_IDS = torch.tensor([1, 2, 3, 0, 1])
-PACKS = seqpack.pack_dataset([[1, 2, 3], [4, 5]], pack_size=8)
+PACKS = seqpack.pack_dataset([[1, 2, 3], [4, 5]], pack_size=8, cp_size=2)  # collates with cp_size 1 or 2
 
 # (argument name, call taking the bad value, values that are valid for this argument)
 INT_ARGS = [

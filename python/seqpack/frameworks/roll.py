@@ -52,6 +52,7 @@ from .. import _core
 from ._batch import (batch_size, dummy_row, host_mask, is_data_proto, is_tensor, mask_lengths, proto_columns,
                      proto_select, proto_slice, select_all, step_plan_parts)
 from .._dist import active, agree_on_count, checked_on_every_rank
+from .._equality import ValueEquality, values_equal
 from .._lengths import as_int, as_positive_int
 from ..tensors.layout import alignment, round_up
 from ..planning.balance import WORKLOAD_ATTENTION_COEFF, MicroBatchPlan, get_seqlen_balanced_partitions, plan_micro_batches, sequence_workloads
@@ -87,6 +88,18 @@ class RollBatch(dict):
     def __init__(self, *args, meta_info: Optional[Dict[str, Any]] = None, **kwargs):
         super().__init__(*args, **kwargs)
         self.meta_info: Dict[str, Any] = dict(meta_info or {})
+
+    def __eq__(self, other: object) -> bool:
+        """Same tensors (element by element) and the same ``meta_info``."""
+        if not isinstance(other, RollBatch):
+            return NotImplemented
+        return values_equal(dict(self), dict(other)) and values_equal(self.meta_info, other.meta_info)
+
+    def __ne__(self, other: object) -> bool:  # dict's own __ne__ would compare the tensors' truth values
+        equal = self.__eq__(other)
+        return equal if equal is NotImplemented else not equal
+
+    __hash__ = None  # mutable
 
     @property
     def num_rows(self) -> int:
@@ -803,7 +816,7 @@ class SequencePackingConfig:
     max_packed_sequence_length: Optional[int] = None
 
 
-class SequencePackingPacker:
+class SequencePackingPacker(ValueEquality):
     """ROLL's packer for ``algorithm: none``: consecutive chunks of
     ``micro_batch_size`` rows (here their count must divide the rows), order kept.
 

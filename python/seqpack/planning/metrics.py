@@ -17,6 +17,7 @@ import math
 from typing import Any, Dict, List, Optional, Sequence
 
 from .. import _core
+from .._equality import ValueEquality
 from .._lengths import as_lengths, as_positive_int, as_real
 
 _STAT_KEYS = (
@@ -33,7 +34,7 @@ _STAT_KEYS = (
 )
 
 
-class PackingMetrics:
+class PackingMetrics(ValueEquality):
     """Track packing quality across calls (drop-in for NeMo-RL's ``PackingMetrics``).
 
     Per solution (``calculate_stats_only``): ``average_utilization`` = total length /

@@ -32,6 +32,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
+from .._equality import ValueEquality
 from .. import _core
 from .._lengths import as_int, as_lengths, as_positive_int, core_lengths
 from .metrics import PackingMetrics
@@ -62,7 +63,7 @@ def _resolve_algorithm(algorithm: Union[PackingAlgorithm, str, enum.Enum]) -> Pa
     raise ValueError(f"Unknown packing algorithm: {algorithm!r}. Available algorithms: {valid}")
 
 
-class SequencePacker:
+class SequencePacker(ValueEquality):
     """Packs sequence lengths into bins of ``bin_capacity`` tokens: NeMo-RL's
     ``SequencePacker`` base class, backed by the C++ core.
 

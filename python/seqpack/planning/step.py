@@ -71,7 +71,8 @@ class StepPlan:
     max_tokens: int
     sync: str
     cost: CostModel
-    lengths: Tuple[int, ...] = field(default=(), repr=False)
+    # Read-only int64; not compared (the cells and token sums already say what the plan is).
+    lengths: Optional[np.ndarray] = field(default=None, repr=False, compare=False)
 
     @property
     def gap(self) -> float:
@@ -154,8 +155,8 @@ class StepPlan:
             raise ValueError(f"mask_lengths must be >= 0, got mask_lengths[{i}] = {int(counts[i])}")
         if counts.dtype == np.uint64 and counts.max() > INT64_MAX:  # compared exactly, as Python ints
             counts = counts.astype(object)
-        if self.lengths:
-            lengths = np.asarray(self.lengths, dtype=np.int64)
+        if self.lengths is not None:
+            lengths = self.lengths
             over = np.flatnonzero(counts > lengths)
             if over.size:
                 i = int(over[0])
@@ -282,5 +283,10 @@ def plan_step(
         max_tokens=max_tokens,
         sync=sync,
         cost=cost,
-        lengths=tuple(lengths.tolist()),
+        lengths=_read_only(lengths.astype(np.int64)),
     )
+
+
+def _read_only(a: np.ndarray) -> np.ndarray:
+    a.flags.writeable = False
+    return a

@@ -365,10 +365,9 @@ class PackedLayout:
         return cached
 
     def _seed_offsets(self, device: Any, cu_seqlens: "torch.Tensor", cu_seqlens_padded: "torch.Tensor") -> None:
-        """Cache copies of offsets already on ``device`` (a batch's, which the caller
-        keeps and may edit): a device-side copy instead of a second host copy."""
-        if device not in self._device_offsets:
-            self._device_offsets[device] = (cu_seqlens.clone(), cu_seqlens_padded.clone())
+        """Cache offsets a caller has just copied to ``device`` in its own transfer
+        (a batch's metadata copy): tensors nobody else holds, never handed out."""
+        self._device_offsets.setdefault(device, (cu_seqlens, cu_seqlens_padded))
 
     def packed_seq_params(self, device: Any = "cpu"):
         """Megatron-Core ``PackedSeqParams`` of this layout with offsets on ``device``

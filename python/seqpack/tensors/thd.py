@@ -581,10 +581,14 @@ def _batch_from_plan(plan, layout: PackedLayout, device, num_threads: int = 0) -
     offsets on ``device``."""
     from ._device import host_to_device
 
-    # The four metadata arrays: one pinned non-blocking copy on CUDA, none on the CPU.
-    cu_seqlens, cu_seqlens_padded, seq_lens_t, padded_lens = host_to_device(
-        [layout.cu_seqlens, layout.cu_seqlens_padded, plan.seq_lens, plan.padded_lens], device)
-    layout._seed_offsets(device, cu_seqlens, cu_seqlens_padded)  # copies: the batch's tensors are the caller's
+    # The metadata arrays in one pinned non-blocking copy on CUDA (views of one
+    # buffer; separate tensors on the CPU): the batch's four, and the layout's own
+    # copy of the offsets for its cache, since the caller may edit the batch's.
+    cu_seqlens, cu_seqlens_padded, seq_lens_t, padded_lens, *cached = host_to_device(
+        [layout.cu_seqlens, layout.cu_seqlens_padded, plan.seq_lens, plan.padded_lens]
+        + ([layout.cu_seqlens, layout.cu_seqlens_padded] if device not in layout._device_offsets else []), device)
+    if cached:
+        layout._seed_offsets(device, *cached)
     return PackedBatch(
         tensors={},
         cu_seqlens=cu_seqlens,

@@ -150,11 +150,11 @@ def _check(q, k, v, window_size, causal) -> Tuple[int, int]:
 
 
 def _scale(softmax_scale: Any, q) -> float:
-    """``softmax_scale`` as a float (a finite number > 0, any NumPy or 0-d tensor
-    number), by default ``1 / sqrt(D)``."""
+    """``softmax_scale`` as a float (any finite number, as flash-attn takes it; any
+    NumPy or 0-d tensor number), by default ``1 / sqrt(D)``."""
     if softmax_scale is None:
         return q.shape[2] ** -0.5
-    return as_real(softmax_scale, "softmax_scale", minimum=0, minimum_inclusive=False)
+    return as_real(softmax_scale, "softmax_scale")
 
 
 def _window(window_size: Any) -> Tuple[int, int]:

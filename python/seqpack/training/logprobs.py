@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, NamedTuple, Optional, Tup
 import numpy as np
 
 from .._lengths import as_positive_int, as_temperature
+from .._equality import values_equal
 from ..tensors.cp import cp_row_positions
 from ..tensors.layout import PackedLayout, check_offsets, reads_on_host
 
@@ -65,6 +66,17 @@ class TokenLogprobs(NamedTuple):
 
     logprobs: "torch.Tensor"
     entropy: Optional["torch.Tensor"]
+
+    def __eq__(self, other: object) -> bool:  # tensors element by element, not a tuple's truth values
+        if not isinstance(other, TokenLogprobs):
+            return NotImplemented
+        return values_equal(self.logprobs, other.logprobs) and values_equal(self.entropy, other.entropy)
+
+    def __ne__(self, other: object) -> bool:  # tuple's own __ne__ would compare the tensors' truth values
+        equal = self.__eq__(other)
+        return equal if equal is NotImplemented else not equal
+
+    __hash__ = None  # holds tensors
 
 
 def _torch():
@@ -159,6 +171,8 @@ def _check_target_ids(input_ids: "torch.Tensor", vocab_start: int, vocab: int) -
     if input_ids.device.type != "cpu" or torch.compiler.is_compiling() or input_ids.numel() == 0:
         return
     end = vocab_start + vocab
+    if vocab_start == 0 and int(input_ids.max()) < end:  # the common case: one pass, no temporaries
+        return
     bad = (input_ids >= end) | ((input_ids >= 0) & (input_ids < vocab_start))
     if bool(bad.any()):
         pos = int(torch.argmax(bad.to(torch.uint8)))

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, Mapping, Optional, Tuple
 
 import numpy as np
 
+from .._equality import ValueEquality
 from ..tensors.cp import gather_cp
 from ..tensors.layout import PackedLayout, host_offsets
 from ..tensors.thd import pack_to_layout
@@ -471,7 +472,7 @@ def _pg_metric_normalizations(c: Mapping[str, Any]) -> Dict[str, str]:
     return out
 
 
-class _PGConfig:
+class _PGConfig(ValueEquality):
     """A validated configuration (so a loss object validates once)."""
 
     def __init__(self, cfg: Optional[Mapping[str, Any]]):
@@ -482,7 +483,7 @@ def _shifted(data: Mapping[str, Any], key: str):
     return data[key][:, 1:] if key in data else None
 
 
-class NLLLoss:
+class NLLLoss(ValueEquality):
     """SFT loss through the wrapper (NeMo-RL's ``NLLLoss`` interface)."""
 
     loss_type = LossType.TOKEN_LEVEL
@@ -497,7 +498,7 @@ class NLLLoss:
         return loss, metrics
 
 
-class ClippedPGLoss:
+class ClippedPGLoss(ValueEquality):
     """PPO / GRPO loss through the wrapper: NeMo-RL's current ``ClippedPGLossFn``
     (see :func:`clipped_pg_loss` for what it computes and :data:`PG_DEFAULTS` for
     the keys), validated at construction: an unknown or unimplemented key, or a
@@ -626,7 +627,7 @@ def prepare_loss_input(logits, data, loss_fn=None, vocab_parallel_rank=None, voc
     return loss_input, data
 
 
-class SequencePackingLossWrapper:
+class SequencePackingLossWrapper(ValueEquality):
     """Run an unpacked-data loss on packed logits (NeMo-RL's wrapper, and a fused path).
 
     Args:
@@ -760,7 +761,10 @@ class SequencePackingLossWrapper:
                                              vocab_parallel_group=self.vocab_parallel_group,
                                              context_parallel_group=self.context_parallel_group)
             else:
-                prepare = self.prepare_fn or (lambda **kw: prepare_loss_input(temperature=self.temperature, **kw))
+                # Agreed once above for the whole micro-batch (layout, logits, data shapes): no
+                # all-reduce per sequence.
+                prepare = self.prepare_fn or (lambda **kw: prepare_loss_input(temperature=self.temperature,
+                                                                              agree=False, **kw))
                 loss_input, seq = prepare(logits=piece, data=seq, loss_fn=self.loss_fn,
                                           vocab_parallel_rank=self.vocab_parallel_rank,
                                           vocab_parallel_group=self.vocab_parallel_group,
