@@ -83,7 +83,8 @@ def test_extension_carries_ampere_and_hopper_machine_code():
      "seqpack.planning.dynamic_batching", "seqpack.planning.cost", "seqpack.planning.step", "seqpack.tensors.layout",
      "seqpack.tensors.thd", "seqpack.frameworks._batch", "seqpack.frameworks.verl", "seqpack.testing.pipelines",
      "seqpack.tensors.cp",
-     "seqpack.tensors.dataset", "seqpack.training.logprobs", "seqpack.training.loss", "seqpack._lengths"],
+     "seqpack.tensors.dataset", "seqpack.training.logprobs", "seqpack.training.loss",
+     "seqpack.training.nemo_rl_loss", "seqpack._lengths"],
 )
 def test_doctests(module):
     result = doctest.testmod(importlib.import_module(module), verbose=False, report=True)

@@ -17,6 +17,7 @@ import inspect
 import multiprocessing
 import os
 import pickle
+import pkgutil
 from pathlib import Path
 
 import numpy as np
@@ -28,24 +29,28 @@ from seqpack._equality import values_equal
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "docs" / "examples"
 
-# Modules whose public names (``__all__``) make up the API; seqpack's own top level is walked too.
-PUBLIC_MODULES = (
-    "planning.packing", "planning.balance", "planning.dynamic_batching", "planning.metrics", "planning.cost",
-    "planning.step", "tensors.layout", "tensors.thd", "tensors.cp", "tensors.dataset", "training.logprobs",
-    "training.loss", "training.attention", "frameworks.batched_data_dict", "frameworks.roll", "frameworks.verl",
-    "frameworks.hf", "frameworks.config", "frameworks.trl", "tools.report", "tools.plot", "tools.cli",
-    "testing.reference", "testing.pipelines", "testing.tiny_model",
-)
+def public_modules():
+    """Every module of the package whose path has no private part (``_core``,
+    ``_lengths``, ``tensors._ops``, ... are not API), found on disk: a new module is
+    walked without being listed here."""
+    names = [m.name for m in pkgutil.walk_packages(seqpack.__path__, "seqpack.")
+             if not any(part.startswith("_") for part in m.name.split(".")[1:])]
+    return [importlib.import_module(name) for name in sorted(names)]
 
 
 def public_classes():
     found = {}
-    sources = [seqpack] + [importlib.import_module(f"seqpack.{m}") for m in PUBLIC_MODULES]
-    for mod in sources:
-        names = list(getattr(mod, "__all__", [])) + (list(seqpack._EXPORTS) if mod is seqpack else [])
+    for mod in [seqpack] + public_modules():
+        names = getattr(mod, "__all__", None)
+        if names is None:
+            names = [n for n in vars(mod) if not n.startswith("_")]
+        if mod is seqpack:
+            names = list(names) + list(seqpack._EXPORTS)
         for name in names:
             obj = getattr(mod, name, None)
-            if inspect.isclass(obj) and obj.__module__.startswith("seqpack"):
+            private = any(p.startswith("_") for p in obj.__module__.split(".")[1:] + obj.__qualname__.split(".")) \
+                if inspect.isclass(obj) else True
+            if inspect.isclass(obj) and obj.__module__.startswith("seqpack") and not private:
                 found[f"{obj.__module__}.{obj.__qualname__}"] = obj
     return found
 

@@ -1,7 +1,8 @@
 """Training ops on packed sequences: what a trainer's step calls.
 
 - :mod:`~seqpack.training.logprobs`: fused next-token log-probs (and entropy) on packed logits.
-- :mod:`~seqpack.training.loss`: NeMo-RL's losses and :class:`SequencePackingLossWrapper`.
+- :mod:`~seqpack.training.loss`: :class:`SequencePackingLossWrapper` (NeMo-RL's losses on packed logits).
+- :mod:`~seqpack.training.nemo_rl_loss`: NeMo-RL's losses and their normalisation (re-exported by ``loss``).
 - :mod:`~seqpack.training.attention`: varlen attention backends and CP attention.
 
 Importing this package does not import torch; the ops do, when called.
