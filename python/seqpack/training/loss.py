@@ -26,6 +26,7 @@ from .._lengths import as_temperature
 from ..tensors.cp import gather_cp
 from ..tensors.layout import PackedLayout
 from ..tensors.thd import pack_to_layout
+from . import nemo_rl_loss
 from .logprobs import _linear_plan, _packed_plan
 from .nemo_rl_loss import (MAX_KEYS, MIN_KEYS, PG_DEFAULTS, ClippedPGLoss, LossConfigError, LossType,
                            MetricNormalization, NLLLoss, _host_cu, calculate_kl, clipped_pg_loss, masked_mean,
@@ -34,24 +35,7 @@ from .nemo_rl_loss import (MAX_KEYS, MIN_KEYS, PG_DEFAULTS, ClippedPGLoss, LossC
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-__all__ = [
-    "ClippedPGLoss",
-    "LossConfigError",
-    "LossType",
-    "MetricNormalization",
-    "PG_DEFAULTS",
-    "NLLLoss",
-    "SequencePackingLossWrapper",
-    "calculate_kl",
-    "clipped_pg_loss",
-    "masked_mean",
-    "nll_loss",
-    "pg_config",
-    "prepare_loss_input",
-    "segment_masked_mean",
-    "segment_mean",
-    "segment_sum",
-]
+__all__ = sorted(nemo_rl_loss.__all__ + ["SequencePackingLossWrapper", "prepare_loss_input"])
 
 
 _COUPLED = re.compile(r"dpo|preference|pairwise|contrastive", re.IGNORECASE)
