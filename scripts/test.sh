@@ -18,6 +18,14 @@ python3 -m pip install --quiet ".[test,plot]" \
   --config-settings=build-dir=build/pip \
   --config-settings=cmake.define.SEQPACK_BUILD_TESTS=ON
 
+echo "== the released packages the drop-ins are compared with (verl, NeMo AutoModel)"
+# Their transformers pins (verl <5.11, AutoModel ==5.18) conflict with TRL 1.16's, so
+# they come without their dependencies, plus what the compared modules import
+# (verl.utils.seqlen_balancing: ray, tensordict in verl's range). Without them the
+# differential tests skip and the recorded cases still run.
+python3 -m pip install --quiet --no-deps verl==0.9.1 nemo_automodel==0.7.0
+python3 -m pip install --quiet "ray>=2.41" "tensordict>=0.8,!=0.9.0,<=0.10.0"
+
 echo "== C++ core: GoogleTest via CTest"
 ctest --test-dir build/pip --output-on-failure --timeout 300
 

@@ -6,10 +6,11 @@ backend (flash-attn, PyTorch varlen, the exact CPU reference) - together with
 the matching mask function in ``AttentionMaskInterface``: without one,
 transformers skips mask creation for an unknown implementation and a padded
 batch's ``attention_mask`` would silently never reach the attention.
-:class:`PackingCollator` flattens a list of examples into one row the way
-transformers' ``DataCollatorWithFlattening`` does (``position_ids`` restarting
-per sequence, ``cu_seq_lens_q/k``, ``max_length_q/k``, labels -100 at each
-sequence start), optionally padding each sequence to a multiple (2·CP·TP).
+:class:`PackingCollator` flattens a list of examples into one row as
+transformers' ``DataCollatorWithFlattening`` does - its options (``separator_id``,
+``return_flash_attn_kwargs``, ``return_seq_idx``, ``position_ids_start``,
+``return_tensors`` ``"pt"`` / ``"np"``), defaults, keys, dtypes and values, empty
+examples dropped - optionally padding each sequence to a multiple (2·CP·TP).
 Examples of vision-language models with M-RoPE ids (Qwen2-VL, Qwen2.5-VL:
 ``position_ids [3, n]``) pack to the ``[4, 1, T]`` ids transformers reads as a
 packed batch (a text row, then temporal / height / width), their vision inputs
@@ -24,12 +25,13 @@ concatenated; see ``docs/vlm.md``.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 import numpy as np
 
-from .._lengths import as_positive_int, as_real
+from .._lengths import as_int64, as_positive_int, as_real
 
 NAME = "seqpack"
 IGNORE_INDEX = -100
@@ -45,7 +47,11 @@ def attention_forward(module, query, key, value, attention_mask, dropout: float 
     unpadded), ``cu_seq_lens_q/k`` + ``max_length_q/k`` keyword arguments (the
     collator's), ``position_ids`` restarting inside a single row (packed; see
     :func:`sequence_starts` for 3-D M-RoPE ids), else each batch row is one
-    sequence."""
+    sequence.
+
+    Under ``torch.autocast`` it follows SDPA: transformers hands it float32 q/k
+    (after the rotary embedding) and a bfloat16 v; all three are cast to the
+    autocast dtype and the output comes back in it (:func:`seqpack.varlen_attention`)."""
     import torch
 
     from ..training.attention import varlen_attention
@@ -145,6 +151,17 @@ def register(name: str = NAME, backend: str = "auto") -> str:
 # Vision inputs of Qwen2-VL-style processors: one entry per image / video (patches
 # of all images back to back), so a packed row's are the examples' concatenated.
 VISION_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
+# Keys that mean nothing in one packed row, left out without a warning (transformers
+# drops every key but input_ids and labels).
+_PACKED_AWAY = frozenset({"input_ids", "labels", "position_ids", "attention_mask"})
+_FLASH_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+
+
+def _host_ints(value: Any) -> np.ndarray:
+    """A token list, NumPy array or torch tensor (any device) as flat int64."""
+    if hasattr(value, "detach"):
+        value = value.detach().cpu().numpy()
+    return np.asarray(value, dtype=np.int64).reshape(-1)
 
 
 def _example_mrope(f: Mapping[str, Any], i: int, n: int) -> Optional[np.ndarray]:
@@ -166,14 +183,32 @@ def _example_mrope(f: Mapping[str, Any], i: int, n: int) -> Optional[np.ndarray]
 
 @dataclass
 class PackingCollator:
-    """Flattens examples into one packed row (a drop-in for transformers'
-    ``DataCollatorWithFlattening`` with ``return_flash_attn_kwargs=True``).
+    """Flattens examples into one packed row: a drop-in for transformers'
+    ``DataCollatorWithFlattening`` (5.24) - its options, defaults, keys, dtypes and
+    values - with per-sequence padding and M-RoPE / vision inputs on top.
 
-    Args:
+    transformers' options, with its defaults:
+        return_position_ids: ``position_ids [1, T]``, restarting at
+            ``position_ids_start`` for every sequence.
+        separator_id: the label of every sequence's first token (-100), so the
+            shifted causal-LM loss never predicts a sequence's first token from the
+            previous sequence. ``__call__(..., separator_id=)`` overrides it.
+        return_flash_attn_kwargs: ``cu_seq_lens_q/k`` (int32) and ``max_length_q/k``
+            (Python ints). ``None`` (the default) is transformers' ``False`` unless a
+            seqpack-only layout is asked for (``pad_to_multiple_of > 1`` or
+            ``mrope_text_row=False``), where it is ``True``.
+        return_seq_idx: ``seq_idx [1, T]`` (int32), the index of each token's
+            example (after empty examples are dropped).
+        position_ids_start: the position of every sequence's first token (RoBERTa-
+            like models number positions from ``padding_idx + 1``).
+        return_tensors: ``"pt"`` (torch) or ``"np"`` (NumPy: no torch needed);
+            ``__call__(..., return_tensors=)`` overrides it.
+
+    seqpack's own:
         pad_to_multiple_of: pad each sequence to a multiple of this (e.g.
             ``seqpack.alignment(cp, tp)``); padding gets ``pad_token_id`` and label
-            -100 and continues the position ids.
-        return_position_ids / return_flash_attn_kwargs: which fields to emit.
+            -100, continues the position ids and belongs to its sequence in
+            ``cu_seq_lens`` and ``seq_idx``.
         mrope_text_row: with M-RoPE examples, put the text positions (restarting
             per sequence) in front of the three M-RoPE rows: ``position_ids [4, 1, T]``,
             what transformers' Qwen2-VL / Qwen2.5-VL take as packed. ``False`` gives
@@ -182,21 +217,31 @@ class PackingCollator:
         vision_keys: fields concatenated along dimension 0 across the examples
             that have them (Qwen2-VL's ``pixel_values``, ``image_grid_thw``, ...).
 
-    Each example is a mapping with ``input_ids`` (and optionally ``labels``).
-    Labels are -100 at every sequence's first token, so the shifted causal-LM
-    loss never predicts one sequence's first token from the previous sequence.
+    Each example is a mapping with ``input_ids`` (and optionally ``labels``). As in
+    transformers, examples without tokens are dropped (no tokens: nothing to
+    train on) and a batch of only such examples is a ``ValueError``; ``input_ids``
+    and ``labels`` may be lists, NumPy arrays or tensors. Where transformers would
+    fail or silently misread, seqpack raises: ``labels`` of another length than
+    ``input_ids``, or ``labels`` in some examples and not in others (transformers
+    reads the first example's choice for all). Keys other than these, M-RoPE
+    ``position_ids``, ``attention_mask`` and ``vision_keys`` are left out, as
+    transformers leaves them out, with a warning naming them.
 
     An example may carry M-RoPE ``position_ids [k, n]`` (or ``[k, 1, n]``; ``k = 3``
     for Qwen2-VL's temporal / height / width, as ``get_rope_index`` gives them): they
-    are packed per sequence with :func:`seqpack.pack_sequences` (examples without
-    them get ``0 .. n-1`` in every row, the ids of text), the padding continuing
-    from the sequence's largest id as text would. 1-D ``position_ids`` are ignored:
-    the collator's own restart per sequence.
+    are packed per sequence (examples without them get ``0 .. n-1`` in every row, the
+    ids of text), the padding continuing from the sequence's largest id as text
+    would; ``position_ids_start`` shifts the text row only. 1-D ``position_ids`` are
+    ignored: the collator's own restart per sequence.
 
     >>> from seqpack.integrations.hf import PackingCollator
-    >>> out = PackingCollator()([{"input_ids": [1, 2, 3]}, {"input_ids": [4, 5]}])
-    >>> out["position_ids"].tolist(), out["labels"].tolist(), out["cu_seq_lens_q"].tolist()
-    ([[0, 1, 2, 0, 1]], [[-100, 2, 3, -100, 5]], [0, 3, 5])
+    >>> out = PackingCollator()([{"input_ids": [1, 2, 3]}, {"input_ids": []}, {"input_ids": [4, 5]}])
+    >>> sorted(out), out["position_ids"].tolist(), out["labels"].tolist()
+    (['input_ids', 'labels', 'position_ids'], [[0, 1, 2, 0, 1]], [[-100, 2, 3, -100, 5]])
+    >>> out = PackingCollator(return_flash_attn_kwargs=True, return_seq_idx=True, return_tensors="np")(
+    ...     [{"input_ids": [1, 2, 3]}, {"input_ids": [4, 5]}])
+    >>> out["cu_seq_lens_q"], out["seq_idx"], out["max_length_q"]
+    (array([0, 3, 5], dtype=int32), array([[0, 0, 0, 1, 1]], dtype=int32), 3)
     >>> mrope = [[0, 1, 1, 3], [0, 1, 2, 3], [0, 1, 2, 3]]          # [3, n]: one image token pair
     >>> out = PackingCollator(pad_to_multiple_of=2)([{"input_ids": [7, 8, 8, 9], "position_ids": mrope},
     ...                                              {"input_ids": [4]}])
@@ -207,87 +252,129 @@ class PackingCollator:
     pad_to_multiple_of: int = 1
     pad_token_id: int = 0
     return_position_ids: bool = True
-    return_flash_attn_kwargs: bool = True
+    return_flash_attn_kwargs: Optional[bool] = None
     mrope_text_row: bool = True
     vision_keys: Sequence[str] = VISION_KEYS
+    separator_id: int = IGNORE_INDEX
+    return_seq_idx: bool = False
+    position_ids_start: int = 0
+    return_tensors: str = "pt"
 
-    def __call__(self, features: Sequence[Mapping[str, Any]], return_tensors: str = "pt") -> Dict[str, Any]:
-        import torch
+    def flash_attn_kwargs(self) -> bool:
+        """Whether ``cu_seq_lens_q/k`` and ``max_length_q/k`` are emitted (what
+        ``return_flash_attn_kwargs=None`` resolves to)."""
+        if self.return_flash_attn_kwargs is not None:
+            return bool(self.return_flash_attn_kwargs)
+        return as_positive_int(self.pad_to_multiple_of, "pad_to_multiple_of") > 1 or not self.mrope_text_row
 
-        from ..tensors.thd import pack_sequences
+    def __call__(self, features: Sequence[Mapping[str, Any]], return_tensors: Optional[str] = None,
+                 separator_id: Optional[int] = None) -> Dict[str, Any]:
+        multiple = as_positive_int(self.pad_to_multiple_of, "pad_to_multiple_of")
+        fmt = self.return_tensors if return_tensors is None else return_tensors
+        if not isinstance(fmt, str) or fmt not in ("pt", "np"):
+            raise ValueError(f"return_tensors must be one of ('pt', 'np'), got {fmt!r}")
+        sep = as_int64(self.separator_id if separator_id is None else separator_id, "separator_id")
+        start = as_int64(self.position_ids_start, "position_ids_start")
+        pad_id = as_int64(self.pad_token_id, "pad_token_id")
+        flash = self.flash_attn_kwargs()
 
-        as_positive_int(self.pad_to_multiple_of, "pad_to_multiple_of")
-        if return_tensors != "pt":
-            raise ValueError(f"return_tensors must be 'pt', got {return_tensors!r}")
-        if not features:
-            raise ValueError("features must hold at least one example")
+        kept: List[Mapping[str, Any]] = []
+        where: List[int] = []  # the kept examples' indices in features
         ids: List[np.ndarray] = []
+        for i, f in enumerate(features):
+            if not isinstance(f, Mapping) or "input_ids" not in f:
+                raise ValueError(f"features[{i}] has no 'input_ids' (each example must be a mapping with them)")
+            x = _host_ints(f["input_ids"])
+            if x.size:  # examples without tokens are dropped, as transformers drops them
+                kept.append(f)
+                where.append(i)
+                ids.append(x)
+        if not kept:
+            raise ValueError("every example of the batch is empty (no input_ids): nothing to pack")
+        with_labels = [f.get("labels") is not None for f in kept]
+        if any(with_labels) and not all(with_labels):
+            raise ValueError(f"the examples must all have labels or none: features[{where[with_labels.index(False)]}] "
+                             f"has none, features[{where[with_labels.index(True)]}] has some (transformers would fail "
+                             f"or use the first example's choice for all)")
         labels: List[np.ndarray] = []
         mrope: List[Optional[np.ndarray]] = []
-        for i, f in enumerate(features):
-            if "input_ids" not in f:
-                raise ValueError(f"features[{i}] has no 'input_ids'")
-            x = np.asarray(f["input_ids"], dtype=np.int64).reshape(-1)
-            if x.size == 0:
-                raise ValueError(f"features[{i}]['input_ids'] is empty")
-            y = np.asarray(f["labels"], dtype=np.int64).reshape(-1) if "labels" in f else x
-            if y.shape != x.shape:
+        dropped = set()
+        for i, f, x in zip(where, kept, ids):
+            y = _host_ints(f["labels"]) if with_labels[0] else x
+            if y.size != x.size:
                 raise ValueError(f"features[{i}]: labels and input_ids differ in length ({y.size} vs {x.size})")
-            ids.append(x)
             labels.append(y)
             mrope.append(_example_mrope(f, i, x.size) if self.return_position_ids else None)
-        lengths = np.array([a.size for a in ids], dtype=np.int64)
-        # Right-padded rows, then the THD pack of the tensor engine (its plan gives
-        # the offsets and positions, the same rules as every other packed batch).
-        rows = np.zeros((len(ids), int(lengths.max())), dtype=np.int64)
-        rows_labels = np.full_like(rows, IGNORE_INDEX)
-        for b, (x, y) in enumerate(zip(ids, labels)):
-            rows[b, :x.size] = x
-            rows_labels[b, 1:y.size] = y[1:]  # the first label stays -100
-        tensors = {"input_ids": torch.from_numpy(rows), "labels": torch.from_numpy(rows_labels)}
-        k = {p.shape[0] for p in mrope if p is not None}
-        if len(k) > 1:
-            raise ValueError(f"the examples' M-RoPE position_ids have different row counts: {sorted(k)}")
-        k = k.pop() if k else 0
-        if k:
-            if k == 3 and not self.mrope_text_row and not self.return_flash_attn_kwargs:
-                raise ValueError("3-row M-RoPE position_ids without a text row or cu_seq_lens_q/k: transformers "
-                                 "would read the packed row as one sequence (set mrope_text_row or "
-                                 "return_flash_attn_kwargs)")
-            rows_pos = np.zeros((k, *rows.shape), dtype=np.int64)
-            for b, (x, p) in enumerate(zip(ids, mrope)):
-                rows_pos[:, b, :x.size] = np.arange(x.size) if p is None else p
-            tensors["position_ids"] = torch.from_numpy(rows_pos)
-        batch = pack_sequences(tensors, seq_lens=lengths, pad_multiple=self.pad_to_multiple_of,
-                               pad_values={"input_ids": self.pad_token_id, "labels": IGNORE_INDEX})
-        out: Dict[str, Any] = {"input_ids": batch["input_ids"][None], "labels": batch["labels"][None]}
-        kwargs = batch.hf_kwargs()
+            dropped.update(key for key in f if key not in _PACKED_AWAY and key not in self.vision_keys)
+        if dropped:
+            warnings.warn(f"PackingCollator leaves out the examples' {sorted(map(str, dropped))} (one packed row "
+                          "has only input_ids, labels, position_ids, the sequence boundaries and vision inputs; "
+                          "transformers' DataCollatorWithFlattening leaves them out too)", stacklevel=2)
+
+        lengths = np.array([x.size for x in ids], dtype=np.int64)
+        padded = -(-lengths // multiple) * multiple
+        offsets = np.zeros(lengths.size + 1, dtype=np.int64)
+        np.cumsum(padded, out=offsets[1:])
+        total = int(offsets[-1])
+        within = np.arange(total, dtype=np.int64) - np.repeat(offsets[:-1], padded)  # token index in its sequence
+        real = within < np.repeat(lengths, padded)
+        input_ids = np.full(total, pad_id, dtype=np.int64)
+        input_ids[real] = np.concatenate(ids)
+        out_labels = np.full(total, IGNORE_INDEX, dtype=np.int64)
+        out_labels[real] = np.concatenate(labels)
+        out_labels[offsets[:-1]] = sep
+        out: Dict[str, Any] = {"input_ids": input_ids[None], "labels": out_labels[None]}
         if self.return_position_ids:
-            out["position_ids"] = kwargs["position_ids"]
-            if k:
-                out["position_ids"] = self._mrope_rows(batch, rows_pos, lengths, k)
-        if self.return_flash_attn_kwargs:
-            for key in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k"):
-                out[key] = kwargs[key]
+            out["position_ids"] = self._position_ids(within + start, mrope, lengths, offsets, flash)
+        if self.return_seq_idx:
+            out["seq_idx"] = np.repeat(np.arange(lengths.size, dtype=np.int32), padded)[None]
+        if flash:
+            out["cu_seq_lens_q"] = offsets.astype(np.int32)
+            out["cu_seq_lens_k"] = offsets.astype(np.int32)
+            out["max_length_q"] = out["max_length_k"] = int(padded.max())
+        if fmt == "pt":
+            import torch
+
+            out = {key: torch.from_numpy(v) if isinstance(v, np.ndarray) else v for key, v in out.items()}
         for key in self.vision_keys:
-            parts = [torch.as_tensor(f[key]) for f in features if f.get(key) is not None]
+            parts = [f[key] for f in kept if f.get(key) is not None]
             if parts:
-                out[key] = torch.cat([t.reshape(1) if t.dim() == 0 else t for t in parts])
+                out[key] = _concat(parts, fmt)
         return out
 
-    def _mrope_rows(self, batch, rows_pos: np.ndarray, lengths: np.ndarray, k: int):
-        """The packed ``[k, T]`` M-RoPE ids, each sequence's padding continuing from
-        its largest id (as text after it would), as ``[4, 1, T]`` with the text row
-        (``mrope_text_row`` and ``k = 3``) or ``[k, 1, T]``."""
-        import torch
-
-        packed = batch["position_ids"].numpy().copy()
-        offsets = batch.cu_seqlens_padded.tolist()
-        for b, n in enumerate(lengths.tolist()):
-            start, end = offsets[b] + n, offsets[b + 1]
-            if end > start:
-                top = int(rows_pos[:, b, :n].max())
-                packed[:, start:end] = np.arange(top + 1, top + 1 + end - start)
+    def _position_ids(self, text: np.ndarray, mrope: List[Optional[np.ndarray]], lengths: np.ndarray,
+                      offsets: np.ndarray, flash: bool) -> np.ndarray:
+        """``[1, T]`` text positions, or with M-RoPE examples the packed ``[k, T]``
+        ids (each sequence's padding continuing from its largest id, as text after it
+        would) as ``[4, 1, T]`` with the text row (``mrope_text_row`` and ``k = 3``)
+        or ``[k, 1, T]``."""
+        rows = {p.shape[0] for p in mrope if p is not None}
+        if len(rows) > 1:
+            raise ValueError(f"the examples' M-RoPE position_ids have different row counts: {sorted(rows)}")
+        if not rows:
+            return text[None]
+        k = rows.pop()
+        if k == 3 and not self.mrope_text_row and not flash:
+            raise ValueError("3-row M-RoPE position_ids without a text row or cu_seq_lens_q/k: transformers "
+                             "would read the packed row as one sequence (set mrope_text_row or "
+                             "return_flash_attn_kwargs)")
+        packed = np.empty((k, text.size), dtype=np.int64)
+        for b, (n, p) in enumerate(zip(lengths.tolist(), mrope)):
+            lo, hi = int(offsets[b]), int(offsets[b + 1])
+            packed[:, lo:lo + n] = np.arange(n) if p is None else p
+            top = n - 1 if p is None else int(p.max())
+            packed[:, lo + n:hi] = np.arange(top + 1, top + 1 + hi - lo - n)
         if k == 3 and self.mrope_text_row:
-            return batch.hf_kwargs(torch.from_numpy(packed))["position_ids"]
-        return torch.from_numpy(packed)[:, None]
+            packed = np.concatenate([text[None], packed])
+        return packed[:, None]
+
+
+def _concat(parts: List[Any], fmt: str) -> Any:
+    """The examples' values of one vision key, concatenated along dimension 0."""
+    if fmt == "np":
+        arrays = [np.asarray(p.detach().cpu() if hasattr(p, "detach") else p) for p in parts]
+        return np.concatenate([a.reshape(1) if a.ndim == 0 else a for a in arrays])
+    import torch
+
+    tensors = [torch.as_tensor(p) for p in parts]
+    return torch.cat([t.reshape(1) if t.dim() == 0 else t for t in tensors])

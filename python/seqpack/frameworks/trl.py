@@ -29,17 +29,18 @@ Needs ``pyarrow`` (and ``datasets`` for ``Dataset`` / ``DatasetDict`` inputs):
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import mmap
 import warnings
-from typing import Any, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple
 
 import numpy as np
 
 from .. import _core
 from .._lengths import as_int64, as_positive_int, type_name
 
-__all__ = ["pack_dataset", "STRATEGIES"]
+__all__ = ["pack_dataset", "STRATEGIES", "patch", "unpatch", "patched", "trl_pack_dataset"]
 
 STRATEGIES = ("bfd", "bfd_split", "wrapped", "bfd_global", "bfd_split_global")
 _DEFAULT_MAP_BATCH = 1000  # datasets.Dataset.map's default batch_size, which TRL packs by
@@ -468,3 +469,112 @@ def _pack_wrapped(columns, names, seq_length: int, starts: np.ndarray, ends: np.
         dtype = np.int64 if pa.types.is_large_list(column.type) else np.int32
         arrays.append(type(column).from_arrays(pa.array(cuts.astype(dtype)), flat))
     return pa.Table.from_arrays(arrays, names=names)
+
+
+# ---- patching TRL's trainers ------------------------------------------------------
+# TRL's trainer modules bind pack_dataset when they are imported (``from
+# ..data_utils import pack_dataset``), so importing seqpack's under that name in a
+# user's script changes nothing: the binding is replaced where it lives.
+_TRL_STRATEGIES = ("bfd", "bfd_split", "wrapped")  # what TRL's trainers read as packed (SFTTrainer's padding-free)
+_TRL_ORIGINAL: Dict[str, Any] = {}  # "pack_dataset": TRL's own function, while patched
+
+
+def trl_pack_dataset(dataset: Any, seq_length: int, strategy: str = "bfd",
+                     map_kwargs: Optional[Dict[str, Any]] = None) -> Any:
+    """What :func:`patch` puts in TRL's place: TRL's ``pack_dataset`` signature,
+    :func:`pack_dataset` for a ``datasets.Dataset`` / ``DatasetDict`` (the same
+    packs), TRL's own function for what seqpack does not take (``IterableDataset``,
+    ``IterableDatasetDict``: packed as a stream, batch by batch).
+
+    Only TRL's strategies (``"bfd"``, ``"bfd_split"``, ``"wrapped"``): SFTTrainer
+    turns padding-free on (position ids restarting per sequence) for the ``bfd``
+    ones by name, so ``"bfd_global"`` packs would be trained as one sequence per
+    row - refused here, as TRL refuses an unknown strategy."""
+    if strategy not in _TRL_STRATEGIES:
+        raise ValueError(f"Invalid packing strategy '{strategy}', must be one of {_TRL_STRATEGIES} (TRL's trainers "
+                         f"read only these as packed; seqpack's global strategies need seqpack.integrations.trl."
+                         f"pack_dataset and a trainer that is told the rows are packed)")
+    datasets = _datasets()
+    if isinstance(dataset, (datasets.Dataset, datasets.DatasetDict)):
+        return pack_dataset(dataset, seq_length, strategy, map_kwargs)
+    return _trl_pack_dataset()(dataset, seq_length, strategy, map_kwargs)
+
+
+def _trl_pack_dataset() -> Any:
+    """TRL's own ``pack_dataset`` (patched or not)."""
+    if "pack_dataset" in _TRL_ORIGINAL:
+        return _TRL_ORIGINAL["pack_dataset"]
+    import trl.data_utils
+
+    return trl.data_utils.pack_dataset
+
+
+def _trl_modules() -> List[Tuple[str, Any]]:
+    import sys
+
+    return [(name, module) for name, module in list(sys.modules.items())
+            if module is not None and (name == "trl" or name.startswith("trl."))]
+
+
+def patched_names() -> List[str]:
+    """The ``module.pack_dataset`` names of loaded TRL modules that are seqpack's now."""
+    return sorted(f"{name}.pack_dataset" for name, module in _trl_modules()
+                  if getattr(module, "__dict__", {}).get("pack_dataset") is trl_pack_dataset)
+
+
+def patch() -> List[str]:
+    """Make TRL's trainers pack with seqpack: TRL's ``pack_dataset`` is replaced by
+    :func:`trl_pack_dataset` in ``trl.data_utils`` and in every loaded TRL module that
+    bound it (``trl.trainer.sft_trainer``, imported here, ``trl.experimental.gold.
+    gold_trainer`` when loaded, ``trl.pack_dataset`` once read); TRL modules imported
+    later bind the replacement from ``trl.data_utils``. Idempotent; :func:`unpatch`
+    (or the :func:`patched` context manager) restores TRL's own.
+
+    Returns the ``module.pack_dataset`` names that are seqpack's now (the same list
+    when called again); the ones replaced by this call are logged (INFO)."""
+    import importlib
+    import logging
+
+    try:
+        data_utils = importlib.import_module("trl.data_utils")
+    except ImportError as exc:
+        raise ImportError(f"seqpack.integrations.trl.patch() needs TRL (pip install trl): {exc}") from exc
+    importlib.import_module("trl.trainer.sft_trainer")
+    original = _TRL_ORIGINAL.get("pack_dataset", data_utils.pack_dataset)
+    if original is trl_pack_dataset:  # patched, then this module reloaded: nothing left to restore to
+        raise RuntimeError("trl.data_utils.pack_dataset is seqpack's already, and TRL's own is not known here")
+    replaced = []
+    for name, module in _trl_modules():
+        if getattr(module, "__dict__", {}).get("pack_dataset") is original:
+            module.pack_dataset = trl_pack_dataset
+            replaced.append(f"{name}.pack_dataset")
+    _TRL_ORIGINAL["pack_dataset"] = original
+    if replaced:
+        logging.getLogger(__name__).info("seqpack.integrations.trl.patch(): TRL's pack_dataset replaced in %s",
+                                         ", ".join(sorted(replaced)))
+    return patched_names()
+
+
+def unpatch() -> List[str]:
+    """Restores TRL's own ``pack_dataset`` wherever :func:`patch` (or a TRL module
+    imported since) put seqpack's; returns those ``module.pack_dataset`` names."""
+    original = _TRL_ORIGINAL.pop("pack_dataset", None)
+    restored = patched_names()
+    if original is not None:
+        for name, module in _trl_modules():
+            if getattr(module, "__dict__", {}).get("pack_dataset") is trl_pack_dataset:
+                module.pack_dataset = original
+    return restored
+
+
+@contextlib.contextmanager
+def patched() -> Iterator[List[str]]:
+    """``with patched():`` TRL's trainers pack with seqpack inside the block (TRL
+    packs in the trainer's constructor); on exit TRL's own is restored unless it
+    was patched before the block. Yields :func:`patch`'s list."""
+    was = bool(_TRL_ORIGINAL)
+    try:
+        yield patch()
+    finally:
+        if not was:
+            unpatch()

@@ -1,13 +1,15 @@
 """verl's dynamic micro-batching (``verl.utils.seqlen_balancing``), with a strict cap.
 
 :func:`rearrange_micro_batches` takes verl's arguments and returns verl's
-``(micro_batches, micro_bsz_idx)``; unlike verl's KK split into
-``ceil(total / max_token_len)`` parts (whose parts can exceed the cap), every
-micro-batch here holds at most ``max_token_len`` real tokens: the count grows
-until Karmarkar-Karp (or LPT) balances the workload within the cap, and when
-ranks are given it is the same on every rank, agreed with collectives that every
-rank runs (no rank waits alone). ``strict=False`` restores verl's rule exactly
-(count, partitions, order; its micro-batches can then exceed the cap).
+``(micro_batches, micro_bsz_idx)``. By default (``strict=True``) every micro-batch
+holds at most ``max_token_len`` real tokens: the count grows until Karmarkar-Karp
+(or LPT) balances the workload within the cap, and when ranks are given it is the
+same on every rank, agreed with collectives that every rank runs (no rank waits
+alone). ``strict=False`` is the released verl's rule exactly (0.9.1, since
+verl#7553: its count, grown in steps of ``num_batches_divided_by`` until its
+Karmarkar-Karp parts fit the cap; its partitions, order and raises);
+``strict="soft_cap"`` is the rule of verl before verl#7553 (``ceil(tokens / cap)``
+parts, which can exceed the cap). docs/verl.md lists what differs on purpose.
 
 :func:`prepare_dynamic_batch` / :func:`restore_dynamic_batch` are verl's
 ``DataProto``-level pair (a ``DataProto`` is duck-typed: ``.batch``,
@@ -20,9 +22,11 @@ group of responses (GRPO's) on one rank.
     >>> mbs, idx = rearrange_micro_batches({"attention_mask": mask}, max_token_len=8)
     >>> len(mbs), max(int(mb["attention_mask"].sum()) for mb in mbs)
     (8, 7)
-    >>> mbs, idx = rearrange_micro_batches({"attention_mask": mask}, max_token_len=8, strict=False)
-    >>> len(mbs), max(int(mb["attention_mask"].sum()) for mb in mbs)   # verl's ceil(56 / 8) = 7
+    >>> mbs, idx = rearrange_micro_batches({"attention_mask": mask}, max_token_len=8, strict="soft_cap")
+    >>> len(mbs), max(int(mb["attention_mask"].sum()) for mb in mbs)   # verl < #7553: ceil(56 / 8) = 7
     (7, 14)
+    >>> len(rearrange_micro_batches({"attention_mask": mask}, max_token_len=8, strict=False)[0])  # verl 0.9.1
+    8
     >>> get_reverse_idx([2, 0, 1])
     [1, 2, 0]
     >>> get_group_balanced_partitions([100, 100, 300, 300, 50, 50, 250, 250], list("aabbccdd"), 2)
@@ -32,13 +36,13 @@ group of responses (GRPO's) on one rank.
 from __future__ import annotations
 
 import copy
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
 from ._batch import (batch_size, dummy_row, is_data_proto, is_tensor, mask_lengths, proto_columns, proto_select,
                      rows, select, select_all, step_plan_parts)
-from .._dist import active, agree_on_count, checked_on_every_rank
+from .._dist import active, agree_on_count, all_reduce_int, all_reduce_ints, checked_on_every_rank
 from .._lengths import as_lengths, as_positive_int
 from ..planning.balance import (WORKLOAD_ATTENTION_COEFF, get_seqlen_balanced_partitions, plan_micro_batches,
                                 sequence_workloads)
@@ -97,7 +101,7 @@ def rearrange_micro_batches(
     use_dynamic_bsz_balance: bool = True,
     force_group_size: int = 1,
     *,
-    strict: bool = True,
+    strict: Union[bool, str] = True,
     step_plan: Optional["StepPlan"] = None,
     dp_rank: Optional[int] = None,
     mini_batch: int = 0,
@@ -117,14 +121,19 @@ def rearrange_micro_batches(
             by the workload ``24576·s + s²``; otherwise heaviest first.
         force_group_size: every ``force_group_size`` consecutive rows stay in one
             micro-batch (verl's reward-model pairs); the rows must be a multiple of it.
-        strict: ``True`` (default): the cap holds, the count grows as needed.
-            ``False``: verl's rule exactly, able to exceed the cap: count
+        strict: ``True`` (default): the cap holds, the count grows as needed
+            (seqpack's planner; agreed over ``dp_group``, or the default group).
+            ``False``: the released verl's rule (0.9.1), exactly: count
             ``min(rows, ceil(tokens / max_token_len))`` (``rows``: groups of
-            ``force_group_size``), raised to ``min_num_micro_batch``, all-reduced
-            with MAX over ``dp_group`` only when ``dp_group`` is given,
-            ``same_micro_num_in_dp`` and ``torch.distributed`` initialised, rounded
-            up to ``num_batches_divided_by``; verl's Karmarkar-Karp partitions of the
-            workloads, ordered as verl orders them.
+            ``force_group_size``), raised to ``min_num_micro_batch``, the largest
+            rank's when ``dp_group`` is given, ``same_micro_num_in_dp`` set and
+            ``torch.distributed`` initialised, rounded up to
+            ``num_batches_divided_by``, then grown by it until verl's Karmarkar-Karp
+            parts of the workloads fit the cap on every rank (a ``ValueError``
+            once it passes the rows of a rank); ordered as verl orders them.
+            ``"soft_cap"``: the rule of verl before verl#7553, the same count
+            without the growing, so a micro-batch can exceed the cap (and a
+            ``force_group_size`` group may).
         step_plan, dp_rank, mini_batch: take rank ``dp_rank``'s micro-batches of
             ``mini_batch`` from a :func:`seqpack.plan_step` plan of the global batch
             (``batch`` holds ``step_plan.rank_rows(dp_rank, mini_batch)``). The plan
@@ -137,9 +146,11 @@ def rearrange_micro_batches(
         their row indices; ``get_reverse_idx(sum(micro_bsz_idx, []))`` restores order.
 
     Raises:
-        ValueError: a sequence longer than ``max_token_len`` (strict: also a
-            ``force_group_size`` group); rows not a multiple of ``force_group_size``;
-            a count no rank can reach with its rows (raised on every rank).
+        ValueError: a sequence (or, but with ``"soft_cap"``, a
+            ``force_group_size`` group) of more than ``max_token_len`` tokens; rows
+            not a multiple of ``force_group_size``; a count no rank can reach with its rows; with
+            ``strict=False`` an empty batch; a bad argument, ``strict`` included
+            (raised on every rank of an agreeing ``dp_group``).
     """
     if is_data_proto(batch):
         return prepare_dynamic_batch(batch, max_token_len, dp_group, num_batches_divided_by, same_micro_num_in_dp,
@@ -161,7 +172,7 @@ def prepare_dynamic_batch(
     use_dynamic_bsz_balance: bool = True,
     *,
     force_group_size: int = 1,
-    strict: bool = True,
+    strict: Union[bool, str] = True,
     step_plan: Optional["StepPlan"] = None,
     dp_rank: Optional[int] = None,
     mini_batch: int = 0,
@@ -261,6 +272,18 @@ def get_group_balanced_partitions(seqlen_list: Any, uid_list: Any, k_partitions:
 # ------------------------------------------------------------------ planning
 
 
+def _mode_of(strict: Any) -> str:
+    """``"strict"`` (seqpack's cap, ``True``), ``"verl"`` (the released verl's
+    rule, ``False``) or ``"soft_cap"`` (verl's rule before verl#7553)."""
+    if isinstance(strict, str):
+        if strict == "soft_cap":
+            return "soft_cap"
+    elif isinstance(strict, (bool, np.bool_)) or (isinstance(strict, (int, np.integer)) and strict in (0, 1)):
+        return "strict" if strict else "verl"
+    raise ValueError(f"strict must be True (seqpack's strict cap), False (the released verl's rule) or 'soft_cap' "
+                     f"(verl's rule before verl#7553), got {strict!r}")
+
+
 def _plan_parts(views: Callable[[], Tuple[Mapping[str, Any], Mapping[str, Any]]], max_token_len: Any, dp_group,
                 num_batches_divided_by, same_micro_num_in_dp, min_num_micro_batch, use_dynamic_bsz_balance,
                 force_group_size, strict, step_plan, dp_rank, mini_batch) -> List[List[int]]:
@@ -270,7 +293,11 @@ def _plan_parts(views: Callable[[], Tuple[Mapping[str, Any], Mapping[str, Any]]]
     if step_plan is not None:
         return step_plan_parts(step_plan, dp_rank, mini_batch, batch_size(views()[1]),
                                as_positive_int(max_token_len, "max_token_len"), "max_token_len")
-    if strict:
+    try:
+        mode, bad_mode = _mode_of(strict), None
+    except ValueError as exc:  # raised inside the agreement, so that a dp_group's other ranks stop too
+        mode, bad_mode = "invalid", exc
+    if mode == "strict":
         agree = bool(same_micro_num_in_dp) and (dp_group is not None or active())
     else:  # verl: dist.is_initialized() and same_micro_num_in_dp and dp_group is not None
         agree = bool(same_micro_num_in_dp) and dp_group is not None and _initialized()
@@ -294,10 +321,10 @@ def _plan_parts(views: Callable[[], Tuple[Mapping[str, Any], Mapping[str, Any]]]
             parts = parts[::2][::-1] + parts[1::2]
         return parts
 
-    plan_with = strict_plan if strict else verl_plan
-
     def local():  # every check that can differ between ranks, inside the agreement
         nonlocal cap
+        if bad_mode is not None:
+            raise bad_mode
         cap = as_positive_int(max_token_len, "max_token_len")
         tensors, columns = views()
         lengths = mask_lengths(tensors)
@@ -308,30 +335,76 @@ def _plan_parts(views: Callable[[], Tuple[Mapping[str, Any], Mapping[str, Any]]]
         if len(lengths) % group:
             raise ValueError(f"the batch has {len(lengths)} rows, not a multiple of force_group_size={group}")
         units = lengths.reshape(-1, group).sum(1) if group > 1 else lengths
-        if strict and group > 1 and units.size and units.max() > cap:  # verl lets a group exceed it
+        if mode != "soft_cap" and group > 1 and units.size and units.max() > cap:  # verl < #7553 let it exceed
             raise ValueError(f"{group} consecutive rows (force_group_size) hold {int(units.max())} tokens, more than "
                              f"max_token_len={cap}")
-        multiple = as_positive_int(num_batches_divided_by, "num_batches_divided_by") if num_batches_divided_by else 1
+        if num_batches_divided_by is None or (mode != "verl" and not num_batches_divided_by):
+            multiple = 1  # (verl: roundup_divisible(n, 0) fails, so 0 is refused there)
+        else:
+            multiple = as_positive_int(num_batches_divided_by, "num_batches_divided_by")
         box.update(units=units, multiple=multiple, group=group)
-        if strict:
+        if mode == "strict":
             min_num = as_positive_int(min_num_micro_batch, "min_num_micro_batch") if min_num_micro_batch else 1
-            return plan_with(min_num)
+            return strict_plan(min_num)
+        if mode == "verl" and not len(units):  # verl: max() of no lengths (a ValueError), before any collective
+            raise ValueError("the batch has no rows: verl's rearrange_micro_batches needs at least one "
+                             "(max_token_len cannot be checked on an empty batch)")
         work = sequence_workloads(lengths, WORKLOAD_ATTENTION_COEFF)
         box["work"] = work.reshape(-1, group).sum(1) if group > 1 else work
         count = min(len(units), ceildiv(int(units.sum()), cap))
         if min_num_micro_batch is not None:
-            count = max(as_positive_int(min_num_micro_batch, "min_num_micro_batch", allow_zero=True), count)
+            box["min_num"] = as_positive_int(min_num_micro_batch, "min_num_micro_batch", allow_zero=True)
+            count = max(box["min_num"], count)
+        if mode == "verl":
+            return count  # grown below, after the ranks agree on it
         count = max(count, 1) if len(units) else count  # verl fails on k = 0 (an all-padding batch)
-        count = roundup_divisible(count, multiple)
-        return plan_with(count)
+        return verl_plan(roundup_divisible(count, multiple))
 
-    parts = checked_on_every_rank(local, dp_group, "rearrange_micro_batches", agree)
-    if agree:
-        parts = agree_on_count(len(parts), plan_with, len, dp_group, "rearrange_micro_batches")
+    def facts(_: Any) -> Dict[str, Any]:  # what changes the collectives that follow: the same on every rank
+        return {"strict": mode, "num_batches_divided_by": box["multiple"]}
+
+    result = checked_on_every_rank(local, dp_group, "rearrange_micro_batches", agree, fingerprint=facts)
+    if mode == "verl":
+        parts = _grow_until_within_cap(result, box, cap, verl_plan, dp_group if agree else None)
+    elif agree:
+        parts = agree_on_count(len(result), strict_plan if mode == "strict" else verl_plan, len, dp_group,
+                               "rearrange_micro_batches")
+    else:
+        parts = result
     group = box["group"]
     if group > 1:
         parts = [[g * group + j for g in p for j in range(group)] for p in parts]
     return [[int(i) for i in p] for p in parts]
+
+
+def _grow_until_within_cap(count: int, box: Mapping[str, Any], cap: int, verl_plan: Callable[[int], List[List[int]]],
+                           dp_group) -> List[List[int]]:
+    """The released verl's count: the largest rank's (with ``dp_group``), rounded up
+    to ``num_batches_divided_by``, then grown by it until every rank's Karmarkar-Karp
+    parts hold at most ``cap`` tokens each. Every rank runs the same collectives
+    (one MAX, then one MIN per count tried) and raises the same error."""
+    units, step = box["units"], box["multiple"]
+    fewest = len(units)
+    if dp_group is not None:
+        most, minus_fewest = all_reduce_ints([count, -fewest], "max", dp_group)
+        count, fewest = most, -minus_fewest
+    count = roundup_divisible(count, step) or step  # 0: an all-padding batch (verl's KK fails on k = 0)
+    while True:
+        if count > fewest:
+            group = box["group"]
+            raise ValueError(
+                f"{count} micro-batches are needed (max_token_len={cap}, min_num_micro_batch="
+                f"{box.get('min_num')}, num_batches_divided_by={step}), but "
+                f"{'the smallest rank of dp_group' if dp_group is not None else 'the batch'} has only {fewest} "
+                f"{f'groups of force_group_size={group} rows' if group > 1 else 'rows'} and every micro-batch needs "
+                "one (verl raises too)")
+        parts = verl_plan(count)
+        fits = all(int(units[p].sum()) <= cap for p in parts)
+        if dp_group is not None:
+            fits = bool(all_reduce_int(int(fits), "min", dp_group))
+        if fits:
+            return parts
+        count += step
 
 
 def _initialized() -> bool:

@@ -171,8 +171,9 @@ def plan_micro_batches(
     rebalanced by moves and swaps that keep the cap. Counts are tried at the lower
     bound, then at FFD's count and bisected in between, so a million lengths plan
     in under a second. ROLL's ``load_balance`` and verl's
-    ``rearrange_micro_batches`` stop at ``ceil(total / cap)`` and may exceed the
-    cap; this never does.
+    ``rearrange_micro_batches`` before verl#7553 stop at ``ceil(total / cap)`` and
+    may exceed the cap; this never does (verl 0.9 grows its count until its
+    Karmarkar-Karp parts fit).
 
     Args:
         lengths: tokens per sequence.

@@ -3,16 +3,17 @@
 - :mod:`~seqpack.training.logprobs`: fused next-token log-probs (and entropy) on packed logits.
 - :mod:`~seqpack.training.loss`: :class:`SequencePackingLossWrapper` (NeMo-RL's losses on packed logits).
 - :mod:`~seqpack.training.nemo_rl_loss`: NeMo-RL's losses and their normalisation (re-exported by ``loss``).
-- :mod:`~seqpack.training.attention`: varlen attention backends and CP attention.
+- :mod:`~seqpack.training.attention`: varlen attention and its backends, CP and Ulysses attention
+  (``attention_varlen``, ``attention_cp``, ``attention_ulysses``).
 
 Importing this package does not import torch; the ops do, when called.
 """
 
-from .attention import attention_backends, cp_attention, varlen_attention
+from .attention import attention_backends, cp_attention, ulysses_attention, varlen_attention
 from .logprobs import TokenLogprobs, packed_token_logprobs
 from .loss import ClippedPGLoss, NLLLoss, SequencePackingLossWrapper, prepare_loss_input
 
 __all__ = [
     "ClippedPGLoss", "NLLLoss", "SequencePackingLossWrapper", "TokenLogprobs", "attention_backends",
-    "cp_attention", "packed_token_logprobs", "prepare_loss_input", "varlen_attention",
+    "cp_attention", "packed_token_logprobs", "prepare_loss_input", "ulysses_attention", "varlen_attention",
 ]

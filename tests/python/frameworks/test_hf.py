@@ -48,7 +48,7 @@ def test_packed_equals_padded(pad_to):
     out_ref.loss.backward()
 
     model = tiny_llama(name)
-    batch = hf.PackingCollator(pad_to_multiple_of=pad_to)(feats)
+    batch = hf.PackingCollator(pad_to_multiple_of=pad_to, return_flash_attn_kwargs=True)(feats)
     out = model(**batch)
     out.loss.backward()
     torch.testing.assert_close(out.loss, out_ref.loss, rtol=1e-6, atol=0)  # transformers takes the loss in fp32
@@ -77,14 +77,15 @@ def test_packed_position_ids_without_cu_seqlens():
     name = hf.register()
     feats = examples()
     batch = hf.PackingCollator(return_flash_attn_kwargs=False)(feats)
-    full = hf.PackingCollator()(feats)
+    full = hf.PackingCollator(return_flash_attn_kwargs=True)(feats)
+    assert "cu_seq_lens_q" not in batch and "cu_seq_lens_q" in full
     model = tiny_llama(name)
     torch.testing.assert_close(model(**batch).logits, model(**full).logits)
 
 
 def test_collator_contract_and_errors():
     out = hf.PackingCollator(pad_to_multiple_of=4, pad_token_id=9)([{"input_ids": [1, 2, 3], "labels": [7, 8, 9]},
-                                                                     {"input_ids": [4]}])
+                                                                     {"input_ids": [4], "labels": [3]}])
     assert out["input_ids"].tolist() == [[1, 2, 3, 9, 4, 9, 9, 9]]
     assert out["labels"].tolist() == [[-100, 8, 9, -100, -100, -100, -100, -100]]
     assert out["position_ids"].tolist() == [[0, 1, 2, 3, 0, 1, 2, 3]]
@@ -94,6 +95,8 @@ def test_collator_contract_and_errors():
         hf.PackingCollator()([{"labels": [1]}])
     with pytest.raises(ValueError, match="differ in length"):
         hf.PackingCollator()([{"input_ids": [1, 2], "labels": [1]}])
+    with pytest.raises(ValueError, match="all have labels or none"):  # transformers: KeyError / labels ignored
+        hf.PackingCollator()([{"input_ids": [1, 2], "labels": [1, 2]}, {"input_ids": [4]}])
     with pytest.raises(ValueError, match="pad_to_multiple_of"):
         hf.PackingCollator(pad_to_multiple_of=0)([{"input_ids": [1]}])
 

@@ -8,7 +8,9 @@ verl (and tensordict) are not installed: ``TensorDictStandIn`` and
 ``DataProtoStandIn`` below carry just the interface seqpack duck-types (keys and
 row indexing; ``.batch``, ``.non_tensor_batch``, ``.meta_info`` and
 ``select_idxs``). Where seqpack differs on purpose (the strict cap), the test
-checks both the default and ``strict=False``, verl's rule.
+checks both the default and verl's rules: ``strict=False`` (the released verl,
+compared with verl itself in ``test_verl_released.py``) and ``strict="soft_cap"``
+(verl before verl#7553).
 """
 
 import copy
@@ -25,8 +27,8 @@ from seqpack.testing import reference
 from seqpack.verl import (ceildiv, get_group_balanced_partitions, get_reverse_idx, get_seqlen_balanced_partitions,
                           prepare_dynamic_batch, rearrange_micro_batches, restore_dynamic_batch, roundup_divisible)
 
-# 20 rows of width 100 (verl's test shape) whose verl split into ceil(1644 / 300) = 6
-# micro-batches puts 319 tokens in one: the strict cap needs 7.
+# 20 rows of width 100 (verl's test shape) whose split into ceil(1644 / 300) = 6
+# micro-batches (verl before verl#7553) puts 319 tokens in one: the strict cap needs 7.
 CASE_300 = [78, 77, 85, 86, 79, 84, 85, 84, 73, 79, 87, 90, 84, 90, 76, 89, 87, 74, 73, 84]
 
 
@@ -107,9 +109,10 @@ def random_lengths(rows, width, seed):
     return torch.randint(width // 2, width * 9 // 10 + 1, (rows,), generator=g).tolist()
 
 
-def verl_expected(lengths, cap, *, min_num=None, divisor=None, balance=True, group=1):
-    """verl's rule, written from its documented behaviour on top of the pure-Python
-    Karmarkar-Karp transcription: count, partitions and order."""
+def soft_cap_expected(lengths, cap, *, min_num=None, divisor=None, balance=True, group=1):
+    """verl's rule before verl#7553 (``strict="soft_cap"``), written from its
+    documented behaviour on top of the pure-Python Karmarkar-Karp transcription:
+    count, partitions and order."""
     work = [24576 * s + s * s for s in lengths]
     units = [sum(work[i:i + group]) for i in range(0, len(work), group)]
     count = min(len(units), ceildiv(sum(lengths), cap))
@@ -131,7 +134,7 @@ def tokens_of(idx, lengths):
 # ------------------------------------------------------------------ rearrange_micro_batches / get_reverse_idx
 
 
-@pytest.mark.parametrize("strict", [True, False])
+@pytest.mark.parametrize("strict", [True, False, "soft_cap"])
 def test_round_trip_of_a_tensordict_through_rearrange_and_reverse_idx(strict):
     lengths = random_lengths(20, 100, seed=1)
     data = TensorDictStandIn({"input_ids": torch.randint(0, 10, (20, 100)), "attention_mask": padded_mask(lengths, 100)},
@@ -143,7 +146,7 @@ def test_round_trip_of_a_tensordict_through_rearrange_and_reverse_idx(strict):
     for key in ("input_ids", "attention_mask"):
         torch.testing.assert_close(back[key], data[key])
     assert all(p == sorted(p) for p in idx)
-    if strict:
+    if strict != "soft_cap":
         assert max(tokens_of(idx, lengths)) <= 300
 
 
@@ -151,9 +154,11 @@ def test_strict_cap_and_verls_count_on_the_300_token_case():
     mask = padded_mask(CASE_300, 100, seed=3)
     batch = {"attention_mask": mask, "input_ids": torch.arange(20)[:, None].expand(20, 100)}
     assert sum(CASE_300) == 1644 and ceildiv(1644, 300) == 6
-    _, loose = rearrange_micro_batches(batch, max_token_len=300, strict=False)
-    assert len(loose) == 6 and max(tokens_of(loose, CASE_300)) == 319  # verl's split exceeds its cap
-    assert loose == verl_expected(CASE_300, 300)
+    _, loose = rearrange_micro_batches(batch, max_token_len=300, strict="soft_cap")
+    assert len(loose) == 6 and max(tokens_of(loose, CASE_300)) == 319  # the old verl's split exceeds its cap
+    assert loose == soft_cap_expected(CASE_300, 300)
+    _, released = rearrange_micro_batches(batch, max_token_len=300, strict=False)
+    assert len(released) == 7 and max(tokens_of(released, CASE_300)) <= 300  # verl#7553 grows the count
     micro_batches, strict = rearrange_micro_batches(batch, max_token_len=300)
     assert len(strict) == 7 and max(tokens_of(strict, CASE_300)) <= 300
     assert [int(mb["attention_mask"].sum()) for mb in micro_batches] == tokens_of(strict, CASE_300)
@@ -164,20 +169,20 @@ def test_strict_cap_and_verls_count_on_the_300_token_case():
 @given(lengths=st.lists(st.integers(0, 64), min_size=1, max_size=40), cap=st.integers(64, 300),
        min_num=st.sampled_from([None, 1, 3]), divisor=st.sampled_from([None, 2]), balance=st.booleans(),
        group=st.sampled_from([1, 2]))
-def test_strict_false_is_verls_rule(lengths, cap, min_num, divisor, balance, group):
+def test_soft_cap_is_the_older_verls_rule(lengths, cap, min_num, divisor, balance, group):
     if len(lengths) % group:
         lengths = lengths + [1]
     if sum(lengths) == 0:  # verl asks KK for 0 partitions there; seqpack makes one micro-batch
         lengths[0] = 1
     batch = {"attention_mask": padded_mask(lengths, 64), "row": torch.arange(len(lengths))}
     try:
-        expected = verl_expected(lengths, cap, min_num=min_num, divisor=divisor, balance=balance, group=group)
+        expected = soft_cap_expected(lengths, cap, min_num=min_num, divisor=divisor, balance=balance, group=group)
     except ValueError:  # more partitions than rows (groups): verl asserts, seqpack raises ValueError
         with pytest.raises(ValueError, match="micro-batches need at least"):
-            rearrange_micro_batches(batch, cap, None, divisor, True, min_num, balance, group, strict=False)
+            rearrange_micro_batches(batch, cap, None, divisor, True, min_num, balance, group, strict="soft_cap")
         return
     micro_batches, idx = rearrange_micro_batches(batch, cap, None, divisor, True, min_num, balance, group,
-                                                 strict=False)
+                                                 strict="soft_cap")
     assert idx == expected
     assert [mb["row"].tolist() for mb in micro_batches] == idx
 
@@ -185,11 +190,11 @@ def test_strict_false_is_verls_rule(lengths, cap, min_num, divisor, balance, gro
 def test_force_group_size_keeps_consecutive_rows_together_in_both_modes():
     lengths = [30, 10, 25, 25, 5, 40, 20, 20, 35, 15, 10, 10]
     batch = {"attention_mask": padded_mask(lengths, 50)}
-    for strict in (True, False):
+    for strict in (True, False, "soft_cap"):
         _, idx = rearrange_micro_batches(batch, max_token_len=90, force_group_size=2, strict=strict)
         assert all(i + 1 in p for p in idx for i in p if i % 2 == 0), idx
         assert sorted(i for p in idx for i in p) == list(range(12))
-        if strict:
+        if strict != "soft_cap":
             assert max(tokens_of(idx, lengths)) <= 90
     with pytest.raises(ValueError, match="not a multiple of force_group_size=5"):
         rearrange_micro_batches(batch, max_token_len=90, force_group_size=5)
@@ -231,7 +236,7 @@ def proto_case(rows=20, width=100, seed=2):
     return proto, lengths
 
 
-@pytest.mark.parametrize("strict", [True, False])
+@pytest.mark.parametrize("strict", [True, False, "soft_cap"])
 def test_prepare_and_restore_dynamic_batch_on_a_dataproto(strict):
     proto, lengths = proto_case()
     micro_batches, idx = prepare_dynamic_batch(proto, max_token_len=300, strict=strict)
@@ -246,10 +251,10 @@ def test_prepare_and_restore_dynamic_batch_on_a_dataproto(strict):
     restored = restore_dynamic_batch({"ids": input_ids, "labels": np.concatenate(
         [mb.non_tensor_batch["labels"] for mb in micro_batches])}, idx)
     assert restored["labels"].tolist() == proto.non_tensor_batch["labels"].tolist()
-    if strict:
-        assert max(tokens_of(idx, lengths)) <= 300
-    else:
+    if strict == "soft_cap":
         assert len(idx) == min(20, ceildiv(sum(lengths), 300))
+    else:
+        assert max(tokens_of(idx, lengths)) <= 300
 
 
 def test_prepare_dynamic_batch_takes_mappings_and_tensordicts():
@@ -387,11 +392,16 @@ def _verl_count_rank(rank, world):
         check_round_trip(*out)
         return out
 
-    # verl's rule (strict=False): its two cases give exactly its counts.
-    micro_batches, _ = run(same_micro_num_in_dp=False, min_num_micro_batch=4, strict=False)
+    # verl's rule before verl#7553 (strict="soft_cap"): its two cases give exactly its counts.
+    micro_batches, _ = run(same_micro_num_in_dp=False, min_num_micro_batch=4, strict="soft_cap")
     assert local >= 4 and len(micro_batches) == max(local, 4) == local
-    micro_batches, _ = run(same_micro_num_in_dp=True, strict=False)
+    micro_batches, _ = run(same_micro_num_in_dp=True, strict="soft_cap")
     assert len(micro_batches) == largest
+    # The released verl's (strict=False): at least that count, the same on every rank, within the cap.
+    micro_batches, idx = run(same_micro_num_in_dp=True, strict=False)
+    dist.all_gather(counts, torch.tensor([len(micro_batches)]))
+    assert len({int(c) for c in counts}) == 1 and len(micro_batches) >= largest
+    assert max(tokens_of(idx, lengths)) <= cap
     # The default (strict): the same count on every rank, never over the cap, at least verl's.
     micro_batches, idx = run(same_micro_num_in_dp=True)
     dist.all_gather(counts, torch.tensor([len(micro_batches)]))
@@ -399,11 +409,14 @@ def _verl_count_rank(rank, world):
     assert max(tokens_of(idx, lengths)) <= cap
     micro_batches, idx = run(same_micro_num_in_dp=False, min_num_micro_batch=4)
     assert len(micro_batches) >= max(local, 4) and max(tokens_of(idx, lengths)) <= cap
-    # verl agrees only with a dp_group: strict=False without one keeps the local count.
-    assert len(rearrange_micro_batches(data, max_token_len=cap, strict=False)[0]) == local
+    # verl agrees only with a dp_group: without one the count is the rank's own.
+    assert len(rearrange_micro_batches(data, max_token_len=cap, strict="soft_cap")[0]) == local
+    alone = rearrange_micro_batches(data, max_token_len=cap, strict=False)[1]
+    assert alone == rearrange_micro_batches(data, cap, dp_group=dist.group.WORLD, same_micro_num_in_dp=False,
+                                            strict=False)[1]
     # DataProto level, the count agreed the same way.
     proto = DataProtoStandIn(data, {"uid": np.arange(rows).astype(object)}, {"step": rank})
-    protos, idx = prepare_dynamic_batch(proto, max_token_len=cap, dp_group=dist.group.WORLD, strict=False)
+    protos, idx = prepare_dynamic_batch(proto, max_token_len=cap, dp_group=dist.group.WORLD, strict="soft_cap")
     assert len(protos) == largest and all(mb.meta_info == {"step": rank} for mb in protos)
 
 

@@ -12,6 +12,8 @@ from hypothesis import strategies as st
 
 import seqpack
 from seqpack import attention as att
+from seqpack.training import attention_cp as cp_att
+from seqpack.training import attention_varlen
 
 
 def naive(q, k, v, cu_q, cu_k, causal=True, scale=None, window=(-1, -1)):
@@ -98,7 +100,7 @@ def test_properties_against_the_naive_softmax(data):
     q = torch.randn(int(cu_q[-1]) + extra, hq, 4, generator=g, dtype=torch.float64)
     k = torch.randn(int(cu_k[-1]), hk, 4, generator=g, dtype=torch.float64)
     v = torch.randn(int(cu_k[-1]), hk, 3, generator=g, dtype=torch.float64)
-    ours = att._reference(q, k, v, cu_q.astype(np.int64), cu_k.astype(np.int64), causal, 0.5,
+    ours = attention_varlen._reference(q, k, v, cu_q.astype(np.int64), cu_k.astype(np.int64), causal, 0.5,
                           (window[0], 0 if causal else window[1]), budget=budget)
     torch.testing.assert_close(ours, naive(q, k, v, cu_q, cu_k, causal, 0.5, window), rtol=1e-9, atol=1e-10)
 
@@ -127,11 +129,11 @@ def test_long_sequence_is_chunked_under_the_budget(monkeypatch):
         return real(qq, kk, vv, **kw)
 
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
-    out = att._reference(q, k, v, cu.astype(np.int64), cu.astype(np.int64), True, 0.5, (150, 0), budget=4000)
+    out = attention_varlen._reference(q, k, v, cu.astype(np.int64), cu.astype(np.int64), True, 0.5, (150, 0), budget=4000)
     assert len(calls) > 5 and max(calls) <= 4000  # a window needs a mask: row chunks under the budget
     torch.testing.assert_close(out, naive(q, k, v, cu, cu, scale=0.5, window=(150, 0)), rtol=1e-9, atol=1e-10)
     calls.clear()
-    out = att._reference(q, k, v, cu.astype(np.int64), cu.astype(np.int64), True, 0.5, (-1, 0), budget=4000)
+    out = attention_varlen._reference(q, k, v, cu.astype(np.int64), cu.astype(np.int64), True, 0.5, (-1, 0), budget=4000)
     assert calls[0] == 200 * 200 * 2  # plain causal: the long sequence whole, SDPA's own causal kernel
     torch.testing.assert_close(out, naive(q, k, v, cu, cu, scale=0.5), rtol=1e-9, atol=1e-10)
 
@@ -207,12 +209,12 @@ def test_gpu_backends_match_the_reference(backend):
 def test_cp_plan_zigzag_prefixes():
     # Sequences of padded length 8 and 4, CP = 2: rank 0 holds chunks 0 and 3 of each,
     # rank 1 chunks 1 and 2; causal keys run from the sequence start to the chunk end.
-    p0 = att._cp_plan(np.array([0, 8, 12]), 2, 0, True)
+    p0 = cp_att._cp_plan(np.array([0, 8, 12]), 2, 0, True)
     assert p0["cu_q"].tolist() == [0, 2, 4, 5, 6] and p0["cu_k"].tolist() == [0, 2, 10, 11, 15]
     assert p0["k_index"].tolist() == [0, 1, 0, 1, 2, 3, 4, 5, 6, 7, 8, 8, 9, 10, 11]
-    p1 = att._cp_plan(np.array([0, 8, 12]), 2, 1, True)
+    p1 = cp_att._cp_plan(np.array([0, 8, 12]), 2, 1, True)
     assert p1["cu_k"].tolist() == [0, 4, 10, 12, 15] and (p1["max_q"], p1["max_k"]) == (2, 6)
-    full = att._cp_plan(np.array([0, 8, 12]), 2, 1, False)  # not causal: every chunk sees its whole sequence
+    full = cp_att._cp_plan(np.array([0, 8, 12]), 2, 1, False)  # not causal: every chunk sees its whole sequence
     assert full["cu_k"].tolist() == [0, 8, 16, 20, 24]
     with pytest.raises(ValueError, match="multiple of 2 \\* cp_size = 4"):
-        att._cp_plan(np.array([0, 6]), 2, 0, True)
+        cp_att._cp_plan(np.array([0, 6]), 2, 0, True)

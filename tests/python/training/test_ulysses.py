@@ -22,7 +22,7 @@ from _gloo import RankPool
 
 import seqpack
 from seqpack import ulysses_attention, varlen_attention
-from seqpack.training.attention import _repeat_kv
+from seqpack.training.attention_ulysses import _repeat_kv
 
 CASE_TIMEOUT_S = 30
 WORLDS = (2, 4)
