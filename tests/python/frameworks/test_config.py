@@ -136,7 +136,6 @@ PACKING = nemo(max_total_sequence_length=4096, megatron_cfg={"enabled": True},
      "sequence packing and dynamic batching are exclusive"),
     ("policy.sequence_packing.algorithm", "best_fit", r"policy.sequence_packing.algorithm: must be one of"),
     ("policy.sequence_packing.microbatch_order", "smallest", r"microbatch_order: must be one of"),
-    ("policy.sequence_packing.train_mb_tokens", 2048, r"train_mb_tokens: 2048 is below the longest"),
     ("policy.sequence_packing.train_mb_tokens", "many", r"train_mb_tokens: must be an integer"),
     ("policy.sequence_packing.train_mb_tokens", None, r"train_mb_tokens: required"),
     ("policy.sequence_packing.enabled", "yes", r"policy.sequence_packing.enabled: must be true or false"),
@@ -149,11 +148,12 @@ def test_nemo_rl_errors(path, value, message):
 
 
 def test_nemo_rl_parallel_rules():
-    with pytest.raises(ConfigError, match="make_sequence_length_divisible_by: must be a multiple of 8"):
-        load(nemo(make_sequence_length_divisible_by=4,
-                  megatron_cfg={"enabled": True, "tensor_model_parallel_size": 2, "context_parallel_size": 2,
-                                "sequence_parallel": True},
-                  sequence_packing={"enabled": True, "train_mb_tokens": 4096}))
+    with pytest.warns(UserWarning, match="make_sequence_length_divisible_by: 4 is not a multiple of 8"):
+        cfg = load(nemo(make_sequence_length_divisible_by=4,
+                        megatron_cfg={"enabled": True, "tensor_model_parallel_size": 2, "context_parallel_size": 2,
+                                      "sequence_parallel": True},
+                        sequence_packing={"enabled": True, "train_mb_tokens": 4096}))
+    assert cfg.sequence_packing.sequence_length_pad_multiple == 8
     with pytest.raises(ConfigError, match="needs policy.sequence_packing.enabled"):
         load(nemo(megatron_cfg={"enabled": True, "context_parallel_size": 2}))
     with pytest.raises(ConfigError, match="DTensor backend cannot pack"):
@@ -183,8 +183,6 @@ ROLL = {"sequence_length": 4096, "actor_train": {
 
 
 @pytest.mark.parametrize("path, value, message", [
-    ("actor_train.use_dynamic_batching_in_train", True, "sequence packing and dynamic batching"),
-    ("actor_train.strategy_args.strategy_name", "fsdp2_train", "Megatron strategies only"),
     ("actor_train.sequence_packing_args.algorithm", "greedy", r"algorithm: must be one of \['none', 'load_balance'\]"),
     ("actor_train.sequence_packing_args.max_packed_sequence_length_train", 1024, "below sequence_length"),
     ("actor_train.sequence_packing_args.min_num_micro_batches_train", 0, "must be >= 1"),

@@ -1,0 +1,107 @@
+"""ROLL's schema: a worker role (``actor_train``, ``sft_train``, ``reference``, ...) with
+its ``strategy_args``, ``use_sequence_packing`` + ``sequence_packing_args`` and
+``use_dynamic_batching_in_train/infer``."""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Optional
+
+from ...tensors.layout import alignment, round_up
+from ._loader import Context, Reader
+from ._types import (ROLL_ALGORITHMS, ConfigError, ParallelConfig, RollDynamicBatchingConfig, RollPackingConfig,
+                     SeqpackConfig)
+
+ROLL_SEQUENCE_PACKING_KEYS = ("algorithm", "max_packed_sequence_length_train", "max_packed_sequence_length_forward",
+                              "min_num_micro_batches_train", "min_num_micro_batches_forward")
+
+
+def load_roll(ctx: Context, data: Mapping[str, Any], role: str) -> SeqpackConfig:
+    if role not in data:
+        raise ConfigError(f"{role}: no such worker role in the config (roles: {sorted(data)})")
+    worker = Reader(ctx, (role,), data[role])
+    strategy = worker.section("strategy_args")
+    strategy_name = strategy.get("strategy_name")
+    if strategy_name is None:
+        strategy_name = "megatron_train"
+    elif not isinstance(strategy_name, str) or not strategy_name.strip():
+        raise ConfigError(f"{strategy.key('strategy_name')}: must be a non-empty string, got {strategy_name!r}")
+    sc = strategy.section("strategy_config")
+    parallel = ParallelConfig(
+        tp=sc.int("tensor_model_parallel_size", 1), cp=sc.int("context_parallel_size", 1),
+        pp=sc.int("pipeline_model_parallel_size", 1), vpp=sc.int("virtual_pipeline_model_parallel_size"),
+        sequence_parallel=sc.bool("sequence_parallel"), backend=str(strategy_name))
+    top = Reader(ctx, (), data)
+    sequence_length = top.int("sequence_length")
+    if sequence_length is None:
+        prompt, response = top.int("prompt_length"), top.int("response_length")
+        if prompt is not None and response is not None:
+            sequence_length = prompt + response
+
+    packing_on = worker.bool("use_sequence_packing")
+    train_on, infer_on = worker.bool("use_dynamic_batching_in_train"), worker.bool("use_dynamic_batching_in_infer")
+    if packing_on and "megatron" not in str(strategy_name):
+        # ROLL's WorkerConfig turns packing off (with a warning) for other strategies.
+        ctx.note(f"{role}.use_sequence_packing: ROLL packs sequences with Megatron strategies only and turns "
+                 f"packing off for strategy_args.strategy_name = {strategy_name!r}; so does seqpack")
+        packing_on = False
+    if packing_on and (train_on or infer_on):
+        # ROLL's WorkerConfig keeps dynamic batching and turns packing off (with a warning).
+        ctx.note(f"{role}.use_sequence_packing: sequence packing and dynamic batching "
+                 f"({role}.use_dynamic_batching_in_{'train' if train_on else 'infer'}) are exclusive; ROLL turns "
+                 "packing off and batches dynamically; so does seqpack")
+        packing_on = False
+
+    worker.no_lookalike(("sequence_packing_args", "use_sequence_packing"))
+    args = worker.section("sequence_packing_args").known(ROLL_SEQUENCE_PACKING_KEYS, (), "ROLL")
+    if not packing_on:
+        args = args.relaxed(f"{role}.use_sequence_packing is off")
+    pad_multiple = alignment(parallel.cp, parallel.tp, rule="roll")
+
+    def packed_cap(phase: str, batch: Optional[int]) -> Optional[int]:
+        name = f"max_packed_sequence_length_{phase}"
+        value = args.int(name)
+        if value is None and packing_on and sequence_length is not None and batch is not None:
+            value = sequence_length * batch  # ROLL's auto-fill
+        if packing_on and value is None:
+            raise ConfigError(f"{args.key(name)}: required with {role}.use_sequence_packing (or give "
+                              f"sequence_length and the batch size for ROLL's auto-fill)")
+        if packing_on and sequence_length is not None and value < sequence_length:
+            raise ConfigError(f"{args.key(name)}: {value} is below sequence_length = {sequence_length}")
+        return value
+
+    per_device = worker.section("training_args").int("per_device_train_batch_size")
+    roll_packing = RollPackingConfig(
+        enabled=packing_on, algorithm=args.choice("algorithm", ROLL_ALGORITHMS, "none"),
+        max_packed_sequence_length_train=packed_cap("train", per_device),
+        max_packed_sequence_length_forward=packed_cap("forward", worker.int("infer_batch_size", 16)),
+        min_num_micro_batches_train=args.int("min_num_micro_batches_train", 1),
+        min_num_micro_batches_forward=args.int("min_num_micro_batches_forward", 1),
+        pad_multiple=pad_multiple)
+
+    def dyn(phase: str, on: bool):
+        cap_name, round_name = f"max_tokens_per_microbatch_in_{phase}", f"sequence_length_round_in_{phase}"
+        # ROLL's default cap is 0 (unset): accepted while dynamic batching is off,
+        # and then "must be >= 1", not "required", when it is on.
+        cap = worker.int(cap_name, minimum=1 if on else 0)
+        cap = None if cap == 0 else cap
+        round_to = worker.int(round_name, 4)
+        if not on:
+            return cap, round_to
+        if cap is None:
+            raise ConfigError(f"{worker.key(cap_name)}: required with {worker.key('use_dynamic_batching_in_' + phase)}")
+        if round_to % (parallel.tp * parallel.cp):
+            raise ConfigError(f"{worker.key(round_name)}: must be divisible by TP*CP = {parallel.tp * parallel.cp}, "
+                              f"got {round_to}")
+        if sequence_length is not None and cap < round_up(sequence_length, round_to):
+            raise ConfigError(f"{worker.key(cap_name)}: {cap} is below the longest (rounded) sequence, "
+                              f"sequence_length = {sequence_length}")
+        return cap, round_to
+
+    train_cap, train_round = dyn("train", train_on)
+    infer_cap, infer_round = dyn("infer", infer_on)
+    roll_dynamic = RollDynamicBatchingConfig(
+        train=train_on, infer=infer_on, max_tokens_per_microbatch_in_train=train_cap,
+        max_tokens_per_microbatch_in_infer=infer_cap, sequence_length_round_in_train=train_round,
+        sequence_length_round_in_infer=infer_round)
+    return SeqpackConfig(schema="roll", parallel=parallel, max_seqlen=sequence_length, roll_packing=roll_packing,
+                         roll_dynamic_batching=roll_dynamic, role=role, raw=dict(data))

@@ -1,0 +1,412 @@
+"""The configuration types :func:`seqpack.config.load` returns, and their methods."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, Optional
+
+from ..._lengths import INT64_MAX, as_int
+
+MAX_DEPTH = 100  # nesting levels of a config; real ones have fewer than 10
+MICROBATCH_ORDERS = ("packer", "largest_first")
+ROLL_ALGORITHMS = ("none", "load_balance")
+PHASES = ("train", "logprob")
+SCHEMAS = ("nemo_rl", "roll", "verl")
+# verl's micro-batching roles: the actor's update, the actor's log-prob recompute
+# (configured under ``rollout``), the reference's log-probs, the critic's update and
+# the critic's value forward.
+VERL_ROLES = ("actor", "rollout", "ref", "critic", "critic_forward")
+
+
+class ConfigError(ValueError):
+    """A configuration value breaks a rule; the message starts with its key path."""
+
+
+# ---------------------------------------------------------------- typed sections
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Model-parallel sizes the packing rules depend on."""
+
+    tp: int = 1
+    cp: int = 1
+    pp: int = 1
+    vpp: Optional[int] = None
+    sequence_parallel: bool = False
+    backend: str = "megatron"  # NeMo-RL: "megatron" | "dtensor"; ROLL: the strategy name; verl: actor.strategy
+    ulysses: int = 1  # verl: the actor's Ulysses sequence-parallel size (FSDP strategies)
+
+
+@dataclass(frozen=True)
+class SequencePackingConfig:
+    """NeMo-RL ``policy.sequence_packing`` plus the pad multiple it implies."""
+
+    enabled: bool = False
+    train_mb_tokens: Optional[int] = None
+    logprob_mb_tokens: Optional[int] = None
+    algorithm: str = "modified_first_fit_decreasing"
+    microbatch_order: str = "packer"
+    sequence_length_pad_multiple: int = 1
+
+
+@dataclass(frozen=True)
+class DynamicBatchingConfig:
+    """NeMo-RL ``policy.dynamic_batching``."""
+
+    enabled: bool = False
+    train_mb_tokens: Optional[int] = None
+    logprob_mb_tokens: Optional[int] = None
+    sequence_length_round: int = 64
+
+
+@dataclass(frozen=True)
+class RollPackingConfig:
+    """ROLL ``use_sequence_packing`` + ``sequence_packing_args``."""
+
+    enabled: bool = False
+    algorithm: str = "none"
+    max_packed_sequence_length_train: Optional[int] = None
+    max_packed_sequence_length_forward: Optional[int] = None
+    min_num_micro_batches_train: int = 1
+    min_num_micro_batches_forward: int = 1
+    pad_multiple: int = 1
+
+
+@dataclass(frozen=True)
+class RollDynamicBatchingConfig:
+    """ROLL ``use_dynamic_batching_in_train/infer`` and their caps and rounding."""
+
+    train: bool = False
+    infer: bool = False
+    max_tokens_per_microbatch_in_train: Optional[int] = None
+    max_tokens_per_microbatch_in_infer: Optional[int] = None
+    sequence_length_round_in_train: int = 4
+    sequence_length_round_in_infer: int = 4
+
+
+@dataclass(frozen=True)
+class VerlMicroBatching:
+    """How one verl role splits its batch into micro-batches.
+
+    Attributes:
+        path: the section the keys live in (``actor_rollout_ref.actor``, ...).
+        use_dynamic_bsz: micro-batches by a token cap (``use_dynamic_bsz`` /
+            ``log_prob_use_dynamic_bsz``) instead of a fixed row count.
+        max_token_len_per_gpu: the cap per GPU (``ppo_max_token_len_per_gpu``,
+            ``log_prob_max_token_len_per_gpu``, ``forward_max_token_len_per_gpu``).
+        micro_batch_size_per_gpu: the fixed row count per GPU when dynamic batching is off.
+        micro_batch_size: the deprecated global row count (verl divides it by the
+            data-parallel size).
+        sp_size: the ranks that share one micro-batch: the Ulysses sequence-parallel
+            size (FSDP strategies) or the context-parallel size (Megatron). verl caps a
+            micro-batch at ``max_token_len_per_gpu * sp_size`` tokens.
+        use_remove_padding: the micro-batch runs packed (THD, padding removed).
+    """
+
+    path: str
+    use_dynamic_bsz: bool = False
+    max_token_len_per_gpu: Optional[int] = None
+    micro_batch_size_per_gpu: Optional[int] = None
+    micro_batch_size: Optional[int] = None
+    sp_size: int = 1
+    use_remove_padding: bool = True
+
+    @property
+    def max_token_len(self) -> Optional[int]:
+        """The cap verl gives ``rearrange_micro_batches``: per GPU times ``sp_size``."""
+        return None if self.max_token_len_per_gpu is None else self.max_token_len_per_gpu * self.sp_size
+
+
+@dataclass(frozen=True)
+class VerlConfig:
+    """verl's batch sizes and per-role micro-batching (see :data:`VERL_ROLES`).
+
+    ``train_batch_size`` and ``ppo_mini_batch_size`` count prompts, as in verl: a step
+    trains on ``train_batch_size * rollout_n`` sequences, a mini-batch holds
+    ``ppo_mini_batch_size * rollout_n`` (:attr:`sequences_per_mini_batch`).
+    """
+
+    actor: VerlMicroBatching
+    rollout: VerlMicroBatching
+    ref: VerlMicroBatching
+    critic: VerlMicroBatching
+    critic_forward: VerlMicroBatching
+    strategy: str = "fsdp"
+    critic_strategy: str = "fsdp"
+    train_batch_size: int = 1024
+    ppo_mini_batch_size: int = 256
+    critic_ppo_mini_batch_size: int = 256
+    rollout_n: int = 1
+    balance_batch: bool = True
+    use_critic: bool = True
+    max_prompt_length: int = 512
+    max_response_length: int = 512
+
+    @property
+    def sequences_per_mini_batch(self) -> int:
+        """Sequences in one actor mini-batch, over all data-parallel ranks."""
+        return self.ppo_mini_batch_size * self.rollout_n
+
+    def role(self, name: str) -> VerlMicroBatching:
+        if name not in VERL_ROLES:
+            raise ConfigError(f"role must be one of {VERL_ROLES}, got {name!r}")
+        return getattr(self, name)
+
+
+@dataclass(frozen=True)
+class SeqpackConfig:
+    """A validated configuration (one schema's sections are set, the others' are ``None``).
+
+    Attributes:
+        schema: ``"nemo_rl"``, ``"roll"`` or ``"verl"``.
+        parallel: TP/CP/PP/VPP sizes and sequence parallelism (verl: the actor's,
+            with its Ulysses size in ``ulysses``).
+        max_seqlen: ``policy.max_total_sequence_length`` / ROLL's ``sequence_length`` /
+            verl's ``data.max_prompt_length + data.max_response_length``.
+        global_batch_size: NeMo-RL ``policy.train_global_batch_size`` (the chunk size
+            of ``shard_by_batch_size`` when training); verl: the sequences of a step,
+            ``data.train_batch_size * actor_rollout_ref.rollout.n``.
+        verl: verl's batch sizes and per-role micro-batching.
+    """
+
+    schema: str
+    parallel: ParallelConfig
+    max_seqlen: Optional[int] = None
+    global_batch_size: Optional[int] = None
+    sequence_packing: Optional[SequencePackingConfig] = None
+    dynamic_batching: Optional[DynamicBatchingConfig] = None
+    roll_packing: Optional[RollPackingConfig] = None
+    roll_dynamic_batching: Optional[RollDynamicBatchingConfig] = None
+    role: Optional[str] = None
+    verl: Optional[VerlConfig] = None
+    raw: Dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+
+    def to_dict(self) -> Dict[str, Any]:
+        """This config in its framework's schema (normalised: defaults filled in,
+        NeMo-RL's pad multiple as ``make_sequence_length_divisible_by``);
+        ``load(cfg.to_dict()) == cfg``."""
+        p = self.parallel
+        if self.schema == "verl":
+            return _verl_to_dict(self)
+        if self.schema == "nemo_rl":
+            sp, db = self.sequence_packing, self.dynamic_batching
+            backend = {"enabled": True, "sequence_parallel": p.sequence_parallel}
+            if p.backend == "dtensor":
+                backend.update(tensor_parallel_size=p.tp, context_parallel_size=p.cp)
+            else:
+                backend.update(tensor_model_parallel_size=p.tp, context_parallel_size=p.cp,
+                               pipeline_model_parallel_size=p.pp)
+            policy: Dict[str, Any] = {
+                "megatron_cfg" if p.backend == "megatron" else "dtensor_cfg": backend,
+                "make_sequence_length_divisible_by": sp.sequence_length_pad_multiple,
+                "sequence_packing": {"enabled": sp.enabled, "algorithm": sp.algorithm,
+                                     "microbatch_order": sp.microbatch_order},
+                "dynamic_batching": {"enabled": db.enabled, "sequence_length_round": db.sequence_length_round},
+            }
+            for section, obj in (("sequence_packing", sp), ("dynamic_batching", db)):
+                for key in ("train_mb_tokens", "logprob_mb_tokens"):
+                    if getattr(obj, key) is not None:
+                        policy[section][key] = getattr(obj, key)
+            if self.max_seqlen is not None:
+                policy["max_total_sequence_length"] = self.max_seqlen
+            if self.global_batch_size is not None:
+                policy["train_global_batch_size"] = self.global_batch_size
+            return {"policy": policy}
+        rp, rd = self.roll_packing, self.roll_dynamic_batching
+        strategy_config = {"tensor_model_parallel_size": p.tp, "context_parallel_size": p.cp,
+                           "pipeline_model_parallel_size": p.pp, "sequence_parallel": p.sequence_parallel}
+        if p.vpp is not None:
+            strategy_config["virtual_pipeline_model_parallel_size"] = p.vpp
+        worker: Dict[str, Any] = {
+            "strategy_args": {"strategy_name": p.backend, "strategy_config": strategy_config},
+            "use_sequence_packing": rp.enabled,
+            "sequence_packing_args": {k: getattr(rp, k) for k in (
+                "algorithm", "max_packed_sequence_length_train", "max_packed_sequence_length_forward",
+                "min_num_micro_batches_train", "min_num_micro_batches_forward")},
+            "use_dynamic_batching_in_train": rd.train, "use_dynamic_batching_in_infer": rd.infer,
+        }
+        for key in ("max_tokens_per_microbatch_in_train", "max_tokens_per_microbatch_in_infer",
+                    "sequence_length_round_in_train", "sequence_length_round_in_infer"):
+            worker[key] = getattr(rd, key)
+        out: Dict[str, Any] = {self.role: worker}
+        if self.max_seqlen is not None:
+            out["sequence_length"] = self.max_seqlen
+        return out
+
+    # NeMo-RL ------------------------------------------------------------
+    def _nemo(self, what: str):
+        if self.schema != "nemo_rl":
+            raise ConfigError(f"{what} needs a NeMo-RL config (policy.*); this one is {self.schema}'s")
+
+    def sequence_packing_args(self, phase: str = "train") -> Dict[str, Any]:
+        """NeMo-RL ``SequencePackingArgs`` for ``shard_by_batch_size`` (``phase``:
+        ``"train"`` uses ``train_mb_tokens``, ``"logprob"`` ``logprob_mb_tokens``)."""
+        self._nemo("sequence_packing_args")
+        sp = self.sequence_packing
+        if not sp.enabled:
+            raise ConfigError("policy.sequence_packing.enabled: sequence packing is disabled")
+        return {
+            "max_tokens_per_microbatch": _phase_tokens(sp, phase, "policy.sequence_packing"),
+            "input_key": "input_ids",
+            "input_lengths_key": "input_lengths",
+            "algorithm": sp.algorithm,
+            "sequence_length_pad_multiple": sp.sequence_length_pad_multiple,
+            "microbatch_order": sp.microbatch_order,
+        }
+
+    def dynamic_batching_args(self, phase: str = "train") -> Dict[str, Any]:
+        """NeMo-RL ``DynamicBatchingArgs`` for ``shard_by_batch_size``."""
+        self._nemo("dynamic_batching_args")
+        db = self.dynamic_batching
+        if not db.enabled:
+            raise ConfigError("policy.dynamic_batching.enabled: dynamic batching is disabled")
+        return {
+            "max_tokens_per_microbatch": _phase_tokens(db, phase, "policy.dynamic_batching"),
+            "sequence_length_round": db.sequence_length_round,
+            "input_key": "input_ids",
+            "input_lengths_key": "input_lengths",
+        }
+
+    def shard_kwargs(self, shards: int, phase: str = "train") -> Dict[str, Any]:
+        """Keyword arguments of ``BatchedDataDict.shard_by_batch_size`` as NeMo-RL's
+        policy passes them (``batch_size`` = the global batch when training)."""
+        self._nemo("shard_kwargs")
+        kwargs: Dict[str, Any] = {
+            "shards": shards,
+            "batch_size": self.global_batch_size if phase == "train" else None,
+        }
+        if self.sequence_packing.enabled:
+            kwargs["sequence_packing_args"] = self.sequence_packing_args(phase)
+        elif self.dynamic_batching.enabled:
+            kwargs["dynamic_batching_args"] = self.dynamic_batching_args(phase)
+        return kwargs
+
+    # ROLL ---------------------------------------------------------------
+    def _roll(self, what: str):
+        if self.schema != "roll":
+            raise ConfigError(f"{what} needs a ROLL config (a worker role); this one is {self.schema}'s")
+
+    def load_balance_kwargs(self, phase: str = "train") -> Dict[str, Any]:
+        """Keyword arguments of :func:`seqpack.roll.make_micro_batch_iter_for_sequence_packing`
+        (``phase``: ``"train"`` or ``"forward"``)."""
+        self._roll("load_balance_kwargs")
+        rp = self.roll_packing
+        if not rp.enabled:
+            raise ConfigError(f"{self.role}.use_sequence_packing: sequence packing is disabled")
+        if phase not in ("train", "forward"):
+            raise ConfigError(f"phase must be 'train' or 'forward', got {phase!r}")
+        return {
+            "algorithm": rp.algorithm,
+            "max_packed_sequence_length": getattr(rp, f"max_packed_sequence_length_{phase}"),
+            "min_num_micro_batches": getattr(rp, f"min_num_micro_batches_{phase}"),
+            "pad_multiple": rp.pad_multiple,
+            "vp_size": self.parallel.vpp or 1,
+        }
+
+    def dynamic_batching_shard_kwargs(self, dp_size: int, phase: str = "train") -> Dict[str, Any]:
+        """Keyword arguments of :func:`seqpack.roll.dynamic_batching_shard`
+        (``phase``: ``"train"`` or ``"infer"``)."""
+        self._roll("dynamic_batching_shard_kwargs")
+        rd = self.roll_dynamic_batching
+        if phase not in ("train", "infer"):
+            raise ConfigError(f"phase must be 'train' or 'infer', got {phase!r}")
+        if not getattr(rd, phase):
+            raise ConfigError(f"{self.role}.use_dynamic_batching_in_{phase}: dynamic batching is disabled")
+        return {
+            "dp_size": dp_size,
+            "max_tokens_per_microbatch": getattr(rd, f"max_tokens_per_microbatch_in_{phase}"),
+            "sequence_length_round": getattr(rd, f"sequence_length_round_in_{phase}"),
+            "pipeline_model_parallel_size": self.parallel.pp,
+            "virtual_pipeline_model_parallel_size": self.parallel.vpp,
+        }
+
+
+    # verl ---------------------------------------------------------------
+    def _verl(self, what: str):
+        if self.schema != "verl":
+            raise ConfigError(f"{what} needs a verl config (actor_rollout_ref.*); this one is {self.schema}'s")
+
+    def micro_batching(self, role: str = "actor") -> VerlMicroBatching:
+        """verl's micro-batching of ``role`` (one of :data:`VERL_ROLES`)."""
+        self._verl("micro_batching")
+        return self.verl.role(role)
+
+    def rearrange_kwargs(self, role: str = "actor") -> Dict[str, Any]:
+        """Keyword arguments of :func:`seqpack.verl.rearrange_micro_batches` as verl
+        passes them for ``role``: ``max_token_len`` = the per-GPU cap times the
+        Ulysses (FSDP) or context-parallel (Megatron) size."""
+        mb = self.micro_batching(role)
+        if not mb.use_dynamic_bsz:
+            key = "use_dynamic_bsz" if role in ("actor", "critic", "critic_forward") else "log_prob_use_dynamic_bsz"
+            raise ConfigError(f"{mb.path}.{key}: dynamic batching is disabled")
+        return {"max_token_len": mb.max_token_len}
+
+    def balance_batch_kwargs(self, dp_size: int) -> Dict[str, Any]:
+        """Keyword arguments of :func:`seqpack.verl.get_seqlen_balanced_partitions`
+        (after ``seqlen_list``) for ``trainer.balance_batch``: one equal-size
+        partition per data-parallel rank."""
+        self._verl("balance_batch_kwargs")
+        if not self.verl.balance_batch:
+            raise ConfigError("trainer.balance_batch: batch balancing is disabled")
+        try:
+            dp_size = as_int(dp_size, "dp_size")  # NumPy and 0-d tensor integers too
+        except TypeError:
+            raise ConfigError(f"dp_size must be an integer >= 1, got {dp_size!r}") from None
+        if not 1 <= dp_size <= INT64_MAX:
+            raise ConfigError(f"dp_size must be an integer >= 1 (and fit in int64), got {dp_size!r}")
+        return {"k_partitions": dp_size, "equal_size": True}
+
+
+def _phase_tokens(section, phase: str, path: str) -> int:
+    if phase not in PHASES:
+        raise ConfigError(f"phase must be one of {PHASES}, got {phase!r}")
+    value = getattr(section, f"{phase}_mb_tokens")
+    if value is None:
+        raise ConfigError(f"{path}.{phase}_mb_tokens: required for the {phase} phase")
+    return value
+
+
+
+def _verl_to_dict(cfg: SeqpackConfig) -> Dict[str, Any]:
+    v, p = cfg.verl, cfg.parallel
+
+    def keys(mb: VerlMicroBatching, prefix: str, names=("use_dynamic_bsz", "max_token_len_per_gpu",
+                                                         "micro_batch_size_per_gpu", "micro_batch_size")):
+        dyn, cap, per_gpu, global_mbs = names
+        return {dyn: mb.use_dynamic_bsz, f"{prefix}{cap}": mb.max_token_len_per_gpu,
+                f"{prefix}{per_gpu}": mb.micro_batch_size_per_gpu, f"{prefix}{global_mbs}": mb.micro_batch_size}
+
+    def sp(section: Dict[str, Any], strategy: str, size: int, engine: str) -> Dict[str, Any]:
+        if strategy == "megatron":
+            section["megatron"] = {"context_parallel_size": size}
+        else:
+            section["ulysses_sequence_parallel_size"] = size
+            section[engine] = {"ulysses_sequence_parallel_size": size}
+        return section
+
+    log_prob = ("log_prob_use_dynamic_bsz", "max_token_len_per_gpu", "micro_batch_size_per_gpu", "micro_batch_size")
+    actor = sp({"strategy": v.strategy, "ppo_mini_batch_size": v.ppo_mini_batch_size,
+                "use_remove_padding": v.actor.use_remove_padding, **keys(v.actor, "ppo_")},
+               v.strategy, v.actor.sp_size, "fsdp_config")
+    if v.strategy == "megatron":
+        actor["megatron"].update(tensor_model_parallel_size=p.tp, pipeline_model_parallel_size=p.pp,
+                                 virtual_pipeline_model_parallel_size=p.vpp, sequence_parallel=p.sequence_parallel)
+    critic = sp({"strategy": v.critic_strategy, "enable": v.use_critic,
+                 "ppo_mini_batch_size": v.critic_ppo_mini_batch_size,
+                 "model": {"use_remove_padding": v.critic.use_remove_padding}, **keys(v.critic, "ppo_"),
+                 **{k: val for k, val in keys(v.critic_forward, "forward_").items() if k != "use_dynamic_bsz"}},
+                v.critic_strategy, v.critic.sp_size, "fsdp")
+    return {
+        "data": {"train_batch_size": v.train_batch_size, "max_prompt_length": v.max_prompt_length,
+                 "max_response_length": v.max_response_length},
+        "actor_rollout_ref": {
+            "model": {"use_remove_padding": v.ref.use_remove_padding},
+            "actor": actor,
+            "ref": sp(keys(v.ref, "log_prob_", log_prob), v.strategy, v.ref.sp_size, "fsdp_config"),
+            "rollout": {"n": v.rollout_n, **keys(v.rollout, "log_prob_", log_prob)},
+        },
+        "critic": critic,
+        "trainer": {"balance_batch": v.balance_batch},
+    }
+
