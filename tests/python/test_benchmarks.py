@@ -17,7 +17,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
                                            ("bench_boundary.py", "Small calls through the boundary"),
                                            ("bench_thd.py", "THD pack / unpack on the CPU"),
                                            ("bench_step.py", "Simulated step time"),
-                                           ("bench_trl.py", "TRL pack_dataset")])
+                                           ("bench_trl.py", "TRL pack_dataset"),
+                                           ("bench_automodel.py", "AutoModel pack_dataset")])
 def test_quick_run_prints_its_table(script, title, tmp_path):
     # The scripts import the same seqpack as this test (installed, or the source tree).
     here = str(pathlib.Path(seqpack.__file__).resolve().parents[1])

@@ -20,7 +20,7 @@ ROOT = pathlib.Path(seqpack.__file__).resolve().parent
 # "tools" and "testing" sit side by side on top and must not import each other.
 LAYERS = {"_core": 0, "_version": 0, "_lengths": 0, "_dist": 0, "_lazy": 0, "_equality": 0, "planning": 1, "tensors": 2, "training": 3,
           "frameworks": 4, "tools": 5, "testing": 5}
-ADAPTERS = {"batched_data_dict", "roll", "verl", "hf", "config"}
+ADAPTERS = {"batched_data_dict", "roll", "verl", "hf", "trl", "automodel", "config"}
 
 
 def _modules() -> Dict[str, pathlib.Path]:

@@ -10,9 +10,11 @@ adapters never import one another):
   collator (also ``seqpack.integrations.hf``).
 - :mod:`~seqpack.frameworks.trl`: HF TRL's ``pack_dataset`` on Arrow buffers (also
   ``seqpack.integrations.trl``).
+- :mod:`~seqpack.frameworks.automodel`: NeMo AutoModel's THD ``pack_dataset`` on Arrow buffers and
+  ``packed_sequence_thd_collater`` (also ``seqpack.integrations.automodel``).
 - :mod:`~seqpack.frameworks.config`: NeMo-RL, ROLL and verl YAML keys (also ``seqpack.config``).
 """
 
 from .._lazy import submodules
 
-__getattr__ = submodules(__name__, ("batched_data_dict", "config", "hf", "roll", "trl", "verl"))
+__getattr__ = submodules(__name__, ("automodel", "batched_data_dict", "config", "hf", "roll", "trl", "verl"))

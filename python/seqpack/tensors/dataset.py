@@ -14,7 +14,10 @@ sequence, as Megatron-Core's bin padding does::
 
 Labels are the model's unshifted targets (the model shifts them): with
 ``mask_first_label`` every sequence's first label is -100 as well, so no token
-is ever trained to predict across a pack boundary.
+is ever trained to predict across a pack boundary. An example's ``loss_mask``
+sets its labels to -100 (``label_pad``) where it is 0, as NeMo AutoModel does; an
+``attention_mask`` of ones says nothing the packs do not, and any other field is
+named in a warning (it is not carried into the packs).
 
     >>> import seqpack
     >>> packs = seqpack.pack_dataset([{"input_ids": [1, 2, 3]}, {"input_ids": [4, 5, 6, 7, 8]}], pack_size=12,
@@ -27,6 +30,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Dict, Iterable, List, Mapping, Optional, Sequence
+
+import warnings
 
 import numpy as np
 
@@ -88,6 +93,34 @@ def _tokens(example: Any, index: int, key: str) -> np.ndarray:
     return arr.astype(np.int64, copy=False)
 
 
+_KNOWN = ("input_ids", "labels", "loss_mask", "attention_mask")
+
+
+def _loss_mask(example: Mapping, index: int, size: int) -> Optional[np.ndarray]:
+    """Where the example's ``loss_mask`` is 0 (AutoModel's rule), or None without one."""
+    value = example.get("loss_mask")
+    if value is None:
+        return None
+    arr = np.asarray(value.detach().cpu() if hasattr(value, "detach") else value)
+    if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "biuf"):
+        raise ValueError(f"examples[{index}]['loss_mask'] must be a 1-D list of numbers (0: no loss on that label), "
+                         f"got {arr.dtype} {arr.shape}")
+    if arr.size != size:
+        raise ValueError(f"examples[{index}]['loss_mask'] has {arr.size} values, input_ids {size} tokens: it cannot "
+                         f"be applied to the labels")
+    return arr == 0
+
+
+def _check_attention_mask(example: Mapping, index: int) -> None:
+    value = example.get("attention_mask")
+    if value is None:
+        return
+    arr = np.asarray(value.detach().cpu() if hasattr(value, "detach") else value)
+    if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "biuf") or not (arr == 1).all():
+        raise ValueError(f"examples[{index}]['attention_mask'] is not all ones: the example holds padding, which "
+                         f"would be packed as real tokens; strip the padding (or drop the field) before packing")
+
+
 def pack_dataset(
     examples: Iterable[Any],
     pack_size: int,
@@ -106,7 +139,10 @@ def pack_dataset(
 
     Args:
         examples: dicts with ``input_ids`` (and optionally ``labels``, default a copy
-            of the ids), or plain token lists.
+            of the ids, and ``loss_mask``: labels where it is 0 become ``label_pad``), or
+            plain token lists. An ``attention_mask`` must be all ones (packs hold no
+            padding of the examples'); other fields are not carried into the packs, and a
+            ``UserWarning`` names them.
         pack_size: tokens per pack.
         algorithm: ``"greedy_sequential"`` (dataset order; a sequence that does not
             fit closes the pack), ``"first_fit_decreasing"`` or ``"best_fit_decreasing"``.
@@ -143,11 +179,20 @@ def pack_dataset(
     show = progress if progress is not None else len(examples) > 100_000
     ids_list, labels_list, dropped, truncated = [], [], [], []
     kept_index = []
+    unused: Dict[str, int] = {}  # fields not carried into the packs -> first example holding them
     for i, ex in enumerate(tqdm(examples, desc="seqpack: reading", disable=not show, unit="ex")):
         ids = _tokens(ex, i, "input_ids")
         labels = _tokens(ex, i, "labels") if isinstance(ex, Mapping) and "labels" in ex else ids.copy()
         if labels.shape != ids.shape:
             raise ValueError(f"examples[{i}]: labels has {labels.size} tokens, input_ids {ids.size}")
+        if isinstance(ex, Mapping):
+            zero = _loss_mask(ex, i, ids.size)
+            if zero is not None:
+                labels = np.where(zero, np.int64(label_pad), labels)
+            _check_attention_mask(ex, i)
+            for key in ex:
+                if key not in _KNOWN and key not in unused:
+                    unused[key] = i
         if round_up(ids.size, multiple) > size:
             if too_long == "error":
                 raise ValueError(f"examples[{i}] has {ids.size} tokens, more than pack_size={size} "
@@ -161,6 +206,10 @@ def pack_dataset(
         labels_list.append(labels)
         kept_index.append(i)
 
+    if unused:
+        named = ", ".join(f"{key!r} (first in examples[{i}])" for key, i in unused.items())
+        warnings.warn(f"seqpack.pack_dataset: {named} not carried into the packs, which hold input_ids, labels "
+                      f"(loss_mask applied), position_ids, seq_lens and seq_lens_padded", UserWarning, stacklevel=2)
     padded = [round_up(ids.size, multiple) for ids in ids_list]
     bins = get_packer(algorithm, size).pack(padded) if padded else []
     if max_packs is not None:
