@@ -10,12 +10,15 @@ from __future__ import annotations
 import csv
 import datetime as _dt
 import gc
+import hashlib
+import json
 import os
 import platform
 import statistics
 import subprocess
+import sys
 import time
-from typing import Any, Callable, Dict, Iterable, List, Optional
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
 
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # idle BLAS threads would steal a core
 
@@ -141,3 +144,29 @@ class CsvLog:
             for r in self.rows:
                 w.writerow({**r, **self.env})
         return self.path
+
+
+def run_child(script: str, spec: str) -> dict:
+    """Runs ``script --child spec`` in a fresh process (its own peak memory, no warm
+    caches from the other side) and returns the JSON its last line prints."""
+    proc = subprocess.run([sys.executable, os.path.abspath(script), "--child", spec], capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{spec} failed:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def arrow_digest(ds: Any, columns: Optional[Sequence[str]] = None, with_schema: bool = False) -> str:
+    """SHA-256 of a ``datasets.Dataset``'s columns (all, or those of ``columns`` it
+    has): each column's row lengths and raw values, chunk by chunk (no copy of the
+    values; the chunking does not change the digest), and its schema if asked."""
+    table = ds.with_format("arrow")[:]
+    parts = [str(table.schema.remove_metadata())] if with_schema else []
+    import numpy as np
+
+    for name in (table.column_names if columns is None else [c for c in columns if c in table.column_names]):
+        lengths, values = hashlib.sha256(), hashlib.sha256()
+        for chunk in table.column(name).chunks:
+            lengths.update(np.asarray(chunk.value_lengths()).astype(np.int64).tobytes())
+            values.update(memoryview(np.ascontiguousarray(chunk.flatten().to_numpy(zero_copy_only=False))))
+        parts += [name, lengths.hexdigest(), values.hexdigest()]
+    return hashlib.sha256("".join(parts).encode()).hexdigest()

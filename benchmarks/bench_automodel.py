@@ -14,15 +14,14 @@ memory rise (best of 3 runs each).
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
-import subprocess
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _harness import CsvLog, announce, environment, format_table, peak_extra_mib  # noqa: E402
+from _harness import (CsvLog, announce, arrow_digest, environment, format_table, peak_extra_mib,  # noqa: E402
+                      run_child)
 
 import numpy as np  # noqa: E402
 
@@ -48,19 +47,6 @@ def make_dataset(rows: int, median: float, size: int, seed: int = 0):
                       "labels": pa.ListArray.from_arrays(offsets, pa.array(labels)),
                       "loss_mask": pa.ListArray.from_arrays(offsets, pa.array(mask))})
     return datasets.Dataset(InMemoryTable(table)), total
-
-
-def digest(ds) -> str:
-    """SHA-256 of the Arrow schema and of every column's row lengths and values, chunk by chunk."""
-    table = ds.with_format("arrow")[:]
-    parts = [str(table.schema.remove_metadata())]
-    for name in table.column_names:
-        lengths, values = hashlib.sha256(), hashlib.sha256()  # apart: chunking must not matter
-        for chunk in table.column(name).chunks:
-            lengths.update(np.asarray(chunk.value_lengths()).astype(np.int64).tobytes())
-            values.update(memoryview(np.ascontiguousarray(chunk.flatten().to_numpy(zero_copy_only=False))))
-        parts += [name, lengths.hexdigest(), values.hexdigest()]
-    return hashlib.sha256("|".join(parts).encode()).hexdigest()
 
 
 def child(spec: str) -> dict:
@@ -90,15 +76,7 @@ def child(spec: str) -> dict:
         run()
         best = min(best, out["seconds"])
     return {"seconds": best, "peak_extra_mib": mem, "packs": len(packed), "tokens": tokens,
-            "digest": digest(packed)}
-
-
-def run_child(spec: str) -> dict:
-    cmd = [sys.executable, os.path.abspath(__file__), "--child", spec]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{spec} failed:\n{proc.stderr[-3000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+            "digest": arrow_digest(packed, with_schema=True)}
 
 
 def main() -> int:
@@ -121,7 +99,7 @@ def main() -> int:
     cases = [(2_000, 256, 4096)] if args.quick else [(10_000, 256, 4096), (100_000, 256, 4096)]
     table = []
     for rows, median, size in cases:
-        got = {impl: run_child(f"{impl},{rows},{median},{size}") for impl in ("automodel", "seqpack")}
+        got = {impl: run_child(__file__, f"{impl},{rows},{median},{size}") for impl in ("automodel", "seqpack")}
         same = got["automodel"]["digest"] == got["seqpack"]["digest"]
         name = f"{rows}/{size}"
         for impl, r in got.items():

@@ -102,6 +102,18 @@ def python_soft_cap(lengths, cap):
     return reference.get_seqlen_balanced_partitions(work, k, equal_size=False)
 
 
+def python_verl_released(lengths, cap):
+    """verl 0.9.1 (since verl#7553): from k = ceil(total / cap), one part more until
+    the Karmarkar-Karp parts all fit the cap (k = len(lengths) always does)."""
+    k = max(1, min(len(lengths), math.ceil(sum(lengths) / cap)))
+    work = [ROLL_ATTENTION_COEFF * s + s * s for s in lengths]
+    while True:
+        parts = reference.get_seqlen_balanced_partitions(work, k, equal_size=False)
+        if k >= len(lengths) or all(sum(lengths[i] for i in p) <= cap for p in parts):
+            return parts
+        k += 1
+
+
 def imbalance(parts, work):
     loads = [sum(work[i] for i in p) for p in parts]
     return max(loads) / (sum(loads) / len(loads)) - 1
@@ -109,11 +121,13 @@ def imbalance(parts, work):
 
 def bench_micro(trials, mini_batch, cap, log, rows):
     rng = np.random.default_rng(5)
-    stats = {"python": [0.0, 0, 0, 0, []], "seqpack": [0.0, 0, 0, 0, []]}  # time, mbs, over, worst, imbalance
+    stats = {"python": [0.0, 0, 0, 0, []], "python_verl_0.9.1": [0.0, 0, 0, 0, []],
+             "seqpack": [0.0, 0, 0, 0, []]}  # time, mbs, over, worst, imbalance
     for _ in range(trials):
         lengths = synthetic_rl_lengths(mini_batch, seed=int(rng.integers(1 << 30)), max_len=8192).tolist()
         work = [ROLL_ATTENTION_COEFF * s + s * s for s in lengths]
         for impl, fn in (("python", lambda: python_soft_cap(lengths, cap)),
+                         ("python_verl_0.9.1", lambda: python_verl_released(lengths, cap)),
                          ("seqpack", lambda: plan_micro_batches(lengths, cap, attention_coeff=ROLL_ATTENTION_COEFF,
                                                                 order="small_at_ends").micro_batches)):
             m = measure(fn, repeat=3, warmup=0)
@@ -163,7 +177,8 @@ def main() -> int:
         "Load-balanced micro-batches (ROLL load_balance / verl rearrange_micro_batches): soft vs hard cap",
         ["planner", "mini-batches", "rows each", "cap", "ms per call", "micro-batches", "over cap", "largest",
          "mean imbalance"], micro_rows,
-        note="python: k = ceil(tokens / cap) parts by Karmarkar-Karp on 24576*s + s^2 (ROLL/verl); seqpack: "
+        note="python: k = ceil(tokens / cap) parts by Karmarkar-Karp on 24576*s + s^2 (ROLL; verl before verl#7553); "
+             "python_verl_0.9.1: the same k, grown by one until every part fits (verl 0.9.1); seqpack: "
              "plan_micro_batches, the smallest k whose balanced parts all fit. Imbalance: max / mean workload - 1."))
     print(f"\nCSV: {log.write()}")
     return 0

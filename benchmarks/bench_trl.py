@@ -14,15 +14,14 @@ the whole dataset: fewer packs, not TRL's).
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
-import subprocess
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _harness import CsvLog, announce, environment, format_table, peak_extra_mib  # noqa: E402
+from _harness import (CsvLog, announce, arrow_digest, environment, format_table, peak_extra_mib,  # noqa: E402
+                      run_child)
 
 import numpy as np  # noqa: E402
 
@@ -41,22 +40,6 @@ def make_dataset(rows: int, median: float, seq_length: int, seed: int = 0):
     column = pa.LargeListArray.from_arrays(pa.array(offsets), values) if offsets[-1] >= 2**31 else \
         pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), values)
     return datasets.Dataset(InMemoryTable(pa.table({"input_ids": column}))), int(offsets[-1])
-
-
-def digest(ds) -> str:
-    """SHA-256 of the packed rows (the row lengths and raw values of ``input_ids`` and
-    ``seq_lengths``), chunk by chunk: no copy of the packed values."""
-    digests = []
-    table = ds.with_format("arrow")[:]
-    for name in ("input_ids", "seq_lengths"):
-        if name not in table.column_names:
-            continue
-        lengths, values = hashlib.sha256(), hashlib.sha256()  # apart: chunking must not matter
-        for chunk in table.column(name).chunks:
-            lengths.update(np.asarray(chunk.value_lengths()).astype(np.int64).tobytes())
-            values.update(memoryview(np.ascontiguousarray(chunk.flatten().to_numpy(zero_copy_only=False))))
-        digests += [lengths.hexdigest(), values.hexdigest()]
-    return hashlib.sha256("".join(digests).encode()).hexdigest()
 
 
 def child(spec: str) -> dict:
@@ -80,15 +63,7 @@ def child(spec: str) -> dict:
     mem = peak_extra_mib(run)
     packed = out["packed"]
     return {"seconds": out["seconds"], "peak_extra_mib": mem, "packs": len(packed), "tokens": tokens,
-            "digest": digest(packed)}
-
-
-def run_child(spec: str) -> dict:
-    cmd = [sys.executable, os.path.abspath(__file__), "--child", spec]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{spec} failed:\n{proc.stderr[-3000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+            "digest": arrow_digest(packed, ("input_ids", "seq_lengths"))}
 
 
 def main() -> int:
@@ -111,11 +86,11 @@ def main() -> int:
     table = []
     for rows, median, seq_length in cases:
         for strategy in ("bfd", "bfd_split"):
-            got = {impl: run_child(f"{impl},{rows},{median},{seq_length},{strategy}") for impl in ("trl", "seqpack")}
+            got = {impl: run_child(__file__, f"{impl},{rows},{median},{seq_length},{strategy}") for impl in ("trl", "seqpack")}
             same = got["trl"]["digest"] == got["seqpack"]["digest"]
             if not same:
                 raise AssertionError(f"{rows} rows, {strategy}: seqpack's packs differ from TRL's")
-            best = run_child(f"seqpack,{rows},{median},{seq_length},{strategy}_global")
+            best = run_child(__file__, f"seqpack,{rows},{median},{seq_length},{strategy}_global")
             name = f"{rows}/{seq_length}/{strategy}"
             for impl, r in [*got.items(), (f"seqpack_{strategy}_global", best)]:
                 for metric in ("seconds", "peak_extra_mib", "packs"):

@@ -187,8 +187,9 @@ def nemo_rl_pipeline(lengths: Any, dp_size: int, max_tokens: int, *, mini_batche
 
 
 def verl_pipeline(lengths: Any, dp_size: int, max_tokens: int, *, mini_batches: int = 1,
-                  cost: CostModel = _VERL_COST, use_dynamic_bsz_balance: bool = True) -> Assignment:
-    """verl with ``balance_batch`` and ``use_dynamic_bsz`` (remove-padding path).
+                  cost: CostModel = _VERL_COST, use_dynamic_bsz_balance: bool = True,
+                  num_batches_divided_by: Optional[int] = None, soft_cap: bool = False) -> Assignment:
+    """verl with ``balance_batch`` and ``use_dynamic_bsz`` (remove-padding path), as released (0.9.1).
 
     1. ``volcengine/verl`` ``verl/trainer/ppo/ray_trainer.py``,
        ``RayPPOTrainer._balance_batch(..., keep_minibatch=True)``: per mini-batch,
@@ -198,18 +199,21 @@ def verl_pipeline(lengths: Any, dp_size: int, max_tokens: int, *, mini_batches: 
        ``(workload, index)`` and reordered ``p[::2] + p[1::2][::-1]``.
     2. ``verl/utils/seqlen_balancing.py``, ``rearrange_micro_batches(batch,
        max_token_len, same_micro_num_in_dp=True, use_dynamic_bsz_balance=...)`` on
-       each rank (via ``prepare_dynamic_batch``): the count is
+       each rank (via ``prepare_dynamic_batch``): the count starts at
        ``min(rows, ceildiv(tokens, max_token_len))``, all-reduced with ``MAX`` over
-       the ranks; ``get_seqlen_balanced_partitions(calculate_workload(...), count,
-       equal_size=False)``; with ``use_dynamic_bsz_balance`` the micro-batches are
-       sorted by ``(workload, first row)`` descending and interleaved
-       ``mbs[::2][::-1] + mbs[1::2]``.
+       the ranks and rounded up to ``num_batches_divided_by`` (Megatron VPP); then
+       ``get_seqlen_balanced_partitions(calculate_workload(...), count,
+       equal_size=False)`` on every rank, and while some rank has a part of more than
+       ``max_token_len`` tokens (``MIN`` over the ranks of "all fit") the count grows
+       by ``num_batches_divided_by`` (else 1) and the rows are partitioned again; a
+       count above a rank's rows raises (``ValueError`` here, as verl). With
+       ``use_dynamic_bsz_balance`` the micro-batches are sorted by ``(workload, first
+       row)`` descending and interleaved ``mbs[::2][::-1] + mbs[1::2]``.
 
-    The cap is soft: the count is only ``ceil(tokens / max_token_len)`` and KK
-    balances workload, so a micro-batch can hold more than ``max_tokens`` tokens
-    (kept here on purpose; verl PR #7553 later re-partitions with a larger count
-    until the cap holds, which this does not model). ``cost`` stands in for
-    ``calculate_workload`` in both steps. Equal-size KK asserts
+    So no micro-batch holds more than ``max_tokens`` tokens. ``soft_cap=True`` is
+    verl before verl PR #7553 (and ROLL's ``load_balance`` to this day): the first
+    count only, so KK, which balances workload, can put a micro-batch over the cap.
+    ``cost`` stands in for ``calculate_workload`` in both steps. Equal-size KK asserts
     ``rows % dp_size == 0``: such a mini-batch raises ``ValueError``.
 
     One detail differs on purpose: in verl (and ROLL's copy) the light-heavy-light
@@ -218,17 +222,30 @@ def verl_pipeline(lengths: Any, dp_size: int, max_tokens: int, *, mini_batches: 
     runs within each mini-batch, so every mini-batch keeps its own sequences, as
     ``keep_minibatch`` intends. Within a mini-batch the rows end up in verl's order.
 
-    Example (3 sequences of 7 tokens, cap 11: 2 micro-batches, one of 14 tokens):
+    Example (3 sequences of 7 tokens, cap 11: 2 parts would put 14 tokens in one, so 3;
+    verl before #7553 kept the 2):
         >>> verl_pipeline([7, 7, 7], dp_size=1, max_tokens=11)
+        [[[[0], [1], [2]]]]
+        >>> verl_pipeline([7, 7, 7], dp_size=1, max_tokens=11, soft_cap=True)
         [[[[0, 2], [1]]]]
     """
+    step = 1 if num_batches_divided_by is None else as_positive_int(num_batches_divided_by, "num_batches_divided_by")
 
     def plan(chunk: List[int], dp: int, cap: int) -> List[Cells]:
         _check_divisible(len(chunk), dp, "verl _balance_batch (equal-size KK)")
         work = _workloads(chunk, cost)
         ranks = _balance_batch_keep_minibatch(work, dp)
         count = max(min(len(rows), _ceildiv(sum(chunk[i] for i in rows), cap)) for rows in ranks)
-        return _kk_micro_batches(ranks, work, count, use_dynamic_bsz_balance)
+        count = _round_up(count, step)
+        fewest = min(len(rows) for rows in ranks)
+        while True:
+            if count > fewest:  # verl 0.9.1 raises; before #7553 its KK asserted k <= rows
+                raise ValueError(f"verl rearrange_micro_batches: {count} micro-batches (max_token_len={cap}, "
+                                 f"num_batches_divided_by={step}) but a rank has only {fewest} rows")
+            cells = _kk_micro_batches(ranks, work, count, use_dynamic_bsz_balance)
+            if soft_cap or all(sum(chunk[i] for i in cell) <= cap for rank in cells for cell in rank):
+                return cells
+            count += step
 
     return _plan(lengths, dp_size, max_tokens, mini_batches, plan)
 
@@ -256,11 +273,12 @@ def roll_pipeline(lengths: Any, dp_size: int, max_tokens: int, *, mini_batches: 
        ``(workload, first row)`` descending and interleaved
        ``mbs[::2][::-1] + mbs[1::2]``.
 
-    Like verl's, the cap is soft. ROLL shuffles mini-batches within a rank by
-    default (``shuffle``); that only changes tie-breaking, and the rows are taken in
-    ``batch_balance``'s order here. ROLL's padded dynamic batching
-    (``roll/utils/dynamic_batching.py``, ``dynamic_batching_shard``: sort, stride
-    over ranks, greedy padded micro-batches) is a different mode and not modelled.
+    Like verl's before verl PR #7553 (``verl_pipeline(..., soft_cap=True)``), the cap
+    is soft. ROLL shuffles mini-batches within a rank by default (``shuffle``); that
+    only changes tie-breaking, and the rows are taken in ``batch_balance``'s order here.
+    ROLL's padded dynamic batching (``roll/utils/dynamic_batching.py``,
+    ``dynamic_batching_shard``: sort, stride over ranks, greedy padded micro-batches)
+    is a different mode and not modelled.
     ``rows % dp_size != 0`` raises ``ValueError`` (equal-size KK asserts it).
 
     Example (padded to 16 tokens each, 3 micro-batches where verl plans 2):
@@ -480,7 +498,7 @@ def seqpack_two_step_pipeline(lengths: Any, dp_size: int, max_tokens: int, *, mi
     tokens). The ranks agree on the count: the largest rank's, passed back as
     ``min_num``; a rank with fewer sequences than that runs dummy micro-batches.
 
-    Example (the cap holds: 3 micro-batches where verl plans 2 with 14 tokens in one):
+    Example (the cap holds: 3 micro-batches where verl before #7553 planned 2, 14 tokens in one):
         >>> seqpack_two_step_pipeline([7, 7, 7], dp_size=1, max_tokens=11)
         [[[[2], [1], [0]]]]
     """

@@ -5,9 +5,13 @@ length distributions of the benchmark."""
 from __future__ import annotations
 
 import doctest
+import hashlib
+import json
 import math
 import subprocess
 import sys
+import threading
+import types
 
 import numpy as np
 import pytest
@@ -23,9 +27,9 @@ from seqpack.testing.pipelines import (DISTRIBUTIONS, PIPELINES, nemo_rl_pipelin
                                        trl_async_grpo_pipeline, verl_pipeline)
 
 VERL = CostModel.verl()
-# Pipelines that never put more than max_tokens tokens in a micro-batch (verl's and
-# ROLL's count is only ceil(tokens / cap), so their cap is soft).
-HARD_CAP = {"nemo_rl", "slime", "trl_async_grpo", "seqpack_two_step"}
+# Pipelines that never put more than max_tokens tokens in a micro-batch (ROLL's count
+# is only ceil(tokens / cap), so its cap is soft, as verl's was before verl#7553).
+HARD_CAP = {"nemo_rl", "verl", "slime", "trl_async_grpo", "seqpack_two_step"}
 
 
 def chunks(n, mini_batches):
@@ -89,7 +93,8 @@ def test_every_index_once_equal_counts_and_the_count_rules(name, case):
     assert not out["unequal_counts"] and out["padded_cells"] == 0
     if name in HARD_CAP:
         assert out["cap_violations"] == 0 and out["max_cell_tokens"] <= cap
-    for mini_batch, chunk in zip(assignment, chunks(len(lengths), mbs)):
+    soft_cap = verl_pipeline(lengths, dp, cap, mini_batches=mbs, soft_cap=True) if name == "verl" else None
+    for m, (mini_batch, chunk) in enumerate(zip(assignment, chunks(len(lengths), mbs))):
         chunk_lengths = [lengths[i] for i in chunk]
         count = len(mini_batch[0])
         rank_tokens = [sum(tokens(cell, lengths) for cell in rank) for rank in mini_batch]
@@ -102,9 +107,12 @@ def test_every_index_once_equal_counts_and_the_count_rules(name, case):
             bins = packer.pack(chunk_lengths)
             assert count * dp == len(bins)
             assert [[chunk[0] + i for i in b] for b in bins[0::dp]] == mini_batch[0]
-        elif name == "verl":  # equal rows per rank; count = max over ranks of min(rows, ceil(tokens / cap))
-            assert set(rank_rows) == {len(chunk) // dp}
-            assert count == max(min(rows, math.ceil(t / cap)) for rows, t in zip(rank_rows, rank_tokens))
+        elif name == "verl":  # equal rows per rank; count: from max over ranks of min(rows, ceil(tokens / cap)),
+            assert set(rank_rows) == {len(chunk) // dp}  # grown only while KK's parts break the cap
+            first = max(min(rows, math.ceil(t / cap)) for rows, t in zip(rank_rows, rank_tokens))
+            soft = simulate([soft_cap[m]], lengths, VERL, max_tokens=cap)
+            assert soft["num_micro_batches"] == [first]
+            assert (count > first) == (soft["cap_violations"] > 0)
         elif name == "roll":  # the same on lengths padded to multiples of 16
             assert set(rank_rows) == {len(chunk) // dp}
             padded = [sum(-(-lengths[i] // 16) * 16 for cell in rank for i in cell) for rank in mini_batch]
@@ -180,18 +188,38 @@ def test_verl_matches_a_hand_derivation():
 
 
 def test_verl_soft_cap_by_hand():
-    """[7, 7, 7], dp 1, max_token_len 11: _balance_batch's layout is [0, 2, 1] (equal
-    workloads sorted by index, p[::2] + p[1::2][::-1]); the count is ceil(21 / 11) = 2;
-    KK on three equal workloads pops the highest index first (the larger top set on
-    ties): locals 2 and 1 pair off, then local 0 joins local 1's set: [[0, 1], [2]],
-    i.e. rows [[0, 2], [1]]: 14 tokens in the first micro-batch, over the cap of 11."""
-    assignment = verl_pipeline([7, 7, 7], 1, 11)
+    """verl before verl#7553 (soft_cap=True). [7, 7, 7], dp 1, max_token_len 11:
+    _balance_batch's layout is [0, 2, 1] (equal workloads sorted by index,
+    p[::2] + p[1::2][::-1]); the count is ceil(21 / 11) = 2; KK on three equal
+    workloads pops the highest index first (the larger top set on ties): locals 2 and
+    1 pair off, then local 0 joins local 1's set: [[0, 1], [2]], i.e. rows
+    [[0, 2], [1]]: 14 tokens in the first micro-batch, over the cap of 11."""
+    assignment = verl_pipeline([7, 7, 7], 1, 11, soft_cap=True)
     assert assignment == [[[[0, 2], [1]]]]
     out = simulate(assignment, [7, 7, 7], CostModel.tokens(), max_tokens=11)
     assert out["cap_violations"] == 1 and out["max_cell_tokens"] == 14
     # seqpack's plan keeps the cap with one more micro-batch.
     out = simulate(seqpack_two_step_pipeline([7, 7, 7], 1, 11), [7, 7, 7], CostModel.tokens(), max_tokens=11)
     assert out["cap_violations"] == 0 and out["num_micro_batches"] == [3]
+
+
+def test_verl_released_grows_the_count_by_hand():
+    """verl 0.9.1, the same case: the 2 parts above hold 14 > 11 tokens, so the count
+    grows to 3 = the rows (one each, equal workloads). Sorted by (workload, first
+    local row) descending: locals [2], [1], [0]; mbs[::2][::-1] + mbs[1::2] gives
+    [0], [2], [1], i.e. rows [0], [1], [2] through the layout [0, 2, 1]. With
+    num_batches_divided_by=2 the count starts at 2 and would grow to 4 > 3 rows: verl
+    raises."""
+    assignment = verl_pipeline([7, 7, 7], 1, 11)
+    assert assignment == [[[[0], [1], [2]]]]
+    out = simulate(assignment, [7, 7, 7], CostModel.tokens(), max_tokens=11)
+    assert out["cap_violations"] == 0 and out["num_micro_batches"] == [3]
+    with pytest.raises(ValueError, match="4 micro-batches .* only 3 rows"):
+        verl_pipeline([7, 7, 7], 1, 11, num_batches_divided_by=2)
+    # The soft cap raises only where the rounded first count passes the rows (verl's KK asserted k <= rows).
+    assert verl_pipeline([7, 7, 7], 1, 11, num_batches_divided_by=2, soft_cap=True) == [[[[0, 2], [1]]]]
+    with pytest.raises(ValueError, match="num_batches_divided_by"):
+        verl_pipeline([7, 7, 7], 1, 11, num_batches_divided_by=0)
 
 
 @settings(max_examples=30, deadline=None)
@@ -210,6 +238,173 @@ def test_verl_dynamic_bsz_balance_only_reorders(case):
             # (ties are broken on the rank-local first row, so compare workloads)
             heavy_first = sorted((w(c) for c in p), reverse=True)
             assert [w(c) for c in b] == heavy_first[::2][::-1] + heavy_first[1::2]
+
+
+# --------------------------------------------------------------------------- verl, against the released verl
+
+
+# (distribution, n, seed, max_len, dp, max_tokens, mini_batches, use_dynamic_bsz_balance) -> sha256[:16] of
+# json.dumps(verl_pipeline(...)) as it was before it modelled verl#7553 (commit e871f80); each but the
+# trl_6092 case put a micro-batch over the cap.
+SOFT_CAP_OUTPUTS = {
+    ("rl_long_tail", 64, 3, 4096, 4, 4096, 2, True): "76f4bd05a5b35b5f",
+    ("rl_long_tail", 64, 3, 4096, 4, 4096, 2, False): "9e2ddbc0435cbed4",
+    ("sft", 96, 5, 4096, 8, 4096, 1, True): "38db98e04a4233d1",
+    ("trl_6092", 48, 1, 5120, 2, 8192, 3, True): "e9c092811f32ab93",
+    ("reasoning_tail", 64, 2, 16384, 4, 16384, 1, True): "716afd1fe328f1e0",
+    ("rl_long_tail", 32, 7, 2048, 1, 2048, 1, True): "b9ffc9b3b13dc2be",
+}
+
+
+@pytest.mark.parametrize("case", sorted(SOFT_CAP_OUTPUTS))
+def test_verl_soft_cap_keeps_its_previous_outputs_and_the_default_keeps_the_cap(case):
+    dist_name, n, seed, max_len, dp, cap, mbs, balance = case
+    lengths = DISTRIBUTIONS[dist_name](n, seed, max_len).tolist()
+    soft = verl_pipeline(lengths, dp, cap, mini_batches=mbs, use_dynamic_bsz_balance=balance, soft_cap=True)
+    assert hashlib.sha256(json.dumps(soft).encode()).hexdigest()[:16] == SOFT_CAP_OUTPUTS[case]
+    released = verl_pipeline(lengths, dp, cap, mini_batches=mbs, use_dynamic_bsz_balance=balance)
+    check_structure(released, n, dp, mbs)
+    hard, old = (simulate(a, lengths, CostModel.tokens(), max_tokens=cap) for a in (released, soft))
+    assert hard["cap_violations"] == 0 and hard["max_cell_tokens"] <= cap
+    if old["cap_violations"]:  # more micro-batches where the first count broke the cap, else the same plan
+        assert sum(hard["num_micro_batches"]) > sum(old["num_micro_batches"])
+    else:
+        assert released == soft
+
+
+def released_verl():
+    pytest.importorskip("tensordict", exc_type=ImportError)
+    # ImportError too: verl is installed without its dependencies (a missing one skips, not fails).
+    return pytest.importorskip("verl.utils.seqlen_balancing", exc_type=ImportError)
+
+
+class ThreadGroup:
+    """A ``dp_group`` for verl's collectives between threads, one per rank: what
+    ``torch.distributed.all_reduce`` (MAX / MIN) does, with a barrier."""
+
+    def __init__(self, size):
+        self.barrier = threading.Barrier(size, timeout=60)
+        self.slots = [None] * size
+
+    def member(self, rank):
+        return types.SimpleNamespace(group=self, rank=rank)
+
+
+def thread_all_reduce(tensor, op, group):
+    import torch
+    import torch.distributed as dist
+
+    shared = group.group
+    shared.slots[group.rank] = tensor.clone()
+    shared.barrier.wait()
+    stacked = torch.stack(shared.slots)
+    reduced = stacked.amax(0) if op == dist.ReduceOp.MAX else stacked.amin(0)
+    shared.barrier.wait()  # every rank has read the slots before any writes the next
+    tensor.copy_(reduced)
+
+
+def verl_shares(verl, lengths, dp):
+    """RayPPOTrainer._balance_batch(keep_minibatch=True) on one mini-batch, with
+    verl's own calculate_workload and KK: each rank's rows in verl's order."""
+    import torch
+
+    work = verl.calculate_workload(torch.tensor(lengths, dtype=torch.long)).tolist()
+    shares = []
+    for part in verl.get_seqlen_balanced_partitions(work, k_partitions=dp, equal_size=True):
+        part = sorted(part, key=lambda i: (work[i], i))
+        shares.append(part[::2] + part[1::2][::-1])
+    return shares
+
+
+def verl_micro_batches(verl, lengths, dp, cap, divisor, balance):
+    """Each rank's micro-batches (global rows) from the released rearrange_micro_batches
+    on its share, the ranks agreeing through ``dp_group`` (threads), or ``"raises"``."""
+    import torch
+    import torch.distributed as dist
+    from tensordict import TensorDict
+
+    shares = verl_shares(verl, lengths, dp)
+    width = max(lengths)
+
+    def batch(rows):
+        n = torch.tensor([lengths[i] for i in rows], dtype=torch.long)
+        mask = (torch.arange(width)[None, :] < n[:, None]).long()
+        return TensorDict({"input_ids": mask.clone(), "attention_mask": mask}, batch_size=[len(rows)])
+
+    group = ThreadGroup(dp)
+    out = [None] * dp
+
+    def run(rank):
+        try:
+            _, idx = verl.rearrange_micro_batches(batch(shares[rank]), cap, group.member(rank) if dp > 1 else None,
+                                                  divisor, True, None, balance)
+            out[rank] = [[shares[rank][j] for j in part] for part in idx]
+        except ValueError:
+            out[rank] = "raises"
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(verl, "dist", types.SimpleNamespace(is_initialized=lambda: True, all_reduce=thread_all_reduce,
+                                                       ReduceOp=dist.ReduceOp))
+        mp.setattr(verl, "get_device_name", lambda: "cpu")
+        threads = [threading.Thread(target=run, args=(r,)) for r in range(dp)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+    assert all(o is not None for o in out), "a rank of verl's rearrange_micro_batches did not finish"
+    if "raises" in out:
+        assert set(out) == {"raises"}, "verl raised on some ranks only"
+        return "raises"
+    return out
+
+
+@st.composite
+def tight_case(draw):
+    """Like divisible_case, with caps close to the longest sequence and often lengths
+    of one magnitude ([top // 2, top]): the first count often breaks the cap there,
+    so verl grows it (or raises, with num_batches_divided_by)."""
+    dp = draw(st.integers(1, 3))
+    mini_batches = draw(st.integers(1, 2))
+    n = dp * mini_batches * draw(st.integers(1, 8))
+    top = draw(st.sampled_from([8, 64]))
+    low = top // 2 if draw(st.booleans()) else 1
+    lengths = draw(st.lists(st.integers(low, top), min_size=n, max_size=n))
+    max_tokens = max(lengths) + draw(st.integers(0, max(lengths) // 2))
+    return lengths, dp, max_tokens, mini_batches
+
+
+@settings(max_examples=30, deadline=None)
+@given(case=tight_case(), divisor=st.sampled_from([None, 1, 2, 3]), balance=st.booleans())
+def test_verl_equals_the_released_rearrange_micro_batches(case, divisor, balance):
+    """verl_pipeline's micro-batches are verl 0.9.1's: _balance_batch's rank shares
+    (verl's KK), then verl's own rearrange_micro_batches on every rank (dp 1: called
+    directly; dp > 1: the ranks' MAX / MIN all-reduces between threads)."""
+    verl = released_verl()
+    lengths, dp, cap, mbs = case
+    try:
+        ours = verl_pipeline(lengths, dp, cap, mini_batches=mbs, num_batches_divided_by=divisor,
+                             use_dynamic_bsz_balance=balance)
+    except ValueError as exc:
+        assert "micro-batches" in str(exc)
+        ours = "raises"
+    theirs = []
+    for chunk in chunks(len(lengths), mbs):
+        got = verl_micro_batches(verl, [lengths[i] for i in chunk], dp, cap, divisor, balance)
+        if got == "raises":
+            theirs = "raises"
+            break
+        theirs.append([[[chunk[0] + i for i in cell] for cell in rank] for rank in got])
+    assert ours == theirs
+
+
+def test_verl_equals_the_released_rearrange_micro_batches_on_a_long_tail():
+    """A benchmark-like mini-batch (dp 4, 64 rl_long_tail rows, cap 4096) where the
+    first count puts a micro-batch over the cap: verl grows it; so does verl_pipeline."""
+    verl = released_verl()
+    lengths = pipelines.rl_long_tail(64, seed=3, max_len=4096).tolist()[:32]
+    soft = simulate(verl_pipeline(lengths, 4, 4096, soft_cap=True), lengths, VERL, max_tokens=4096)
+    assert soft["cap_violations"] > 0
+    assert verl_pipeline(lengths, 4, 4096) == [verl_micro_batches(verl, lengths, 4, 4096, None, True)]
 
 
 # --------------------------------------------------------------------------- the others, small cases
