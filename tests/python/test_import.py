@@ -82,7 +82,7 @@ def test_extension_carries_ampere_and_hopper_machine_code():
     ["seqpack", "seqpack.planning", "seqpack.planning.packing", "seqpack.planning.balance", "seqpack.planning.metrics",
      "seqpack.planning.dynamic_batching", "seqpack.planning.cost", "seqpack.planning.step", "seqpack.tensors.layout",
      "seqpack.tensors.thd", "seqpack.frameworks._batch", "seqpack.frameworks.verl", "seqpack.frameworks.automodel",
-     "seqpack.testing.pipelines",
+     "seqpack.testing.pipelines", "seqpack.testing.distributions",
      "seqpack.tensors.cp",
      "seqpack.tensors.dataset", "seqpack.training.logprobs", "seqpack.training.loss",
      "seqpack.training.nemo_rl_loss", "seqpack._lengths"],

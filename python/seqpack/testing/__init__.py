@@ -1,9 +1,10 @@
 """Test oracles, like :mod:`torch.testing`: :mod:`~seqpack.testing.reference` (plain
 Python implementations of every planner, to compare with),
 :mod:`~seqpack.testing.pipelines` (how RL frameworks plan a step today, and a step
-time simulator) and :mod:`~seqpack.testing.tiny_model` (a small Llama-shaped model
+time simulator), :mod:`~seqpack.testing.distributions` (synthetic long-tailed
+lengths) and :mod:`~seqpack.testing.tiny_model` (a small Llama-shaped model
 that trains on packed or padded batches; imports torch)."""
 
 from .._lazy import submodules
 
-__getattr__ = submodules(__name__, ("reference", "tiny_model", "pipelines"))
+__getattr__ = submodules(__name__, ("distributions", "pipelines", "reference", "tiny_model"))
