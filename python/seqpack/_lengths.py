@@ -25,6 +25,14 @@ def _is_torch_tensor(x: Any) -> bool:
     return type(x).__module__.split(".")[0] == "torch" and hasattr(x, "detach")
 
 
+def host_array(value: Any) -> np.ndarray:
+    """``value``'s values as a NumPy array: a torch tensor is detached and copied to
+    the host (torch is never imported here), anything else goes to ``np.asarray``."""
+    if _is_torch_tensor(value):
+        return value.detach().cpu().numpy()
+    return np.asarray(value)
+
+
 def check_not_meta(t: Any, name: str) -> None:
     """A tensor on PyTorch's meta device has a shape but no values; seqpack reads
     values, so it is refused by name (torch would raise NotImplementedError)."""

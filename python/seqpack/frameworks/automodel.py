@@ -39,7 +39,8 @@ from typing import Any, Dict, Iterable, List, Mapping, Optional, Tuple
 import numpy as np
 
 from .. import _core
-from .._lengths import as_int, as_int64, as_positive_int, type_name
+from .._lengths import as_int, as_int64, as_positive_int, host_array, type_name
+from ..tensors.dataset import loss_mask_zeros
 
 __all__ = ["pack_dataset", "packed_sequence_thd_collater", "CROSS_ENTROPY_IGNORE_IDX"]
 
@@ -419,7 +420,7 @@ class _StreamRows:
             raise ValueError(_LABELS.format(row=index, labels=labels.size, n=length))
         mask = sample.get("loss_mask")
         if mask is not None and len(mask):  # AutoModel applies a loss_mask that is not empty
-            zero = _mask_zero(mask, index)
+            zero = loss_mask_zeros(mask, f"row {index}: loss_mask")
             if zero.size != length:
                 raise ValueError(_MASK.format(row=index, n=length))
             labels = np.where(zero, CROSS_ENTROPY_IGNORE_IDX, labels)
@@ -449,14 +450,10 @@ class _StreamRows:
         return list(self.unused)
 
 
-def _array(value: Any) -> np.ndarray:
-    return np.asarray(value.detach().cpu() if hasattr(value, "detach") else value)  # a tensor's values
-
-
 def _tokens(value: Any, index: int, name: str) -> np.ndarray:
     if value is None:
         raise ValueError(f"row {index}: {name} is None; AutoModel's pack_dataset fails on it")
-    array = _array(value)
+    array = host_array(value)
     if array.ndim != 1:
         raise ValueError(f"row {index}: {name} must be a 1-D list of token ids, got shape {array.shape}")
     if array.size == 0:
@@ -469,20 +466,9 @@ def _tokens(value: Any, index: int, name: str) -> np.ndarray:
     raise ValueError(_VALUES.format(row=index, name=name) + f" ({array.dtype})")
 
 
-def _mask_zero(mask: Any, index: int) -> np.ndarray:
-    array = _array(mask)
-    if array.ndim != 1:
-        raise ValueError(f"row {index}: loss_mask must be 1-D, got shape {array.shape}")
-    if array.dtype.kind in "iubf":
-        return array == 0
-    if array.dtype.kind == "O":  # AutoModel's rule element by element (None is not 0)
-        return np.array([v is not None and v == 0 for v in array.tolist()], dtype=bool)
-    raise TypeError(f"row {index}: loss_mask holds {array.dtype} values; AutoModel masks labels where it is 0")
-
-
 def _ones(value: Any) -> bool:
     try:
-        array = _array(value)
+        array = host_array(value)
     except (TypeError, ValueError):
         return False
     return array.dtype.kind in "iubf" and bool((array == 1).all())

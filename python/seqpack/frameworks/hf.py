@@ -154,7 +154,6 @@ VISION_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_g
 # Keys that mean nothing in one packed row, left out without a warning (transformers
 # drops every key but input_ids and labels).
 _PACKED_AWAY = frozenset({"input_ids", "labels", "position_ids", "attention_mask"})
-_FLASH_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 
 
 def _host_ints(value: Any) -> np.ndarray:

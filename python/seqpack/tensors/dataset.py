@@ -36,7 +36,7 @@ import warnings
 import numpy as np
 
 from .._equality import fields_equal
-from .._lengths import as_int64, as_positive_int
+from .._lengths import as_int64, as_positive_int, host_array
 from ..planning.packing import get_packer
 from .. import _core
 from .layout import PackedLayout, alignment, round_up
@@ -96,26 +96,41 @@ def _tokens(example: Any, index: int, key: str) -> np.ndarray:
 _KNOWN = ("input_ids", "labels", "loss_mask", "attention_mask")
 
 
+def loss_mask_zeros(value: Any, what: str) -> np.ndarray:
+    """Where a ``loss_mask`` is 0: AutoModel's rule (a label whose mask is 0 gets no loss),
+    read from numbers or, element by element, from a list of Python objects (``None`` is
+    not 0). Shared by :func:`pack_dataset` and ``seqpack.integrations.automodel``.
+
+    >>> loss_mask_zeros([1, 0, 1], "loss_mask").tolist()
+    [False, True, False]
+    """
+    arr = host_array(value)
+    if arr.ndim != 1:
+        raise ValueError(f"{what} must be 1-D (0: no loss on that label), got shape {arr.shape}")
+    if arr.dtype.kind in "biuf":
+        return arr == 0
+    if arr.dtype.kind == "O":
+        return np.array([v is not None and v == 0 for v in arr.tolist()], dtype=bool)
+    raise TypeError(f"{what} holds {arr.dtype} values, not numbers (0: no loss on that label)")
+
+
 def _loss_mask(example: Mapping, index: int, size: int) -> Optional[np.ndarray]:
-    """Where the example's ``loss_mask`` is 0 (AutoModel's rule), or None without one."""
+    """Where the example's ``loss_mask`` is 0, or None without one."""
     value = example.get("loss_mask")
     if value is None:
         return None
-    arr = np.asarray(value.detach().cpu() if hasattr(value, "detach") else value)
-    if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "biuf"):
-        raise ValueError(f"examples[{index}]['loss_mask'] must be a 1-D list of numbers (0: no loss on that label), "
-                         f"got {arr.dtype} {arr.shape}")
-    if arr.size != size:
-        raise ValueError(f"examples[{index}]['loss_mask'] has {arr.size} values, input_ids {size} tokens: it cannot "
+    zero = loss_mask_zeros(value, f"examples[{index}]['loss_mask']")
+    if zero.size != size:
+        raise ValueError(f"examples[{index}]['loss_mask'] has {zero.size} values, input_ids {size} tokens: it cannot "
                          f"be applied to the labels")
-    return arr == 0
+    return zero
 
 
 def _check_attention_mask(example: Mapping, index: int) -> None:
     value = example.get("attention_mask")
     if value is None:
         return
-    arr = np.asarray(value.detach().cpu() if hasattr(value, "detach") else value)
+    arr = host_array(value)
     if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "biuf") or not (arr == 1).all():
         raise ValueError(f"examples[{index}]['attention_mask'] is not all ones: the example holds padding, which "
                          f"would be packed as real tokens; strip the padding (or drop the field) before packing")

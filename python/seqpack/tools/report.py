@@ -3,7 +3,7 @@
 :func:`analyze` runs, on one batch of lengths: data-parallel balancing
 (contiguous split vs Karmarkar-Karp vs LPT), bin packing per rank with every
 algorithm, dynamic batching with each rule, and the hard-cap micro-batch planner
-against the soft-cap rule that ROLL/verl use. :class:`Report` prints the tables
+against the soft-cap rule that ROLL uses (and verl before verl#7553). :class:`Report` prints the tables
 and draws the figures.
 
 Example:
@@ -237,7 +237,7 @@ def analyze(
         )
     )
 
-    # 4. Hard cap vs the soft cap of ROLL load_balance / verl rearrange_micro_batches.
+    # 4. Hard cap vs the soft cap of ROLL load_balance (verl rearrange_micro_batches before verl#7553).
     rows = []
     soft_viol = hard_viol = soft_count = hard_count = 0
     worst_soft = hard_max = 0
@@ -255,7 +255,7 @@ def analyze(
         hard_count += plan.num_micro_batches
         hard_viol += sum(t > capacity for t in plan.tokens)
         hard_max = max(hard_max, max(plan.tokens))
-    rows.append(["soft cap: k = ceil(total/cap), KK", soft_count, soft_viol, worst_soft, "-"])
+    rows.append(["soft cap (ROLL): k = ceil(total/cap), KK", soft_count, soft_viol, worst_soft, "-"])
     rows.append(["seqpack plan_micro_batches (hard cap)", hard_count, hard_viol, hard_max, Ms(t_hard)])
     rep.tables.append(
         Table(

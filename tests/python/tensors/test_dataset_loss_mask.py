@@ -43,12 +43,12 @@ def test_loss_mask_applies_before_truncation_and_with_cp():
     assert cp["labels"].tolist() == [1, 2, -100, -100, -100, -100, -100, -100]
 
 
-@pytest.mark.parametrize("mask, message", [([1, 0], r" has 2 values, input_ids 3 tokens"),
-                                           ([[1, 0, 1]], "must be a 1-D list of numbers"),
-                                           (["a", "b", "c"], "must be a 1-D list of numbers"),
-                                           ([], r"has 0 values, input_ids 3 tokens")])
-def test_loss_mask_that_cannot_be_applied_is_refused(mask, message):
-    with pytest.raises(ValueError, match=r"examples\[1\]\['loss_mask'\]" + ".*" + message):
+@pytest.mark.parametrize("mask, error, message", [([1, 0], ValueError, r" has 2 values, input_ids 3 tokens"),
+                                                  ([[1, 0, 1]], ValueError, r"must be 1-D \(0: no loss"),
+                                                  (["a", "b", "c"], TypeError, "values, not numbers"),
+                                                  ([], ValueError, r"has 0 values, input_ids 3 tokens")])
+def test_loss_mask_that_cannot_be_applied_is_refused(mask, error, message):
+    with pytest.raises(error, match=r"examples\[1\]\['loss_mask'\]" + ".*" + message):
         pack_dataset([{"input_ids": [1]}, {"input_ids": [1, 2, 3], "loss_mask": mask}], pack_size=8)
 
 
