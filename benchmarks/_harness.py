@@ -170,3 +170,22 @@ def arrow_digest(ds: Any, columns: Optional[Sequence[str]] = None, with_schema: 
             values.update(memoryview(np.ascontiguousarray(chunk.flatten().to_numpy(zero_copy_only=False))))
         parts += [name, lengths.hexdigest(), values.hexdigest()]
     return hashlib.sha256("".join(parts).encode()).hexdigest()
+
+
+def timed_runs(fn: Callable[[], Any], runs: int = 1) -> "tuple[Any, float, float]":
+    """Calls ``fn`` ``runs`` times: (the first result, the best wall time in seconds,
+    the peak RSS rise of the first call in MiB)."""
+    out: Dict[str, Any] = {}
+
+    def first():
+        t0 = time.perf_counter()
+        out["result"] = fn()
+        out["seconds"] = time.perf_counter() - t0
+
+    mem = peak_extra_mib(first)
+    best = out["seconds"]
+    for _ in range(runs - 1):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return out["result"], best, mem

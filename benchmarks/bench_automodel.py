@@ -17,11 +17,10 @@ import argparse
 import json
 import os
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _harness import (CsvLog, announce, arrow_digest, environment, format_table, peak_extra_mib,  # noqa: E402
-                      run_child)
+from _harness import (CsvLog, announce, arrow_digest, environment, format_table,  # noqa: E402
+                      run_child, timed_runs)
 
 import numpy as np  # noqa: E402
 
@@ -63,18 +62,7 @@ def child(spec: str) -> dict:
         from nemo_automodel.components.datasets.llm.packed_sequence import pack_dataset
     else:
         from seqpack.integrations.automodel import pack_dataset
-    out = {}
-
-    def run():
-        t0 = time.perf_counter()
-        out["packed"] = pack_dataset(ds, None, size)
-        out["seconds"] = time.perf_counter() - t0
-
-    mem = peak_extra_mib(run)
-    packed, best = out["packed"], out["seconds"]
-    for _ in range(2):  # the best of 3 runs (the machine may be shared)
-        run()
-        best = min(best, out["seconds"])
+    packed, best, mem = timed_runs(lambda: pack_dataset(ds, None, size), runs=3)  # best of 3: the machine may be shared
     return {"seconds": best, "peak_extra_mib": mem, "packs": len(packed), "tokens": tokens,
             "digest": arrow_digest(packed, with_schema=True)}
 

@@ -17,11 +17,10 @@ import argparse
 import json
 import os
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _harness import (CsvLog, announce, arrow_digest, environment, format_table, peak_extra_mib,  # noqa: E402
-                      run_child)
+from _harness import (CsvLog, announce, arrow_digest, environment, format_table,  # noqa: E402
+                      run_child, timed_runs)
 
 import numpy as np  # noqa: E402
 
@@ -53,16 +52,8 @@ def child(spec: str) -> dict:
         from trl.data_utils import pack_dataset
     else:
         from seqpack.integrations.trl import pack_dataset
-    out = {}
-
-    def run():
-        t0 = time.perf_counter()
-        out["packed"] = pack_dataset(ds, seq_length, strategy)
-        out["seconds"] = time.perf_counter() - t0
-
-    mem = peak_extra_mib(run)
-    packed = out["packed"]
-    return {"seconds": out["seconds"], "peak_extra_mib": mem, "packs": len(packed), "tokens": tokens,
+    packed, seconds, mem = timed_runs(lambda: pack_dataset(ds, seq_length, strategy))
+    return {"seconds": seconds, "peak_extra_mib": mem, "packs": len(packed), "tokens": tokens,
             "digest": arrow_digest(packed, ("input_ids", "seq_lengths"))}
 
 
