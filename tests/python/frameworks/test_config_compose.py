@@ -133,7 +133,8 @@ def test_a_hydra_defaults_list_is_composed_by_hydra():
     assert (actor.use_dynamic_bsz, actor.max_token_len_per_gpu, actor.sp_size) == (True, 12288, 2)
     assert cfg.verl.ref.sp_size == 2 and cfg.micro_batching("rollout").max_token_len == 12288 * 2
     assert (cfg.max_seqlen, cfg.global_batch_size) == (2048 + 6144, 128 * 4)
-    assert cfg.raw["reward"]["reward_model"]["rollout"] == {"name": "???", "response_length": 6144}
+    assert cfg.raw["reward"]["reward_model"]["rollout"] == {"name": "???",
+                                                            "response_length": "${data.max_response_length}"}
     # overrides go to Hydra's compose, as verl's launcher passes them
     small = load(path, overrides=["actor_rollout_ref.actor.ppo_max_token_len_per_gpu=8192",
                                   "actor_rollout_ref.rollout.name=vllm"])

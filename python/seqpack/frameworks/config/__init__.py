@@ -47,17 +47,29 @@ Example:
     >>> cfg.sequence_packing_args("train")["max_tokens_per_microbatch"]
     4096
 
+verl's SFT trainer (``sft_trainer_engine.yaml``: ``data.*``, ``engine.*``; the role ``sft``)::
+
+    data: {train_batch_size: 256, micro_batch_size_per_gpu: 4, max_token_len_per_gpu: 8192,
+           use_dynamic_bsz: true, max_length: 1024}
+    model: {use_remove_padding: true}
+    engine: {strategy: fsdp, ulysses_sequence_parallel_size: 2}
+
 Interpolations (``${policy.x}``, NeMo-RL's ``${mul:a,b}``, verl's
-``${oc.select:key,default}``) are resolved by OmegaConf, each value once; one that
-does not resolve is an error only where seqpack reads it.
+``${oc.select:key,default}``) are resolved by OmegaConf on demand: only the values
+seqpack reads, each with the values it refers to. A value seqpack does not read is
+never resolved (its resolvers never run; it never warns nor blocks); ``.raw`` holds
+the config as written.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 import warnings
 from typing import Any, Mapping, Optional, Sequence, Union
+
+from omegaconf import OmegaConf
 
 # Re-exported: every public name of the single module this package replaces.
 from ..._lengths import INT64_MAX, as_int  # noqa: F401
@@ -66,14 +78,16 @@ from ...tensors.layout import alignment, round_up  # noqa: F401
 from . import _loader, _nemo_rl, _resolve, _roll, _verl
 from ._nemo_rl import NEMO_RL_DYNAMIC_BATCHING_KEYS, NEMO_RL_FRAMEWORK_KEYS, NEMO_RL_SEQUENCE_PACKING_KEYS
 from ._resolve import INTERPOLATION_BUDGET
-from ._roll import ROLL_SEQUENCE_PACKING_KEYS
-from ._types import (MAX_DEPTH, MICROBATCH_ORDERS, PHASES, ROLL_ALGORITHMS, SCHEMAS, VERL_ROLES, ConfigError,
+from ._roll import ROLL_DEFAULT_STRATEGY, ROLL_SEQUENCE_PACKING_KEYS
+from ._types import (MAX_DEPTH, MICROBATCH_ORDERS, PHASES, ROLL_ALGORITHMS, SCHEMAS, VERL_ROLES, VERL_SFT_ROLES,
+                     ConfigError,
                      DynamicBatchingConfig, ParallelConfig, RollDynamicBatchingConfig, RollPackingConfig,
                      SeqpackConfig, SequencePackingConfig, VerlConfig, VerlMicroBatching)
 from ._verl import (VERL_ACTOR_KEYS, VERL_ARR_SECTIONS, VERL_CRITIC_KEYS, VERL_DATA_KEYS,
                     VERL_DEFAULT_CRITIC_MAX_TOKEN_LEN, VERL_DEFAULT_MAX_TOKEN_LEN, VERL_KNOWN_NEIGHBOURS,
                     VERL_LOG_PROB_KEYS, VERL_MEGATRON_KEYS, VERL_MICRO_KEYS, VERL_REF_KEYS, VERL_ROLLOUT_KEYS,
                     VERL_TOP_SECTIONS)
+from ._verl_sft import VERL_SFT_DATA_KEYS, VERL_SFT_DEFAULTS, VERL_SFT_ENGINE_SP_KEYS
 
 __all__ = [
     "ConfigError",
@@ -111,10 +125,14 @@ def load(source: Union[str, os.PathLike, Mapping[str, Any]], *, schema: Optional
             needs ``hydra-core``).
         schema: ``"nemo_rl"``, ``"roll"`` or ``"verl"``; by default a top-level
             ``policy`` key means NeMo-RL, a top-level ``actor_rollout_ref`` key verl,
+            verl's SFT trainer keys (``data.use_dynamic_bsz`` /
+            ``data.max_token_len_per_gpu`` / ``data.micro_batch_size_per_gpu``, or an
+            ``engine`` section) without a section named ``role`` verl's SFT trainer,
             and anything else ROLL.
         role: the ROLL worker role to read (``actor_train``, ``sft_train``,
             ``actor_infer``, ``reference``, ``critic``...). A verl config holds every
-            role (:meth:`SeqpackConfig.micro_batching`).
+            role (:meth:`SeqpackConfig.micro_batching`: the PPO trainer's
+            :data:`VERL_ROLES`, the SFT trainer's ``"sft"``).
         overrides: Hydra-style overrides (``["policy.max_total_sequence_length=8192",
             "+policy.new_key=1", "~policy.key"]``) applied as the framework's launcher
             applies them (needs ``hydra-core``).
@@ -129,8 +147,8 @@ def load(source: Union[str, os.PathLike, Mapping[str, Any]], *, schema: Optional
         UserWarning: naming the key, for what the framework ignores (an unknown key
             in a section seqpack reads, a value in a switched-off section) and what
             seqpack corrects or only the run can tell (a pad multiple, a cap below the
-            longest sequence), and for values seqpack does not read that do not
-            resolve.
+            longest sequence). A value seqpack does not read is never resolved, so
+            never warns.
     """
     if schema is not None and schema not in SCHEMAS:
         raise ConfigError(f"schema must be one of {list(SCHEMAS)}, got {schema!r}")
@@ -140,23 +158,35 @@ def load(source: Union[str, os.PathLike, Mapping[str, Any]], *, schema: Optional
         added = _resolve.register_resolvers()
         try:
             cfg = _loader.compose(source, overrides, notes)
-            resolution = _resolve.Resolution(cfg).run()
+            for message in notes:  # about the composition: given even if the config is then refused
+                warnings.warn(message, UserWarning, stacklevel=2)
+            written = OmegaConf.to_container(cfg, resolve=False)
+            _resolve.check_depth(written)
+            # Values are resolved as seqpack reads them (with what they refer to), in a
+            # working copy; .raw keeps the config as written.
+            ctx = _loader.Context(_resolve.Resolution(cfg, _resolve.copy_plain(written)))
+            data = ctx.res.plain
+            if schema is None:
+                schema = _detect(data, role)
+            if schema == "nemo_rl":
+                result = _nemo_rl.load_nemo_rl(ctx, data)
+            elif schema == "roll":
+                result = _roll.load_roll(ctx, data, role)
+            else:
+                result = _verl.load_verl(ctx, data)
         finally:
             _resolve.unregister(added)
-    for message in notes:  # about the composition: given even if the config is then refused
+    for message in ctx.notes:
         warnings.warn(message, UserWarning, stacklevel=2)
-    data = resolution.plain
-    _resolve.check_depth(data)
-    if schema is None:
-        schema = "nemo_rl" if "policy" in data else "verl" if "actor_rollout_ref" in data else "roll"
-    ctx = _loader.Context(resolution)
-    if schema == "nemo_rl":
-        result = _nemo_rl.load_nemo_rl(ctx, data)
-    elif schema == "roll":
-        result = _roll.load_roll(ctx, data, role)
-    else:
-        result = _verl.load_verl(ctx, data)
-    unresolved = ctx.unresolved()
-    for message in ctx.notes + ([unresolved] if unresolved else []):
-        warnings.warn(message, UserWarning, stacklevel=2)
-    return result
+    return dataclasses.replace(result, raw=written)
+
+
+def _detect(data: Mapping[str, Any], role: str) -> str:
+    """The schema of a config by its top-level keys: ``policy`` -> NeMo-RL,
+    ``actor_rollout_ref`` -> verl, verl's SFT trainer keys (:func:`_verl.is_sft`) ->
+    verl, anything else ROLL."""
+    if "policy" in data:
+        return "nemo_rl"
+    if "actor_rollout_ref" in data or (role not in data and _verl.is_sft(data)):
+        return "verl"
+    return "roll"

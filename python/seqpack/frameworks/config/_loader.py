@@ -271,41 +271,35 @@ def did_you_mean(key: Any, options, cutoff: float = 0.6) -> str:
 
 
 class Context:
-    """What one load shares: the resolved values, and the warnings it gives."""
+    """What one load shares: the values, resolved as they are read, and the warnings
+    it gives."""
 
     def __init__(self, resolution: Resolution):
         self.res = resolution
         self.notes: List[str] = []
-        self.reported: set = set()
 
     def note(self, message: str) -> None:
         if message not in self.notes:
             self.notes.append(message)
 
-    def check(self, keys: Tuple[Any, ...], value: Any) -> None:
-        """A value seqpack reads must resolve, and must not be ``???``."""
+    def value(self, keys: Tuple[Any, ...]) -> Any:
+        """The value at ``keys`` (a key of a section already read), resolved: it must
+        resolve, and must not be ``???``."""
+        value = self.res.value(keys)
         failure = self.res.failures.get(keys)
         if failure is not None:
-            self.reported.add(keys)
             raise ConfigError(failure.message(keys))
         if isinstance(value, str) and value == "???":
-            self.reported.add(keys)
             raise ConfigError(f"{where(keys)}: is '???', a value the recipe leaves to its launcher's command line; "
                               f"give it (load(..., overrides=['{where(keys)}=...']))")
+        return value
 
-    def unresolved(self) -> Optional[str]:
-        """One warning naming the values seqpack does not read that do not resolve
-        (a ``???`` and what refers to one excepted: a launcher gives those)."""
-        order = {path: i for i, path in enumerate(self.res.text)}
-        left = sorted(((p, f) for p, f in self.res.failures.items() if not f.missing and p not in self.reported),
-                      key=lambda item: order.get(item[0], len(order)))
-        if not left:
-            return None
-        shown = "; ".join(f"{where(p)} ({f.reason()})" for p, f in left[:5])
-        more = f"; and {len(left) - 5} more" if len(left) > 5 else ""
-        return (f"{shown}{more}: {'does' if len(left) == 1 else 'do'} not resolve here; seqpack does not read "
-                f"{'it' if len(left) == 1 else 'them'} and keeps {'it' if len(left) == 1 else 'them'} as written "
-                "in .raw")
+    def get(self, keys: Tuple[Any, ...], default: Any = None) -> Any:
+        """:meth:`value`, or ``default`` where the section read holds no such key."""
+        parent = self.res.at(keys[:-1])
+        if not isinstance(parent, Mapping) or keys[-1] not in parent:
+            return default
+        return self.value(keys)
 
 
 class Reader:
@@ -314,7 +308,6 @@ class Reader:
     rule is then a warning, and its default is used."""
 
     def __init__(self, ctx: Context, keys: Tuple[Any, ...], data: Any, lenient: Optional[str] = None):
-        ctx.check(keys, data)
         self.path = where(keys) if keys else ""
         if not isinstance(data, Mapping):
             raise ConfigError(f"{self.path}: must be a mapping, got {type(data).__name__}")
@@ -324,11 +317,8 @@ class Reader:
         return f"{self.path}.{name}" if self.path else name
 
     def section(self, name: str) -> "Reader":
-        value = self.data.get(name)
-        if value is None:
-            self.ctx.check(self.keys + (name,), value)
-            value = {}
-        return Reader(self.ctx, self.keys + (name,), value, self.lenient)
+        value = self.get(name)
+        return Reader(self.ctx, self.keys + (name,), {} if value is None else value, self.lenient)
 
     def relaxed(self, reason: str) -> "Reader":
         return Reader(self.ctx, self.keys, self.data, reason)
@@ -362,15 +352,14 @@ class Reader:
         try:
             return convert()
         except ConfigError as exc:
-            self.ctx.reported.add(self.keys + (name,))
             self.ctx.note(f"{exc}; ignored while {self.lenient}")
             return default
 
     def get(self, name: str, default: Any = None) -> Any:
-        value = self.data.get(name, default)
-        if name in self.data:
-            self.ctx.check(self.keys + (name,), value)
-        return value
+        """The value of ``name`` resolved (``default`` when the section has no such key)."""
+        if name not in self.data:
+            return default
+        return self.ctx.value(self.keys + (name,))
 
     def text(self, name: str, default: str) -> str:
         def convert():
@@ -410,7 +399,7 @@ class Reader:
 
     def need(self, name: str, default: int) -> int:
         """An integer >= 1 that may be left out (``default``) but not set to null."""
-        if name in self.data and self.data[name] is None:
+        if name in self.data and self.get(name) is None:
             raise ConfigError(f"{self.key(name)}: must be an integer, got None")
         return self.int(name, default)
 

@@ -26,7 +26,7 @@ def _algorithm(r: Reader) -> str:
 
 
 def load_nemo_rl(ctx: Context, data: Mapping[str, Any]) -> SeqpackConfig:
-    policy = Reader(ctx, ("policy",), data.get("policy"))
+    policy = Reader(ctx, ("policy",), ctx.get(("policy",)))
     megatron, dtensor = policy.section("megatron_cfg"), policy.section("dtensor_cfg")
     use_megatron, use_dtensor = megatron.bool("enabled"), dtensor.bool("enabled")
     if use_megatron and use_dtensor:
@@ -112,4 +112,4 @@ def load_nemo_rl(ctx: Context, data: Mapping[str, Any]) -> SeqpackConfig:
                                              sequence_length_round=round_to)
     return SeqpackConfig(schema="nemo_rl", parallel=parallel, max_seqlen=max_seqlen,
                          global_batch_size=policy.int("train_global_batch_size"),
-                         sequence_packing=sequence_packing, dynamic_batching=dynamic_batching, raw=dict(data))
+                         sequence_packing=sequence_packing, dynamic_batching=dynamic_batching)

@@ -1,16 +1,19 @@
-"""Interpolations resolved by OmegaConf: each value once, the values it refers to first.
+"""Interpolations resolved by OmegaConf on demand: only the values seqpack reads, each
+after the values it refers to.
 
-OmegaConf follows a chain of references recursively and does not remember what it
-resolved, so a chain of a few hundred links runs out of Python's recursion limit, and
-resolving every value of a long chain takes quadratic time. :class:`Resolution` asks
-OmegaConf for one value at a time, in an order where the values it refers to are
-already resolved and written back as constants: OmegaConf's recursion stays one link
-deep whatever the chain. The references of a value are read with OmegaConf's own
+Nothing is resolved when a config is loaded: :meth:`Resolution.value` resolves one
+path when seqpack reads it, with the chain of values it refers to. OmegaConf follows
+a chain of references recursively and does not remember what it resolved, so a chain
+of a few hundred links runs out of Python's recursion limit; :meth:`Resolution.resolve`
+asks OmegaConf for one link at a time, in an order where the values a link refers to
+are already resolved and written back as constants: OmegaConf's recursion stays one
+link deep whatever the chain. The references of a value are read with OmegaConf's own
 grammar (``omegaconf.grammar_parser``); they only decide the order: OmegaConf resolves
-every value, and follows itself any reference this order misses.
+each value, and follows itself any reference this order misses.
 
-A value that does not resolve is recorded with its reason (:class:`Failure`) and
-stays as written: it is an error only where seqpack reads it.
+A value that does not resolve is recorded with its reason (:class:`Failure`): an
+error where seqpack reads it. A value seqpack does not read is never resolved: its
+resolvers never run, and it stays as written.
 """
 
 from __future__ import annotations
@@ -20,7 +23,6 @@ import re
 from typing import Any, Dict, Iterator, List, Mapping, Optional, Set, Tuple
 
 from omegaconf import DictConfig, ListConfig, OmegaConf, grammar_parser
-from omegaconf.errors import InterpolationToMissingValueError, MissingMandatoryValue
 from omegaconf.grammar.gen.OmegaConfGrammarParser import OmegaConfGrammarParser as _Grammar
 
 from ._types import MAX_DEPTH, ConfigError
@@ -45,11 +47,6 @@ class Failure:
 
     def __init__(self, error: BaseException, text: str, chain: List[Path]):
         self.error, self.text, self.chain = error, text, chain
-
-    @property
-    def missing(self) -> bool:
-        """It refers to a ``???`` value: one a launcher gives on its command line."""
-        return isinstance(self.error, (MissingMandatoryValue, InterpolationToMissingValueError))
 
     def reason(self) -> str:
         if isinstance(self.error, RecursionError):
@@ -144,16 +141,16 @@ def _references(text: str) -> Iterator[str]:
 
 
 class Resolution:
-    """Every value of ``cfg`` (an OmegaConf config seqpack owns: it is written to),
-    resolved: :attr:`plain` holds the values in plain containers (a value that does
-    not resolve stays as written, a ``???`` stays ``"???"``), :attr:`failures` why
-    each value that does not resolve does not."""
+    """The values of ``cfg`` (an OmegaConf config seqpack owns: it is written to),
+    resolved when read. :attr:`plain` holds the config in plain containers, as
+    written until a value is read through :meth:`value` (then resolved in place);
+    :attr:`failures` says why each value read that does not resolve does not."""
 
-    def __init__(self, cfg: DictConfig):
+    def __init__(self, cfg: DictConfig, plain: Any):
         OmegaConf.set_readonly(cfg, False)
         self.cfg = cfg
-        self.plain: Any = OmegaConf.to_container(cfg, resolve=False)
-        self.text: Dict[Path, str] = {}  # the interpolations as written, in document order
+        self.plain: Any = plain
+        self.text: Dict[Path, str] = {}  # the interpolations as written
         stack: list = [((), self.plain)]
         while stack:
             path, node = stack.pop()
@@ -197,7 +194,7 @@ class Resolution:
 
     def _target(self, path: Path, key: str) -> Optional[Path]:
         """The path ``key`` names, seen from the value at ``path`` (``None`` when it
-        names nothing)."""
+        names nothing, or a section not resolved yet that seqpack leaves to OmegaConf)."""
         dots = len(key) - len(key.lstrip("."))
         rest = key[dots:]
         base: Path = ()
@@ -217,29 +214,23 @@ class Resolution:
         return out
 
     def _dependencies(self, path: Path) -> List[Path]:
+        """The interpolations the value at ``path`` refers to (not the values inside a
+        section it refers to: those are resolved when read)."""
         deps: List[Path] = []
         for key in _references(self.text[path]):
             target = self._target(path, key)
-            if target is None:
-                continue
-            if target in self.text:
+            if target is not None and target in self.text:
                 deps.append(target)
-                continue
-            stack = [(target, self.at(target))]  # a section: every interpolation inside it
-            while stack:
-                here, node = stack.pop()
-                if here in self.text:
-                    deps.append(here)
-                elif isinstance(node, (Mapping, list)):
-                    items = node.items() if isinstance(node, Mapping) else enumerate(node)
-                    stack.extend((here + (k,), v) for k, v in items)
         return deps
 
     # ------------------------------------------------------------ resolution
-    def run(self) -> "Resolution":
-        for path in list(self.text):
+    def value(self, path: Path) -> Any:
+        """The value at ``path`` (which exists in :attr:`plain`; its parent has been
+        read), resolved with what it refers to. A value that does not resolve is
+        recorded in :attr:`failures` and stays as written."""
+        if path in self.text and path not in self.done:
             self.resolve(path)
-        return self
+        return self.at(path)
 
     def resolve(self, start: Path) -> None:
         """Resolve ``start`` after what it refers to (depth first, with an explicit
@@ -282,6 +273,8 @@ class Resolution:
         if isinstance(value, (DictConfig, ListConfig)):
             self._put(path, self._section(path, value))
             return
+        if isinstance(value, (Mapping, list, tuple)):  # a resolver's own container (allow_objects)
+            self._produce(path, value)
         self._put(path, value)
         if not (isinstance(value, str) and ("${" in value or value == "???")):  # stays literal in OmegaConf
             try:
@@ -289,23 +282,44 @@ class Resolution:
             except Exception:
                 pass
 
-    def _section(self, path: Path, value: Any) -> Any:
-        """A section an interpolation gives, as plain values: a copy of the resolved
-        section where the interpolation names one, else OmegaConf's values."""
-        text = self.text[path]
-        refs = list(_references(text)) if text.startswith("${") and text.endswith("}") else []
-        target = self._target(path, refs[0]) if len(refs) == 1 and text == "${" + refs[0] + "}" else None
-        if target is not None:
-            copied = _copy(self.at(target))
-            for failed, failure in list(self.failures.items()):
-                if failed[:len(target)] == target:
-                    self.failures[path + failed[len(target):]] = failure
-        else:
-            copied = OmegaConf.to_container(value, resolve=False)
-        self.produced += _count(copied)
+    def _produce(self, path: Path, section: Any) -> None:
+        """A section a read value gives: within the budget, and the nesting bound."""
+        check_depth(section, where(path))
+        self.produced += _count(section)
         if self.produced > INTERPOLATION_BUDGET:
             raise ConfigError(f"{where(path)}: the config's interpolations expand to more than "
                               f"{INTERPOLATION_BUDGET} values (sections copied into sections)")
+
+    def _section(self, path: Path, value: Any) -> Any:
+        """A section an interpolation gives, as plain values: a copy of the section
+        where the interpolation names one, else OmegaConf's values, both as they
+        stand. The interpolations inside are resolved when read (through ``path``:
+        OmegaConf resolves them where the section lives)."""
+        text = self.text[path]
+        refs = list(_references(text)) if text.startswith("${") and text.endswith("}") else []
+        target = self._target(path, refs[0]) if len(refs) == 1 and text == "${" + refs[0] + "}" else None
+        if target is not None and not isinstance(self.at(target), (Mapping, list)):
+            target = None  # not resolved here: OmegaConf's values
+        try:
+            copied = _copy(self.at(target)) if target is not None else OmegaConf.to_container(value, resolve=False)
+        except RecursionError:
+            raise ConfigError(f"{where(path)}: the section it gives is nested deeper than {MAX_DEPTH} levels") from None
+        self._produce(path, copied)
+        stack: list = [((), copied)]
+        while stack:  # what is inside: resolved when read, or as resolved in the section copied
+            sub, node = stack.pop()
+            source = None if target is None else target + sub
+            if sub and source is not None and source in self.done:
+                self.done.add(path + sub)
+                if source in self.failures:
+                    self.failures[path + sub] = self.failures[source]
+            elif isinstance(node, str):
+                if "${" in node and sub:
+                    self.text[path + sub] = self.text.get(source, node) if source is not None else node
+                continue
+            if isinstance(node, (Mapping, list)):
+                items = node.items() if isinstance(node, Mapping) else enumerate(node)
+                stack.extend((sub + (k,), v) for k, v in items)
         return copied
 
 
@@ -330,16 +344,18 @@ def _copy(node: Any) -> Any:
 
 
 def _count(node: Any) -> int:
+    """The values in ``node`` (counted up to just past :data:`INTERPOLATION_BUDGET`:
+    a section shared through references is counted each time it appears)."""
     total, stack = 0, [node]
-    while stack:
+    while stack and total <= INTERPOLATION_BUDGET:
         item = stack.pop()
         total += 1
-        if isinstance(item, (Mapping, list)):
+        if isinstance(item, (Mapping, list, tuple)):
             stack.extend(item.values() if isinstance(item, Mapping) else item)
     return total
 
 
-def check_depth(data: Any) -> None:
+def check_depth(data: Any, at: str = "") -> None:
     """Refuse containers nested deeper than :data:`MAX_DEPTH` (OmegaConf, ``==`` and
     ``repr`` recurse, and would raise ``RecursionError``). Iterative; a container is
     expanded again only when reached deeper than before, so nodes shared through
@@ -356,7 +372,7 @@ def check_depth(data: Any) -> None:
             while link is not None:
                 keys.append(str(link[0]))
                 link = link[1]
-            shown = ".".join(reversed(keys))
+            shown = ".".join(([at] if at else []) + list(reversed(keys)))
             shown = shown if len(shown) <= 120 else shown[:60] + " ... " + shown[-55:]
             raise ConfigError(f"the config is nested deeper than {MAX_DEPTH} levels (at {shown}; a section "
                               "holding itself through a reference, or a chain of sections referring to the next)")
@@ -385,3 +401,9 @@ def check_size(data: Any) -> None:
     if size.get(id(data), 1) > INTERPOLATION_BUDGET:
         raise ConfigError(f"the config expands to more than {INTERPOLATION_BUDGET} values "
                           "(YAML aliases repeat sections)")
+
+
+def copy_plain(data: Any) -> Any:
+    """A copy of a config in plain containers (iterative): the working copy values
+    are resolved in, apart from the config as written."""
+    return _copy(data)

@@ -11,25 +11,39 @@ from ._loader import Context, Reader
 from ._types import (ROLL_ALGORITHMS, ConfigError, ParallelConfig, RollDynamicBatchingConfig, RollPackingConfig,
                      SeqpackConfig)
 
+# StrategyArguments.strategy_name's default in the ROLL whose WorkerConfig turns packing
+# off for other strategies than Megatron's; older releases defaulted to deepspeed_train
+# (not Megatron either).
+ROLL_DEFAULT_STRATEGY = "fsdp2_train"
+ROLL_OLDER_DEFAULT_STRATEGY = "deepspeed_train"
 ROLL_SEQUENCE_PACKING_KEYS = ("algorithm", "max_packed_sequence_length_train", "max_packed_sequence_length_forward",
                               "min_num_micro_batches_train", "min_num_micro_batches_forward")
 
 
 def load_roll(ctx: Context, data: Mapping[str, Any], role: str) -> SeqpackConfig:
     if role not in data:
-        raise ConfigError(f"{role}: no such worker role in the config (roles: {sorted(data)})")
-    worker = Reader(ctx, (role,), data[role])
-    strategy = worker.section("strategy_args")
-    strategy_name = strategy.get("strategy_name")
-    if strategy_name is None:
-        strategy_name = "megatron_train"
-    elif not isinstance(strategy_name, str) or not strategy_name.strip():
-        raise ConfigError(f"{strategy.key('strategy_name')}: must be a non-empty string, got {strategy_name!r}")
-    sc = strategy.section("strategy_config")
+        roles = sorted(map(str, data))
+        shown = ", ".join(roles[:12]) + (f", ... ({len(roles)} keys)" if len(roles) > 12 else "")
+        raise ConfigError(f"{role}: no such worker role in the config (roles: {shown}); pass role=... "
+                          "(load(..., role='sft_train'))")
+    worker = Reader(ctx, (role,), ctx.value((role,)))
+    # ROLL builds the worker's StrategyArguments from strategy_args (dacite): a name
+    # left out takes the dataclass default, a missing (or null) strategy_args is None.
+    strategy_name: Optional[str] = None
+    named = False
+    if worker.get("strategy_args") is not None:
+        strategy = worker.section("strategy_args")
+        named = "strategy_name" in strategy.data
+        strategy_name = strategy.get("strategy_name", ROLL_DEFAULT_STRATEGY)
+        if not isinstance(strategy_name, str) or not strategy_name.strip():
+            raise ConfigError(f"{strategy.key('strategy_name')}: must be a non-empty string, got {strategy_name!r}")
+        sc = strategy.section("strategy_config")
+    else:
+        sc = worker.section("strategy_args")  # {}: every size 1
     parallel = ParallelConfig(
         tp=sc.int("tensor_model_parallel_size", 1), cp=sc.int("context_parallel_size", 1),
         pp=sc.int("pipeline_model_parallel_size", 1), vpp=sc.int("virtual_pipeline_model_parallel_size"),
-        sequence_parallel=sc.bool("sequence_parallel"), backend=str(strategy_name))
+        sequence_parallel=sc.bool("sequence_parallel"), backend=strategy_name)
     top = Reader(ctx, (), data)
     sequence_length = top.int("sequence_length")
     if sequence_length is None:
@@ -37,18 +51,21 @@ def load_roll(ctx: Context, data: Mapping[str, Any], role: str) -> SeqpackConfig
         if prompt is not None and response is not None:
             sequence_length = prompt + response
 
+    # ROLL's WorkerConfig.__post_init__, in its order: dynamic batching first, then
+    # the strategy (only when the worker has strategy_args).
     packing_on = worker.bool("use_sequence_packing")
     train_on, infer_on = worker.bool("use_dynamic_batching_in_train"), worker.bool("use_dynamic_batching_in_infer")
-    if packing_on and "megatron" not in str(strategy_name):
-        # ROLL's WorkerConfig turns packing off (with a warning) for other strategies.
-        ctx.note(f"{role}.use_sequence_packing: ROLL packs sequences with Megatron strategies only and turns "
-                 f"packing off for strategy_args.strategy_name = {strategy_name!r}; so does seqpack")
-        packing_on = False
     if packing_on and (train_on or infer_on):
-        # ROLL's WorkerConfig keeps dynamic batching and turns packing off (with a warning).
         ctx.note(f"{role}.use_sequence_packing: sequence packing and dynamic batching "
                  f"({role}.use_dynamic_batching_in_{'train' if train_on else 'infer'}) are exclusive; ROLL turns "
                  "packing off and batches dynamically; so does seqpack")
+        packing_on = False
+    if packing_on and strategy_name is not None and "megatron" not in strategy_name:
+        which = (f"strategy_args.strategy_name = {strategy_name!r}" if named else
+                 f"strategy_args without a strategy_name (ROLL's default, {strategy_name!r}; "
+                 f"{ROLL_OLDER_DEFAULT_STRATEGY!r} in older releases)")
+        ctx.note(f"{role}.use_sequence_packing: ROLL packs sequences with Megatron strategies only and turns "
+                 f"packing off for {which}; so does seqpack")
         packing_on = False
 
     worker.no_lookalike(("sequence_packing_args", "use_sequence_packing"))
@@ -104,4 +121,4 @@ def load_roll(ctx: Context, data: Mapping[str, Any], role: str) -> SeqpackConfig
         max_tokens_per_microbatch_in_infer=infer_cap, sequence_length_round_in_train=train_round,
         sequence_length_round_in_infer=infer_round)
     return SeqpackConfig(schema="roll", parallel=parallel, max_seqlen=sequence_length, roll_packing=roll_packing,
-                         roll_dynamic_batching=roll_dynamic, role=role, raw=dict(data))
+                         roll_dynamic_batching=roll_dynamic, role=role)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
 from ..._lengths import INT64_MAX, as_int
 
@@ -16,6 +16,8 @@ SCHEMAS = ("nemo_rl", "roll", "verl")
 # (configured under ``rollout``), the reference's log-probs, the critic's update and
 # the critic's value forward.
 VERL_ROLES = ("actor", "rollout", "ref", "critic", "critic_forward")
+# verl's SFT trainer (sft_trainer_engine.yaml): one role, its data.* micro-batching.
+VERL_SFT_ROLES = ("sft",)
 
 
 class ConfigError(ValueError):
@@ -34,7 +36,9 @@ class ParallelConfig:
     pp: int = 1
     vpp: Optional[int] = None
     sequence_parallel: bool = False
-    backend: str = "megatron"  # NeMo-RL: "megatron" | "dtensor"; ROLL: the strategy name; verl: actor.strategy
+    # NeMo-RL: "megatron" | "dtensor"; ROLL: the strategy name (None: the worker has no
+    # strategy_args); verl: actor.strategy (the SFT trainer: engine.strategy)
+    backend: Optional[str] = "megatron"
     ulysses: int = 1  # verl: the actor's Ulysses sequence-parallel size (FSDP strategies)
 
 
@@ -120,37 +124,57 @@ class VerlMicroBatching:
 
 @dataclass(frozen=True)
 class VerlConfig:
-    """verl's batch sizes and per-role micro-batching (see :data:`VERL_ROLES`).
+    """verl's batch sizes and per-role micro-batching.
+
+    ``trainer`` is ``"ppo"`` (``actor_rollout_ref.*``; the roles of :data:`VERL_ROLES`)
+    or ``"sft"`` (the SFT trainer's ``data.*`` / ``engine.*``; the role ``sft``,
+    :data:`VERL_SFT_ROLES`). A role, or a PPO batch size, that the trainer's config
+    does not have is ``None``.
 
     ``train_batch_size`` and ``ppo_mini_batch_size`` count prompts, as in verl: a step
     trains on ``train_batch_size * rollout_n`` sequences, a mini-batch holds
-    ``ppo_mini_batch_size * rollout_n`` (:attr:`sequences_per_mini_batch`).
+    ``ppo_mini_batch_size * rollout_n`` (:attr:`sequences_per_mini_batch`). The SFT
+    trainer's ``train_batch_size`` counts sequences.
     """
 
-    actor: VerlMicroBatching
-    rollout: VerlMicroBatching
-    ref: VerlMicroBatching
-    critic: VerlMicroBatching
-    critic_forward: VerlMicroBatching
+    actor: Optional[VerlMicroBatching] = None
+    rollout: Optional[VerlMicroBatching] = None
+    ref: Optional[VerlMicroBatching] = None
+    critic: Optional[VerlMicroBatching] = None
+    critic_forward: Optional[VerlMicroBatching] = None
     strategy: str = "fsdp"
-    critic_strategy: str = "fsdp"
+    critic_strategy: Optional[str] = "fsdp"
     train_batch_size: int = 1024
-    ppo_mini_batch_size: int = 256
-    critic_ppo_mini_batch_size: int = 256
-    rollout_n: int = 1
+    ppo_mini_batch_size: Optional[int] = 256
+    critic_ppo_mini_batch_size: Optional[int] = 256
+    rollout_n: Optional[int] = 1
     balance_batch: bool = True
     use_critic: bool = True
-    max_prompt_length: int = 512
-    max_response_length: int = 512
+    max_prompt_length: Optional[int] = 512
+    max_response_length: Optional[int] = 512
+    trainer: str = "ppo"
+    sft: Optional[VerlMicroBatching] = None
+
+    @property
+    def roles(self) -> Tuple[str, ...]:
+        """The roles this trainer's config holds."""
+        return VERL_SFT_ROLES if self.trainer == "sft" else VERL_ROLES
 
     @property
     def sequences_per_mini_batch(self) -> int:
         """Sequences in one actor mini-batch, over all data-parallel ranks."""
+        if self.trainer == "sft":
+            raise ConfigError("sequences_per_mini_batch: verl's SFT trainer has no PPO mini-batches "
+                              "(data.train_batch_size sequences a step)")
         return self.ppo_mini_batch_size * self.rollout_n
 
     def role(self, name: str) -> VerlMicroBatching:
-        if name not in VERL_ROLES:
-            raise ConfigError(f"role must be one of {VERL_ROLES}, got {name!r}")
+        if name not in VERL_ROLES + VERL_SFT_ROLES:
+            raise ConfigError(f"role must be one of {VERL_ROLES + VERL_SFT_ROLES}, got {name!r}")
+        if name not in self.roles:
+            kind = ("SFT trainer's (data.*, engine.*)" if self.trainer == "sft"
+                    else "PPO trainer's (actor_rollout_ref.*)")
+            raise ConfigError(f"role {name!r}: this is verl's {kind} config, whose roles are {list(self.roles)}")
         return getattr(self, name)
 
 
@@ -219,7 +243,6 @@ class SeqpackConfig:
         if p.vpp is not None:
             strategy_config["virtual_pipeline_model_parallel_size"] = p.vpp
         worker: Dict[str, Any] = {
-            "strategy_args": {"strategy_name": p.backend, "strategy_config": strategy_config},
             "use_sequence_packing": rp.enabled,
             "sequence_packing_args": {k: getattr(rp, k) for k in (
                 "algorithm", "max_packed_sequence_length_train", "max_packed_sequence_length_forward",
@@ -229,6 +252,8 @@ class SeqpackConfig:
         for key in ("max_tokens_per_microbatch_in_train", "max_tokens_per_microbatch_in_infer",
                     "sequence_length_round_in_train", "sequence_length_round_in_infer"):
             worker[key] = getattr(rd, key)
+        if p.backend is not None:
+            worker["strategy_args"] = {"strategy_name": p.backend, "strategy_config": strategy_config}
         out: Dict[str, Any] = {self.role: worker}
         if self.max_seqlen is not None:
             out["sequence_length"] = self.max_seqlen
@@ -338,7 +363,8 @@ class SeqpackConfig:
         Ulysses (FSDP) or context-parallel (Megatron) size."""
         mb = self.micro_batching(role)
         if not mb.use_dynamic_bsz:
-            key = "use_dynamic_bsz" if role in ("actor", "critic", "critic_forward") else "log_prob_use_dynamic_bsz"
+            key = "use_dynamic_bsz" if role in ("actor", "critic", "critic_forward", "sft") else \
+                "log_prob_use_dynamic_bsz"
             raise ConfigError(f"{mb.path}.{key}: dynamic batching is disabled")
         return {"max_token_len": mb.max_token_len}
 
@@ -370,6 +396,8 @@ def _phase_tokens(section, phase: str, path: str) -> int:
 
 def _verl_to_dict(cfg: SeqpackConfig) -> Dict[str, Any]:
     v, p = cfg.verl, cfg.parallel
+    if v.trainer == "sft":
+        return _verl_sft_to_dict(cfg)
 
     def keys(mb: VerlMicroBatching, prefix: str, names=("use_dynamic_bsz", "max_token_len_per_gpu",
                                                          "micro_batch_size_per_gpu", "micro_batch_size")):
@@ -410,3 +438,24 @@ def _verl_to_dict(cfg: SeqpackConfig) -> Dict[str, Any]:
         "trainer": {"balance_batch": v.balance_batch},
     }
 
+
+def _verl_sft_to_dict(cfg: SeqpackConfig) -> Dict[str, Any]:
+    v, p, mb = cfg.verl, cfg.parallel, cfg.verl.sft
+    engine: Dict[str, Any] = {"strategy": v.strategy}
+    if v.strategy == "megatron":
+        engine.update(tensor_model_parallel_size=p.tp, context_parallel_size=p.cp, pipeline_model_parallel_size=p.pp,
+                      virtual_pipeline_model_parallel_size=p.vpp, sequence_parallel=p.sequence_parallel)
+    elif v.strategy == "torchtitan":
+        engine.update(tensor_parallel_size=p.tp, context_parallel_size=p.cp)
+    elif v.strategy == "veomni":
+        engine["ulysses_parallel_size"] = p.ulysses
+    elif v.strategy in ("fsdp", "fsdp2", "fsdp_turbo"):
+        engine["ulysses_sequence_parallel_size"] = p.ulysses
+    return {
+        "data": {"train_batch_size": v.train_batch_size, "micro_batch_size_per_gpu": mb.micro_batch_size_per_gpu,
+                 "max_token_len_per_gpu": mb.max_token_len_per_gpu, "use_dynamic_bsz": mb.use_dynamic_bsz,
+                 "max_length": cfg.max_seqlen},
+        "model": {"use_remove_padding": mb.use_remove_padding},
+        "engine": engine,
+        "trainer": {"balance_batch": v.balance_batch},
+    }

@@ -1,5 +1,6 @@
 """verl's schema: the composed config (``actor_rollout_ref.{actor,ref,rollout,model}``,
-``critic``, ``data``, ``trainer``, ``algorithm``), every micro-batching role at once."""
+``critic``, ``data``, ``trainer``, ``algorithm``), every micro-batching role at once;
+the SFT trainer's config is read by :mod:`._verl_sft`."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from typing import Any, Mapping
 
 from ._loader import Context, Reader
 from ._types import ConfigError, ParallelConfig, SeqpackConfig, VerlConfig, VerlMicroBatching
+from ._verl_sft import is_sft, load_verl_sft  # noqa: F401  (is_sft: the schema detection's)
 
 # The keys seqpack reads in each verl section (a key close to one of them is a typo,
 # named with a did-you-mean), and verl's own keys that are close to one.
@@ -49,6 +51,8 @@ def _verl_sp(r: Reader, strategy: str, engine: str, default_ulysses: int, defaul
 
 
 def load_verl(ctx: Context, data: Mapping[str, Any]) -> SeqpackConfig:
+    if is_sft(data):  # the SFT trainer's config: no actor_rollout_ref, its own keys
+        return load_verl_sft(ctx, data)
     top = Reader(ctx, (), data).no_lookalike(VERL_TOP_SECTIONS)
     arr = top.section("actor_rollout_ref").no_lookalike(VERL_ARR_SECTIONS)
     model = arr.section("model").no_lookalike(("use_remove_padding",), what="key")
@@ -160,4 +164,4 @@ def load_verl(ctx: Context, data: Mapping[str, Any]) -> SeqpackConfig:
                       max_prompt_length=prompt, max_response_length=response)
     return SeqpackConfig(schema="verl", parallel=parallel, max_seqlen=longest,
                          global_batch_size=train_batch_size * rollout_n,
-                         verl=verl, raw=dict(data))
+                         verl=verl)
