@@ -100,17 +100,11 @@ def test_roll_auto_fills_packed_lengths():
     assert cfg.roll_packing.max_packed_sequence_length_forward == 5000
 
 
-def test_interpolations_need_omegaconf_or_are_resolved():
+def test_interpolations_are_resolved_with_nemo_rls_resolvers():
     data = nemo(max_total_sequence_length=512, train_micro_batch_size=4,
                 sequence_packing={"enabled": True, "algorithm": "first_fit_decreasing",
                                   "train_mb_tokens": "${mul:${policy.max_total_sequence_length}, "
                                                      "${policy.train_micro_batch_size}}"})
-    try:
-        import omegaconf  # noqa: F401
-    except ImportError:
-        with pytest.raises(ConfigError, match="install omegaconf"):
-            load(data)
-        return
     assert load(data).sequence_packing.train_mb_tokens == 2048
 
 
