@@ -2,8 +2,8 @@
 ``defaults:`` inheritance, Hydra defaults lists for verl and ROLL), takes Hydra-style
 overrides as the launchers do, and gives the same result by path and composed.
 
-Recipes: tests/python/frameworks/data/recipes/ (seqpack's own, and two of NeMo-RL's
-under nemo_rl/real, Apache-2.0, with their source in their header).
+Recipes: tests/python/frameworks/data/recipes/, all seqpack's own (those under
+nemo_rl/real are shaped like two of NeMo-RL's example recipes: their keys and values).
 """
 
 from __future__ import annotations
