@@ -22,6 +22,7 @@ void init_dynamic_batching(py::module_& m);
 void init_metrics(py::module_& m);
 void init_thd(py::module_& m);
 void init_logprob(py::module_& m);
+void init_prefix_tree(py::module_& m);
 }  // namespace seqpack::bindings
 
 PYBIND11_MODULE(_core, m) {
@@ -32,6 +33,7 @@ PYBIND11_MODULE(_core, m) {
   seqpack::bindings::init_metrics(m);
   seqpack::bindings::init_thd(m);
   seqpack::bindings::init_logprob(m);
+  seqpack::bindings::init_prefix_tree(m);
   m.def(
       "advise_huge_pages",
       [](py::handle obj) {

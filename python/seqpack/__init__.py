@@ -62,6 +62,7 @@ _export("tensors.thd", "PackedBatch", "PackedSeqParams", "StaticPackedBatch", "p
         "pack_sequences_static", "pack_to_layout", "unpack_sequences")
 _export("tensors.cp", "cp_partition_indices", "cp_restore_order")
 _export("tensors.dataset", "PackedDataset", "collate_packs", "pack_dataset")
+_export("tensors.prefix_tree", "PrefixTreeBatch", "PrefixTreeMetrics", "pack_prefix_tree")
 # Training ops
 _export("training.logprobs", "TokenLogprobs", "packed_token_logprobs", "linear_token_logprobs")
 _export("training.loss", "SequencePackingLossWrapper", "prepare_loss_input", "NLLLoss", "ClippedPGLoss")
@@ -79,7 +80,7 @@ __all__ = [
     "PackedLayout", "alignment", "PackedBatch", "PackedSeqParams", "pack_sequences", "pack_to_layout",
     "unpack_sequences",
     "StaticPackedBatch", "pack_sequences_static", "cp_partition_indices", "cp_restore_order",
-    "collate_packs", "pack_dataset",
+    "collate_packs", "pack_dataset", "pack_prefix_tree", "PrefixTreeBatch", "PrefixTreeMetrics",
     # training
     "packed_token_logprobs", "linear_token_logprobs", "TokenLogprobs", "SequencePackingLossWrapper",
     "prepare_loss_input",
@@ -200,6 +201,7 @@ if TYPE_CHECKING:  # what the lazy attributes resolve to, for type checkers and 
     from .tensors.cp import cp_partition_indices, cp_restore_order
     from .tensors.dataset import PackedDataset, collate_packs, pack_dataset
     from .tensors.layout import PackedLayout, alignment
+    from .tensors.prefix_tree import PrefixTreeBatch, PrefixTreeMetrics, pack_prefix_tree
     from .tensors.thd import (PackedBatch, PackedSeqParams, StaticPackedBatch, pack_sequences, pack_sequences_static,
                               pack_to_layout, unpack_sequences)
     from .training.attention import attention_backends, cp_attention, ulysses_attention, varlen_attention

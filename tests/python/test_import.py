@@ -84,7 +84,7 @@ def test_extension_carries_ampere_and_hopper_machine_code():
      "seqpack.tensors.thd", "seqpack.frameworks._batch", "seqpack.frameworks.verl", "seqpack.frameworks.automodel",
      "seqpack.testing.pipelines", "seqpack.testing.distributions",
      "seqpack.tensors.cp",
-     "seqpack.tensors.dataset", "seqpack.training.logprobs", "seqpack.training.loss",
+     "seqpack.tensors.dataset", "seqpack.tensors.prefix_tree", "seqpack.training.logprobs", "seqpack.training.loss",
      "seqpack.training.nemo_rl_loss", "seqpack._lengths"],
 )
 def test_doctests(module):

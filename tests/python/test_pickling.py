@@ -96,6 +96,7 @@ def _report():
 def _samples():
     from seqpack.frameworks import batched_data_dict as bdd, config, hf, roll
     from seqpack.planning import packing
+    from seqpack.tensors import prefix_tree
     from seqpack.testing import tiny_model
     from seqpack.tools import report
     from seqpack.training import loss
@@ -120,6 +121,9 @@ def _samples():
         seqpack.StaticPackedBatch: lambda: seqpack.pack_sequences_static(torch.arange(16).view(2, 8), [3, 8],
                                                                          max_tokens=16, max_seqs=4),
         seqpack.PackedDataset: lambda: seqpack.pack_dataset([[1, 2, 3], [4, 5, 6, 7, 8], [9]], pack_size=8),
+        prefix_tree.PrefixTreeMetrics: lambda: seqpack.pack_prefix_tree([[1, 2], [1, 3]]).metrics(),
+        seqpack.PrefixTreeBatch: lambda: seqpack.pack_prefix_tree([[5, 6, 7], [5, 6, 8], [5]], group_ids=[0, 0, 1],
+                                                                   pad_to_multiple_of=4),
         # training
         seqpack.TokenLogprobs: _token_logprobs,
         loss.NLLLoss: loss.NLLLoss,

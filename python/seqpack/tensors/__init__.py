@@ -6,6 +6,7 @@
   ``[T, ...]`` tensors (planned or static-shape).
 - :mod:`~seqpack.tensors.cp`: context-parallel sharding (the 2·CP zigzag chunks).
 - :mod:`~seqpack.tensors.dataset`: packing a tokenized dataset offline for SFT.
+- :mod:`~seqpack.tensors.prefix_tree`: prefix-tree packing (shared prefixes laid out once).
 
 Importing this package does not import torch; the tensor functions do, when called.
 """
@@ -13,11 +14,12 @@ Importing this package does not import torch; the tensor functions do, when call
 from .cp import cp_partition_indices, cp_restore_order
 from .dataset import PackedDataset, collate_packs, pack_dataset
 from .layout import PackedLayout, alignment, round_up
+from .prefix_tree import PrefixTreeBatch, PrefixTreeMetrics, pack_prefix_tree
 from .thd import (PackedBatch, PackedSeqParams, StaticPackedBatch, pack_sequences, pack_sequences_static,
                   pack_to_layout, unpack_sequences)
 
 __all__ = [
-    "PackedBatch", "PackedDataset", "PackedLayout", "PackedSeqParams", "StaticPackedBatch", "alignment",
-    "collate_packs", "cp_partition_indices", "cp_restore_order", "pack_dataset", "pack_sequences",
-    "pack_sequences_static", "pack_to_layout", "round_up", "unpack_sequences",
+    "PackedBatch", "PackedDataset", "PackedLayout", "PackedSeqParams", "PrefixTreeBatch", "PrefixTreeMetrics",
+    "StaticPackedBatch", "alignment", "collate_packs", "cp_partition_indices", "cp_restore_order", "pack_dataset",
+    "pack_prefix_tree", "pack_sequences", "pack_sequences_static", "pack_to_layout", "round_up", "unpack_sequences",
 ]

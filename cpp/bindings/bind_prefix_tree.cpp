@@ -1,0 +1,42 @@
+// Prefix-tree packing: the trie is built with the GIL released; its arrays come back
+// as NumPy arrays without a copy.
+#include <optional>
+
+#include "convert.hpp"
+#include "seqpack/prefix_tree.hpp"
+
+namespace seqpack::bindings {
+
+void init_prefix_tree(py::module_& m) {
+  m.def(
+      "build_prefix_tree",
+      [](py::handle tokens_obj, py::handle cu_obj, py::handle groups_obj, int64_t min_shared_tokens,
+         int64_t pad_to_multiple_of, int64_t pad_token) {
+        LengthsArg tokens(tokens_obj, "tokens"), cu(cu_obj, "cu_seqlens");
+        std::optional<LengthsArg> groups;
+        if (!groups_obj.is_none()) groups.emplace(groups_obj, "group_ids");
+        PrefixTree tree;
+        {
+          py::gil_scoped_release release;
+          const PrefixTreeOptions options{min_shared_tokens, pad_to_multiple_of, pad_token};
+          tree = build_prefix_tree(tokens.view(), cu.view(), groups ? groups->view() : Lengths{}, options);
+        }
+        py::dict d;
+        d["input_ids"] = to_array(std::move(tree.input_ids));
+        d["position_ids"] = to_array(std::move(tree.position_ids));
+        d["parent"] = to_array(std::move(tree.parent));
+        d["subtree_end"] = to_array(std::move(tree.subtree_end));
+        d["first_logical"] = to_array(std::move(tree.first_logical));
+        d["logical_index"] = to_array(std::move(tree.logical_index));
+        d["cu_seqlens"] = to_array(std::move(tree.cu_seqlens));
+        d["segment_offsets"] = to_array(std::move(tree.segment_offsets));
+        d["segment_parent"] = to_array(std::move(tree.segment_parent));
+        d["num_pad_tokens"] = tree.num_pad_tokens;
+        return d;
+      },
+      py::arg("tokens"), py::arg("cu_seqlens"), py::arg("group_ids"), py::arg("min_shared_tokens"),
+      py::arg("pad_to_multiple_of"), py::arg("pad_token"),
+      "The token trie of rows (flat tokens + cu_seqlens) in DFS order, as a dict of int64 arrays.");
+}
+
+}  // namespace seqpack::bindings

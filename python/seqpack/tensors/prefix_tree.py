@@ -1,0 +1,366 @@
+"""Prefix-tree packing: rows that share a prefix are laid out once (issue 28, step 1).
+
+GRPO samples every prompt many times and multi-turn rollouts branch from shared
+histories; packed as independent rows, every shared prefix is forwarded G times.
+:func:`pack_prefix_tree` builds the token trie of the rows (in C++, linear in the
+tokens, GIL released) and lays its nodes out depth-first: the *physical* tokens.
+The rows themselves are the *logical* tokens::
+
+    rows (logical)        trie                    DFS order (physical)
+    r0 = 5 6 7            5 ── 6 ──┬── 7          index        0  1  2  3  4  5
+    r1 = 5 6 8 9                   └── 8 ── 9     input_ids    5  6  7  8  9  5
+    r2 = 5 6                                      position_ids 0  1  2  2  3  0
+    r3 = 5   (group 1)    5                       parent      -1  0  1  1  3 -1
+                                                  subtree_end  5  5  3  5  5  6
+
+The contract (all int64 NumPy arrays):
+
+- ``input_ids`` / ``position_ids`` [T]: a token's position id is its depth, the
+  position it has in every row through it.
+- ``parent`` [T] (-1 for a root) and ``subtree_end`` [T]: key ``j`` is visible to
+  query ``i`` exactly when ``j <= i < subtree_end[j]`` (``j`` is an ancestor of ``i``
+  or ``i`` itself); the whole attention mask is these two arrays, and it is every
+  row's causal mask mapped through ``logical_index``.
+- ``logical_index`` [N]: for the rows concatenated in their given order, the physical
+  index of each logical token (``input_ids[logical_index]`` is the concatenated
+  rows); ``cu_seqlens`` [R + 1]: the rows' logical offsets.
+- segments, the compressed form kernels want: maximal chains in which every node
+  but the last has exactly one child and no row ends at it (a node starts a segment
+  when it is a root, its parent branches, or a row ends at its parent), so each row
+  is a root-to-leaf path of whole segments. ``segment_offsets`` [S + 1] index the
+  physical order; ``segment_parent`` [S] is -1 for a root segment. Above:
+  segments ``[0, 2) [2, 3) [3, 5) [5, 6)`` with parents ``-1 0 0 -1``.
+
+Sharing. Rows share tokens only within a group (``group_ids``), and two rows ``r``
+and ``s`` share exactly their first ``lcp(r, s)`` tokens (their longest common
+prefix) when ``lcp(r, s) >= min_shared_tokens``, and nothing otherwise. This is
+well defined and independent of the order of the rows. With ``min_shared_tokens=3``,
+``1 2 3 4`` and ``1 2 3 5`` share ``1 2 3``, while ``1 2 7`` shares nothing with them;
+a row shorter than ``min_shared_tokens`` is never shared, not even with a duplicate.
+Exact duplicates, rows ending inside other rows, single-token and empty rows are
+legal (an empty row has no tokens, physical or logical).
+
+Padding. ``pad_to_multiple_of`` rounds ``T`` up with pad tokens (``pad_token_id``,
+position 0) placed after the tree; each is its own root that sees only itself, and
+no logical token maps to one.
+
+    >>> tree = pack_prefix_tree([[5, 6, 7], [5, 6, 8, 9], [5, 6], [5]], group_ids=[0, 0, 0, 1])
+    >>> tree.input_ids.tolist(), tree.parent.tolist(), tree.subtree_end.tolist()
+    ([5, 6, 7, 8, 9, 5], [-1, 0, 1, 1, 3, -1], [5, 5, 3, 5, 5, 6])
+    >>> tree.logical_index.tolist()
+    [0, 1, 2, 0, 1, 3, 4, 0, 1, 5]
+    >>> tree.metrics().token_ratio
+    1.6666666666666667
+
+Importing this module does not import torch; tensors are accepted where arrays are.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Dict, Iterable
+
+import numpy as np
+
+from .. import _core
+from .._lengths import (INT64_MAX, as_int64, as_positive_int, check_not_meta, host_array, shown, type_name,
+                        _is_torch_tensor)
+
+__all__ = ["PrefixTreeBatch", "PrefixTreeMetrics", "pack_prefix_tree"]
+
+# attention_mask() is for tests and small cases: [T, T] bools past this are refused.
+MAX_DENSE_MASK_TOKENS = 8192
+
+_ARRAYS = ("input_ids", "position_ids", "parent", "subtree_end", "logical_index", "cu_seqlens", "segment_offsets",
+           "segment_parent", "first_logical")
+
+
+def _int_array(value: Any, name: str, ndim: int) -> np.ndarray:
+    """``value`` as an int64 NumPy array of ``ndim`` dimensions, or a clear error."""
+    if _is_torch_tensor(value):
+        check_not_meta(value, name)
+        if value.dtype.is_floating_point or value.dtype.is_complex or str(value.dtype) == "torch.bool":
+            raise TypeError(f"{name} must hold integers, got a tensor of dtype {value.dtype}")
+    if isinstance(value, (str, bytes)) or value is None:
+        raise TypeError(f"{name} must be a {ndim}-D sequence of integers, got {type_name(value)}")
+    try:
+        arr = host_array(value)
+    except (TypeError, ValueError) as e:  # ragged nested lists, odd objects
+        raise TypeError(f"{name} must be a {ndim}-D sequence of integers, got {type_name(value)}") from e
+    if arr.ndim != ndim:
+        raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(arr.shape)}")
+    if arr.size == 0:
+        return np.zeros(arr.shape, dtype=np.int64)
+    if arr.dtype.kind not in "iu":
+        raise TypeError(f"{name} must hold integers, got dtype {arr.dtype}")
+    if arr.dtype == np.uint64 and int(arr.max()) > INT64_MAX:
+        raise ValueError(f"{name} must fit in int64, got {int(arr.max())}")
+    return arr.astype(np.int64, copy=False)
+
+
+def _rows_flat(rows: Any) -> tuple:
+    """Flat int64 tokens and offsets of ``rows`` (a list of 1-D token sequences)."""
+    if isinstance(rows, (str, bytes, dict)) or not isinstance(rows, Iterable) and not hasattr(rows, "__len__"):
+        raise TypeError(f"rows must be a list of 1-D token sequences, got {type_name(rows)}")
+    arrays = [_int_array(row, f"rows[{i}]", 1) for i, row in enumerate(rows)]
+    lengths = np.fromiter((a.shape[0] for a in arrays), dtype=np.int64, count=len(arrays))
+    cu = np.zeros(len(arrays) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=cu[1:])
+    tokens = np.concatenate(arrays) if arrays else np.zeros(0, dtype=np.int64)
+    return tokens, cu
+
+
+def _build(tokens: np.ndarray, cu: np.ndarray, group_ids: Any, min_shared_tokens: Any, pad_to_multiple_of: Any,
+           pad_token_id: Any) -> "PrefixTreeBatch":
+    min_shared = as_positive_int(min_shared_tokens, "min_shared_tokens", allow_zero=True)
+    multiple = as_positive_int(pad_to_multiple_of, "pad_to_multiple_of")
+    pad = as_int64(pad_token_id, "pad_token_id")
+    groups = None
+    if group_ids is not None:
+        groups = _int_array(group_ids, "group_ids", 1)
+        if groups.shape[0] != cu.shape[0] - 1:
+            raise ValueError(f"group_ids must hold one id per row ({cu.shape[0] - 1} rows), got {groups.shape[0]}")
+    arrays = _core.build_prefix_tree(tokens, cu, groups, min_shared, multiple, pad)
+    num_pad = int(arrays.pop("num_pad_tokens"))
+    return PrefixTreeBatch(**arrays, num_pad_tokens=num_pad)
+
+
+def pack_prefix_tree(rows: Any, *, group_ids: Any = None, min_shared_tokens: Any = 1, pad_to_multiple_of: Any = 1,
+                     pad_token_id: Any = 0) -> "PrefixTreeBatch":
+    """The prefix tree of ``rows`` (a list of 1-D token sequences: lists, NumPy
+    arrays or tensors of integers), as the module docstring describes.
+
+    ``group_ids``: one integer per row; rows of different groups never share a token
+    (e.g. one group per prompt of a GRPO batch). ``min_shared_tokens`` (>= 0; 0 acts
+    as 1): two rows share their common prefix only when it is at least this long.
+    ``pad_to_multiple_of``: the physical length is rounded up to a multiple of it
+    with ``pad_token_id`` tokens, each its own root.
+
+    >>> pack_prefix_tree([[1, 2, 3], [1, 2, 4]]).input_ids.tolist()
+    [1, 2, 3, 4]
+    """
+    tokens, cu = _rows_flat(rows)
+    return _build(tokens, cu, group_ids, min_shared_tokens, pad_to_multiple_of, pad_token_id)
+
+
+class PrefixTreeBatch:
+    """A batch of rows packed as a prefix tree (see the module docstring for the
+    layout). Built by :func:`pack_prefix_tree`, :meth:`from_padded` or
+    :meth:`from_packed`; holds read-only int64 NumPy arrays, compares by value,
+    pickles and deep-copies through them."""
+
+    __slots__ = ("_arrays", "_num_pad_tokens")
+
+    def __init__(self, *, input_ids: Any, position_ids: Any, parent: Any, subtree_end: Any, logical_index: Any,
+                 cu_seqlens: Any, segment_offsets: Any, segment_parent: Any, first_logical: Any,
+                 num_pad_tokens: int = 0) -> None:
+        given = dict(input_ids=input_ids, position_ids=position_ids, parent=parent, subtree_end=subtree_end,
+                     logical_index=logical_index, cu_seqlens=cu_seqlens, segment_offsets=segment_offsets,
+                     segment_parent=segment_parent, first_logical=first_logical)
+        arrays = {}
+        for name in _ARRAYS:
+            arr = np.array(given[name], dtype=np.int64, copy=True)
+            if arr.ndim != 1:
+                raise ValueError(f"{name} must be 1-D, got shape {arr.shape}")
+            arr.flags.writeable = False
+            arrays[name] = arr
+        t = arrays["input_ids"].shape[0]
+        for name in ("position_ids", "parent", "subtree_end", "first_logical"):
+            if arrays[name].shape[0] != t:
+                raise ValueError(f"{name} must have one entry per physical token ({t}), got {arrays[name].shape[0]}")
+        self._arrays = arrays
+        self._num_pad_tokens = as_positive_int(num_pad_tokens, "num_pad_tokens", allow_zero=True)
+
+    # ---- constructors -------------------------------------------------------------
+    @classmethod
+    def from_rows(cls, rows: Any, **options: Any) -> "PrefixTreeBatch":
+        """:func:`pack_prefix_tree` (the same keyword options)."""
+        return pack_prefix_tree(rows, **options)
+
+    @classmethod
+    def from_padded(cls, input_ids: Any, attention_mask: Any, *, group_ids: Any = None, min_shared_tokens: Any = 1,
+                    pad_to_multiple_of: Any = 1, pad_token_id: Any = 0) -> "PrefixTreeBatch":
+        """The tree of padded rows ``input_ids`` [B, S] whose real tokens are where
+        ``attention_mask`` [B, S] (bool or 0/1 integers) is non-zero, in column order:
+        left padding, right padding (as verl and NeMo-RL hold rollouts) or holes."""
+        ids = _int_array(input_ids, "input_ids", 2)
+        if _is_torch_tensor(attention_mask):
+            check_not_meta(attention_mask, "attention_mask")
+        mask = host_array(attention_mask)
+        if mask.shape != ids.shape:
+            raise ValueError(f"attention_mask must have the shape of input_ids {tuple(ids.shape)}, "
+                             f"got {tuple(mask.shape)}")
+        if mask.size and mask.dtype.kind not in "biu":
+            raise TypeError(f"attention_mask must be bool or integer, got dtype {mask.dtype}")
+        real = mask.astype(bool)
+        cu = np.zeros(ids.shape[0] + 1, dtype=np.int64)
+        np.cumsum(real.sum(axis=1), out=cu[1:])
+        return _build(np.ascontiguousarray(ids[real]), cu, group_ids, min_shared_tokens, pad_to_multiple_of,
+                      pad_token_id)
+
+    @classmethod
+    def from_packed(cls, input_ids: Any, cu_seqlens: Any, *, group_ids: Any = None, min_shared_tokens: Any = 1,
+                    pad_to_multiple_of: Any = 1, pad_token_id: Any = 0) -> "PrefixTreeBatch":
+        """The tree of rows packed back to back: ``input_ids`` [N] (or [1, N]) and
+        ``cu_seqlens`` [R + 1] (starting at 0, non-decreasing, ending at N)."""
+        ids = host_array(input_ids) if not isinstance(input_ids, (list, tuple)) else np.asarray(input_ids)
+        if getattr(ids, "ndim", 0) == 2 and ids.shape[0] == 1:
+            input_ids = input_ids[0]
+        tokens = _int_array(input_ids, "input_ids", 1)
+        cu = _int_array(cu_seqlens, "cu_seqlens", 1)
+        if cu.shape[0] < 1 or cu[0] != 0 or (np.diff(cu) < 0).any():
+            raise ValueError(f"cu_seqlens must start at 0 and never decrease; got {shown(cu.tolist())}")
+        if cu[-1] != tokens.shape[0]:
+            raise ValueError(f"cu_seqlens must end at the number of input_ids ({tokens.shape[0]}), got {int(cu[-1])}")
+        return _build(tokens, cu, group_ids, min_shared_tokens, pad_to_multiple_of, pad_token_id)
+
+    # ---- the layout ---------------------------------------------------------------
+    input_ids = property(lambda self: self._arrays["input_ids"], doc="Physical token ids [T].")
+    position_ids = property(lambda self: self._arrays["position_ids"], doc="Depth of each physical token [T].")
+    parent = property(lambda self: self._arrays["parent"], doc="Parent's physical index [T] (-1: a root).")
+    subtree_end = property(lambda self: self._arrays["subtree_end"],
+                           doc="[T]: j is visible to i exactly when j <= i < subtree_end[j].")
+    logical_index = property(lambda self: self._arrays["logical_index"],
+                             doc="Physical index of each logical token of the concatenated rows [N].")
+    cu_seqlens = property(lambda self: self._arrays["cu_seqlens"], doc="The rows' logical offsets [R + 1].")
+    segment_offsets = property(lambda self: self._arrays["segment_offsets"],
+                               doc="Segments' offsets into the physical order [S + 1].")
+    segment_parent = property(lambda self: self._arrays["segment_parent"],
+                              doc="Each segment's parent segment [S] (-1: a root segment).")
+    first_logical = property(lambda self: self._arrays["first_logical"],
+                             doc="Logical index of each physical token's first occurrence [T] (-1: a pad token).")
+
+    @property
+    def num_tokens(self) -> int:
+        """Physical tokens T, pad tokens included."""
+        return int(self._arrays["input_ids"].shape[0])
+
+    @property
+    def num_pad_tokens(self) -> int:
+        return self._num_pad_tokens
+
+    @property
+    def num_logical_tokens(self) -> int:
+        return int(self._arrays["logical_index"].shape[0])
+
+    @property
+    def num_rows(self) -> int:
+        return int(self._arrays["cu_seqlens"].shape[0] - 1)
+
+    @property
+    def num_segments(self) -> int:
+        return int(self._arrays["segment_parent"].shape[0])
+
+    @property
+    def seq_lens(self) -> np.ndarray:
+        """Logical length of each row [R]."""
+        return np.diff(self._arrays["cu_seqlens"])
+
+    def attention_mask(self, max_tokens: int = MAX_DENSE_MASK_TOKENS) -> np.ndarray:
+        """Dense bool [T, T]: ``mask[i, j]`` (query i, key j) is ``j <= i < subtree_end[j]``.
+        For tests and small cases: above ``max_tokens`` physical tokens it is refused."""
+        t = self.num_tokens
+        limit = as_positive_int(max_tokens, "max_tokens", allow_zero=True)
+        if t > limit:
+            raise ValueError(f"attention_mask() builds a dense [T, T] mask; T = {t} is above max_tokens = {limit} "
+                             "(use parent / subtree_end or the segments instead)")
+        i = np.arange(t, dtype=np.int64)
+        return (i[None, :] <= i[:, None]) & (i[:, None] < self.subtree_end[None, :])
+
+    # ---- moving per-token values ----------------------------------------------------
+    def to_logical(self, x: Any) -> Any:
+        """Per-physical-token values ``x`` [T, ...] (array or tensor) in the logical
+        layout [N, ...]: each logical token takes its physical token's value."""
+        self._check_rows(x, self.num_tokens, "num_tokens (T)")
+        return x[self._index_for(x, self.logical_index)]
+
+    def to_physical(self, x: Any, fill: Any = 0) -> Any:
+        """Per-logical-token values ``x`` [N, ...] (array or tensor) in the physical
+        layout [T, ...]: each physical token takes the value of its *first* logical
+        occurrence (rows in their given order); later occurrences are not read, so
+        values that are a function of the prefix (ids, positions, hidden states of a
+        causal model) round-trip exactly. Pad tokens get ``fill``."""
+        self._check_rows(x, self.num_logical_tokens, "num_logical_tokens (N)")
+        real = self.num_tokens - self._num_pad_tokens
+        index = self._index_for(x, self.first_logical[:real])
+        if _is_torch_tensor(x):
+            out = x.new_full((self.num_tokens, *x.shape[1:]), fill)
+            if real:
+                out = out.index_copy(0, self._index_for(x, np.arange(real)), x[index])
+            return out
+        arr = np.asarray(x)
+        out = np.full((self.num_tokens, *arr.shape[1:]), fill, dtype=arr.dtype)
+        out[:real] = arr[index]
+        return out
+
+    @staticmethod
+    def _check_rows(x: Any, n: int, what: str) -> None:
+        shape = tuple(getattr(x, "shape", ()))
+        if len(shape) < 1 or shape[0] != n:
+            raise ValueError(f"x must have {what} = {n} rows along dim 0, got shape {shape}")
+
+    @staticmethod
+    def _index_for(x: Any, index: np.ndarray) -> Any:
+        if _is_torch_tensor(x):
+            import torch
+
+            return torch.from_numpy(np.ascontiguousarray(index)).to(x.device)
+        return index
+
+    # ---- metrics ------------------------------------------------------------------
+    def metrics(self) -> "PrefixTreeMetrics":
+        """Logical vs physical tokens and attention pairs (:class:`PrefixTreeMetrics`)."""
+        real = self.num_tokens - self._num_pad_tokens
+        plain = sum(n * (n + 1) // 2 for n in self.seq_lens.tolist())
+        tree = int((self.position_ids[:real] + 1).sum(dtype=np.int64)) if real else 0
+        return PrefixTreeMetrics(num_rows=self.num_rows, logical_tokens=self.num_logical_tokens, physical_tokens=real,
+                                 pad_tokens=self._num_pad_tokens, num_segments=self.num_segments,
+                                 plain_attention_pairs=plain, tree_attention_pairs=tree)
+
+    # ---- value semantics -----------------------------------------------------------
+    def __eq__(self, other: object) -> Any:
+        if not isinstance(other, PrefixTreeBatch):
+            return NotImplemented
+        return self._num_pad_tokens == other._num_pad_tokens and all(
+            np.array_equal(self._arrays[k], other._arrays[k]) for k in _ARRAYS)
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __reduce__(self):
+        return (_rebuild, ({k: np.array(v) for k, v in self._arrays.items()}, self._num_pad_tokens))
+
+    def __repr__(self) -> str:
+        return (f"PrefixTreeBatch(num_rows={self.num_rows}, num_logical_tokens={self.num_logical_tokens}, "
+                f"num_tokens={self.num_tokens}, num_segments={self.num_segments}, "
+                f"num_pad_tokens={self._num_pad_tokens})")
+
+
+@dataclass(frozen=True)
+class PrefixTreeMetrics:
+    """What sharing saves. ``physical_tokens`` excludes pad tokens;
+    ``plain_attention_pairs`` is the sum of L(L+1)/2 over the rows (causal pairs of
+    the rows packed independently); ``tree_attention_pairs`` the visible pairs among
+    the real physical tokens (the sum of depth + 1)."""
+
+    num_rows: int
+    logical_tokens: int
+    physical_tokens: int
+    pad_tokens: int
+    num_segments: int
+    plain_attention_pairs: int
+    tree_attention_pairs: int
+
+    @property
+    def token_ratio(self) -> float:
+        """logical / physical tokens: how many times fewer tokens every token-wise
+        layer sees (1.0 when nothing is shared or the batch is empty)."""
+        return self.logical_tokens / self.physical_tokens if self.physical_tokens else 1.0
+
+    @property
+    def attention_ratio(self) -> float:
+        """plain / tree attention pairs (1.0 for an empty batch)."""
+        return self.plain_attention_pairs / self.tree_attention_pairs if self.tree_attention_pairs else 1.0
+
+
+def _rebuild(arrays: Dict[str, np.ndarray], num_pad_tokens: int) -> PrefixTreeBatch:
+    return PrefixTreeBatch(**arrays, num_pad_tokens=num_pad_tokens)
