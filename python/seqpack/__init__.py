@@ -8,7 +8,7 @@ The package has five layers; each imports only the layers above it in this list
                          dynamic batching, metrics. Lists in, lists out; never imports torch.
     seqpack.tensors      the packed (THD) layout: PackedLayout, pack/unpack, context
                          parallelism, dataset packing
-    seqpack.training     ops a trainer calls: packed log-probs, the loss wrapper, varlen attention
+    seqpack.training     ops a trainer calls: packed log-probs, the loss wrapper, varlen and tree attention
     seqpack.frameworks   drop-ins for NeMo-RL (BatchedDataDict), ROLL, verl, HF and their
                          YAML configs; adapters never import each other
     seqpack.tools        report, plots, the ``seqpack`` command line
@@ -65,8 +65,10 @@ _export("tensors.dataset", "PackedDataset", "collate_packs", "pack_dataset")
 _export("tensors.prefix_tree", "PrefixTreeBatch", "PrefixTreeMetrics", "pack_prefix_tree")
 # Training ops
 _export("training.logprobs", "TokenLogprobs", "packed_token_logprobs", "linear_token_logprobs")
+_export("training.logprobs_tree", "tree_token_logprobs")
 _export("training.loss", "SequencePackingLossWrapper", "prepare_loss_input", "NLLLoss", "ClippedPGLoss")
-_export("training.attention", "varlen_attention", "cp_attention", "ulysses_attention", "attention_backends")
+_export("training.attention", "varlen_attention", "cp_attention", "ulysses_attention", "attention_backends",
+        "tree_attention", "tree_attention_backends")
 # Frameworks
 _export("frameworks.batched_data_dict", "BatchedDataDict", "DynamicBatchingArgs", "SequencePackingArgs",
         "SlicedDataDict")
@@ -82,9 +84,10 @@ __all__ = [
     "StaticPackedBatch", "pack_sequences_static", "cp_partition_indices", "cp_restore_order",
     "collate_packs", "pack_dataset", "pack_prefix_tree", "PrefixTreeBatch", "PrefixTreeMetrics",
     # training
-    "packed_token_logprobs", "linear_token_logprobs", "TokenLogprobs", "SequencePackingLossWrapper",
+    "packed_token_logprobs", "linear_token_logprobs", "tree_token_logprobs", "TokenLogprobs",
+    "SequencePackingLossWrapper",
     "prepare_loss_input",
-    "varlen_attention", "cp_attention", "ulysses_attention",
+    "varlen_attention", "cp_attention", "ulysses_attention", "tree_attention", "tree_attention_backends",
     # frameworks
     "BatchedDataDict",
     # support
@@ -204,6 +207,8 @@ if TYPE_CHECKING:  # what the lazy attributes resolve to, for type checkers and 
     from .tensors.prefix_tree import PrefixTreeBatch, PrefixTreeMetrics, pack_prefix_tree
     from .tensors.thd import (PackedBatch, PackedSeqParams, StaticPackedBatch, pack_sequences, pack_sequences_static,
                               pack_to_layout, unpack_sequences)
-    from .training.attention import attention_backends, cp_attention, ulysses_attention, varlen_attention
+    from .training.attention import (attention_backends, cp_attention, tree_attention, tree_attention_backends,
+                                     ulysses_attention, varlen_attention)
     from .training.logprobs import TokenLogprobs, packed_token_logprobs
+    from .training.logprobs_tree import tree_token_logprobs
     from .training.loss import ClippedPGLoss, NLLLoss, SequencePackingLossWrapper, prepare_loss_input

@@ -85,7 +85,8 @@ def test_extension_carries_ampere_and_hopper_machine_code():
      "seqpack.testing.pipelines", "seqpack.testing.distributions",
      "seqpack.tensors.cp",
      "seqpack.tensors.dataset", "seqpack.tensors.prefix_tree", "seqpack.training.logprobs", "seqpack.training.loss",
-     "seqpack.training.nemo_rl_loss", "seqpack._lengths"],
+     "seqpack.training.logprobs_tree",
+     "seqpack.training.nemo_rl_loss", "seqpack.training.attention_tree", "seqpack._lengths"],
 )
 def test_doctests(module):
     result = doctest.testmod(importlib.import_module(module), verbose=False, report=True)

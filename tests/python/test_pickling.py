@@ -97,6 +97,7 @@ def _samples():
     from seqpack.frameworks import batched_data_dict as bdd, config, hf, roll
     from seqpack.planning import packing
     from seqpack.tensors import prefix_tree
+    from seqpack.training import logprobs_tree
     from seqpack.testing import tiny_model
     from seqpack.tools import report
     from seqpack.training import loss
@@ -126,6 +127,7 @@ def _samples():
                                                                    pad_to_multiple_of=4),
         # training
         seqpack.TokenLogprobs: _token_logprobs,
+        logprobs_tree.TreeTargets: lambda: logprobs_tree.tree_targets(seqpack.pack_prefix_tree([[5, 6, 7], [5, 6, 8]])),
         loss.NLLLoss: loss.NLLLoss,
         loss.ClippedPGLoss: lambda: loss.ClippedPGLoss({"ratio_clip_min": 0.2, "ratio_clip_max": 0.28}),
         loss.SequencePackingLossWrapper: lambda: loss.SequencePackingLossWrapper(

@@ -6,7 +6,10 @@
 - :func:`cp_attention` (:mod:`~seqpack.training.attention_cp`): zigzag context
   parallelism, K/V gathered over the CP group;
 - :func:`ulysses_attention` (:mod:`~seqpack.training.attention_ulysses`): Ulysses
-  sequence parallelism, two all-to-alls over the group.
+  sequence parallelism, two all-to-alls over the group;
+- :func:`tree_attention` (:mod:`~seqpack.training.attention_tree`): a prefix tree
+  (:class:`~seqpack.PrefixTreeBatch`), each token over its ancestors and itself, and
+  its backends (:func:`tree_attention_backends`).
 
 ::
 
@@ -17,8 +20,9 @@
 """
 
 from .attention_cp import cp_attention
+from .attention_tree import tree_attention, tree_attention_backends
 from .attention_ulysses import ulysses_attention
 from .attention_varlen import BACKENDS, MAX_SCORE_ELEMENTS, attention_backends, varlen_attention
 
-__all__ = ["BACKENDS", "MAX_SCORE_ELEMENTS", "attention_backends", "cp_attention", "ulysses_attention",
-           "varlen_attention"]
+__all__ = ["BACKENDS", "MAX_SCORE_ELEMENTS", "attention_backends", "cp_attention", "tree_attention",
+           "tree_attention_backends", "ulysses_attention", "varlen_attention"]

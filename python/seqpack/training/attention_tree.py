@@ -1,0 +1,313 @@
+"""Attention over a prefix tree (issue 28, step 3): every physical token of a
+:class:`~seqpack.tensors.prefix_tree.PrefixTreeBatch` attends to its ancestors and
+itself, so each row gets exactly the causal attention it would get alone, while a
+shared prefix is computed once.
+
+The tree of :func:`~seqpack.pack_prefix_tree`'s example (rows ``5 6 7``,
+``5 6 8 9``, ``5 6`` and, in another group, ``5``) and its visibility: key ``j`` is
+visible to query ``i`` exactly when ``j <= i < subtree_end[j]``::
+
+    physical  0  1  2  3  4  5            visibility (x = may attend)
+    ids       5  6  7  8  9  5                  k: 0 1 2 3 4 5
+    parent   -1  0  1  1  3 -1              q: 0   x
+    segments [0 1][2][3  4][5]                 1   x x
+                                               2   x x x            <- row 5 6 7
+        0 ── 1 ──┬── 2                         3   x x . x
+                 └── 3 ── 4                    4   x x . x x        <- row 5 6 8 9
+        5                                      5             x      <- row 5
+
+Per segment (a maximal non-branching chain, see the layout's docstring) the
+queries of the segment see every row of its ancestor segments (the *prefix*) and
+their own segment causally: segment ``[3, 5)`` attends to keys ``0 1 | 3 4`` with
+the mask ``[[1 1 1 0], [1 1 1 1]]``. Pad tokens are single-token root segments
+that see only themselves.
+
+Backends (:func:`tree_attention_backends` says which run here); none but the
+reference ever builds a dense ``[T, T]`` mask:
+
+- ``"sdpa"`` (any device, CPU included; gradients): segments grouped by shape
+  (prefix length, own length), keys gathered by an index of their ancestor
+  segments' rows, one ``scaled_dot_product_attention`` call per group (a root
+  segment uses SDPA's own causal kernel; others a small ``[Lq, P + Lq]`` mask).
+  Scores cost what the visible pairs cost, not ``T^2``.
+- ``"flex"``: FlexAttention with a block mask from the ancestor rule,
+  ``(kv <= q) & (q < subtree_end[kv])`` (forward on any device, backward on GPU
+  only, as :func:`~seqpack.varlen_attention`'s flex; eager mode materialises the
+  scores, compile it for speed).
+- ``"reference"``: dense masked softmax in float64 from the ancestor rule (tests and
+  small inputs only: refused above :data:`MAX_REFERENCE_SCORES`).
+
+``backend="auto"`` picks sdpa on every device: eager FlexAttention materialises
+the scores (about Hq·T² elements), so it is only chosen by name (compile it for
+speed and memory). A CUDA flash-attn path (varlen over segments, or a prefix/suffix split merged by
+log-sum-exp) is a later step of issue 28.
+
+    >>> import torch, seqpack
+    >>> tree = seqpack.pack_prefix_tree([[1, 2, 3], [1, 2, 4]])     # physical: 1 2 3 4
+    >>> q, k, v = torch.randn(3, 4, 2, 8, dtype=torch.float64).unbind(0)
+    >>> out = seqpack.tree_attention(q, k, v, tree)
+    >>> row = tree.logical_index[3:].tolist()                         # row 1 = physical 0 1 3
+    >>> alone = torch.nn.functional.scaled_dot_product_attention(
+    ...     *(t[row].transpose(0, 1) for t in (q, k, v)), is_causal=True).transpose(0, 1)
+    >>> torch.allclose(out[row], alone)
+    True
+
+Importing this module does not import torch.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from collections import OrderedDict, defaultdict
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
+
+import numpy as np
+
+from .attention_varlen import MAX_SCORE_ELEMENTS, _check, _follow_autocast, _scale, _why_unavailable
+
+if TYPE_CHECKING:
+    import torch
+
+    from ..tensors.prefix_tree import PrefixTreeBatch
+
+__all__ = ["TREE_BACKENDS", "MAX_REFERENCE_SCORES", "tree_attention", "tree_attention_backends"]
+
+TREE_BACKENDS = ("sdpa", "flex", "reference")
+# The reference builds [Hq, T, T] float64 scores: refused past this many (256 MiB).
+MAX_REFERENCE_SCORES = 1 << 25
+
+
+def _torch():
+    import torch
+
+    return torch
+
+
+@functools.lru_cache(maxsize=None)
+def _why_tree_unavailable(name: str) -> Optional[str]:
+    """None when ``name`` can run here, else why not."""
+    if name == "sdpa":
+        torch = _torch()
+        if not hasattr(torch.nn.functional, "scaled_dot_product_attention"):
+            return "torch.nn.functional.scaled_dot_product_attention is missing (PyTorch < 2.0)"
+        return None
+    return _why_unavailable(name)  # flex, reference: the same rules as varlen_attention's
+
+
+def tree_attention_backends() -> Dict[str, str]:
+    """Every backend of :func:`tree_attention` and whether it can run here
+    (``"available"`` or the reason it cannot).
+
+    >>> import seqpack
+    >>> seqpack.tree_attention_backends()["sdpa"]
+    'available'
+    """
+    return {name: (_why_tree_unavailable(name) or "available") for name in TREE_BACKENDS}
+
+
+def tree_attention(
+    q: "torch.Tensor",
+    k: "torch.Tensor",
+    v: "torch.Tensor",
+    tree: "PrefixTreeBatch",
+    *,
+    softmax_scale: Any = None,
+    backend: str = "auto",
+) -> "torch.Tensor":
+    """Attention of the physical tokens of ``tree`` over their ancestors and
+    themselves (the ancestor-or-self rule, every row's causal mask at once).
+
+    Args:
+        q: ``[T, Hq, D]`` at the physical tokens (``T = tree.num_tokens``, pad
+            tokens included).
+        k: ``[T, Hk, D]``, v: ``[T, Hk, Dv]`` (``Hq`` a multiple of ``Hk``: GQA).
+        tree: the :class:`~seqpack.PrefixTreeBatch` the tokens were laid out by.
+        softmax_scale: default ``1 / sqrt(D)``; any real number (NumPy and 0-d
+            tensor scalars included).
+        backend: ``"auto"`` or one of :data:`TREE_BACKENDS`.
+
+    Returns:
+        ``[T, Hq, Dv]`` in q's dtype, differentiable w.r.t. q, k and v. Row ``i``
+        equals what the token gets in every row through it run alone with causal
+        attention; a pad token gets its own ``v``.
+
+    Under ``torch.autocast`` (for q's device type) q, k and v are cast to the
+    autocast dtype first, as SDPA's are; outside autocast they must share dtype.
+    """
+    from ..tensors.prefix_tree import PrefixTreeBatch
+
+    if not isinstance(tree, PrefixTreeBatch):
+        raise TypeError(f"tree must be a PrefixTreeBatch (seqpack.pack_prefix_tree), got {type(tree).__name__}")
+    q, k, v = _follow_autocast(q, k, v)
+    _check(q, k, v, None, True)
+    t = tree.num_tokens
+    if q.shape[0] != t or k.shape[0] != t:
+        raise ValueError(f"q, k and v must have one row per physical token of tree (tree.num_tokens = {t}), got "
+                         f"q {tuple(q.shape)} and k/v {tuple(k.shape)}")
+    scale = _scale(softmax_scale, q)
+    name = _pick(backend, q, k, v)
+    if t == 0:  # [0, Hq, Dv], still attached to v's graph
+        return v[:0].repeat_interleave(q.shape[1] // k.shape[1], 1)
+    if name == "reference":
+        return _reference(q, k, v, tree, scale)
+    if name == "flex":
+        return _flex(q, k, v, tree, scale)
+    return _sdpa(q, k, v, tree, scale)
+
+
+def _pick(backend: Any, q, k, v) -> str:
+    torch = _torch()
+    if not isinstance(backend, str):
+        raise TypeError(f"backend must be a string ('auto' or one of {TREE_BACKENDS}), got {type(backend).__name__}")
+    if backend == "auto":  # never eager flex: it materialises Hq x T x T scores
+        return "sdpa"
+    if backend not in TREE_BACKENDS:
+        raise ValueError(f"backend must be 'auto' or one of {TREE_BACKENDS}, got {backend!r}")
+    why = _why_tree_unavailable(backend)
+    if why is not None:
+        raise ValueError(f"tree attention backend {backend!r} is not available: {why}")
+    if (backend == "flex" and q.device.type == "cpu" and torch.is_grad_enabled()
+            and any(x.requires_grad for x in (q, k, v))):
+        raise ValueError("tree attention backend 'flex' has no backward on the CPU (PyTorch's FlexAttention); use "
+                         "'sdpa' for training on the CPU")
+    return backend
+
+
+# ---- reference: dense, float64 -----------------------------------------------------
+def _reference(q, k, v, tree, scale):
+    torch = _torch()
+    t, hq, hk = q.shape[0], q.shape[1], k.shape[1]
+    if hq * t * t > MAX_REFERENCE_SCORES:
+        raise ValueError(f"tree attention backend 'reference' builds dense [Hq, T, T] float64 scores; Hq * T * T = "
+                         f"{hq} * {t} * {t} is above MAX_REFERENCE_SCORES = {MAX_REFERENCE_SCORES} (use 'sdpa')")
+    from ..tensors._device import host_to_device
+
+    (end,) = host_to_device([tree.subtree_end], q.device)
+    i = torch.arange(t, device=q.device)
+    visible = (i[None, :] <= i[:, None]) & (i[:, None] < end[None, :])  # [query, key]
+    with torch.autocast(q.device.type, enabled=False):
+        q64, k64, v64 = (x.double() for x in (q, k, v))
+        if hq != hk:
+            k64, v64 = k64.repeat_interleave(hq // hk, 1), v64.repeat_interleave(hq // hk, 1)
+        scores = torch.einsum("ihd,jhd->hij", q64, k64) * scale
+        probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)  # every row sees itself
+        out = torch.einsum("hij,jhd->ihd", probs, v64)
+    return out.to(q.dtype)
+
+
+# ---- flex: a block mask from the ancestor rule --------------------------------------
+def _flex(q, k, v, tree, scale):
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    from ..tensors._device import host_to_device
+
+    t = q.shape[0]
+    (end,) = host_to_device([tree.subtree_end], q.device)
+
+    def ancestor_or_self(b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx) & (q_idx < end[kv_idx])
+
+    block_mask = create_block_mask(ancestor_or_self, None, None, t, t, device=q.device)
+    out = flex_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                         block_mask=block_mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+    return out[0].transpose(0, 1)
+
+
+# ---- sdpa: segments over their ancestor segments -------------------------------------
+class _Plan:
+    """Host metadata of the sdpa path: segments grouped by ``(P, Lq)`` (prefix length,
+    own length), each group's query rows and key rows, and the inverse permutation
+    that puts the groups' outputs back in physical order."""
+
+    __slots__ = ("groups", "q_index", "k_index", "inverse")
+
+    def __init__(self, groups: List[Tuple[int, int, int]], q_index: np.ndarray, k_index: np.ndarray,
+                 inverse: np.ndarray) -> None:
+        self.groups = groups  # (count, P, Lq) per group, in the order of q_index / k_index
+        self.q_index, self.k_index, self.inverse = q_index, k_index, inverse
+
+
+# Every attention layer of a forward pass sees the same tree: its plan is built once.
+# Keyed by identity and holding the tree itself (a PrefixTreeBatch is immutable and
+# has no weak references), so an id reused by a new tree never hits; a few entries
+# cover a step's micro-batches.
+_PLAN_CACHE: "OrderedDict[int, Tuple[Any, _Plan]]" = OrderedDict()
+PLAN_CACHE_SIZE = 4
+
+
+_PLAN_LOCK = threading.Lock()
+
+
+def _cached_plan(tree) -> _Plan:
+    with _PLAN_LOCK:
+        hit = _PLAN_CACHE.get(id(tree))
+        if hit is not None and hit[0] is tree:
+            _PLAN_CACHE.move_to_end(id(tree))
+            return hit[1]
+    plan = _plan(tree)  # outside the lock: two threads may both build it, harmlessly
+    with _PLAN_LOCK:
+        _PLAN_CACHE[id(tree)] = (tree, plan)
+        while len(_PLAN_CACHE) > PLAN_CACHE_SIZE:
+            _PLAN_CACHE.popitem(last=False)
+    return plan
+
+
+def _plan(tree) -> _Plan:
+    offsets, parents = tree.segment_offsets, tree.segment_parent
+    # full[s]: the key rows of a query at the end of segment s (its ancestors' rows,
+    # then its own), built parent before child: a parent segment precedes its
+    # children in DFS order.
+    full: List[np.ndarray] = []
+    by_shape: Dict[Tuple[int, int], List[int]] = defaultdict(list)
+    for s in range(parents.shape[0]):
+        lo, hi, p = int(offsets[s]), int(offsets[s + 1]), int(parents[s])
+        own = np.arange(lo, hi, dtype=np.int64)
+        full.append(own if p < 0 else np.concatenate([full[p], own]))
+        by_shape[(full[s].shape[0] - (hi - lo), hi - lo)].append(s)
+    groups, q_parts, k_parts = [], [], []
+    for (prefix, rows), members in by_shape.items():
+        groups.append((len(members), prefix, rows))
+        q_parts.extend(np.arange(offsets[s], offsets[s + 1], dtype=np.int64) for s in members)
+        k_parts.extend(full[s] for s in members)
+    q_index = np.concatenate(q_parts) if q_parts else np.zeros(0, dtype=np.int64)
+    k_index = np.concatenate(k_parts) if k_parts else np.zeros(0, dtype=np.int64)
+    inverse = np.empty_like(q_index)
+    inverse[q_index] = np.arange(q_index.shape[0], dtype=np.int64)
+    return _Plan(groups, q_index, k_index, inverse)
+
+
+def _sdpa(q, k, v, tree, scale, budget: int = MAX_SCORE_ELEMENTS):
+    """One SDPA call per group of same-shape segments (split so that a call's
+    ``count x Hq x Lq x (P + Lq)`` scores stay within ``budget``). The gathers are
+    one ``index_select`` per tensor (one backward node each, not one per segment)."""
+    torch = _torch()
+    from ..tensors._device import host_to_device
+
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    plan = _cached_plan(tree)
+    hq, hk, dv = q.shape[1], k.shape[1], v.shape[2]
+    q_index, k_index, inverse = host_to_device([plan.q_index, plan.k_index, plan.inverse], q.device)
+    q_parts = torch.split(q.index_select(0, q_index), [c * lq for c, _, lq in plan.groups])
+    k_sizes = [c * (p + lq) for c, p, lq in plan.groups]
+    k_parts = torch.split(k.index_select(0, k_index), k_sizes)
+    v_parts = torch.split(v.index_select(0, k_index), k_sizes)
+    outs = []
+    for (count, prefix, rows), qg, kg, vg in zip(plan.groups, q_parts, k_parts, v_parts):
+        keys = prefix + rows
+        # [count, H, L, D]: each segment a batch entry.
+        qg = qg.view(count, rows, hq, -1).transpose(1, 2)
+        kg = kg.view(count, keys, hk, -1).transpose(1, 2)
+        vg = vg.view(count, keys, hk, -1).transpose(1, 2)
+        mask, causal = None, False
+        if prefix == 0:
+            causal = rows > 1  # SDPA's causal (top-left) is the segment's own when Lq == Lk
+        elif rows > 1:  # the prefix fully visible, the segment causal: the diagonal at column P
+            col = torch.arange(keys, device=q.device)
+            mask = col[None, :] <= torch.arange(rows, device=q.device)[:, None] + prefix
+        step = max(1, budget // max(1, hq * rows * keys))
+        pieces = [sdpa(qg[b:b + step], kg[b:b + step], vg[b:b + step], attn_mask=mask, is_causal=causal, scale=scale,
+                       enable_gqa=hq != hk) for b in range(0, count, step)]
+        out = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+        outs.append(out.transpose(1, 2).reshape(count * rows, hq, dv))
+    return torch.cat(outs).index_select(0, inverse)

@@ -1,0 +1,217 @@
+"""Next-token log-probs on prefix-tree logits (issue 28, step 2): one log-sum-exp
+per physical token, results per logical token.
+
+A :class:`~seqpack.PrefixTreeBatch` forwards each shared prefix once, so the model
+gives one row of logits per *physical* token, while the loss wants the log-prob of
+every row's next token: per *logical* token. A physical token predicts as many
+distinct next tokens as it has children that rows continue into - one on a chain,
+several at a branch point::
+
+    rows (logical)        physical tokens (DFS)              targets of each physical token
+    r0 = 5 6 7            0:5 ── 1:6 ──┬── 2:7               0 -> 6
+    r1 = 5 6 8 9                       └── 3:8 ── 4:9        1 -> 7 (primary), 8 (extra)
+                                                             3 -> 9;   2 and 4 end rows: none
+
+    logical     r0:  5        6          7  | r1:  5        6          8           9
+    logprob          lp(6|5)  lp(7|5 6)  0  |      lp(6|5)  lp(8|5 6)  lp(9|5 6 8) 0
+
+Each physical token with a target gets a *primary* one (the smallest id among its
+targets): every row of the logits goes once through seqpack's fused log-prob
+operator (the C++ / CUDA kernels of :func:`~seqpack.packed_token_logprobs`, with
+their fused backward). The other targets of a branch point, the *extra* ones (few:
+one per branch beyond the first), are computed in PyTorch on just those rows
+(``log_softmax`` in the accumulation dtype, then a gather). Both are differentiable;
+each logical token then reads the value of its (physical token, target) pair. The
+log-sum-exp over the vocabulary is thus computed once per physical token, plus once
+per extra target. The entropy belongs to the physical token (it does not depend on
+the target), so every logical token with a target reads its physical token's.
+
+The result is exactly :func:`~seqpack.packed_token_logprobs` on the rows packed back
+to back (logits ``logits[tree.logical_index]``, offsets ``tree.cu_seqlens``): 0 at
+each row's last token, at a target id < 0 ("no target") and, for the entropy too,
+wherever there is no target; the gradient is that of the plain path summed onto
+the physical tokens (each shared logit row receives every row's contribution).
+
+    >>> import torch, seqpack
+    >>> tree = seqpack.pack_prefix_tree([[5, 6, 7], [5, 6, 8, 9]])
+    >>> logits = torch.zeros(tree.num_tokens, 10)            # uniform over 10 tokens
+    >>> logits[1, 8] = 1.0                                   # after "5 6", 8 is likelier than 7
+    >>> out = seqpack.tree_token_logprobs(logits, tree)
+    >>> [round(x, 4) for x in out.logprobs.tolist()]
+    [-2.3026, -2.4612, 0.0, -2.3026, -1.4612, -2.3026, 0.0]
+
+Not here yet: the fused LM-head variant (``hidden @ weight.T`` chunked, as
+:func:`~seqpack.linear_token_logprobs` does for packed rows) is a later step, as are
+context and vocabulary (tensor) parallelism; the logits hold the whole vocabulary
+``[0, V)``. Importing this module does not import torch.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import numpy as np
+
+from .._equality import values_equal
+from .._lengths import as_temperature, type_name
+from ..tensors.prefix_tree import PrefixTreeBatch
+from .logprobs import TokenLogprobs
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+__all__ = ["TreeTargets", "tree_targets", "tree_token_logprobs"]
+
+
+class TreeTargets(NamedTuple):
+    """The host plan of :func:`tree_token_logprobs` (int64 NumPy arrays).
+
+    Attributes:
+        primary: ``[T]`` the primary target id of each physical token, -1 where it
+            has none (a row's last token, a pad token, only negative targets).
+        extra_source / extra_target: ``[E]`` the other (physical token, target id)
+            pairs of the branch points, sorted by physical token, then id.
+        logprob_index: ``[N]`` where each logical token reads its log-prob in
+            ``concat(primary log-probs [T], extra log-probs [E], [0])``: ``p`` for its
+            physical token's primary target, ``T + e`` for extra pair ``e``, ``T + E``
+            (the 0) where it has no target.
+        entropy_index: ``[N]`` where each logical token reads its entropy in
+            ``concat(entropy [T], [0])``: its physical token, or ``T`` (the 0).
+    """
+
+    primary: np.ndarray
+    extra_source: np.ndarray
+    extra_target: np.ndarray
+    logprob_index: np.ndarray
+    entropy_index: np.ndarray
+
+    def __eq__(self, other: object) -> bool:  # arrays element by element, not a tuple's truth values
+        if not isinstance(other, TreeTargets):
+            return NotImplemented
+        return all(values_equal(a, b) for a, b in zip(self, other))
+
+    def __ne__(self, other: object) -> bool:
+        equal = self.__eq__(other)
+        return equal if equal is NotImplemented else not equal
+
+    __hash__ = None  # holds arrays
+
+
+def tree_targets(tree: PrefixTreeBatch) -> TreeTargets:
+    """The targets of ``tree``'s physical tokens and the map back to its logical
+    tokens (see :class:`TreeTargets`): NumPy, vectorised, linear in the tokens but for
+    one sort of the (physical token, target) pairs. Torch-free.
+
+    >>> from seqpack import pack_prefix_tree
+    >>> plan = tree_targets(pack_prefix_tree([[5, 6, 7], [5, 6, 8, 9]]))
+    >>> plan.primary.tolist(), plan.extra_source.tolist(), plan.extra_target.tolist()
+    ([6, 7, -1, 9, -1], [1], [8])
+    >>> plan.logprob_index.tolist(), plan.entropy_index.tolist()
+    ([0, 1, 6, 0, 5, 3, 6], [0, 1, 5, 0, 1, 3, 5])
+    """
+    if not isinstance(tree, PrefixTreeBatch):
+        raise TypeError(f"tree must be a PrefixTreeBatch (from seqpack.pack_prefix_tree), got {type_name(tree)}")
+    ids, logical, cu = tree.input_ids, tree.logical_index, tree.cu_seqlens
+    t, n = ids.shape[0], logical.shape[0]
+    # Logical token i predicts logical token i + 1 unless it ends its row.
+    has_next = np.ones(n, dtype=bool)
+    ends = cu[1:][cu[1:] > cu[:-1]] - 1  # the last token of each non-empty row
+    has_next[ends] = False
+    where = np.flatnonzero(has_next)
+    src = logical[where]
+    tgt = ids[logical[where + 1]]
+    keep = tgt >= 0  # a negative id is "no target", as for packed rows
+    where, src, tgt = where[keep], src[keep], tgt[keep]
+
+    order = np.lexsort((tgt, src))  # by physical token, then target id
+    s_src, s_tgt = src[order], tgt[order]
+    new_pair = np.ones(s_src.shape[0], dtype=bool)
+    new_pair[1:] = (s_src[1:] != s_src[:-1]) | (s_tgt[1:] != s_tgt[:-1])
+    pair_of_sorted = np.cumsum(new_pair) - 1  # the pair of each sorted (logical) entry
+    u_src, u_tgt = s_src[new_pair], s_tgt[new_pair]
+    is_primary = np.ones(u_src.shape[0], dtype=bool)
+    is_primary[1:] = u_src[1:] != u_src[:-1]  # the smallest target id of each physical token
+
+    primary = np.full(t, -1, dtype=np.int64)
+    primary[u_src[is_primary]] = u_tgt[is_primary]
+    extra = ~is_primary
+    num_extra = int(extra.sum())
+    pair_out = np.where(is_primary, u_src, t + np.cumsum(extra) - 1)  # each pair's slot in the concatenation
+
+    logprob_index = np.full(n, t + num_extra, dtype=np.int64)
+    logprob_index[where[order]] = pair_out[pair_of_sorted]
+    entropy_index = np.full(n, t, dtype=np.int64)
+    entropy_index[where] = src
+    return TreeTargets(primary, u_src[extra].astype(np.int64), u_tgt[extra].astype(np.int64), logprob_index,
+                       entropy_index)
+
+
+def tree_token_logprobs(logits: "torch.Tensor", tree: PrefixTreeBatch, *, temperature: Any = 1.0,
+                        return_entropy: bool = False) -> TokenLogprobs:
+    """Log-probability (and entropy) of each logical token's next token, from the
+    logits of ``tree``'s physical tokens; differentiable (see the module docstring).
+
+    Args:
+        logits: ``[T, V]`` (fp32, bf16, fp16; fp64 for ``gradcheck``), one row per
+            physical token of ``tree`` (``T = tree.num_tokens``; the rows of pad
+            tokens are ignored and get no gradient), the whole vocabulary ``[0, V)``.
+        tree: the :class:`~seqpack.PrefixTreeBatch` the logits were computed on.
+            Its token ids (pad tokens aside) must be ``< V``; an id < 0 as a target
+            means "no target": log-prob 0, entropy 0, no gradient.
+        temperature: logits are divided by it first (positive, finite; a Python,
+            NumPy or 0-d tensor number).
+        return_entropy: also compute each logical token's entropy.
+
+    Returns:
+        :class:`~seqpack.TokenLogprobs` ``(logprobs, entropy)`` ``[N]`` in the logical
+        layout (``N = tree.num_logical_tokens``, the rows concatenated), fp32 (fp64
+        for fp64 logits), on the logits' device; 0 at each row's last token.
+        ``entropy`` is ``None`` unless asked for.
+    """
+    import torch
+
+    from . import _logprob_ops as ops
+    from ..tensors._device import check_tensor, host_to_device
+
+    if not isinstance(tree, PrefixTreeBatch):
+        raise TypeError(f"tree must be a PrefixTreeBatch (from seqpack.pack_prefix_tree), got {type_name(tree)}")
+    if check_tensor(logits, "logits").dim() != 2:
+        raise ValueError(f"logits must be a [T, V] tensor, got shape {tuple(logits.shape)}")
+    if logits.dtype not in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
+        raise TypeError(f"logits must be float32, bfloat16, float16 or float64, got {logits.dtype}")
+    if logits.shape[0] != tree.num_tokens:
+        raise ValueError(f"logits must have one row per physical token of the tree (tree.num_tokens = "
+                         f"{tree.num_tokens}), got {logits.shape[0]} rows")
+    vocab = int(logits.shape[1])
+    if vocab == 0:
+        raise ValueError("logits must have at least one vocabulary column (V > 0)")
+    temp = as_temperature(temperature)
+    entropy = bool(return_entropy)
+    _check_tree_ids(tree, vocab)
+
+    plan = tree_targets(tree)
+    primary, extra_src, extra_tgt, lp_index, ent_index = host_to_device(plan, logits.device)
+    if logits.stride(1) != 1:
+        logits = logits.contiguous()
+    lp, ent, _, _ = torch.ops.seqpack.token_logprobs(logits, primary, 0, temp, entropy, 0)
+    parts = [lp]
+    if extra_src.shape[0]:  # the branch points' other targets: few rows, plain PyTorch
+        z = logits.index_select(0, extra_src).to(ops.acc_dtype(logits.dtype)) / temp
+        parts.append(torch.log_softmax(z, dim=1).gather(1, extra_tgt[:, None])[:, 0])
+    parts.append(lp.new_zeros(1))
+    logprobs = torch.cat(parts).index_select(0, lp_index)
+    if not entropy:
+        return TokenLogprobs(logprobs, None)
+    return TokenLogprobs(logprobs, torch.cat([ent, ent.new_zeros(1)]).index_select(0, ent_index))
+
+
+def _check_tree_ids(tree: PrefixTreeBatch, vocab: int) -> None:
+    """Every real (non-pad) token id of ``tree`` must index the vocabulary ``[0, V)``
+    or be negative ("no target"): the rule of packed_token_logprobs on the rows."""
+    ids = tree.input_ids[: tree.num_tokens - tree.num_pad_tokens]
+    if ids.shape[0] == 0 or int(ids.max()) < vocab:
+        return
+    pos = int(np.argmax(ids >= vocab))
+    raise ValueError(f"tree.input_ids holds id {int(ids[pos])} (first out-of-range id at physical position {pos}); "
+                     f"the vocabulary has {vocab} entries (logits.shape[1]); ids must be < {vocab}, or negative for "
+                     "no target")

@@ -1,0 +1,251 @@
+"""tree_token_logprobs: equal to packed_token_logprobs on the rows packed plainly
+(values, entropy, gradients summed onto the physical tokens), the host plan
+(tree_targets), reduced precision, scalar temperatures, masked logits, errors."""
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import seqpack
+from seqpack import pack_prefix_tree, packed_token_logprobs
+from seqpack.training.logprobs_tree import tree_targets, tree_token_logprobs
+
+VOCAB = 5
+
+
+# ---- random forests ----------------------------------------------------------------
+@st.composite
+def forests(draw, max_rows=8):
+    """Rows over ids [-1, VOCAB) (-1: "no target"): each a fresh row or a prefix of
+    an earlier row plus a fresh tail (chains, fans, duplicates, rows inside rows,
+    empty rows), optional groups, padding and sharing thresholds."""
+    alphabet = draw(st.integers(1, VOCAB))
+    tokens = st.integers(0, alphabet - 1)
+    if draw(st.booleans()):
+        tokens = tokens | st.just(-1)
+    rows = []
+    for _ in range(draw(st.integers(0, max_rows))):
+        base = draw(st.sampled_from(rows)) if rows and draw(st.booleans()) else []
+        keep = draw(st.integers(0, len(base)))
+        rows.append(base[:keep] + draw(st.lists(tokens, max_size=6)))
+    groups = draw(st.none() | st.lists(st.integers(0, 2), min_size=len(rows), max_size=len(rows)))
+    options = dict(group_ids=groups, min_shared_tokens=draw(st.integers(0, 3)),
+                   pad_to_multiple_of=draw(st.integers(1, 4)), pad_token_id=draw(st.sampled_from([0, VOCAB + 7])))
+    return rows, pack_prefix_tree(rows, **options)
+
+
+def plain(rows, tree, logits, **kwargs):
+    """packed_token_logprobs on the rows packed back to back, with the logits each
+    logical token reads (logits[logical_index])."""
+    ids = torch.tensor([t for row in rows for t in row], dtype=torch.int64)
+    return packed_token_logprobs(logits[torch.tensor(tree.logical_index)], ids, tree.cu_seqlens, **kwargs)
+
+
+def random_logits(tree, seed, dtype=torch.float64, requires_grad=False):
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(tree.num_tokens, VOCAB, generator=gen, dtype=torch.float64) * 2
+    return logits.to(dtype).requires_grad_(requires_grad)
+
+
+def close(a, b, tol=1e-12):
+    torch.testing.assert_close(a, b, rtol=tol, atol=tol)
+
+
+# ---- values --------------------------------------------------------------------------
+@settings(max_examples=60, deadline=None)
+@given(forests(), st.sampled_from([1.0, 0.7]), st.integers(0, 2**31))
+def test_equals_plain_packing(case, temperature, seed):
+    rows, tree = case
+    logits = random_logits(tree, seed)
+    got = tree_token_logprobs(logits, tree, temperature=temperature, return_entropy=True)
+    assert got.logprobs.shape == got.entropy.shape == (tree.num_logical_tokens,)
+    assert got.logprobs.dtype == got.entropy.dtype == torch.float64
+    if tree.num_logical_tokens == 0:
+        return
+    want = plain(rows, tree, logits, temperature=temperature, return_entropy=True)
+    close(got.logprobs, want.logprobs)
+    close(got.entropy, want.entropy)
+    assert tree_token_logprobs(logits, tree, temperature=temperature).entropy is None
+
+
+@settings(max_examples=40, deadline=None)
+@given(forests(), st.booleans(), st.integers(0, 2**31))
+def test_gradients_are_the_plain_ones_summed_onto_physical_tokens(case, entropy, seed):
+    rows, tree = case
+    if tree.num_logical_tokens == 0:
+        return
+    logits = random_logits(tree, seed, requires_grad=True)
+    gen = torch.Generator().manual_seed(seed + 1)
+    g_lp, g_ent = torch.randn(2, tree.num_logical_tokens, generator=gen, dtype=torch.float64)
+    got = tree_token_logprobs(logits, tree, temperature=0.7, return_entropy=entropy)
+    loss = (got.logprobs * g_lp).sum() + ((got.entropy * g_ent).sum() if entropy else 0)
+    (grad,) = torch.autograd.grad(loss, logits)
+
+    leaf = logits.detach().requires_grad_(True)
+    want = plain(rows, tree, leaf, temperature=0.7, return_entropy=entropy)
+    loss = (want.logprobs * g_lp).sum() + ((want.entropy * g_ent).sum() if entropy else 0)
+    (grad_leaf,) = torch.autograd.grad(loss, leaf)
+    close(grad, grad_leaf, tol=1e-10)
+    real = tree.num_tokens - tree.num_pad_tokens
+    assert not grad[real:].any()  # pad rows: no gradient
+
+
+BRANCHING = [
+    [[1, 2, 3], [1, 2, 4, 0], [1, 2], [1]],                       # the module docstring's shape, a row inside rows
+    [[0, 1, 2], [0, 1, 3], [0, 1, 4], [0, 1, 2], [0, 4], [1]],     # a fan of three, a duplicate, two levels
+    [[0, 1, 2, 3], [0, 1, 2, 3], [0, 1], [0, 2, -1, 3], [0, 2]],   # a "no target" id after a branch
+]
+
+
+@pytest.mark.parametrize("rows", BRANCHING)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_branch_points_values_and_gradients(rows, dtype):
+    """Fixed trees with branch points (the extra targets), fp64 and the fp32 kernels."""
+    tree = pack_prefix_tree(rows, pad_to_multiple_of=4)
+    assert tree_targets(tree).extra_source.size > 0
+    logits = random_logits(tree, 3, dtype=dtype, requires_grad=True)
+    g_lp, g_ent = torch.randn(2, tree.num_logical_tokens, generator=torch.Generator().manual_seed(4), dtype=dtype)
+    tol = 1e-12 if dtype == torch.float64 else 1e-5
+    results = []
+    for fn in (lambda x: tree_token_logprobs(x, tree, temperature=0.7, return_entropy=True),
+               lambda x: plain(rows, tree, x, temperature=0.7, return_entropy=True)):
+        leaf = logits.detach().requires_grad_(True)
+        out = fn(leaf)
+        ((out.logprobs * g_lp).sum() + (out.entropy * g_ent).sum()).backward()
+        results.append((out.logprobs, out.entropy, leaf.grad))
+    for got, want in zip(*results):
+        close(got, want, tol)
+
+
+@settings(max_examples=25, deadline=None)
+@given(forests(), st.sampled_from([torch.float32, torch.bfloat16, torch.float16]), st.integers(0, 2**31))
+def test_reduced_precision_matches_fp64(case, dtype, seed):
+    """The same (rounded) logits in fp64 give the reference; results are fp32, and
+    the gradient comes back in the logits' dtype."""
+    rows, tree = case
+    logits = random_logits(tree, seed, dtype=dtype, requires_grad=True)
+    got = tree_token_logprobs(logits, tree, temperature=0.7, return_entropy=True)
+    assert got.logprobs.dtype == got.entropy.dtype == torch.float32
+    want = tree_token_logprobs(logits.detach().double(), tree, temperature=0.7, return_entropy=True)
+    torch.testing.assert_close(got.logprobs.double(), want.logprobs, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got.entropy.double(), want.entropy, rtol=1e-5, atol=1e-5)
+    if tree.num_logical_tokens:
+        (got.logprobs.sum() + got.entropy.sum()).backward()
+        assert logits.grad.dtype == dtype and torch.isfinite(logits.grad).all()
+
+
+# ---- the host plan -------------------------------------------------------------------
+def test_branch_point_serves_both_children():
+    tree = pack_prefix_tree([[5, 6, 7], [5, 6, 8, 9], [5, 6]])
+    plan = tree_targets(tree)
+    assert plan.primary.tolist() == [6, 7, -1, 9, -1]
+    assert (plan.extra_source.tolist(), plan.extra_target.tolist()) == ([1], [8])
+    # logical: r0 = 5 6 7, r1 = 5 6 8 9, r2 = 5 6; 5 = T + E is the zero slot
+    assert plan.logprob_index.tolist() == [0, 1, 6, 0, 5, 3, 6, 0, 6]
+    assert plan.entropy_index.tolist() == [0, 1, 5, 0, 1, 3, 5, 0, 5]
+
+
+@settings(max_examples=60, deadline=None)
+@given(forests())
+def test_plan_has_one_pair_per_distinct_physical_target(case):
+    """Every (physical token, next id >= 0) pair of the rows appears exactly once:
+    the primary (the smallest id) or an extra; and every logical token reads its own."""
+    rows, tree = case
+    plan = tree_targets(tree)
+    pairs = set()
+    for r, row in enumerate(rows):
+        base = int(tree.cu_seqlens[r])
+        for i in range(len(row) - 1):
+            if row[i + 1] >= 0:
+                pairs.add((int(tree.logical_index[base + i]), row[i + 1]))
+    primary = {(p, int(t)) for p, t in enumerate(plan.primary) if t >= 0}
+    extra = list(zip(plan.extra_source.tolist(), plan.extra_target.tolist()))
+    assert len(set(extra)) == len(extra) and not primary & set(extra)
+    assert primary | set(extra) == pairs
+    assert all(t == min(q for p, q in pairs if p == s) for s, t in primary)
+    t, e = tree.num_tokens, len(extra)
+    for r, row in enumerate(rows):
+        for i in range(len(row)):
+            n = int(tree.cu_seqlens[r]) + i
+            target = row[i + 1] if i + 1 < len(row) else -1
+            slot = int(plan.logprob_index[n])
+            if target < 0:
+                assert slot == t + e and plan.entropy_index[n] == t
+            else:
+                p = int(tree.logical_index[n])
+                assert plan.entropy_index[n] == p
+                assert (slot == p and plan.primary[p] == target) or extra[slot - t] == (p, target)
+
+
+def test_cost_is_one_log_sum_exp_per_physical_token_plus_extras():
+    """GRPO-like: 8 samples of a 50-token prompt; the shared prompt's last token
+    is the only branch point (8 distinct first completion tokens: 7 extras)."""
+    prompt = list(range(50))
+    rows = [prompt + [100 + g, 3, 4] for g in range(8)]
+    tree = pack_prefix_tree(rows)
+    plan = tree_targets(tree)
+    assert tree.num_tokens == 50 + 8 * 3
+    assert plan.extra_source.tolist() == [49] * 7 and plan.extra_target.tolist() == list(range(101, 108))
+
+
+# ---- arguments -----------------------------------------------------------------------
+@pytest.mark.parametrize("temperature", [np.float32(0.7), torch.tensor(0.7), np.array(0.7), 0.7])
+def test_scalar_temperatures(temperature):
+    tree = pack_prefix_tree([[1, 2, 3], [1, 2, 4]])
+    logits = random_logits(tree, 0)
+    want = tree_token_logprobs(logits, tree, temperature=float(temperature))  # a float32 scalar stays float32
+    got = tree_token_logprobs(logits, tree, temperature=temperature)
+    close(got.logprobs, want.logprobs)
+
+
+def test_masked_logits_and_empty_trees():
+    tree = pack_prefix_tree([[1, 2, 3], [1, 2, 4]])
+    logits = random_logits(tree, 1)
+    logits[:, 0] = -torch.inf  # a masked vocabulary entry, at every row (the branch point included)
+    got = tree_token_logprobs(logits, tree, return_entropy=True)
+    want = plain([[1, 2, 3], [1, 2, 4]], tree, logits, return_entropy=True)
+    close(got.logprobs, want.logprobs)
+    close(got.entropy, want.entropy)
+    for rows in ([], [[]], [[], []]):
+        empty = pack_prefix_tree(rows, pad_to_multiple_of=4)
+        out = tree_token_logprobs(torch.zeros(empty.num_tokens, VOCAB), empty, return_entropy=True)
+        assert out.logprobs.shape == out.entropy.shape == (0,)
+
+
+def test_lazy_exports():
+    assert seqpack.tree_token_logprobs is tree_token_logprobs
+    assert seqpack.training.tree_token_logprobs is tree_token_logprobs
+    assert "tree_token_logprobs" in seqpack.__all__ and "tree_token_logprobs" in seqpack.training.__all__
+
+
+TREE = pack_prefix_tree([[1, 2, 3], [1, 2, 4]], pad_to_multiple_of=8, pad_token_id=99)  # T = 8
+
+
+@pytest.mark.parametrize("logits, tree, kwargs, error, match", [
+    (torch.zeros(7, VOCAB), TREE, {}, ValueError, r"one row per physical token .*tree.num_tokens = 8.*got 7"),
+    (torch.zeros(8), TREE, {}, ValueError, r"logits must be a \[T, V\] tensor"),
+    (np.zeros((8, VOCAB)), TREE, {}, TypeError, "logits must be a torch.Tensor"),
+    (torch.zeros(8, VOCAB, dtype=torch.int64), TREE, {}, TypeError, "logits must be float32"),
+    (torch.zeros(8, 0), TREE, {}, ValueError, r"at least one vocabulary column"),
+    (torch.zeros(8, 4), TREE, {}, ValueError, r"id 4 .*physical position 3.*ids must be < 4"),
+    (torch.zeros(8, VOCAB), TREE, {"temperature": 0.0}, ValueError, "temperature must be a positive finite"),
+    (torch.zeros(8, VOCAB), TREE, {"temperature": float("nan")}, ValueError, "temperature"),
+    (torch.zeros(8, VOCAB), TREE, {"temperature": "hot"}, TypeError, "temperature"),
+    (torch.zeros(8, VOCAB), [[1, 2, 3]], {}, TypeError, "tree must be a PrefixTreeBatch .*got list"),
+])
+def test_bad_inputs_raise(logits, tree, kwargs, error, match):
+    with pytest.raises(error, match=match):
+        tree_token_logprobs(logits, tree, **kwargs)
+
+
+def test_pad_token_ids_are_not_checked():
+    """Pad ids (99 here, outside the vocabulary) are never read as targets."""
+    out = tree_token_logprobs(torch.zeros(TREE.num_tokens, VOCAB), TREE)
+    assert out.logprobs.shape == (6,)
+
+
+def test_tree_targets_needs_a_tree():
+    with pytest.raises(TypeError, match="tree must be a PrefixTreeBatch"):
+        tree_targets({"input_ids": [1]})
