@@ -21,6 +21,10 @@ concatenated; see ``docs/vlm.md``.
     >>> model = AutoModelForCausalLM.from_config(cfg, attn_implementation="seqpack")  # doctest: +SKIP
     >>> batch = hf.PackingCollator()([{"input_ids": [1, 2, 3]}, {"input_ids": [4, 5]}])  # doctest: +SKIP
     >>> model(**batch).loss                                       # doctest: +SKIP
+
+Prefix trees (``docs/prefix_tree.md``): ``register_tree()`` adds ``"seqpack_tree"``,
+:func:`seqpack.tree_attention` reading the tree from the ``prefix_tree`` keyword
+argument that ``model(**tree_kwargs(tree))`` passes down to every attention call.
 """
 
 from __future__ import annotations
@@ -146,6 +150,98 @@ def register(name: str = NAME, backend: str = "auto") -> str:
     # 2-D padding mask, which attention_forward unpads.
     AttentionMaskInterface.register(name, flash_attention_mask)
     return name
+
+
+
+# ---- prefix trees -------------------------------------------------------------------
+TREE_NAME = "seqpack_tree"
+TREE_KWARG = "prefix_tree"
+
+
+def tree_attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
+                           sliding_window: Optional[int] = None, softcap=None, is_causal: Optional[bool] = None,
+                           prefix_tree: Any = None, backend: str = "auto", **kwargs):
+    """transformers' attention-function contract over a prefix tree: ``query``
+    ``[1, Hq, T, D]``, ``key``/``value`` ``[1, Hk, T, D]`` at the tree's physical
+    tokens (``T = prefix_tree.num_tokens``); returns ``([1, T, Hq, D], None)`` from
+    :func:`seqpack.tree_attention` - each token attends to its ancestors and itself.
+
+    The tree arrives as the ``prefix_tree`` keyword argument, which transformers
+    forwards from ``model(...)`` to every attention call (:func:`tree_kwargs` builds
+    the whole call). No mask: the registered mask function builds none (and refuses
+    a padding ``attention_mask``); a mask reaching this function is refused too."""
+    from ..tensors.prefix_tree import PrefixTreeBatch
+    from ..training.attention_tree import tree_attention
+
+    if not isinstance(prefix_tree, PrefixTreeBatch):
+        raise ValueError(f"seqpack tree attention needs the tree: call model(..., prefix_tree=tree) with a "
+                         f"PrefixTreeBatch (seqpack.integrations.hf.tree_kwargs(tree)); got prefix_tree = "
+                         f"{type(prefix_tree).__name__}")
+    if as_real(dropout, "dropout", minimum=0, maximum=1) and module.training:
+        raise ValueError("seqpack tree attention has no attention dropout; set the model's attention_dropout to 0")
+    if softcap is not None:
+        raise ValueError("seqpack tree attention does not support logit softcapping")
+    if not (is_causal if is_causal is not None else getattr(module, "is_causal", True)):
+        raise ValueError("seqpack tree attention is causal (ancestors and self); the module asked for non-causal")
+    if attention_mask is not None:
+        raise ValueError("seqpack tree attention takes no attention_mask (the tree is the mask); pass none")
+    t = prefix_tree.num_tokens
+    if sliding_window is not None and t and int(prefix_tree.position_ids.max()) >= as_positive_int(
+            sliding_window, "sliding_window"):
+        raise ValueError(f"sliding_window = {sliding_window} is shorter than the tree's deepest row "
+                         f"({int(prefix_tree.position_ids.max()) + 1} tokens); seqpack tree attention has no window")
+    if query.shape[0] != 1 or query.shape[2] != t or key.shape[2] != t:
+        raise ValueError(f"seqpack tree attention takes one row of the tree's {t} physical tokens (input_ids "
+                         f"[1, T], no KV cache); got query {tuple(query.shape)} and key {tuple(key.shape)}")
+    q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [T, H, D]
+    out = tree_attention(q, k, v, prefix_tree, softmax_scale=scaling, backend=backend)
+    return out[None], None
+
+
+def _tree_mask(*args: Any, attention_mask: Any = None, **kwargs: Any) -> None:
+    """The mask function of tree attention: builds nothing (the tree is the mask).
+    An all-ones padding mask means nothing and passes; one with padding is refused
+    rather than silently dropped (pad a tree with ``pad_to_multiple_of`` instead)."""
+    if attention_mask is not None and not bool(attention_mask.all()):
+        raise ValueError("seqpack tree attention takes no padding attention_mask (the tree is the mask; its pad "
+                         "tokens see only themselves): pass attention_mask=None")
+    return None
+
+
+def register_tree(name: str = TREE_NAME, backend: str = "auto") -> str:
+    """Registers seqpack's prefix-tree attention (:func:`tree_attention_forward`)
+    with transformers under ``name``, with a mask function that builds nothing; use
+    ``attn_implementation=name`` and call the model with :func:`tree_kwargs`.
+    Returns ``name``."""
+    import functools
+
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    fn = tree_attention_forward if backend == "auto" else functools.partial(tree_attention_forward, backend=backend)
+    AttentionInterface.register(name, fn)
+    AttentionMaskInterface.register(name, _tree_mask)
+    return name
+
+
+def tree_kwargs(tree: Any, device: Any = None) -> Dict[str, Any]:
+    """What to pass to ``model(**tree_kwargs(tree))`` for a model loaded with the
+    implementation :func:`register_tree` registered: ``input_ids`` and
+    ``position_ids`` ``[1, T]`` (int64; the position of a token is its depth, so
+    RoPE sees what each row alone would) and ``prefix_tree`` (read by the attention).
+    The logits ``[1, T, V]`` are per physical token: take each row's with
+    ``logits[0, tree.logical_index]`` or its log-probs with
+    :func:`seqpack.tree_token_logprobs` (not ``labels=``: the shifted loss of
+    transformers would read the DFS order as one sequence)."""
+    import torch
+
+    from ..tensors.prefix_tree import PrefixTreeBatch
+
+    if not isinstance(tree, PrefixTreeBatch):
+        raise TypeError(f"tree must be a PrefixTreeBatch (seqpack.pack_prefix_tree), got {type(tree).__name__}")
+    ids = torch.tensor(tree.input_ids, dtype=torch.long, device=device)[None]  # copies: the arrays are read-only
+    pos = torch.tensor(tree.position_ids, dtype=torch.long, device=device)[None]
+    return {"input_ids": ids, "position_ids": pos, TREE_KWARG: tree}
 
 
 # Vision inputs of Qwen2-VL-style processors: one entry per image / video (patches

@@ -11,7 +11,10 @@ compute
 - ``forward_packed(batch)`` -> logits ``[T, V]`` for a :class:`seqpack.PackedBatch`
   holding ``input_ids``: :func:`seqpack.varlen_attention` over the THD rows, or,
   for a batch built with ``cp_size > 1``, :func:`seqpack.cp_attention` over
-  ``cp_group`` on this rank's zigzag rows.
+  ``cp_group`` on this rank's zigzag rows;
+- ``forward_tree(tree)`` -> logits ``[T, V]`` at the physical tokens of a
+  :class:`seqpack.PrefixTreeBatch` (shared prefixes forwarded once): RoPE at
+  ``tree.position_ids`` (each token's depth), :func:`seqpack.tree_attention`.
 
 >>> import torch, seqpack
 >>> from seqpack.testing.tiny_model import TinyCausalLM, TinyConfig
@@ -157,6 +160,27 @@ class TinyCausalLM(nn.Module):
             x = block(x, batch.position_ids, attend)
         return self.lm_head(self.norm(x))
 
+    def forward_tree(self, tree: Any, backend: str = "auto") -> torch.Tensor:
+        """Logits ``[T, V]`` at the physical tokens of a :class:`seqpack.PrefixTreeBatch`
+        (``tree.num_tokens`` rows, pad tokens included); ``logits[tree.logical_index]``
+        are the rows' logits, each as the row run alone would give them."""
+        from ..tensors.prefix_tree import PrefixTreeBatch
+        from ..training.attention_tree import tree_attention
+
+        if not isinstance(tree, PrefixTreeBatch):
+            raise TypeError(f"tree must be a PrefixTreeBatch (seqpack.pack_prefix_tree), got {type(tree).__name__}")
+        device = self.embed.weight.device
+        ids = torch.tensor(tree.input_ids, device=device)  # a copy: the arrays are read-only
+        positions = torch.tensor(tree.position_ids, device=device)
+
+        def attend(q, k, v):
+            return tree_attention(q, k, v, tree, backend=backend)
+
+        x = self.embed(ids)
+        for block in self.blocks:
+            x = block(x, positions, attend)
+        return self.lm_head(self.norm(x))
+
 
 def padded_loss(model: TinyCausalLM, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                 global_valid_toks: float, right_padded: bool = False) -> torch.Tensor:
@@ -182,4 +206,14 @@ def packed_loss(model: TinyCausalLM, batch: Any, global_valid_toks: float, cp_gr
         ids = gather_cp(ids, batch.cu_seqlens_padded, cp_group)
     logp = packed_token_logprobs(logits, ids, batch.cu_seqlens, batch.cu_seqlens_padded, cp_size=batch.cp_size,
                                  cp_rank=batch.cp_rank).logprobs
+    return -logp.sum() / global_valid_toks
+
+
+def tree_loss(model: TinyCausalLM, tree: Any, global_valid_toks: float, backend: str = "auto") -> torch.Tensor:
+    """The same loss on a :class:`seqpack.PrefixTreeBatch`: every row's next-token
+    log-probs from the tree's logits (:func:`seqpack.tree_token_logprobs`), summed
+    over the logical tokens, so it equals the loss of the rows run alone."""
+    from ..training.logprobs_tree import tree_token_logprobs
+
+    logp = tree_token_logprobs(model.forward_tree(tree, backend=backend), tree).logprobs
     return -logp.sum() / global_valid_toks
