@@ -146,10 +146,12 @@ class CsvLog:
         return self.path
 
 
-def run_child(script: str, spec: str) -> dict:
+def run_child(script: str, spec: str, env: Optional[Dict[str, str]] = None) -> dict:
     """Runs ``script --child spec`` in a fresh process (its own peak memory, no warm
-    caches from the other side) and returns the JSON its last line prints."""
-    proc = subprocess.run([sys.executable, os.path.abspath(script), "--child", spec], capture_output=True, text=True)
+    caches from the other side), with ``env`` added to the environment, and returns
+    the JSON its last line prints."""
+    proc = subprocess.run([sys.executable, os.path.abspath(script), "--child", spec], capture_output=True, text=True,
+                          env=None if env is None else {**os.environ, **env})
     if proc.returncode != 0:
         raise RuntimeError(f"{spec} failed:\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])

@@ -16,9 +16,13 @@ batch (episodes of 3-5 turns; each turn samples two replies, one continues, the
 other ends a row) and an SFT batch with nothing shared. Also: building a tree from
 1M logical tokens.
 
-Peak memory: the CPU peak RSS rise of one step (VmHWM). So that freed memory goes
-back to the system and each step's rise is its own, the script re-executes itself
-with glibc's mmap threshold fixed at 128 KiB (MALLOC_MMAP_THRESHOLD_), for both sides.
+Times: this process, glibc's default allocator (what a trainer runs with). Peak
+memory: the CPU peak RSS rise (VmHWM) of one step after a warm-up step, each side in
+a fresh child process with glibc's mmap threshold fixed at 128 KiB
+(MALLOC_MMAP_THRESHOLD_) so that freed memory goes back to the system and the
+step's rise is its own. (An earlier version timed inside such a process too: every
+large tensor then costs fresh page faults, which slowed the tree step by ~45% and
+the plain step by ~20%, a penalty real training does not pay.)
 
     python benchmarks/bench_prefix_tree.py            # full run (CPU, 1 thread)
     python benchmarks/bench_prefix_tree.py --quick    # small shapes, smoke test
@@ -29,20 +33,19 @@ from __future__ import annotations
 import os
 import sys
 
-if __name__ == "__main__" and "MALLOC_MMAP_THRESHOLD_" not in os.environ:  # before torch allocates anything
-    os.environ["MALLOC_MMAP_THRESHOLD_"] = str(128 << 10)
-    os.execv(sys.executable, [sys.executable, os.path.abspath(__file__)] + sys.argv[1:])
-
-import argparse  # noqa: E402
-import math  # noqa: E402
+import argparse
+import json
+import math
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _harness import CsvLog, announce, environment, format_table, measure, peak_extra_mib  # noqa: E402
+from _harness import CsvLog, announce, environment, format_table, measure, peak_extra_mib, run_child  # noqa: E402
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import seqpack  # noqa: E402
+
+MEMORY_ENV = {"MALLOC_MMAP_THRESHOLD_": str(128 << 10)}  # the children that measure peak memory
 
 TITLE = "Prefix-tree packing vs plain packing: fwd+bwd of a 2-layer model"
 VOCAB = 4096
@@ -202,23 +205,47 @@ def max_rel_diff(a, b):
     return max(float((x - y).abs().max()) / max(float(y.abs().max()), 1e-30) for x, y in zip(a, b))
 
 
+def step_fn(model, side, rows, groups):
+    """One step of ``side`` ("plain" / "tree") that leaves no gradient behind."""
+    def step():
+        plain_step(model, rows) if side == "plain" else tree_step(model, rows, groups)
+        model.zero_grad(set_to_none=True)
+    return step
+
+
+def child(spec: str) -> int:
+    """``--child quick,threads,case,side``: the peak RSS rise of one step (after one
+    warm-up step) in this fresh process; prints it as JSON."""
+    quick, threads, index, side = spec.split(",")
+    torch.set_num_threads(int(threads))
+    torch.manual_seed(0)
+    _, rows, groups = cases(quick == "1")[int(index)]
+    step = step_fn(Model(), side, rows, groups)
+    step()
+    print(json.dumps({"peak_mib": peak_extra_mib(step)}))
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--csv")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.child:
+        return child(args.child)
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     env = environment()
-    env["malloc_mmap_threshold"] = os.environ.get("MALLOC_MMAP_THRESHOLD_", "")
+    env["memory_children_env"] = " ".join(f"{k}={v}" for k, v in MEMORY_ENV.items())
     announce(env, torch)
     log = CsvLog("prefix_tree", env, args.csv)
     model = Model()
     repeat = 1 if args.quick else args.repeat
     rows_out, checks, targets = [], [], {}
-    for name, rows, groups in cases(args.quick):
+    for index, (name, rows, groups) in enumerate(cases(args.quick)):
         m = seqpack.pack_prefix_tree(rows, group_ids=groups).metrics()
         # The same loss and gradients first: never a speed-up for a wrong result.
         loss_p, grads_p = run_and_grads(model, lambda: plain_step(model, rows))
@@ -231,17 +258,12 @@ def main() -> int:
         checks.append(f"{name}: loss {float(loss_p):.2f} (plain) vs {float(loss_t):.2f} (tree), "
                       f"rel diff {loss_rel:.1e}; gradients max rel diff {grad_rel:.1e}")
 
-        def plain():
-            plain_step(model, rows)
-            model.zero_grad(set_to_none=True)
-
-        def tree():
-            tree_step(model, rows, groups)
-            model.zero_grad(set_to_none=True)
-
-        mem_p, mem_t = peak_extra_mib(plain), peak_extra_mib(tree)
-        t_p = measure(plain, repeat=repeat, warmup=0 if args.quick else 1, budget_s=60)
-        t_t = measure(tree, repeat=repeat, warmup=0 if args.quick else 1, budget_s=60)
+        mem_p, mem_t = (run_child(__file__, f"{int(args.quick)},{args.threads},{index},{side}", MEMORY_ENV)["peak_mib"]
+                        for side in ("plain", "tree"))
+        t_p = measure(step_fn(model, "plain", rows, groups), repeat=repeat, warmup=0 if args.quick else 1,
+                      budget_s=60)
+        t_t = measure(step_fn(model, "tree", rows, groups), repeat=repeat, warmup=0 if args.quick else 1,
+                      budget_s=60)
         speedup = t_p["min"] / t_t["min"]
         ratio = m.logical_tokens / m.physical_tokens
         rows_out.append([name, m.num_rows, m.logical_tokens, m.physical_tokens, ratio, t_p["min"] * 1e3,
@@ -264,8 +286,9 @@ def main() -> int:
              "Model: 2 layers, hidden 256, 8 heads x 32, SwiGLU 688, vocab %d; loss = -sum of the logical tokens' "
              "log-probs, fwd+bwd. plain: rows concatenated, varlen_attention (backend auto = reference on CPU: "
              "SDPA per row), packed_token_logprobs. tree: pack_prefix_tree (timed, per step) + tree_attention "
-             "(sdpa) + tree_token_logprobs. token ratio = logical / physical. peak MiB: CPU peak RSS rise (VmHWM) "
-             "of one step, MALLOC_MMAP_THRESHOLD_=128 KiB for both sides." % (
+             "(sdpa) + tree_token_logprobs. token ratio = logical / physical. Times: glibc's default allocator. "
+             "peak MiB: CPU peak RSS rise (VmHWM) of one warm step in a fresh child process with "
+             "MALLOC_MMAP_THRESHOLD_=128 KiB, for both sides." % (
                  args.threads, repeat, "" if args.quick else " after a warm-up", VOCAB)))
     print("\nSame result (checked before timing):")
     for line in checks:

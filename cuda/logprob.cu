@@ -67,19 +67,19 @@ __global__ void stats_kernel(const T* __restrict__ logits, int64_t rows, int64_t
 
 template <typename T, int V>
 __global__ void grad_kernel(const T* __restrict__ logits, int64_t rows, int64_t vocab, int64_t stride,
-                            const int64_t* __restrict__ targets, int64_t vocab_start, float tau,
-                            const float* __restrict__ max_in, const float* __restrict__ log_s_in,
-                            const float* __restrict__ entropy_in, const float* __restrict__ g_lp_in,
-                            const float* __restrict__ g_ent_in, T* __restrict__ grad, int64_t grad_stride) {
+                            const int64_t* __restrict__ targets, int64_t vocab_start, float tau, RowGradInputs in,
+                            T* __restrict__ grad, int64_t grad_stride) {
   for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
     const T* x = logits + r * stride;
     T* g = grad + r * grad_stride;
     const bool has = targets[r] >= 0;
-    const float g_lp = has ? g_lp_in[r] : 0.0f;
-    const float g_ent = g_ent_in ? g_ent_in[r] : 0.0f;
+    const float g_lp = has ? in.grad_logprob[r] : 0.0f;
+    const float g_ent = in.grad_entropy ? in.grad_entropy[r] : 0.0f;
     const int64_t local = lpmath::local_target(targets[r], vocab_start, vocab);
+    const int64_t e_lo = in.extra_offsets ? in.extra_offsets[r] : 0, e_hi = in.extra_offsets ? in.extra_offsets[r + 1] : 0;
+    const lpmath::ExtraSums extra = lpmath::extra_sums(in.extra_ids, in.extra_grad, e_lo, e_hi);
     const lpmath::GradRowParams prm = lpmath::grad_row_params(
-        max_in[r], log_s_in[r], entropy_in ? entropy_in[r] : 0.0f, g_lp, g_ent, tau, local);
+        in.max[r], in.log_sumexp[r], in.entropy ? in.entropy[r] : 0.0f, g_lp, g_ent, tau, local, extra.sum, extra.any);
     const int64_t packs = vocab / V;
     const auto* xv = reinterpret_cast<const Pack<T, V>*>(x);
     auto* gv = reinterpret_cast<Pack<T, V>*>(g);
@@ -91,6 +91,17 @@ __global__ void grad_kernel(const T* __restrict__ logits, int64_t rows, int64_t 
       gv[i] = out;
     }
     for (int64_t col = packs * V + threadIdx.x; col < vocab; col += blockDim.x) g[col] = lpmath::grad_element(prm, x[col], col);
+    if (in.extra_offsets) {  // the same for every thread of the block: the barriers are uniform
+      __syncthreads();  // the row is written: rewrite the extra targets' columns
+      for (int64_t e = e_lo + threadIdx.x; e < e_hi; e += blockDim.x) {
+        const int64_t col = lpmath::local_target(in.extra_ids[e], vocab_start, vocab);
+        if (col < 0) continue;
+        g[col] = lpmath::from_float<T>(lpmath::extra_column_value(prm, lpmath::to_float(x[col]) / tau, col,
+                                                                  in.extra_ids, in.extra_grad, e_lo, e_hi,
+                                                                  vocab_start, vocab));
+      }
+      __syncthreads();
+    }
   }
 }
 
@@ -118,13 +129,11 @@ void grad_typed(const LogitsView& v, const int64_t* targets, int64_t vocab_start
   const auto* x = static_cast<const T*>(v.data);
   auto* g = static_cast<T*>(grad);
   if (aligned16(x) && aligned16(g) && v.row_stride % V == 0 && grad_stride % V == 0)
-    grad_kernel<T, V><<<blocks, kThreads, 0, s>>>(x, v.rows, v.vocab, v.row_stride, targets, vocab_start, tau,
-                                                  in.max, in.log_sumexp, in.entropy, in.grad_logprob,
-                                                  in.grad_entropy, g, grad_stride);
+    grad_kernel<T, V><<<blocks, kThreads, 0, s>>>(x, v.rows, v.vocab, v.row_stride, targets, vocab_start, tau, in, g,
+                                                  grad_stride);
   else
-    grad_kernel<T, 1><<<blocks, kThreads, 0, s>>>(x, v.rows, v.vocab, v.row_stride, targets, vocab_start, tau,
-                                                  in.max, in.log_sumexp, in.entropy, in.grad_logprob,
-                                                  in.grad_entropy, g, grad_stride);
+    grad_kernel<T, 1><<<blocks, kThreads, 0, s>>>(x, v.rows, v.vocab, v.row_stride, targets, vocab_start, tau, in, g,
+                                                  grad_stride);
 }
 
 }  // namespace

@@ -48,6 +48,35 @@ void require(bool present, const char* fn, const char* name) {
   if (!present) throw py::type_error(std::string("[") + fn + "] " + name + " must be a tensor, got None");
 }
 
+// The extra targets of logprob_row_grad (all three tensors or None): offsets int64
+// [rows + 1], ids int64 [E], grad fp32 [E]. Offsets of CPU tensors are checked
+// (non-decreasing within [0, E]); CUDA ones are not read on the host.
+void set_extras(RowGradInputs& in, py::handle offsets_obj, py::handle ids_obj, py::handle grad_obj, const char* fn,
+                const TensorArg& logits, std::optional<TensorArg> (&keep)[3]) {
+  const int given = !offsets_obj.is_none() + !ids_obj.is_none() + !grad_obj.is_none();
+  if (given == 0) return;
+  if (given != 3)
+    throw py::value_error(std::string("[") + fn + "] extra_offsets, extra_ids and extra_grad must be given together");
+  auto& offsets = keep[0].emplace(offsets_obj, fn, "extra_offsets");
+  auto& ids = keep[1].emplace(ids_obj, fn, "extra_ids");
+  auto& grad = keep[2].emplace(grad_obj, fn, "extra_grad");
+  offsets.shape({logits.size(0) + 1}).dtype_is(Dtype::I64).contiguous().same_device(logits);
+  ids.dims(1).dtype_is(Dtype::I64).contiguous().same_device(logits);
+  grad.shape({ids.size(0)}).dtype_is(Dtype::F32).contiguous().same_device(logits);
+  if (!logits.on_cuda()) {
+    const auto* o = offsets.ptr<const int64_t>();
+    for (int64_t r = 0; r <= logits.size(0); ++r)
+      if (o[r] < (r ? o[r - 1] : 0) || o[r] > ids.size(0))
+        throw py::value_error(std::string("[") + fn + "] extra_offsets must be non-decreasing within [0, " +
+                              std::to_string(ids.size(0)) + "], got " + std::to_string(o[r]) + " at " +
+                              std::to_string(r));
+  }
+  if (ids.size(0) == 0) return;  // no extra target in any row
+  in.extra_offsets = offsets.ptr<const int64_t>();
+  in.extra_ids = ids.ptr<const int64_t>();
+  in.extra_grad = grad.ptr<const float>();
+}
+
 #ifndef SEQPACK_WITH_CUDA
 [[noreturn]] void no_cuda(const char* fn) {
   throw py::value_error(std::string("[") + fn + "] the tensors are on a CUDA device but seqpack was built without CUDA");
@@ -89,7 +118,8 @@ void init_logprob(py::module_& m) {
       "logprob_row_grad",
       [](py::handle logits_obj, py::handle targets_obj, int64_t vocab_start, float temperature, py::handle max_obj,
          py::handle log_sumexp_obj, py::handle entropy_obj, py::handle grad_logprob_obj, py::handle grad_entropy_obj,
-         py::handle grad_obj, int num_threads, uintptr_t stream) {
+         py::handle grad_obj, int num_threads, uintptr_t stream, py::handle extra_offsets_obj, py::handle extra_ids_obj,
+         py::handle extra_grad_obj) {
         constexpr const char* fn = "logprob_row_grad";
         TensorArg logits(logits_obj, fn, "logits"), targets(targets_obj, fn, "targets"), grad(grad_obj, fn, "grad");
         const LogitsView v = logits_view(logits);
@@ -99,8 +129,10 @@ void init_logprob(py::module_& m) {
             entropy(entropy_obj, fn, "entropy", logits), grad_logprob(grad_logprob_obj, fn, "grad_logprob", logits),
             grad_entropy(grad_entropy_obj, fn, "grad_entropy", logits);
         require(max.arg && log_sumexp.arg && grad_logprob.arg, fn, "max, log_sumexp and grad_logprob");
-        const RowGradInputs in{max.get<const float>(), log_sumexp.get<const float>(), entropy.get<const float>(),
-                               grad_logprob.get<const float>(), grad_entropy.get<const float>()};
+        RowGradInputs in{max.get<const float>(), log_sumexp.get<const float>(), entropy.get<const float>(),
+                         grad_logprob.get<const float>(), grad_entropy.get<const float>()};
+        std::optional<TensorArg> extras[3];
+        set_extras(in, extra_offsets_obj, extra_ids_obj, extra_grad_obj, fn, logits, extras);
         const int64_t grad_stride = logits.size(0) > 1 ? grad.stride(0) : logits.size(1);
         if (logits.on_cuda()) {
 #ifdef SEQPACK_WITH_CUDA
@@ -116,9 +148,11 @@ void init_logprob(py::module_& m) {
       },
       py::arg("logits"), py::arg("targets"), py::arg("vocab_start"), py::arg("temperature"), py::arg("max"),
       py::arg("log_sumexp"), py::arg("entropy"), py::arg("grad_logprob"), py::arg("grad_entropy"), py::arg("grad"),
-      py::arg("num_threads") = 0, py::arg("stream") = 0,
+      py::arg("num_threads") = 0, py::arg("stream") = 0, py::arg("extra_offsets") = py::none(),
+      py::arg("extra_ids") = py::none(), py::arg("extra_grad") = py::none(),
       "d(g_lp * logprob + g_ent * entropy)/d logits for a (slice of) logits, written into grad [rows, V] in the "
-      "logits' dtype. CUDA tensors launch on `stream`.");
+      "logits' dtype. CUDA tensors launch on `stream`. Extra targets (several columns of a row from its one "
+      "log-sum-exp): row r's are extra_ids[extra_offsets[r]:extra_offsets[r + 1]], with gradients extra_grad.");
 }
 
 }  // namespace seqpack::bindings

@@ -222,11 +222,12 @@ template <typename T, typename V>
 template <typename T, typename V>
 [[gnu::always_inline]] inline void grad_row(const T* __restrict x, T* __restrict g, int64_t vocab, float tau,
                                             int64_t local_target, float m, float log_s, float g_lp, float g_ent,
-                                            float h) {
+                                            float h, float extra_sum) {
   constexpr int64_t kLanes = kLanesOf<V>;
-  // d/dz: g_lp * (onehot - p) - g_ent * p * (log p + H); then / temperature.
+  // d/dz: g_lp * (onehot - p) - g_ent * p * (log p + H); then / temperature. Extra
+  // targets weigh the p term too (extra_sum); grad_rows then rewrites their columns.
   alignas(64) float z[kBlock];
-  const float inv_t = 1.0f / tau, a = -g_lp * inv_t, c = -g_ent * inv_t;
+  const float inv_t = 1.0f / tau, a = -(g_lp + extra_sum) * inv_t, c = -g_ent * inv_t;
   const V va = splat<V>(a), vc = splat<V>(c), vh = splat<V>(h), vm = splat<V>(m), vls = splat<V>(log_s);
   if constexpr (std::is_same_v<T, float>) {
     // fp32: straight from the logits to the gradient, no staging block.
@@ -286,12 +287,24 @@ template <typename T, typename V>
     const int64_t t = lpmath::local_target(targets[r], vocab_start, v.vocab);
     const float g_lp = targets[r] >= 0 ? in.grad_logprob[r] : 0.0f;
     const float g_ent = in.grad_entropy ? in.grad_entropy[r] : 0.0f;
-    if (g_lp == 0.0f && g_ent == 0.0f) {
+    const int64_t e_lo = in.extra_offsets ? in.extra_offsets[r] : 0, e_hi = in.extra_offsets ? in.extra_offsets[r + 1] : 0;
+    const lpmath::ExtraSums extra = lpmath::extra_sums(in.extra_ids, in.extra_grad, e_lo, e_hi);
+    if (g_lp == 0.0f && g_ent == 0.0f && !extra.any) {
       for (int64_t i = 0; i < v.vocab; ++i) Io<T>::store(g, i, 0.0f);
       continue;
     }
-    grad_row<T, V>(base + r * v.row_stride, g, v.vocab, tau, t, in.max[r], in.log_sumexp[r], g_lp, g_ent,
-                   in.entropy ? in.entropy[r] : 0.0f);
+    const T* x = base + r * v.row_stride;
+    const float h = in.entropy ? in.entropy[r] : 0.0f;
+    grad_row<T, V>(x, g, v.vocab, tau, t, in.max[r], in.log_sumexp[r], g_lp, g_ent, h, extra.sum);
+    if (e_hi == e_lo) continue;
+    const lpmath::GradRowParams prm =
+        lpmath::grad_row_params(in.max[r], in.log_sumexp[r], h, g_lp, g_ent, tau, t, extra.sum, extra.any);
+    for (int64_t e = e_lo; e < e_hi; ++e) {  // each extra target's column, with every hit in it
+      const int64_t col = lpmath::local_target(in.extra_ids[e], vocab_start, v.vocab);
+      if (col < 0) continue;
+      Io<T>::store(g, col, lpmath::extra_column_value(prm, Io<T>::load(x, col) / tau, col, in.extra_ids, in.extra_grad,
+                                                      e_lo, e_hi, vocab_start, v.vocab, VecExp{}));
+    }
   }
 }
 
@@ -419,6 +432,9 @@ void check_row_grad_args(const char* fn, const LogitsView& logits, const int64_t
   if (logits.rows > 0 && (!grad || !in.max || !in.log_sumexp || !in.grad_logprob))
     throw_invalid(fn, "grad, max, log_sumexp and grad_logprob must not be null");
   if (in.grad_entropy && !in.entropy) throw_invalid(fn, "grad_entropy needs the entropy");
+  const int extras = (in.extra_offsets != nullptr) + (in.extra_ids != nullptr) + (in.extra_grad != nullptr);
+  if (extras != 0 && extras != 3)
+    throw_invalid(fn, "extra_offsets, extra_ids and extra_grad must be given together (or none of them)");
 }
 
 void row_stats(const LogitsView& logits, const int64_t* targets, int64_t vocab_start, float temperature,

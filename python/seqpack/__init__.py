@@ -65,7 +65,7 @@ _export("tensors.dataset", "PackedDataset", "collate_packs", "pack_dataset")
 _export("tensors.prefix_tree", "PrefixTreeBatch", "PrefixTreeMetrics", "pack_prefix_tree")
 # Training ops
 _export("training.logprobs", "TokenLogprobs", "packed_token_logprobs", "linear_token_logprobs")
-_export("training.logprobs_tree", "tree_token_logprobs")
+_export("training.logprobs_tree", "tree_token_logprobs", "tree_linear_token_logprobs")
 _export("training.loss", "SequencePackingLossWrapper", "prepare_loss_input", "NLLLoss", "ClippedPGLoss")
 _export("training.attention", "varlen_attention", "cp_attention", "ulysses_attention", "attention_backends",
         "tree_attention", "tree_attention_backends")
@@ -84,7 +84,8 @@ __all__ = [
     "StaticPackedBatch", "pack_sequences_static", "cp_partition_indices", "cp_restore_order",
     "collate_packs", "pack_dataset", "pack_prefix_tree", "PrefixTreeBatch", "PrefixTreeMetrics",
     # training
-    "packed_token_logprobs", "linear_token_logprobs", "tree_token_logprobs", "TokenLogprobs",
+    "packed_token_logprobs", "linear_token_logprobs", "tree_token_logprobs", "tree_linear_token_logprobs",
+    "TokenLogprobs",
     "SequencePackingLossWrapper",
     "prepare_loss_input",
     "varlen_attention", "cp_attention", "ulysses_attention", "tree_attention", "tree_attention_backends",
@@ -210,5 +211,5 @@ if TYPE_CHECKING:  # what the lazy attributes resolve to, for type checkers and 
     from .training.attention import (attention_backends, cp_attention, tree_attention, tree_attention_backends,
                                      ulysses_attention, varlen_attention)
     from .training.logprobs import TokenLogprobs, packed_token_logprobs
-    from .training.logprobs_tree import tree_token_logprobs
+    from .training.logprobs_tree import tree_linear_token_logprobs, tree_token_logprobs
     from .training.loss import ClippedPGLoss, NLLLoss, SequencePackingLossWrapper, prepare_loss_input

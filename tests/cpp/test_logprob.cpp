@@ -17,6 +17,7 @@ namespace {
 
 using namespace seqpack;
 using seqpack_test::ThrowsInvalid;
+namespace lp = seqpack::lpmath;
 
 struct Naive {
   double lse, logprob, entropy;
@@ -114,6 +115,65 @@ TEST(Logprob, GradientIsSoftmaxMinusOneHot) {
       ASSERT_NEAR(grad[r * vocab + i], want, 1e-6 + 1e-5 * std::abs(want)) << r << " " << i;
     }
   }
+}
+
+// Several targets per row (a prefix tree's branch point): primary targets plus CSR
+// extras; repeated ids, ids < 0, a row with extras but no primary target, a row whose
+// gradients are all 0, and a vocabulary slice (vocab_start) that holds only some ids.
+TEST(Logprob, ExtraTargetsAddTheirOneHotsAndWeighTheSoftmax) {
+  const int64_t rows = 5, vocab = 700, start = 100;  // the slice holds global ids [100, 800)
+  const std::vector<float> x = random_logits(rows, vocab, 2.0f, 5);
+  const std::vector<int64_t> targets = {105, -1, 799, 103, 150};
+  const std::vector<int64_t> offsets = {0, 3, 4, 4, 6, 8};
+  const std::vector<int64_t> ids = {107, 105, -1, 102, 110, 110, 3, 160};  // 3: another slice's id
+  const std::vector<float> eg = {0.75f, -0.5f, 9.0f, 1.25f, 0.0f, 0.0f, 2.0f, -1.5f};
+  const std::vector<float> g_lp = {0.5f, 2.0f, -1.0f, 0.0f, 1.0f}, g_ent = {0.25f, 0.0f, 1.5f, 0.0f, 0.5f};
+  const double tau = 1.3;
+  std::vector<float> lse(rows), zero(rows, 0.0f), ent(rows);
+  for (int64_t r = 0; r < rows; ++r) {
+    const Naive ref = naive_row(x.data() + r * vocab, vocab, -1, tau);
+    lse[r] = static_cast<float>(ref.lse);
+    ent[r] = static_cast<float>(ref.entropy);
+  }
+  RowGradInputs in{zero.data(), lse.data(), ent.data(), g_lp.data(), g_ent.data()};
+  in.extra_offsets = offsets.data();
+  in.extra_ids = ids.data();
+  in.extra_grad = eg.data();
+  std::vector<float> grad(rows * vocab, 7.0f);
+  const LogitsView view{x.data(), rows, vocab, vocab, LogitsDtype::Float32};
+  row_grad(view, targets.data(), start, static_cast<float>(tau), in, grad.data(), vocab);
+  for (int64_t r = 0; r < rows; ++r) {
+    // The naive gradient: every target k (the primary, each extra) adds g_k (onehot - p).
+    std::vector<std::pair<int64_t, double>> all;
+    if (targets[r] >= 0) all.emplace_back(targets[r], g_lp[r]);
+    for (int64_t e = offsets[r]; e < offsets[r + 1]; ++e)
+      if (ids[e] >= 0) all.emplace_back(ids[e], eg[e]);
+    const lp::GradRowParams prm = lp::grad_row_params(
+        0.0f, lse[r], ent[r], targets[r] >= 0 ? g_lp[r] : 0.0f, g_ent[r], static_cast<float>(tau),
+        lp::local_target(targets[r], start, vocab), lp::extra_sums(ids.data(), eg.data(), offsets[r], offsets[r + 1]).sum,
+        lp::extra_sums(ids.data(), eg.data(), offsets[r], offsets[r + 1]).any);
+    for (int64_t i = 0; i < vocab; ++i) {
+      const double logp = x[r * vocab + i] / tau - lse[r], p = std::exp(logp);
+      double want = -g_ent[r] * p * (logp + ent[r]);
+      for (auto [id, g] : all) want += g * ((id - start == i) - p);
+      want /= tau;
+      if (r == 3) want = 0.0;  // every gradient of the row is 0: exact zeros
+      const float got = grad[r * vocab + i];
+      ASSERT_NEAR(got, want, 1e-6 + 1e-5 * std::abs(want)) << r << " " << i;
+      // The CUDA kernel's arithmetic (grad_element, then extra_column_value at the
+      // extra targets' columns), replayed here, gives the same values.
+      float gpu = lp::to_float(lp::grad_element(prm, x[r * vocab + i], i));
+      for (int64_t e = offsets[r]; e < offsets[r + 1]; ++e)
+        if (lp::local_target(ids[e], start, vocab) == i)
+          gpu = lp::extra_column_value(prm, x[r * vocab + i] / static_cast<float>(tau), i, ids.data(), eg.data(),
+                                       offsets[r], offsets[r + 1], start, vocab);
+      ASSERT_NEAR(gpu, got, 1e-6 + 1e-5 * std::abs(want)) << r << " " << i;
+    }
+  }
+  RowGradInputs partial{zero.data(), lse.data(), ent.data(), g_lp.data(), g_ent.data()};
+  partial.extra_ids = ids.data();  // without offsets and gradients
+  EXPECT_TRUE(ThrowsInvalid([&] { row_grad(view, targets.data(), start, 1.0f, partial, grad.data(), vocab); },
+                            {"extra_offsets", "together"}));
 }
 
 uint16_t bits_bf16(float f) { return static_cast<uint16_t>(std::bit_cast<uint32_t>(f) >> 16); }
@@ -216,7 +276,6 @@ TEST(Logprob, HugePageAdviceKeepsContents) {
 
 // ---- the shared element math (seqpack/logprob_math.hpp), as the GPU runs it ----
 
-namespace lp = seqpack::lpmath;
 
 // fp64 reference that skips masked (-inf) logits: they have probability 0 and
 // contribute 0 (not 0 * -inf) to the entropy. NaN anywhere gives NaN.

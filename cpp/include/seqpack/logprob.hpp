@@ -14,7 +14,8 @@
 //   (g_lp * (onehot(target) - p) - g_ent * p * (log p + H)) / temperature,
 // recomputing p = exp((z - max) - log_sumexp) from the saved row statistics (the
 // softmax is never stored).
-// Rows whose target is negative and whose entropy gradient is 0 get zeros.
+// Rows whose target is negative and whose entropy gradient is 0 get zeros (unless
+// extra targets of the row have a gradient).
 //
 // The element arithmetic (accumulator, merge, gradient, -inf / NaN rules, fp16 /
 // bf16 conversions) is seqpack/logprob_math.hpp's, shared with the CUDA kernels.
@@ -57,6 +58,13 @@ struct RowGradInputs {
   const float* entropy = nullptr;   // [rows], may be null when grad_entropy is null
   const float* grad_logprob = nullptr;  // [rows]
   const float* grad_entropy = nullptr;  // [rows] or null
+  // Extra targets (several columns read from one log-sum-exp; all three null for
+  // none): row r's are extra_ids[extra_offsets[r] .. extra_offsets[r + 1]) (global
+  // ids, < 0 skipped, repeats allowed), each with its upstream gradient extra_grad[e];
+  // they add sum_e g_e (onehot(col_e) - p) / tau to the row (logprob_math.hpp).
+  const int64_t* extra_offsets = nullptr;  // [rows + 1], absolute positions into the two below
+  const int64_t* extra_ids = nullptr;
+  const float* extra_grad = nullptr;
 };
 
 // Writes d loss / d logits for the slice into grad (same dtype as the logits,

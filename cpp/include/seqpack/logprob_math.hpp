@@ -259,11 +259,13 @@ struct GradRowParams {
   bool zero;       // no upstream gradient: the row is all zeros
 };
 
+// extra_sum / extra_any: the sum of the row's extra targets' upstream gradients and
+// whether any is nonzero (see "several targets in one row" below; 0 / false for none).
 SEQPACK_HD GradRowParams grad_row_params(float m, float log_s, float h, float g_lp, float g_ent, float tau,
-                                         int64_t local_target) {
+                                         int64_t local_target, float extra_sum = 0.0f, bool extra_any = false) {
   const float inv_t = 1.0f / tau;
-  return {m, log_s, h, -g_lp * inv_t, -g_ent * inv_t, g_lp * inv_t, tau, local_target,
-          g_lp == 0.0f && g_ent == 0.0f};
+  return {m, log_s, h, -(g_lp + extra_sum) * inv_t, -g_ent * inv_t, g_lp * inv_t, tau, local_target,
+          g_lp == 0.0f && g_ent == 0.0f && !extra_any};
 }
 
 template <typename T>
@@ -271,6 +273,45 @@ SEQPACK_HD T grad_element(const GradRowParams& p, T x, int64_t col) {
   if (p.zero) return from_float<T>(0.0f);
   const float v = grad_value(to_float(x) / p.tau, p.m, p.log_s, p.a, p.c, p.h);
   return from_float<T>(col == p.target ? v + p.hit : v);
+}
+
+// ---- several targets in one row ---------------------------------------------
+// A row may have extra targets besides its own (a prefix tree's branch point
+// predicts each child; distillation reads k columns), all from the one
+// log-sum-exp of the row. Extra target e of the row adds g_e * (onehot(col_e) - p)
+// to its upstream gradient:
+//   d/dz = (g_lp onehot(target) + sum_e g_e onehot(col_e) - (g_lp + sum_e g_e) p
+//           - g_ent p (log p + H)) / tau.
+// Row r's extras are ids[offsets[r] .. offsets[r + 1]) (global ids, < 0 skipped,
+// repeats allowed) with gradients grad[...]. The kernels write every column with
+// grad_row_params(..., extra_sum, extra_any) (the softmax term weighted by the
+// whole sum, the primary target's hit) and then rewrite each extra target's column
+// with extra_column_value, which adds every hit in that column: the rewrites of a
+// repeated column all write the same value, in any order.
+struct ExtraSums {
+  float sum = 0.0f;
+  bool any = false;  // some extra gradient is nonzero
+};
+
+SEQPACK_HD ExtraSums extra_sums(const int64_t* ids, const float* grad, int64_t lo, int64_t hi) {
+  ExtraSums out;
+  for (int64_t e = lo; e < hi; ++e) {
+    if (ids[e] < 0) continue;
+    out.sum += grad[e];
+    out.any = out.any || grad[e] != 0.0f;
+  }
+  return out;
+}
+
+template <typename Exp = ScalarExp>
+SEQPACK_HD float extra_column_value(const GradRowParams& p, float z, int64_t col, const int64_t* ids, const float* grad,
+                                    int64_t lo, int64_t hi, int64_t vocab_start, int64_t vocab, Exp exp = {}) {
+  if (p.zero) return 0.0f;
+  float hits = 0.0f;
+  for (int64_t e = lo; e < hi; ++e)
+    if (local_target(ids[e], vocab_start, vocab) == col) hits += grad[e];
+  const float v = grad_value(z, p.m, p.log_s, p.a, p.c, p.h, exp) + hits / p.tau;
+  return col == p.target ? v + p.hit : v;
 }
 
 }  // namespace seqpack::lpmath

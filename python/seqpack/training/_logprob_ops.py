@@ -43,15 +43,16 @@ def _kernel(logits: torch.Tensor) -> Optional[str]:
     return "cuda" if cuda_kernels(logits.device) else None
 
 
-def _launch(kernel: str, name: str, logits: torch.Tensor, args: tuple, num_threads: int) -> None:
+def _launch(kernel: str, name: str, logits: torch.Tensor, args: tuple, num_threads: int, **kwargs) -> None:
     """``_core.<name>`` on the CPU (with a thread count) or on the logits' CUDA device
     and current stream. Tensors cross as DLPack capsules; the binding checks them."""
     args = tuple(dlpack(a) if isinstance(a, torch.Tensor) else a for a in args)
+    kwargs = {k: dlpack(a) if isinstance(a, torch.Tensor) else a for k, a in kwargs.items()}
     if kernel == "cpu":
-        getattr(_core, name)(*args, num_threads=num_threads)
+        getattr(_core, name)(*args, num_threads=num_threads, **kwargs)
     else:
         with torch.cuda.device(logits.device):
-            getattr(_core, name)(*args, stream=torch.cuda.current_stream(logits.device).cuda_stream)
+            getattr(_core, name)(*args, stream=torch.cuda.current_stream(logits.device).cuda_stream, **kwargs)
 
 
 def _checked(logits: torch.Tensor, targets: torch.Tensor, *rows_vectors: torch.Tensor) -> torch.Tensor:
@@ -117,12 +118,19 @@ def _stats_torch(logits, targets, vocab_start, temperature, entropy, out):
 @torch.library.custom_op("seqpack::logprob_grad", mutates_args=())
 def logprob_grad(logits: torch.Tensor, targets: torch.Tensor, vocab_start: int, temperature: float,
                  max: torch.Tensor, log_sumexp: torch.Tensor, entropy: Optional[torch.Tensor],
-                 grad_logprob: torch.Tensor, grad_entropy: Optional[torch.Tensor], num_threads: int) -> torch.Tensor:
+                 grad_logprob: torch.Tensor, grad_entropy: Optional[torch.Tensor], num_threads: int,
+                 extra_offsets: Optional[torch.Tensor] = None, extra_ids: Optional[torch.Tensor] = None,
+                 extra_grad: Optional[torch.Tensor] = None) -> torch.Tensor:
     """d(grad_logprob . logprob + grad_entropy . entropy) / d logits, in the logits' dtype.
-    Rows whose upstream gradients are both 0 (padding, no target) get exact zeros,
-    also where their logits are NaN: garbage in padding rows never reaches a weight."""
+    Rows whose upstream gradients are all 0 (padding, no target) get exact zeros,
+    also where their logits are NaN: garbage in padding rows never reaches a weight.
+
+    Extra targets (several columns of a row read from its one log-sum-exp, see
+    ``logprob_math.hpp``): row ``r``'s are ``extra_ids[extra_offsets[r]:extra_offsets[r + 1]]``
+    (global ids, < 0 skipped) with upstream gradients ``extra_grad``; all three or none."""
     if grad_entropy is not None and entropy is None:
         raise ValueError("grad_entropy needs the entropy")
+    extras = _extras(logits, extra_offsets, extra_ids, extra_grad)
     acc = acc_dtype(logits.dtype)
     vectors = [t.to(acc).contiguous() for t in (max, log_sumexp, grad_logprob)]
     ent = entropy.to(acc).contiguous() if grad_entropy is not None else None
@@ -133,29 +141,58 @@ def logprob_grad(logits: torch.Tensor, targets: torch.Tensor, vocab_start: int, 
     kernel = _kernel(logits)
     if kernel is None:
         m, log_se, g_lp = vectors
-        return _grad_torch(logits, targets, vocab_start, temperature, m, log_se, ent, g_lp, g_ent, grad)
+        return _grad_torch(logits, targets, vocab_start, temperature, m, log_se, ent, g_lp, g_ent, grad, extras)
     if kernel == "cpu" and grad.nbytes >= _HUGE_PAGES_FROM:
         # A fresh gradient as large as the logits: with 4 KiB pages its first-touch
         # faults cost as much as the kernel itself.
         _core.advise_huge_pages(grad)
     m, log_se, g_lp = vectors
     args = (logits, targets, vocab_start, temperature, m, log_se, ent, g_lp, g_ent, grad)
-    _launch(kernel, "logprob_row_grad", logits, args, num_threads)
+    kwargs = {} if extras is None else dict(zip(("extra_offsets", "extra_ids", "extra_grad"), extras))
+    _launch(kernel, "logprob_row_grad", logits, args, num_threads, **kwargs)
     return grad
 
 
 @logprob_grad.register_fake
-def _(logits, targets, vocab_start, temperature, max, log_sumexp, entropy, grad_logprob, grad_entropy, num_threads):
+def _(logits, targets, vocab_start, temperature, max, log_sumexp, entropy, grad_logprob, grad_entropy, num_threads,
+      extra_offsets=None, extra_ids=None, extra_grad=None):
     return torch.empty_like(logits, memory_format=torch.contiguous_format)
 
 
-def _grad_torch(logits, targets, vocab_start, temperature, m, log_se, ent, g_lp, g_ent, grad):
-    vocab = logits.shape[1]
-    for lo in range(0, logits.shape[0], _ROW_BLOCK):
+def _extras(logits, offsets, ids, grad):
+    """(offsets, ids, grad as fp32) checked as the kernels read them, or None."""
+    given = sum(x is not None for x in (offsets, ids, grad))
+    if given == 0:
+        return None
+    if given != 3:
+        raise ValueError("extra_offsets, extra_ids and extra_grad must be given together")
+    rows, device = logits.shape[0], logits.device
+    if (offsets.dtype != torch.int64 or tuple(offsets.shape) != (rows + 1,) or ids.dtype != torch.int64
+            or ids.dim() != 1 or tuple(grad.shape) != tuple(ids.shape)
+            or any(x.device != device for x in (offsets, ids, grad))):
+        raise ValueError(f"extra targets must be int64 offsets [{rows + 1}], int64 ids [E] and gradients [E] on "
+                         f"{device}, got {offsets.dtype} {tuple(offsets.shape)}, {ids.dtype} {tuple(ids.shape)}, "
+                         f"{tuple(grad.shape)}")
+    if ids.shape[0] == 0:
+        return None
+    acc = acc_dtype(logits.dtype) if _kernel(logits) is None else torch.float32
+    return offsets.contiguous(), ids.contiguous(), grad.to(acc).contiguous()
+
+
+def _grad_torch(logits, targets, vocab_start, temperature, m, log_se, ent, g_lp, g_ent, grad, extras=None):
+    vocab, rows = logits.shape[1], logits.shape[0]
+    if extras is not None:  # each extra (row, column, gradient), < 0 ids dropped
+        offsets, ids, eg = extras
+        e_row = torch.repeat_interleave(torch.arange(rows, device=ids.device), offsets.diff(), output_size=ids.shape[0])
+        keep = ids >= 0
+        e_sum = torch.zeros_like(g_lp).index_add_(0, e_row, torch.where(keep, eg, 0.0))
+        e_any = torch.zeros(rows, dtype=torch.bool, device=ids.device).index_put_(
+            (e_row,), keep & (eg != 0), accumulate=True)
+    for lo in range(0, rows, _ROW_BLOCK):
         hi = lo + _ROW_BLOCK
         logp = (logits[lo:hi].to(m.dtype) / temperature - m[lo:hi, None]) - log_se[lo:hi, None]
         p = torch.exp(logp)
-        coef = -g_lp[lo:hi, None]
+        coef = -g_lp[lo:hi, None] if extras is None else -(g_lp[lo:hi] + e_sum[lo:hi])[:, None]
         if g_ent is not None:
             coef = coef - g_ent[lo:hi, None] * (logp + ent[lo:hi, None])
         g = torch.where(p == 0, 0.0, p * coef)  # a masked logit gets 0, not 0 * -inf
@@ -165,6 +202,11 @@ def _grad_torch(logits, targets, vocab_start, temperature, m, log_se, ent, g_lp,
         silent = g_lp[lo:hi] == 0
         if g_ent is not None:
             silent = silent & (g_ent[lo:hi] == 0)
+        if extras is not None:
+            col = ids - vocab_start
+            mine = keep & (col >= 0) & (col < vocab) & (e_row >= lo) & (e_row < hi)
+            g.index_put_((e_row[mine] - lo, col[mine]), eg[mine], accumulate=True)
+            silent = silent & ~e_any[lo:hi]
         grad[lo:hi] = torch.where(silent[:, None], 0.0, g / temperature).to(grad.dtype)  # as the kernels
     return grad
 
@@ -339,11 +381,12 @@ def linear_stats(hidden, weight, bias, targets, vocab_start, temperature, entrop
     return out if merged is None else merged
 
 
-def linear_grads(ctx, grad_logprob, grad_entropy, needs: Tuple[bool, bool, bool]):
+def linear_grads(ctx, grad_logprob, grad_entropy, needs: Tuple[bool, bool, bool], extras=None):
     """(d hidden, d weight, d bias), a tile at a time: each tile's logits recomputed,
     their gradient from :func:`logprob_grad`, then two matmuls; what accumulates over
-    tiles accumulates in fp32 for bf16 / fp16."""
-    hidden, weight, bias, targets, m, log_se, ent = ctx.saved_tensors
+    tiles accumulates in fp32 for bf16 / fp16. ``extras``: ``(offsets, ids, gradients)``
+    of extra targets (see :func:`logprob_grad`), or None."""
+    hidden, weight, bias, targets, m, log_se, ent = ctx.saved_tensors[:7]
     has = targets >= 0
     g_lp = torch.where(has, grad_logprob, 0.0) if grad_logprob is not None else torch.zeros_like(m)
     g_ent = torch.where(has, grad_entropy, 0.0) if ctx.return_entropy and grad_entropy is not None else None
@@ -352,7 +395,7 @@ def linear_grads(ctx, grad_logprob, grad_entropy, needs: Tuple[bool, bool, bool]
     acc = torch.float32 if hidden.dtype in (torch.bfloat16, torch.float16) else hidden.dtype
     rows, vocab = hidden.shape[0], weight.shape[0]
     plan = tiles(rows, vocab, ctx.chunk)
-    by_rows = plan[0][1] == (0, vocab)  # tiles of rows: the head's gradient accumulates
+    by_rows = not plan or plan[0][1] == (0, vocab)  # tiles of rows (or none): the head's gradient accumulates
     g_hidden = (torch.zeros_like(hidden) if by_rows else torch.zeros(hidden.shape, dtype=acc,
                                                                       device=hidden.device)) if want_h else None
     g_weight = (torch.zeros(weight.shape, dtype=acc, device=weight.device) if by_rows
@@ -361,9 +404,10 @@ def linear_grads(ctx, grad_logprob, grad_entropy, needs: Tuple[bool, bool, bool]
     for r, v in plan:  # no data-dependent skips: traceable, no host reads
         (lo, hi), (v0, v1) = r, v
         h = hidden[lo:hi]
+        tile_extras = () if extras is None else (extras[0][lo:hi + 1], extras[1], extras[2])
         grad = logprob_grad(_tile_logits(hidden, weight, bias, r, v), targets[lo:hi], ctx.vocab_start + v0,
                             ctx.temperature, m[lo:hi], log_se[lo:hi], ent[lo:hi] if g_ent is not None else None,
-                            g_lp[lo:hi], g_ent[lo:hi] if g_ent is not None else None, ctx.num_threads)
+                            g_lp[lo:hi], g_ent[lo:hi] if g_ent is not None else None, ctx.num_threads, *tile_extras)
         if g_hidden is not None:
             if by_rows:
                 g_hidden[lo:hi] = grad @ weight

@@ -25,6 +25,17 @@ that see only themselves.
 Backends (:func:`tree_attention_backends` says which run here); none but the
 reference ever builds a dense ``[T, T]`` mask:
 
+- ``"varlen"``: each segment is one sequence of :func:`~seqpack.varlen_attention`
+  with its own rows as queries and its ancestors' rows then its own as keys
+  (``cu_seqlens_q`` = the segments, ``cu_seqlens_k`` = each segment's path from
+  the root), causal with the diagonal aligned bottom-right as flash-attention
+  aligns it: the prefix is fully visible, the segment causal. One kernel launch
+  for the whole tree: flash-attn's (or PyTorch's ``varlen_attn``) on CUDA
+  fp16 / bf16, varlen_attention's reference elsewhere. The queries stay in place
+  (segments are contiguous in DFS order); keys and values are gathered once per
+  segment that reads them, so their memory is the sum of the segments' path
+  lengths (about the logical tokens on GRPO batches; more on deep, finely
+  branched trees).
 - ``"sdpa"`` (any device, CPU included; gradients): segments grouped by shape
   (prefix length, own length), keys gathered by an index of their ancestor
   segments' rows, one ``scaled_dot_product_attention`` call per group (a root
@@ -37,10 +48,13 @@ reference ever builds a dense ``[T, T]`` mask:
 - ``"reference"``: dense masked softmax in float64 from the ancestor rule (tests and
   small inputs only: refused above :data:`MAX_REFERENCE_SCORES`).
 
-``backend="auto"`` picks sdpa on every device: eager FlexAttention materialises
-the scores (about Hq·T² elements), so it is only chosen by name (compile it for
-speed and memory). A CUDA flash-attn path (varlen over segments, or a prefix/suffix split merged by
-log-sum-exp) is a later step of issue 28.
+``backend="auto"`` picks varlen on CUDA fp16 / bf16 when flash-attn or PyTorch's
+``varlen_attn`` is there (one launch, FlashAttention's kernels), else sdpa; eager
+FlexAttention materialises the scores (about Hq·T² elements), so it is only chosen
+by name (compile it for speed and memory). Not measured on a GPU yet: the
+alternative of a prefix/suffix split merged by log-sum-exp (cascade inference,
+Hydragen), which reads a shared prefix's keys once for all its children, was not
+written; the varlen path reads them once per child segment.
 
     >>> import torch, seqpack
     >>> tree = seqpack.pack_prefix_tree([[1, 2, 3], [1, 2, 4]])     # physical: 1 2 3 4
@@ -60,11 +74,11 @@ from __future__ import annotations
 import functools
 import threading
 from collections import OrderedDict, defaultdict
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
-from .attention_varlen import MAX_SCORE_ELEMENTS, _check, _follow_autocast, _scale, _why_unavailable
+from .attention_varlen import MAX_SCORE_ELEMENTS, _check, _follow_autocast, _scale, _why_unavailable, varlen_attention
 
 if TYPE_CHECKING:
     import torch
@@ -73,7 +87,7 @@ if TYPE_CHECKING:
 
 __all__ = ["TREE_BACKENDS", "MAX_REFERENCE_SCORES", "tree_attention", "tree_attention_backends"]
 
-TREE_BACKENDS = ("sdpa", "flex", "reference")
+TREE_BACKENDS = ("varlen", "sdpa", "flex", "reference")
 # The reference builds [Hq, T, T] float64 scores: refused past this many (256 MiB).
 MAX_REFERENCE_SCORES = 1 << 25
 
@@ -87,12 +101,19 @@ def _torch():
 @functools.lru_cache(maxsize=None)
 def _why_tree_unavailable(name: str) -> Optional[str]:
     """None when ``name`` can run here, else why not."""
-    if name == "sdpa":
+    if name in ("sdpa", "varlen"):  # varlen: varlen_attention falls back to its SDPA reference
         torch = _torch()
         if not hasattr(torch.nn.functional, "scaled_dot_product_attention"):
             return "torch.nn.functional.scaled_dot_product_attention is missing (PyTorch < 2.0)"
         return None
     return _why_unavailable(name)  # flex, reference: the same rules as varlen_attention's
+
+
+def _cuda_varlen_kernel(q) -> bool:
+    """Whether varlen_attention runs a CUDA kernel (flash-attn, varlen_attn) on q."""
+    torch = _torch()
+    return (q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16)
+            and any(_why_unavailable(name) is None for name in ("flash_attn", "torch_varlen")))
 
 
 def tree_attention_backends() -> Dict[str, str]:
@@ -153,6 +174,8 @@ def tree_attention(
         return _reference(q, k, v, tree, scale)
     if name == "flex":
         return _flex(q, k, v, tree, scale)
+    if name == "varlen":
+        return _varlen(q, k, v, tree, scale)
     return _sdpa(q, k, v, tree, scale)
 
 
@@ -161,7 +184,7 @@ def _pick(backend: Any, q, k, v) -> str:
     if not isinstance(backend, str):
         raise TypeError(f"backend must be a string ('auto' or one of {TREE_BACKENDS}), got {type(backend).__name__}")
     if backend == "auto":  # never eager flex: it materialises Hq x T x T scores
-        return "sdpa"
+        return "varlen" if _cuda_varlen_kernel(q) else "sdpa"
     if backend not in TREE_BACKENDS:
         raise ValueError(f"backend must be 'auto' or one of {TREE_BACKENDS}, got {backend!r}")
     why = _why_tree_unavailable(backend)
@@ -228,43 +251,54 @@ class _Plan:
         self.q_index, self.k_index, self.inverse = q_index, k_index, inverse
 
 
-# Every attention layer of a forward pass sees the same tree: its plan is built once.
+# Every attention layer of a forward pass sees the same tree: its plan is built once
+# (per backend).
 # Keyed by identity and holding the tree itself (a PrefixTreeBatch is immutable and
 # has no weak references), so an id reused by a new tree never hits; a few entries
 # cover a step's micro-batches.
-_PLAN_CACHE: "OrderedDict[int, Tuple[Any, _Plan]]" = OrderedDict()
-PLAN_CACHE_SIZE = 4
+_PLAN_CACHE: "OrderedDict[Tuple[int, Any], Tuple[Any, Any]]" = OrderedDict()
+PLAN_CACHE_SIZE = 8
 
 
 _PLAN_LOCK = threading.Lock()
 
 
-def _cached_plan(tree) -> _Plan:
+def _cached_plan(tree, build: Callable[[Any], Any]) -> Any:
+    """``build(tree)``, once per tree and builder."""
+    key = (id(tree), build)
     with _PLAN_LOCK:
-        hit = _PLAN_CACHE.get(id(tree))
+        hit = _PLAN_CACHE.get(key)
         if hit is not None and hit[0] is tree:
-            _PLAN_CACHE.move_to_end(id(tree))
+            _PLAN_CACHE.move_to_end(key)
             return hit[1]
-    plan = _plan(tree)  # outside the lock: two threads may both build it, harmlessly
+    plan = build(tree)  # outside the lock: two threads may both build it, harmlessly
     with _PLAN_LOCK:
-        _PLAN_CACHE[id(tree)] = (tree, plan)
+        _PLAN_CACHE[key] = (tree, plan)
         while len(_PLAN_CACHE) > PLAN_CACHE_SIZE:
             _PLAN_CACHE.popitem(last=False)
     return plan
 
 
-def _plan(tree) -> _Plan:
+def _paths(tree) -> List[np.ndarray]:
+    """paths[s]: the key rows of a query at the end of segment s (its ancestors'
+    rows, then its own), built parent before child: a parent segment precedes its
+    children in DFS order."""
     offsets, parents = tree.segment_offsets, tree.segment_parent
-    # full[s]: the key rows of a query at the end of segment s (its ancestors' rows,
-    # then its own), built parent before child: a parent segment precedes its
-    # children in DFS order.
-    full: List[np.ndarray] = []
-    by_shape: Dict[Tuple[int, int], List[int]] = defaultdict(list)
+    paths: List[np.ndarray] = []
     for s in range(parents.shape[0]):
-        lo, hi, p = int(offsets[s]), int(offsets[s + 1]), int(parents[s])
-        own = np.arange(lo, hi, dtype=np.int64)
-        full.append(own if p < 0 else np.concatenate([full[p], own]))
-        by_shape[(full[s].shape[0] - (hi - lo), hi - lo)].append(s)
+        own = np.arange(offsets[s], offsets[s + 1], dtype=np.int64)
+        p = int(parents[s])
+        paths.append(own if p < 0 else np.concatenate([paths[p], own]))
+    return paths
+
+
+def _plan(tree) -> _Plan:
+    offsets = tree.segment_offsets
+    full = _paths(tree)
+    by_shape: Dict[Tuple[int, int], List[int]] = defaultdict(list)
+    for s in range(len(full)):
+        rows = int(offsets[s + 1] - offsets[s])
+        by_shape[(full[s].shape[0] - rows, rows)].append(s)
     groups, q_parts, k_parts = [], [], []
     for (prefix, rows), members in by_shape.items():
         groups.append((len(members), prefix, rows))
@@ -285,7 +319,7 @@ def _sdpa(q, k, v, tree, scale, budget: int = MAX_SCORE_ELEMENTS):
     from ..tensors._device import host_to_device
 
     sdpa = torch.nn.functional.scaled_dot_product_attention
-    plan = _cached_plan(tree)
+    plan = _cached_plan(tree, _plan)
     hq, hk, dv = q.shape[1], k.shape[1], v.shape[2]
     q_index, k_index, inverse = host_to_device([plan.q_index, plan.k_index, plan.inverse], q.device)
     q_parts = torch.split(q.index_select(0, q_index), [c * lq for c, _, lq in plan.groups])
@@ -311,3 +345,32 @@ def _sdpa(q, k, v, tree, scale, budget: int = MAX_SCORE_ELEMENTS):
         out = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
         outs.append(out.transpose(1, 2).reshape(count * rows, hq, dv))
     return torch.cat(outs).index_select(0, inverse)
+
+
+# ---- varlen: every segment a sequence over its path ----------------------------------
+class _VarlenPlan:
+    """Host metadata of the varlen path: the key rows of every segment's path, and
+    the offsets of the segments (queries) and of their paths (keys)."""
+
+    __slots__ = ("k_index", "cu_q", "cu_k", "max_q", "max_k")
+
+    def __init__(self, tree) -> None:
+        paths = _paths(tree)
+        offsets = tree.segment_offsets.astype(np.int64)
+        lengths = np.fromiter((p.shape[0] for p in paths), dtype=np.int64, count=len(paths))
+        self.k_index = np.concatenate(paths) if paths else np.zeros(0, dtype=np.int64)
+        self.cu_q = offsets
+        self.cu_k = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+        self.max_q = int(np.diff(offsets).max()) if paths else 0
+        self.max_k = int(lengths.max()) if paths else 0
+
+
+def _varlen(q, k, v, tree, scale):
+    """One :func:`~seqpack.varlen_attention` call: queries in place, keys and values
+    gathered along each segment's path (one ``index_select`` each)."""
+    from ..tensors._device import host_to_device
+
+    plan = _cached_plan(tree, _VarlenPlan)
+    (k_index,) = host_to_device([plan.k_index], q.device)
+    return varlen_attention(q, k.index_select(0, k_index), v.index_select(0, k_index), plan.cu_q, plan.cu_k,
+                            plan.max_q, plan.max_k, causal=True, softmax_scale=scale)

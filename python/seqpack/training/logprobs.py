@@ -401,8 +401,40 @@ def _linear_plan(hidden, weight, input_ids, cu_seqlens, cu_seqlens_padded, bias,
                  num_threads) -> Tuple[Callable[[], TokenLogprobs], Dict[str, Any]]:
     """Every check of :func:`linear_token_logprobs`; returns the call, and what its
     all-reduces (with a vocabulary-parallel group) need every rank to share."""
-    torch = _torch()
     from . import _logprob_ops as ops
+
+    _check_head(hidden, weight, bias)
+    chunk = 0 if chunk_tokens is None else as_positive_int(chunk_tokens, "chunk_tokens")
+    vocab_start, num_threads = _int_args(vocab_start, num_threads)
+    targets, layout = _targets(hidden.shape[0], hidden.device, weight.shape[0], input_ids, cu_seqlens,
+                               cu_seqlens_padded, cp_size, cp_rank, temperature, vocab_parallel_group, vocab_start)
+    chunk = ops.chunk_rows(chunk, hidden.shape[0], weight.shape[0])
+    args = (hidden, weight, bias, targets, vocab_start, as_temperature(temperature), bool(return_entropy), num_threads,
+            chunk)
+
+    def run() -> TokenLogprobs:
+        torch = _torch()
+        if vocab_parallel_group is None:
+            lp, ent, _, _ = torch.ops.seqpack.linear_token_logprobs(*args)
+        else:
+            lp, ent, _, _ = ops.VocabParallelLinearTokenLogprobs.apply(*args, vocab_parallel_group,
+                                                                       bool(reduce_hidden_grad))
+        return TokenLogprobs(lp, ent if return_entropy else None)
+
+    from .._dist import autocast_state, tensor_facts
+
+    facts = tensor_facts(hidden, weight, bias)
+    # The head's vocabulary slices may differ in width (vocab_start says where each starts).
+    return run, {"the shape of hidden": facts["shape"][0], "the dtypes of hidden, weight and bias": facts["dtype"],
+                 "which of hidden, weight and bias require grad (with grad mode on)": facts["requires_grad"],
+                 "reduce_hidden_grad": bool(reduce_hidden_grad), "the shape of input_ids": tuple(input_ids.shape),
+                 "the packed layout": layout, "the autocast state": autocast_state(hidden.device.type)}
+
+
+def _check_head(hidden: "torch.Tensor", weight: "torch.Tensor", bias: Optional["torch.Tensor"]) -> None:
+    """The rules of the fused LM head's inputs: hidden ``[T, H]`` float, weight
+    ``[V > 0, H]`` and bias ``[V]`` (or None) of hidden's dtype and device."""
+    torch = _torch()
     from ..tensors._device import check_tensor
 
     if check_tensor(hidden, "hidden").dim() != 2:
@@ -421,27 +453,3 @@ def _linear_plan(hidden, weight, input_ids, cu_seqlens, cu_seqlens_padded, bias,
                             f"{t.device}")
     if bias is not None and tuple(bias.shape) != (weight.shape[0],):
         raise ValueError(f"bias must be [V = {weight.shape[0]}], got {tuple(bias.shape)}")
-    chunk = 0 if chunk_tokens is None else as_positive_int(chunk_tokens, "chunk_tokens")
-    vocab_start, num_threads = _int_args(vocab_start, num_threads)
-    targets, layout = _targets(hidden.shape[0], hidden.device, weight.shape[0], input_ids, cu_seqlens,
-                               cu_seqlens_padded, cp_size, cp_rank, temperature, vocab_parallel_group, vocab_start)
-    chunk = ops.chunk_rows(chunk, hidden.shape[0], weight.shape[0])
-    args = (hidden, weight, bias, targets, vocab_start, as_temperature(temperature), bool(return_entropy), num_threads,
-            chunk)
-
-    def run() -> TokenLogprobs:
-        if vocab_parallel_group is None:
-            lp, ent, _, _ = torch.ops.seqpack.linear_token_logprobs(*args)
-        else:
-            lp, ent, _, _ = ops.VocabParallelLinearTokenLogprobs.apply(*args, vocab_parallel_group,
-                                                                       bool(reduce_hidden_grad))
-        return TokenLogprobs(lp, ent if return_entropy else None)
-
-    from .._dist import autocast_state, tensor_facts
-
-    facts = tensor_facts(hidden, weight, bias)
-    # The head's vocabulary slices may differ in width (vocab_start says where each starts).
-    return run, {"the shape of hidden": facts["shape"][0], "the dtypes of hidden, weight and bias": facts["dtype"],
-                 "which of hidden, weight and bias require grad (with grad mode on)": facts["requires_grad"],
-                 "reduce_hidden_grad": bool(reduce_hidden_grad), "the shape of input_ids": tuple(input_ids.shape),
-                 "the packed layout": layout, "the autocast state": autocast_state(hidden.device.type)}

@@ -16,15 +16,15 @@ several at a branch point::
     logprob          lp(6|5)  lp(7|5 6)  0  |      lp(6|5)  lp(8|5 6)  lp(9|5 6 8) 0
 
 Each physical token with a target gets a *primary* one (the smallest id among its
-targets): every row of the logits goes once through seqpack's fused log-prob
-operator (the C++ / CUDA kernels of :func:`~seqpack.packed_token_logprobs`, with
-their fused backward). The other targets of a branch point, the *extra* ones (few:
-one per branch beyond the first), are computed in PyTorch on just those rows
-(``log_softmax`` in the accumulation dtype, then a gather). Both are differentiable;
-each logical token then reads the value of its (physical token, target) pair. The
-log-sum-exp over the vocabulary is thus computed once per physical token, plus once
-per extra target. The entropy belongs to the physical token (it does not depend on
-the target), so every logical token with a target reads its physical token's.
+targets); the other targets of a branch point are its *extra* ones (one per branch
+beyond the first). Every row of the logits goes once through seqpack's fused
+log-prob kernels (C++ on the CPU, CUDA on the GPU, the arithmetic of
+``logprob_math.hpp`` on both): one log-sum-exp per physical token, and every target
+of the row, primary or extra, reads its log-prob from it; the backward writes each
+row's gradient once, all its targets included. Each logical token then reads the
+value of its (physical token, target) pair. The entropy belongs to the physical
+token (it does not depend on the target), so every logical token with a target
+reads its physical token's.
 
 The result is exactly :func:`~seqpack.packed_token_logprobs` on the rows packed back
 to back (logits ``logits[tree.logical_index]``, offsets ``tree.cu_seqlens``): 0 at
@@ -40,27 +40,29 @@ the physical tokens (each shared logit row receives every row's contribution).
     >>> [round(x, 4) for x in out.logprobs.tolist()]
     [-2.3026, -2.4612, 0.0, -2.3026, -1.4612, -2.3026, 0.0]
 
-Not here yet: the fused LM-head variant (``hidden @ weight.T`` chunked, as
-:func:`~seqpack.linear_token_logprobs` does for packed rows) is a later step, as are
-context and vocabulary (tensor) parallelism; the logits hold the whole vocabulary
-``[0, V)``. Importing this module does not import torch.
+:func:`tree_linear_token_logprobs` is the same with the LM head fused in (``hidden``
+``[T, H]`` and the head's ``weight``, never a ``[T, V]`` tensor), as
+:func:`~seqpack.linear_token_logprobs` is for packed rows. Context and vocabulary
+(tensor) parallelism are not here: the logits (or the head) hold the whole
+vocabulary ``[0, V)``.
+Importing this module does not import torch.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, List, NamedTuple, Optional, Tuple
 
 import numpy as np
 
 from .._equality import values_equal
-from .._lengths import as_temperature, type_name
+from .._lengths import as_positive_int, as_temperature, type_name
 from ..tensors.prefix_tree import PrefixTreeBatch
 from .logprobs import TokenLogprobs
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-__all__ = ["TreeTargets", "tree_targets", "tree_token_logprobs"]
+__all__ = ["TreeTargets", "tree_targets", "tree_token_logprobs", "tree_linear_token_logprobs"]
 
 
 class TreeTargets(NamedTuple):
@@ -71,6 +73,8 @@ class TreeTargets(NamedTuple):
             has none (a row's last token, a pad token, only negative targets).
         extra_source / extra_target: ``[E]`` the other (physical token, target id)
             pairs of the branch points, sorted by physical token, then id.
+        extra_offsets: ``[T + 1]`` physical token ``p``'s extra pairs are
+            ``extra_offsets[p]:extra_offsets[p + 1]`` (the kernels' form).
         logprob_index: ``[N]`` where each logical token reads its log-prob in
             ``concat(primary log-probs [T], extra log-probs [E], [0])``: ``p`` for its
             physical token's primary target, ``T + e`` for extra pair ``e``, ``T + E``
@@ -82,6 +86,7 @@ class TreeTargets(NamedTuple):
     primary: np.ndarray
     extra_source: np.ndarray
     extra_target: np.ndarray
+    extra_offsets: np.ndarray
     logprob_index: np.ndarray
     entropy_index: np.ndarray
 
@@ -106,6 +111,8 @@ def tree_targets(tree: PrefixTreeBatch) -> TreeTargets:
     >>> plan = tree_targets(pack_prefix_tree([[5, 6, 7], [5, 6, 8, 9]]))
     >>> plan.primary.tolist(), plan.extra_source.tolist(), plan.extra_target.tolist()
     ([6, 7, -1, 9, -1], [1], [8])
+    >>> plan.extra_offsets.tolist()
+    [0, 0, 1, 1, 1, 1]
     >>> plan.logprob_index.tolist(), plan.entropy_index.tolist()
     ([0, 1, 6, 0, 5, 3, 6], [0, 1, 5, 0, 1, 3, 5])
     """
@@ -142,12 +149,14 @@ def tree_targets(tree: PrefixTreeBatch) -> TreeTargets:
     logprob_index[where[order]] = pair_out[pair_of_sorted]
     entropy_index = np.full(n, t, dtype=np.int64)
     entropy_index[where] = src
-    return TreeTargets(primary, u_src[extra].astype(np.int64), u_tgt[extra].astype(np.int64), logprob_index,
+    extra_source = u_src[extra].astype(np.int64)
+    extra_offsets = np.searchsorted(extra_source, np.arange(t + 1, dtype=np.int64)).astype(np.int64)
+    return TreeTargets(primary, extra_source, u_tgt[extra].astype(np.int64), extra_offsets, logprob_index,
                        entropy_index)
 
 
 def tree_token_logprobs(logits: "torch.Tensor", tree: PrefixTreeBatch, *, temperature: Any = 1.0,
-                        return_entropy: bool = False) -> TokenLogprobs:
+                        return_entropy: bool = False, num_threads: int = 0) -> TokenLogprobs:
     """Log-probability (and entropy) of each logical token's next token, from the
     logits of ``tree``'s physical tokens; differentiable (see the module docstring).
 
@@ -161,6 +170,7 @@ def tree_token_logprobs(logits: "torch.Tensor", tree: PrefixTreeBatch, *, temper
         temperature: logits are divided by it first (positive, finite; a Python,
             NumPy or 0-d tensor number).
         return_entropy: also compute each logical token's entropy.
+        num_threads: CPU threads of the kernels (0: seqpack's default).
 
     Returns:
         :class:`~seqpack.TokenLogprobs` ``(logprobs, entropy)`` ``[N]`` in the logical
@@ -170,11 +180,9 @@ def tree_token_logprobs(logits: "torch.Tensor", tree: PrefixTreeBatch, *, temper
     """
     import torch
 
-    from . import _logprob_ops as ops
-    from ..tensors._device import check_tensor, host_to_device
+    from ..tensors._device import check_tensor
 
-    if not isinstance(tree, PrefixTreeBatch):
-        raise TypeError(f"tree must be a PrefixTreeBatch (from seqpack.pack_prefix_tree), got {type_name(tree)}")
+    _check_tree(tree)
     if check_tensor(logits, "logits").dim() != 2:
         raise ValueError(f"logits must be a [T, V] tensor, got shape {tuple(logits.shape)}")
     if logits.dtype not in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
@@ -185,21 +193,95 @@ def tree_token_logprobs(logits: "torch.Tensor", tree: PrefixTreeBatch, *, temper
     vocab = int(logits.shape[1])
     if vocab == 0:
         raise ValueError("logits must have at least one vocabulary column (V > 0)")
-    temp = as_temperature(temperature)
-    entropy = bool(return_entropy)
+    temp, entropy = as_temperature(temperature), bool(return_entropy)
     _check_tree_ids(tree, vocab)
-
-    plan = tree_targets(tree)
-    primary, extra_src, extra_tgt, lp_index, ent_index = host_to_device(plan, logits.device)
+    plan, (primary, offsets, ids) = _device_plan(tree, logits.device)
     if logits.stride(1) != 1:
         logits = logits.contiguous()
-    lp, ent, _, _ = torch.ops.seqpack.token_logprobs(logits, primary, 0, temp, entropy, 0)
-    parts = [lp]
-    if extra_src.shape[0]:  # the branch points' other targets: few rows, plain PyTorch
-        z = logits.index_select(0, extra_src).to(ops.acc_dtype(logits.dtype)) / temp
-        parts.append(torch.log_softmax(z, dim=1).gather(1, extra_tgt[:, None])[:, 0])
-    parts.append(lp.new_zeros(1))
-    logprobs = torch.cat(parts).index_select(0, lp_index)
+    threads = as_positive_int(num_threads, "num_threads", allow_zero=True)
+    out = torch.ops.seqpack.multi_token_logprobs(logits, primary, offsets, ids, temp, entropy, threads)
+    return _logical(out, plan, entropy)
+
+
+def tree_linear_token_logprobs(hidden: "torch.Tensor", weight: "torch.Tensor", tree: PrefixTreeBatch, *,
+                               bias: Optional["torch.Tensor"] = None, temperature: Any = 1.0,
+                               return_entropy: bool = False, chunk_tokens: Optional[int] = None,
+                               num_threads: int = 0) -> TokenLogprobs:
+    """:func:`tree_token_logprobs` of ``hidden @ weight.T + bias`` without ever holding
+    the ``[T, V]`` logits: the LM head fused in, a chunk of ``chunk_tokens`` physical
+    tokens at a time, forward and backward (the chunks of
+    :func:`~seqpack.linear_token_logprobs`). A branch point's extra targets read their
+    logits as ``hidden[p] . weight[id] (+ bias[id])``: one dot product each.
+
+    Args:
+        hidden: ``[T, H]`` final hidden states of ``tree``'s physical tokens, float32 /
+            bfloat16 / float16 / float64.
+        weight: ``[V, H]`` the LM head (the whole vocabulary), same dtype and device;
+            bias: ``[V]`` or None.
+        tree, temperature, return_entropy: as :func:`tree_token_logprobs`.
+        chunk_tokens: rows of logits per chunk (default: about 2^24 logits); >= 1.
+        num_threads: CPU threads of the kernels (0: seqpack's default).
+
+    Returns:
+        :class:`~seqpack.TokenLogprobs` ``[N]`` in the logical layout, as
+        :func:`tree_token_logprobs` gives for the logits ``hidden @ weight.T + bias``.
+
+    >>> import torch, seqpack
+    >>> tree = seqpack.pack_prefix_tree([[1, 2, 3], [1, 2, 0]])
+    >>> hidden, head = torch.zeros(tree.num_tokens, 8), torch.zeros(4, 8)   # uniform over 4 tokens
+    >>> [round(x, 4) for x in seqpack.tree_linear_token_logprobs(hidden, head, tree).logprobs.tolist()]
+    [-1.3863, -1.3863, 0.0, -1.3863, -1.3863, 0.0]
+    """
+    torch = _torch()
+    from . import _logprob_ops as ops
+    from .logprobs import _check_head
+
+    _check_tree(tree)
+    _check_head(hidden, weight, bias)
+    if hidden.shape[0] != tree.num_tokens:
+        raise ValueError(f"hidden must have one row per physical token of the tree (tree.num_tokens = "
+                         f"{tree.num_tokens}), got {hidden.shape[0]} rows")
+    vocab = int(weight.shape[0])
+    temp, entropy = as_temperature(temperature), bool(return_entropy)
+    chunk = ops.chunk_rows(0 if chunk_tokens is None else as_positive_int(chunk_tokens, "chunk_tokens"),
+                           hidden.shape[0], vocab)
+    threads = as_positive_int(num_threads, "num_threads", allow_zero=True)
+    _check_tree_ids(tree, vocab)
+    plan, (primary, offsets, ids) = _device_plan(tree, hidden.device)
+    out = torch.ops.seqpack.linear_multi_token_logprobs(hidden, weight, bias, primary, offsets, ids, temp, entropy,
+                                                        threads, chunk)
+    return _logical(out, plan, entropy)
+
+
+def _torch():
+    import torch
+
+    return torch
+
+
+def _check_tree(tree: Any) -> None:
+    if not isinstance(tree, PrefixTreeBatch):
+        raise TypeError(f"tree must be a PrefixTreeBatch (from seqpack.pack_prefix_tree), got {type_name(tree)}")
+
+
+def _device_plan(tree: PrefixTreeBatch, device) -> Tuple[TreeTargets, List["torch.Tensor"]]:
+    """The tree's :class:`TreeTargets` on the host and what the operators read of it
+    (primary targets, extra offsets, extra ids) on ``device``; loads the operators."""
+    from . import _multi_target_ops  # noqa: F401  (registers seqpack::*multi_token_logprobs)
+    from ..tensors._device import host_to_device
+
+    plan = tree_targets(tree)
+    return plan, host_to_device([plan.primary, plan.extra_offsets, plan.extra_target], device)
+
+
+def _logical(out, plan: TreeTargets, entropy: bool) -> TokenLogprobs:
+    """The operator's (primary, extra, entropy, ...) read in the logical layout."""
+    from ..tensors._device import host_to_device
+
+    torch = _torch()
+    lp, lp_extra, ent = out[0], out[1], out[2]
+    lp_index, ent_index = host_to_device([plan.logprob_index, plan.entropy_index], lp.device)
+    logprobs = torch.cat([lp, lp_extra, lp.new_zeros(1)]).index_select(0, lp_index)
     if not entropy:
         return TokenLogprobs(logprobs, None)
     return TokenLogprobs(logprobs, torch.cat([ent, ent.new_zeros(1)]).index_select(0, ent_index))

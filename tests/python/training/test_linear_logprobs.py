@@ -189,3 +189,13 @@ def test_errors_name_the_argument():
         linear_token_logprobs(h, w, ids, [0, 8])
     with pytest.raises(ValueError, match="ids must be < 5"):
         linear_token_logprobs(h, w, torch.full((6,), 5), [0, 6])
+
+
+def test_no_rows_has_a_backward():
+    """T = 0 (an empty micro-batch): empty results, zero gradients for the head (the
+    backward once indexed the first of no tiles)."""
+    h, w, b = (t.requires_grad_() for t in head(0, 4, 7, seed=2))
+    out = linear_token_logprobs(h, w, torch.zeros(0, dtype=torch.int64), [0], bias=b, return_entropy=True)
+    assert out.logprobs.shape == out.entropy.shape == (0,)
+    g_h, g_w, g_b = torch.autograd.grad(out.logprobs.sum() + out.entropy.sum(), (h, w, b))
+    assert g_h.shape == (0, 4) and not g_w.any() and not g_b.any()

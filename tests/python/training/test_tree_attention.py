@@ -19,7 +19,7 @@ from seqpack.training import attention_tree
 # Eager FlexAttention on the CPU warns that it is unfused; that is what it tests here.
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 
-CPU_BACKENDS = ["reference", "sdpa", "flex"]
+CPU_BACKENDS = ["reference", "sdpa", "varlen", "flex"]
 
 # Small vocabularies make random rows share prefixes, duplicate each other and end
 # inside each other; the lengths include empty and single-token rows.
@@ -88,7 +88,7 @@ def test_every_backend_equals_dense_mask_and_rows_alone(tree, seed, heads, dv):
     q, k, v = _qkv(tree.num_tokens, hq=hq, hk=hk, seed=seed)
     v = torch.randn(tree.num_tokens, hk, dv, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
     want = dense(q, k, v, tree)
-    for backend in ["reference", "sdpa"]:
+    for backend in ["reference", "sdpa", "varlen"]:
         got = seqpack.tree_attention(q, k, v, tree, backend=backend)
         assert got.shape == (tree.num_tokens, hq, dv) and got.dtype == torch.float64
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12, msg=backend)
@@ -113,25 +113,27 @@ def test_flex_forward_equals_rows_alone(tree, seed):
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(tree=forests() | rollouts(), seed=st.integers(0, 2 ** 16), scale=st.none() | st.floats(0.05, 2.0))
-def test_sdpa_gradients_equal_reference(tree, seed, scale):
+def test_sdpa_and_varlen_gradients_equal_reference(tree, seed, scale):
     q, k, v = _qkv(tree.num_tokens, seed=seed, grad=True)
     g = torch.Generator().manual_seed(seed + 1)
     up = torch.randn(q.shape, generator=g, dtype=torch.float64)
     grads = {}
-    for backend in ["reference", "sdpa"]:
+    for backend in ["reference", "sdpa", "varlen"]:
         out = seqpack.tree_attention(q, k, v, tree, softmax_scale=scale, backend=backend)
         grads[backend] = torch.autograd.grad(out, (q, k, v), up, allow_unused=True)
-    for name, a, b in zip("qkv", grads["sdpa"], grads["reference"]):
-        if tree.num_tokens == 0:
-            continue
-        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12, msg=name)
+    if tree.num_tokens == 0:
+        return
+    for backend in ["sdpa", "varlen"]:
+        for name, a, b in zip("qkv", grads[backend], grads["reference"]):
+            torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12, msg=f"{backend} {name}")
 
 
 def test_gradcheck_sdpa_on_a_branching_tree():
     tree = seqpack.pack_prefix_tree([[5, 6, 7], [5, 6, 8, 9], [5, 6], [5]], group_ids=[0, 0, 0, 1],
                                     pad_to_multiple_of=4)
     q, k, v = _qkv(tree.num_tokens, hq=2, hk=1, d=3, grad=True)
-    assert torch.autograd.gradcheck(lambda *x: seqpack.tree_attention(*x, tree, backend="sdpa"), (q, k, v))
+    for backend in ("sdpa", "varlen"):
+        assert torch.autograd.gradcheck(lambda *x: seqpack.tree_attention(*x, tree, backend=backend), (q, k, v))
 
 
 def test_docstring_tree_and_scalars():
@@ -176,7 +178,7 @@ def test_empty_tree_and_auto():
 def test_backends_report():
     report = seqpack.tree_attention_backends()
     assert set(report) == set(attention_tree.TREE_BACKENDS)
-    assert report["sdpa"] == report["reference"] == "available"
+    assert report["sdpa"] == report["varlen"] == report["reference"] == "available"
 
 
 def test_autocast_casts_mixed_dtypes_and_outside_it_they_raise():
@@ -239,41 +241,51 @@ def test_wide_fan_and_deep_chain():
     chain = [list(range(100, 100 + n)) + [999] for n in range(1, 41)]
     tree = seqpack.pack_prefix_tree(fan + chain, group_ids=[0] * len(fan) + [1] * len(chain))
     q, k, v = _qkv(tree.num_tokens, hq=2, hk=1, d=4)
-    out = seqpack.tree_attention(q, k, v, tree, backend="sdpa")
-    for idx, alone in rows_alone(q, k, v, tree):
-        torch.testing.assert_close(out[idx], alone, rtol=1e-12, atol=1e-12)
+    for backend in ("sdpa", "varlen"):
+        out = seqpack.tree_attention(q, k, v, tree, backend=backend)
+        for idx, alone in rows_alone(q, k, v, tree):
+            torch.testing.assert_close(out[idx], alone, rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-def test_sdpa_low_precision_close_to_reference(dtype, tol):
+@pytest.mark.parametrize("backend", ["sdpa", "varlen"])
+def test_low_precision_close_to_reference(dtype, tol, backend):
     tree = seqpack.pack_prefix_tree([[1, 2, 3, 4], [1, 2, 5], [1, 2, 5, 6, 7], [9]], pad_to_multiple_of=8)
     q, k, v = _qkv(tree.num_tokens, dtype=dtype)
-    out = seqpack.tree_attention(q, k, v, tree, backend="sdpa")
+    out = seqpack.tree_attention(q, k, v, tree, backend=backend)
     assert out.dtype == dtype
     torch.testing.assert_close(out.double(), dense(q, k, v, tree), rtol=tol, atol=tol)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("backend", ["sdpa", "flex"])
-def test_cuda_backends_with_gradients(backend):
+@pytest.mark.parametrize("backend, dtype, tol", [("sdpa", torch.float32, 1e-4), ("flex", torch.float32, 1e-4),
+                                                 ("varlen", torch.float32, 1e-4), ("varlen", torch.bfloat16, 3e-2),
+                                                 ("auto", torch.bfloat16, 3e-2)])
+def test_cuda_backends_with_gradients(backend, dtype, tol):
+    """On CUDA, bf16 varlen (and auto) is one flash-attn / varlen_attn launch over the
+    segments; every backend against the fp64 reference, values and gradients."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
-    if seqpack.tree_attention_backends()[backend] != "available":
+    if backend != "auto" and seqpack.tree_attention_backends()[backend] != "available":
         pytest.skip(seqpack.tree_attention_backends()[backend])
-    tree = seqpack.pack_prefix_tree([[1, 2, 3, 4], [1, 2, 5], [1, 2, 5, 6, 7], [9]] * 3, pad_to_multiple_of=8)
-    q, k, v = (x.cuda().requires_grad_() for x in _qkv(tree.num_tokens, dtype=torch.float32))
+    rows = [[1, 2, 3, 4], [1, 2, 5], [1, 2, 5, 6, 7], [9]] * 3 + [list(range(200)) + [g, 7, 8] for g in range(8)]
+    tree = seqpack.pack_prefix_tree(rows, pad_to_multiple_of=8)
+    q, k, v = (x.cuda().to(dtype).requires_grad_() for x in _qkv(tree.num_tokens, hq=4, hk=2, d=64))
     up = torch.randn_like(q)
     got = seqpack.tree_attention(q, k, v, tree, backend=backend)
-    want = seqpack.tree_attention(q, k, v, tree, backend="reference")
-    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
-    for a, b in zip(torch.autograd.grad(got, (q, k, v), up), torch.autograd.grad(want, (q, k, v), up)):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    exact = [x.detach().double().requires_grad_() for x in (q, k, v)]
+    want = seqpack.tree_attention(*exact, tree, backend="reference")
+    assert got.dtype == dtype
+    torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol)
+    for a, b in zip(torch.autograd.grad(got, (q, k, v), up), torch.autograd.grad(want, exact, up.double())):
+        torch.testing.assert_close(a.double(), b, rtol=tol, atol=tol)
 
 
 def test_plan_is_built_once_per_tree():
     rows = [[1, 2, 3], [1, 2, 4, 5]]
     tree = seqpack.pack_prefix_tree(rows)
-    assert attention_tree._cached_plan(tree) is attention_tree._cached_plan(tree)
+    for build in (attention_tree._plan, attention_tree._VarlenPlan):
+        assert attention_tree._cached_plan(tree, build) is attention_tree._cached_plan(tree, build)
     other = seqpack.pack_prefix_tree(rows[::-1])  # a different tree: its own plan
     q, k, v = _qkv(tree.num_tokens)
     for t in (tree, other, tree):

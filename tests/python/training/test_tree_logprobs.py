@@ -249,3 +249,91 @@ def test_pad_token_ids_are_not_checked():
 def test_tree_targets_needs_a_tree():
     with pytest.raises(TypeError, match="tree must be a PrefixTreeBatch"):
         tree_targets({"input_ids": [1]})
+
+
+# ---- the LM head fused ---------------------------------------------------------------
+HEAD_VOCAB, HEAD_DIM = 37, 6
+
+
+def head_inputs(tree, seed, dtype=torch.float64, bias=True):
+    gen = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(tree.num_tokens, HEAD_DIM, generator=gen, dtype=torch.float64)
+    weight = torch.randn(HEAD_VOCAB, HEAD_DIM, generator=gen, dtype=torch.float64)
+    b = torch.randn(HEAD_VOCAB, generator=gen, dtype=torch.float64) if bias else None
+    return [None if t is None else t.to(dtype).requires_grad_(True) for t in (hidden, weight, b)]
+
+
+def fused_and_unfused(tree, inputs, g_lp, g_ent, **kwargs):
+    """(logprobs, entropy, grads of hidden / weight / bias) of the fused path and of
+    tree_token_logprobs on the materialised logits."""
+    results = []
+    for fused in (True, False):
+        leaves = [None if t is None else t.detach().requires_grad_(True) for t in inputs]
+        hidden, weight, bias = leaves
+        chunk = kwargs.pop("chunk_tokens", None) if not fused else kwargs.get("chunk_tokens")
+        extra = {k: v for k, v in kwargs.items() if k != "chunk_tokens"}
+        if fused:
+            out = seqpack.tree_linear_token_logprobs(hidden, weight, tree, bias=bias, chunk_tokens=chunk, **extra)
+        else:
+            out = tree_token_logprobs(torch.nn.functional.linear(hidden, weight, bias), tree, **extra)
+        loss = (out.logprobs * g_lp).sum() + ((out.entropy * g_ent).sum() if out.entropy is not None else 0)
+        loss.backward()
+        results.append((out.logprobs, out.entropy, *(t.grad for t in leaves if t is not None)))
+    return results
+
+
+@settings(max_examples=40, deadline=None)
+@given(forests(), st.sampled_from([None, 1, 2, 3, 64]), st.booleans(), st.booleans(), st.integers(0, 2**31))
+def test_fused_head_equals_the_logits_path(case, chunk, entropy, bias, seed):
+    """fp64: values, entropy and the gradients of hidden, weight and bias; chunks of
+    rows, and (chunk < rows < V) of vocabulary slices."""
+    rows, tree = case
+    inputs = head_inputs(tree, seed, bias=bias)
+    gen = torch.Generator().manual_seed(seed + 1)
+    g_lp, g_ent = torch.randn(2, tree.num_logical_tokens, generator=gen, dtype=torch.float64)
+    fused, unfused = fused_and_unfused(tree, inputs, g_lp, g_ent, chunk_tokens=chunk, temperature=0.7,
+                                       return_entropy=entropy)
+    for got, want in zip(fused, unfused):
+        if want is None:
+            assert got is None
+        else:
+            close(got, want, 1e-10)
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 2e-5), (torch.bfloat16, 2e-2), (torch.float16, 4e-3)])
+def test_fused_head_reduced_precision(dtype, tol):
+    rows = [[1, 2, 3, 4], [1, 2, 3, 5, 6], [1, 2, 7], [1, 8], [9]]
+    tree = pack_prefix_tree(rows, pad_to_multiple_of=4)
+    assert tree_targets(tree).extra_source.size >= 3
+    inputs = head_inputs(tree, 5, dtype=dtype)
+    g_lp, g_ent = torch.randn(2, tree.num_logical_tokens, generator=torch.Generator().manual_seed(6))
+    fused, unfused = fused_and_unfused(tree, inputs, g_lp, g_ent, chunk_tokens=3, return_entropy=True)
+    for got, want in zip(fused, unfused):
+        assert got.dtype == want.dtype
+        torch.testing.assert_close(got.double(), want.double(), rtol=tol, atol=tol)
+
+
+def test_fused_head_worked_example():
+    """Uniform logits over the head's 4 entries; the branch point (token 1 of "1 2")
+    predicts 3 and 0 from one log-sum-exp."""
+    tree = pack_prefix_tree([[1, 2, 3], [1, 2, 0]])
+    hidden, head = torch.zeros(tree.num_tokens, 8), torch.zeros(4, 8)
+    out = seqpack.tree_linear_token_logprobs(hidden, head, tree, return_entropy=True)
+    assert out.logprobs.tolist() == pytest.approx([-np.log(4)] * 2 + [0.0] + [-np.log(4)] * 2 + [0.0])
+    assert out.entropy.tolist() == pytest.approx([np.log(4)] * 2 + [0.0] + [np.log(4)] * 2 + [0.0])
+
+
+@pytest.mark.parametrize("args, kwargs, error, match", [
+    ((torch.zeros(7, 4), torch.zeros(5, 4)), {}, ValueError, r"one row per physical token .*= 8.*got 7"),
+    ((torch.zeros(8, 4), torch.zeros(5, 3)), {}, ValueError, r"weight must be the \[V, H = 4\] LM head"),
+    ((torch.zeros(8, 4), torch.zeros(0, 4)), {}, ValueError, "at least one vocabulary row"),
+    ((torch.zeros(8, 4), torch.zeros(4, 4)), {}, ValueError, r"id 4 .*ids must be < 4"),
+    ((torch.zeros(8, 4), torch.zeros(5, 4, dtype=torch.float64)), {}, TypeError, "weight must be torch.float32"),
+    ((torch.zeros(8, 4), torch.zeros(5, 4)), {"bias": torch.zeros(4)}, ValueError, r"bias must be \[V = 5\]"),
+    ((torch.zeros(8, 4), torch.zeros(5, 4)), {"chunk_tokens": 0}, ValueError, "chunk_tokens"),
+    ((torch.zeros(8, 4), torch.zeros(5, 4)), {"num_threads": -1}, ValueError, "num_threads"),
+    ((torch.zeros(8, 4), torch.zeros(5, 4)), {"temperature": -1.0}, ValueError, "temperature"),
+])
+def test_fused_head_bad_inputs_raise(args, kwargs, error, match):
+    with pytest.raises(error, match=match):
+        seqpack.tree_linear_token_logprobs(*args, TREE, **kwargs)
