@@ -317,6 +317,22 @@ class PrefixTreeBatch:
                                  pad_tokens=self._num_pad_tokens, num_segments=self.num_segments,
                                  plain_attention_pairs=plain, tree_attention_pairs=tree)
 
+    def hf_kwargs(self, device: Any = None) -> Dict[str, Any]:
+        """What a transformers model registered with
+        :func:`seqpack.frameworks.hf.register_tree` takes for this tree:
+        ``model(**tree.hf_kwargs())`` (``input_ids`` and ``position_ids`` ``[1, T]``
+        int64 tensors on ``device``, and the tree for the attention); the same as
+        :func:`seqpack.frameworks.hf.tree_kwargs`. Imports torch.
+
+        >>> tree = pack_prefix_tree([[1, 2, 3], [1, 2, 4]])
+        >>> kwargs = tree.hf_kwargs()
+        >>> kwargs["input_ids"].tolist(), kwargs["position_ids"].tolist()
+        ([[1, 2, 3, 4]], [[0, 1, 2, 2]])
+        """
+        from ..frameworks.hf import tree_kwargs
+
+        return tree_kwargs(self, device)
+
     # ---- value semantics -----------------------------------------------------------
     def __eq__(self, other: object) -> Any:
         if not isinstance(other, PrefixTreeBatch):

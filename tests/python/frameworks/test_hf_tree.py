@@ -113,6 +113,9 @@ def test_tree_kwargs():
     assert kw["input_ids"].dtype == kw["position_ids"].dtype == torch.long and kw["prefix_tree"] is tree
     with pytest.raises(TypeError, match="tree must be a PrefixTreeBatch"):
         hf.tree_kwargs([[1, 2]])
+    same = tree.hf_kwargs()  # the method the layout contract names
+    assert same.keys() == kw.keys() and same["prefix_tree"] is tree
+    assert all(torch.equal(same[k], kw[k]) for k in ("input_ids", "position_ids"))
 
 
 def test_tree_attention_errors(name):

@@ -112,3 +112,37 @@ def test_fused_head_equals_logits_and_holds_one_chunk(monkeypatch, chunk):
         torch.testing.assert_close(a, c, rtol=1e-12, atol=1e-12)
     for a, c in zip(got, want):
         torch.testing.assert_close(a, c, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("vocab", [11, 4096 + 3])  # an odd size takes the unvectorised path
+def test_cuda_kernels_equal_the_cpu_kernels(dtype, vocab):
+    """The CUDA grad kernel's extra-target pass (a second sweep after a barrier)
+    against the CPU kernels and fp64 PyTorch; many extras in one row (a 300-way fan)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    gen = torch.Generator().manual_seed(vocab)
+    rows = 40
+    primary = torch.randint(-1, vocab, (rows,), generator=gen)
+    counts = torch.randint(0, 4, (rows,), generator=gen)
+    counts[7] = 300
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)])
+    ids = torch.randint(-1, vocab, (int(offsets[-1]),), generator=gen)
+    logits = (torch.randn(rows, vocab, generator=gen) * 3).to(dtype)
+    g = [torch.randn(n, generator=gen) for n in (rows, len(ids), rows)]
+    results = []
+    for device in ("cpu", "cuda"):
+        leaf = logits.to(device).requires_grad_(True)
+        args = [t.to(device) for t in (primary, offsets, ids)]
+        out = torch.ops.seqpack.multi_token_logprobs(leaf, *args, 0.9, True, 0)
+        (grad,) = torch.autograd.grad(weighted(out[:3], [w.to(device).double() for w in g]), leaf)
+        results.append([t.cpu().double() for t in (*out[:3], grad)])
+    ref_leaf = logits.double().requires_grad_(True)
+    want = reference(ref_leaf, primary, offsets, ids, 0.9)
+    (want_grad,) = torch.autograd.grad(weighted(want, [w.double() for w in g]), ref_leaf)
+    tol = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}[dtype]
+    for got_cuda, got_cpu in zip(*results):
+        torch.testing.assert_close(got_cuda, got_cpu, rtol=tol, atol=tol)
+    for got, ref in zip(results[1], [*want, want_grad]):
+        torch.testing.assert_close(got, ref, rtol=max(tol, 1e-5), atol=max(tol, 1e-5))
