@@ -56,6 +56,7 @@ _export("planning.dynamic_batching", "DynamicBatchingPlan", "plan_dynamic_batchi
 _export("planning.metrics", "PackingMetrics", "dp_balance_metrics", "dynamic_batching_metrics")
 _export("planning.cost", "CostModel")
 _export("planning.step", "StepPlan", "plan_step")
+_export("planning.prefix_forest", "PrefixForest")
 # Packed tensors
 _export("tensors.layout", "PackedLayout", "alignment")
 _export("tensors.thd", "PackedBatch", "PackedSeqParams", "StaticPackedBatch", "pack_sequences",
@@ -78,6 +79,7 @@ __all__ = [
     "get_packer", "PackingAlgorithm", "SequencePacker",
     "get_seqlen_balanced_partitions", "karmarkar_karp", "plan_micro_batches", "MicroBatchPlan",
     "plan_dynamic_batching", "DynamicBatchingPlan", "PackingMetrics", "CostModel", "plan_step", "StepPlan",
+    "PrefixForest",
     # packed tensors
     "PackedLayout", "alignment", "PackedBatch", "PackedSeqParams", "pack_sequences", "pack_to_layout",
     "unpack_sequences",
@@ -202,6 +204,7 @@ if TYPE_CHECKING:  # what the lazy attributes resolve to, for type checkers and 
     from .planning.dynamic_batching import DynamicBatchingPlan, plan_dynamic_batching
     from .planning.metrics import PackingMetrics, dp_balance_metrics, dynamic_batching_metrics
     from .planning.packing import PackingAlgorithm, SequencePacker, adjust_bin_count, get_packer
+    from .planning.prefix_forest import PrefixForest
     from .tensors.cp import cp_partition_indices, cp_restore_order
     from .tensors.dataset import PackedDataset, collate_packs, pack_dataset
     from .tensors.layout import PackedLayout, alignment

@@ -123,6 +123,8 @@ def _samples():
                                                                          max_tokens=16, max_seqs=4),
         seqpack.PackedDataset: lambda: seqpack.pack_dataset([[1, 2, 3], [4, 5, 6, 7, 8], [9]], pack_size=8),
         prefix_tree.PrefixTreeMetrics: lambda: seqpack.pack_prefix_tree([[1, 2], [1, 3]]).metrics(),
+        seqpack.PrefixForest: lambda: seqpack.PrefixForest.from_rows([[5, 6, 7], [5, 6, 8], [5], []],
+                                                                      group_ids=[0, 0, 1, 1]),
         seqpack.PrefixTreeBatch: lambda: seqpack.pack_prefix_tree([[5, 6, 7], [5, 6, 8], [5]], group_ids=[0, 0, 1],
                                                                    pad_to_multiple_of=4),
         # training

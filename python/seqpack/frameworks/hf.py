@@ -36,6 +36,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence
 import numpy as np
 
 from .._lengths import as_int64, as_positive_int, as_real
+from ..tensors.prefix_tree import HF_TREE_KWARG
 
 NAME = "seqpack"
 IGNORE_INDEX = -100
@@ -155,7 +156,7 @@ def register(name: str = NAME, backend: str = "auto") -> str:
 
 # ---- prefix trees -------------------------------------------------------------------
 TREE_NAME = "seqpack_tree"
-TREE_KWARG = "prefix_tree"
+TREE_KWARG = HF_TREE_KWARG
 
 
 def tree_attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
@@ -233,15 +234,11 @@ def tree_kwargs(tree: Any, device: Any = None) -> Dict[str, Any]:
     ``logits[0, tree.logical_index]`` or its log-probs with
     :func:`seqpack.tree_token_logprobs` (not ``labels=``: the shifted loss of
     transformers would read the DFS order as one sequence)."""
-    import torch
-
     from ..tensors.prefix_tree import PrefixTreeBatch
 
     if not isinstance(tree, PrefixTreeBatch):
         raise TypeError(f"tree must be a PrefixTreeBatch (seqpack.pack_prefix_tree), got {type(tree).__name__}")
-    ids = torch.tensor(tree.input_ids, dtype=torch.long, device=device)[None]  # copies: the arrays are read-only
-    pos = torch.tensor(tree.position_ids, dtype=torch.long, device=device)[None]
-    return {"input_ids": ids, "position_ids": pos, TREE_KWARG: tree}
+    return tree.hf_kwargs(device)
 
 
 # Vision inputs of Qwen2-VL-style processors: one entry per image / video (patches

@@ -8,6 +8,8 @@
 - :mod:`~seqpack.planning.metrics`: packing, balance and padding metrics.
 - :mod:`~seqpack.planning.cost`: :class:`CostModel`, what a micro-batch costs.
 - :mod:`~seqpack.planning.step`: :func:`plan_step`, ranks and micro-batches planned together.
+- :mod:`~seqpack.planning.prefix_forest`: :class:`PrefixForest`, what any subset of rows costs as a
+  prefix tree.
 
 >>> from seqpack.planning import get_packer
 >>> get_packer("first_fit_decreasing", bin_capacity=10).pack([6, 5, 4, 3])
@@ -22,12 +24,14 @@ from .metrics import PackingMetrics, dp_balance_metrics, dynamic_batching_metric
 from .packing import (BestFitDecreasingPacker, ConcatenativePacker, FirstFitDecreasingPacker, FirstFitPacker,
                       FirstFitShufflePacker, GreedySequentialPacker, ModifiedFirstFitDecreasingPacker, PackingAlgorithm,
                       SequencePacker, adjust_bin_count, get_packer)
+from .prefix_forest import PrefixForest
 from .step import StepPlan, plan_step
 
 __all__ = [
     "BestFitDecreasingPacker", "ConcatenativePacker", "FirstFitDecreasingPacker", "FirstFitPacker",
     "FirstFitShufflePacker", "GreedySequentialPacker", "ModifiedFirstFitDecreasingPacker",
-    "CostModel", "DynamicBatchingPlan", "MicroBatchPlan", "PackingAlgorithm", "PackingMetrics", "SequencePacker",
+    "CostModel", "DynamicBatchingPlan", "MicroBatchPlan", "PackingAlgorithm", "PackingMetrics", "PrefixForest",
+    "SequencePacker",
     "adjust_bin_count", "dp_balance_metrics", "dynamic_batching_metrics", "get_packer",
     "get_seqlen_balanced_partitions", "greedy_lpt_partition", "karmarkar_karp", "log_seqlen_unbalance",
     "plan_dynamic_batching", "plan_micro_batches", "plan_step", "sequence_workloads", "sorted_stride_partition", "StepPlan",

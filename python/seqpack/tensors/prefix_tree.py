@@ -58,16 +58,18 @@ Importing this module does not import torch; tensors are accepted where arrays a
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, Iterable
+from typing import Any, Dict
 
 import numpy as np
 
 from .. import _core
-from .._lengths import (INT64_MAX, as_int64, as_positive_int, check_not_meta, host_array, shown, type_name,
-                        _is_torch_tensor)
+from .._lengths import _is_torch_tensor, as_int64, as_positive_int
+from ..planning._token_rows import group_array, packed_rows, padded_rows, rows_flat
 
 __all__ = ["PrefixTreeBatch", "PrefixTreeMetrics", "pack_prefix_tree"]
 
+# The keyword that carries the tree through a transformers model to its attention.
+HF_TREE_KWARG = "prefix_tree"
 # attention_mask() is for tests and small cases: [T, T] bools past this are refused.
 MAX_DENSE_MASK_TOKENS = 8192
 
@@ -75,52 +77,12 @@ _ARRAYS = ("input_ids", "position_ids", "parent", "subtree_end", "logical_index"
            "segment_parent", "first_logical")
 
 
-def _int_array(value: Any, name: str, ndim: int) -> np.ndarray:
-    """``value`` as an int64 NumPy array of ``ndim`` dimensions, or a clear error."""
-    if _is_torch_tensor(value):
-        check_not_meta(value, name)
-        if value.dtype.is_floating_point or value.dtype.is_complex or str(value.dtype) == "torch.bool":
-            raise TypeError(f"{name} must hold integers, got a tensor of dtype {value.dtype}")
-    if isinstance(value, (str, bytes)) or value is None:
-        raise TypeError(f"{name} must be a {ndim}-D sequence of integers, got {type_name(value)}")
-    try:
-        arr = host_array(value)
-    except (TypeError, ValueError) as e:  # ragged nested lists, odd objects
-        raise TypeError(f"{name} must be a {ndim}-D sequence of integers, got {type_name(value)}") from e
-    if arr.ndim != ndim:
-        raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(arr.shape)}")
-    if arr.size == 0:
-        return np.zeros(arr.shape, dtype=np.int64)
-    if arr.dtype.kind not in "iu":
-        raise TypeError(f"{name} must hold integers, got dtype {arr.dtype}")
-    if arr.dtype == np.uint64 and int(arr.max()) > INT64_MAX:
-        raise ValueError(f"{name} must fit in int64, got {int(arr.max())}")
-    return arr.astype(np.int64, copy=False)
-
-
-def _rows_flat(rows: Any) -> tuple:
-    """Flat int64 tokens and offsets of ``rows`` (a list of 1-D token sequences)."""
-    if isinstance(rows, (str, bytes, dict)) or not isinstance(rows, Iterable) and not hasattr(rows, "__len__"):
-        raise TypeError(f"rows must be a list of 1-D token sequences, got {type_name(rows)}")
-    arrays = [_int_array(row, f"rows[{i}]", 1) for i, row in enumerate(rows)]
-    lengths = np.fromiter((a.shape[0] for a in arrays), dtype=np.int64, count=len(arrays))
-    cu = np.zeros(len(arrays) + 1, dtype=np.int64)
-    np.cumsum(lengths, out=cu[1:])
-    tokens = np.concatenate(arrays) if arrays else np.zeros(0, dtype=np.int64)
-    return tokens, cu
-
-
 def _build(tokens: np.ndarray, cu: np.ndarray, group_ids: Any, min_shared_tokens: Any, pad_to_multiple_of: Any,
            pad_token_id: Any) -> "PrefixTreeBatch":
     min_shared = as_positive_int(min_shared_tokens, "min_shared_tokens", allow_zero=True)
     multiple = as_positive_int(pad_to_multiple_of, "pad_to_multiple_of")
     pad = as_int64(pad_token_id, "pad_token_id")
-    groups = None
-    if group_ids is not None:
-        groups = _int_array(group_ids, "group_ids", 1)
-        if groups.shape[0] != cu.shape[0] - 1:
-            raise ValueError(f"group_ids must hold one id per row ({cu.shape[0] - 1} rows), got {groups.shape[0]}")
-    arrays = _core.build_prefix_tree(tokens, cu, groups, min_shared, multiple, pad)
+    arrays = _core.build_prefix_tree(tokens, cu, group_array(group_ids, cu.shape[0] - 1), min_shared, multiple, pad)
     num_pad = int(arrays.pop("num_pad_tokens"))
     return PrefixTreeBatch(**arrays, num_pad_tokens=num_pad)
 
@@ -139,7 +101,7 @@ def pack_prefix_tree(rows: Any, *, group_ids: Any = None, min_shared_tokens: Any
     >>> pack_prefix_tree([[1, 2, 3], [1, 2, 4]]).input_ids.tolist()
     [1, 2, 3, 4]
     """
-    tokens, cu = _rows_flat(rows)
+    tokens, cu = rows_flat(rows)
     return _build(tokens, cu, group_ids, min_shared_tokens, pad_to_multiple_of, pad_token_id)
 
 
@@ -183,19 +145,7 @@ class PrefixTreeBatch:
         """The tree of padded rows ``input_ids`` [B, S] whose real tokens are where
         ``attention_mask`` [B, S] (bool or 0/1 integers) is non-zero, in column order:
         left padding, right padding (as verl and NeMo-RL hold rollouts) or holes."""
-        ids = _int_array(input_ids, "input_ids", 2)
-        if _is_torch_tensor(attention_mask):
-            check_not_meta(attention_mask, "attention_mask")
-        mask = host_array(attention_mask)
-        if mask.shape != ids.shape:
-            raise ValueError(f"attention_mask must have the shape of input_ids {tuple(ids.shape)}, "
-                             f"got {tuple(mask.shape)}")
-        if mask.size and mask.dtype.kind not in "biu":
-            raise TypeError(f"attention_mask must be bool or integer, got dtype {mask.dtype}")
-        real = mask.astype(bool)
-        cu = np.zeros(ids.shape[0] + 1, dtype=np.int64)
-        np.cumsum(real.sum(axis=1), out=cu[1:])
-        return _build(np.ascontiguousarray(ids[real]), cu, group_ids, min_shared_tokens, pad_to_multiple_of,
+        return _build(*padded_rows(input_ids, attention_mask), group_ids, min_shared_tokens, pad_to_multiple_of,
                       pad_token_id)
 
     @classmethod
@@ -203,16 +153,8 @@ class PrefixTreeBatch:
                     pad_to_multiple_of: Any = 1, pad_token_id: Any = 0) -> "PrefixTreeBatch":
         """The tree of rows packed back to back: ``input_ids`` [N] (or [1, N]) and
         ``cu_seqlens`` [R + 1] (starting at 0, non-decreasing, ending at N)."""
-        ids = host_array(input_ids) if not isinstance(input_ids, (list, tuple)) else np.asarray(input_ids)
-        if getattr(ids, "ndim", 0) == 2 and ids.shape[0] == 1:
-            input_ids = input_ids[0]
-        tokens = _int_array(input_ids, "input_ids", 1)
-        cu = _int_array(cu_seqlens, "cu_seqlens", 1)
-        if cu.shape[0] < 1 or cu[0] != 0 or (np.diff(cu) < 0).any():
-            raise ValueError(f"cu_seqlens must start at 0 and never decrease; got {shown(cu.tolist())}")
-        if cu[-1] != tokens.shape[0]:
-            raise ValueError(f"cu_seqlens must end at the number of input_ids ({tokens.shape[0]}), got {int(cu[-1])}")
-        return _build(tokens, cu, group_ids, min_shared_tokens, pad_to_multiple_of, pad_token_id)
+        return _build(*packed_rows(input_ids, cu_seqlens), group_ids, min_shared_tokens, pad_to_multiple_of,
+                      pad_token_id)
 
     # ---- the layout ---------------------------------------------------------------
     input_ids = property(lambda self: self._arrays["input_ids"], doc="Physical token ids [T].")
@@ -319,7 +261,7 @@ class PrefixTreeBatch:
 
     def hf_kwargs(self, device: Any = None) -> Dict[str, Any]:
         """What a transformers model registered with
-        :func:`seqpack.frameworks.hf.register_tree` takes for this tree:
+        ``seqpack.frameworks.hf.register_tree()`` takes for this tree:
         ``model(**tree.hf_kwargs())`` (``input_ids`` and ``position_ids`` ``[1, T]``
         int64 tensors on ``device``, and the tree for the attention); the same as
         :func:`seqpack.frameworks.hf.tree_kwargs`. Imports torch.
@@ -329,9 +271,11 @@ class PrefixTreeBatch:
         >>> kwargs["input_ids"].tolist(), kwargs["position_ids"].tolist()
         ([[1, 2, 3, 4]], [[0, 1, 2, 2]])
         """
-        from ..frameworks.hf import tree_kwargs
+        import torch
 
-        return tree_kwargs(self, device)
+        ids = torch.tensor(self.input_ids, dtype=torch.long, device=device)[None]  # copies: the arrays are read-only
+        pos = torch.tensor(self.position_ids, dtype=torch.long, device=device)[None]
+        return {"input_ids": ids, "position_ids": pos, HF_TREE_KWARG: self}
 
     # ---- value semantics -----------------------------------------------------------
     def __eq__(self, other: object) -> Any:

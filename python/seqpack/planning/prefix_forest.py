@@ -1,0 +1,194 @@
+"""The prefix forest of a batch: what any subset of its rows costs as a prefix tree,
+without laying out tensors (the planners' view of :func:`~seqpack.pack_prefix_tree`).
+
+A GRPO batch is a forest of tries: every prompt's responses hang from it. A planner
+that prices rows by their own lengths cuts a group across micro-batches and pays its
+prompt once per piece, and a cap counted in logical tokens overestimates memory by
+the sharing. :class:`PrefixForest` builds the trie of the whole batch once (C++,
+the sharing rule of :func:`~seqpack.pack_prefix_tree`: ``group_ids``,
+``min_shared_tokens``) and answers, for any subset of rows, the physical tokens and
+attention pairs of that subset's own prefix tree::
+
+    rows              trie (node: token)         subset          physical  visible pairs
+    r0 = 5 6 7        0:5 ─ 1:6 ─┬─ 2:7          {r0, r1, r2}    5         1+2+3+3+4 = 13
+    r1 = 5 6 8 9                 └─ 3:8 ─ 4:9    {r1}            4         1+2+3+4 = 10
+    r2 = 5 6                                     {r0, r2}        3         1+2+3 = 6
+    r3 = 7  (group 1) 5:7                        {r2, r3}        3         1+2+1 = 4
+
+    trees: [r0, r1, r2] and [r3] (rows that share at least their first token)
+
+    >>> forest = PrefixForest.from_rows([[5, 6, 7], [5, 6, 8, 9], [5, 6], [7]], group_ids=[0, 0, 0, 1])
+    >>> forest.physical_tokens([0, 1, 2]), forest.visible_pairs([0, 1, 2])
+    (5, 13)
+    >>> [t.tolist() for t in forest.trees]
+    [[0, 1, 2], [3]]
+    >>> forest.subset_costs([[1], [0, 2], [2, 3]])
+    (array([4, 3, 3]), array([10,  6,  4]))
+
+A subset's physical tokens are exactly ``pack_prefix_tree`` of those rows (same
+options, no padding) ``.num_tokens``, its visible pairs that tree's
+``metrics().tree_attention_pairs``. A query costs the subset's distinct trie nodes
+(plus one check of the forest per batch call).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, List, Sequence, Tuple
+
+import numpy as np
+
+from .. import _core
+from .._lengths import as_positive_int, type_name
+from ._token_rows import group_array, int_array, packed_rows, padded_rows, rows_flat
+
+__all__ = ["PrefixForest"]
+
+_ARRAYS = ("parent", "depth", "row_leaf", "tree_of_row")
+
+
+class PrefixForest:
+    """The token trie of a batch's rows (see the module docstring). Built by
+    :meth:`from_rows`, :meth:`from_padded` or :meth:`from_packed`; holds read-only
+    int64 NumPy arrays, compares by value, pickles and deep-copies through them."""
+
+    __slots__ = ("_arrays", "_num_trees", "_trees")
+
+    def __init__(self, *, parent: Any, depth: Any, row_leaf: Any, tree_of_row: Any, num_trees: Any) -> None:
+        given = dict(parent=parent, depth=depth, row_leaf=row_leaf, tree_of_row=tree_of_row)
+        arrays = {}
+        for name in _ARRAYS:
+            arr = np.array(int_array(given[name], name, 1), dtype=np.int64, copy=True)
+            arr.flags.writeable = False
+            arrays[name] = arr
+        _core.check_prefix_forest(arrays["parent"], arrays["depth"], arrays["row_leaf"])
+        trees = as_positive_int(num_trees, "num_trees", allow_zero=True)
+        tree_of_row = arrays["tree_of_row"]
+        if tree_of_row.shape != arrays["row_leaf"].shape or (tree_of_row.size and (
+                tree_of_row.min() < 0 or tree_of_row.max() >= trees)):
+            raise ValueError(f"tree_of_row must hold one tree id in [0, num_trees = {trees}) per row "
+                             f"({arrays['row_leaf'].shape[0]} rows)")
+        self._arrays, self._num_trees, self._trees = arrays, trees, None
+
+    # ---- constructors -------------------------------------------------------------
+    @classmethod
+    def from_rows(cls, rows: Any, *, group_ids: Any = None, min_shared_tokens: Any = 1) -> "PrefixForest":
+        """The forest of ``rows`` (a list of 1-D token sequences: lists, NumPy arrays
+        or tensors of integers), with :func:`~seqpack.pack_prefix_tree`'s sharing
+        options."""
+        return _build(*rows_flat(rows), group_ids, min_shared_tokens)
+
+    @classmethod
+    def from_padded(cls, input_ids: Any, attention_mask: Any, *, group_ids: Any = None,
+                    min_shared_tokens: Any = 1) -> "PrefixForest":
+        """The forest of padded rows (left or right padding, as
+        :meth:`PrefixTreeBatch.from_padded <seqpack.PrefixTreeBatch.from_padded>`)."""
+        return _build(*padded_rows(input_ids, attention_mask), group_ids, min_shared_tokens)
+
+    @classmethod
+    def from_packed(cls, input_ids: Any, cu_seqlens: Any, *, group_ids: Any = None,
+                    min_shared_tokens: Any = 1) -> "PrefixForest":
+        """The forest of rows packed back to back (``input_ids`` [N], ``cu_seqlens`` [R + 1])."""
+        return _build(*packed_rows(input_ids, cu_seqlens), group_ids, min_shared_tokens)
+
+    # ---- the forest ---------------------------------------------------------------
+    parent = property(lambda self: self._arrays["parent"], doc="Parent node of each trie node [M] (-1: a root).")
+    depth = property(lambda self: self._arrays["depth"], doc="Depth of each trie node [M] (0: a root).")
+    row_leaf = property(lambda self: self._arrays["row_leaf"],
+                        doc="The node of each row's last token [R] (-1: an empty row).")
+    tree_ids = property(lambda self: self._arrays["tree_of_row"],
+                        doc="The tree of each row [R] (ids in order of each tree's first row).")
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.row_leaf.shape[0])
+
+    @property
+    def num_trees(self) -> int:
+        return self._num_trees
+
+    @property
+    def num_physical_tokens(self) -> int:
+        """Trie nodes M: the physical tokens of the whole batch as one tree."""
+        return int(self.parent.shape[0])
+
+    @property
+    def lengths(self) -> np.ndarray:
+        """Each row's logical length [R] (its leaf's depth + 1, 0 for an empty row)."""
+        leaf = self.row_leaf
+        if not self.depth.size:  # no tokens at all: every row is empty
+            return np.zeros(leaf.shape, dtype=np.int64)
+        return np.where(leaf >= 0, self.depth[np.maximum(leaf, 0)] + 1, 0)
+
+    @property
+    def num_logical_tokens(self) -> int:
+        return int(self.lengths.sum())
+
+    @property
+    def trees(self) -> List[np.ndarray]:
+        """The row ids of each tree (ascending), trees in order of their first row."""
+        if self._trees is None:
+            order = np.argsort(self.tree_ids, kind="stable")
+            counts = np.bincount(self.tree_ids, minlength=self._num_trees)
+            self._trees = [a for a in np.split(order.astype(np.int64), np.cumsum(counts)[:-1])] if self.num_rows else []
+            for a in self._trees:
+                a.flags.writeable = False
+        return list(self._trees)
+
+    # ---- costs --------------------------------------------------------------------
+    def subset_costs(self, subsets: Iterable[Any]) -> Tuple[np.ndarray, np.ndarray]:
+        """(physical tokens [K], visible pairs [K]) of each subset of rows (row ids;
+        a repeated id counts once), in one C++ call with the GIL released."""
+        parts = [self._row_ids(s, f"subsets[{k}]") for k, s in enumerate(_subset_list(subsets))]
+        offsets = np.zeros(len(parts) + 1, dtype=np.int64)
+        np.cumsum([p.shape[0] for p in parts], out=offsets[1:])
+        rows = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+        return _core.forest_subset_costs(self.parent, self.depth, self.row_leaf, rows, offsets)
+
+    def physical_tokens(self, row_indices: Any) -> int:
+        """Physical tokens of the prefix tree of these rows (their distinct prefixes)."""
+        return int(self.subset_costs([row_indices])[0][0])
+
+    def visible_pairs(self, row_indices: Any) -> int:
+        """Attention pairs of the prefix tree of these rows: each token with its
+        ancestors and itself."""
+        return int(self.subset_costs([row_indices])[1][0])
+
+    def _row_ids(self, value: Any, name: str) -> np.ndarray:
+        ids = int_array(value, name, 1)
+        if ids.size and (ids.min() < 0 or ids.max() >= self.num_rows):
+            bad = int(ids[(ids < 0) | (ids >= self.num_rows)][0])
+            raise ValueError(f"{name} holds row id {bad}; the forest has {self.num_rows} rows (ids in "
+                             f"[0, {self.num_rows}))")
+        return ids
+
+    # ---- value semantics -----------------------------------------------------------
+    def __eq__(self, other: object) -> Any:
+        if not isinstance(other, PrefixForest):
+            return NotImplemented
+        return self._num_trees == other._num_trees and all(
+            np.array_equal(self._arrays[k], other._arrays[k]) for k in _ARRAYS)
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __reduce__(self):
+        return (_rebuild, ({k: np.array(v) for k, v in self._arrays.items()}, self._num_trees))
+
+    def __repr__(self) -> str:
+        return (f"PrefixForest(num_rows={self.num_rows}, num_trees={self.num_trees}, "
+                f"num_logical_tokens={self.num_logical_tokens}, num_physical_tokens={self.num_physical_tokens})")
+
+
+def _build(tokens: np.ndarray, cu: np.ndarray, group_ids: Any, min_shared_tokens: Any) -> PrefixForest:
+    min_shared = as_positive_int(min_shared_tokens, "min_shared_tokens", allow_zero=True)
+    arrays = _core.build_prefix_forest(tokens, cu, group_array(group_ids, cu.shape[0] - 1), min_shared)
+    return PrefixForest(**arrays)
+
+
+def _subset_list(subsets: Any) -> Sequence[Any]:
+    if isinstance(subsets, (str, bytes, dict)) or not isinstance(subsets, Iterable):
+        raise TypeError(f"subsets must be a list of row-id lists, got {type_name(subsets)}")
+    return list(subsets)
+
+
+def _rebuild(arrays: dict, num_trees: int) -> PrefixForest:
+    return PrefixForest(**arrays, num_trees=num_trees)

@@ -1,0 +1,134 @@
+// The prefix forest (prefix_forest.hpp): the header's example, subset costs against
+// the prefix-tree layout of the same rows, trees, and the checks of a foreign forest.
+#include <algorithm>
+#include <random>
+#include <vector>
+
+#include "seqpack/prefix_forest.hpp"
+#include "seqpack/prefix_tree.hpp"
+#include "test_helpers.hpp"
+
+namespace {
+
+using namespace seqpack;
+using seqpack_test::ThrowsInvalid;
+using Vec = std::vector<int64_t>;
+using Rows = std::vector<Vec>;
+
+struct Flat {
+  Vec tokens, cu{0}, groups;
+};
+
+Flat flatten(const Rows& rows, const Vec& groups = {}) {
+  Flat f;
+  for (const Vec& r : rows) {
+    f.tokens.insert(f.tokens.end(), r.begin(), r.end());
+    f.cu.push_back(static_cast<int64_t>(f.tokens.size()));
+  }
+  f.groups = groups;
+  return f;
+}
+
+ForestView view(const PrefixForest& f) { return {f.parent, f.depth, f.row_leaf}; }
+
+std::vector<SubsetCost> costs(const PrefixForest& f, const std::vector<Vec>& subsets) {
+  Vec rows, offsets{0};
+  for (const Vec& s : subsets) {
+    rows.insert(rows.end(), s.begin(), s.end());
+    offsets.push_back(static_cast<int64_t>(rows.size()));
+  }
+  std::vector<SubsetCost> out(subsets.size());
+  forest_subset_costs(view(f), rows, offsets, out);
+  return out;
+}
+
+TEST(PrefixForest, TheHeaderExample) {
+  const Flat in = flatten({{5, 6, 7}, {5, 6, 8, 9}, {5, 6}, {7}}, {0, 0, 0, 1});
+  const PrefixForest f = build_prefix_forest(in.tokens, in.cu, in.groups);
+  EXPECT_EQ(f.parent, (Vec{-1, 0, 1, 1, 3, -1}));
+  EXPECT_EQ(f.depth, (Vec{0, 1, 2, 2, 3, 0}));
+  EXPECT_EQ(f.row_leaf, (Vec{2, 4, 1, 5}));
+  EXPECT_EQ(f.tree_of_row, (Vec{0, 0, 0, 1}));
+  EXPECT_EQ(f.num_trees, 2);
+  const std::vector<SubsetCost> c = costs(f, {{0, 1, 2}, {1}, {0, 2}, {2, 3}, {}, {1, 1, 1}});
+  EXPECT_EQ(c, (std::vector<SubsetCost>{{5, 13}, {4, 10}, {3, 6}, {3, 4}, {0, 0}, {4, 10}}));
+}
+
+TEST(PrefixForest, EmptyRowsAreTreesOfTheirOwn) {
+  const Flat in = flatten({{}, {1, 2}, {}, {1}});
+  const PrefixForest f = build_prefix_forest(in.tokens, in.cu, {});
+  EXPECT_EQ(f.row_leaf, (Vec{-1, 1, -1, 0}));
+  EXPECT_EQ(f.tree_of_row, (Vec{0, 1, 2, 1}));
+  EXPECT_EQ(costs(f, {{0, 2}, {0, 1, 3}}), (std::vector<SubsetCost>{{0, 0}, {2, 3}}));
+}
+
+// Random rows over a tiny vocabulary, groups and sharing thresholds: a subset costs
+// what build_prefix_tree of just those rows lays out (tokens, and the sum of their
+// position + 1), and two rows are in one tree exactly when their first tokens are one
+// physical token of the whole batch's tree.
+TEST(PrefixForest, SubsetsCostTheirOwnTreeLayout) {
+  std::mt19937 rng(7);
+  for (int round = 0; round < 300; ++round) {
+    const int rows = std::uniform_int_distribution<int>(0, 9)(rng);
+    Rows data;
+    Vec groups;
+    for (int r = 0; r < rows; ++r) {
+      Vec row;
+      const int len = std::uniform_int_distribution<int>(0, 6)(rng);
+      for (int k = 0; k < len; ++k) row.push_back(std::uniform_int_distribution<int>(0, 2)(rng));
+      data.push_back(row);
+      groups.push_back(std::uniform_int_distribution<int>(0, 1)(rng));
+    }
+    if (round % 2) groups.clear();
+    const int64_t min_shared = std::uniform_int_distribution<int>(0, 3)(rng);
+    const Flat in = flatten(data, groups);
+    const PrefixForest f = build_prefix_forest(in.tokens, in.cu, in.groups, min_shared);
+    const PrefixTree whole = build_prefix_tree(in.tokens, in.cu, in.groups, {min_shared, 1, 0});
+    ASSERT_EQ(static_cast<int64_t>(f.parent.size()), whole.num_tokens());
+    std::vector<Vec> subsets;
+    for (int k = 0; k < 6; ++k) {
+      Vec s;
+      for (int r = 0; r < rows; ++r)
+        if (std::uniform_int_distribution<int>(0, 2)(rng) == 0) s.push_back(r);
+      subsets.push_back(s);
+    }
+    const std::vector<SubsetCost> got = costs(f, subsets);
+    for (size_t k = 0; k < subsets.size(); ++k) {
+      Rows part;
+      Vec part_groups;
+      for (int64_t r : subsets[k]) {
+        part.push_back(data[static_cast<size_t>(r)]);
+        if (!groups.empty()) part_groups.push_back(groups[static_cast<size_t>(r)]);
+      }
+      const Flat p = flatten(part, part_groups);
+      const PrefixTree t = build_prefix_tree(p.tokens, p.cu, p.groups, {min_shared, 1, 0});
+      int64_t pairs = 0;
+      for (int64_t pos : t.position_ids) pairs += pos + 1;
+      EXPECT_EQ(got[k], (SubsetCost{t.num_tokens(), pairs})) << round << " " << k;
+    }
+    for (int r = 0; r < rows; ++r)
+      for (int s = 0; s < rows; ++s) {
+        const bool both = !data[r].empty() && !data[s].empty();
+        const bool shared = both && whole.logical_index[static_cast<size_t>(in.cu[r])] ==
+                                        whole.logical_index[static_cast<size_t>(in.cu[s])];
+        EXPECT_EQ(f.tree_of_row[r] == f.tree_of_row[s], r == s || shared) << round << " " << r << " " << s;
+      }
+  }
+}
+
+TEST(PrefixForest, ForeignForestsAndBadSubsetsThrow) {
+  const Flat in = flatten({{1, 2, 3}, {1, 4}});
+  const PrefixForest f = build_prefix_forest(in.tokens, in.cu, {});
+  std::vector<SubsetCost> one(1);
+  const Vec bad_parent{-1, 5, 1, 0}, bad_depth{0, 2, 2, 1}, leaf{2, 3};
+  EXPECT_TRUE(ThrowsInvalid([&] { check_forest("t", {bad_parent, f.depth, f.row_leaf}); }, {"parent[1]", "earlier"}));
+  EXPECT_TRUE(ThrowsInvalid([&] { check_forest("t", {f.parent, bad_depth, f.row_leaf}); }, {"depth[1]"}));
+  EXPECT_TRUE(ThrowsInvalid([&] { check_forest("t", {f.parent, f.depth, Vec{2, 4}}); }, {"row_leaf[1]"}));
+  EXPECT_TRUE(ThrowsInvalid([&] { forest_subset_costs(view(f), Vec{0, 2}, Vec{0, 2}, one); }, {"row id 2"}));
+  EXPECT_TRUE(ThrowsInvalid([&] { forest_subset_costs(view(f), Vec{0}, Vec{0, 2}, one); }, {"offsets"}));
+  EXPECT_TRUE(ThrowsInvalid([&] { forest_subset_costs({bad_parent, f.depth, leaf}, Vec{0}, Vec{0, 1}, one); },
+                            {"parent[1]"}));
+  EXPECT_TRUE(ThrowsInvalid([&] { build_prefix_forest(in.tokens, Vec{0, 3}, {}); }, {"cu_seqlens"}));
+}
+
+}  // namespace

@@ -1,0 +1,69 @@
+// The prefix forest on rows drawn from a tiny vocabulary, with groups and
+// min_shared_tokens, then costs of random subsets (sometimes with row ids or offsets
+// out of range, or a forest whose arrays are broken). Checks against the prefix-tree
+// layout of each subset's own rows (prefix_forest.hpp): its physical tokens and the
+// sum of its position ids + 1; and that rows share a tree exactly when their first
+// tokens are one node.
+#include "fuzz.hpp"
+#include "seqpack/prefix_forest.hpp"
+#include "seqpack/prefix_tree.hpp"
+
+using namespace seqpack;
+using namespace seqpack_fuzz;
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  Input in(data, size);
+  return run([&] {
+    const int64_t n_rows = in.in_range(0, 10), vocab = in.in_range(1, 3);
+    std::vector<int64_t> tokens, cu{0}, groups;
+    for (int64_t r = 0; r < n_rows; ++r) {
+      const int64_t len = in.in_range(0, 8);
+      for (int64_t k = 0; k < len; ++k) tokens.push_back(in.flag() ? in.edgy(vocab) : in.in_range(0, vocab - 1));
+      cu.push_back(static_cast<int64_t>(tokens.size()));
+    }
+    if (in.flag())
+      for (int64_t r = 0; r < n_rows; ++r) groups.push_back(in.flag() ? in.edgy(2) : 0);
+    const int64_t min_shared = in.flag() ? in.edgy(4) : in.in_range(0, 4);
+    PrefixForest f = build_prefix_forest(tokens, cu, groups, min_shared);
+    const PrefixTree whole = build_prefix_tree(tokens, cu, groups, {min_shared, 1, 0});
+    FUZZ_REQUIRE(static_cast<int64_t>(f.parent.size()) == whole.num_tokens());
+    for (int64_t r = 0; r < n_rows; ++r)
+      for (int64_t s = 0; s < n_rows; ++s) {
+        const bool one = r == s || (cu[r + 1] > cu[r] && cu[s + 1] > cu[s] &&
+                                    whole.logical_index[cu[r]] == whole.logical_index[cu[s]]);
+        FUZZ_REQUIRE((f.tree_of_row[r] == f.tree_of_row[s]) == one);
+      }
+
+    std::vector<int64_t> rows, offsets{0};
+    const int64_t n_subsets = in.in_range(0, 4);
+    for (int64_t k = 0; k < n_subsets; ++k) {
+      const int64_t count = in.in_range(0, 6);
+      for (int64_t i = 0; i < count; ++i) rows.push_back(in.flag() ? in.edgy(n_rows) : in.in_range(0, n_rows - 1));
+      offsets.push_back(static_cast<int64_t>(rows.size()));
+    }
+    const bool mutated = in.flag() && !f.parent.empty();
+    if (mutated) {  // a broken forest must be refused, not walked (a still-valid one just runs)
+      const auto i = static_cast<size_t>(in.in_range(0, static_cast<int64_t>(f.parent.size()) - 1));
+      (in.flag() ? f.parent[i] : f.depth[i]) = in.edgy(static_cast<int64_t>(f.parent.size()));
+    }
+    std::vector<SubsetCost> out(static_cast<size_t>(n_subsets));
+    forest_subset_costs({f.parent, f.depth, f.row_leaf}, rows, offsets, out);
+    if (mutated) return;
+    for (int64_t k = 0; k < n_subsets; ++k) {
+      std::vector<int64_t> sub_tokens, sub_cu{0}, sub_groups;
+      std::vector<char> seen(static_cast<size_t>(n_rows), 0);
+      for (int64_t i = offsets[k]; i < offsets[k + 1]; ++i) {
+        const int64_t r = rows[static_cast<size_t>(i)];
+        if (seen[r]) continue;
+        seen[r] = 1;
+        sub_tokens.insert(sub_tokens.end(), tokens.begin() + cu[r], tokens.begin() + cu[r + 1]);
+        sub_cu.push_back(static_cast<int64_t>(sub_tokens.size()));
+        if (!groups.empty()) sub_groups.push_back(groups[r]);
+      }
+      const PrefixTree t = build_prefix_tree(sub_tokens, sub_cu, sub_groups, {min_shared, 1, 0});
+      int64_t pairs = 0;
+      for (int64_t p : t.position_ids) pairs += p + 1;
+      FUZZ_REQUIRE(out[k].tokens == t.num_tokens() && out[k].pairs == pairs);
+    }
+  });
+}
