@@ -76,7 +76,8 @@ __global__ void grad_kernel(const T* __restrict__ logits, int64_t rows, int64_t 
     const float g_lp = has ? in.grad_logprob[r] : 0.0f;
     const float g_ent = in.grad_entropy ? in.grad_entropy[r] : 0.0f;
     const int64_t local = lpmath::local_target(targets[r], vocab_start, vocab);
-    const int64_t e_lo = in.extra_offsets ? in.extra_offsets[r] : 0, e_hi = in.extra_offsets ? in.extra_offsets[r + 1] : 0;
+    const int64_t e_lo = in.extra_offsets ? in.extra_offsets[r] : 0;
+    const int64_t e_hi = in.extra_offsets ? in.extra_offsets[r + 1] : 0;
     const lpmath::ExtraSums extra = lpmath::extra_sums(in.extra_ids, in.extra_grad, e_lo, e_hi);
     const lpmath::GradRowParams prm = lpmath::grad_row_params(
         in.max[r], in.log_sumexp[r], in.entropy ? in.entropy[r] : 0.0f, g_lp, g_ent, tau, local, extra.sum, extra.any);

@@ -3,6 +3,7 @@
 #include <optional>
 
 #include "convert.hpp"
+#include "seqpack/forest_items.hpp"
 #include "seqpack/prefix_forest.hpp"
 
 namespace seqpack::bindings {
@@ -61,6 +62,29 @@ void init_prefix_forest(py::module_& m) {
       },
       py::arg("parent"), py::arg("depth"), py::arg("row_leaf"), py::arg("rows"), py::arg("offsets"),
       "(physical tokens, visible pairs) of each subset rows[offsets[k]:offsets[k + 1]] of a checked forest.");
+  m.def(
+      "forest_items",
+      [](py::handle parent_obj, py::handle depth_obj, py::handle leaf_obj, py::handle tree_obj, int64_t num_trees,
+         int64_t max_tokens) {
+        LengthsArg parent(parent_obj, "parent"), depth(depth_obj, "depth"), leaf(leaf_obj, "row_leaf"),
+            tree(tree_obj, "tree_of_row");
+        ForestItems items;
+        {
+          py::gil_scoped_release release;
+          items = forest_items({parent.view(), depth.view(), leaf.view()}, tree.view(), num_trees, max_tokens);
+        }
+        py::dict d;
+        d["rows"] = to_list(items.rows);
+        d["tokens"] = to_array(std::move(items.tokens));
+        d["pairs"] = to_array(std::move(items.pairs));
+        d["tree"] = to_array(std::move(items.tree));
+        d["duplicated_tokens"] = items.duplicated_tokens;
+        return d;
+      },
+      py::arg("parent"), py::arg("depth"), py::arg("row_leaf"), py::arg("tree_of_row"), py::arg("num_trees"),
+      py::arg("max_tokens"),
+      "The planner's items of a forest under max_tokens: whole trees, or the contiguous split of a larger tree "
+      "that duplicates the fewest tokens (rows, tokens, pairs, tree, duplicated_tokens).");
 }
 
 }  // namespace seqpack::bindings

@@ -287,7 +287,8 @@ template <typename T, typename V>
     const int64_t t = lpmath::local_target(targets[r], vocab_start, v.vocab);
     const float g_lp = targets[r] >= 0 ? in.grad_logprob[r] : 0.0f;
     const float g_ent = in.grad_entropy ? in.grad_entropy[r] : 0.0f;
-    const int64_t e_lo = in.extra_offsets ? in.extra_offsets[r] : 0, e_hi = in.extra_offsets ? in.extra_offsets[r + 1] : 0;
+    const int64_t e_lo = in.extra_offsets ? in.extra_offsets[r] : 0;
+    const int64_t e_hi = in.extra_offsets ? in.extra_offsets[r + 1] : 0;
     const lpmath::ExtraSums extra = lpmath::extra_sums(in.extra_ids, in.extra_grad, e_lo, e_hi);
     if (g_lp == 0.0f && g_ent == 0.0f && !extra.any) {
       for (int64_t i = 0; i < v.vocab; ++i) Io<T>::store(g, i, 0.0f);

@@ -3,8 +3,10 @@
 // out of range, or a forest whose arrays are broken). Checks against the prefix-tree
 // layout of each subset's own rows (prefix_forest.hpp): its physical tokens and the
 // sum of its position ids + 1; and that rows share a tree exactly when their first
-// tokens are one node.
+// tokens are one node. Then the planner's items under a random cap (a cap below the
+// longest row must throw).
 #include "fuzz.hpp"
+#include "seqpack/forest_items.hpp"
 #include "seqpack/prefix_forest.hpp"
 #include "seqpack/prefix_tree.hpp"
 
@@ -38,7 +40,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     const int64_t n_subsets = in.in_range(0, 4);
     for (int64_t k = 0; k < n_subsets; ++k) {
       const int64_t count = in.in_range(0, 6);
-      for (int64_t i = 0; i < count; ++i) rows.push_back(in.flag() ? in.edgy(n_rows) : in.in_range(0, n_rows - 1));
+      for (int64_t i = 0; i < count; ++i)
+        rows.push_back(in.flag() || n_rows == 0 ? in.edgy(n_rows) : in.in_range(0, n_rows - 1));
       offsets.push_back(static_cast<int64_t>(rows.size()));
     }
     const bool mutated = in.flag() && !f.parent.empty();
@@ -65,5 +68,33 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       for (int64_t p : t.position_ids) pairs += p + 1;
       FUZZ_REQUIRE(out[k].tokens == t.num_tokens() && out[k].pairs == pairs);
     }
+
+    // Items under a cap: every row once, each item within the cap and costed exactly,
+    // a tree that fits kept whole (forest_items.hpp).
+    const int64_t cap = in.flag() ? in.edgy(12) : in.in_range(1, 12);
+    const ForestItems items = forest_items({f.parent, f.depth, f.row_leaf}, f.tree_of_row, f.num_trees, cap);
+    std::vector<int64_t> placed(static_cast<size_t>(n_rows), 0), parts(static_cast<size_t>(f.num_trees), 0);
+    int64_t sum = 0;
+    for (size_t k = 0; k < items.rows.size(); ++k) {
+      FUZZ_REQUIRE(items.tokens[k] <= cap);
+      sum += items.tokens[k];
+      ++parts[static_cast<size_t>(items.tree[k])];
+      for (int64_t r : items.rows.group(k)) {
+        ++placed[static_cast<size_t>(r)];
+        FUZZ_REQUIRE(f.tree_of_row[static_cast<size_t>(r)] == items.tree[k]);
+      }
+    }
+    for (int64_t p : placed) FUZZ_REQUIRE(p == 1);
+    FUZZ_REQUIRE(items.duplicated_tokens == sum - static_cast<int64_t>(f.parent.size()));
+    std::vector<int64_t> tree_rows, tree_offsets{0};
+    for (int64_t tr = 0; tr < f.num_trees; ++tr) {
+      for (int64_t r = 0; r < n_rows; ++r)
+        if (f.tree_of_row[static_cast<size_t>(r)] == tr) tree_rows.push_back(r);
+      tree_offsets.push_back(static_cast<int64_t>(tree_rows.size()));
+    }
+    std::vector<SubsetCost> whole(static_cast<size_t>(f.num_trees));
+    forest_subset_costs({f.parent, f.depth, f.row_leaf}, tree_rows, tree_offsets, whole);
+    for (int64_t tr = 0; tr < f.num_trees; ++tr)
+      if (whole[static_cast<size_t>(tr)].tokens <= cap) FUZZ_REQUIRE(parts[static_cast<size_t>(tr)] == 1);
   });
 }

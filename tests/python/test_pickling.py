@@ -125,6 +125,8 @@ def _samples():
         prefix_tree.PrefixTreeMetrics: lambda: seqpack.pack_prefix_tree([[1, 2], [1, 3]]).metrics(),
         seqpack.PrefixForest: lambda: seqpack.PrefixForest.from_rows([[5, 6, 7], [5, 6, 8], [5], []],
                                                                       group_ids=[0, 0, 1, 1]),
+        seqpack.planning.ForestItems: lambda: seqpack.PrefixForest.from_rows(
+            [[1, 2, 3, 4], [1, 2, 3, 5], [1, 2, 6], [1, 2, 7, 8]]).items(6),
         seqpack.PrefixTreeBatch: lambda: seqpack.pack_prefix_tree([[5, 6, 7], [5, 6, 8], [5]], group_ids=[0, 0, 1],
                                                                    pad_to_multiple_of=4),
         # training

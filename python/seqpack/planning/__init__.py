@@ -24,14 +24,14 @@ from .metrics import PackingMetrics, dp_balance_metrics, dynamic_batching_metric
 from .packing import (BestFitDecreasingPacker, ConcatenativePacker, FirstFitDecreasingPacker, FirstFitPacker,
                       FirstFitShufflePacker, GreedySequentialPacker, ModifiedFirstFitDecreasingPacker, PackingAlgorithm,
                       SequencePacker, adjust_bin_count, get_packer)
-from .prefix_forest import PrefixForest
+from .prefix_forest import ForestItems, PrefixForest
 from .step import StepPlan, plan_step
 
 __all__ = [
     "BestFitDecreasingPacker", "ConcatenativePacker", "FirstFitDecreasingPacker", "FirstFitPacker",
     "FirstFitShufflePacker", "GreedySequentialPacker", "ModifiedFirstFitDecreasingPacker",
-    "CostModel", "DynamicBatchingPlan", "MicroBatchPlan", "PackingAlgorithm", "PackingMetrics", "PrefixForest",
-    "SequencePacker",
+    "CostModel", "DynamicBatchingPlan", "ForestItems", "MicroBatchPlan", "PackingAlgorithm", "PackingMetrics",
+    "PrefixForest", "SequencePacker",
     "adjust_bin_count", "dp_balance_metrics", "dynamic_batching_metrics", "get_packer",
     "get_seqlen_balanced_partitions", "greedy_lpt_partition", "karmarkar_karp", "log_seqlen_unbalance",
     "plan_dynamic_batching", "plan_micro_batches", "plan_step", "sequence_workloads", "sorted_stride_partition", "StepPlan",

@@ -38,10 +38,11 @@ from typing import Any, Iterable, List, Sequence, Tuple
 import numpy as np
 
 from .. import _core
+from .._equality import ValueEquality
 from .._lengths import as_positive_int, type_name
 from ._token_rows import group_array, int_array, packed_rows, padded_rows, rows_flat
 
-__all__ = ["PrefixForest"]
+__all__ = ["ForestItems", "PrefixForest"]
 
 _ARRAYS = ("parent", "depth", "row_leaf", "tree_of_row")
 
@@ -153,6 +154,33 @@ class PrefixForest:
         ancestors and itself."""
         return int(self.subset_costs([row_indices])[1][0])
 
+    def items(self, max_tokens: Any) -> "ForestItems":
+        """What a planner places under a cap of ``max_tokens`` physical tokens per
+        micro-batch: each tree that fits as one item; a larger tree split into parts
+        of consecutive rows (in depth-first order), each carrying its prefix, choosing
+        the split that duplicates the fewest tokens (then the fewest parts).
+
+        ::
+
+            rows (depth-first)  new tokens     max_tokens = 6: [a b] (5) and [c d] (5),
+            a = 1 2 3 4         4              "1 2" in both: 2 tokens duplicated
+            b = 1 2 3 5         1
+            c = 1 2 6           1
+            d = 1 2 7 8         2
+
+        >>> forest = PrefixForest.from_rows([[1, 2, 3, 4], [1, 2, 3, 5], [1, 2, 6], [1, 2, 7, 8]])
+        >>> items = forest.items(6)
+        >>> [r.tolist() for r in items.rows], items.tokens.tolist(), items.duplicated_tokens
+        ([[0, 1], [2, 3]], [5, 5], 2)
+
+        Raises ValueError when one row alone is longer than ``max_tokens``.
+        """
+        cap = as_positive_int(max_tokens, "max_tokens")
+        d = _core.forest_items(self.parent, self.depth, self.row_leaf, self.tree_ids, self._num_trees, cap)
+        return ForestItems(rows=[np.asarray(r, dtype=np.int64) for r in d["rows"]], tokens=d["tokens"],
+                           pairs=d["pairs"], tree=d["tree"], duplicated_tokens=int(d["duplicated_tokens"]),
+                           physical_tokens=self.num_physical_tokens)
+
     def _row_ids(self, value: Any, name: str) -> np.ndarray:
         ids = int_array(value, name, 1)
         if ids.size and (ids.min() < 0 or ids.max() >= self.num_rows):
@@ -176,6 +204,32 @@ class PrefixForest:
     def __repr__(self) -> str:
         return (f"PrefixForest(num_rows={self.num_rows}, num_trees={self.num_trees}, "
                 f"num_logical_tokens={self.num_logical_tokens}, num_physical_tokens={self.num_physical_tokens})")
+
+
+class ForestItems(ValueEquality):
+    """The items of :meth:`PrefixForest.items`: ``rows`` (the row ids of each item,
+    depth-first), ``tokens`` / ``pairs`` (each item's physical tokens and visible
+    attention pairs, int64 arrays), ``tree`` (the tree each item is, or is part
+    of), ``duplicated_tokens`` (what the splits repeat); ``sharing_kept`` is the
+    forest's physical tokens over the items' sum (1.0 when no tree was split)."""
+
+    def __init__(self, *, rows: List[np.ndarray], tokens: np.ndarray, pairs: np.ndarray, tree: np.ndarray,
+                 duplicated_tokens: int, physical_tokens: int) -> None:
+        self.rows, self.tokens, self.pairs, self.tree = rows, tokens, pairs, tree
+        self.duplicated_tokens, self.physical_tokens = duplicated_tokens, physical_tokens
+
+    @property
+    def num_items(self) -> int:
+        return len(self.rows)
+
+    @property
+    def sharing_kept(self) -> float:
+        total = int(self.tokens.sum())
+        return 1.0 if total == 0 else self.physical_tokens / total
+
+    def __repr__(self) -> str:
+        return (f"ForestItems(num_items={self.num_items}, tokens={int(self.tokens.sum())}, "
+                f"duplicated_tokens={self.duplicated_tokens})")
 
 
 def _build(tokens: np.ndarray, cu: np.ndarray, group_ids: Any, min_shared_tokens: Any) -> PrefixForest:

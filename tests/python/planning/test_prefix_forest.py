@@ -129,3 +129,43 @@ def test_bad_inputs_raise(call, error, match):
     forest = PrefixForest.from_rows([[1, 2, 3], [1, 2, 4], [], [9]])
     with pytest.raises(error, match=match):
         call(forest)
+
+
+# ---- items under a cap ----------------------------------------------------------------
+@settings(max_examples=80, deadline=None)
+@given(batches(), st.integers(0, 8))
+def test_items_place_every_row_once_within_the_cap(batch, slack):
+    rows, options = batch
+    forest = PrefixForest.from_rows(rows, **options)
+    cap = max(1, max((len(r) for r in rows), default=0) + slack)
+    items = forest.items(cap)
+    placed = np.concatenate(items.rows) if items.rows else np.zeros(0, dtype=np.int64)
+    assert sorted(placed.tolist()) == list(range(len(rows)))
+    assert (items.tokens <= cap).all()
+    tokens, pairs = forest.subset_costs(items.rows)
+    assert tokens.tolist() == items.tokens.tolist() and pairs.tolist() == items.pairs.tolist()
+    assert items.duplicated_tokens == int(items.tokens.sum()) - forest.num_physical_tokens >= 0
+    for t, members in enumerate(forest.trees):
+        parts = [k for k in range(items.num_items) if items.tree[k] == t]
+        assert sorted(np.concatenate([items.rows[k] for k in parts]).tolist()) == members.tolist()
+        if forest.physical_tokens(members) <= cap:
+            assert len(parts) == 1  # a tree that fits stays whole
+    if items.duplicated_tokens == 0:
+        assert items.sharing_kept == 1.0
+
+
+def test_items_of_a_grpo_group_larger_than_the_cap():
+    """One prompt of 100 tokens, 8 responses of 50: 500 tokens. Under a cap of 300
+    the group splits in two parts of 4 responses, each carrying the prompt (100
+    tokens duplicated once)."""
+    rng = np.random.default_rng(1)
+    prompt = rng.integers(0, 1000, 100)
+    rows = [np.concatenate([prompt, rng.integers(0, 1000, 50)]) for _ in range(8)]
+    items = PrefixForest.from_rows(rows).items(300)
+    assert [len(r) for r in items.rows] == [4, 4] and items.tokens.tolist() == [300, 300]
+    assert items.duplicated_tokens == 100 and items.sharing_kept == pytest.approx(500 / 600)
+    assert PrefixForest.from_rows(rows).items(500).num_items == 1
+    with pytest.raises(ValueError, match=r"row 0 has 150 tokens, more than max_tokens = 149"):
+        PrefixForest.from_rows(rows).items(149)
+    with pytest.raises(ValueError, match="max_tokens"):
+        PrefixForest.from_rows(rows).items(0)
