@@ -1,3 +1,5 @@
+#include <optional>
+
 #include "convert.hpp"
 #include "seqpack/microbatch.hpp"
 #include "seqpack/partition.hpp"
@@ -48,9 +50,12 @@ void init_partition(py::module_& m) {
   m.def(
       "plan_micro_batches",
       [](py::handle lengths, int64_t max_tokens, int64_t min_num, int64_t multiple_of, int64_t attention_coeff,
-         bool small_at_ends) {
+         bool small_at_ends, py::handle workloads) {
         LengthsArg arg(lengths, "lengths");
-        MicroBatchOptions o{max_tokens, min_num, multiple_of, attention_coeff, small_at_ends};
+        std::optional<LengthsArg> work;
+        if (!workloads.is_none()) work.emplace(workloads, "workloads");
+        MicroBatchOptions o{max_tokens, min_num, multiple_of, attention_coeff, small_at_ends,
+                            work ? work->view() : Lengths{}};
         MicroBatchPlan plan;
         {
           py::gil_scoped_release release;
@@ -65,14 +70,19 @@ void init_partition(py::module_& m) {
         return out;
       },
       py::arg("lengths"), py::arg("max_tokens"), py::arg("min_num") = 1, py::arg("multiple_of") = 1,
-      py::arg("attention_coeff") = 0, py::arg("small_at_ends") = false);
+      py::arg("attention_coeff") = 0, py::arg("small_at_ends") = false, py::arg("workloads") = py::none());
   m.def(
       "plan_step",
       [](py::handle lengths, int64_t dp_size, int64_t max_tokens, double per_micro_batch, double per_token,
          double per_token_squared, const std::string& sync, int64_t mini_batches, int64_t min_micro_batches,
-         int64_t multiple_of, std::optional<uint64_t> seed) {
+         int64_t multiple_of, std::optional<uint64_t> seed, py::handle squares, py::handle mini_batch_sizes) {
         LengthsArg arg(lengths, "lengths");
+        std::optional<LengthsArg> sq, sizes;
+        if (!squares.is_none()) sq.emplace(squares, "squares");
+        if (!mini_batch_sizes.is_none()) sizes.emplace(mini_batch_sizes, "mini_batch_sizes");
         StepOptions o;
+        if (sq) o.squares = sq->view();
+        if (sizes) o.mini_batch_sizes = sizes->view();
         o.dp_size = dp_size;
         o.max_tokens = max_tokens;
         o.cost = StepCost{per_micro_batch, per_token, per_token_squared};
@@ -109,7 +119,8 @@ void init_partition(py::module_& m) {
       },
       py::arg("lengths"), py::arg("dp_size"), py::arg("max_tokens"), py::arg("per_micro_batch"), py::arg("per_token"),
       py::arg("per_token_squared"), py::arg("sync") = "micro_batch", py::arg("mini_batches") = 1,
-      py::arg("min_micro_batches") = 1, py::arg("multiple_of") = 1, py::arg("seed") = py::none());
+      py::arg("min_micro_batches") = 1, py::arg("multiple_of") = 1, py::arg("seed") = py::none(),
+      py::arg("squares") = py::none(), py::arg("mini_batch_sizes") = py::none());
 }
 
 }  // namespace seqpack::bindings

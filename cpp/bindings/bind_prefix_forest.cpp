@@ -1,5 +1,6 @@
-// The prefix forest: built with the GIL released, its arrays back as NumPy arrays
-// without a copy; subset costs of a forest held in Python (checked first).
+// The prefix forest: built with the GIL released, its per-row arrays back as NumPy
+// arrays without a copy; subset costs and planner items of a forest held in Python
+// (checked first, in the core).
 #include <optional>
 
 #include "convert.hpp"
@@ -7,6 +8,19 @@
 #include "seqpack/prefix_forest.hpp"
 
 namespace seqpack::bindings {
+namespace {
+
+// The arrays of a forest that Python holds, kept alive for the call.
+struct ForestArgs {
+  LengthsArg length, order, lcp, tree;
+  int64_t num_trees;
+  ForestArgs(py::handle length_obj, py::handle order_obj, py::handle lcp_obj, py::handle tree_obj, int64_t trees)
+      : length(length_obj, "row_length"), order(order_obj, "row_order"), lcp(lcp_obj, "adjacent_lcp"),
+        tree(tree_obj, "tree_of_row"), num_trees(trees) {}
+  ForestView view() const { return {length.view(), order.view(), lcp.view(), tree.view(), num_trees}; }
+};
+
+}  // namespace
 
 void init_prefix_forest(py::module_& m) {
   m.def(
@@ -22,36 +36,37 @@ void init_prefix_forest(py::module_& m) {
                                        min_shared_tokens);
         }
         py::dict d;
-        d["parent"] = to_array(std::move(forest.parent));
-        d["depth"] = to_array(std::move(forest.depth));
-        d["row_leaf"] = to_array(std::move(forest.row_leaf));
+        d["row_length"] = to_array(std::move(forest.row_length));
+        d["row_order"] = to_array(std::move(forest.row_order));
+        d["adjacent_lcp"] = to_array(std::move(forest.adjacent_lcp));
         d["tree_of_row"] = to_array(std::move(forest.tree_of_row));
         d["num_trees"] = forest.num_trees;
+        d["num_nodes"] = forest.num_nodes;
         return d;
       },
       py::arg("tokens"), py::arg("cu_seqlens"), py::arg("group_ids"), py::arg("min_shared_tokens"),
-      "The prefix forest of rows (flat tokens + cu_seqlens): parent, depth, row_leaf, tree_of_row (int64 arrays) "
-      "and num_trees.");
+      "The prefix forest of rows (flat tokens + cu_seqlens): row_length, row_order (depth-first), adjacent_lcp, "
+      "tree_of_row (int64 arrays), num_trees and num_nodes.");
   m.def(
       "check_prefix_forest",
-      [](py::handle parent_obj, py::handle depth_obj, py::handle leaf_obj) {
-        LengthsArg parent(parent_obj, "parent"), depth(depth_obj, "depth"), leaf(leaf_obj, "row_leaf");
+      [](py::handle length, py::handle order, py::handle lcp, py::handle tree, int64_t num_trees) {
+        const ForestArgs f(length, order, lcp, tree, num_trees);
         py::gil_scoped_release release;
-        check_forest("PrefixForest", {parent.view(), depth.view(), leaf.view()});
+        check_forest("PrefixForest", f.view());
       },
-      py::arg("parent"), py::arg("depth"), py::arg("row_leaf"),
-      "Raises ValueError unless the arrays are a forest (parents earlier, depths consistent, leaves in range).");
+      py::arg("row_length"), py::arg("row_order"), py::arg("adjacent_lcp"), py::arg("tree_of_row"),
+      py::arg("num_trees"), "Raises ValueError unless the arrays are a consistent prefix forest.");
   m.def(
       "forest_subset_costs",
-      [](py::handle parent_obj, py::handle depth_obj, py::handle leaf_obj, py::handle rows_obj,
+      [](py::handle length, py::handle order, py::handle lcp, py::handle tree, int64_t num_trees, py::handle rows_obj,
          py::handle offsets_obj) {
-        LengthsArg parent(parent_obj, "parent"), depth(depth_obj, "depth"), leaf(leaf_obj, "row_leaf"),
-            rows(rows_obj, "rows"), offsets(offsets_obj, "offsets");
+        const ForestArgs f(length, order, lcp, tree, num_trees);
+        LengthsArg rows(rows_obj, "rows"), offsets(offsets_obj, "offsets");
         const size_t n = offsets.view().empty() ? 0 : offsets.view().size() - 1;
         std::vector<SubsetCost> costs(n);
         {
           py::gil_scoped_release release;
-          forest_subset_costs({parent.view(), depth.view(), leaf.view()}, rows.view(), offsets.view(), costs);
+          forest_subset_costs(f.view(), rows.view(), offsets.view(), costs);
         }
         std::vector<int64_t> tokens(n), pairs(n);
         for (size_t k = 0; k < n; ++k) {
@@ -60,18 +75,20 @@ void init_prefix_forest(py::module_& m) {
         }
         return py::make_tuple(to_array(std::move(tokens)), to_array(std::move(pairs)));
       },
-      py::arg("parent"), py::arg("depth"), py::arg("row_leaf"), py::arg("rows"), py::arg("offsets"),
-      "(physical tokens, visible pairs) of each subset rows[offsets[k]:offsets[k + 1]] of a checked forest.");
+      py::arg("row_length"), py::arg("row_order"), py::arg("adjacent_lcp"), py::arg("tree_of_row"),
+      py::arg("num_trees"), py::arg("rows"), py::arg("offsets"),
+      "(physical tokens, visible pairs) of each subset rows[offsets[k]:offsets[k + 1]] of a forest.");
   m.def(
       "forest_items",
-      [](py::handle parent_obj, py::handle depth_obj, py::handle leaf_obj, py::handle tree_obj, int64_t num_trees,
-         int64_t max_tokens) {
-        LengthsArg parent(parent_obj, "parent"), depth(depth_obj, "depth"), leaf(leaf_obj, "row_leaf"),
-            tree(tree_obj, "tree_of_row");
+      [](py::handle length, py::handle order, py::handle lcp, py::handle tree, int64_t num_trees, int64_t max_tokens,
+         py::handle rows_obj) {
+        const ForestArgs f(length, order, lcp, tree, num_trees);
+        std::optional<LengthsArg> rows;
+        if (!rows_obj.is_none()) rows.emplace(rows_obj, "rows");
         ForestItems items;
         {
           py::gil_scoped_release release;
-          items = forest_items({parent.view(), depth.view(), leaf.view()}, tree.view(), num_trees, max_tokens);
+          items = rows ? forest_items(f.view(), max_tokens, rows->view()) : forest_items(f.view(), max_tokens);
         }
         py::dict d;
         d["rows"] = to_list(items.rows);
@@ -81,10 +98,10 @@ void init_prefix_forest(py::module_& m) {
         d["duplicated_tokens"] = items.duplicated_tokens;
         return d;
       },
-      py::arg("parent"), py::arg("depth"), py::arg("row_leaf"), py::arg("tree_of_row"), py::arg("num_trees"),
-      py::arg("max_tokens"),
-      "The planner's items of a forest under max_tokens: whole trees, or the contiguous split of a larger tree "
-      "that duplicates the fewest tokens (rows, tokens, pairs, tree, duplicated_tokens).");
+      py::arg("row_length"), py::arg("row_order"), py::arg("adjacent_lcp"), py::arg("tree_of_row"),
+      py::arg("num_trees"), py::arg("max_tokens"), py::arg("rows") = py::none(),
+      "The planner's items of a forest (or of the subset `rows`) under max_tokens: whole trees, or the contiguous "
+      "split of a larger tree that duplicates the fewest tokens (rows, tokens, pairs, tree, duplicated_tokens).");
 }
 
 }  // namespace seqpack::bindings

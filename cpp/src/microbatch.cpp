@@ -4,6 +4,7 @@
 #include <cstdint>
 #include <numeric>
 #include <optional>
+#include <string>
 
 #include "seqpack/packing.hpp"
 #include "seqpack/partition.hpp"
@@ -71,8 +72,13 @@ MicroBatchPlan plan_micro_batches(Lengths lengths, const MicroBatchOptions& o) {
   const auto n = static_cast<int64_t>(lengths.size());
   if (n == 0) return plan;
   const int64_t total = checked_sum(fn, "lengths", lengths);
-  const std::vector<int64_t> work_vec = sequence_workloads(lengths, o.attention_coeff);
-  const Lengths work(work_vec);
+  if (!o.workloads.empty() && o.workloads.size() != lengths.size())
+    throw_invalid(fn, "workloads: must hold one entry per length (" + std::to_string(lengths.size()) + "), got " +
+                          std::to_string(o.workloads.size()));
+  if (!o.workloads.empty()) check_non_negative_lengths(fn, "workloads", o.workloads);
+  const std::vector<int64_t> work_vec =
+      o.workloads.empty() ? sequence_workloads(lengths, o.attention_coeff) : std::vector<int64_t>{};
+  const Lengths work = o.workloads.empty() ? Lengths(work_vec) : o.workloads;
   // Every group's workload then fits too (and the partitioners' own checks, which
   // would name themselves, cannot fail).
   const int64_t total_work = checked_sum(fn, "workloads (attention_coeff * s + s * s)", work);
@@ -107,7 +113,7 @@ MicroBatchPlan plan_micro_batches(Lengths lengths, const MicroBatchOptions& o) {
   // fits the cap, else with the cap-aware greedy. A few O(n log n) tries find the
   // count (below), instead of one try per count.
   constexpr int64_t kExactLimit = 65536;
-  std::vector<double> work_d(work_vec.begin(), work_vec.end());
+  std::vector<double> work_d(work.begin(), work.end());
   auto attempt = [&](int64_t k) -> std::optional<Candidate> {
     std::optional<Candidate> found;
     if (n <= kExactLimit) {

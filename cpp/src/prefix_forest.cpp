@@ -1,9 +1,13 @@
-// The prefix forest (prefix_forest.hpp): the trie's parent / depth arrays, trees as
-// the roots of the rows' paths, and the cost of row subsets by a marked walk up.
+// The prefix forest (prefix_forest.hpp): the trie built and walked once for the rows'
+// depth-first order and adjacent lcps, then dropped; subset costs from those alone.
 #include "seqpack/prefix_forest.hpp"
 
+#include <algorithm>
+#include <numeric>
 #include <string>
+#include <tuple>
 
+#include "forest_lcp.hpp"
 #include "trie.hpp"
 
 namespace seqpack {
@@ -11,58 +15,122 @@ namespace {
 
 constexpr const char* kFn = "build_prefix_forest";
 
+// Pre-order index of every node, children visited in order of creation (node id).
+std::vector<int64_t> preorder(const std::vector<int64_t>& parent) {
+  const size_t m = parent.size();
+  std::vector<int64_t> first_child(m, -1), next_sibling(m, -1), last_child(m, -1), pre(m, 0);
+  int64_t first_root = -1, last_root = -1;
+  for (size_t i = 0; i < m; ++i) {
+    const int64_t p = parent[i], node = static_cast<int64_t>(i);
+    int64_t& last = p < 0 ? last_root : last_child[static_cast<size_t>(p)];
+    int64_t& first = p < 0 ? first_root : first_child[static_cast<size_t>(p)];
+    (last < 0 ? first : next_sibling[static_cast<size_t>(last)]) = node;
+    last = node;
+  }
+  int64_t t = 0;
+  for (int64_t node = first_root; node >= 0;) {
+    pre[static_cast<size_t>(node)] = t++;
+    if (first_child[static_cast<size_t>(node)] >= 0) {
+      node = first_child[static_cast<size_t>(node)];
+      continue;
+    }
+    while (node >= 0 && next_sibling[static_cast<size_t>(node)] < 0) node = parent[static_cast<size_t>(node)];
+    if (node >= 0) node = next_sibling[static_cast<size_t>(node)];
+  }
+  return pre;
+}
+
 }  // namespace
 
 PrefixForest build_prefix_forest(std::span<const int64_t> tokens, Lengths cu, std::span<const int64_t> group_ids,
                                  int64_t min_shared_tokens) {
   detail::check_trie_arguments(kFn, tokens, cu, group_ids, min_shared_tokens);
-  detail::Trie trie = detail::build_trie(tokens, cu, group_ids, min_shared_tokens);
+  const detail::Trie trie = detail::build_trie(tokens, cu, group_ids, min_shared_tokens);
   const size_t rows = cu.size() - 1;
   PrefixForest forest;
-  forest.parent = std::move(trie.up);
-  forest.depth = std::move(trie.depth);
-  forest.row_leaf.assign(rows, -1);
+  forest.num_nodes = trie.num_nodes();
+  forest.row_length.resize(rows);
   forest.tree_of_row.assign(rows, -1);
-  // A root's tree id, given when its first row is met (-1: none yet).
-  std::vector<int64_t> tree_of_root(forest.parent.size(), -1);
+  std::vector<int64_t> leaf(rows, -1), tree_of_root(static_cast<size_t>(trie.num_nodes()), -1);
   for (size_t r = 0; r < rows; ++r) {
+    forest.row_length[r] = cu[r + 1] - cu[r];
     if (cu[r + 1] == cu[r]) {
       forest.tree_of_row[r] = forest.num_trees++;
       continue;
     }
-    forest.row_leaf[r] = trie.node_of[static_cast<size_t>(cu[r + 1] - 1)];
-    // The row's first token is its root: no walk up needed.
-    int64_t& tree = tree_of_root[static_cast<size_t>(trie.node_of[static_cast<size_t>(cu[r])])];
+    leaf[r] = trie.node_of[static_cast<size_t>(cu[r + 1] - 1)];
+    int64_t& tree = tree_of_root[static_cast<size_t>(trie.node_of[static_cast<size_t>(cu[r])])];  // the row's root
     if (tree < 0) tree = forest.num_trees++;
     forest.tree_of_row[r] = tree;
+  }
+  // Rows by tree, then the depth-first position of their last token, then id.
+  const std::vector<int64_t> pre = preorder(trie.up);
+  forest.row_order.resize(rows);
+  std::iota(forest.row_order.begin(), forest.row_order.end(), int64_t{0});
+  auto key = [&](int64_t r) {
+    const int64_t l = leaf[static_cast<size_t>(r)];
+    return std::tuple{forest.tree_of_row[static_cast<size_t>(r)], l < 0 ? -1 : pre[static_cast<size_t>(l)], r};
+  };
+  std::sort(forest.row_order.begin(), forest.row_order.end(), [&](int64_t a, int64_t b) { return key(a) < key(b); });
+  // Each row's lcp with the previous one: walking up from its last token to the
+  // first node an earlier row of its tree marked (in depth-first order, the deepest
+  // node it shares with the previous row).
+  forest.adjacent_lcp.assign(rows, 0);
+  std::vector<int64_t> mark(static_cast<size_t>(trie.num_nodes()), -1);
+  for (size_t i = 0; i < rows; ++i) {
+    const int64_t r = forest.row_order[i], tree = forest.tree_of_row[static_cast<size_t>(r)];
+    int64_t node = leaf[static_cast<size_t>(r)];
+    for (; node >= 0 && mark[static_cast<size_t>(node)] != tree; node = trie.up[static_cast<size_t>(node)])
+      mark[static_cast<size_t>(node)] = tree;
+    forest.adjacent_lcp[i] = node < 0 ? 0 : trie.depth[static_cast<size_t>(node)] + 1;
   }
   return forest;
 }
 
 void check_forest(const char* fn, const ForestView& f) {
-  const auto m = static_cast<int64_t>(f.parent.size());
-  if (f.depth.size() != f.parent.size())
-    throw_invalid(fn, "forest: parent and depth must have one entry per node (" + std::to_string(m) + "), got " +
-                          std::to_string(f.depth.size()) + " depths");
-  for (int64_t i = 0; i < m; ++i) {
-    const int64_t p = f.parent[static_cast<size_t>(i)], d = f.depth[static_cast<size_t>(i)];
-    if (p < -1 || p >= i)
-      throw_invalid(fn, "forest: parent[" + std::to_string(i) + "] = " + std::to_string(p) +
-                            " must be -1 or an earlier node");
-    if (d != (p < 0 ? 0 : f.depth[static_cast<size_t>(p)] + 1))
-      throw_invalid(fn, "forest: depth[" + std::to_string(i) + "] = " + std::to_string(d) +
-                            " must be 0 at a root and its parent's depth + 1 elsewhere");
+  const size_t n = f.row_length.size();
+  if (f.row_order.size() != n || f.adjacent_lcp.size() != n || f.tree_of_row.size() != n)
+    throw_invalid(fn, "forest: row_length, row_order, adjacent_lcp and tree_of_row must hold one entry per row (" +
+                          std::to_string(n) + ")");
+  if (f.num_trees < 0) throw_invalid(fn, "forest: num_trees must be >= 0");
+  if (static_cast<size_t>(f.num_trees) > n) throw_invalid(fn, "forest: num_trees must be at most the number of rows");
+  std::vector<char> seen(n, 0), tree_done(static_cast<size_t>(f.num_trees), 0);
+  int64_t total = 0, longest = 0;
+  for (size_t i = 0; i < n; ++i) {
+    const int64_t r = f.row_order[i];
+    if (r < 0 || r >= static_cast<int64_t>(n) || seen[static_cast<size_t>(r)])
+      throw_invalid(fn, "forest: row_order must be a permutation of the rows; row_order[" + std::to_string(i) +
+                            "] = " + std::to_string(r));
+    seen[static_cast<size_t>(r)] = 1;
+    const int64_t len = f.row_length[static_cast<size_t>(r)], tree = f.tree_of_row[static_cast<size_t>(r)];
+    if (len < 0 || len > (int64_t{1} << 40))
+      throw_invalid(fn, "forest: row_length[" + std::to_string(r) + "] must be in [0, 2^40]");
+    total += len;
+    longest = std::max(longest, len);
+    // Pair counts (at most the sum of length^2 / 2 + length) must fit in int64.
+    if (total > 0 && longest > (int64_t{1} << 61) / total)
+      throw_invalid(fn, "forest: the rows are too long for int64 pair counts (sum of lengths x longest >= 2^61)");
+    if (tree < 0 || tree >= f.num_trees)
+      throw_invalid(fn, "forest: tree_of_row[" + std::to_string(r) + "] = " + std::to_string(tree) +
+                            " must be in [0, num_trees = " + std::to_string(f.num_trees) + ")");
+    const bool starts = i == 0 || f.tree_of_row[static_cast<size_t>(f.row_order[i - 1])] != tree;
+    if (starts) {
+      if (tree_done[static_cast<size_t>(tree)])
+        throw_invalid(fn, "forest: the rows of tree " + std::to_string(tree) + " must be contiguous in row_order");
+      tree_done[static_cast<size_t>(tree)] = 1;
+    }
+    const int64_t lcp = f.adjacent_lcp[i];
+    const int64_t bound = starts ? 0 : std::min(len, f.row_length[static_cast<size_t>(f.row_order[i - 1])]);
+    if (lcp < 0 || lcp > bound)
+      throw_invalid(fn, "forest: adjacent_lcp[" + std::to_string(i) + "] = " + std::to_string(lcp) +
+                            " must be in [0, " + std::to_string(bound) + "]");
   }
-  for (size_t r = 0; r < f.row_leaf.size(); ++r)
-    if (f.row_leaf[r] < -1 || f.row_leaf[r] >= m)
-      throw_invalid(fn, "forest: row_leaf[" + std::to_string(r) + "] = " + std::to_string(f.row_leaf[r]) +
-                            " must be -1 or a node in [0, " + std::to_string(m) + ")");
 }
 
 void forest_subset_costs(const ForestView& f, std::span<const int64_t> rows, Lengths offsets,
                          std::span<SubsetCost> out) {
   constexpr const char* fn = "forest_subset_costs";
-  check_forest(fn, f);  // O(M + R), as much as costing the whole batch once: the walks below then stay in bounds
+  check_forest(fn, f);
   if (offsets.empty()) throw_invalid(fn, "offsets: must hold at least one offset (got none)");
   if (out.size() != offsets.size() - 1)
     throw_invalid(fn, "out: must hold one entry per subset (" + std::to_string(offsets.size() - 1) + ")");
@@ -71,24 +139,24 @@ void forest_subset_costs(const ForestView& f, std::span<const int64_t> rows, Len
                           ")");
   for (size_t k = 1; k < offsets.size(); ++k)
     if (offsets[k] < offsets[k - 1]) throw_invalid(fn, "offsets: must never decrease");
-  const auto n_rows = static_cast<int64_t>(f.row_leaf.size());
+  const auto n_rows = static_cast<int64_t>(f.row_length.size());
   for (size_t i = 0; i < rows.size(); ++i)
     if (rows[i] < 0 || rows[i] >= n_rows)
       throw_invalid(fn, "rows: row id " + std::to_string(rows[i]) + " at position " + std::to_string(i) +
                             " is outside [0, " + std::to_string(n_rows) + ")");
-  // mark[node] == k + 1: the node is already counted for subset k. Walking up from a
-  // row's leaf stops at the first marked node: its ancestors are marked too.
-  std::vector<int64_t> mark(f.parent.size(), 0);
+  const detail::ForestLcp lcp(f);
+  std::vector<int64_t> ranks;
   for (size_t k = 0; k + 1 < offsets.size(); ++k) {
+    ranks.clear();
+    for (int64_t i = offsets[k]; i < offsets[k + 1]; ++i) ranks.push_back(lcp.rank(rows[static_cast<size_t>(i)]));
+    std::sort(ranks.begin(), ranks.end());
+    ranks.erase(std::unique(ranks.begin(), ranks.end()), ranks.end());
     SubsetCost cost;
-    const auto stamp = static_cast<int64_t>(k) + 1;
-    for (int64_t i = offsets[k]; i < offsets[k + 1]; ++i) {
-      for (int64_t node = f.row_leaf[static_cast<size_t>(rows[static_cast<size_t>(i)])];
-           node >= 0 && mark[static_cast<size_t>(node)] != stamp; node = f.parent[static_cast<size_t>(node)]) {
-        mark[static_cast<size_t>(node)] = stamp;
-        ++cost.tokens;
-        cost.pairs += f.depth[static_cast<size_t>(node)] + 1;
-      }
+    for (size_t j = 0; j < ranks.size(); ++j) {
+      const int64_t len = lcp.length(f.row_order[static_cast<size_t>(ranks[j])]);
+      const int64_t shared = j == 0 ? 0 : lcp.lcp(ranks[j - 1], ranks[j]);
+      cost.tokens += len - shared;
+      cost.pairs += detail::ForestLcp::pairs(len) - detail::ForestLcp::pairs(shared);
     }
     out[k] = cost;
   }

@@ -31,6 +31,17 @@ struct Item {
   double w;
 };
 
+// c1·s + c2·s² of sequence i (global index), with o.squares standing in for s².
+double work_of(const StepOptions& o, Lengths lengths, size_t i) {
+  if (o.squares.empty()) return o.cost.work(lengths[i]);
+  return o.cost.per_token * static_cast<double>(lengths[i]) + o.cost.per_token_squared * static_cast<double>(o.squares[i]);
+}
+
+// The s² stand-ins of sequences [begin, end), or none (plain lengths).
+Lengths squares_of(const StepOptions& o, int64_t begin, int64_t end) {
+  return o.squares.empty() ? Lengths{} : o.squares.subspan(static_cast<size_t>(begin), static_cast<size_t>(end - begin));
+}
+
 // A mini-batch's sequences heaviest first: (work, length) descending, then the
 // seeded tie key (or the index) ascending.
 std::vector<Item> sorted_items(Lengths lengths, int64_t begin, int64_t end, const StepOptions& o) {
@@ -46,7 +57,7 @@ std::vector<Item> sorted_items(Lengths lengths, int64_t begin, int64_t end, cons
   std::iota(order.begin(), order.end(), 0);
   for (size_t j = 0; j < n; ++j) {
     const int64_t s = lengths[static_cast<size_t>(begin) + j];
-    items[j] = Item{begin + static_cast<int64_t>(j), s, o.cost.work(s)};
+    items[j] = Item{begin + static_cast<int64_t>(j), s, work_of(o, lengths, static_cast<size_t>(begin) + j)};
   }
   std::sort(order.begin(), order.end(), [&](size_t a, size_t b) {
     if (items[a].w != items[b].w) return items[a].w > items[b].w;
@@ -366,10 +377,21 @@ std::pair<Cells, int64_t> two_step_cells(Lengths lengths, int64_t begin, int64_t
     for (int64_t s : local) tokens += static_cast<double>(s);
     if ((coeff + static_cast<double>(o.max_tokens)) * tokens < 0x1p62) mo.attention_coeff = static_cast<int64_t>(coeff);
   }
-  std::vector<std::vector<int64_t>> rank_lengths(static_cast<size_t>(R));
+  // With s² stand-ins, each rank's workloads coeff·s + square are given (<= (coeff + cap)·s: the same guard).
+  const Lengths local_squares = squares_of(o, begin, end);
+  const bool given_work = !local_squares.empty() && mo.attention_coeff > 0;
+  std::vector<std::vector<int64_t>> rank_lengths(static_cast<size_t>(R)), rank_work(static_cast<size_t>(R));
   for (int64_t r = 0; r < R; ++r)
-    for (int64_t i : parts.group(static_cast<size_t>(r)))
+    for (int64_t i : parts.group(static_cast<size_t>(r))) {
       rank_lengths[static_cast<size_t>(r)].push_back(local[static_cast<size_t>(i)]);
+      if (given_work)
+        rank_work[static_cast<size_t>(r)].push_back(mo.attention_coeff * local[static_cast<size_t>(i)] +
+                                                    local_squares[static_cast<size_t>(i)]);
+    }
+  auto rank_options = [&](size_t r, MicroBatchOptions base) {
+    base.workloads = rank_work[r];
+    return base;
+  };
   // Each rank's plan is independent: spread them over the pool's threads.
   std::vector<MicroBatchPlan> plans(static_cast<size_t>(R));
   const size_t threads = std::min(static_cast<size_t>(R), detail::available_threads());
@@ -379,7 +401,7 @@ std::pair<Cells, int64_t> two_step_cells(Lengths lengths, int64_t begin, int64_t
     });
   };
   each_rank([&](size_t r) {
-    if (!rank_lengths[r].empty()) plans[r] = plan_micro_batches(rank_lengths[r], mo);
+    if (!rank_lengths[r].empty()) plans[r] = plan_micro_batches(rank_lengths[r], rank_options(r, mo));
   });
   int64_t count = o.min_micro_batches;
   for (const MicroBatchPlan& plan : plans) count = std::max(count, static_cast<int64_t>(plan.groups.size()));
@@ -389,7 +411,7 @@ std::pair<Cells, int64_t> two_step_cells(Lengths lengths, int64_t begin, int64_t
     if (rank_lengths[r].empty() || have >= count) return;
     MicroBatchOptions more = mo;
     more.min_num = std::min(count, static_cast<int64_t>(rank_lengths[r].size()));
-    plans[r] = plan_micro_batches(rank_lengths[r], more);
+    plans[r] = plan_micro_batches(rank_lengths[r], rank_options(r, more));
   });
   Cells cells(static_cast<size_t>(R * count));
   for (int64_t r = 0; r < R; ++r) {
@@ -399,7 +421,7 @@ std::pair<Cells, int64_t> two_step_cells(Lengths lengths, int64_t begin, int64_t
       for (int64_t j : plan.groups.group(k)) {
         const int64_t i = begin + part[static_cast<size_t>(j)];
         const int64_t s = lengths[static_cast<size_t>(i)];
-        cells.add(static_cast<size_t>(r * count) + k, Item{i, s, o.cost.work(s)});
+        cells.add(static_cast<size_t>(r * count) + k, Item{i, s, work_of(o, lengths, static_cast<size_t>(i))});
       }
   }
   return {std::move(cells), count};
@@ -472,28 +494,37 @@ int64_t min_micro_batches(Lengths lengths, const StepOptions& o) {
   return round_up(kFn, std::max(o.min_micro_batches, ceil_div(cells, o.dp_size)), o.multiple_of);
 }
 
-// Fractional knapsack: the most Σs² that `budget` tokens of these lengths can
-// hold (longest first, the last one in part).
-double max_square_sum(std::vector<int64_t> lengths, double budget) {
-  std::sort(lengths.begin(), lengths.end(), std::greater<>());
+// Fractional knapsack: the most Σs² (or Σ squares, the stand-ins) that `budget`
+// tokens of these sequences can hold: densest first (s² / s = s: longest first),
+// the last one in part.
+double max_square_sum(Lengths lengths, Lengths squares, double budget) {
+  std::vector<std::pair<double, double>> by_density;  // (square per token, tokens)
+  by_density.reserve(lengths.size());
+  for (size_t i = 0; i < lengths.size(); ++i) {
+    const auto x = static_cast<double>(lengths[i]);
+    if (x > 0) by_density.emplace_back(squares.empty() ? x : static_cast<double>(squares[i]) / x, x);
+  }
+  std::sort(by_density.begin(), by_density.end(), std::greater<>());
   double sq = 0.0;
-  for (int64_t s : lengths) {
-    const auto x = static_cast<double>(s);
+  for (const auto& [density, x] : by_density) {
     if (budget <= 0) break;
     const double take = std::min(x, budget);
-    sq += take * x;
+    sq += take * density;
     budget -= take;
   }
   return sq;
 }
 
-// step_lower_bound of validated lengths and options, K_min given.
-double lower_bound_of(Lengths lengths, const StepOptions& o, int64_t k_min) {
+// step_lower_bound of validated lengths and options (the mini-batch's own
+// `squares`, or none), K_min given.
+double lower_bound_of(Lengths lengths, Lengths squares, const StepOptions& o, int64_t k_min) {
   const auto R = static_cast<double>(o.dp_size);
   double work = 0.0, heaviest = 0.0, tokens = 0.0;
   std::vector<Item> big;
   for (size_t i = 0; i < lengths.size(); ++i) {
-    const double w = o.cost.work(lengths[i]);
+    const double w = squares.empty() ? o.cost.work(lengths[i])
+                                     : o.cost.per_token * static_cast<double>(lengths[i]) +
+                                           o.cost.per_token_squared * static_cast<double>(squares[i]);
     work += w;
     tokens += static_cast<double>(lengths[i]);
     heaviest = std::max(heaviest, w);
@@ -510,8 +541,7 @@ double lower_bound_of(Lengths lengths, const StepOptions& o, int64_t k_min) {
     for (size_t j = 0; j < big.size(); j += static_cast<size_t>(o.dp_size)) floors.push_back(big[j].w);
     const double step_tokens = R * static_cast<double>(o.max_tokens);
     const double h1 = o.cost.per_token * step_tokens;
-    const std::vector<int64_t> all(lengths.begin(), lengths.end());
-    const double h2 = h1 + o.cost.per_token_squared * max_square_sum(all, step_tokens);
+    const double h2 = h1 + o.cost.per_token_squared * max_square_sum(lengths, squares, step_tokens);
     double floor_sum = 0.0, held_linear = 0.0, held_all = 0.0;
     for (double f : floors) {
       floor_sum += f;
@@ -531,7 +561,7 @@ MiniBatchStep plan_mini_batch(Lengths lengths, int64_t begin, int64_t end, const
   MiniBatchStep out;
   out.begin = begin;
   out.end = end;
-  out.lower_bound = lower_bound_of(local, o, k_min);
+  out.lower_bound = lower_bound_of(local, squares_of(o, begin, end), o, k_min);
   const double variable_bound = out.lower_bound - static_cast<double>(k_min) * o.cost.per_micro_batch;
   const std::vector<Item> items = sorted_items(lengths, begin, end, o);
   const auto n = static_cast<int64_t>(items.size());
@@ -626,15 +656,31 @@ void check_options(const StepOptions& o) {
                            " tokens overflows float64: scale the cost model down, only its ratios matter");
 }
 
+// The lengths, and the s² stand-ins when given (one per length, 0 <= square <= s²).
+void check_lengths(Lengths lengths, const StepOptions& o) {
+  check_non_negative_lengths(kFn, "lengths", lengths);
+  check_lengths_fit(kFn, "lengths", lengths, o.max_tokens, "max_tokens");
+  if (o.squares.empty()) return;
+  if (o.squares.size() != lengths.size())
+    throw_invalid(kFn, "squares: must hold one entry per length (" + std::to_string(lengths.size()) + "), got " +
+                           std::to_string(o.squares.size()));
+  constexpr int64_t kRootMax = 3037000499;  // floor(sqrt(2^63 - 1)): s * s fits below it
+  for (size_t i = 0; i < lengths.size(); ++i)
+    if (o.squares[i] < 0 || (lengths[i] <= kRootMax && o.squares[i] > lengths[i] * lengths[i]))
+      throw_invalid(kFn, "squares[" + std::to_string(i) + "] = " + std::to_string(o.squares[i]) +
+                             " must be in [0, lengths[i]^2] (lengths[i] = " + std::to_string(lengths[i]) + ")");
+}
+
 // A plan whose total overflowed: names the term of the cost model that contributes
 // the most to the step (per_micro_batch per micro-batch, per_token per token,
 // per_token_squared per attended pair).
 [[noreturn]] void throw_overflowed_time(Lengths lengths, const StepOptions& o, const StepPlan& plan) {
   double cells = 0.0, tokens = 0.0, pairs = 0.0;
   for (const MiniBatchStep& mb : plan.mini_batches) cells += static_cast<double>(mb.cells.size());
-  for (int64_t s : lengths) {
-    tokens += static_cast<double>(s);
-    pairs += static_cast<double>(s) * static_cast<double>(s);
+  for (size_t i = 0; i < lengths.size(); ++i) {
+    tokens += static_cast<double>(lengths[i]);
+    pairs += o.squares.empty() ? static_cast<double>(lengths[i]) * static_cast<double>(lengths[i])
+                               : static_cast<double>(o.squares[i]);
   }
   struct Term {
     const char* name;
@@ -673,25 +719,32 @@ double step_time(const std::vector<double>& costs, int64_t R, int64_t K, StepSyn
 
 double step_lower_bound(Lengths lengths, const StepOptions& o) {
   check_options(o);
-  check_non_negative_lengths(kFn, "lengths", lengths);
-  check_lengths_fit(kFn, "lengths", lengths, o.max_tokens, "max_tokens");
-  return lower_bound_of(lengths, o, min_micro_batches(lengths, o));
+  check_lengths(lengths, o);
+  return lower_bound_of(lengths, o.squares, o, min_micro_batches(lengths, o));
 }
 
 StepPlan plan_step(Lengths lengths, const StepOptions& o) {
   check_options(o);
-  check_non_negative_lengths(kFn, "lengths", lengths);
-  check_lengths_fit(kFn, "lengths", lengths, o.max_tokens, "max_tokens");
+  check_lengths(lengths, o);
   const auto n = static_cast<int64_t>(lengths.size());
   if (n < o.mini_batches)
     throw_invalid(kFn, "lengths: " + std::to_string(n) + " sequences cannot fill mini_batches=" +
                            std::to_string(o.mini_batches) + " mini-batches (each needs at least one)");
   checked_sum(kFn, "lengths", lengths);
+  if (!o.mini_batch_sizes.empty()) {
+    if (static_cast<int64_t>(o.mini_batch_sizes.size()) != o.mini_batches)
+      throw_invalid(kFn, "mini_batch_sizes: must hold mini_batches = " + std::to_string(o.mini_batches) +
+                             " sizes, got " + std::to_string(o.mini_batch_sizes.size()));
+    check_positive_lengths(kFn, "mini_batch_sizes", o.mini_batch_sizes);
+    if (checked_sum(kFn, "mini_batch_sizes", o.mini_batch_sizes) != n)
+      throw_invalid(kFn, "mini_batch_sizes: must sum to the number of sequences (" + std::to_string(n) + ")");
+  }
   StepPlan plan;
   const int64_t base = n / o.mini_batches, extra = n % o.mini_batches;
   int64_t begin = 0;
   for (int64_t m = 0; m < o.mini_batches; ++m) {
-    const int64_t end = begin + base + (m < extra ? 1 : 0);
+    const int64_t end = begin + (o.mini_batch_sizes.empty() ? base + (m < extra ? 1 : 0)
+                                                            : o.mini_batch_sizes[static_cast<size_t>(m)]);
     const Lengths local = lengths.subspan(static_cast<size_t>(begin), static_cast<size_t>(end - begin));
     const int64_t k_min = min_micro_batches(local, o);
     if (k_min > kMaxCells / o.dp_size)

@@ -16,26 +16,17 @@ using seqpack_test::ThrowsInvalid;
 using Vec = std::vector<int64_t>;
 using Rows = std::vector<Vec>;
 
-struct Batch {
-  Vec tokens, cu{0}, groups;
-};
+using Batch = seqpack_test::FlatRows;
+using seqpack_test::flatten_rows;
 
-Batch flatten(const Rows& rows, const Vec& groups = {}) {
-  Batch b;
-  for (const Vec& r : rows) {
-    b.tokens.insert(b.tokens.end(), r.begin(), r.end());
-    b.cu.push_back(static_cast<int64_t>(b.tokens.size()));
-  }
-  b.groups = groups;
-  return b;
+ForestView view(const PrefixForest& f) {
+  return {f.row_length, f.row_order, f.adjacent_lcp, f.tree_of_row, f.num_trees};
 }
 
-ForestItems items_of(const PrefixForest& f, int64_t cap) {
-  return forest_items({f.parent, f.depth, f.row_leaf}, f.tree_of_row, f.num_trees, cap);
-}
+ForestItems items_of(const PrefixForest& f, int64_t cap) { return forest_items(view(f), cap); }
 
 TEST(ForestItems, TheHeaderExample) {
-  const Batch b = flatten({{1, 2, 3, 4}, {1, 2, 3, 5}, {1, 2, 6}, {1, 2, 7, 8}});
+  const Batch b = flatten_rows({{1, 2, 3, 4}, {1, 2, 3, 5}, {1, 2, 6}, {1, 2, 7, 8}});
   const PrefixForest f = build_prefix_forest(b.tokens, b.cu, {});
   const ForestItems whole = items_of(f, 8);
   EXPECT_EQ(whole.rows.to_nested(), (Rows{{0, 1, 2, 3}}));
@@ -65,7 +56,7 @@ int64_t brute_force_duplicates(const PrefixForest& f, const Vec& order, int64_t 
     }
     offsets.push_back(static_cast<int64_t>(rows.size()));
     std::vector<SubsetCost> c(offsets.size() - 1);
-    forest_subset_costs({f.parent, f.depth, f.row_leaf}, rows, offsets, c);
+    forest_subset_costs(view(f), rows, offsets, c);
     int64_t sum = 0;
     bool fits = true;
     for (const SubsetCost& x : c) {
@@ -75,7 +66,7 @@ int64_t brute_force_duplicates(const PrefixForest& f, const Vec& order, int64_t 
     if (fits && (best < 0 || sum < best)) best = sum;
   }
   std::vector<SubsetCost> whole(1);
-  forest_subset_costs({f.parent, f.depth, f.row_leaf}, order, Vec{0, n}, whole);
+  forest_subset_costs(view(f), order, Vec{0, n}, whole);
   return best - whole[0].tokens;
 }
 
@@ -93,7 +84,7 @@ TEST(ForestItems, RandomForestsSplitExactlyAndOptimally) {
       data.push_back(row);
       groups.push_back(rng() % 2);
     }
-    const Batch b = flatten(data, round % 3 ? groups : Vec{});
+    const Batch b = flatten_rows(data, round % 3 ? groups : Vec{});
     const PrefixForest f = build_prefix_forest(b.tokens, b.cu, b.groups);
     int64_t longest = 0;
     for (const Vec& r : data) longest = std::max<int64_t>(longest, static_cast<int64_t>(r.size()));
@@ -105,7 +96,7 @@ TEST(ForestItems, RandomForestsSplitExactlyAndOptimally) {
       ASSERT_LE(it.tokens[k], cap);
       total += it.tokens[k];
       std::vector<SubsetCost> c(1);
-      forest_subset_costs({f.parent, f.depth, f.row_leaf}, it.rows.group(k), Vec{0, it.rows.group_size(k)}, c);
+      forest_subset_costs(view(f), it.rows.group(k), Vec{0, it.rows.group_size(k)}, c);
       EXPECT_EQ(c[0], (SubsetCost{it.tokens[k], it.pairs[k]}));
       for (int64_t r : it.rows.group(k)) {
         ++seen[static_cast<size_t>(r)];
@@ -113,7 +104,7 @@ TEST(ForestItems, RandomForestsSplitExactlyAndOptimally) {
       }
     }
     for (int s : seen) ASSERT_EQ(s, 1);
-    EXPECT_EQ(it.duplicated_tokens, total - static_cast<int64_t>(f.parent.size()));
+    EXPECT_EQ(it.duplicated_tokens, total - f.num_nodes);
     // Per tree: whole when it fits; otherwise no contiguous split of its order duplicates fewer tokens.
     for (int64_t t = 0; t < f.num_trees; ++t) {
       Vec order;
@@ -125,7 +116,7 @@ TEST(ForestItems, RandomForestsSplitExactlyAndOptimally) {
           ++parts;
         }
       std::vector<SubsetCost> whole(1);
-      forest_subset_costs({f.parent, f.depth, f.row_leaf}, order, Vec{0, static_cast<int64_t>(order.size())}, whole);
+      forest_subset_costs(view(f), order, Vec{0, static_cast<int64_t>(order.size())}, whole);
       tree_tokens = whole[0].tokens;
       dup -= tree_tokens;
       if (tree_tokens <= cap) EXPECT_EQ(parts, 1) << round;
@@ -136,13 +127,24 @@ TEST(ForestItems, RandomForestsSplitExactlyAndOptimally) {
   EXPECT_GT(split_trees, 100);
 }
 
-TEST(ForestItems, BadArgumentsThrow) {
-  const Batch b = flatten({{1, 2}, {1, 3}});
+TEST(ForestItems, SubsetsOfRows) {
+  const Batch b = flatten_rows({{1, 2, 3, 4}, {1, 2, 3, 5}, {1, 2, 6}, {1, 2, 7, 8}, {9}});
   const PrefixForest f = build_prefix_forest(b.tokens, b.cu, {});
-  const ForestView v{f.parent, f.depth, f.row_leaf};
-  EXPECT_TRUE(ThrowsInvalid([&] { forest_items(v, f.tree_of_row, f.num_trees, 0); }, {"max_tokens"}));
-  EXPECT_TRUE(ThrowsInvalid([&] { forest_items(v, Vec{0}, 1, 5); }, {"tree_of_row"}));
-  EXPECT_TRUE(ThrowsInvalid([&] { forest_items(v, Vec{0, 1}, 1, 5); }, {"tree_of_row[1] = 1"}));
+  const ForestItems it = forest_items(view(f), 6, Vec{3, 1, 4});
+  EXPECT_EQ(it.rows.to_nested(), (Rows{{1, 3}, {4}}));  // 4 + 2 = 6 tokens: b and d share "1 2"
+  EXPECT_EQ(it.tokens, (Vec{6, 1}));
+  EXPECT_EQ(it.duplicated_tokens, 0);
+  EXPECT_TRUE(ThrowsInvalid([&] { forest_items(view(f), 6, Vec{1, 1}); }, {"row id 1 is repeated"}));
+  EXPECT_TRUE(ThrowsInvalid([&] { forest_items(view(f), 6, Vec{5}); }, {"row id 5"}));
+}
+
+TEST(ForestItems, BadArgumentsThrow) {
+  const Batch b = flatten_rows({{1, 2}, {1, 3}});
+  const PrefixForest f = build_prefix_forest(b.tokens, b.cu, {});
+  EXPECT_TRUE(ThrowsInvalid([&] { forest_items(view(f), 0); }, {"max_tokens"}));
+  PrefixForest g = f;
+  g.tree_of_row = {0, 1};
+  EXPECT_TRUE(ThrowsInvalid([&] { forest_items(view(g), 5); }, {"tree_of_row[1] = 1"}));
 }
 
 }  // namespace

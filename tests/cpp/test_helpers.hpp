@@ -87,4 +87,20 @@ inline std::vector<int64_t> lognormal_lengths(uint64_t seed, size_t n, double me
   return v;
 }
 
+// Token rows as the prefix-tree and forest builders take them: flat tokens, their
+// offsets, and one group id per row (empty: one group).
+struct FlatRows {
+  std::vector<int64_t> tokens, cu{0}, groups;
+};
+
+inline FlatRows flatten_rows(const Nested& rows, const std::vector<int64_t>& groups = {}) {
+  FlatRows f;
+  for (const std::vector<int64_t>& r : rows) {
+    f.tokens.insert(f.tokens.end(), r.begin(), r.end());
+    f.cu.push_back(static_cast<int64_t>(f.tokens.size()));
+  }
+  f.groups = groups;
+  return f;
+}
+
 }  // namespace seqpack_test

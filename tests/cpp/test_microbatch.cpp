@@ -159,6 +159,32 @@ TEST(MicroBatch, AttentionCoeffBalancesQuadraticWorkloads) {
   EXPECT_EQ(p.workloads, group_sums(p.groups, w));
 }
 
+// Workloads given per item (prefix-tree parts) are the ones balanced: the same
+// workloads given explicitly or derived from attention_coeff give the same plan, in
+// every partitioner (the capped greedy and FFD rebalancing read them too).
+TEST(MicroBatch, GivenWorkloadsAreTheOnesBalanced) {
+  for (int64_t cap : {32768, 17000, 16400}) {
+    const Vec lengths = seqpack_test::lognormal_lengths(78, 300, 2000, 1.2, 16, 16384);
+    const MicroBatchOptions derived = options(cap, 4, 1, 4096);
+    const Vec w = sequence_workloads(lengths, 4096);
+    MicroBatchOptions given = options(cap, 4, 1, 0);
+    given.workloads = w;
+    const MicroBatchPlan a = plan_micro_batches(lengths, derived), b = plan_micro_batches(lengths, given);
+    EXPECT_EQ(a.groups, b.groups) << cap;
+    EXPECT_EQ(b.workloads, group_sums(b.groups, w)) << cap;
+  }
+  const Vec lengths = {2, 2, 4, 7, 3, 1};  // the capped greedy's case above, with given workloads
+  MicroBatchOptions o = options(10, 1, 1, 0);
+  const Vec w = sequence_workloads(lengths, 4);
+  o.workloads = w;
+  const MicroBatchPlan p = plan_micro_batches(lengths, o);
+  EXPECT_STREQ(p.method, "capped_greedy");
+  EXPECT_EQ(p.workloads, (Vec{89, 70}));
+  const Vec short_w = {1, 2};
+  o.workloads = short_w;
+  EXPECT_TRUE(ThrowsInvalid([&] { plan_micro_batches(lengths, o); }, {"workloads", "one entry per length"}));
+}
+
 TEST(MicroBatch, SmallAtEndsOrder) {
   // Ascending: 1(1) 2(3) 3(4) 4(2) 5(0) placed at 0, last, 1, last-1, middle.
   EXPECT_EQ(small_at_ends_order(Vec{5, 1, 4, 2, 3}), (Vec{1, 4, 0, 2, 3}));

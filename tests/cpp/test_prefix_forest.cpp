@@ -15,21 +15,12 @@ using seqpack_test::ThrowsInvalid;
 using Vec = std::vector<int64_t>;
 using Rows = std::vector<Vec>;
 
-struct Flat {
-  Vec tokens, cu{0}, groups;
-};
+using Flat = seqpack_test::FlatRows;
+using seqpack_test::flatten_rows;
 
-Flat flatten(const Rows& rows, const Vec& groups = {}) {
-  Flat f;
-  for (const Vec& r : rows) {
-    f.tokens.insert(f.tokens.end(), r.begin(), r.end());
-    f.cu.push_back(static_cast<int64_t>(f.tokens.size()));
-  }
-  f.groups = groups;
-  return f;
+ForestView view(const PrefixForest& f) {
+  return {f.row_length, f.row_order, f.adjacent_lcp, f.tree_of_row, f.num_trees};
 }
-
-ForestView view(const PrefixForest& f) { return {f.parent, f.depth, f.row_leaf}; }
 
 std::vector<SubsetCost> costs(const PrefixForest& f, const std::vector<Vec>& subsets) {
   Vec rows, offsets{0};
@@ -43,22 +34,23 @@ std::vector<SubsetCost> costs(const PrefixForest& f, const std::vector<Vec>& sub
 }
 
 TEST(PrefixForest, TheHeaderExample) {
-  const Flat in = flatten({{5, 6, 7}, {5, 6, 8, 9}, {5, 6}, {7}}, {0, 0, 0, 1});
+  const Flat in = flatten_rows({{5, 6, 7}, {5, 6, 8, 9}, {5, 6}, {7}}, {0, 0, 0, 1});
   const PrefixForest f = build_prefix_forest(in.tokens, in.cu, in.groups);
-  EXPECT_EQ(f.parent, (Vec{-1, 0, 1, 1, 3, -1}));
-  EXPECT_EQ(f.depth, (Vec{0, 1, 2, 2, 3, 0}));
-  EXPECT_EQ(f.row_leaf, (Vec{2, 4, 1, 5}));
+  EXPECT_EQ(f.row_length, (Vec{3, 4, 2, 1}));
+  EXPECT_EQ(f.row_order, (Vec{2, 0, 1, 3}));
+  EXPECT_EQ(f.adjacent_lcp, (Vec{0, 2, 2, 0}));
   EXPECT_EQ(f.tree_of_row, (Vec{0, 0, 0, 1}));
   EXPECT_EQ(f.num_trees, 2);
+  EXPECT_EQ(f.num_nodes, 6);
   const std::vector<SubsetCost> c = costs(f, {{0, 1, 2}, {1}, {0, 2}, {2, 3}, {}, {1, 1, 1}});
   EXPECT_EQ(c, (std::vector<SubsetCost>{{5, 13}, {4, 10}, {3, 6}, {3, 4}, {0, 0}, {4, 10}}));
 }
 
 TEST(PrefixForest, EmptyRowsAreTreesOfTheirOwn) {
-  const Flat in = flatten({{}, {1, 2}, {}, {1}});
+  const Flat in = flatten_rows({{}, {1, 2}, {}, {1}});
   const PrefixForest f = build_prefix_forest(in.tokens, in.cu, {});
-  EXPECT_EQ(f.row_leaf, (Vec{-1, 1, -1, 0}));
   EXPECT_EQ(f.tree_of_row, (Vec{0, 1, 2, 1}));
+  EXPECT_EQ(f.row_order, (Vec{0, 3, 1, 2}));
   EXPECT_EQ(costs(f, {{0, 2}, {0, 1, 3}}), (std::vector<SubsetCost>{{0, 0}, {2, 3}}));
 }
 
@@ -81,10 +73,10 @@ TEST(PrefixForest, SubsetsCostTheirOwnTreeLayout) {
     }
     if (round % 2) groups.clear();
     const int64_t min_shared = std::uniform_int_distribution<int>(0, 3)(rng);
-    const Flat in = flatten(data, groups);
+    const Flat in = flatten_rows(data, groups);
     const PrefixForest f = build_prefix_forest(in.tokens, in.cu, in.groups, min_shared);
     const PrefixTree whole = build_prefix_tree(in.tokens, in.cu, in.groups, {min_shared, 1, 0});
-    ASSERT_EQ(static_cast<int64_t>(f.parent.size()), whole.num_tokens());
+    ASSERT_EQ(f.num_nodes, whole.num_tokens());
     std::vector<Vec> subsets;
     for (int k = 0; k < 6; ++k) {
       Vec s;
@@ -100,7 +92,7 @@ TEST(PrefixForest, SubsetsCostTheirOwnTreeLayout) {
         part.push_back(data[static_cast<size_t>(r)]);
         if (!groups.empty()) part_groups.push_back(groups[static_cast<size_t>(r)]);
       }
-      const Flat p = flatten(part, part_groups);
+      const Flat p = flatten_rows(part, part_groups);
       const PrefixTree t = build_prefix_tree(p.tokens, p.cu, p.groups, {min_shared, 1, 0});
       int64_t pairs = 0;
       for (int64_t pos : t.position_ids) pairs += pos + 1;
@@ -117,17 +109,31 @@ TEST(PrefixForest, SubsetsCostTheirOwnTreeLayout) {
 }
 
 TEST(PrefixForest, ForeignForestsAndBadSubsetsThrow) {
-  const Flat in = flatten({{1, 2, 3}, {1, 4}});
+  const Flat in = flatten_rows({{1, 2, 3}, {1, 4}, {5}});
   const PrefixForest f = build_prefix_forest(in.tokens, in.cu, {});
   std::vector<SubsetCost> one(1);
-  const Vec bad_parent{-1, 5, 1, 0}, bad_depth{0, 2, 2, 1}, leaf{2, 3};
-  EXPECT_TRUE(ThrowsInvalid([&] { check_forest("t", {bad_parent, f.depth, f.row_leaf}); }, {"parent[1]", "earlier"}));
-  EXPECT_TRUE(ThrowsInvalid([&] { check_forest("t", {f.parent, bad_depth, f.row_leaf}); }, {"depth[1]"}));
-  EXPECT_TRUE(ThrowsInvalid([&] { check_forest("t", {f.parent, f.depth, Vec{2, 4}}); }, {"row_leaf[1]"}));
-  EXPECT_TRUE(ThrowsInvalid([&] { forest_subset_costs(view(f), Vec{0, 2}, Vec{0, 2}, one); }, {"row id 2"}));
+  auto with = [&](auto change) {
+    PrefixForest g = f;
+    change(g);
+    return g;
+  };
+  const PrefixForest not_permutation = with([](PrefixForest& g) { g.row_order[1] = g.row_order[0]; });
+  const PrefixForest lcp_too_long = with([](PrefixForest& g) { g.adjacent_lcp[1] = 3; });
+  const PrefixForest lcp_across_trees = with([](PrefixForest& g) { g.adjacent_lcp[2] = 1; });
+  const PrefixForest bad_tree = with([](PrefixForest& g) { g.tree_of_row[0] = 7; });
+  EXPECT_TRUE(ThrowsInvalid([&] { check_forest("t", view(not_permutation)); }, {"permutation"}));
+  EXPECT_TRUE(ThrowsInvalid([&] { check_forest("t", view(lcp_too_long)); }, {"adjacent_lcp[1] = 3"}));
+  EXPECT_TRUE(ThrowsInvalid([&] { check_forest("t", view(lcp_across_trees)); }, {"adjacent_lcp[2] = 1"}));
+  EXPECT_TRUE(ThrowsInvalid([&] { check_forest("t", view(bad_tree)); }, {"tree_of_row[0] = 7"}));
+  const PrefixForest interleaved = with([](PrefixForest& g) {
+    g.row_order = {0, 2, 1};
+    g.adjacent_lcp = {0, 0, 0};
+  });
+  EXPECT_TRUE(ThrowsInvalid([&] { check_forest("t", view(interleaved)); }, {"contiguous"}));
+  EXPECT_TRUE(ThrowsInvalid([&] { forest_subset_costs(view(f), Vec{0, 3}, Vec{0, 2}, one); }, {"row id 3"}));
   EXPECT_TRUE(ThrowsInvalid([&] { forest_subset_costs(view(f), Vec{0}, Vec{0, 2}, one); }, {"offsets"}));
-  EXPECT_TRUE(ThrowsInvalid([&] { forest_subset_costs({bad_parent, f.depth, leaf}, Vec{0}, Vec{0, 1}, one); },
-                            {"parent[1]"}));
+  EXPECT_TRUE(ThrowsInvalid([&] { forest_subset_costs(view(lcp_too_long), Vec{0}, Vec{0, 1}, one); },
+                            {"adjacent_lcp"}));
   EXPECT_TRUE(ThrowsInvalid([&] { build_prefix_forest(in.tokens, Vec{0, 3}, {}); }, {"cu_seqlens"}));
 }
 

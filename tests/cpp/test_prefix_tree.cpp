@@ -12,18 +12,8 @@ using seqpack_test::ThrowsInvalid;
 using Vec = std::vector<int64_t>;
 using Rows = std::vector<Vec>;
 
-struct Flat {
-  Vec tokens, cu{0};
-};
-
-Flat flatten(const Rows& rows) {
-  Flat f;
-  for (const Vec& r : rows) {
-    f.tokens.insert(f.tokens.end(), r.begin(), r.end());
-    f.cu.push_back(static_cast<int64_t>(f.tokens.size()));
-  }
-  return f;
-}
+using Flat = seqpack_test::FlatRows;
+constexpr auto flatten = [](const Rows& rows) { return seqpack_test::flatten_rows(rows); };
 
 PrefixTree build(const Rows& rows, const Vec& groups = {}, int64_t min_shared = 1, int64_t pad_to = 1) {
   const Flat f = flatten(rows);

@@ -58,6 +58,66 @@ TEST(PlanStep, EveryIndexOnceUnderTheCapWithEqualCounts) {
   }
 }
 
+// Prefix-tree items give their own s² stand-ins (2·pairs − tokens) and mini-batch
+// sizes: squares equal to s² plan exactly as without them; smaller squares lower
+// the costs and the bound; explicit sizes set the mini-batch ranges.
+TEST(PlanStep, SquareStandInsAndMiniBatchSizes) {
+  std::vector<int64_t> lengths, squares, halves;
+  for (int64_t i = 0; i < 300; ++i) {
+    lengths.push_back(1 + (i * 7919) % 2000);
+    squares.push_back(lengths.back() * lengths.back());
+    halves.push_back(squares.back() / 2);
+  }
+  for (StepSync sync : {StepSync::MicroBatch, StepSync::Step}) {
+    StepOptions o = options(4, 4096, sync);
+    o.cost = StepCost{10.0, 1.0, 1e-3};
+    o.mini_batches = 2;
+    const StepPlan plain = plan_step(lengths, o);
+    StepOptions same = o;
+    same.squares = squares;
+    const StepPlan with_squares = plan_step(lengths, same);
+    EXPECT_NEAR(with_squares.predicted_time, plain.predicted_time, 1e-12 * plain.predicted_time);
+    EXPECT_NEAR(with_squares.lower_bound, plain.lower_bound, 1e-12 * plain.lower_bound);
+    for (size_t m = 0; m < plain.mini_batches.size(); ++m)
+      EXPECT_EQ(with_squares.mini_batches[m].cells, plain.mini_batches[m].cells);
+    StepOptions lighter = o;
+    lighter.squares = halves;
+    const StepPlan light = plan_step(lengths, lighter);
+    EXPECT_LT(light.predicted_time, plain.predicted_time);
+    EXPECT_LE(light.lower_bound, light.predicted_time);
+    for (const MiniBatchStep& mb : light.mini_batches)
+      for (size_t c = 0; c < mb.cells.size(); ++c) {
+        double cost = o.cost.per_micro_batch;
+        for (int64_t i : mb.cells.group(c))
+          cost += o.cost.per_token * static_cast<double>(lengths[i]) +
+                  o.cost.per_token_squared * static_cast<double>(halves[i]);
+        EXPECT_NEAR(mb.costs[c], cost, 1e-9 * cost);
+      }
+    StepOptions sized = o;
+    const std::vector<int64_t> sizes{100, 200};
+    sized.mini_batch_sizes = sizes;
+    const StepPlan split = plan_step(lengths, sized);
+    EXPECT_EQ(split.mini_batches[0].end, 100);
+    EXPECT_EQ(split.mini_batches[1].begin, 100);
+    EXPECT_EQ(split.mini_batches[1].end, 300);
+  }
+  StepOptions o = options(2, 4096, StepSync::MicroBatch);
+  std::vector<int64_t> bad = squares;
+  bad[3] = lengths[3] * lengths[3] + 1;
+  o.squares = bad;
+  EXPECT_TRUE(seqpack_test::ThrowsInvalid([&] { plan_step(lengths, o); }, {"squares[3]", "lengths[i]^2"}));
+  o.squares = std::span<const int64_t>(squares).first(5);
+  EXPECT_TRUE(seqpack_test::ThrowsInvalid([&] { plan_step(lengths, o); }, {"squares", "one entry per length"}));
+  o.squares = {};
+  o.mini_batches = 2;
+  const std::vector<int64_t> wrong{100, 100};
+  o.mini_batch_sizes = wrong;
+  EXPECT_TRUE(seqpack_test::ThrowsInvalid([&] { plan_step(lengths, o); }, {"mini_batch_sizes", "sum to"}));
+  const std::vector<int64_t> three{100, 100, 100};
+  o.mini_batch_sizes = three;
+  EXPECT_TRUE(seqpack_test::ThrowsInvalid([&] { plan_step(lengths, o); }, {"mini_batch_sizes", "mini_batches = 2"}));
+}
+
 TEST(PlanStep, StepTimeFollowsTheSyncMode) {
   // Two ranks, two micro-batches, rank-major: rank 0 = {4, 1}, rank 1 = {2, 3}.
   const std::vector<double> costs{4, 1, 2, 3};

@@ -28,7 +28,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     const int64_t min_shared = in.flag() ? in.edgy(4) : in.in_range(0, 4);
     PrefixForest f = build_prefix_forest(tokens, cu, groups, min_shared);
     const PrefixTree whole = build_prefix_tree(tokens, cu, groups, {min_shared, 1, 0});
-    FUZZ_REQUIRE(static_cast<int64_t>(f.parent.size()) == whole.num_tokens());
+    FUZZ_REQUIRE(f.num_nodes == whole.num_tokens());
     for (int64_t r = 0; r < n_rows; ++r)
       for (int64_t s = 0; s < n_rows; ++s) {
         const bool one = r == s || (cu[r + 1] > cu[r] && cu[s + 1] > cu[s] &&
@@ -44,13 +44,19 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
         rows.push_back(in.flag() || n_rows == 0 ? in.edgy(n_rows) : in.in_range(0, n_rows - 1));
       offsets.push_back(static_cast<int64_t>(rows.size()));
     }
-    const bool mutated = in.flag() && !f.parent.empty();
-    if (mutated) {  // a broken forest must be refused, not walked (a still-valid one just runs)
-      const auto i = static_cast<size_t>(in.in_range(0, static_cast<int64_t>(f.parent.size()) - 1));
-      (in.flag() ? f.parent[i] : f.depth[i]) = in.edgy(static_cast<int64_t>(f.parent.size()));
+    const bool mutated = in.flag() && n_rows > 0;
+    if (mutated) {  // a broken forest must be refused, not read out of bounds (a still-valid one just runs)
+      const auto i = static_cast<size_t>(in.in_range(0, n_rows - 1));
+      switch (in.in_range(0, 3)) {
+        case 0: f.row_order[i] = in.edgy(n_rows); break;
+        case 1: f.adjacent_lcp[i] = in.edgy(8); break;
+        case 2: f.tree_of_row[i] = in.edgy(f.num_trees); break;
+        default: f.row_length[i] = in.edgy(8); break;
+      }
     }
+    const ForestView view{f.row_length, f.row_order, f.adjacent_lcp, f.tree_of_row, f.num_trees};
     std::vector<SubsetCost> out(static_cast<size_t>(n_subsets));
-    forest_subset_costs({f.parent, f.depth, f.row_leaf}, rows, offsets, out);
+    forest_subset_costs(view, rows, offsets, out);
     if (mutated) return;
     for (int64_t k = 0; k < n_subsets; ++k) {
       std::vector<int64_t> sub_tokens, sub_cu{0}, sub_groups;
@@ -72,7 +78,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     // Items under a cap: every row once, each item within the cap and costed exactly,
     // a tree that fits kept whole (forest_items.hpp).
     const int64_t cap = in.flag() ? in.edgy(12) : in.in_range(1, 12);
-    const ForestItems items = forest_items({f.parent, f.depth, f.row_leaf}, f.tree_of_row, f.num_trees, cap);
+    const ForestItems items = forest_items(view, cap);
     std::vector<int64_t> placed(static_cast<size_t>(n_rows), 0), parts(static_cast<size_t>(f.num_trees), 0);
     int64_t sum = 0;
     for (size_t k = 0; k < items.rows.size(); ++k) {
@@ -85,16 +91,16 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       }
     }
     for (int64_t p : placed) FUZZ_REQUIRE(p == 1);
-    FUZZ_REQUIRE(items.duplicated_tokens == sum - static_cast<int64_t>(f.parent.size()));
+    FUZZ_REQUIRE(items.duplicated_tokens == sum - f.num_nodes);
     std::vector<int64_t> tree_rows, tree_offsets{0};
     for (int64_t tr = 0; tr < f.num_trees; ++tr) {
       for (int64_t r = 0; r < n_rows; ++r)
         if (f.tree_of_row[static_cast<size_t>(r)] == tr) tree_rows.push_back(r);
       tree_offsets.push_back(static_cast<int64_t>(tree_rows.size()));
     }
-    std::vector<SubsetCost> whole(static_cast<size_t>(f.num_trees));
-    forest_subset_costs({f.parent, f.depth, f.row_leaf}, tree_rows, tree_offsets, whole);
+    std::vector<SubsetCost> tree_costs(static_cast<size_t>(f.num_trees));
+    forest_subset_costs(view, tree_rows, tree_offsets, tree_costs);
     for (int64_t tr = 0; tr < f.num_trees; ++tr)
-      if (whole[static_cast<size_t>(tr)].tokens <= cap) FUZZ_REQUIRE(parts[static_cast<size_t>(tr)] == 1);
+      if (tree_costs[static_cast<size_t>(tr)].tokens <= cap) FUZZ_REQUIRE(parts[static_cast<size_t>(tr)] == 1);
   });
 }

@@ -15,7 +15,7 @@
 //   c = 1 2 6           1    2      cap 4: [a] [b] [c] [d]: cuts before b, c, d
 //   d = 1 2 7 8         2    2             duplicate 3 + 2 + 2 = 7 tokens
 //
-// Among contiguous splits whose parts fit the cap, split_items picks one that
+// Among contiguous splits whose parts fit the cap, forest_items picks one that
 // duplicates the fewest tokens (a DP over cut points with a sliding-window minimum:
 // O(rows) per tree after the order), then the fewest parts, then the longest last
 // parts.
@@ -37,10 +37,12 @@ struct ForestItems {
 };
 
 // Items of the forest under `max_tokens` (> 0): one per tree that fits, the fewest
-// duplicated tokens for each tree that does not. `tree_of_row` / `num_trees` as
-// PrefixForest holds them. Throws when a single row is longer than max_tokens.
-// Items are ordered by tree, then part.
-ForestItems forest_items(const ForestView& forest, std::span<const int64_t> tree_of_row, int64_t num_trees,
-                         int64_t max_tokens);
+// duplicated tokens for each tree that does not. Throws when a single row is longer
+// than max_tokens. Items are ordered by tree, then part. O(R log R), without the trie.
+ForestItems forest_items(const ForestView& forest, int64_t max_tokens);
+// The same for a subset of the rows (distinct ids in [0, R); a mini-batch of the
+// step): the items hold only these rows, and a tree is what of it they reach.
+// `duplicated_tokens` is then relative to the subset's own physical tokens.
+ForestItems forest_items(const ForestView& forest, int64_t max_tokens, std::span<const int64_t> rows);
 
 }  // namespace seqpack

@@ -30,6 +30,11 @@ struct MicroBatchOptions {
   // middle (shrinks pipeline-parallel warm-up/cool-down bubbles). Otherwise
   // heaviest first.
   bool small_at_ends = false;
+  // The workload of each item when the caller knows it better than its length does
+  // (a prefix-tree part: its physical tokens, or attention_coeff * tokens plus its
+  // attention pairs as an s^2 equivalent); one non-negative entry per length, or
+  // empty to derive it from the lengths and attention_coeff.
+  Lengths workloads = {};
 };
 
 struct MicroBatchPlan {

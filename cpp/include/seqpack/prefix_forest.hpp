@@ -1,22 +1,30 @@
 #pragma once
-// The prefix forest of a batch: the token trie of all its rows (prefix_tree.hpp's
-// sharing rule: groups, min_shared_tokens) kept as parent and depth arrays instead
-// of being laid out, for the planners. What a subset of rows costs is what its own
-// prefix-tree layout would hold:
+// The prefix forest of a batch: what the planners need of the token trie of all
+// its rows (prefix_tree.hpp's sharing rule: groups, min_shared_tokens), kept per
+// row (O(rows), whatever the tokens): the rows in depth-first order of the trie and
+// the longest common prefix of each row with the one before it in that order.
 //
-//   rows            trie (node: token)           subset          tokens  pairs
-//   r0 = 5 6 7      0:5 ─ 1:6 ─┬─ 2:7            {r0, r1, r2}    5       1+2+3+3+4 = 13
-//   r1 = 5 6 8 9               └─ 3:8 ─ 4:9      {r1}            4       1+2+3+4 = 10
-//   r2 = 5 6                                     {r0, r2}        3       6
-//   r3 = 7 (group 1)  5:7                        {r2, r3}        3       1+2+1 = 4
+//   rows            trie (node: token)         depth-first order   length   lcp with previous
+//   r0 = 5 6 7      5 ─ 6 ─┬─ 7                r2 = 5 6            2        0
+//   r1 = 5 6 8 9           └─ 8 ─ 9            r0 = 5 6 7          3        2
+//   r2 = 5 6                                   r1 = 5 6 8 9        4        2
+//   r3 = 7 (group 1)  7                        r3 = 7              1        0  (another tree)
 //
-//   tokens(S) = |the union of S's root-to-row paths| (its physical tokens),
-//   pairs(S)  = the sum of depth + 1 over those nodes (each token attends to its
-//               ancestors and itself: the visible pairs of tree attention).
+// In that order (as for sorted strings) a row adds length - lcp(previous row, row)
+// nodes to the union of the paths before it, and the lcp of two rows is the least
+// adjacent lcp between them. So a subset S of rows, taken in that order, costs
 //
-// Trees: rows whose paths share a node (they share at least their first token) are
-// in one tree; an empty row is a tree of its own. Tree ids follow each tree's first
-// row. Node ids grow along every path (a parent is created before its children).
+//   tokens(S) = sum of lengths - sum of lcp(consecutive rows of S)      (its physical tokens)
+//   pairs(S)  = sum of P(length) - sum of P(lcp(consecutive rows of S)),  P(x) = x (x + 1) / 2
+//
+// (pairs: each node attends to its ancestors and itself, depth + 1 keys; a row's
+// new nodes have depths lcp .. length - 1): exactly what pack_prefix_tree of those
+// rows lays out and tree attention computes. With a sparse table over the adjacent
+// lcps a subset costs O(|S| log |S|), without the trie.
+//
+// Trees: rows whose paths share a node (at least their first token) are one tree,
+// contiguous in the order; an empty row is a tree of its own. Tree ids follow each
+// tree's first row in the input.
 #include <cstdint>
 #include <span>
 #include <vector>
@@ -26,26 +34,30 @@
 namespace seqpack {
 
 struct PrefixForest {
-  std::vector<int64_t> parent;       // [M] parent node, -1 at a root
-  std::vector<int64_t> depth;        // [M] 0 at a root
-  std::vector<int64_t> row_leaf;     // [R] the node of the row's last token, -1 for an empty row
-  std::vector<int64_t> tree_of_row;  // [R] dense tree id
+  std::vector<int64_t> row_length;    // [R] tokens of each row
+  std::vector<int64_t> row_order;     // [R] row ids in depth-first order (by tree, then trie position, then id)
+  std::vector<int64_t> adjacent_lcp;  // [R] lcp of row_order[i] with row_order[i - 1] (0 at i = 0 and across trees)
+  std::vector<int64_t> tree_of_row;   // [R] dense tree id
   int64_t num_trees = 0;
+  int64_t num_nodes = 0;              // the trie's nodes: the batch's physical tokens
   bool operator==(const PrefixForest&) const = default;
 };
 
 // The forest of rows given as flat `tokens` and offsets `cu_seqlens` (as
-// build_prefix_tree takes them). Linear in the tokens (expected).
+// build_prefix_tree takes them). Linear in the tokens (expected) plus a sort of the
+// rows; the trie itself is not kept.
 PrefixForest build_prefix_forest(std::span<const int64_t> tokens, Lengths cu_seqlens,
                                  std::span<const int64_t> group_ids, int64_t min_shared_tokens = 1);
 
 // A forest held elsewhere (arrays that came back from Python, a pickle).
 struct ForestView {
-  std::span<const int64_t> parent, depth, row_leaf;
+  std::span<const int64_t> row_length, row_order, adjacent_lcp, tree_of_row;
+  int64_t num_trees = 0;
 };
 
-// Checks that a view is a forest: parent[i] in [-1, i), depth 0 at roots and
-// depth[parent] + 1 elsewhere, row_leaf in [-1, M). O(M + R).
+// Checks that a view is consistent: lengths >= 0, row_order a permutation of the
+// rows, each tree contiguous in it, adjacent_lcp in [0, both rows' lengths] and 0 at
+// the start of each tree, tree ids in [0, num_trees). O(R).
 void check_forest(const char* fn, const ForestView& forest);
 
 struct SubsetCost {
@@ -54,8 +66,8 @@ struct SubsetCost {
 };
 
 // The cost of each subset k of rows: rows[offsets[k] .. offsets[k + 1]) (row ids in
-// [0, R); repeats count once). O(the subset's distinct nodes) each, after one
-// check_forest. `out` has one entry per subset.
+// [0, R); repeats count once). One check_forest and sparse table per call, then
+// O(|S| log |S|) per subset. `out` has one entry per subset.
 void forest_subset_costs(const ForestView& forest, std::span<const int64_t> rows, Lengths offsets,
                          std::span<SubsetCost> out);
 

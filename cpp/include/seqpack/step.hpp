@@ -47,6 +47,13 @@ struct StepOptions {
   int64_t min_micro_batches = 1;  // per rank and mini-batch
   int64_t multiple_of = 1;        // the count per rank is a multiple of this
   std::optional<uint64_t> seed;   // breaks ties among equal lengths; none: by index
+  // Per sequence, what stands in for s² in the attention term (empty: s² itself): a
+  // prefix-tree item of `s` physical tokens puts 2·pairs − s there (its visible
+  // attention pairs; exactly s² for a plain row), at most s². One per length.
+  Lengths squares = {};
+  // Sequences per mini-batch, in order (each >= 1, summing to the number of
+  // sequences, mini_batches entries), instead of the near-equal split; empty: split.
+  Lengths mini_batch_sizes = {};
 };
 
 struct MiniBatchStep {

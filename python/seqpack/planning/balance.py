@@ -109,6 +109,10 @@ class MicroBatchPlan:
             up to ``multiple_of``.
         method: the partitioner whose plan was accepted (``karmarkar_karp``,
             ``greedy_lpt``, ``capped_greedy`` or ``first_fit_decreasing``).
+        sharing_kept: planned with a :class:`~seqpack.PrefixForest`: the batch's
+            physical tokens over the sum of the micro-batches' (1.0 when no tree is
+            cut); ``tokens`` are then each micro-batch's physical tokens and
+            ``workloads`` count attention by visible pairs. None otherwise.
     """
 
     micro_batches: List[List[int]]
@@ -118,6 +122,7 @@ class MicroBatchPlan:
     lower_bound: int
     method: str
     order: str = field(default="heaviest_first")
+    sharing_kept: Optional[float] = None
 
     @property
     def num_micro_batches(self) -> int:
@@ -159,6 +164,8 @@ def plan_micro_batches(
     multiple_of: int = 1,
     attention_coeff: Optional[int] = None,
     order: str = "heaviest_first",
+    *,
+    forest: Any = None,
 ) -> MicroBatchPlan:
     """Split sequences into balanced micro-batches that never exceed ``max_tokens``.
 
@@ -183,6 +190,15 @@ def plan_micro_batches(
         attention_coeff: balance ``attention_coeff * s + s**2`` instead of tokens.
         order: ``"heaviest_first"`` or ``"small_at_ends"`` (lightest micro-batches
             first and last, shrinking pipeline bubbles).
+        forest: a :class:`~seqpack.PrefixForest` of the same rows (``lengths`` must be
+            ``forest.lengths``): plan prefix trees instead of rows. The cap then bounds
+            each micro-batch's *physical* tokens (what the tree layout holds); a tree
+            that fits stays whole in one micro-batch, a larger one is split into parts
+            that each carry their prefix, duplicating the fewest tokens
+            (:meth:`PrefixForest.items <seqpack.PrefixForest.items>`); balance counts
+            physical tokens, or with ``attention_coeff`` ``attention_coeff * tokens``
+            plus twice the visible attention pairs minus the tokens (``s**2`` for a
+            plain row).
 
     Raises:
         ValueError: a sequence longer than ``max_tokens``; more micro-batches
@@ -196,6 +212,12 @@ def plan_micro_batches(
     if order not in ("heaviest_first", "small_at_ends"):
         raise ValueError(f"order must be 'heaviest_first' or 'small_at_ends', got {order!r}")
     max_tokens = as_positive_int(max_tokens, "max_tokens")
+    if forest is not None:
+        from .forest_planning import plan_forest_micro_batches
+
+        return MicroBatchPlan(**plan_forest_micro_batches(
+            forest, lengths, max_tokens, as_positive_int(min_num, "min_num"),
+            as_positive_int(multiple_of, "multiple_of"), _coeff(attention_coeff), order))
     raw = _core.plan_micro_batches(
         as_lengths(lengths, "lengths"),
         max_tokens,

@@ -27,8 +27,19 @@ attention pairs of that subset's own prefix tree::
 
 A subset's physical tokens are exactly ``pack_prefix_tree`` of those rows (same
 options, no padding) ``.num_tokens``, its visible pairs that tree's
-``metrics().tree_attention_pairs``. A query costs the subset's distinct trie nodes
-(plus one check of the forest per batch call).
+``metrics().tree_attention_pairs``.
+
+The trie itself is not kept: the forest holds, per row, its place in the trie's
+depth-first order and its common prefix with the row before it there (as for sorted
+strings, a row adds ``length - lcp`` nodes to the rows before it, and two rows'
+common prefix is the least adjacent one between them)::
+
+    depth-first order   r2 = 5 6    r0 = 5 6 7    r1 = 5 6 8 9    r3 = 7
+    adjacent_lcp        0           2             2               0 (another tree)
+
+so a subset costs ``sum(length) - sum(lcp of consecutive rows)`` tokens and
+``sum(P(length)) - sum(P(lcp))`` pairs (``P(x) = x (x + 1) / 2``): O(|S| log |S|)
+per subset with a sparse table, whatever the tokens; memory is O(rows).
 """
 
 from __future__ import annotations
@@ -44,31 +55,32 @@ from ._token_rows import group_array, int_array, packed_rows, padded_rows, rows_
 
 __all__ = ["ForestItems", "PrefixForest"]
 
-_ARRAYS = ("parent", "depth", "row_leaf", "tree_of_row")
+_ARRAYS = ("row_length", "row_order", "adjacent_lcp", "tree_of_row")
 
 
 class PrefixForest:
-    """The token trie of a batch's rows (see the module docstring). Built by
-    :meth:`from_rows`, :meth:`from_padded` or :meth:`from_packed`; holds read-only
-    int64 NumPy arrays, compares by value, pickles and deep-copies through them."""
+    """What the planners need of a batch's token trie (see the module docstring),
+    kept per row: O(rows) memory whatever the tokens. Built by :meth:`from_rows`,
+    :meth:`from_padded` or :meth:`from_packed`; holds read-only int64 NumPy arrays,
+    compares by value, pickles and deep-copies through them (checked when rebuilt)."""
 
-    __slots__ = ("_arrays", "_num_trees", "_trees")
+    __slots__ = ("_arrays", "_num_trees", "_num_nodes", "_trees")
 
-    def __init__(self, *, parent: Any, depth: Any, row_leaf: Any, tree_of_row: Any, num_trees: Any) -> None:
-        given = dict(parent=parent, depth=depth, row_leaf=row_leaf, tree_of_row=tree_of_row)
+    def __init__(self, *, row_length: Any, row_order: Any, adjacent_lcp: Any, tree_of_row: Any, num_trees: Any,
+                 num_nodes: Any) -> None:
+        given = dict(row_length=row_length, row_order=row_order, adjacent_lcp=adjacent_lcp, tree_of_row=tree_of_row)
         arrays = {}
         for name in _ARRAYS:
             arr = np.array(int_array(given[name], name, 1), dtype=np.int64, copy=True)
             arr.flags.writeable = False
             arrays[name] = arr
-        _core.check_prefix_forest(arrays["parent"], arrays["depth"], arrays["row_leaf"])
         trees = as_positive_int(num_trees, "num_trees", allow_zero=True)
-        tree_of_row = arrays["tree_of_row"]
-        if tree_of_row.shape != arrays["row_leaf"].shape or (tree_of_row.size and (
-                tree_of_row.min() < 0 or tree_of_row.max() >= trees)):
-            raise ValueError(f"tree_of_row must hold one tree id in [0, num_trees = {trees}) per row "
-                             f"({arrays['row_leaf'].shape[0]} rows)")
+        _core.check_prefix_forest(*(arrays[k] for k in _ARRAYS), trees)
+        nodes = as_positive_int(num_nodes, "num_nodes", allow_zero=True)
         self._arrays, self._num_trees, self._trees = arrays, trees, None
+        if nodes != int(self.subset_costs([np.arange(len(arrays["row_length"]))])[0][0]):
+            raise ValueError(f"num_nodes = {nodes} is not the physical tokens of these rows")
+        self._num_nodes = nodes
 
     # ---- constructors -------------------------------------------------------------
     @classmethod
@@ -92,16 +104,17 @@ class PrefixForest:
         return _build(*packed_rows(input_ids, cu_seqlens), group_ids, min_shared_tokens)
 
     # ---- the forest ---------------------------------------------------------------
-    parent = property(lambda self: self._arrays["parent"], doc="Parent node of each trie node [M] (-1: a root).")
-    depth = property(lambda self: self._arrays["depth"], doc="Depth of each trie node [M] (0: a root).")
-    row_leaf = property(lambda self: self._arrays["row_leaf"],
-                        doc="The node of each row's last token [R] (-1: an empty row).")
+    lengths = property(lambda self: self._arrays["row_length"], doc="Each row's logical length [R].")
+    row_order = property(lambda self: self._arrays["row_order"],
+                         doc="Row ids in depth-first order of the trie [R] (by tree, then trie position).")
+    adjacent_lcp = property(lambda self: self._arrays["adjacent_lcp"],
+                            doc="Common prefix of row_order[i] with row_order[i - 1] [R] (0 across trees).")
     tree_ids = property(lambda self: self._arrays["tree_of_row"],
                         doc="The tree of each row [R] (ids in order of each tree's first row).")
 
     @property
     def num_rows(self) -> int:
-        return int(self.row_leaf.shape[0])
+        return int(self.lengths.shape[0])
 
     @property
     def num_trees(self) -> int:
@@ -109,16 +122,8 @@ class PrefixForest:
 
     @property
     def num_physical_tokens(self) -> int:
-        """Trie nodes M: the physical tokens of the whole batch as one tree."""
-        return int(self.parent.shape[0])
-
-    @property
-    def lengths(self) -> np.ndarray:
-        """Each row's logical length [R] (its leaf's depth + 1, 0 for an empty row)."""
-        leaf = self.row_leaf
-        if not self.depth.size:  # no tokens at all: every row is empty
-            return np.zeros(leaf.shape, dtype=np.int64)
-        return np.where(leaf >= 0, self.depth[np.maximum(leaf, 0)] + 1, 0)
+        """The trie's nodes: the physical tokens of the whole batch as one tree."""
+        return self._num_nodes
 
     @property
     def num_logical_tokens(self) -> int:
@@ -143,7 +148,7 @@ class PrefixForest:
         offsets = np.zeros(len(parts) + 1, dtype=np.int64)
         np.cumsum([p.shape[0] for p in parts], out=offsets[1:])
         rows = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
-        return _core.forest_subset_costs(self.parent, self.depth, self.row_leaf, rows, offsets)
+        return _core.forest_subset_costs(*self._core_args(), rows, offsets)
 
     def physical_tokens(self, row_indices: Any) -> int:
         """Physical tokens of the prefix tree of these rows (their distinct prefixes)."""
@@ -154,7 +159,7 @@ class PrefixForest:
         ancestors and itself."""
         return int(self.subset_costs([row_indices])[1][0])
 
-    def items(self, max_tokens: Any) -> "ForestItems":
+    def items(self, max_tokens: Any, min_items: Any = 0, row_indices: Any = None) -> "ForestItems":
         """What a planner places under a cap of ``max_tokens`` physical tokens per
         micro-batch: each tree that fits as one item; a larger tree split into parts
         of consecutive rows (in depth-first order), each carrying its prefix, choosing
@@ -173,13 +178,39 @@ class PrefixForest:
         >>> [r.tolist() for r in items.rows], items.tokens.tolist(), items.duplicated_tokens
         ([[0, 1], [2, 3]], [5, 5], 2)
 
+        ``min_items``: when the trees give fewer items than this (a planner asked for
+        more micro-batches than there are trees), the largest items of several rows
+        are halved (in depth-first order, each half carrying its prefix) until there
+        are enough or every item is one row. ``row_indices``: the items of just these
+        rows (distinct ids; a mini-batch), the trees being what of them these rows
+        reach.
+
         Raises ValueError when one row alone is longer than ``max_tokens``.
         """
         cap = as_positive_int(max_tokens, "max_tokens")
-        d = _core.forest_items(self.parent, self.depth, self.row_leaf, self.tree_ids, self._num_trees, cap)
-        return ForestItems(rows=[np.asarray(r, dtype=np.int64) for r in d["rows"]], tokens=d["tokens"],
-                           pairs=d["pairs"], tree=d["tree"], duplicated_tokens=int(d["duplicated_tokens"]),
-                           physical_tokens=self.num_physical_tokens)
+        wanted = as_positive_int(min_items, "min_items", allow_zero=True)
+        subset = None if row_indices is None else self._row_ids(row_indices, "row_indices")
+        d = _core.forest_items(*self._core_args(), cap, subset)
+        physical = self.num_physical_tokens if subset is None else self.physical_tokens(subset)
+        rows = [np.asarray(r, dtype=np.int64) for r in d["rows"]]
+        tokens, pairs, tree = list(d["tokens"]), list(d["pairs"]), list(d["tree"])
+        while len(rows) < wanted:
+            several = [k for k in range(len(rows)) if rows[k].shape[0] > 1]
+            if not several:
+                break
+            k = max(several, key=lambda j: (tokens[j], -j))
+            half = rows[k].shape[0] // 2
+            parts = [rows[k][:half], rows[k][half:]]
+            t, p = self.subset_costs(parts)
+            rows[k:k + 1], tokens[k:k + 1], pairs[k:k + 1] = parts, list(t), list(p)
+            tree[k:k + 1] = [tree[k], tree[k]]
+        tokens_arr = np.asarray(tokens, dtype=np.int64)
+        return ForestItems(rows=rows, tokens=tokens_arr, pairs=np.asarray(pairs, dtype=np.int64),
+                           tree=np.asarray(tree, dtype=np.int64), duplicated_tokens=int(tokens_arr.sum()) - physical,
+                           physical_tokens=physical)
+
+    def _core_args(self) -> tuple:
+        return (*(self._arrays[k] for k in _ARRAYS), self._num_trees)
 
     def _row_ids(self, value: Any, name: str) -> np.ndarray:
         ids = int_array(value, name, 1)
@@ -193,13 +224,13 @@ class PrefixForest:
     def __eq__(self, other: object) -> Any:
         if not isinstance(other, PrefixForest):
             return NotImplemented
-        return self._num_trees == other._num_trees and all(
+        return (self._num_trees, self._num_nodes) == (other._num_trees, other._num_nodes) and all(
             np.array_equal(self._arrays[k], other._arrays[k]) for k in _ARRAYS)
 
     __hash__ = None  # type: ignore[assignment]
 
     def __reduce__(self):
-        return (_rebuild, ({k: np.array(v) for k, v in self._arrays.items()}, self._num_trees))
+        return (_rebuild, ({k: np.array(v) for k, v in self._arrays.items()}, self._num_trees, self._num_nodes))
 
     def __repr__(self) -> str:
         return (f"PrefixForest(num_rows={self.num_rows}, num_trees={self.num_trees}, "
@@ -244,5 +275,6 @@ def _subset_list(subsets: Any) -> Sequence[Any]:
     return list(subsets)
 
 
-def _rebuild(arrays: dict, num_trees: int) -> PrefixForest:
-    return PrefixForest(**arrays, num_trees=num_trees)
+def _rebuild(arrays: dict, num_trees: int, num_nodes: int) -> PrefixForest:
+    return PrefixForest(**arrays, num_trees=num_trees, num_nodes=num_nodes)
+

@@ -58,6 +58,11 @@ class StepPlan:
             same inputs (docs/planning.md, "How far from optimal").
         lengths: the planned sequence lengths, one per sequence of the global batch
             (what :meth:`valid_tokens` checks counts against).
+        planned_on / sharing_kept: with a :class:`~seqpack.PrefixForest`, whether
+            the plan places whole trees and their parts (``"trees"``) or the rows
+            one by one (``"rows"``, the plain plan, kept when it predicts a faster
+            step), and the batch's physical tokens over the sum of the micro-batches'
+            (1.0 when no tree is cut). None without a forest.
     """
 
     assignment: List[List[List[List[int]]]]
@@ -73,6 +78,10 @@ class StepPlan:
     cost: CostModel
     # Read-only int64; not compared (the cells and token sums already say what the plan is).
     lengths: Optional[np.ndarray] = field(default=None, repr=False, compare=False)
+    # Planned with a PrefixForest: "trees" (its items) or "rows" (the plain plan won),
+    # and the batch's physical tokens over the micro-batches' sum. None otherwise.
+    planned_on: Optional[str] = None
+    sharing_kept: Optional[float] = None
 
     @property
     def gap(self) -> float:
@@ -223,6 +232,7 @@ def plan_step(
     min_micro_batches: int = 1,
     multiple_of: int = 1,
     seed: Optional[int] = None,
+    forest: Any = None,
 ) -> StepPlan:
     """Assign every sequence of a global batch to (mini-batch, rank, micro-batch)
     for the fastest step under ``cost``.
@@ -241,6 +251,15 @@ def plan_step(
         seed: breaks ties among equal lengths (``None``: by index). The plan is a
             function of the inputs and the seed only, so every rank computes it
             alone and all agree.
+        forest: a :class:`~seqpack.PrefixForest` of the same rows (``lengths`` must be
+            ``forest.lengths``): plan prefix trees (:mod:`~seqpack.planning.forest_planning`).
+            The cap bounds each micro-batch's physical tokens; a tree that fits stays
+            whole in one micro-batch of one rank, a larger one is split duplicating
+            the fewest tokens; ``tokens``, ``costs`` and ``predicted_time`` come from
+            each micro-batch's physical tokens and visible attention pairs; the plain
+            plan of the same rows is returned instead (so costed) when it is faster.
+            ``lower_bound`` is then a simpler proven bound (the trees' work over the
+            ranks plus the fewest micro-batches' overhead).
 
     Raises:
         ValueError: a sequence above ``max_tokens``, fewer sequences than
@@ -260,6 +279,22 @@ def plan_step(
     dp_size = as_positive_int(dp_size, "dp_size")
     max_tokens = as_positive_int(max_tokens, "max_tokens")
     cost.check_finite(max_tokens)
+    if forest is not None:
+        from .forest_planning import plan_forest_step
+
+        got = plan_forest_step(forest, lengths, dp_size, max_tokens, cost, sync,
+                               as_positive_int(mini_batches, "mini_batches"),
+                               as_positive_int(min_micro_batches, "min_micro_batches"),
+                               as_positive_int(multiple_of, "multiple_of"), seed)
+        ks = got["num_micro_batches"]
+        return StepPlan(
+            assignment=[_nest(c, dp_size, k) for c, k in zip(got["cells"], ks)],
+            costs=[_nest(c, dp_size, k) for c, k in zip(got["costs"], ks)],
+            tokens=[_nest(t, dp_size, k) for t, k in zip(got["tokens"], ks)],
+            num_micro_batches=ks, mini_batch_ranges=got["mini_batch_ranges"],
+            predicted_time=got["predicted_time"], lower_bound=got["lower_bound"], dp_size=dp_size,
+            max_tokens=max_tokens, sync=sync, cost=cost, lengths=_read_only(forest.lengths.astype(np.int64)),
+            planned_on=got["planned_on"], sharing_kept=got["sharing_kept"])
     lengths = as_lengths(lengths, "lengths")
     raw = _core.plan_step(
         lengths, dp_size, max_tokens,

@@ -69,7 +69,8 @@ def test_trees_are_the_rows_sharing_a_first_token(batch):
 
 def test_the_docstring_example_and_grpo_sharing():
     forest = PrefixForest.from_rows([[5, 6, 7], [5, 6, 8, 9], [5, 6], [7]], group_ids=[0, 0, 0, 1])
-    assert forest.parent.tolist() == [-1, 0, 1, 1, 3, -1] and forest.depth.tolist() == [0, 1, 2, 2, 3, 0]
+    assert forest.row_order.tolist() == [2, 0, 1, 3] and forest.adjacent_lcp.tolist() == [0, 2, 2, 0]
+    assert forest.num_physical_tokens == 6
     assert [forest.physical_tokens(s) for s in ([0, 1, 2], [1], [0, 2], [2, 3], [])] == [5, 4, 3, 3, 0]
     assert [forest.visible_pairs(s) for s in ([0, 1, 2], [1], [0, 2], [2, 3], [])] == [13, 10, 6, 4, 0]
     # GRPO: 4 prompts x G = 8, prompt 100, response 50: a group costs 100 + 8 * 50.
@@ -107,7 +108,7 @@ def test_value_semantics():
     assert repr(forest) == ("PrefixForest(num_rows=4, num_trees=3, num_logical_tokens=7, "
                             "num_physical_tokens=5)")
     with pytest.raises(ValueError):
-        forest.parent[0] = 5  # read-only
+        forest.row_order[0] = 5  # read-only
     assert seqpack.PrefixForest is PrefixForest and "PrefixForest" in seqpack.__all__
 
 
@@ -120,10 +121,14 @@ def test_value_semantics():
     (lambda f: PrefixForest.from_rows([[1, 2]], min_shared_tokens=-1), ValueError, "min_shared_tokens"),
     (lambda f: PrefixForest.from_rows("abc"), TypeError, "rows must be a list"),
     (lambda f: PrefixForest.from_packed([1, 2], [0, 3]), ValueError, "cu_seqlens must end"),
-    (lambda f: PrefixForest(parent=[-1, 2, 0], depth=[0, 1, 1], row_leaf=[0], tree_of_row=[0], num_trees=1),
-     ValueError, r"parent\[1\] = 2"),
-    (lambda f: PrefixForest(parent=[-1], depth=[0], row_leaf=[0], tree_of_row=[1], num_trees=1),
-     ValueError, "tree_of_row"),
+    (lambda f: PrefixForest(row_length=[2, 1], row_order=[0, 0], adjacent_lcp=[0, 0], tree_of_row=[0, 0],
+                            num_trees=1, num_nodes=2), ValueError, "permutation"),
+    (lambda f: PrefixForest(row_length=[2, 1], row_order=[0, 1], adjacent_lcp=[0, 2], tree_of_row=[0, 0],
+                            num_trees=1, num_nodes=2), ValueError, r"adjacent_lcp\[1\] = 2"),
+    (lambda f: PrefixForest(row_length=[2], row_order=[0], adjacent_lcp=[0], tree_of_row=[1], num_trees=1,
+                            num_nodes=2), ValueError, "tree_of_row"),
+    (lambda f: PrefixForest(row_length=[2], row_order=[0], adjacent_lcp=[0], tree_of_row=[0], num_trees=1,
+                            num_nodes=3), ValueError, "num_nodes = 3"),
 ])
 def test_bad_inputs_raise(call, error, match):
     forest = PrefixForest.from_rows([[1, 2, 3], [1, 2, 4], [], [9]])
@@ -169,3 +174,136 @@ def test_items_of_a_grpo_group_larger_than_the_cap():
         PrefixForest.from_rows(rows).items(149)
     with pytest.raises(ValueError, match="max_tokens"):
         PrefixForest.from_rows(rows).items(0)
+
+
+# ---- plan_micro_batches(forest=...) ------------------------------------------------------
+@settings(max_examples=80, deadline=None)
+@given(batches(), st.integers(0, 12), st.integers(1, 4), st.integers(1, 2), st.sampled_from([None, 64]),
+       st.sampled_from(["heaviest_first", "small_at_ends"]))
+def test_micro_batches_of_trees_hold_the_cap_and_keep_trees_whole(batch, slack, min_num, multiple_of, coeff, order):
+    rows, options = batch
+    forest = PrefixForest.from_rows(rows, **options)
+    cap = max(1, max((len(r) for r in rows), default=0) + slack)
+    try:
+        plan = seqpack.plan_micro_batches(forest.lengths, cap, min_num=min_num, multiple_of=multiple_of,
+                                          attention_coeff=coeff, order=order, forest=forest)
+    except ValueError as e:  # more micro-batches asked for than rows can fill
+        assert "micro-batches" in str(e) and len(rows) < -(-min_num // multiple_of) * multiple_of
+        return
+    placed = sorted(r for mb in plan.micro_batches for r in mb)
+    assert placed == list(range(len(rows)))
+    if rows:
+        assert plan.num_micro_batches >= min_num and plan.num_micro_batches % multiple_of == 0
+    for mb, tokens in zip(plan.micro_batches, plan.tokens):
+        groups = None if options["group_ids"] is None else [options["group_ids"][r] for r in mb]
+        tree = pack_prefix_tree([rows[r] for r in mb], group_ids=groups,
+                                min_shared_tokens=options["min_shared_tokens"])
+        assert tokens == tree.num_tokens <= cap  # the cap is on what memory sees, recomputed here
+    where = {r: k for k, mb in enumerate(plan.micro_batches) for r in mb}
+    halved = -(-min_num // multiple_of) * multiple_of > forest.items(cap).num_items  # min_num forced more items
+    for members in forest.trees:
+        if forest.physical_tokens(members) <= cap and not halved:
+            assert len({where[int(r)] for r in members}) == 1  # a tree that fits is never split
+    total = sum(plan.tokens)
+    assert plan.sharing_kept == (1.0 if total == 0 else forest.num_physical_tokens / total)
+
+
+def grpo_rows(prompts, group, prompt_len, response_len, seed=0):
+    rng = np.random.default_rng(seed)
+    rows, groups = [], []
+    for p in range(prompts):
+        prompt = rng.integers(0, 50_000, int(prompt_len[p] if np.ndim(prompt_len) else prompt_len))
+        for _ in range(group):
+            rows.append(np.concatenate([prompt, rng.integers(0, 50_000, int(rng.integers(1, response_len + 1)))]))
+            groups.append(p)
+    return rows, groups
+
+
+@pytest.mark.parametrize("multiple", [4, 6, 16])
+def test_sharing_kept_at_caps_of_several_mean_trees(multiple):
+    """Issue 29: at caps >= 4x the mean tree, >= 95% of the batch's sharing is kept."""
+    rng = np.random.default_rng(multiple)
+    rows, groups = grpo_rows(64, 8, rng.integers(64, 1024, 64), 512, seed=multiple)
+    forest = PrefixForest.from_rows(rows, group_ids=groups)
+    mean_tree = forest.num_physical_tokens / forest.num_trees
+    plan = seqpack.plan_micro_batches(forest.lengths, int(multiple * mean_tree), forest=forest)
+    assert plan.sharing_kept >= 0.95
+    assert max(plan.tokens) <= plan.max_tokens
+    plain = seqpack.plan_micro_batches(forest.lengths, int(multiple * mean_tree))
+    assert plan.num_micro_batches < plain.num_micro_batches  # the cap holds more rows as trees
+
+
+def test_forest_must_match_the_lengths():
+    forest = PrefixForest.from_rows([[1, 2, 3], [1, 2]])
+    with pytest.raises(ValueError, match=r"lengths must be the forest's row lengths \(forest.lengths: 2 rows"):
+        seqpack.plan_micro_batches([3, 3], 10, forest=forest)
+    with pytest.raises(TypeError, match="forest must be a seqpack.PrefixForest"):
+        seqpack.plan_micro_batches([3, 2], 10, forest=[[1, 2, 3], [1, 2]])
+    with pytest.raises(ValueError, match="row 0 has 3 tokens, more than max_tokens = 2"):
+        seqpack.plan_micro_batches([3, 2], 2, forest=forest)
+
+
+# ---- plan_step(forest=...) -----------------------------------------------------------------
+COSTS = [seqpack.CostModel.tokens(), seqpack.CostModel(per_micro_batch=50.0, per_token=1.0, per_token_squared=0.01)]
+
+
+@settings(max_examples=60, deadline=None)
+@given(batches(max_rows=12), st.integers(0, 12), st.integers(1, 3), st.sampled_from(["micro_batch", "step"]),
+       st.integers(1, 2), st.sampled_from(COSTS))
+def test_step_plans_of_trees(batch, slack, dp_size, sync, mini_batches, cost):
+    """Every row once; every micro-batch's physical tokens (recomputed) within the
+    cap; the same count on every rank; trees that fit whole when trees were planned;
+    never a slower predicted step than the plain plan costed the same way; the
+    lower bound below the prediction."""
+    rows, options = batch
+    forest = PrefixForest.from_rows(rows, **options)
+    cap = max(1, max((len(r) for r in rows), default=0) + slack)
+    if len(rows) < mini_batches:
+        with pytest.raises(ValueError, match="cannot fill mini_batches"):
+            seqpack.plan_step(forest.lengths, dp_size, cap, mini_batches=mini_batches, forest=forest)
+        return
+    plan = seqpack.plan_step(forest.lengths, dp_size, cap, cost=cost, sync=sync, mini_batches=mini_batches,
+                             forest=forest)
+    assert plan.planned_on in ("trees", "rows")
+    placed = sorted(r for mb in plan.assignment for rank in mb for cell in rank for r in cell)
+    assert placed == list(range(len(rows)))
+    for m, mb in enumerate(plan.assignment):
+        assert len(mb) == dp_size and len({len(rank) for rank in mb}) == 1
+        begin, end = plan.mini_batch_ranges[m]
+        for r, rank in enumerate(mb):
+            for k, cell in enumerate(rank):
+                assert all(begin <= i < end for i in cell)
+                groups = None if options["group_ids"] is None else [options["group_ids"][i] for i in cell]
+                tree = pack_prefix_tree([rows[i] for i in cell], group_ids=groups,
+                                        min_shared_tokens=options["min_shared_tokens"])
+                assert plan.tokens[m][r][k] == tree.num_tokens <= cap
+    if plan.planned_on == "trees":
+        where = {i: (m, r, k) for m, mb in enumerate(plan.assignment) for r, rank in enumerate(mb)
+                 for k, cell in enumerate(rank) for i in cell}
+        for b, e in plan.mini_batch_ranges:
+            for t in np.unique(forest.tree_ids[b:e]):
+                members = [i for i in range(b, e) if forest.tree_ids[i] == t]
+                if forest.physical_tokens(members) <= cap:
+                    assert len({where[i] for i in members}) == 1
+    plain = seqpack.plan_step(forest.lengths, dp_size, cap, cost=cost, sync=sync, mini_batches=mini_batches)
+    plain_time = 0.0
+    for m, mb in enumerate(plain.assignment):
+        cells = [cell for rank in mb for cell in rank]
+        tokens, pairs = forest.subset_costs(cells)
+        costs = [cost.per_micro_batch + cost.per_token * t + cost.per_token_squared * (2 * p - t)
+                 for t, p in zip(tokens.tolist(), pairs.tolist())]
+        grid = np.asarray(costs).reshape(dp_size, plain.num_micro_batches[m])
+        plain_time += grid.max(axis=0).sum() if sync == "micro_batch" else grid.sum(axis=1).max()
+    assert plan.predicted_time <= plain_time * (1 + 1e-9)
+    assert plan.lower_bound <= plan.predicted_time
+
+
+def test_step_of_a_grpo_batch_keeps_groups_whole():
+    rows, groups = grpo_rows(16, 8, 300, 200, seed=3)
+    forest = PrefixForest.from_rows(rows, group_ids=groups)
+    cap = 4 * int(forest.num_physical_tokens / forest.num_trees)
+    plan = seqpack.plan_step(forest.lengths, 4, cap, cost=COSTS[1], forest=forest)
+    assert plan.planned_on == "trees" and plan.sharing_kept == 1.0
+    plain = seqpack.plan_step(forest.lengths, 4, cap, cost=COSTS[1])
+    assert plan.predicted_time < plain.predicted_time  # fewer tokens, fewer micro-batches
+    assert sum(plan.num_micro_batches) <= sum(plain.num_micro_batches)
