@@ -1,5 +1,6 @@
-"""The loss, training-step, boundary, THD, step-planning, TRL, AutoModel and prefix-tree benchmark scripts still
-run (``--quick``: tiny sizes, a smoke test; their numbers come from full runs recorded in benchmarks/RESULTS.md)."""
+"""The loss, training-step, boundary, THD, step-planning, TRL, AutoModel, prefix-tree and forest-planning benchmark
+scripts still run (``--quick``: tiny sizes, a smoke test; their numbers come from full runs recorded in
+benchmarks/RESULTS.md)."""
 
 import os
 import pathlib
@@ -19,7 +20,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
                                            ("bench_step.py", "Simulated step time"),
                                            ("bench_trl.py", "TRL pack_dataset"),
                                            ("bench_automodel.py", "AutoModel pack_dataset"),
-                                           ("bench_prefix_tree.py", "Prefix-tree packing vs plain packing")])
+                                           ("bench_prefix_tree.py", "Prefix-tree packing vs plain packing"),
+                                           ("bench_forest_planning.py", "Tree-aware planning")])
 def test_quick_run_prints_its_table(script, title, tmp_path):
     # The scripts import the same seqpack as this test (installed, or the source tree).
     here = str(pathlib.Path(seqpack.__file__).resolve().parents[1])

@@ -57,11 +57,23 @@ def plan_forest_micro_batches(forest: Any, lengths: Any, max_tokens: int, min_nu
     mapped back to rows and costed exactly (a micro-batch's physical tokens).
     Returns the fields of the :class:`~seqpack.MicroBatchPlan`."""
     forest = _checked_forest(forest, lengths)
-    wanted = -(-min_num // multiple_of) * multiple_of
-    items = forest.items(max_tokens, min_items=wanted)
-    raw = _core.plan_micro_batches(items.tokens, max_tokens, min_num, multiple_of, attention_coeff,
-                                   order == "small_at_ends",
-                                   workloads=_item_workloads(items.tokens, items.pairs, attention_coeff))
+    items = forest.items(max_tokens)
+    while True:
+        # The count the planner starts from (min_num, the tokens over the cap, rounded to
+        # multiple_of) needs as many items: halve the largest ones until there are.
+        need = -(-max(min_num, -(-int(items.tokens.sum()) // max_tokens)) // multiple_of) * multiple_of
+        if items.num_items < need and items.num_items < forest.num_rows:
+            items = forest.items(max_tokens, min_items=need)
+            continue
+        try:
+            raw = _core.plan_micro_batches(items.tokens, max_tokens, min_num, multiple_of, attention_coeff,
+                                           order == "small_at_ends",
+                                           workloads=_item_workloads(items.tokens, items.pairs, attention_coeff))
+            break
+        except ValueError:  # no count fits these items (first-fit's bins past the last multiple): one more item
+            if items.num_items >= forest.num_rows:
+                raise
+            items = forest.items(max_tokens, min_items=items.num_items + 1)
     micro = [sorted(np.concatenate([items.rows[k] for k in group]).tolist()) for group in raw["groups"]]
     tokens, pairs = forest.subset_costs(micro)
     total = int(tokens.sum())
@@ -148,10 +160,11 @@ def _mini_batch_bound(forest: PrefixForest, begin: int, end: int, dp_size: int, 
     """Fewest micro-batches per rank · per_micro_batch + the trees' work / ranks, for
     rows [begin, end): every node of a tree is in at least one micro-batch, and
     splitting a tree only repeats nodes."""
-    rows = np.arange(begin, end)
-    tree_of = forest.tree_ids[rows]
-    subsets = [rows[tree_of == t] for t in np.unique(tree_of)]
-    tokens, pairs = forest.subset_costs(subsets)
+    rows = np.arange(begin, end, dtype=np.int64)
+    by_tree = rows[np.argsort(forest.tree_ids[rows], kind="stable")]  # each tree's rows together
+    starts = np.flatnonzero(np.diff(forest.tree_ids[by_tree], prepend=-1))
+    offsets = np.append(starts, by_tree.shape[0]).astype(np.int64)
+    tokens, pairs = _core.forest_subset_costs(*forest._core_args(), by_tree, offsets)  # one C++ call, no lists
     work = cost.per_token * float(tokens.sum()) + cost.per_token_squared * float(_squares(tokens, pairs).sum())
     cells = max(1, -(-int(tokens.sum()) // max_tokens))
     k_min = max(min_micro_batches, -(-cells // dp_size))

@@ -200,7 +200,7 @@ def test_micro_batches_of_trees_hold_the_cap_and_keep_trees_whole(batch, slack, 
                                 min_shared_tokens=options["min_shared_tokens"])
         assert tokens == tree.num_tokens <= cap  # the cap is on what memory sees, recomputed here
     where = {r: k for k, mb in enumerate(plan.micro_batches) for r in mb}
-    halved = -(-min_num // multiple_of) * multiple_of > forest.items(cap).num_items  # min_num forced more items
+    halved = plan.num_micro_batches > forest.items(cap).num_items  # the count asked for more items than trees
     for members in forest.trees:
         if forest.physical_tokens(members) <= cap and not halved:
             assert len({where[int(r)] for r in members}) == 1  # a tree that fits is never split
