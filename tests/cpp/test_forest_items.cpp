@@ -19,11 +19,7 @@ using Rows = std::vector<Vec>;
 using Batch = seqpack_test::FlatRows;
 using seqpack_test::flatten_rows;
 
-ForestView view(const PrefixForest& f) {
-  return {f.row_length, f.row_order, f.adjacent_lcp, f.tree_of_row, f.num_trees};
-}
-
-ForestItems items_of(const PrefixForest& f, int64_t cap) { return forest_items(view(f), cap); }
+ForestItems items_of(const PrefixForest& f, int64_t cap) { return forest_items(view_of(f), cap); }
 
 TEST(ForestItems, TheHeaderExample) {
   const Batch b = flatten_rows({{1, 2, 3, 4}, {1, 2, 3, 5}, {1, 2, 6}, {1, 2, 7, 8}});
@@ -56,7 +52,7 @@ int64_t brute_force_duplicates(const PrefixForest& f, const Vec& order, int64_t 
     }
     offsets.push_back(static_cast<int64_t>(rows.size()));
     std::vector<SubsetCost> c(offsets.size() - 1);
-    forest_subset_costs(view(f), rows, offsets, c);
+    forest_subset_costs(view_of(f), rows, offsets, c);
     int64_t sum = 0;
     bool fits = true;
     for (const SubsetCost& x : c) {
@@ -66,7 +62,7 @@ int64_t brute_force_duplicates(const PrefixForest& f, const Vec& order, int64_t 
     if (fits && (best < 0 || sum < best)) best = sum;
   }
   std::vector<SubsetCost> whole(1);
-  forest_subset_costs(view(f), order, Vec{0, n}, whole);
+  forest_subset_costs(view_of(f), order, Vec{0, n}, whole);
   return best - whole[0].tokens;
 }
 
@@ -96,7 +92,7 @@ TEST(ForestItems, RandomForestsSplitExactlyAndOptimally) {
       ASSERT_LE(it.tokens[k], cap);
       total += it.tokens[k];
       std::vector<SubsetCost> c(1);
-      forest_subset_costs(view(f), it.rows.group(k), Vec{0, it.rows.group_size(k)}, c);
+      forest_subset_costs(view_of(f), it.rows.group(k), Vec{0, it.rows.group_size(k)}, c);
       EXPECT_EQ(c[0], (SubsetCost{it.tokens[k], it.pairs[k]}));
       for (int64_t r : it.rows.group(k)) {
         ++seen[static_cast<size_t>(r)];
@@ -116,7 +112,7 @@ TEST(ForestItems, RandomForestsSplitExactlyAndOptimally) {
           ++parts;
         }
       std::vector<SubsetCost> whole(1);
-      forest_subset_costs(view(f), order, Vec{0, static_cast<int64_t>(order.size())}, whole);
+      forest_subset_costs(view_of(f), order, Vec{0, static_cast<int64_t>(order.size())}, whole);
       tree_tokens = whole[0].tokens;
       dup -= tree_tokens;
       if (tree_tokens <= cap) EXPECT_EQ(parts, 1) << round;
@@ -130,21 +126,21 @@ TEST(ForestItems, RandomForestsSplitExactlyAndOptimally) {
 TEST(ForestItems, SubsetsOfRows) {
   const Batch b = flatten_rows({{1, 2, 3, 4}, {1, 2, 3, 5}, {1, 2, 6}, {1, 2, 7, 8}, {9}});
   const PrefixForest f = build_prefix_forest(b.tokens, b.cu, {});
-  const ForestItems it = forest_items(view(f), 6, Vec{3, 1, 4});
+  const ForestItems it = forest_items(view_of(f), 6, Vec{3, 1, 4});
   EXPECT_EQ(it.rows.to_nested(), (Rows{{1, 3}, {4}}));  // 4 + 2 = 6 tokens: b and d share "1 2"
   EXPECT_EQ(it.tokens, (Vec{6, 1}));
   EXPECT_EQ(it.duplicated_tokens, 0);
-  EXPECT_TRUE(ThrowsInvalid([&] { forest_items(view(f), 6, Vec{1, 1}); }, {"row id 1 is repeated"}));
-  EXPECT_TRUE(ThrowsInvalid([&] { forest_items(view(f), 6, Vec{5}); }, {"row id 5"}));
+  EXPECT_TRUE(ThrowsInvalid([&] { forest_items(view_of(f), 6, Vec{1, 1}); }, {"row id 1 is repeated"}));
+  EXPECT_TRUE(ThrowsInvalid([&] { forest_items(view_of(f), 6, Vec{5}); }, {"row id 5"}));
 }
 
 TEST(ForestItems, BadArgumentsThrow) {
   const Batch b = flatten_rows({{1, 2}, {1, 3}});
   const PrefixForest f = build_prefix_forest(b.tokens, b.cu, {});
-  EXPECT_TRUE(ThrowsInvalid([&] { forest_items(view(f), 0); }, {"max_tokens"}));
+  EXPECT_TRUE(ThrowsInvalid([&] { forest_items(view_of(f), 0); }, {"max_tokens"}));
   PrefixForest g = f;
   g.tree_of_row = {0, 1};
-  EXPECT_TRUE(ThrowsInvalid([&] { forest_items(view(g), 5); }, {"tree_of_row[1] = 1"}));
+  EXPECT_TRUE(ThrowsInvalid([&] { forest_items(view_of(g), 5); }, {"tree_of_row[1] = 1"}));
 }
 
 }  // namespace

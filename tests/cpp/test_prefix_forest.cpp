@@ -18,10 +18,6 @@ using Rows = std::vector<Vec>;
 using Flat = seqpack_test::FlatRows;
 using seqpack_test::flatten_rows;
 
-ForestView view(const PrefixForest& f) {
-  return {f.row_length, f.row_order, f.adjacent_lcp, f.tree_of_row, f.num_trees};
-}
-
 std::vector<SubsetCost> costs(const PrefixForest& f, const std::vector<Vec>& subsets) {
   Vec rows, offsets{0};
   for (const Vec& s : subsets) {
@@ -29,7 +25,7 @@ std::vector<SubsetCost> costs(const PrefixForest& f, const std::vector<Vec>& sub
     offsets.push_back(static_cast<int64_t>(rows.size()));
   }
   std::vector<SubsetCost> out(subsets.size());
-  forest_subset_costs(view(f), rows, offsets, out);
+  forest_subset_costs(view_of(f), rows, offsets, out);
   return out;
 }
 
@@ -121,18 +117,18 @@ TEST(PrefixForest, ForeignForestsAndBadSubsetsThrow) {
   const PrefixForest lcp_too_long = with([](PrefixForest& g) { g.adjacent_lcp[1] = 3; });
   const PrefixForest lcp_across_trees = with([](PrefixForest& g) { g.adjacent_lcp[2] = 1; });
   const PrefixForest bad_tree = with([](PrefixForest& g) { g.tree_of_row[0] = 7; });
-  EXPECT_TRUE(ThrowsInvalid([&] { check_forest("t", view(not_permutation)); }, {"permutation"}));
-  EXPECT_TRUE(ThrowsInvalid([&] { check_forest("t", view(lcp_too_long)); }, {"adjacent_lcp[1] = 3"}));
-  EXPECT_TRUE(ThrowsInvalid([&] { check_forest("t", view(lcp_across_trees)); }, {"adjacent_lcp[2] = 1"}));
-  EXPECT_TRUE(ThrowsInvalid([&] { check_forest("t", view(bad_tree)); }, {"tree_of_row[0] = 7"}));
+  EXPECT_TRUE(ThrowsInvalid([&] { check_forest("t", view_of(not_permutation)); }, {"permutation"}));
+  EXPECT_TRUE(ThrowsInvalid([&] { check_forest("t", view_of(lcp_too_long)); }, {"adjacent_lcp[1] = 3"}));
+  EXPECT_TRUE(ThrowsInvalid([&] { check_forest("t", view_of(lcp_across_trees)); }, {"adjacent_lcp[2] = 1"}));
+  EXPECT_TRUE(ThrowsInvalid([&] { check_forest("t", view_of(bad_tree)); }, {"tree_of_row[0] = 7"}));
   const PrefixForest interleaved = with([](PrefixForest& g) {
     g.row_order = {0, 2, 1};
     g.adjacent_lcp = {0, 0, 0};
   });
-  EXPECT_TRUE(ThrowsInvalid([&] { check_forest("t", view(interleaved)); }, {"contiguous"}));
-  EXPECT_TRUE(ThrowsInvalid([&] { forest_subset_costs(view(f), Vec{0, 3}, Vec{0, 2}, one); }, {"row id 3"}));
-  EXPECT_TRUE(ThrowsInvalid([&] { forest_subset_costs(view(f), Vec{0}, Vec{0, 2}, one); }, {"offsets"}));
-  EXPECT_TRUE(ThrowsInvalid([&] { forest_subset_costs(view(lcp_too_long), Vec{0}, Vec{0, 1}, one); },
+  EXPECT_TRUE(ThrowsInvalid([&] { check_forest("t", view_of(interleaved)); }, {"contiguous"}));
+  EXPECT_TRUE(ThrowsInvalid([&] { forest_subset_costs(view_of(f), Vec{0, 3}, Vec{0, 2}, one); }, {"row id 3"}));
+  EXPECT_TRUE(ThrowsInvalid([&] { forest_subset_costs(view_of(f), Vec{0}, Vec{0, 2}, one); }, {"offsets"}));
+  EXPECT_TRUE(ThrowsInvalid([&] { forest_subset_costs(view_of(lcp_too_long), Vec{0}, Vec{0, 1}, one); },
                             {"adjacent_lcp"}));
   EXPECT_TRUE(ThrowsInvalid([&] { build_prefix_forest(in.tokens, Vec{0, 3}, {}); }, {"cu_seqlens"}));
 }

@@ -54,7 +54,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
         default: f.row_length[i] = in.edgy(8); break;
       }
     }
-    const ForestView view{f.row_length, f.row_order, f.adjacent_lcp, f.tree_of_row, f.num_trees};
+    const ForestView view = view_of(f);
     std::vector<SubsetCost> out(static_cast<size_t>(n_subsets));
     forest_subset_costs(view, rows, offsets, out);
     if (mutated) return;

@@ -55,6 +55,10 @@ struct ForestView {
   int64_t num_trees = 0;
 };
 
+inline ForestView view_of(const PrefixForest& f) {
+  return {f.row_length, f.row_order, f.adjacent_lcp, f.tree_of_row, f.num_trees};
+}
+
 // Checks that a view is consistent: lengths >= 0, row_order a permutation of the
 // rows, each tree contiguous in it, adjacent_lcp in [0, both rows' lengths] and 0 at
 // the start of each tree, tree ids in [0, num_trees). O(R).
