@@ -182,9 +182,13 @@ def _extras(logits, offsets, ids, grad):
 def _grad_torch(logits, targets, vocab_start, temperature, m, log_se, ent, g_lp, g_ent, grad, extras=None):
     vocab, rows = logits.shape[1], logits.shape[0]
     if extras is not None:  # each extra (row, column, gradient), < 0 ids dropped
+        # The offsets are absolute positions into ids (a chunk of rows passes its own
+        # slice of them, with every id): extras outside [offsets[0], offsets[-1]) are
+        # other chunks'. searchsorted needs no host read.
         offsets, ids, eg = extras
-        e_row = torch.repeat_interleave(torch.arange(rows, device=ids.device), offsets.diff(), output_size=ids.shape[0])
-        keep = ids >= 0
+        pos = torch.arange(ids.shape[0], device=ids.device)
+        e_row = (torch.searchsorted(offsets, pos, right=True) - 1).clamp(0, max(rows - 1, 0))
+        keep = (ids >= 0) & (pos >= offsets[0]) & (pos < offsets[-1])
         e_sum = torch.zeros_like(g_lp).index_add_(0, e_row, torch.where(keep, eg, 0.0))
         e_any = torch.zeros(rows, dtype=torch.bool, device=ids.device).index_put_(
             (e_row,), keep & (eg != 0), accumulate=True)

@@ -337,3 +337,24 @@ def test_fused_head_worked_example():
 def test_fused_head_bad_inputs_raise(args, kwargs, error, match):
     with pytest.raises(error, match=match):
         seqpack.tree_linear_token_logprobs(*args, TREE, **kwargs)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("chunk", [1, 2, 3])
+def test_fused_head_chunks_of_rows_with_branch_points(dtype, chunk):
+    """More physical tokens than vocabulary entries: the head is tiled by rows, and a
+    chunk after the first holds extra targets (the PyTorch fallback for fp64 once read
+    their rows from offsets it took to start at 0)."""
+    tree = pack_prefix_tree([[1, 2, 3], [1, 2, 0], [1, 3, 2, 1], [1, 3, 0]])
+    assert tree_targets(tree).extra_source.tolist() == [0, 1, 4]  # "1", "1 2", "1 3": each predicts two ids
+    gen = torch.Generator().manual_seed(chunk)
+    hidden = torch.randn(tree.num_tokens, 6, generator=gen, dtype=torch.float64).to(dtype).requires_grad_(True)
+    weight = torch.randn(4, 6, generator=gen, dtype=torch.float64).to(dtype).requires_grad_(True)
+    fused = seqpack.tree_linear_token_logprobs(hidden, weight, tree, chunk_tokens=chunk, return_entropy=True)
+    got = torch.autograd.grad(fused.logprobs.sum() + fused.entropy.sum(), (hidden, weight))
+    plain = tree_token_logprobs(hidden @ weight.T, tree, return_entropy=True)
+    want = torch.autograd.grad(plain.logprobs.sum() + plain.entropy.sum(), (hidden, weight))
+    tol = 1e-10 if dtype == torch.float64 else 1e-5
+    close(fused.logprobs, plain.logprobs, tol)
+    for a, b in zip(got, want):
+        close(a, b, tol)
