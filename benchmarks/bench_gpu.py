@@ -5,7 +5,10 @@ Baselines:
   copy    ``dst.copy_(src)`` of the same bytes on the device: the bandwidth limit;
   loop    the per-sequence PyTorch loop of bench_thd.py (ROLL's ``_pack_sequences``);
   torch   ``log_softmax`` + ``gather`` (+ entropy) forward and backward on the
-          same logits; its extra peak memory from ``torch.cuda.max_memory_allocated``.
+          same logits; its extra peak memory from ``torch.cuda.max_memory_allocated``;
+  plain   (prefix trees) bench_prefix_tree.py's model on GRPO rows packed back to
+          back (varlen_attention, packed_token_logprobs), against the same rows as a
+          prefix tree (tree_attention per backend, tree_token_logprobs), bf16.
 Bandwidth of the fused log-probs counts the bytes that must move: the logits read
 once forward, read once and the gradient written once backward.
 Also checked: no host synchronisation on the hot paths
@@ -25,7 +28,10 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _harness import CsvLog, announce, environment, format_table  # noqa: E402
+from bench_prefix_tree import Model, grpo_batch, max_rel_diff, plain_step, sft_batch, tree_step  # noqa: E402
 from bench_thd import QUICK_SHAPES, SHAPES, case_lengths, loop_pack, loop_unpack  # noqa: E402
+
+import numpy as np  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -215,6 +221,92 @@ def check_sync_free_and_graph(log):
     return "\n".join(lines)
 
 
+def tree_cases(quick):
+    rng = np.random.default_rng(0)
+    if quick:
+        return [("GRPO G=8 2:1 (256/128) x2", *grpo_batch(rng, 2, 8, 256, 128)),
+                ("SFT, nothing shared (128-512)", *sft_batch(rng, 8, 128, 512))]
+    return [("GRPO G=8 2:1 (2048/1024) x4", *grpo_batch(rng, 4, 8, 2048, 1024)),
+            ("GRPO G=8 1:2 (1024/2048) x4", *grpo_batch(rng, 4, 8, 1024, 2048)),
+            ("GRPO G=16 2:1 (2048/1024) x2", *grpo_batch(rng, 2, 16, 2048, 1024)),
+            ("SFT, nothing shared (1024-4096)", *sft_batch(rng, 24, 1024, 4096))]
+
+
+def bench_prefix_trees(log, repeat, quick):
+    """Forward + backward of one batch, plain packing vs the prefix tree (bf16)."""
+    torch.manual_seed(0)
+    dims = dict(hidden=256, heads=4, head_dim=64, ffn=688, layers=2) if quick else \
+        dict(hidden=1024, heads=16, head_dim=64, ffn=2816, layers=4)
+    vocab = 32000
+    model = Model(vocab=vocab, **dims).to("cuda", torch.bfloat16)
+    model.inv_freq = model.inv_freq.cuda()
+    backends = [b for b in ("varlen", "sdpa") if seqpack.tree_attention_backends()[b] == "available"]
+    plain_backend = next((b for b in ("flash_attn", "torch_varlen") if seqpack.attention_backends()[b] == "available"),
+                         "reference")
+    rows_out = []
+    for name, rows, groups in tree_cases(quick):
+        m = seqpack.pack_prefix_tree(rows, group_ids=groups).metrics()
+
+        def run(fn):
+            model.zero_grad(set_to_none=True)
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            loss = fn()
+            torch.cuda.synchronize()
+            peak = (torch.cuda.max_memory_allocated() - base) / 2**20
+            grads = [p.grad.float() for p in model.parameters()]
+            model.zero_grad(set_to_none=True)
+            return loss, grads, peak
+
+        def timed(fn):
+            def step():
+                fn()
+                model.zero_grad(set_to_none=True)
+            return cuda_time(step, repeat, 2)
+
+        plain = lambda: plain_step(model, rows, "cuda")  # noqa: E731
+        loss_p, grads_p, peak_p = run(plain)
+        t_p = timed(plain)
+        log.add(name, "plain", "ms_min", t_p["min"])
+        log.add(name, "plain", "extra_peak_mib", peak_p)
+        for backend in backends:
+            tree = lambda: tree_step(model, rows, groups, "cuda", backend)  # noqa: E731
+            loss_t, grads_t, peak_t = run(tree)
+            loss_rel = abs(float(loss_t) - float(loss_p)) / abs(float(loss_p))
+            grad_rel = max_rel_diff(grads_t, grads_p)
+            t_t = timed(tree)
+            impl = f"tree/{backend}"
+            for key, value in (("ms_min", t_t["min"]), ("extra_peak_mib", peak_t), ("loss_rel_diff", loss_rel),
+                               ("grad_max_rel_diff", grad_rel)):
+                log.add(name, impl, key, value)
+            rows_out.append([name, backend, m.logical_tokens, m.physical_tokens, t_p["min"], t_t["min"],
+                             t_p["min"] / t_t["min"], peak_p, peak_t, loss_rel, grad_rel])
+        log.add(name, "-", "logical_tokens", m.logical_tokens)
+        log.add(name, "-", "physical_tokens", m.physical_tokens)
+    return format_table(
+        "Prefix trees on the GPU: fwd+bwd of one batch, plain packing vs the tree (bf16)",
+        ["case", "tree attention", "logical tok", "physical tok", "plain ms", "tree ms", "speed-up",
+         "plain extra MiB", "tree extra MiB", "loss rel diff", "grad max rel diff"], rows_out,
+        note=f"Model: {dims['layers']} layers, hidden {dims['hidden']}, {dims['heads']} heads x {dims['head_dim']}, "
+             f"SwiGLU {dims['ffn']}, vocab {vocab}, bf16 weights. plain: varlen_attention (auto: {plain_backend}) + "
+             "packed_token_logprobs; tree: pack_prefix_tree on the host (timed: a per-batch cost) + tree_attention + "
+             "tree_token_logprobs. CUDA events, best of the runs; extra MiB = max_memory_allocated rise of one step. "
+             "Differences are bf16 rounding of two summation orders (relative, max over weights).")
+
+
+def section(title, fn, *args):
+    """Runs one section; a failure is printed and reported, the later sections still run."""
+    try:
+        print(fn(*args), flush=True)
+        return True
+    except Exception:  # noqa: BLE001 - a benchmark section's failure must not lose the others' numbers
+        import traceback
+        print(f"\n{title} FAILED:", flush=True)
+        traceback.print_exc()
+        return False
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
@@ -226,14 +318,15 @@ def main() -> int:
     env = announce(gpu_environment(environment()), torch)
     log = CsvLog("gpu", env, args.csv)
     repeat = 5 if args.quick else 20
-    print(bench_thd(QUICK_SHAPES if args.quick else SHAPES, log, repeat))
     cases = [(4096, 32000, torch.bfloat16, True)] if args.quick else [
         (t, v, d, e) for t in (16384, 65536) for v in (32000, 151936) for d in (torch.bfloat16, torch.float32)
         for e in (False, True)]
-    print(bench_logprobs(cases, log, repeat))
-    print(check_sync_free_and_graph(log))
+    ok = [section("pack/unpack", bench_thd, QUICK_SHAPES if args.quick else SHAPES, log, repeat),
+          section("fused log-probs", bench_logprobs, cases, log, repeat),
+          section("sync / CUDA graph", check_sync_free_and_graph, log),
+          section("prefix trees", bench_prefix_trees, log, 3 if args.quick else 5, args.quick)]
     print(f"\nwrote {log.write()}")
-    return 0
+    return 0 if all(ok) else 1
 
 
 if __name__ == "__main__":

@@ -89,9 +89,10 @@ class Model(torch.nn.Module):
         return torch.cat([a * cos - b * sin, b * cos + a * sin], dim=-1)
 
     def forward(self, ids, positions, attend):
-        angles = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]  # [T, D/2]
-        cos, sin = angles.cos()[:, None, :], angles.sin()[:, None, :]
         x = self.embed[ids]
+        # RoPE angles in fp32 whatever the weights' dtype (bf16 loses positions past 256)
+        angles = positions.to(torch.float32)[:, None] * self.inv_freq.to(positions.device)[None, :]  # [T, D/2]
+        cos, sin = angles.cos()[:, None, :].to(x.dtype), angles.sin()[:, None, :].to(x.dtype)
         t = ids.shape[0]
         for blk in self.blocks:
             q, k, v = (self.rms(x, blk.norm1) @ blk.wqkv).view(t, 3, self.heads, self.head_dim).unbind(1)
@@ -102,13 +103,13 @@ class Model(torch.nn.Module):
 
 
 # ---- the two steps --------------------------------------------------------------------
-def plain_step(model, rows):
+def plain_step(model, rows, device="cpu"):
     """Forward + backward of the rows packed back to back; returns the loss."""
     lens = np.fromiter((len(r) for r in rows), dtype=np.int64, count=len(rows))
     cu = np.zeros(len(rows) + 1, dtype=np.int64)
     np.cumsum(lens, out=cu[1:])
-    ids = torch.from_numpy(np.concatenate(rows))
-    positions = torch.from_numpy(np.arange(cu[-1], dtype=np.int64) - np.repeat(cu[:-1], lens))
+    ids = torch.from_numpy(np.concatenate(rows)).to(device)
+    positions = torch.from_numpy(np.arange(cu[-1], dtype=np.int64) - np.repeat(cu[:-1], lens)).to(device)
     longest = int(lens.max())
 
     def attend(q, k, v):
@@ -120,13 +121,14 @@ def plain_step(model, rows):
     return loss.detach()
 
 
-def tree_step(model, rows, groups):
+def tree_step(model, rows, groups, device="cpu", backend="sdpa"):
     """Forward + backward of the rows' prefix tree (built here); returns the loss."""
     tree = seqpack.pack_prefix_tree(rows, group_ids=groups)
-    ids, positions = torch.tensor(tree.input_ids), torch.tensor(tree.position_ids)  # its arrays are read-only
+    # its arrays are read-only: copies
+    ids, positions = torch.tensor(tree.input_ids, device=device), torch.tensor(tree.position_ids, device=device)
 
     def attend(q, k, v):
-        return seqpack.tree_attention(q, k, v, tree, backend="sdpa")
+        return seqpack.tree_attention(q, k, v, tree, backend=backend)
 
     logits = model(ids, positions, attend)
     loss = -seqpack.tree_token_logprobs(logits, tree).logprobs.sum()

@@ -32,8 +32,9 @@ void launch_move(const MoveBuffers& b, const ByteTask* tasks, int64_t num_tasks,
   if (num_tasks < 0 || b.row_bytes < 0 || b.src_bytes < 0 || b.dst_bytes < 0)
     throw std::invalid_argument("[seqpack.cuda_move] num_tasks, row_bytes and buffer sizes must be >= 0");
   if (num_tasks == 0 || b.row_bytes == 0) return;
-  if (b.src == nullptr || b.dst == nullptr || tasks == nullptr)
-    throw std::invalid_argument("[seqpack.cuda_move] src, dst and tasks must not be null");
+  // An empty source (every task a fill: unpacking zero tokens) may have no address.
+  if ((b.src == nullptr && b.src_bytes > 0) || b.dst == nullptr || tasks == nullptr)
+    throw std::invalid_argument("[seqpack.cuda_move] src (unless empty), dst and tasks must not be null");
   auto s = static_cast<cudaStream_t>(stream);
   // Task offsets are whole rows, so the widest access that divides row_bytes and
   // every base pointer is safe for all of them.

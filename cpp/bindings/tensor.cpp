@@ -1,7 +1,7 @@
 #include "tensor.hpp"
 
 #include <limits>
-#include <sstream>
+#include <string>
 
 namespace seqpack::bindings {
 namespace {
@@ -103,12 +103,14 @@ std::string TensorArg::dtype_str() const {
 
 bool TensorArg::is(Dtype d) const { return t_->dtype.code == info(d).code && t_->dtype.bits == info(d).bits; }
 
+// No iostreams here: with the extension built by GCC 13 (Ubuntu 24.04, pybind11's
+// LTO) next to PyTorch 2.11, formatting a size through std::ostringstream crashed
+// inside libstdc++'s locale code on an H200 machine; std::to_string does not touch
+// the locale.
 std::string TensorArg::where() const {
-  std::ostringstream os;
-  os << " (got " << dtype_str() << " [";
-  for (int d = 0; d < t_->ndim; ++d) os << (d ? ", " : "") << t_->shape[d];
-  os << "] on " << (on_cuda() ? "cuda:" + std::to_string(device_id()) : std::string("cpu")) << ")";
-  return os.str();
+  std::string out = " (got " + dtype_str() + " [";
+  for (int d = 0; d < t_->ndim; ++d) out += (d ? ", " : "") + std::to_string(t_->shape[d]);
+  return out + "] on " + (on_cuda() ? "cuda:" + std::to_string(device_id()) : std::string("cpu")) + ")";
 }
 
 void TensorArg::fail_value(const std::string& rule) const {

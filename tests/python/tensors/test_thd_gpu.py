@@ -119,7 +119,8 @@ def torch_unpack(y, lens, width, multiple, fill):
 
 def byte_tasks(packed, row_bytes):
     """How many device tasks the pack of ``packed`` ran (host plan, as seqpack.tensors._ops builds it)."""
-    from seqpack import _core, _ops
+    from seqpack import _core
+    from seqpack.tensors import _ops
 
     copies, fills = packed._runs()[:2]
     return _core.byte_tasks(copies.numpy(), fills.numpy(), packed.batch_size * packed.width, packed.num_tokens,

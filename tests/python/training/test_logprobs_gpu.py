@@ -38,7 +38,7 @@ def test_cuda_matches_cpu(dtype, vocab, cp):
     w = torch.randn(local.shape[0], generator=g)
     results = []
     for device in ("cpu", "cuda"):
-        x = local.to(device).requires_grad_()
+        x = local.detach().to(device).requires_grad_()  # a fresh leaf on each device
         lp, ent = packed_token_logprobs(x, ids.to(device), cu, cu_p, cp_size=cp, cp_rank=cp - 1,
                                         return_entropy=True, temperature=0.8)
         ((lp * w.to(device)).sum() + ent.sum()).backward()
@@ -66,7 +66,7 @@ def test_wrapper_on_cuda_equals_cpu():
     out = []
     for device in ("cpu", "cuda"):
         d = {k: v.to(device) for k, v in data.items()}
-        x = logits.to(device).requires_grad_()
+        x = logits.detach().to(device).requires_grad_()  # .to("cpu") is logits itself
         loss, _ = SequencePackingLossWrapper(loss_fn, None, cu, fused=True)(x, d, 3, 15)
         loss.backward()
         out.append((loss.item(), x.grad.cpu()))
