@@ -103,10 +103,10 @@ std::string TensorArg::dtype_str() const {
 
 bool TensorArg::is(Dtype d) const { return t_->dtype.code == info(d).code && t_->dtype.bits == info(d).bits; }
 
-// No iostreams here: with the extension built by GCC 13 (Ubuntu 24.04, pybind11's
-// LTO) next to PyTorch 2.11, formatting a size through std::ostringstream crashed
-// inside libstdc++'s locale code on an H200 machine; std::to_string does not touch
-// the locale.
+// No iostreams here: on an H200 machine (Ubuntu 24.04's GCC, PyTorch 2.11) the
+// extension segfaulted while formatting this message through std::ostringstream
+// (cuda-gdb: frames labelled std::ostream::_M_insert<long>, inside _core), and
+// std::to_string fixed it. The cause inside libstdc++ was not established.
 std::string TensorArg::where() const {
   std::string out = " (got " + dtype_str() + " [";
   for (int d = 0; d < t_->ndim; ++d) out += (d ? ", " : "") + std::to_string(t_->shape[d]);
