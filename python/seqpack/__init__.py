@@ -64,12 +64,13 @@ _export("tensors.thd", "PackedBatch", "PackedSeqParams", "StaticPackedBatch", "p
 _export("tensors.cp", "cp_partition_indices", "cp_restore_order")
 _export("tensors.dataset", "PackedDataset", "collate_packs", "pack_dataset")
 _export("tensors.prefix_tree", "PrefixTreeBatch", "PrefixTreeMetrics", "pack_prefix_tree")
+_export("tensors.prefix_tree_cp", "tree_cp_bounds", "tree_cp_local_rows")
 # Training ops
 _export("training.logprobs", "TokenLogprobs", "packed_token_logprobs", "linear_token_logprobs")
 _export("training.logprobs_tree", "tree_token_logprobs", "tree_linear_token_logprobs")
 _export("training.loss", "SequencePackingLossWrapper", "prepare_loss_input", "NLLLoss", "ClippedPGLoss")
 _export("training.attention", "varlen_attention", "cp_attention", "ulysses_attention", "attention_backends",
-        "tree_attention", "tree_attention_backends")
+        "tree_attention", "tree_attention_backends", "tree_cp_attention")
 # Frameworks
 _export("frameworks.batched_data_dict", "BatchedDataDict", "DynamicBatchingArgs", "SequencePackingArgs",
         "SlicedDataDict")
@@ -85,12 +86,14 @@ __all__ = [
     "unpack_sequences",
     "StaticPackedBatch", "pack_sequences_static", "cp_partition_indices", "cp_restore_order",
     "collate_packs", "pack_dataset", "pack_prefix_tree", "PrefixTreeBatch", "PrefixTreeMetrics",
+    "tree_cp_bounds", "tree_cp_local_rows",
     # training
     "packed_token_logprobs", "linear_token_logprobs", "tree_token_logprobs", "tree_linear_token_logprobs",
     "TokenLogprobs",
     "SequencePackingLossWrapper",
     "prepare_loss_input",
     "varlen_attention", "cp_attention", "ulysses_attention", "tree_attention", "tree_attention_backends",
+    "tree_cp_attention",
     # frameworks
     "BatchedDataDict",
     # support
@@ -209,10 +212,11 @@ if TYPE_CHECKING:  # what the lazy attributes resolve to, for type checkers and 
     from .tensors.dataset import PackedDataset, collate_packs, pack_dataset
     from .tensors.layout import PackedLayout, alignment
     from .tensors.prefix_tree import PrefixTreeBatch, PrefixTreeMetrics, pack_prefix_tree
+    from .tensors.prefix_tree_cp import tree_cp_bounds, tree_cp_local_rows
     from .tensors.thd import (PackedBatch, PackedSeqParams, StaticPackedBatch, pack_sequences, pack_sequences_static,
                               pack_to_layout, unpack_sequences)
     from .training.attention import (attention_backends, cp_attention, tree_attention, tree_attention_backends,
-                                     ulysses_attention, varlen_attention)
+                                     tree_cp_attention, ulysses_attention, varlen_attention)
     from .training.logprobs import TokenLogprobs, packed_token_logprobs
     from .training.logprobs_tree import tree_linear_token_logprobs, tree_token_logprobs
     from .training.loss import ClippedPGLoss, NLLLoss, SequencePackingLossWrapper, prepare_loss_input

@@ -7,6 +7,8 @@
 - :mod:`~seqpack.tensors.cp`: context-parallel sharding (the 2·CP zigzag chunks).
 - :mod:`~seqpack.tensors.dataset`: packing a tokenized dataset offline for SFT.
 - :mod:`~seqpack.tensors.prefix_tree`: prefix-tree packing (shared prefixes laid out once).
+- :mod:`~seqpack.tensors.prefix_tree_cp`: a prefix tree's CP shards (contiguous, balanced
+  by attention work).
 
 Importing this package does not import torch; the tensor functions do, when called.
 """
@@ -15,11 +17,13 @@ from .cp import cp_partition_indices, cp_restore_order
 from .dataset import PackedDataset, collate_packs, pack_dataset
 from .layout import PackedLayout, alignment, round_up
 from .prefix_tree import PrefixTreeBatch, PrefixTreeMetrics, pack_prefix_tree
+from .prefix_tree_cp import gather_tree_cp, tree_cp_bounds, tree_cp_local_rows
 from .thd import (PackedBatch, PackedSeqParams, StaticPackedBatch, pack_sequences, pack_sequences_static,
                   pack_to_layout, unpack_sequences)
 
 __all__ = [
     "PackedBatch", "PackedDataset", "PackedLayout", "PackedSeqParams", "PrefixTreeBatch", "PrefixTreeMetrics",
     "StaticPackedBatch", "alignment", "collate_packs", "cp_partition_indices", "cp_restore_order", "pack_dataset",
-    "pack_prefix_tree", "pack_sequences", "pack_sequences_static", "pack_to_layout", "round_up", "unpack_sequences",
+    "gather_tree_cp", "pack_prefix_tree", "pack_sequences", "pack_sequences_static", "pack_to_layout", "round_up",
+    "tree_cp_bounds", "tree_cp_local_rows", "unpack_sequences",
 ]

@@ -110,15 +110,16 @@ def gather_cp(local: "torch.Tensor", cu_seqlens_padded: Any, group, *, agree: bo
     so a rank with other inputs makes every rank raise instead of leaving the others
     waiting in the gather or its backward. ``False`` skips that collective when the
     caller has agreed on all of it already."""
+    import torch.distributed as dist
+
     global _GATHER
     if _GATHER is None:
         _GATHER = _make_gather()
+    size = dist.get_world_size(group)
     if agree:
-        import torch.distributed as dist
-
         from .._dist import checked_on_every_rank, tensor_facts
 
-        size, me = dist.get_world_size(group), dist.get_rank(group)
+        me = dist.get_rank(group)
         if size < 1 or me < 0:
             raise ValueError(f"this process is not in the CP group (size {size}, rank {me}); it cannot take part "
                              "in gather_cp's all-gather over it")
@@ -142,7 +143,39 @@ def gather_cp(local: "torch.Tensor", cu_seqlens_padded: Any, group, *, agree: bo
                     shared["requires_grad"]}
 
         checked_on_every_rank(local_checks, group, "gather_cp", size > 1, fingerprint=facts)
-    return _GATHER.apply(local, cu_seqlens_padded, group)
+    if size == 1:
+        return _GATHER.apply(local, None, group)
+    rows = int(host_offsets(cu_seqlens_padded, "cu_seqlens_padded")[-1]) // size
+    return _GATHER.apply(local, _RankRows((rows,) * size, lambda: cp_restore_order(cu_seqlens_padded, size)), group)
+
+
+class _RankRows:
+    """How a gather lays out the ranks' rows: ``counts[r]`` rows come from rank ``r``
+    (padded to the largest count for the all-gather), and ``order()`` gives, for
+    each row of the gathered result, its position in the padded rank-major buffer
+    (built when the gather runs)."""
+
+    __slots__ = ("counts", "order")
+
+    def __init__(self, counts, order) -> None:
+        self.counts, self.order = tuple(int(c) for c in counts), order
+
+
+def gather_rank_rows(local: "torch.Tensor", counts, order: np.ndarray, group) -> "torch.Tensor":
+    """Every rank's rows (rank ``r`` holds ``counts[r]``, any of them 0) all-gathered
+    over ``group`` and put in the order ``order`` (positions in the rank-major
+    buffer, each rank's rows padded to ``max(counts)``), differentiable: the
+    backward reduce-scatters the gradient, each rank keeping the sum for its own
+    rows. No agreement here: the caller has compared ``counts`` and ``local``'s
+    shape, dtype and requires_grad on every rank."""
+    import torch.distributed as dist
+
+    global _GATHER
+    if _GATHER is None:
+        _GATHER = _make_gather()
+    if dist.get_world_size(group) == 1:
+        return _GATHER.apply(local, None, group)
+    return _GATHER.apply(local, _RankRows(counts, lambda: order), group)
 
 
 def _make_gather():
@@ -151,30 +184,35 @@ def _make_gather():
 
     from ._device import host_to_device
 
-    class GatherCP(torch.autograd.Function):
+    class GatherRanks(torch.autograd.Function):
+        """All-gather of every rank's rows (``_RankRows``) in a chosen order; the
+        backward is one reduce-scatter."""
+
         @staticmethod
-        def forward(ctx, local, cu_seqlens_padded, group):
-            cp = dist.get_world_size(group)
-            ctx.group, ctx.rank, ctx.cu = group, dist.get_rank(group), cu_seqlens_padded
-            if cp == 1:
+        def forward(ctx, local, rows, group):
+            ctx.group = group
+            if rows is None:  # a group of one
                 return local.clone()
-            pieces = [torch.empty_like(local) for _ in range(cp)]
-            dist.all_gather(pieces, local.contiguous(), group=group)
-            (order,) = host_to_device([cp_restore_order(cu_seqlens_padded, cp)], local.device)
+            width = max(rows.counts)
+            padded = local.contiguous()
+            if local.shape[0] < width:  # ranks with fewer rows pad up to the widest
+                padded = torch.cat([padded, padded.new_zeros((width - local.shape[0],) + tuple(local.shape[1:]))])
+            pieces = [torch.empty_like(padded) for _ in rows.counts]
+            dist.all_gather(pieces, padded, group=group)
+            (order,) = host_to_device([rows.order()], local.device)
+            ctx.order, ctx.width, ctx.mine = order, width, local.shape[0]
             return torch.cat(pieces).index_select(0, order)
 
         @staticmethod
         def backward(ctx, grad):
-            cp = dist.get_world_size(ctx.group)
-            if cp == 1:
+            if not hasattr(ctx, "order"):
                 return grad, None, None
-            # Reduce-scatter: the rows back in rank-major order (rank r's rows are
-            # r's zigzag positions), summed over the group, each rank keeping its own.
-            rank_major = np.concatenate([cp_partition_indices(ctx.cu, cp, r) for r in range(cp)])
-            (index,) = host_to_device([rank_major], grad.device)
-            grad = grad.index_select(0, index).contiguous()
-            out = grad.new_empty((grad.shape[0] // cp,) + tuple(grad.shape[1:]))
-            dist.reduce_scatter_tensor(out, grad, group=ctx.group)
-            return out, None, None
+            # Reduce-scatter: the rows back at their rank-major positions (padding
+            # zero), summed over the group, each rank keeping its own.
+            size = dist.get_world_size(ctx.group)
+            full = grad.new_zeros((size * ctx.width,) + tuple(grad.shape[1:])).index_copy_(0, ctx.order, grad)
+            out = grad.new_empty((ctx.width,) + tuple(grad.shape[1:]))
+            dist.reduce_scatter_tensor(out, full, group=ctx.group)
+            return out[:ctx.mine], None, None
 
-    return GatherCP
+    return GatherRanks

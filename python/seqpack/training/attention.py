@@ -9,7 +9,9 @@
   sequence parallelism, two all-to-alls over the group;
 - :func:`tree_attention` (:mod:`~seqpack.training.attention_tree`): a prefix tree
   (:class:`~seqpack.PrefixTreeBatch`), each token over its ancestors and itself, and
-  its backends (:func:`tree_attention_backends`).
+  its backends (:func:`tree_attention_backends`);
+- :func:`tree_cp_attention` (:mod:`~seqpack.training.attention_tree_cp`): a prefix
+  tree over CP ranks, contiguous ranges balanced by attention work.
 
 ::
 
@@ -21,8 +23,9 @@
 
 from .attention_cp import cp_attention
 from .attention_tree import tree_attention, tree_attention_backends
+from .attention_tree_cp import tree_cp_attention
 from .attention_ulysses import ulysses_attention
 from .attention_varlen import BACKENDS, MAX_SCORE_ELEMENTS, attention_backends, varlen_attention
 
 __all__ = ["BACKENDS", "MAX_SCORE_ELEMENTS", "attention_backends", "cp_attention", "tree_attention",
-           "tree_attention_backends", "ulysses_attention", "varlen_attention"]
+           "tree_attention_backends", "tree_cp_attention", "ulysses_attention", "varlen_attention"]

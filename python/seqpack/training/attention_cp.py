@@ -56,6 +56,11 @@ def _cp_checks(q, k, v, packed_batch, size: int, me: int, causal: bool, softmax_
     (the batch's offsets, CP size and rank, this rank's q/k/v, the arguments), run
     before its first collective and inside the agreement; returns what the call
     needs."""
+    from ..tensors.prefix_tree import PrefixTreeBatch
+
+    if isinstance(packed_batch, PrefixTreeBatch):
+        raise TypeError("cp_attention takes a zigzag PackedBatch; for a prefix tree use seqpack.tree_cp_attention "
+                        "(contiguous ranges of the tree balanced by attention work, seqpack.tree_cp_bounds)")
     try:
         layout = getattr(packed_batch, "layout", None)  # a PackedBatch's host offsets; else one copy
         cu = layout.cu_seqlens_padded if layout is not None else packed_batch.cu_seqlens_padded
@@ -156,10 +161,8 @@ def cp_attention(
     import torch.distributed as dist
 
     from .._dist import checked_on_every_rank
-    from ..tensors._device import host_to_device
     from ..tensors.cp import gather_cp
 
-    torch = _torch()
     q, k, v = _follow_autocast(q, k, v)  # the gathers move the autocast dtype, as varlen_attention computes in it
     size, me = dist.get_world_size(group), dist.get_rank(group)
     if size < 1 or me < 0:
@@ -170,23 +173,41 @@ def cp_attention(
         group, "cp_attention", agree and size > 1, fingerprint=lambda c: _cp_fingerprint(c, q, k, v))
     plan, step, scale = checked["plan"], checked["step"], checked["scale"]
     cu32 = checked["cu_p"].astype(np.int32)
+    # Agreed above (the offsets, k's and v's shapes, dtypes and requires_grad).
+    return attend_gathered(q, k, v, lambda t: gather_cp(t, cu32, group, agree=False), plan, causal=causal,
+                           scale=scale, backend=backend, kv_heads_per_chunk=step)
+
+
+def attend_gathered(q, k, v, gather, plan: Dict[str, Any], *, causal: bool, scale: float, backend: str,
+                    kv_heads_per_chunk: int) -> "torch.Tensor":
+    """This rank's queries against keys and values gathered over its group:
+    ``gather(t)`` gives every rank's rows of ``t`` in the full layout, ``plan``'s
+    ``k_index`` picks each query segment's keys from them (``cu_q``, ``cu_k``,
+    ``max_q``, ``max_k``: the :func:`varlen_attention` offsets), and
+    ``kv_heads_per_chunk`` KV heads go at a time (re-gathered in the backward:
+    activation checkpointing) when fewer than all."""
+    from ..tensors._device import host_to_device
+
+    torch = _torch()
     (k_index,) = host_to_device([plan["k_index"]], k.device)
     hk, group_size = k.shape[1], q.shape[1] // k.shape[1]
 
     def attend(qc, kc, vc):
-        # Agreed above (the offsets, k's and v's shapes, dtypes and requires_grad).
-        keys = gather_cp(kc, cu32, group, agree=False).index_select(0, k_index)
-        values = gather_cp(vc, cu32, group, agree=False).index_select(0, k_index)
-        return varlen_attention(qc, keys, values, plan["cu_q"], plan["cu_k"], plan["max_q"], plan["max_k"],
-                                causal=causal, softmax_scale=scale, backend=backend)
+        keys, values = gather(kc).index_select(0, k_index), gather(vc).index_select(0, k_index)
+        out = varlen_attention(qc, keys, values, plan["cu_q"], plan["cu_k"], plan["max_q"], plan["max_k"],
+                               causal=causal, softmax_scale=scale, backend=backend)
+        if qc.shape[0] == 0:  # no query here: keep the gathers in the graph (an exact 0), so that this
+            # rank's backward still joins their reduce-scatters
+            out = out + (qc[:0].sum() + keys[:0].sum() + values[:0].sum()).to(out.dtype)
+        return out
 
-    if step >= hk:
+    if kv_heads_per_chunk >= hk:
         return attend(q, k, v)
     from torch.utils.checkpoint import checkpoint
 
     outs = []
-    for h in range(0, hk, step):
-        e = min(hk, h + step)
+    for h in range(0, hk, kv_heads_per_chunk):
+        e = min(hk, h + kv_heads_per_chunk)
         outs.append(checkpoint(attend, q[:, h * group_size: e * group_size], k[:, h:e], v[:, h:e],
                                use_reentrant=False))
     return torch.cat(outs, dim=1)

@@ -8,7 +8,10 @@ them back::
     rank 0: rows 0..n-1, heads 0..H-1     --all-to-all-->   rank 0: rows 0..T-1, heads 0..H/2-1
     rank 1: rows n..T-1, heads 0..H-1                       rank 1: rows 0..T-1, heads H/2..H-1
 
-KV heads are replicated up to the group size when there are fewer (GQA). See docs/ulysses.md.
+KV heads are replicated up to the group size when there are fewer (GQA). A prefix
+tree (:class:`~seqpack.PrefixTreeBatch`) works the same way: the stream is its
+physical layout, and every rank runs :func:`~seqpack.tree_attention` over the
+whole tree for its heads. See docs/ulysses.md.
 
 Example::
 
@@ -23,6 +26,7 @@ from typing import TYPE_CHECKING, Any, Dict, Optional, Sequence
 import numpy as np
 
 from ..tensors.layout import host_offsets
+from .attention_tree import tree_attention
 from .attention_varlen import _check, _follow_autocast, _pick, _scale, _torch, varlen_attention
 
 if TYPE_CHECKING:
@@ -86,8 +90,10 @@ def _ulysses_checks(q, k, v, packed_batch, size: int, me: int, causal: bool, sof
     """Every check of :func:`ulysses_attention` whose outcome can differ between
     ranks, run before its first collective and inside the agreement; returns what
     the call needs."""
-    from ..tensors._ulysses import local_rows
+    from ..tensors.prefix_tree import PrefixTreeBatch
 
+    if isinstance(packed_batch, PrefixTreeBatch):
+        return _tree_checks(q, k, v, packed_batch, size, causal, softmax_scale, window_size, backend)
     try:
         layout = getattr(packed_batch, "layout", None)  # a PackedBatch's host offsets; else one copy
         cu = layout.cu_seqlens_padded if layout is not None else packed_batch.cu_seqlens_padded
@@ -101,9 +107,22 @@ def _ulysses_checks(q, k, v, packed_batch, size: int, me: int, causal: bool, sof
     cu_p = host_offsets(cu, "packed_batch.cu_seqlens_padded", copy_device=True)
     left, right = _check(q, k, v, window_size, causal)
     total = int(cu_p[-1])
+    n = _check_rows_and_heads(q, k, total, size)
+    hk = k.shape[1]
+    scale = _scale(softmax_scale, q)
+    _pick(backend, q, (left, right), causal)  # an unknown / unusable backend: before the all-to-all
+    longest = int(np.diff(cu_p).max(initial=0))
+    return dict(cu_p=cu_p, total=total, n=n, longest=longest, rep=max(1, size // hk), scale=scale, tree=None)
+
+
+def _check_rows_and_heads(q, k, total: int, size: int) -> int:
+    """This rank's row count ``n`` of a stream of ``total`` rows, after checking q's
+    and k's rows and the head counts against the group size."""
+    from ..tensors._ulysses import local_rows
+
     n = local_rows(total, size)
     if q.shape[0] != n or k.shape[0] != n:
-        raise ValueError(f"q, k and v must hold this rank's {n} rows (cu_seqlens_padded[-1] = {total} padded to a "
+        raise ValueError(f"q, k and v must hold this rank's {n} rows (the stream's {total} rows padded to a "
                          f"multiple of the group size {size}, / {size}), got {q.shape[0]} and {k.shape[0]}")
     hq, hk = q.shape[1], k.shape[1]
     if hq % size:
@@ -112,10 +131,27 @@ def _ulysses_checks(q, k, v, packed_batch, size: int, me: int, causal: bool, sof
     if hk % size and size % hk:
         raise ValueError(f"k and v have {hk} heads: they must be a multiple of the group size {size}, or divide it "
                          "(fewer KV heads than ranks are replicated to the group size, as verl does)")
+    return n
+
+
+def _tree_checks(q, k, v, tree, size: int, causal: bool, softmax_scale, window_size, backend: str) -> Dict[str, Any]:
+    """:func:`_ulysses_checks` for a prefix tree: the stream is the tree's physical
+    layout and every rank runs :func:`~seqpack.tree_attention` over it for its heads."""
+    from .attention_tree import TREE_BACKENDS, _pick as tree_pick
+
+    if causal is not True or tuple(window_size if window_size is not None else (-1, -1)) != (-1, -1):
+        raise ValueError("a prefix tree's attention is each token over its ancestors and itself: ulysses_attention "
+                         f"takes causal=True and window_size=(-1, -1) with a tree, got causal={causal!r}, "
+                         f"window_size={window_size!r}")
+    if backend != "auto" and backend not in TREE_BACKENDS:
+        raise ValueError(f"with a prefix tree, backend is tree_attention's: 'auto' or one of {TREE_BACKENDS}, got "
+                         f"{backend!r}")
+    _check(q, k, v, None, True)
+    n = _check_rows_and_heads(q, k, tree.num_tokens, size)
     scale = _scale(softmax_scale, q)
-    _pick(backend, q, (left, right), causal)  # an unknown / unusable backend: before the all-to-all
-    longest = int(np.diff(cu_p).max(initial=0))
-    return dict(cu_p=cu_p, total=total, n=n, longest=longest, rep=max(1, size // hk), scale=scale)
+    tree_pick(backend, q, k, v)  # an unknown / unusable backend: before the all-to-all
+    return dict(cu_p=None, total=tree.num_tokens, n=n, longest=0, rep=max(1, size // k.shape[1]), scale=scale,
+                tree=tree, segments=[tree.segment_offsets, tree.segment_parent])
 
 
 def _ulysses_fingerprint(checked: Dict[str, Any], q, k, v) -> Dict[str, Any]:
@@ -127,7 +163,9 @@ def _ulysses_fingerprint(checked: Dict[str, Any], q, k, v) -> Dict[str, Any]:
     from .._dist import autocast_state, tensor_facts
 
     facts = tensor_facts(q, k, v)
-    return {"cu_seqlens_padded": checked["cu_p"].astype(np.int64),
+    stream = ({"the tree's segments (segment_offsets, segment_parent)": checked["segments"]}
+              if checked["tree"] is not None else {"cu_seqlens_padded": checked["cu_p"].astype(np.int64)})
+    return {**stream,
             "the shapes of q, k and v": facts["shape"], "the dtypes of q, k and v": facts["dtype"],
             "which of q, k and v require grad (with grad mode on)": facts["requires_grad"],
             "the autocast state": autocast_state(q.device.type)}
@@ -181,7 +219,10 @@ def ulysses_attention(
         q, k, v: this rank's rows ``[n, Hq, D]`` and ``[n, Hk, D]`` (``Dv`` for v).
         packed_batch: the :class:`seqpack.PackedBatch` of the whole stream
             (``cp_size=1``) or a :class:`seqpack.PackedLayout`; its
-            ``cu_seqlens_padded`` are used.
+            ``cu_seqlens_padded`` are used. Or a :class:`seqpack.PrefixTreeBatch`:
+            the stream is its physical layout and every rank runs
+            :func:`~seqpack.tree_attention` over it for its heads (``causal=True``,
+            no window; ``backend`` is then tree_attention's).
         group: the SP process group (``torch.distributed``; default WORLD).
             NCCL and gloo (CPU) both run ``all_to_all_single``.
         causal, softmax_scale, window_size, backend: as :func:`varlen_attention`,
@@ -207,8 +248,12 @@ def ulysses_attention(
     cu = checked["cu_p"]
 
     def attend(qs, ks, vs):  # the whole stream (tail padding cut off) for this rank's heads
-        out = varlen_attention(qs[:total], ks[:total], vs[:total], cu, cu, longest, longest, causal=causal,
-                               softmax_scale=checked["scale"], window_size=window_size, backend=backend)
+        if checked["tree"] is not None:
+            out = tree_attention(qs[:total], ks[:total], vs[:total], checked["tree"], softmax_scale=checked["scale"],
+                                 backend=backend)
+        else:
+            out = varlen_attention(qs[:total], ks[:total], vs[:total], cu, cu, longest, longest, causal=causal,
+                                   softmax_scale=checked["scale"], window_size=window_size, backend=backend)
         if out.shape[0] < qs.shape[0]:
             out = torch.cat([out, out.new_zeros(qs.shape[0] - out.shape[0], *out.shape[1:])])
         return out

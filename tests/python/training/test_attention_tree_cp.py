@@ -1,0 +1,231 @@
+"""Context parallelism over a prefix tree (issue 29, item 3): ``tree_cp_attention``
+(contiguous ranges balanced by work, K/V all-gathered) and ``ulysses_attention``
+given a tree.
+
+One process: each rank's varlen plan, run on the full K/V, gives its rows of
+``tree_attention`` (hypothesis, every CP size). On 2 and 3 gloo ranks (one
+RankPool per world size for the module): every rank's rows of the output and of
+the q/k/v gradients equal the single-process tree attention in fp64 (GQA, pad
+tokens, one KV head per gather, ranks without tokens), the same for Ulysses, and
+one rank's bad input makes every rank raise (never a hang).
+"""
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+from _gloo import RankPool
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import seqpack
+from seqpack import tree_attention, tree_cp_attention, tree_cp_bounds, tree_cp_local_rows, ulysses_attention
+from seqpack.training.attention_tree_cp import tree_cp_plan
+
+CASE_TIMEOUT_S = 60
+WORLDS = (2, 3)
+OTHERS = "another rank's input failed"
+
+
+def _grpo_tree(seed=0, prompts=2, group=3, pad=4):
+    rng = np.random.default_rng(seed)
+    rows, groups = [], []
+    for p in range(prompts):
+        prompt = rng.integers(0, 50, int(rng.integers(3, 9))).tolist()
+        for _ in range(group):
+            rows.append(prompt + rng.integers(50, 99, int(rng.integers(1, 7))).tolist())
+            groups.append(p)
+    # an agentic row that branches off the first response of prompt 0
+    rows.append(rows[0] + rng.integers(0, 99, 4).tolist())
+    groups.append(0)
+    return seqpack.pack_prefix_tree(rows, group_ids=groups, pad_to_multiple_of=pad)
+
+
+def _qkv(t, hq=4, hk=2, d=8, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(t, h, d, generator=g, dtype=torch.float64) for h in (hq, hk, hk)]
+
+
+# ------------------------------------------------------------------ one process
+@st.composite
+def trees(draw):
+    rows, groups = [], []
+    for g in range(draw(st.integers(1, 3))):
+        prompt = draw(st.lists(st.integers(0, 3), min_size=0, max_size=8))
+        for _ in range(draw(st.integers(1, 4))):
+            rows.append(prompt + draw(st.lists(st.integers(0, 3), min_size=0 if prompt else 1, max_size=6)))
+            groups.append(g)
+    return seqpack.pack_prefix_tree(rows, group_ids=groups, pad_to_multiple_of=draw(st.sampled_from([1, 3])))
+
+
+@settings(max_examples=40, deadline=None)
+@given(trees(), st.integers(1, 5))
+def test_every_rank_plan_gives_its_rows_of_tree_attention(tree, cp):
+    q, k, v = _qkv(tree.num_tokens)
+    full = tree_attention(q, k, v, tree, backend="reference")
+    bounds = tree_cp_bounds(tree, cp)
+    parts = []
+    for rank in range(cp):
+        plan = tree_cp_plan(tree, bounds, rank)
+        s, e = int(bounds[rank]), int(bounds[rank + 1])
+        assert plan["cu_q"][-1] == e - s
+        index = torch.from_numpy(plan["k_index"])
+        parts.append(seqpack.varlen_attention(q[s:e], k[index], v[index], plan["cu_q"], plan["cu_k"], plan["max_q"],
+                                              plan["max_k"], causal=True))
+    torch.testing.assert_close(torch.cat(parts), full, rtol=1e-10, atol=1e-12)
+
+
+# ------------------------------------------------------------------ gloo ranks
+def case_tree_cp(rank, world, seed):
+    """tree_cp_attention's rows and gradients equal tree_attention's (fp64): all
+    heads at once and one KV head per gather; GQA; pads; a second call with
+    agree=False."""
+    tree = _grpo_tree(seed)
+    full = _qkv(tree.num_tokens, seed=seed)
+    w = torch.randn(tree.num_tokens, 4, 8, generator=torch.Generator().manual_seed(seed + 7), dtype=torch.float64)
+    leaves = [t.clone().requires_grad_() for t in full]
+    ref = tree_attention(*leaves, tree, backend="reference")
+    (ref * w).sum().backward()
+    local_w = tree_cp_local_rows(w, tree, world, rank)
+    for heads, agree in ((None, True), (1, True), (None, False)):
+        local = [tree_cp_local_rows(t, tree, world, rank).clone().requires_grad_() for t in full]
+        out = tree_cp_attention(*local, tree, kv_heads_per_chunk=heads, agree=agree)
+        torch.testing.assert_close(out, tree_cp_local_rows(ref.detach(), tree, world, rank), rtol=1e-10, atol=1e-12)
+        (out * local_w).sum().backward()
+        for mine, leaf in zip(local, leaves):
+            torch.testing.assert_close(mine.grad, tree_cp_local_rows(leaf.grad, tree, world, rank), rtol=1e-10,
+                                       atol=1e-12)
+    return True
+
+
+def case_tree_cp_tiny(rank, world):
+    """Fewer tokens than ranks: the ranks without tokens still join the gathers."""
+    tree = seqpack.pack_prefix_tree([[3, 4]])
+    full = _qkv(tree.num_tokens, hq=2, hk=1)
+    leaves = [t.clone().requires_grad_() for t in full]
+    ref = tree_attention(*leaves, tree, backend="reference")
+    ref.sum().backward()
+    local = [tree_cp_local_rows(t, tree, world, rank).clone().requires_grad_() for t in full]
+    out = tree_cp_attention(*local, tree)
+    torch.testing.assert_close(out, tree_cp_local_rows(ref.detach(), tree, world, rank), rtol=1e-10, atol=1e-12)
+    out.sum().backward()
+    for mine, leaf in zip(local, leaves):
+        torch.testing.assert_close(mine.grad, tree_cp_local_rows(leaf.grad, tree, world, rank), rtol=1e-10,
+                                   atol=1e-12)
+    return True
+
+
+def case_gather_tree_cp(rank, world):
+    """gather_tree_cp rebuilds the layout; its backward sums over the ranks."""
+    from seqpack.tensors import gather_tree_cp
+
+    tree = _grpo_tree(3)
+    full = torch.arange(tree.num_tokens * 3, dtype=torch.float64).view(-1, 3)
+    local = tree_cp_local_rows(full, tree, world, rank).clone().requires_grad_()
+    gathered = gather_tree_cp(local, tree, dist.group.WORLD)
+    assert torch.equal(gathered, full)
+    (gathered * (rank + 1)).sum().backward()  # every rank's loss: the sum over ranks is world (world + 1) / 2
+    assert torch.equal(local.grad, torch.full_like(local, world * (world + 1) / 2))
+    return True
+
+
+def case_ulysses_tree(rank, world):
+    """ulysses_attention given the tree equals tree_attention (rows and gradients)."""
+    from seqpack.tensors._ulysses import local_rows
+
+    tree = _grpo_tree(5)
+    t = tree.num_tokens
+    n = local_rows(t, world)
+    hq = 2 * world
+    full = _qkv(t, hq=hq, hk=world, seed=5)
+    leaves = [x.clone().requires_grad_() for x in full]
+    ref = tree_attention(*leaves, tree, backend="reference")
+    w = torch.randn(t, hq, 8, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
+    (ref * w).sum().backward()
+
+    def mine(x):
+        padded = torch.cat([x, x.new_zeros(n * world - t, *x.shape[1:])])
+        return padded[rank * n: (rank + 1) * n]
+
+    local = [mine(x).clone().requires_grad_() for x in full]
+    out = ulysses_attention(*local, tree)
+    torch.testing.assert_close(out, mine(ref.detach()), rtol=1e-10, atol=1e-12)
+    (out * mine(w)).sum().backward()
+    for got, leaf in zip(local, leaves):
+        torch.testing.assert_close(got.grad, mine(leaf.grad), rtol=1e-10, atol=1e-12)
+    try:
+        ulysses_attention(*local, tree, window_size=(4, 0))
+    except ValueError as exc:
+        assert "window_size=(-1, -1) with a tree" in str(exc)
+    else:
+        raise AssertionError("a window must be refused with a tree")
+    return True
+
+
+def case_failing_rank(rank, world):
+    """One rank's q has the wrong rows, or its tree differs: every rank raises
+    (that rank its own error, or all the same fingerprint error), then the normal
+    path still runs."""
+    tree = _grpo_tree(1)
+    other = _grpo_tree(2)
+    full = _qkv(tree.num_tokens)
+    q, k, v = (tree_cp_local_rows(t, tree, world, rank) for t in full)
+    last = world - 1
+    cases = [(last, (torch.cat([q, q[:1]]), k, v), tree, "must hold this rank's"),
+             (0, (q, k[..., :3], v), tree, "same head dim"),
+             (0, (q, k, v), "not a tree", "tree must be a PrefixTreeBatch")]
+    for bad, inputs, its_tree, error in cases:
+        args = inputs + (its_tree,) if rank == bad else (q, k, v, tree)
+        try:
+            tree_cp_attention(*args)
+        except (ValueError, TypeError) as exc:
+            expected = error if rank == bad else OTHERS
+            assert expected in str(exc), (bad, error, str(exc))
+        else:
+            raise AssertionError(f"every rank must raise (rank {bad}: {error})")
+    # Another tree on the last rank: its own checks pass, the fingerprint does not.
+    mine_tree = other if rank == last else tree
+    mine = [tree_cp_local_rows(t, mine_tree, world, rank) for t in _qkv(mine_tree.num_tokens)]
+    try:
+        tree_cp_attention(*mine, mine_tree)
+    except ValueError as exc:
+        assert "disagree on the tree's segments" in str(exc), str(exc)
+    else:
+        raise AssertionError("ranks with different trees must raise")
+    try:  # zigzag CP does not take a tree: every rank says which function does
+        seqpack.cp_attention(q, k, v, tree)
+    except TypeError as exc:
+        assert "use seqpack.tree_cp_attention" in str(exc), str(exc)
+    else:
+        raise AssertionError("cp_attention must refuse a tree")
+    ref = tree_cp_local_rows(tree_attention(*full, tree, backend="reference"), tree, world, rank)
+    torch.testing.assert_close(tree_cp_attention(q, k, v, tree), ref, rtol=1e-10, atol=1e-12)
+    return True
+
+
+@pytest.fixture(scope="module")
+def pools():
+    started = {w: RankPool(w) for w in WORLDS}
+    try:
+        for pool in started.values():
+            pool.wait_ready()
+        yield started
+    finally:
+        for pool in started.values():
+            pool.close()
+
+
+def _run(pool, fn, *args):
+    outcomes = pool.run(fn, *args, timeout_s=CASE_TIMEOUT_S)
+    failed = [o for o in outcomes if o.raised]
+    assert not failed, "\n".join(f"rank {o.rank}: {o.raised} {o.message}\n{o.trace}" for o in failed)
+    return [o.value for o in outcomes]
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("case, args", [(case_tree_cp, (0,)), (case_tree_cp, (4,)), (case_tree_cp_tiny, ()),
+                                        (case_gather_tree_cp, ()), (case_ulysses_tree, ()),
+                                        (case_failing_rank, ())],
+                         ids=["cp-seed0", "cp-seed4", "tiny", "gather", "ulysses", "failing-rank"])
+def test_on_gloo_ranks(pools, world, case, args):
+    assert _run(pools[world], case, *args) == [True] * world
