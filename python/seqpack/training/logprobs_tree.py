@@ -42,9 +42,11 @@ the physical tokens (each shared logit row receives every row's contribution).
 
 :func:`tree_linear_token_logprobs` is the same with the LM head fused in (``hidden``
 ``[T, H]`` and the head's ``weight``, never a ``[T, V]`` tensor), as
-:func:`~seqpack.linear_token_logprobs` is for packed rows. Context and vocabulary
-(tensor) parallelism are not here: the logits (or the head) hold the whole
-vocabulary ``[0, V)``.
+:func:`~seqpack.linear_token_logprobs` is for packed rows. Vocabulary
+(tensor) parallelism is not here: the logits (or the head) hold the whole
+vocabulary ``[0, V)``. Context parallelism is (``cp_size``, ``cp_rank``): a rank's
+logits are its rows of :func:`~seqpack.tree_cp_bounds`, and it gets the log-probs of
+the logical tokens those rows predict.
 Importing this module does not import torch.
 """
 
@@ -156,7 +158,8 @@ def tree_targets(tree: PrefixTreeBatch) -> TreeTargets:
 
 
 def tree_token_logprobs(logits: "torch.Tensor", tree: PrefixTreeBatch, *, temperature: Any = 1.0,
-                        return_entropy: bool = False, num_threads: int = 0) -> TokenLogprobs:
+                        return_entropy: bool = False, num_threads: int = 0, cp_size: Any = 1,
+                        cp_rank: Any = 0) -> TokenLogprobs:
     """Log-probability (and entropy) of each logical token's next token, from the
     logits of ``tree``'s physical tokens; differentiable (see the module docstring).
 
@@ -171,6 +174,11 @@ def tree_token_logprobs(logits: "torch.Tensor", tree: PrefixTreeBatch, *, temper
             NumPy or 0-d tensor number).
         return_entropy: also compute each logical token's entropy.
         num_threads: CPU threads of the kernels (0: seqpack's default).
+        cp_size, cp_rank: context parallelism over the tree
+            (:func:`~seqpack.tree_cp_attention`): ``logits`` then holds this rank's
+            rows ``[bounds[r], bounds[r + 1])`` of :func:`~seqpack.tree_cp_bounds`,
+            and only the logical tokens those rows predict get values (0 elsewhere):
+            the ranks' results sum to the whole tree's.
 
     Returns:
         :class:`~seqpack.TokenLogprobs` ``(logprobs, entropy)`` ``[N]`` in the logical
@@ -187,15 +195,14 @@ def tree_token_logprobs(logits: "torch.Tensor", tree: PrefixTreeBatch, *, temper
         raise ValueError(f"logits must be a [T, V] tensor, got shape {tuple(logits.shape)}")
     if logits.dtype not in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
         raise TypeError(f"logits must be float32, bfloat16, float16 or float64, got {logits.dtype}")
-    if logits.shape[0] != tree.num_tokens:
-        raise ValueError(f"logits must have one row per physical token of the tree (tree.num_tokens = "
-                         f"{tree.num_tokens}), got {logits.shape[0]} rows")
+    rows = _local_rows(tree, cp_size, cp_rank)
+    _check_rows(logits, "logits", rows, tree)
     vocab = int(logits.shape[1])
     if vocab == 0:
         raise ValueError("logits must have at least one vocabulary column (V > 0)")
     temp, entropy = as_temperature(temperature), bool(return_entropy)
     _check_tree_ids(tree, vocab)
-    plan, (primary, offsets, ids) = _device_plan(tree, logits.device)
+    plan, (primary, offsets, ids) = _device_plan(tree, logits.device, rows)
     if logits.stride(1) != 1:
         logits = logits.contiguous()
     threads = as_positive_int(num_threads, "num_threads", allow_zero=True)
@@ -206,7 +213,7 @@ def tree_token_logprobs(logits: "torch.Tensor", tree: PrefixTreeBatch, *, temper
 def tree_linear_token_logprobs(hidden: "torch.Tensor", weight: "torch.Tensor", tree: PrefixTreeBatch, *,
                                bias: Optional["torch.Tensor"] = None, temperature: Any = 1.0,
                                return_entropy: bool = False, chunk_tokens: Optional[int] = None,
-                               num_threads: int = 0) -> TokenLogprobs:
+                               num_threads: int = 0, cp_size: Any = 1, cp_rank: Any = 0) -> TokenLogprobs:
     """:func:`tree_token_logprobs` of ``hidden @ weight.T + bias`` without ever holding
     the ``[T, V]`` logits: the LM head fused in, a chunk of ``chunk_tokens`` physical
     tokens at a time, forward and backward (the chunks of
@@ -218,7 +225,8 @@ def tree_linear_token_logprobs(hidden: "torch.Tensor", weight: "torch.Tensor", t
             bfloat16 / float16 / float64.
         weight: ``[V, H]`` the LM head (the whole vocabulary), same dtype and device;
             bias: ``[V]`` or None.
-        tree, temperature, return_entropy: as :func:`tree_token_logprobs`.
+        tree, temperature, return_entropy, cp_size, cp_rank: as
+            :func:`tree_token_logprobs` (with CP, ``hidden`` holds this rank's rows).
         chunk_tokens: rows of logits per chunk (default: about 2^24 logits); >= 1.
         num_threads: CPU threads of the kernels (0: seqpack's default).
 
@@ -238,16 +246,15 @@ def tree_linear_token_logprobs(hidden: "torch.Tensor", weight: "torch.Tensor", t
 
     _check_tree(tree)
     _check_head(hidden, weight, bias)
-    if hidden.shape[0] != tree.num_tokens:
-        raise ValueError(f"hidden must have one row per physical token of the tree (tree.num_tokens = "
-                         f"{tree.num_tokens}), got {hidden.shape[0]} rows")
+    rows = _local_rows(tree, cp_size, cp_rank)
+    _check_rows(hidden, "hidden", rows, tree)
     vocab = int(weight.shape[0])
     temp, entropy = as_temperature(temperature), bool(return_entropy)
     chunk = ops.chunk_rows(0 if chunk_tokens is None else as_positive_int(chunk_tokens, "chunk_tokens"),
                            hidden.shape[0], vocab)
     threads = as_positive_int(num_threads, "num_threads", allow_zero=True)
     _check_tree_ids(tree, vocab)
-    plan, (primary, offsets, ids) = _device_plan(tree, hidden.device)
+    plan, (primary, offsets, ids) = _device_plan(tree, hidden.device, rows)
     out = torch.ops.seqpack.linear_multi_token_logprobs(hidden, weight, bias, primary, offsets, ids, temp, entropy,
                                                         threads, chunk)
     return _logical(out, plan, entropy)
@@ -264,14 +271,61 @@ def _check_tree(tree: Any) -> None:
         raise TypeError(f"tree must be a PrefixTreeBatch (from seqpack.pack_prefix_tree), got {type_name(tree)}")
 
 
-def _device_plan(tree: PrefixTreeBatch, device) -> Tuple[TreeTargets, List["torch.Tensor"]]:
-    """The tree's :class:`TreeTargets` on the host and what the operators read of it
-    (primary targets, extra offsets, extra ids) on ``device``; loads the operators."""
+def _local_rows(tree: PrefixTreeBatch, cp_size: Any, cp_rank: Any) -> Tuple[int, int]:
+    """The physical rows ``[start, end)`` this CP rank's logits hold (all of them
+    without CP)."""
+    from ..tensors.prefix_tree_cp import _rank_range
+
+    _check_tree(tree)
+    _, start, end = _rank_range(tree, cp_size, cp_rank)
+    return start, end
+
+
+def _check_rows(x, name: str, rows: Tuple[int, int], tree: PrefixTreeBatch) -> None:
+    start, end = rows
+    if x.shape[0] == end - start:
+        return
+    if end - start == tree.num_tokens:
+        raise ValueError(f"{name} must have one row per physical token of the tree (tree.num_tokens = "
+                         f"{tree.num_tokens}), got {x.shape[0]} rows")
+    raise ValueError(f"{name} must hold this CP rank's {end - start} rows of the tree (rows [{start}, {end}) of "
+                     f"tree_cp_bounds), got {x.shape[0]} rows")
+
+
+def _device_plan(tree: PrefixTreeBatch, device, rows: Tuple[int, int]) -> Tuple[TreeTargets, List["torch.Tensor"]]:
+    """The tree's :class:`TreeTargets` for the physical rows ``[start, end)`` on the
+    host (the whole tree's, or a CP rank's share of it: the other rows' pairs read
+    the 0) and what the operators read of it (primary targets, extra offsets, extra
+    ids) on ``device``; loads the operators."""
     from . import _multi_target_ops  # noqa: F401  (registers seqpack::*multi_token_logprobs)
     from ..tensors._device import host_to_device
 
     plan = tree_targets(tree)
+    start, end = rows
+    if (start, end) != (0, tree.num_tokens):
+        plan = _local_targets(plan, start, end)
     return plan, host_to_device([plan.primary, plan.extra_offsets, plan.extra_target], device)
+
+
+def _local_targets(plan: TreeTargets, start: int, end: int) -> TreeTargets:
+    """``plan`` for the physical rows ``[start, end)`` alone: their targets, and each
+    logical token's slot in the local concatenation (primary [n], extra [E_local],
+    0), the 0 for a token another rank's rows predict."""
+    t, n = plan.primary.shape[0], end - start
+    lo, hi = int(plan.extra_offsets[start]), int(plan.extra_offsets[end])
+    zero = n + (hi - lo)
+    lp, e = plan.logprob_index, plan.extra_source.shape[0]
+    is_extra = (lp >= t) & (lp < t + e)
+    source = np.where(lp < t, lp, -1)  # each logical token's physical token (-1: no target)
+    source[is_extra] = plan.extra_source[lp[is_extra] - t]
+    local = (source >= start) & (source < end)
+    logprob_index = np.full_like(lp, zero)
+    logprob_index[local & ~is_extra] = lp[local & ~is_extra] - start
+    logprob_index[local & is_extra] = n + (lp[local & is_extra] - t - lo)
+    ent = plan.entropy_index
+    entropy_index = np.where((ent >= start) & (ent < end), ent - start, n)
+    return TreeTargets(plan.primary[start:end], plan.extra_source[lo:hi] - start, plan.extra_target[lo:hi],
+                       plan.extra_offsets[start:end + 1] - lo, logprob_index, entropy_index)
 
 
 def _logical(out, plan: TreeTargets, entropy: bool) -> TokenLogprobs:

@@ -6,7 +6,9 @@ One process: each rank's varlen plan, run on the full K/V, gives its rows of
 ``tree_attention`` (hypothesis, every CP size). On 2 and 3 gloo ranks (one
 RankPool per world size for the module): every rank's rows of the output and of
 the q/k/v gradients equal the single-process tree attention in fp64 (GQA, pad
-tokens, one KV head per gather, ranks without tokens), the same for Ulysses, and
+tokens, one KV head per gather, ranks without tokens), the same for Ulysses, a
+one-layer model's training step on CP ranks (tree_cp_attention and the tree
+log-probs of each rank's rows) gives the one-process loss and weight gradients, and
 one rank's bad input makes every rank raise (never a hang).
 """
 
@@ -203,6 +205,42 @@ def case_failing_rank(rank, world):
     return True
 
 
+def _tiny_model_loss(params, ids, positions, tree, attend, **cp):
+    """One layer: embedding + position embedding, q/k/v, attention over the tree, the
+    output projection, the LM head; loss = -sum of the logical tokens' log-probs."""
+    emb, pos, wqkv, wo, head = params
+    x = emb[ids] + pos[positions]
+    q, k, v = (x @ wqkv).view(x.shape[0], 3, 4, 4).unbind(1)
+    x = x + attend(q, k, v).reshape(x.shape[0], -1) @ wo
+    return -seqpack.tree_linear_token_logprobs(x, head, tree, **cp).logprobs.sum()
+
+
+def case_train_step(rank, world):
+    """A training step on CP ranks (their rows, tree_cp_attention, tree log-probs of
+    their rows, the losses and weight gradients summed over the group) equals the
+    one-process step on the whole tree (fp64)."""
+    tree = _grpo_tree(6)
+    g = torch.Generator().manual_seed(6)
+    params = [torch.randn(*shape, generator=g, dtype=torch.float64) * 0.3
+              for shape in ((100, 16), (40, 16), (16, 48), (16, 16), (100, 16))]
+    ids, positions = torch.from_numpy(tree.input_ids % 100), torch.from_numpy(tree.position_ids)
+    whole = [p.clone().requires_grad_() for p in params]
+    ref = _tiny_model_loss(whole, ids, positions, tree, lambda q, k, v: tree_attention(q, k, v, tree))
+    ref.backward()
+    mine = [p.clone().requires_grad_() for p in params]
+    local = lambda x: tree_cp_local_rows(x, tree, world, rank)  # noqa: E731
+    loss = _tiny_model_loss(mine, local(ids), local(positions), tree,
+                            lambda q, k, v: tree_cp_attention(q, k, v, tree), cp_size=world, cp_rank=rank)
+    loss.backward()
+    total = loss.detach().clone()
+    dist.all_reduce(total)
+    torch.testing.assert_close(total, ref.detach(), rtol=1e-12, atol=1e-12)
+    for p, r in zip(mine, whole):
+        dist.all_reduce(p.grad)
+        torch.testing.assert_close(p.grad, r.grad, rtol=1e-10, atol=1e-12)
+    return True
+
+
 @pytest.fixture(scope="module")
 def pools():
     started = {w: RankPool(w) for w in WORLDS}
@@ -225,7 +263,7 @@ def _run(pool, fn, *args):
 @pytest.mark.parametrize("world", WORLDS)
 @pytest.mark.parametrize("case, args", [(case_tree_cp, (0,)), (case_tree_cp, (4,)), (case_tree_cp_tiny, ()),
                                         (case_gather_tree_cp, ()), (case_ulysses_tree, ()),
-                                        (case_failing_rank, ())],
-                         ids=["cp-seed0", "cp-seed4", "tiny", "gather", "ulysses", "failing-rank"])
+                                        (case_failing_rank, ()), (case_train_step, ())],
+                         ids=["cp-seed0", "cp-seed4", "tiny", "gather", "ulysses", "failing-rank", "train-step"])
 def test_on_gloo_ranks(pools, world, case, args):
     assert _run(pools[world], case, *args) == [True] * world

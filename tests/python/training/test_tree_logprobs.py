@@ -358,3 +358,54 @@ def test_fused_head_chunks_of_rows_with_branch_points(dtype, chunk):
     close(fused.logprobs, plain.logprobs, tol)
     for a, b in zip(got, want):
         close(a, b, tol)
+
+
+# ---- context parallelism: each rank's rows of the tree --------------------------------
+@settings(max_examples=50, deadline=None)
+@given(forests(), st.integers(1, 4), st.booleans(), st.integers(0, 2**31))
+def test_cp_ranks_sum_to_the_whole_tree(case, cp, fused, seed):
+    """Every CP rank's log-probs and entropies (its rows of tree_cp_bounds) sum to the
+    whole tree's, each value on exactly one rank; its logits' (or hidden states')
+    gradient is its rows of the whole gradient, the head's sums over the ranks."""
+    rows, tree = case
+    gen = torch.Generator().manual_seed(seed + 1)
+    g_lp, g_ent = torch.randn(2, tree.num_logical_tokens, generator=gen, dtype=torch.float64)
+    inputs = head_inputs(tree, seed)
+
+    def run(x, weight, bias, **cp):
+        if fused:
+            return seqpack.tree_linear_token_logprobs(x, weight, tree, bias=bias, chunk_tokens=2, return_entropy=True,
+                                                      **cp)
+        return tree_token_logprobs(torch.nn.functional.linear(x, weight, bias), tree, return_entropy=True, **cp)
+
+    whole = [t.detach().requires_grad_(True) for t in inputs]
+    ref = run(*whole)
+    ((ref.logprobs * g_lp).sum() + (ref.entropy * g_ent).sum()).backward()
+    bounds = seqpack.tree_cp_bounds(tree, cp)
+    total_lp, total_ent = torch.zeros_like(ref.logprobs), torch.zeros_like(ref.entropy)
+    weight_grad = torch.zeros_like(whole[1])
+    for rank in range(cp):
+        s, e = int(bounds[rank]), int(bounds[rank + 1])
+        hidden = inputs[0].detach()[s:e].requires_grad_(True)
+        weight, bias = (t.detach().requires_grad_(True) for t in inputs[1:])
+        out = run(hidden, weight, bias, cp_size=cp, cp_rank=rank)
+        ((out.logprobs * g_lp).sum() + (out.entropy * g_ent).sum()).backward()
+        assert not torch.any((out.logprobs != 0) & (total_lp != 0))  # each value on one rank
+        total_lp, total_ent = total_lp + out.logprobs.detach(), total_ent + out.entropy.detach()
+        close(hidden.grad, whole[0].grad[s:e], 1e-10)
+        weight_grad += weight.grad
+    close(total_lp, ref.logprobs.detach(), 1e-12)
+    close(total_ent, ref.entropy.detach(), 1e-12)
+    close(weight_grad, whole[1].grad, 1e-10)
+
+
+def test_cp_rows_must_be_the_rank_share():
+    tree = pack_prefix_tree([[1, 2, 3, 4], [1, 2, 3, 0]])
+    bounds = seqpack.tree_cp_bounds(tree, 2)
+    logits = torch.zeros(tree.num_tokens, VOCAB)
+    with pytest.raises(ValueError, match=r"must hold this CP rank's \d+ rows of the tree"):
+        tree_token_logprobs(logits, tree, cp_size=2, cp_rank=1)
+    with pytest.raises(ValueError, match="cp_rank must be below cp_size = 2"):
+        tree_token_logprobs(logits[: bounds[1]], tree, cp_size=2, cp_rank=2)
+    out = tree_token_logprobs(logits[bounds[1]:], tree, cp_size=np.int64(2), cp_rank=torch.tensor(1))
+    assert out.logprobs.shape == (tree.num_logical_tokens,)
