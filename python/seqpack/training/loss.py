@@ -25,9 +25,11 @@ from .._equality import ValueEquality
 from .._lengths import as_temperature
 from ..tensors.cp import gather_cp
 from ..tensors.layout import PackedLayout
+from ..tensors.prefix_tree import PrefixTreeBatch
 from ..tensors.thd import pack_to_layout
 from . import nemo_rl_loss
 from .logprobs import _linear_plan, _packed_plan
+from .loss_tree import check_tree_logits, tree_loss_plan
 from .nemo_rl_loss import (MAX_KEYS, MIN_KEYS, PG_DEFAULTS, ClippedPGLoss, LossConfigError, LossType,
                            MetricNormalization, NLLLoss, _host_cu, calculate_kl, clipped_pg_loss, masked_mean,
                            nll_loss, pg_config, segment_masked_mean, segment_mean, segment_sum)
@@ -153,7 +155,13 @@ class SequencePackingLossWrapper(ValueEquality):
         cu_seqlens_q / cu_seqlens_q_padded: ``[B + 1]`` offsets of the packed
             sequences before CP sharding (real / padded; any form of
             :func:`seqpack.tensors.layout.check_offsets`, read to the host once), or a
-            :class:`~seqpack.PackedLayout` as ``cu_seqlens_q``.
+            :class:`~seqpack.PackedLayout` as ``cu_seqlens_q``. Or a
+            :class:`~seqpack.PrefixTreeBatch` as ``cu_seqlens_q``: the logits are then
+            the tree's physical tokens (a CP rank's rows of
+            :func:`~seqpack.tree_cp_bounds` with a CP group), the log-probs those of
+            every row's tokens, computed in one pass (as ``fused=True``; a log-prob
+            loss, no ``prepare_fn``), and the loss equals the rows' packed without
+            sharing (:mod:`seqpack.training.loss_tree`).
         vocab_parallel_rank / vocab_parallel_group / context_parallel_group: TP and CP.
         fused: compute every sequence's log-probs in one pass over the packed
             logits, one CP all-gather per call, and call ``loss_fn`` once on the whole
@@ -191,7 +199,15 @@ class SequencePackingLossWrapper(ValueEquality):
         _check_packable(loss_fn)
         self.loss_fn, self.prepare_fn, self.fused, self.agree = loss_fn, prepare_fn, fused, bool(agree)
         self.temperature = as_temperature(temperature)
-        if isinstance(cu_seqlens_q, PackedLayout):
+        self.tree = cu_seqlens_q if isinstance(cu_seqlens_q, PrefixTreeBatch) else None
+        if self.tree is not None:
+            if cu_seqlens_q_padded is not None:
+                raise ValueError("cu_seqlens_q_padded does not apply to a prefix tree (its layout has no per-row padding)")
+            if prepare_fn is not None or not _is_logprob_loss(loss_fn):
+                raise ValueError("a prefix tree (cu_seqlens_q) computes every row's log-probs in one pass: it needs a "
+                                 "log-prob loss (loss_fn.input_type == 'logprob') and no prepare_fn")
+            layout = PackedLayout.from_offsets(self.tree.cu_seqlens)
+        elif isinstance(cu_seqlens_q, PackedLayout):
             layout = cu_seqlens_q
         else:
             layout = PackedLayout.from_offsets(_host_cu(cu_seqlens_q, "cu_seqlens_q"), None if cu_seqlens_q_padded is
@@ -211,11 +227,13 @@ class SequencePackingLossWrapper(ValueEquality):
         from ..tensors._device import check_tensor
 
         check_tensor(logits, "next_token_logits")
-        cp, _ = _group_info(self.context_parallel_group)
+        cp, rank = _group_info(self.context_parallel_group)
         rows = logits.shape[-2] if logits.dim() == 3 else logits.shape[0]
-        if logits.dim() not in (2, 3) or (logits.dim() == 3 and logits.shape[0] != 1):
+        if self.tree is not None:
+            check_tree_logits(self.tree, logits, cp, rank)
+        elif logits.dim() not in (2, 3) or (logits.dim() == 3 and logits.shape[0] != 1):
             raise ValueError(f"next_token_logits must be [T, V] or [1, T, V], got {tuple(logits.shape)}")
-        if rows * cp != int(self.cu_padded[-1]):
+        elif rows * cp != int(self.cu_padded[-1]):
             raise ValueError(f"next_token_logits has {rows} rows (x cp_size {cp}); cu_seqlens_q_padded ends at "
                              f"{int(self.cu_padded[-1])}")
         batch = len(self.cu) - 1
@@ -234,6 +252,11 @@ class SequencePackingLossWrapper(ValueEquality):
                  lm_head_bias=None):
         def local():  # every check that can differ between ranks, before the first collective
             cp, batch = self._check(next_token_logits, data)
+            if self.tree is not None:
+                return cp, batch, tree_loss_plan(
+                    self.tree, self.loss_fn, next_token_logits, data, lm_head_weight, lm_head_bias,
+                    temperature=self.temperature, cp_size=cp, cp_rank=_group_info(self.context_parallel_group)[1],
+                    context_parallel_group=self.context_parallel_group, vocab_parallel_group=self.vocab_parallel_group)
             if self.fused:
                 return cp, batch, self._fused_plan(next_token_logits, data, lm_head_weight, lm_head_bias)
             if lm_head_weight is not None or lm_head_bias is not None:
@@ -242,8 +265,11 @@ class SequencePackingLossWrapper(ValueEquality):
 
         def facts(checked) -> Dict[str, Any]:
             shared = tensor_facts(next_token_logits)
+            shape = shared["shape"]
+            if self.tree is not None:  # a tree's CP ranks hold different row counts (its cut, among its facts)
+                shape = [(len(s), s[-1]) for s in shape]
             out = {"the packed layout (cu_seqlens_q, cu_seqlens_q_padded)": (self.cu, self.cu_padded),
-                   "the shape of next_token_logits": shared["shape"], "the dtype of next_token_logits":
+                   "the shape of next_token_logits": shape, "the dtype of next_token_logits":
                    shared["dtype"], "whether next_token_logits requires grad (with grad mode on)":
                    shared["requires_grad"], "the autocast state": autocast_state(next_token_logits.device.type),
                    "the shapes of data's tensors": sorted((str(k), tuple(v.shape)) for k, v in data.items()
@@ -258,7 +284,7 @@ class SequencePackingLossWrapper(ValueEquality):
         groups = groups_of(self.vocab_parallel_group, self.context_parallel_group)
         cp, batch, plan = checked_on_every_rank(local, groups, "SequencePackingLossWrapper",
                                                 self.agree and bool(groups), fingerprint=facts)
-        if self.fused:
+        if plan is not None:  # fused, or a prefix tree
             return plan[0](global_valid_seqs, global_valid_toks)
         logits = next_token_logits if next_token_logits.dim() == 3 else next_token_logits[None]
         lengths = np.diff(self.cu).tolist()

@@ -8,8 +8,9 @@ RankPool per world size for the module): every rank's rows of the output and of
 the q/k/v gradients equal the single-process tree attention in fp64 (GQA, pad
 tokens, one KV head per gather, ranks without tokens), the same for Ulysses, a
 one-layer model's training step on CP ranks (tree_cp_attention and the tree
-log-probs of each rank's rows) gives the one-process loss and weight gradients, and
-one rank's bad input makes every rank raise (never a hang).
+log-probs of each rank's rows) gives the one-process loss and weight gradients, so
+does SequencePackingLossWrapper given the tree and the CP group, and one rank's bad
+input makes every rank raise (never a hang).
 """
 
 import numpy as np
@@ -241,6 +242,36 @@ def case_train_step(rank, world):
     return True
 
 
+def case_loss_wrapper(rank, world):
+    """SequencePackingLossWrapper on a tree with a CP group: each rank's rows of the
+    logits; the loss (the same on every rank) / cp backwards into exactly its rows of
+    the one-process gradient."""
+    from test_loss_tree import LOSSES, VOCAB, tree_batch
+
+    from seqpack.loss import SequencePackingLossWrapper
+
+    tree, data, gvt, gvs = tree_batch(seed=1, pad=4)
+    physical = torch.randn(tree.num_tokens, VOCAB, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    for loss_fn in LOSSES:
+        whole = physical.clone().requires_grad_()
+        ref, _ = SequencePackingLossWrapper(loss_fn, cu_seqlens_q=tree)(whole, data, gvs, gvt)
+        ref.backward()
+        local = tree_cp_local_rows(physical, tree, world, rank).clone().requires_grad_()
+        wrapper = SequencePackingLossWrapper(loss_fn, cu_seqlens_q=tree, context_parallel_group=dist.group.WORLD)
+        loss, _ = wrapper(local, data, gvs, gvt)
+        torch.testing.assert_close(loss, ref.detach(), rtol=1e-12, atol=1e-12)
+        (loss / world).backward()
+        torch.testing.assert_close(local.grad, tree_cp_local_rows(whole.grad, tree, world, rank), rtol=1e-10,
+                                   atol=1e-12)
+    try:  # the last rank gives the whole tree's logits: every rank raises, none waits in the all-reduce
+        wrapper(physical if rank == world - 1 else local.detach(), data, gvs, gvt)
+    except ValueError as exc:
+        assert ("this CP rank's" if rank == world - 1 else OTHERS) in str(exc), str(exc)
+    else:
+        raise AssertionError("every rank must raise")
+    return True
+
+
 @pytest.fixture(scope="module")
 def pools():
     started = {w: RankPool(w) for w in WORLDS}
@@ -263,7 +294,8 @@ def _run(pool, fn, *args):
 @pytest.mark.parametrize("world", WORLDS)
 @pytest.mark.parametrize("case, args", [(case_tree_cp, (0,)), (case_tree_cp, (4,)), (case_tree_cp_tiny, ()),
                                         (case_gather_tree_cp, ()), (case_ulysses_tree, ()),
-                                        (case_failing_rank, ()), (case_train_step, ())],
-                         ids=["cp-seed0", "cp-seed4", "tiny", "gather", "ulysses", "failing-rank", "train-step"])
+                                        (case_failing_rank, ()), (case_train_step, ()), (case_loss_wrapper, ())],
+                         ids=["cp-seed0", "cp-seed4", "tiny", "gather", "ulysses", "failing-rank", "train-step",
+                              "loss-wrapper"])
 def test_on_gloo_ranks(pools, world, case, args):
     assert _run(pools[world], case, *args) == [True] * world
