@@ -143,6 +143,8 @@ def _samples():
         bdd.BatchedDataDict: lambda: _bdd(bdd.BatchedDataDict),
         bdd.SlicedDataDict: lambda: _bdd(bdd.SlicedDataDict),
         bdd.BatchedDataDictError: lambda: bdd.BatchedDataDictError("shards must divide the batch"),
+        bdd.TreeMicroBatch: lambda: bdd.TreeMicroBatch(tree=seqpack.pack_prefix_tree([[5, 6, 7], [5, 6]]),
+                                                      data=_bdd(bdd.SlicedDataDict), rows=(3, 4)),
         bdd.DynamicBatchingArgs: lambda: bdd.DynamicBatchingArgs(
             input_key="input_ids", input_lengths_key="input_lengths", sequence_length_round=4,
             max_tokens_per_microbatch=64),

@@ -51,6 +51,7 @@ from typing import (TYPE_CHECKING, Any, Collection, Dict, Generic, Iterator, Lis
 import numpy as np
 
 from ._batch import dummy_row
+from ._tree_batches import TreeMicroBatch, shared_prefix_bins, tree_micro_batch
 from ._batch import is_packed as _is_packed
 from ._batch import is_tensor as _is_tensor
 from ._batch import rows as _rows
@@ -74,7 +75,7 @@ except ImportError:  # pragma: no cover
     from typing_extensions import NotRequired, TypedDict
 
 __all__ = ["BatchedDataDict", "BatchedDataDictError", "DynamicBatchingArgs", "SequencePackingArgs",
-           "SlicedDataDict", "bin_assignment_spread"]
+           "SlicedDataDict", "TreeMicroBatch", "bin_assignment_spread"]
 
 DictT = TypeVar("DictT", bound=Mapping[str, Any])
 
@@ -88,7 +89,11 @@ class SequencePackingArgs(TypedDict):
     """NeMo-RL's sequence-packing arguments of ``shard_by_batch_size``.
 
     ``balance`` is seqpack's: ``"round_robin"`` (NeMo-RL, default) or
-    ``"karmarkar_karp"`` (bins dealt to shards by token load)."""
+    ``"karmarkar_karp"`` (bins dealt to shards by token load). ``shared_prefix``
+    (seqpack's, NeMo-RL PR #4008's ``policy.shared_prefix_training``): plan the bins
+    on prefix trees of the rows (physical tokens under the cap, groups whole), then
+    iterate them as trees; ``shared_prefix_group_key``: rows share prefixes only
+    with rows of the same value of this key (default: any common prefix)."""
 
     max_tokens_per_microbatch: int
     input_key: str
@@ -97,6 +102,8 @@ class SequencePackingArgs(TypedDict):
     sequence_length_pad_multiple: int
     microbatch_order: NotRequired[Literal["packer", "largest_first"]]
     balance: NotRequired[Literal["round_robin", "karmarkar_karp"]]
+    shared_prefix: NotRequired[bool]
+    shared_prefix_group_key: NotRequired[str]
 
 
 class DynamicBatchingArgs(TypedDict):
@@ -607,13 +614,18 @@ class BatchedDataDict(UserDict, Generic[DictT]):
         if balance not in ("round_robin", "karmarkar_karp"):
             raise BatchedDataDictError(f"sequence packing balance must be 'round_robin' or 'karmarkar_karp', "
                                        f"got {balance!r}")
-        bins_per_chunk, padded = _pack_chunks(_lengths(self.data, args["input_lengths_key"]), shards, batch_size, args)
+        lens = _lengths(self.data, args["input_lengths_key"])
+        if args.get("shared_prefix", False):  # bins of prefix trees: physical tokens under the cap
+            bins_per_chunk, loads_per_chunk = shared_prefix_bins(self.data, lens, shards, batch_size, args)
+        else:
+            bins_per_chunk, padded = _pack_chunks(lens, shards, batch_size, args)
+            loads_per_chunk = [[int(padded[c * batch_size + np.asarray(b)].sum()) for b in bins]
+                               for c, bins in enumerate(bins_per_chunk)]
         rows: List[List[int]] = [[] for _ in range(shards)]
         indices: List[List[List[List[int]]]] = [[] for _ in range(shards)]
         lengths: List[List[List[int]]] = [[] for _ in range(shards)]
         for c, bins in enumerate(bins_per_chunk):
-            base = c * batch_size
-            loads = [int(padded[base + np.asarray(b)].sum()) for b in bins]
+            base, loads = c * batch_size, loads_per_chunk[c]
             for s, mine in enumerate(_deal(bins, loads, shards, balance)):
                 if order == "largest_first":
                     mine = sorted(mine, key=lambda i: -loads[i])  # stable: ties keep the packer's order
@@ -722,8 +734,11 @@ class BatchedDataDict(UserDict, Generic[DictT]):
                f"Data dict size ({size}) is not a multiple of the provided microbatch size ({microbatch_size})")
         return (self.slice(i, i + microbatch_size) for i in range(0, size, microbatch_size))
 
-    def make_microbatch_iterator_with_dynamic_shapes(self, sequence_dim: int = 1) -> Iterator["SlicedDataDict"]:
-        """The dynamic-batching micro-batches, each cut to its padded length."""
+    def make_microbatch_iterator_with_dynamic_shapes(self, sequence_dim: int = 1, shared_prefix: bool = False,
+                                                     **tree_options: Any) -> Iterator["SlicedDataDict"]:
+        """The dynamic-batching micro-batches, each cut to its padded length; with
+        ``shared_prefix``, each as a :class:`TreeMicroBatch` (``tree_options`` as
+        :meth:`make_microbatch_iterator_for_packable_sequences`)."""
         indices, lengths = self._one_plan()
 
         def gen():
@@ -732,16 +747,43 @@ class BatchedDataDict(UserDict, Generic[DictT]):
                 mb.truncate_tensors(dim=sequence_dim, truncated_len=length)
                 yield mb
 
+        if shared_prefix:
+            return self._tree_iterator(indices, lambda start, end: self.slice(start, end), tree_options)
         return gen()
 
     def get_microbatch_iterator_dynamic_shapes_len(self) -> int:
         return len(self._one_plan()[0])
 
-    def make_microbatch_iterator_for_packable_sequences(self) -> Iterator["SlicedDataDict"]:
+    def make_microbatch_iterator_for_packable_sequences(self, shared_prefix: bool = False,
+                                                       **tree_options: Any) -> Iterator["SlicedDataDict"]:
         """The packed micro-batches (bins) as row slices (an empty one, a
-        :func:`seqpack.plan_step` dummy, as :meth:`dummy_microbatch`)."""
+        :func:`seqpack.plan_step` dummy, as :meth:`dummy_microbatch`).
+
+        ``shared_prefix=True``: each bin as a :class:`TreeMicroBatch` (its rows'
+        :class:`~seqpack.PrefixTreeBatch`, the rows, their indices). ``tree_options``:
+        ``input_key`` (``"input_ids"``), ``input_lengths_key`` (``"input_lengths"``),
+        ``group_key`` (share only within rows of one value of it; default any common
+        prefix), ``min_shared_tokens`` and ``pad_to_multiple_of`` (of the tree, e.g.
+        :func:`seqpack.alignment`; default 1), as :func:`seqpack.pack_prefix_tree`.
+        """
         indices, _ = self._one_plan()
+        if shared_prefix:
+            return self._tree_iterator(indices, self._slice_or_dummy, tree_options)
         return (self._slice_or_dummy(start, end) for start, end in indices)
+
+    def _tree_iterator(self, indices, slice_rows, options: Mapping[str, Any]) -> Iterator[TreeMicroBatch]:
+        known = {"input_key", "input_lengths_key", "group_key", "min_shared_tokens", "pad_to_multiple_of"}
+        unknown = sorted(set(options) - known)
+        _check(not unknown, f"unknown shared-prefix option(s) {unknown}; known: {sorted(known)}")
+        options = dict(options)
+        lengths_key = options.pop("input_lengths_key", "input_lengths")
+
+        def gen():
+            for start, end in indices:
+                mb = slice_rows(start, end)
+                yield tree_micro_batch(mb, range(start, end), _lengths(mb.data, lengths_key), **options)
+
+        return gen()
 
     def get_microbatch_iterator_for_packable_sequences_len(self) -> Tuple[int, int]:
         """(micro-batch count, largest packed token count)."""

@@ -1,0 +1,117 @@
+"""Prefix trees through :class:`~seqpack.BatchedDataDict` (issue 29): sequence-packing
+shards planned on physical tokens, and micro-batches that come out as trees.
+
+``shard_by_batch_size(..., sequence_packing_args={..., "shared_prefix": True})``
+plans each global batch's bins with a :class:`~seqpack.PrefixForest` of its rows
+(:func:`seqpack.plan_micro_batches` with ``forest=``): a bin's *physical* tokens (its
+rows laid out as a tree, padded to ``sequence_length_pad_multiple``) never pass
+``max_tokens_per_microbatch``, and a GRPO group (a tree) that fits stays whole in
+one bin, so on one rank. ``make_microbatch_iterator_for_packable_sequences(
+shared_prefix=True)`` (and the dynamic-batching iterator) then yields a
+:class:`TreeMicroBatch` per bin::
+
+    global batch rows      0 1 2 3 | 4 5 6 7          (two prompts, G = 4)
+    bins (shards = 2)      [0 1 2 3] [4 5 6 7]        each group whole
+    rank 0, micro-batch 0  TreeMicroBatch(tree = prompt 0 once + 4 responses,
+                                          data = rows 0..3, rows = [0, 1, 2, 3])
+
+Importing this module does not import torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, List, Mapping, Optional, Sequence, Tuple
+
+import numpy as np
+
+from .._lengths import as_positive_int
+from ..tensors.layout import round_up
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..tensors.prefix_tree import PrefixTreeBatch
+    from .batched_data_dict import SlicedDataDict
+
+__all__ = ["TreeMicroBatch", "shared_prefix_bins", "tree_micro_batch"]
+
+
+@dataclass(frozen=True)
+class TreeMicroBatch:
+    """One micro-batch as a prefix tree.
+
+    Attributes:
+        tree: the :class:`~seqpack.PrefixTreeBatch` of the micro-batch's rows (its
+            logical row ``r`` is ``data``'s row ``r``): run the model on
+            ``tree.input_ids`` / ``tree.position_ids`` with
+            :func:`~seqpack.tree_attention`, and the loss with
+            ``SequencePackingLossWrapper(loss_fn, cu_seqlens_q=tree)``.
+        data: the micro-batch's rows of the global batch (a ``SlicedDataDict``, in
+            the tree's logical row order); a dummy micro-batch's one zero-loss row.
+        rows: the rows' indices in the global batch (empty for a dummy).
+    """
+
+    tree: "PrefixTreeBatch"
+    data: "SlicedDataDict"
+    rows: Tuple[int, ...]
+
+
+def _row_tokens(data: Mapping[str, Any], input_key: str, lengths: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+    """The rows' real tokens packed back to back (host int64) and their offsets."""
+    ids = data[input_key]
+    if not hasattr(ids, "dim") or ids.dim() != 2:
+        raise ValueError(f"shared_prefix needs {input_key!r} as a [batch, seq] tensor of token ids")
+    host = ids.detach().cpu().numpy()
+    if lengths.shape[0] != host.shape[0] or (lengths.shape[0] and int(lengths.max()) > host.shape[1]):
+        raise ValueError(f"the input lengths ({lengths.shape[0]} rows, longest {int(lengths.max(initial=0))}) do not fit "
+                         f"{input_key!r} {tuple(host.shape)}")
+    keep = np.arange(host.shape[1])[None, :] < lengths[:, None]
+    cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    return host[keep].astype(np.int64), cu
+
+
+def _group_ids(data: Mapping[str, Any], group_key: Optional[str], rows: Sequence[int]) -> Optional[List[Any]]:
+    if group_key is None:
+        return None
+    if group_key not in data:
+        raise ValueError(f"shared_prefix_group_key {group_key!r} is not a key of the data")
+    values = data[group_key]
+    return [values[i].item() if hasattr(values[i], "item") else values[i] for i in rows]
+
+
+def shared_prefix_bins(data: Mapping[str, Any], lengths: np.ndarray, shards: int, batch_size: int,
+                       args: Mapping[str, Any]) -> Tuple[List[List[List[int]]], List[List[int]]]:
+    """Per global batch: its bins (chunk-local row indices, a multiple of ``shards``
+    of them) planned on a forest of its rows, and each bin's physical tokens rounded
+    up to ``sequence_length_pad_multiple``."""
+    from ..planning.balance import plan_micro_batches
+    from ..planning.prefix_forest import PrefixForest
+
+    multiple = as_positive_int(args["sequence_length_pad_multiple"], "sequence_length_pad_multiple")
+    cap = as_positive_int(args["max_tokens_per_microbatch"], "max_tokens_per_microbatch")
+    usable = cap // multiple * multiple  # physical tokens <= usable -> padded tokens <= cap
+    if usable == 0:
+        raise ValueError(f"max_tokens_per_microbatch ({cap}) is below sequence_length_pad_multiple ({multiple})")
+    flat, cu = _row_tokens(data, args["input_key"], lengths)
+    group_key = args.get("shared_prefix_group_key")
+    bins_per_chunk, loads_per_chunk = [], []
+    for c in range(0, lengths.shape[0], batch_size):
+        rows = range(c, min(c + batch_size, lengths.shape[0]))
+        forest = PrefixForest.from_packed(flat[cu[c]: cu[rows.stop]], cu[c: rows.stop + 1] - cu[c],
+                                          group_ids=_group_ids(data, group_key, rows))
+        plan = plan_micro_batches(forest.lengths, usable, min_num=shards, multiple_of=shards, forest=forest)
+        bins_per_chunk.append([list(b) for b in plan.micro_batches])
+        loads_per_chunk.append([int(round_up(t, multiple)) for t in plan.tokens])
+    return bins_per_chunk, loads_per_chunk
+
+
+def tree_micro_batch(mb: "SlicedDataDict", rows: Sequence[int], lengths: np.ndarray, *, input_key: str = "input_ids",
+                     group_key: Optional[str] = None, min_shared_tokens: Any = 1,
+                     pad_to_multiple_of: Any = 1) -> TreeMicroBatch:
+    """The :class:`TreeMicroBatch` of the micro-batch ``mb`` (rows ``rows`` of the
+    global batch; ``lengths`` its rows' real tokens)."""
+    from ..tensors.prefix_tree import PrefixTreeBatch
+
+    flat, cu = _row_tokens(mb.data, input_key, lengths)
+    tree = PrefixTreeBatch.from_packed(flat, cu, group_ids=_group_ids(mb.data, group_key, range(lengths.shape[0])),
+                                       min_shared_tokens=min_shared_tokens, pad_to_multiple_of=pad_to_multiple_of)
+    return TreeMicroBatch(tree=tree, data=mb, rows=tuple(int(r) for r in rows))

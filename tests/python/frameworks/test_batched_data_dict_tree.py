@@ -1,0 +1,201 @@
+"""Prefix trees through BatchedDataDict (issue 29, item 4): sequence-packing shards
+planned on physical tokens with ``shared_prefix``, and the iterators' tree
+micro-batches, whose loss through SequencePackingLossWrapper equals the rows'
+packed without sharing (fp64)."""
+
+import pickle
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import seqpack
+from seqpack import BatchedDataDict
+from seqpack.frameworks.batched_data_dict import TreeMicroBatch
+from seqpack.loss import ClippedPGLoss, SequencePackingLossWrapper
+
+VOCAB = 31
+
+
+def grpo_data(prompt_lens, response_lens, seed=0, width=None):
+    """NeMo-RL-like GRPO data: group g's rows share prompt g (``response_lens[g]``
+    gives its responses' lengths)."""
+    rng = np.random.default_rng(seed)
+    rows, groups = [], []
+    for g, (p, responses) in enumerate(zip(prompt_lens, response_lens)):
+        prompt = rng.integers(1, VOCAB, p).tolist()
+        for r in responses:
+            rows.append(prompt + rng.integers(1, VOCAB, r).tolist())
+            groups.append(g)
+    width = width or max(len(r) for r in rows)
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    for i, row in enumerate(rows):
+        ids[i, :len(row)] = torch.tensor(row)
+    lengths = torch.tensor([len(r) for r in rows])
+    gen = torch.Generator().manual_seed(seed)
+    data = BatchedDataDict(input_ids=ids, input_lengths=lengths, idx=torch.tensor(groups),
+                           token_mask=(torch.arange(width)[None] < lengths[:, None]).float(),
+                           sample_mask=torch.ones(len(rows)), advantages=torch.randn(len(rows), width, generator=gen),
+                           prev_logprobs=-torch.rand(len(rows), width, generator=gen),
+                           generation_logprobs=-torch.rand(len(rows), width, generator=gen),
+                           reference_policy_logprobs=-torch.rand(len(rows), width, generator=gen))
+    return data, rows, groups
+
+
+def packing_args(cap, multiple=1, **extra):
+    return {"max_tokens_per_microbatch": cap, "input_key": "input_ids", "input_lengths_key": "input_lengths",
+            "algorithm": "modified_first_fit_decreasing", "sequence_length_pad_multiple": multiple,
+            "shared_prefix": True, **extra}
+
+
+def physical(rows, groups=None):
+    return seqpack.pack_prefix_tree(rows, group_ids=groups).metrics().physical_tokens if rows else 0
+
+
+def test_groups_stay_whole_under_a_cap_on_physical_tokens():
+    # 4 prompts of 100 tokens x 4 responses of 20: 180 physical / 480 logical tokens per group.
+    data, rows, groups = grpo_data([100] * 4, [[20] * 4] * 4)
+    args = packing_args(256, multiple=8, shared_prefix_group_key="idx")
+    shards, _ = data.shard_by_batch_size(2, batch_size=16, sequence_packing_args=args)
+    placed = []
+    for shard in shards:
+        shard_rows = shard["idx"].tolist()
+        for (start, end), length in zip(shard.micro_batch_indices[0], shard.micro_batch_lengths[0]):
+            mine = _global_rows(data, shard, start, end)
+            assert length == -(-physical([rows[i] for i in mine], [groups[i] for i in mine]) // 8) * 8 <= 256  # the tree's tokens, padded, under the cap
+            assert len(set(shard_rows[start:end])) == 1  # one group per bin: each fits (180 <= 256 < 360)
+        placed += _global_rows(data, shard, 0, len(shard_rows))
+    assert sorted(placed) == list(range(16))
+    assert [len(s.micro_batch_indices[0]) for s in shards] == [2, 2]  # equal counts per rank
+    # Plain packing: rows of 120 tokens, two per bin, 8 bins.
+    plain, _ = data.shard_by_batch_size(2, batch_size=16, sequence_packing_args=packing_args(256, 8, shared_prefix=False))
+    assert sum(len(s.micro_batch_indices[0]) for s in plain) == 8
+
+
+def _global_rows(data, shard, start, end):
+    """The global row ids of a shard's rows [start, end) (rows are unique by their
+    input_ids and index here)."""
+    ids = data["input_ids"]
+    out = []
+    for i in range(start, end):
+        match = [j for j in range(ids.shape[0]) if torch.equal(ids[j], shard["input_ids"][i])
+                 and data["idx"][j] == shard["idx"][i]]
+        out.append(match[0])
+    return out
+
+
+@st.composite
+def batches(draw):
+    groups = draw(st.integers(1, 6))
+    prompt_lens = draw(st.lists(st.integers(1, 30), min_size=groups, max_size=groups))
+    response_lens = [draw(st.lists(st.integers(1, 12), min_size=1, max_size=6)) for _ in range(groups)]
+    return prompt_lens, response_lens
+
+
+@settings(max_examples=30, deadline=None)
+@given(batches(), st.sampled_from([1, 4]), st.integers(1, 3), st.integers(0, 1000))
+def test_shared_prefix_shards_keep_the_rules(batch, multiple, shards, seed):
+    prompt_lens, response_lens = batch
+    data, rows, groups = grpo_data(prompt_lens, response_lens, seed=seed)
+    n = len(rows)
+    longest = max(len(r) for r in rows)
+    cap = -(-max(longest, 48) // multiple) * multiple
+    if n < shards:
+        return
+    try:
+        out, order = data.shard_by_batch_size(shards, allow_uneven_shards=True, sequence_packing_args=packing_args(
+            cap, multiple, shared_prefix_group_key="idx"))  # one tree per group
+    except ValueError as exc:  # more bins than rows: the planner says so
+        assert "micro-batches" in str(exc)
+        return
+    assert sorted(order) == list(range(n))  # every row once
+    counts = {len(s.micro_batch_indices[0]) for s in out}
+    assert len(counts) == 1  # equal counts per rank
+    pos = 0
+    for shard in out:
+        for (start, end), length in zip(shard.micro_batch_indices[0], shard.micro_batch_lengths[0]):
+            mine = order[pos + start: pos + end]
+            tokens = physical([rows[i] for i in mine], [groups[i] for i in mine])
+            assert length == -(-tokens // multiple) * multiple <= cap  # recomputed from the rows
+        pos += shard.size
+    # A group that fits the cap is never split (its rows in one bin), unless the bins
+    # every rank needs (a multiple of the shards) outnumber the groups.
+    if sum(len(s.micro_batch_indices[0]) for s in out) > len(set(groups)):
+        return
+    pos = 0
+    bin_of = {}
+    for s, shard in enumerate(out):
+        for b, (start, end) in enumerate(shard.micro_batch_indices[0]):
+            for i in order[pos + start: pos + end]:
+                bin_of[i] = (s, b)
+        pos += shard.size
+    for g in set(groups):
+        members = [i for i in range(n) if groups[i] == g]
+        if -(-physical([rows[i] for i in members], [g] * len(members)) // multiple) * multiple <= cap:
+            assert len({bin_of[i] for i in members}) == 1, (g, members)
+
+
+def test_tree_iterator_and_the_loss_equal_the_rows_unshared():
+    data, rows, groups = grpo_data([12, 9, 15], [[4, 6, 3], [5, 5], [2, 7, 4, 3]], seed=3)
+    shards, _ = data.shard_by_batch_size(1, sequence_packing_args=packing_args(64, shared_prefix_group_key="idx"))
+    batch = shards[0].get_batch(0)
+    loss_fn = ClippedPGLoss({"ratio_clip_min": 0.2, "ratio_clip_max": 0.28, "ratio_clip_c": None,
+                             "reference_policy_kl_penalty": 0.01, "use_importance_sampling_correction": False})
+    g = torch.Generator().manual_seed(1)
+    embed, pos_embed = (torch.randn(n, VOCAB, generator=g, dtype=torch.float64) for n in (VOCAB, 64))
+    total_rows = 0
+    for tmb in batch.make_microbatch_iterator_for_packable_sequences(shared_prefix=True, group_key="idx"):
+        assert isinstance(tmb, TreeMicroBatch)
+        mb_lengths = tmb.data["input_lengths"].tolist()
+        assert tmb.tree.seq_lens.tolist() == mb_lengths and len(tmb.rows) == len(mb_lengths)
+        total_rows += len(tmb.rows)
+        gvs, gvt = tmb.data["sample_mask"].sum(), tmb.data["token_mask"][:, 1:].sum()
+        # A "model" whose logits depend on the token and its position only: shared
+        # prefixes get the same logits in both layouts.
+        e_tree, p_tree = embed.clone().requires_grad_(), pos_embed.clone().requires_grad_()
+        ids, positions = torch.tensor(tmb.tree.input_ids) % VOCAB, torch.tensor(tmb.tree.position_ids)
+        loss, _ = SequencePackingLossWrapper(loss_fn, cu_seqlens_q=tmb.tree)(e_tree[ids] + p_tree[positions],
+                                                                            tmb.data, gvs, gvt)
+        loss.backward()
+        e_rows, p_rows = embed.clone().requires_grad_(), pos_embed.clone().requires_grad_()
+        flat = torch.cat([tmb.data["input_ids"][i, :n] for i, n in enumerate(mb_lengths)])
+        flat_pos = torch.cat([torch.arange(n) for n in mb_lengths])
+        cu = np.concatenate([[0], np.cumsum(mb_lengths)])
+        ref, _ = SequencePackingLossWrapper(loss_fn, cu_seqlens_q=cu, fused=True)(e_rows[flat] + p_rows[flat_pos],
+                                                                                  tmb.data, gvs, gvt)
+        ref.backward()
+        torch.testing.assert_close(loss, ref, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(e_tree.grad, e_rows.grad, rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(p_tree.grad, p_rows.grad, rtol=1e-10, atol=1e-12)
+    assert total_rows == len(rows)
+
+
+def test_dynamic_batching_iterator_yields_trees():
+    data, rows, _ = grpo_data([10, 10], [[3, 4], [5, 2]], seed=4)
+    args = {"max_tokens_per_microbatch": 64, "sequence_length_round": 4, "input_key": "input_ids",
+            "input_lengths_key": "input_lengths"}
+    shards, _ = data.shard_by_batch_size(1, dynamic_batching_args=args)
+    batch = shards[0].get_batch(0, batch_size=4)
+    plain = list(batch.make_microbatch_iterator_with_dynamic_shapes())
+    trees = list(batch.make_microbatch_iterator_with_dynamic_shapes(shared_prefix=True, pad_to_multiple_of=8))
+    assert len(plain) == len(trees)
+    for mb, tmb in zip(plain, trees):
+        assert tmb.tree.num_tokens % 8 == 0
+        assert tmb.tree.seq_lens.tolist() == mb["input_lengths"].tolist()
+
+
+def test_tree_micro_batches_pickle_and_options_are_checked():
+    data, _, _ = grpo_data([6], [[2, 3]])
+    shards, _ = data.shard_by_batch_size(1, sequence_packing_args=packing_args(64))
+    batch = shards[0].get_batch(0)
+    tmb = next(batch.make_microbatch_iterator_for_packable_sequences(shared_prefix=True))
+    back = pickle.loads(pickle.dumps(tmb))
+    assert back.tree == tmb.tree and back.rows == tmb.rows and back.data == tmb.data
+    with pytest.raises(ValueError, match=r"unknown shared-prefix option\(s\) \['pad_multiple'\]"):
+        batch.make_microbatch_iterator_for_packable_sequences(shared_prefix=True, pad_multiple=4)
+    with pytest.raises(ValueError, match="shared_prefix_group_key 'group' is not a key"):
+        data.shard_by_batch_size(1, sequence_packing_args=packing_args(64, shared_prefix_group_key="group"))
+    with pytest.raises(ValueError, match="below sequence_length_pad_multiple"):
+        data.shard_by_batch_size(1, sequence_packing_args=packing_args(3, multiple=4))
