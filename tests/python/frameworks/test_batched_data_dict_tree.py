@@ -199,3 +199,23 @@ def test_tree_micro_batches_pickle_and_options_are_checked():
         data.shard_by_batch_size(1, sequence_packing_args=packing_args(64, shared_prefix_group_key="group"))
     with pytest.raises(ValueError, match="below sequence_length_pad_multiple"):
         data.shard_by_batch_size(1, sequence_packing_args=packing_args(3, multiple=4))
+
+
+def test_a_forest_step_plan_shards_and_iterates_as_trees():
+    """plan_step with a forest -> shard_by_batch_size(step_plan=) -> tree micro-batches:
+    every rank the same count, every bin's tree within the cap, every row once."""
+    data, rows, groups = grpo_data([30, 20, 25, 10], [[5, 6, 7], [8, 2], [3, 3, 3, 3], [9]], seed=6)
+    forest = seqpack.PrefixForest.from_rows(rows, group_ids=groups)
+    plan = seqpack.plan_step(forest.lengths, dp_size=2, max_tokens=64, forest=forest)
+    shards, order = data.shard_by_batch_size(2, step_plan=plan)
+    seen, counts = [], []
+    for shard in shards:
+        batch = shard.get_batch(0)
+        tmbs = list(batch.make_microbatch_iterator_for_packable_sequences(shared_prefix=True, group_key="idx"))
+        counts.append(len(tmbs))
+        for tmb, length in zip(tmbs, batch.micro_batch_lengths[0]):
+            if tmb.rows:
+                assert tmb.tree.num_tokens - tmb.tree.num_pad_tokens == length <= 64
+                seen += [int(tmb.data["idx"][i]) * 100 + int(tmb.data["input_lengths"][i]) for i in range(len(tmb.rows))]
+    assert len(set(counts)) == 1
+    assert sorted(seen) == sorted(g * 100 + len(r) for g, r in zip(groups, rows))
