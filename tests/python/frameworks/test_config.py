@@ -41,6 +41,28 @@ def test_nemo_rl_packing_example():
         cfg.dynamic_batching_args()
 
 
+def test_nemo_rl_shared_prefix_example():
+    """policy.shared_prefix_training (NeMo-RL PR #4008's key): the training phase's
+    packing args plan prefix trees, the log-prob phase stays dense; a typo is named;
+    it needs sequence packing; the dict round-trips."""
+    cfg = load(example("nemo_rl_shared_prefix.yaml"))
+    assert cfg.sequence_packing.shared_prefix
+    assert cfg.sequence_packing_args("train")["shared_prefix"] is True
+    assert "shared_prefix" not in cfg.sequence_packing_args("logprob")
+    assert cfg.shard_kwargs(2)["sequence_packing_args"]["shared_prefix"] is True
+    assert load(cfg.to_dict()) == cfg
+    assert "shared_prefix" not in load(example("nemo_rl_sequence_packing.yaml")).sequence_packing_args("train")
+    packing = {"enabled": True, "train_mb_tokens": 4096}
+    with pytest.raises(ConfigError, match="policy.shared_prefix_trainig: unknown key; did you mean "
+                                          "'shared_prefix_training'"):
+        load(nemo(shared_prefix_trainig=True, sequence_packing=packing))
+    with pytest.raises(ConfigError, match="policy.shared_prefix_training: .*set policy.sequence_packing.enabled"):
+        load(nemo(shared_prefix_training=True))
+    with pytest.raises(ConfigError, match="policy.shared_prefix_training"):
+        load(nemo(shared_prefix_training="maybe", sequence_packing=packing))
+    assert not load(nemo(shared_prefix_training=False)).sequence_packing.shared_prefix
+
+
 def test_nemo_rl_dynamic_batching_example():
     cfg = load(example("nemo_rl_dynamic_batching.yaml"))
     assert cfg.parallel.backend == "dtensor"
@@ -74,6 +96,7 @@ def test_yaml_string_and_mapping_round_trip():
 
 
 @pytest.mark.parametrize("name, role", [("nemo_rl_sequence_packing.yaml", None), ("nemo_rl_dynamic_batching.yaml", None),
+                                        ("nemo_rl_shared_prefix.yaml", None),
                                         ("roll_sequence_packing.yaml", "actor_train"),
                                         ("roll_dynamic_batching.yaml", "reference")])
 def test_to_dict_round_trips(name, role):

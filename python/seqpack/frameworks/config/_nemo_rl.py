@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any, Mapping
 
@@ -42,6 +43,7 @@ def load_nemo_rl(ctx: Context, data: Mapping[str, Any]) -> SeqpackConfig:
     max_seqlen = policy.int("max_total_sequence_length")
 
     policy.no_lookalike(("sequence_packing", "dynamic_batching"))
+    policy.no_lookalike(("shared_prefix_training",), what="key")
     sp_r = policy.section("sequence_packing").known(
         NEMO_RL_SEQUENCE_PACKING_KEYS, NEMO_RL_FRAMEWORK_KEYS["sequence_packing"], "NeMo-RL")
     db_r = policy.section("dynamic_batching").known(
@@ -102,6 +104,13 @@ def load_nemo_rl(ctx: Context, data: Mapping[str, Any]) -> SeqpackConfig:
         sequence_length_pad_multiple=pad_multiple)
     if sp_on:
         sp_r.bool("fuse_loss")
+    shared_prefix = policy.bool("shared_prefix_training")
+    if shared_prefix and not sp_on:
+        raise ConfigError("policy.shared_prefix_training: shared-prefix training plans its micro-batches as prefix "
+                          "trees in sequence packing (NeMo-RL PR #4008 requires it too); set "
+                          "policy.sequence_packing.enabled = true")
+    if shared_prefix:
+        sequence_packing = dataclasses.replace(sequence_packing, shared_prefix=True)
     round_to = db_r.int("sequence_length_round", 64)
     if db_on and round_to % (parallel.tp * parallel.cp):
         raise ConfigError(f"policy.dynamic_batching.sequence_length_round: must be divisible by TP*CP = "

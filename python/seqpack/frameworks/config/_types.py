@@ -44,7 +44,9 @@ class ParallelConfig:
 
 @dataclass(frozen=True)
 class SequencePackingConfig:
-    """NeMo-RL ``policy.sequence_packing`` plus the pad multiple it implies."""
+    """NeMo-RL ``policy.sequence_packing`` plus the pad multiple it implies, and
+    ``policy.shared_prefix_training`` (NeMo-RL PR #4008: training micro-batches as
+    prefix trees)."""
 
     enabled: bool = False
     train_mb_tokens: Optional[int] = None
@@ -52,6 +54,7 @@ class SequencePackingConfig:
     algorithm: str = "modified_first_fit_decreasing"
     microbatch_order: str = "packer"
     sequence_length_pad_multiple: int = 1
+    shared_prefix: bool = False
 
 
 @dataclass(frozen=True)
@@ -236,6 +239,8 @@ class SeqpackConfig:
                 policy["max_total_sequence_length"] = self.max_seqlen
             if self.global_batch_size is not None:
                 policy["train_global_batch_size"] = self.global_batch_size
+            if sp.shared_prefix:
+                policy["shared_prefix_training"] = True
             return {"policy": policy}
         rp, rd = self.roll_packing, self.roll_dynamic_batching
         strategy_config = {"tensor_model_parallel_size": p.tp, "context_parallel_size": p.cp,
@@ -266,12 +271,15 @@ class SeqpackConfig:
 
     def sequence_packing_args(self, phase: str = "train") -> Dict[str, Any]:
         """NeMo-RL ``SequencePackingArgs`` for ``shard_by_batch_size`` (``phase``:
-        ``"train"`` uses ``train_mb_tokens``, ``"logprob"`` ``logprob_mb_tokens``)."""
+        ``"train"`` uses ``train_mb_tokens``, ``"logprob"`` ``logprob_mb_tokens``).
+        With ``policy.shared_prefix_training`` the training phase's args also hold
+        ``shared_prefix: True`` (bins planned on prefix trees; the log-prob phase stays
+        dense, as in NeMo-RL PR #4008)."""
         self._nemo("sequence_packing_args")
         sp = self.sequence_packing
         if not sp.enabled:
             raise ConfigError("policy.sequence_packing.enabled: sequence packing is disabled")
-        return {
+        args = {
             "max_tokens_per_microbatch": _phase_tokens(sp, phase, "policy.sequence_packing"),
             "input_key": "input_ids",
             "input_lengths_key": "input_lengths",
@@ -279,6 +287,9 @@ class SeqpackConfig:
             "sequence_length_pad_multiple": sp.sequence_length_pad_multiple,
             "microbatch_order": sp.microbatch_order,
         }
+        if sp.shared_prefix and phase == "train":
+            args["shared_prefix"] = True
+        return args
 
     def dynamic_batching_args(self, phase: str = "train") -> Dict[str, Any]:
         """NeMo-RL ``DynamicBatchingArgs`` for ``shard_by_batch_size``."""
