@@ -1,4 +1,4 @@
-"""The loss, training-step, boundary, THD, step-planning, TRL, AutoModel, prefix-tree and forest-planning benchmark
+"""The loss, training-step, boundary, THD, step-planning, TRL, AutoModel, prefix-tree, forest-planning and tree-step benchmark
 scripts still run (``--quick``: tiny sizes, a smoke test; their numbers come from full runs recorded in
 benchmarks/RESULTS.md)."""
 
@@ -21,7 +21,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
                                            ("bench_trl.py", "TRL pack_dataset"),
                                            ("bench_automodel.py", "AutoModel pack_dataset"),
                                            ("bench_prefix_tree.py", "Prefix-tree packing vs plain packing"),
-                                           ("bench_forest_planning.py", "Tree-aware planning")])
+                                           ("bench_forest_planning.py", "Tree-aware planning"),
+                                           ("bench_tree_step.py", "GRPO training step, plain packing vs prefix trees")])
 def test_quick_run_prints_its_table(script, title, tmp_path):
     # The scripts import the same seqpack as this test (installed, or the source tree).
     here = str(pathlib.Path(seqpack.__file__).resolve().parents[1])

@@ -4,7 +4,7 @@ dicts, verl TensorDict-like dicts). Torch is imported only when a tensor shows u
 
 from __future__ import annotations
 
-from typing import Any, Dict, Mapping, Optional, Sequence
+from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 import numpy as np
 
@@ -222,3 +222,16 @@ def proto_slice(proto: Any, start: int, end: int, name: str = "batch") -> Any:
     if callable(getattr(proto, "slice", None)):
         return proto.slice(int(start), int(end))
     return proto_select(proto, range(int(start), int(end)), name)
+
+
+def group_codes(values: Any) -> List[int]:
+    """One integer per row for the prefix-tree ``group_ids`` from a column of group
+    labels (verl's ``uid`` strings, tensors, any hashable values): each label's
+    first-seen index."""
+    if hasattr(values, "tolist"):
+        values = values.tolist()
+    first_seen: Dict[Any, int] = {}
+    try:
+        return [first_seen.setdefault(v, len(first_seen)) for v in values]
+    except TypeError as exc:
+        raise TypeError(f"group labels must be hashable (one per row): {exc}") from None

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, List, Mapping, Optional, Sequence, Tuple
 import numpy as np
 
 from .._lengths import as_positive_int
+from ._batch import group_codes
 from ..tensors.layout import round_up
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -75,7 +76,9 @@ def _group_ids(data: Mapping[str, Any], group_key: Optional[str], rows: Sequence
     if group_key not in data:
         raise ValueError(f"shared_prefix_group_key {group_key!r} is not a key of the data")
     values = data[group_key]
-    return [values[i].item() if hasattr(values[i], "item") else values[i] for i in rows]
+    if hasattr(values, "tolist"):  # a tensor or array: its items (0-d tensors hash by identity)
+        values = values.tolist()
+    return group_codes([values[i] for i in rows])
 
 
 def shared_prefix_bins(data: Mapping[str, Any], lengths: np.ndarray, shards: int, batch_size: int,

@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Mapping, Optional, 
 
 import numpy as np
 
-from ._batch import (batch_size, dummy_row, is_data_proto, is_tensor, mask_lengths, proto_columns, proto_select,
+from ._batch import (batch_size, group_codes, dummy_row, is_data_proto, is_tensor, mask_lengths, proto_columns, proto_select,
                      rows, select, select_all, step_plan_parts)
 from .._dist import active, agree_on_count, all_reduce_int, all_reduce_ints, checked_on_every_rank
 from .._lengths import as_lengths, as_positive_int
@@ -105,6 +105,8 @@ def rearrange_micro_batches(
     step_plan: Optional["StepPlan"] = None,
     dp_rank: Optional[int] = None,
     mini_batch: int = 0,
+    shared_prefix: bool = False,
+    group_key: Optional[str] = "uid",
 ) -> Tuple[List[Any], List[List[int]]]:
     """Split a batch into micro-batches of at most ``max_token_len`` real tokens.
 
@@ -140,6 +142,13 @@ def rearrange_micro_batches(
             gives every rank the same count, so no collective runs; an empty
             micro-batch becomes a one-row dummy (one token, zero loss masks) with an
             empty entry in ``micro_bsz_idx``.
+        shared_prefix: plan prefix trees (verl's ``actor.use_prefix_grouper``;
+            ``strict=True``, ``force_group_size=1``): the rows' trie from
+            ``input_ids`` and ``attention_mask`` (a :class:`~seqpack.PrefixForest`,
+            rows sharing only within one value of the ``group_key`` column - verl's
+            ``uid``, when the batch has it), the cap bounding each micro-batch's
+            *physical* tokens, a tree that fits whole in one micro-batch; lay each
+            micro-batch out with :func:`seqpack.pack_prefix_tree`.
 
     Returns:
         ``(micro_batches, micro_bsz_idx)``: the sub-batches (rows ascending) and
@@ -155,10 +164,11 @@ def rearrange_micro_batches(
     if is_data_proto(batch):
         return prepare_dynamic_batch(batch, max_token_len, dp_group, num_batches_divided_by, same_micro_num_in_dp,
                                      min_num_micro_batch, use_dynamic_bsz_balance, force_group_size=force_group_size,
-                                     strict=strict, step_plan=step_plan, dp_rank=dp_rank, mini_batch=mini_batch)
+                                     strict=strict, step_plan=step_plan, dp_rank=dp_rank, mini_batch=mini_batch,
+                                     shared_prefix=shared_prefix, group_key=group_key)
     parts = _plan_parts(_mapping_views(batch), max_token_len, dp_group, num_batches_divided_by, same_micro_num_in_dp,
                         min_num_micro_batch, use_dynamic_bsz_balance, force_group_size, strict, step_plan, dp_rank,
-                        mini_batch)
+                        mini_batch, shared_prefix, group_key)
     return [_select(batch, p) if p else _dummy(batch) for p in parts], parts
 
 
@@ -176,6 +186,8 @@ def prepare_dynamic_batch(
     step_plan: Optional["StepPlan"] = None,
     dp_rank: Optional[int] = None,
     mini_batch: int = 0,
+    shared_prefix: bool = False,
+    group_key: Optional[str] = "uid",
 ) -> Tuple[List[Any], List[List[int]]]:
     """verl's ``prepare_dynamic_batch``: a batch split into micro-batches under
     ``max_token_len`` (the rule of :func:`rearrange_micro_batches`, whose arguments
@@ -191,10 +203,11 @@ def prepare_dynamic_batch(
     if not is_data_proto(data):
         return rearrange_micro_batches(data, max_token_len, dp_group, num_batches_divided_by, same_micro_num_in_dp,
                                        min_num_micro_batch, use_dynamic_bsz_balance, force_group_size, strict=strict,
-                                       step_plan=step_plan, dp_rank=dp_rank, mini_batch=mini_batch)
+                                       step_plan=step_plan, dp_rank=dp_rank, mini_batch=mini_batch,
+                                       shared_prefix=shared_prefix, group_key=group_key)
     parts = _plan_parts(_proto_views(data), max_token_len, dp_group, num_batches_divided_by,
                         same_micro_num_in_dp, min_num_micro_batch, use_dynamic_bsz_balance, force_group_size, strict,
-                        step_plan, dp_rank, mini_batch)
+                        step_plan, dp_rank, mini_batch, shared_prefix, group_key)
     micro_batches = []
     for part in parts:
         mb = proto_select(data, part, "data") if part else _proto_dummy(data)
@@ -286,7 +299,8 @@ def _mode_of(strict: Any) -> str:
 
 def _plan_parts(views: Callable[[], Tuple[Mapping[str, Any], Mapping[str, Any]]], max_token_len: Any, dp_group,
                 num_batches_divided_by, same_micro_num_in_dp, min_num_micro_batch, use_dynamic_bsz_balance,
-                force_group_size, strict, step_plan, dp_rank, mini_batch) -> List[List[int]]:
+                force_group_size, strict, step_plan, dp_rank, mini_batch, shared_prefix=False,
+                group_key="uid") -> List[List[int]]:
     """Row indices of each micro-batch. ``views()`` gives ``(tensors, columns)``:
     the lengths come from ``tensors['attention_mask']``, and every value of
     ``columns`` must have its rows (called inside the agreement: it may raise)."""
@@ -307,7 +321,8 @@ def _plan_parts(views: Callable[[], Tuple[Mapping[str, Any], Mapping[str, Any]]]
     def strict_plan(count: int) -> List[List[int]]:
         plan = plan_micro_batches(box["units"], cap, min_num=count, multiple_of=box["multiple"],
                                   attention_coeff=WORKLOAD_ATTENTION_COEFF,
-                                  order="small_at_ends" if use_dynamic_bsz_balance else "heaviest_first")
+                                  order="small_at_ends" if use_dynamic_bsz_balance else "heaviest_first",
+                                  forest=box.get("forest"))
         return [list(p) for p in plan.micro_batches]
 
     def verl_plan(count: int) -> List[List[int]]:
@@ -335,6 +350,8 @@ def _plan_parts(views: Callable[[], Tuple[Mapping[str, Any], Mapping[str, Any]]]
         if len(lengths) % group:
             raise ValueError(f"the batch has {len(lengths)} rows, not a multiple of force_group_size={group}")
         units = lengths.reshape(-1, group).sum(1) if group > 1 else lengths
+        if shared_prefix:
+            box["forest"] = _forest(tensors, columns, group_key, mode, group)
         if mode != "soft_cap" and group > 1 and units.size and units.max() > cap:  # verl < #7553 let it exceed
             raise ValueError(f"{group} consecutive rows (force_group_size) hold {int(units.max())} tokens, more than "
                              f"max_token_len={cap}")
@@ -361,7 +378,7 @@ def _plan_parts(views: Callable[[], Tuple[Mapping[str, Any], Mapping[str, Any]]]
         return verl_plan(roundup_divisible(count, multiple))
 
     def facts(_: Any) -> Dict[str, Any]:  # what changes the collectives that follow: the same on every rank
-        return {"strict": mode, "num_batches_divided_by": box["multiple"]}
+        return {"strict": mode, "num_batches_divided_by": box["multiple"], "shared_prefix": bool(shared_prefix)}
 
     result = checked_on_every_rank(local, dp_group, "rearrange_micro_batches", agree, fingerprint=facts)
     if mode == "verl":
@@ -375,6 +392,21 @@ def _plan_parts(views: Callable[[], Tuple[Mapping[str, Any], Mapping[str, Any]]]
     if group > 1:
         parts = [[g * group + j for g in p for j in range(group)] for p in parts]
     return [[int(i) for i in p] for p in parts]
+
+
+def _forest(tensors: Mapping[str, Any], columns: Mapping[str, Any], group_key: Optional[str], mode: str,
+            group: int):
+    """The :class:`~seqpack.PrefixForest` of a batch's rows for ``shared_prefix``."""
+    from ..planning.prefix_forest import PrefixForest
+
+    if mode != "strict":
+        raise ValueError("shared_prefix plans prefix trees with seqpack's planner: it needs strict=True")
+    if group > 1:
+        raise ValueError("shared_prefix keeps trees whole instead of fixed groups of rows: it needs force_group_size=1")
+    if "input_ids" not in tensors:
+        raise ValueError("shared_prefix needs the batch's 'input_ids' (the trie is built from the tokens)")
+    groups = group_codes(columns[group_key]) if group_key is not None and group_key in columns else None
+    return PrefixForest.from_padded(tensors["input_ids"], tensors["attention_mask"], group_ids=groups)
 
 
 def _grow_until_within_cap(count: int, box: Mapping[str, Any], cap: int, verl_plan: Callable[[int], List[List[int]]],

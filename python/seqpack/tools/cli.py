@@ -1,6 +1,6 @@
 """The ``seqpack`` command line: ``demo``, ``plan`` and ``bench``.
 
-    seqpack demo                          # synthetic long-tail RL batch, all planners
+    seqpack demo                          # synthetic long-tail RL batch, all planners; a GRPO batch as prefix trees
     seqpack plan --lengths lens.txt       # your lengths (one per line, or .npy)
     seqpack bench                         # planner speed on 1k..1M lengths
 """
@@ -62,6 +62,26 @@ def _run_report(lengths: np.ndarray, args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_tree_report(args: argparse.Namespace) -> int:
+    """The demo's second part: a GRPO batch (G = 8) plainly and as prefix trees."""
+    from .report_trees import grpo_rows, tree_report
+
+    prompts = max(args.dp, args.num_sequences // 64)  # 64 prompts x 8 responses by default
+    rep = tree_report(*grpo_rows(prompts=prompts, group=8, seed=args.seed, max_len=args.capacity),
+                      capacity=args.capacity, dp_size=args.dp)
+    if args.json:
+        print(json.dumps([{"title": t.title, "columns": t.columns, "rows": t.rows} for t in rep.tables],
+                         default=lambda o: o.item() if hasattr(o, "item") else str(o), indent=1))
+    else:
+        print("\n" + rep.format())
+    if args.plot:
+        stem, dot, ext = args.plot.rpartition(".")
+        path = f"{stem}_trees.{ext}" if dot else f"{args.plot}_trees"
+        rep.plot(path)
+        print(f"\nfigure saved to {path}")
+    return 0
+
+
 def _bench(args: argparse.Namespace) -> int:
     from ..planning import get_packer, karmarkar_karp
     from .report import Table
@@ -106,7 +126,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         if args.command == "demo":
             from .report import synthetic_rl_lengths
 
-            return _run_report(synthetic_rl_lengths(args.num_sequences, seed=args.seed, max_len=args.capacity), args)
+            code = _run_report(synthetic_rl_lengths(args.num_sequences, seed=args.seed, max_len=args.capacity), args)
+            return code or _run_tree_report(args)
         if args.command == "plan":
             return _run_report(load_lengths(args.lengths), args)
         return _bench(args)

@@ -66,3 +66,32 @@ def plot_report(report: "Report", path: Optional[str] = None):
     if path:
         fig.savefig(path, dpi=110)
     return fig
+
+
+def plot_sharing(report, path: Optional[str] = None):
+    """A :class:`~seqpack.tools.report_trees.TreeReport`'s sharing kept and
+    micro-batches per rank (plain vs trees) against the cap.
+
+    Returns the matplotlib Figure; saves it to ``path`` when given.
+    """
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    ax = axes[0]
+    ax.plot(report.caps, report.sharing_kept, marker="o", color="#4c72b0")
+    ax.set_xscale("log")
+    ax.set_ylim(0, 1.05)
+    ax.set_xlabel("cap (tokens per micro-batch)")
+    ax.set_ylabel("sharing kept")
+    ax.set_title("batch physical tokens / sum over micro-batches")
+    ax = axes[1]
+    for name, counts in report.micro_batches.items():
+        ax.plot(report.caps, counts, marker="o", label=name)
+    ax.set_xscale("log")
+    ax.set_xlabel("cap (tokens per micro-batch)")
+    ax.set_ylabel("micro-batches per rank")
+    ax.set_title("plan_step, plain vs prefix trees")
+    ax.legend()
+    fig.tight_layout()
+    if path:
+        fig.savefig(path, dpi=110)
+    return fig

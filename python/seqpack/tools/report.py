@@ -2,9 +2,12 @@
 
 :func:`analyze` runs, on one batch of lengths: data-parallel balancing
 (contiguous split vs Karmarkar-Karp vs LPT), bin packing per rank with every
-algorithm, dynamic batching with each rule, and the hard-cap micro-batch planner
-against the soft-cap rule that ROLL uses (and verl before verl#7553). :class:`Report` prints the tables
-and draws the figures.
+algorithm, dynamic batching with each rule, the hard-cap micro-batch planner
+against the soft-cap rule that ROLL uses (and verl before verl#7553), and the whole
+step planned by :func:`~seqpack.plan_step` against NeMo-RL's and verl's pipelines
+(:mod:`~seqpack.tools.report_step`). :class:`Report` prints the tables and draws the
+figures; :mod:`~seqpack.tools.report_trees` does the same for a GRPO batch as prefix
+trees.
 
 Example:
     >>> rep = analyze(synthetic_rl_lengths(256, seed=0), capacity=8192, dp_size=4)
@@ -14,7 +17,6 @@ Example:
 
 from __future__ import annotations
 
-import html
 import math
 import time
 from dataclasses import dataclass, field
@@ -23,9 +25,11 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 import numpy as np
 
 from .._equality import fields_equal
+from ._table import Ms, Pct, Table, _plain
 from ..planning.balance import get_seqlen_balanced_partitions, greedy_lpt_partition, karmarkar_karp, plan_micro_batches
 from ..planning.dynamic_batching import plan_dynamic_batching
 from ..planning.packing import PackingAlgorithm, get_packer
+from .report_step import step_table
 
 
 def synthetic_rl_lengths(n: int = 4096, seed: int = 0, max_len: int = 8192) -> np.ndarray:
@@ -39,58 +43,6 @@ def synthetic_rl_lengths(n: int = 4096, seed: int = 0, max_len: int = 8192) -> n
     prompt = rng.integers(64, 1025, size=n)
     response = np.rint(rng.lognormal(mean=math.log(600), sigma=1.0, size=n)).astype(np.int64)
     return np.clip(prompt + np.maximum(response, 1), 1, max_len).astype(np.int64)
-
-
-@dataclass
-class Table:
-    title: str
-    columns: List[str]
-    rows: List[List[Any]]
-    note: str = ""
-
-    def format(self) -> str:
-        cells = [[_fmt(v) for v in row] for row in self.rows]
-        widths = [max(len(c), *(len(r[i]) for r in cells)) if cells else len(c) for i, c in enumerate(self.columns)]
-        line = "  ".join("-" * w for w in widths)
-        out = [self.title, line, "  ".join(c.ljust(w) for c, w in zip(self.columns, widths)), line]
-        out += ["  ".join(v.rjust(w) if i else v.ljust(w) for i, (v, w) in enumerate(zip(r, widths))) for r in cells]
-        if self.note:
-            out.append(self.note)
-        return "\n".join(out)
-
-    def _repr_html_(self) -> str:
-        head = "".join(f"<th>{html.escape(c)}</th>" for c in self.columns)
-        body = "".join(
-            "<tr>" + "".join(f"<td>{html.escape(_fmt(v))}</td>" for v in r) + "</tr>" for r in self.rows
-        )
-        note = f"<p>{html.escape(self.note)}</p>" if self.note else ""
-        return f"<b>{html.escape(self.title)}</b><table><tr>{head}</tr>{body}</table>{note}"
-
-
-class Pct(float):
-    """A ratio shown as a percentage (still a float for JSON and arithmetic)."""
-
-
-class Ms(float):
-    """A duration in milliseconds."""
-
-
-def _fmt(v: Any) -> str:
-    if isinstance(v, Pct):
-        return f"{v:.2%}"
-    if isinstance(v, Ms):
-        return f"{v:.2f}"
-    if isinstance(v, float):
-        return f"{v:,.3f}"
-    if isinstance(v, (int, np.integer)):
-        return f"{int(v):,}"
-    return str(v)
-
-
-def _plain(v: Any) -> Any:
-    if isinstance(v, (Pct, Ms)):
-        return float(v)
-    return v.item() if isinstance(v, np.generic) else v
 
 
 def _timed(fn: Callable[[], Any]) -> tuple:
@@ -264,4 +216,7 @@ def analyze(
             rows,
         )
     )
+
+    # 5. The whole step: plan_step against NeMo-RL's and verl's pipelines.
+    rep.tables.append(step_table(lengths, capacity, dp_size))
     return rep

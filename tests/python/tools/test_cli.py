@@ -18,7 +18,8 @@ def test_demo_prints_every_section(capsys):
     assert cli.main(["demo", "-n", "512", *SMALL]) == 0
     out = capsys.readouterr().out
     for title in ("Data-parallel balance", "Sequence packing per rank", "Dynamic batching",
-                  "Load-balanced micro-batches"):
+                  "Load-balanced micro-batches", "One training step: plan_step vs the frameworks' pipelines",
+                  "A GRPO batch as prefix trees", "Sharing kept vs the cap"):
         assert title in out
     for name in ("first_fit_decreasing", "best_fit_decreasing", "modified_first_fit_decreasing",
                  "concatenative", "first_fit_shuffle", "greedy_sequential", "karmarkar_karp", "optimal"):
@@ -87,8 +88,11 @@ def test_plot_writes_png(tmp_path, capsys):
     pytest.importorskip("matplotlib")
     out = tmp_path / "plan.png"
     assert cli.main(["demo", "-n", "256", *SMALL, "--plot", str(out)]) == 0
-    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert f"figure saved to {out}" in capsys.readouterr().out
+    trees = tmp_path / "plan_trees.png"  # the demo's prefix-tree figure beside it
+    printed = capsys.readouterr().out
+    for png in (out, trees):
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert f"figure saved to {png}" in printed
 
 
 def test_bench_runs(capsys):

@@ -109,6 +109,9 @@ class VerlMicroBatching:
             size (FSDP strategies) or the context-parallel size (Megatron). verl caps a
             micro-batch at ``max_token_len_per_gpu * sp_size`` tokens.
         use_remove_padding: the micro-batch runs packed (THD, padding removed).
+        shared_prefix: the actor's ``use_prefix_grouper`` (verl's switch for
+            forwarding a prompt once for its responses): micro-batches planned as
+            prefix trees (``rearrange_kwargs`` passes ``shared_prefix=True``).
     """
 
     path: str
@@ -118,6 +121,7 @@ class VerlMicroBatching:
     micro_batch_size: Optional[int] = None
     sp_size: int = 1
     use_remove_padding: bool = True
+    shared_prefix: bool = False
 
     @property
     def max_token_len(self) -> Optional[int]:
@@ -377,6 +381,8 @@ class SeqpackConfig:
             key = "use_dynamic_bsz" if role in ("actor", "critic", "critic_forward", "sft") else \
                 "log_prob_use_dynamic_bsz"
             raise ConfigError(f"{mb.path}.{key}: dynamic batching is disabled")
+        if mb.shared_prefix:
+            return {"max_token_len": mb.max_token_len, "shared_prefix": True}
         return {"max_token_len": mb.max_token_len}
 
     def balance_batch_kwargs(self, dp_size: int) -> Dict[str, Any]:
@@ -428,6 +434,8 @@ def _verl_to_dict(cfg: SeqpackConfig) -> Dict[str, Any]:
     actor = sp({"strategy": v.strategy, "ppo_mini_batch_size": v.ppo_mini_batch_size,
                 "use_remove_padding": v.actor.use_remove_padding, **keys(v.actor, "ppo_")},
                v.strategy, v.actor.sp_size, "fsdp_config")
+    if v.actor.shared_prefix:
+        actor["use_prefix_grouper"] = True
     if v.strategy == "megatron":
         actor["megatron"].update(tensor_model_parallel_size=p.tp, pipeline_model_parallel_size=p.pp,
                                  virtual_pipeline_model_parallel_size=p.vpp, sequence_parallel=p.sequence_parallel)

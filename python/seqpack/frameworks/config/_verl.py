@@ -4,6 +4,7 @@ the SFT trainer's config is read by :mod:`._verl_sft`."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Mapping
 
 from ._loader import Context, Reader
@@ -16,7 +17,7 @@ VERL_TOP_SECTIONS = ("actor_rollout_ref", "critic", "data", "trainer", "algorith
 VERL_ARR_SECTIONS = ("actor", "ref", "rollout", "model")
 VERL_MICRO_KEYS = ("ppo_mini_batch_size", "ppo_micro_batch_size", "ppo_micro_batch_size_per_gpu", "use_dynamic_bsz",
                    "ppo_max_token_len_per_gpu", "ulysses_sequence_parallel_size", "strategy")
-VERL_ACTOR_KEYS = VERL_MICRO_KEYS + ("use_remove_padding", "fsdp_config", "megatron")
+VERL_ACTOR_KEYS = VERL_MICRO_KEYS + ("use_remove_padding", "fsdp_config", "megatron", "use_prefix_grouper")
 VERL_LOG_PROB_KEYS = ("log_prob_micro_batch_size", "log_prob_micro_batch_size_per_gpu", "log_prob_use_dynamic_bsz",
                       "log_prob_max_token_len_per_gpu")
 VERL_REF_KEYS = VERL_LOG_PROB_KEYS + ("ulysses_sequence_parallel_size", "fsdp_config", "megatron")
@@ -133,6 +134,12 @@ def load_verl(ctx: Context, data: Mapping[str, Any]) -> SeqpackConfig:
                      "log_prob_micro_batch_size_per_gpu", "log_prob_micro_batch_size")
     actor_mb = role(actor, train_keys, (False, VERL_DEFAULT_MAX_TOKEN_LEN, None, None), actor_sp, actor_rmpad,
                     True, True)
+    if actor.bool("use_prefix_grouper"):  # verl's shared-prefix switch: the actor's micro-batches as prefix trees
+        if not actor_mb.use_dynamic_bsz:
+            ctx.note(f"{actor.key('use_prefix_grouper')}: seqpack plans prefix trees in dynamic micro-batches "
+                     f"({actor.key('use_dynamic_bsz')}); with fixed micro-batch sizes it plans nothing (verl's own "
+                     "PrefixGrouper still groups each micro-batch's rows by uid)")
+        actor_mb = dataclasses.replace(actor_mb, shared_prefix=True)
     log_prob_defaults = (actor_mb.use_dynamic_bsz, actor_mb.max_token_len_per_gpu, None, None)
     rollout_mb = role(rollout, log_prob_keys, log_prob_defaults, actor_sp, actor_rmpad, True, True)
     ref_mb = role(ref, log_prob_keys, log_prob_defaults, ref_sp, model_rmpad, True, True)
