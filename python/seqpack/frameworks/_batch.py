@@ -235,3 +235,21 @@ def group_codes(values: Any) -> List[int]:
         return [first_seen.setdefault(v, len(first_seen)) for v in values]
     except TypeError as exc:
         raise TypeError(f"group labels must be hashable (one per row): {exc}") from None
+
+
+def padded_forest(cols: Mapping[str, Any], group_key: Optional[str], *, missing_group_ok: bool):
+    """``(forest, group ids or None)``: the :class:`~seqpack.PrefixForest` of a batch's
+    padded rows (``input_ids`` where ``attention_mask`` is set; left padding, right
+    padding or both), rows sharing only within one value of the ``group_key``
+    column. A missing ``group_key`` column is allowed (no groups) only with
+    ``missing_group_ok`` (verl's optional ``uid``)."""
+    from ..planning.prefix_forest import PrefixForest
+
+    if "input_ids" not in cols:
+        raise ValueError("shared_prefix needs the batch's 'input_ids' (the trie is built from the tokens)")
+    groups = None
+    if group_key is not None and (group_key in cols or not missing_group_ok):
+        if group_key not in cols:
+            raise ValueError(f"group_key {group_key!r} is not a column of the batch")
+        groups = group_codes(cols[group_key])
+    return PrefixForest.from_padded(cols["input_ids"], cols["attention_mask"], group_ids=groups), groups

@@ -63,8 +63,8 @@ def _row_tokens(data: Mapping[str, Any], input_key: str, lengths: np.ndarray) ->
         raise ValueError(f"shared_prefix needs {input_key!r} as a [batch, seq] tensor of token ids")
     host = ids.detach().cpu().numpy()
     if lengths.shape[0] != host.shape[0] or (lengths.shape[0] and int(lengths.max()) > host.shape[1]):
-        raise ValueError(f"the input lengths ({lengths.shape[0]} rows, longest {int(lengths.max(initial=0))}) do not fit "
-                         f"{input_key!r} {tuple(host.shape)}")
+        raise ValueError(f"the input lengths ({lengths.shape[0]} rows, longest {int(lengths.max(initial=0))}) do not "
+                         f"fit {input_key!r} {tuple(host.shape)}")
     keep = np.arange(host.shape[1])[None, :] < lengths[:, None]
     cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
     return host[keep].astype(np.int64), cu

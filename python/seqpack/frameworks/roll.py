@@ -49,8 +49,8 @@ from typing import (TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Mapping,
 import numpy as np
 
 from .. import _core
-from ._batch import (batch_size, dummy_row, host_mask, is_data_proto, is_tensor, mask_lengths, proto_columns,
-                     proto_select, proto_slice, select_all, step_plan_parts)
+from ._batch import (batch_size, dummy_row, host_mask, is_data_proto, is_tensor, mask_lengths, padded_forest,
+                     proto_columns, proto_select, proto_slice, select_all, step_plan_parts)
 from .._dist import active, agree_on_count, checked_on_every_rank
 from .._equality import ValueEquality, values_equal
 from .._lengths import as_int, as_positive_int
@@ -556,6 +556,8 @@ def make_micro_batch_iter_for_sequence_packing(
     dp_rank: Optional[int] = None,
     mini_batch_index: int = 0,
     strict: bool = True,
+    shared_prefix: bool = False,
+    group_key: Optional[str] = None,
 ) -> Iterator[Any]:
     """Micro-batches of a mini-batch for sequence packing (ROLL ``algorithm``
     ``"none"``: consecutive chunks of ``micro_batch_size`` rows; ``"load_balance"``:
@@ -598,6 +600,14 @@ def make_micro_batch_iter_for_sequence_packing(
     :func:`restore_results_order`. Plan on the lengths as packed (each rounded up
     to the pad multiple) so that the cap holds after padding.
 
+    ``shared_prefix`` (seqpack's ``sequence_packing_args.shared_prefix``;
+    ``load_balance``, ``strict``): plan prefix trees of the rows (the trie of
+    ``input_ids`` under ``attention_mask``; rows share only within one value of the
+    ``group_key`` column when given): each micro-batch's *physical* tokens, padded
+    as a whole to the pad multiple, stay under the cap, and a tree that fits stays
+    whole. Each micro-batch's ``meta_info["prefix_tree"]`` is its rows'
+    :class:`~seqpack.PrefixTreeBatch` (padded to the pad multiple).
+
     A DataProto's micro-batches are its own ``select_idxs`` (its class); a mapping's
     are :class:`RollBatch`. As ROLL, the mini-batch's own ``meta_info`` (a
     DataProto's or a RollBatch's) gets ``partition_indices_list`` and
@@ -616,19 +626,22 @@ def make_micro_batch_iter_for_sequence_packing(
             mini_batch, tp_size, cp_size, vp_size, is_train, dp_group, micro_batch_size,
             1 if pp_size is None else pp_size, max_packed_sequence_length=max_packed_sequence_length,
             min_num_micro_batches=min_num_micro_batches, pad_multiple=pad_multiple, step_plan=step_plan,
-            dp_rank=dp_rank, mini_batch_index=mini_batch_index, strict=strict)
+            dp_rank=dp_rank, mini_batch_index=mini_batch_index, strict=strict, shared_prefix=shared_prefix,
+            group_key=group_key)
     return _sequence_packing(
         mini_batch, algorithm="load_balance" if algorithm is None else algorithm, cap=max_packed_sequence_length,
         min_num=1 if min_num_micro_batches is None else min_num_micro_batches, pad_multiple=pad_multiple,
         pad_rule=lambda cp, tp: alignment(cp, tp, rule="roll"), tp_size=tp_size, cp_size=cp_size, vp_size=vp_size,
         pp_size=pp_size, is_train=is_train, dp_group=dp_group, micro_batch_size=micro_batch_size,
-        step_plan=step_plan, dp_rank=dp_rank, mini_batch_index=mini_batch_index, strict=strict)
+        step_plan=step_plan, dp_rank=dp_rank, mini_batch_index=mini_batch_index, strict=strict,
+        shared_prefix=shared_prefix, group_key=group_key)
 
 
 def _sequence_packing(mini_batch: Any, *, algorithm: Any, cap: Any, min_num: Any, pad_multiple: Any,
                       pad_rule: Callable[[int, int], int], tp_size: Any, cp_size: Any, vp_size: Any, pp_size: Any,
                       is_train: bool, dp_group: Any, micro_batch_size: Any, step_plan: Any, dp_rank: Any,
-                      mini_batch_index: Any, strict: bool = True) -> Iterator[Any]:
+                      mini_batch_index: Any, strict: bool = True, shared_prefix: bool = False,
+                      group_key: Optional[str] = None) -> Iterator[Any]:
     phase = "train" if is_train else "forward"
     cols = _columns(mini_batch)
     meta = getattr(mini_batch, "meta_info", None)
@@ -666,6 +679,11 @@ def _sequence_packing(mini_batch: Any, *, algorithm: Any, cap: Any, min_num: Any
     def plan_with(count: int) -> MicroBatchPlan:
         if not strict:
             return _roll_soft_plan(box["padded"], box["cap"], count)
+        forest = box.get("forest")
+        if forest is not None:  # trees padded as a whole: physical tokens under the cap rounded down
+            usable = box["cap"] // box["pad"] * box["pad"]
+            return plan_micro_batches(forest.lengths, usable, min_num=count, multiple_of=box["multiple"],
+                                      attention_coeff=ROLL_ATTENTION_COEFF, order="small_at_ends", forest=forest)
         return plan_micro_batches(box["padded"], box["cap"], min_num=count, multiple_of=box["multiple"],
                                   attention_coeff=ROLL_ATTENTION_COEFF, order="small_at_ends")
 
@@ -681,7 +699,10 @@ def _sequence_packing(mini_batch: Any, *, algorithm: Any, cap: Any, min_num: Any
         multiple = (as_positive_int(pad_rule(cp, tp), "the pad factor") if pad_multiple is None
                     else as_positive_int(pad_multiple, "pad_multiple"))
         box["padded"] = padded = round_up(mask_lengths(cols, "mini_batch"), multiple)
-        if n and padded.max() > limit:
+        box["pad"] = multiple
+        if shared_prefix:
+            box["forest"], box["groups"] = _shared_prefix_forest(cols, group_key, strict, multiple, limit)
+        elif n and padded.max() > limit:
             raise ValueError(f"a sequence padded to {int(padded.max())} tokens (pad multiple {multiple}) exceeds "
                              f"max_packed_sequence_length={limit}")
         vp = 1 if vp_size is None else as_positive_int(vp_size, "vp_size")
@@ -711,9 +732,36 @@ def _sequence_packing(mini_batch: Any, *, algorithm: Any, cap: Any, min_num: Any
         "workload_imbalance": plan.imbalance,
         "padding_tokens": int(padded.sum() - lengths.sum()),
     }
+    if shared_prefix:
+        metrics["padding_tokens"] = int(sum(round_up(t, box["pad"]) - t for t in plan.tokens))
+        metrics["sharing_kept"] = plan.sharing_kept
     _write_meta(mini_batch, partition_indices_list=[list(p) for p in plan.micro_batches],
                 sequence_packing_metrics=dict(metrics))
-    return _yield_parts(mini_batch, cols, meta, plan.micro_batches, n, metrics, reorder=True)
+    trees = (lambda part: _micro_batch_tree(cols, part, box["groups"], box["pad"])) if shared_prefix else None
+    return _yield_parts(mini_batch, cols, meta, plan.micro_batches, n, metrics, reorder=True, trees=trees)
+
+
+def _shared_prefix_forest(cols: Mapping[str, Any], group_key: Optional[str], strict: bool, multiple: int,
+                          cap: int):
+    """``(forest, group ids or None)`` of a mini-batch's rows for ``shared_prefix``."""
+    if not strict:
+        raise ValueError("shared_prefix plans prefix trees with seqpack's planner: it needs strict=True")
+    usable = cap // multiple * multiple  # a tree is padded as a whole to the pad multiple
+    longest = int(mask_lengths(cols, "mini_batch").max(initial=0))
+    if longest > usable:
+        raise ValueError(f"a sequence of {longest} tokens exceeds max_packed_sequence_length={cap} (with trees "
+                         f"padded to the pad multiple {multiple}: {usable} tokens)")
+    return padded_forest(cols, group_key, missing_group_ok=False)
+
+
+def _micro_batch_tree(cols: Mapping[str, Any], part: Sequence[int], groups: Optional[List[int]], multiple: int):
+    """The :class:`~seqpack.PrefixTreeBatch` of one micro-batch's rows."""
+    from ..tensors.prefix_tree import PrefixTreeBatch
+
+    index = list(part)
+    return PrefixTreeBatch.from_padded(cols["input_ids"][index], cols["attention_mask"][index],
+                                       group_ids=None if groups is None else [groups[i] for i in index],
+                                       pad_to_multiple_of=multiple)
 
 
 def _roll_soft_plan(padded: np.ndarray, cap: int, count: int) -> MicroBatchPlan:
@@ -748,7 +796,8 @@ def _proto_dummy(proto: Any, cols: Mapping[str, Any]) -> Any:
 
 
 def _yield_parts(batch: Any, cols: Mapping[str, Any], meta: Dict[str, Any], parts: Sequence[Sequence[int]], n: int,
-                 metrics: Dict[str, Any], reorder: bool) -> Iterator[Any]:
+                 metrics: Dict[str, Any], reorder: bool,
+                 trees: Optional[Callable[[Sequence[int]], Any]] = None) -> Iterator[Any]:
     proto = is_data_proto(batch)
 
     def gen():
@@ -762,6 +811,8 @@ def _yield_parts(batch: Any, cols: Mapping[str, Any], meta: Dict[str, Any], part
             mb.meta_info.update(micro_batch_idx=k, num_micro_batchs=len(parts), partition_indices=list(part),
                                 partition_indices_list=[list(p) for p in parts] if reorder else [],
                                 mini_batch_size=n, is_padding_batch=not part, sequence_packing_metrics=dict(metrics))
+            if trees is not None:
+                mb.meta_info["prefix_tree"] = trees(part)
             yield mb
 
     return gen()
@@ -843,7 +894,7 @@ class SequencePackingPacker(ValueEquality):
         is_train: bool = False, dp_group=None, micro_batch_size: Optional[int] = None, pp_size: int = 1, *,
         max_packed_sequence_length: Optional[int] = None, min_num_micro_batches: Optional[int] = None,
         pad_multiple: Optional[int] = None, step_plan: Optional["StepPlan"] = None, dp_rank: Optional[int] = None,
-        mini_batch_index: int = 0, strict: bool = True,
+        mini_batch_index: int = 0, strict: bool = True, shared_prefix: bool = False, group_key: Optional[str] = None,
     ) -> Iterator[Any]:
         """ROLL's signature; see :func:`make_micro_batch_iter_for_sequence_packing`
         (the keywords after ``pp_size`` are seqpack's and override the config)."""
@@ -856,7 +907,7 @@ class SequencePackingPacker(ValueEquality):
             pad_rule=self.get_pad_factor, tp_size=tp_size, cp_size=cp_size, vp_size=vp_size,
             pp_size=1 if pp_size is None else pp_size, is_train=is_train, dp_group=dp_group,
             micro_batch_size=micro_batch_size, step_plan=step_plan, dp_rank=dp_rank,
-            mini_batch_index=mini_batch_index, strict=strict)
+            mini_batch_index=mini_batch_index, strict=strict, shared_prefix=shared_prefix, group_key=group_key)
 
     @staticmethod
     def restore_results_order(results: Mapping[str, Any], partition_indices_list: Sequence[Sequence[int]]) -> Any:

@@ -40,8 +40,8 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Mapping, Optional, 
 
 import numpy as np
 
-from ._batch import (batch_size, group_codes, dummy_row, is_data_proto, is_tensor, mask_lengths, proto_columns, proto_select,
-                     rows, select, select_all, step_plan_parts)
+from ._batch import (batch_size, dummy_row, is_data_proto, is_tensor, mask_lengths, padded_forest, proto_columns,
+                     proto_select, rows, select, select_all, step_plan_parts)
 from .._dist import active, agree_on_count, all_reduce_int, all_reduce_ints, checked_on_every_rank
 from .._lengths import as_lengths, as_positive_int
 from ..planning.balance import (WORKLOAD_ATTENTION_COEFF, get_seqlen_balanced_partitions, plan_micro_batches,
@@ -397,16 +397,11 @@ def _plan_parts(views: Callable[[], Tuple[Mapping[str, Any], Mapping[str, Any]]]
 def _forest(tensors: Mapping[str, Any], columns: Mapping[str, Any], group_key: Optional[str], mode: str,
             group: int):
     """The :class:`~seqpack.PrefixForest` of a batch's rows for ``shared_prefix``."""
-    from ..planning.prefix_forest import PrefixForest
-
     if mode != "strict":
         raise ValueError("shared_prefix plans prefix trees with seqpack's planner: it needs strict=True")
     if group > 1:
         raise ValueError("shared_prefix keeps trees whole instead of fixed groups of rows: it needs force_group_size=1")
-    if "input_ids" not in tensors:
-        raise ValueError("shared_prefix needs the batch's 'input_ids' (the trie is built from the tokens)")
-    groups = group_codes(columns[group_key]) if group_key is not None and group_key in columns else None
-    return PrefixForest.from_padded(tensors["input_ids"], tensors["attention_mask"], group_ids=groups)
+    return padded_forest({**columns, **tensors}, group_key, missing_group_ok=True)[0]
 
 
 def _grow_until_within_cap(count: int, box: Mapping[str, Any], cap: int, verl_plan: Callable[[int], List[List[int]]],

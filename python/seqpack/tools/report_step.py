@@ -45,5 +45,6 @@ def step_table(lengths: np.ndarray, capacity: int, dp_size: int, cost: Optional[
                  ["pipeline", "micro-batches/rank", "over cap", "predicted step", "vs plan_step", "plan ms"], rows,
                  note=f"Predicted step = sum over micro-batches of the slowest rank's cost, cost = "
                       f"{cost.per_micro_batch:g} + {cost.per_token:g} s + {cost.per_token_squared:g} s^2 per "
-                      f"micro-batch of s tokens (verl's workload); the frameworks' plans are seqpack.testing.pipelines' "
-                      f"models of their released code; plan_step's lower bound: {plan.lower_bound:,.0f}.")
+                      "micro-batch of s tokens (verl's workload); the frameworks' plans are "
+                      "seqpack.testing.pipelines' models of their released code; plan_step's lower bound: "
+                      f"{plan.lower_bound:,.0f}.")

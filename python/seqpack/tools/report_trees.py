@@ -92,7 +92,8 @@ def tree_report(rows: Sequence[np.ndarray], groups: Sequence[int], capacity: int
         ["attention pairs", plain_pairs, tree_pairs, plain_pairs / tree_pairs],
         ["micro-batches per rank", plain.num_micro_batches[0], trees.num_micro_batches[0],
          plain.num_micro_batches[0] / trees.num_micro_batches[0]],
-        ["predicted step time", plain.predicted_time, trees.predicted_time, plain.predicted_time / trees.predicted_time],
+        ["predicted step time", plain.predicted_time, trees.predicted_time,
+         plain.predicted_time / trees.predicted_time],
     ]
     rep.tables.append(Table(
         "A GRPO batch as prefix trees: plan_step plain vs with a PrefixForest", ["", "plain", "trees", "plain / trees"],

@@ -17,7 +17,8 @@ from ._types import (ROLL_ALGORITHMS, ConfigError, ParallelConfig, RollDynamicBa
 ROLL_DEFAULT_STRATEGY = "fsdp2_train"
 ROLL_OLDER_DEFAULT_STRATEGY = "deepspeed_train"
 ROLL_SEQUENCE_PACKING_KEYS = ("algorithm", "max_packed_sequence_length_train", "max_packed_sequence_length_forward",
-                              "min_num_micro_batches_train", "min_num_micro_batches_forward")
+                              "min_num_micro_batches_train", "min_num_micro_batches_forward",
+                              "shared_prefix")  # seqpack's key: ROLL has no shared-prefix switch yet
 
 
 def load_roll(ctx: Context, data: Mapping[str, Any], role: str) -> SeqpackConfig:
@@ -93,7 +94,10 @@ def load_roll(ctx: Context, data: Mapping[str, Any], role: str) -> SeqpackConfig
         max_packed_sequence_length_forward=packed_cap("forward", worker.int("infer_batch_size", 16)),
         min_num_micro_batches_train=args.int("min_num_micro_batches_train", 1),
         min_num_micro_batches_forward=args.int("min_num_micro_batches_forward", 1),
-        pad_multiple=pad_multiple)
+        pad_multiple=pad_multiple, shared_prefix=args.bool("shared_prefix"))
+    if packing_on and roll_packing.shared_prefix and roll_packing.algorithm != "load_balance":
+        raise ConfigError(f"{args.key('shared_prefix')}: prefix trees are planned by algorithm 'load_balance', "
+                          f"got {args.key('algorithm')} = {roll_packing.algorithm!r}")
 
     def dyn(phase: str, on: bool):
         cap_name, round_name = f"max_tokens_per_microbatch_in_{phase}", f"sequence_length_round_in_{phase}"

@@ -69,7 +69,8 @@ class DynamicBatchingConfig:
 
 @dataclass(frozen=True)
 class RollPackingConfig:
-    """ROLL ``use_sequence_packing`` + ``sequence_packing_args``."""
+    """ROLL ``use_sequence_packing`` + ``sequence_packing_args`` (and seqpack's
+    ``sequence_packing_args.shared_prefix``: training micro-batches as prefix trees)."""
 
     enabled: bool = False
     algorithm: str = "none"
@@ -78,6 +79,7 @@ class RollPackingConfig:
     min_num_micro_batches_train: int = 1
     min_num_micro_batches_forward: int = 1
     pad_multiple: int = 1
+    shared_prefix: bool = False
 
 
 @dataclass(frozen=True)
@@ -255,7 +257,8 @@ class SeqpackConfig:
             "use_sequence_packing": rp.enabled,
             "sequence_packing_args": {k: getattr(rp, k) for k in (
                 "algorithm", "max_packed_sequence_length_train", "max_packed_sequence_length_forward",
-                "min_num_micro_batches_train", "min_num_micro_batches_forward")},
+                "min_num_micro_batches_train", "min_num_micro_batches_forward") + (
+                ("shared_prefix",) if rp.shared_prefix else ())},
             "use_dynamic_batching_in_train": rd.train, "use_dynamic_batching_in_infer": rd.infer,
         }
         for key in ("max_tokens_per_microbatch_in_train", "max_tokens_per_microbatch_in_infer",
@@ -329,20 +332,24 @@ class SeqpackConfig:
 
     def load_balance_kwargs(self, phase: str = "train") -> Dict[str, Any]:
         """Keyword arguments of :func:`seqpack.roll.make_micro_batch_iter_for_sequence_packing`
-        (``phase``: ``"train"`` or ``"forward"``)."""
+        (``phase``: ``"train"`` or ``"forward"``; ``shared_prefix`` for training
+        with ``sequence_packing_args.shared_prefix``)."""
         self._roll("load_balance_kwargs")
         rp = self.roll_packing
         if not rp.enabled:
             raise ConfigError(f"{self.role}.use_sequence_packing: sequence packing is disabled")
         if phase not in ("train", "forward"):
             raise ConfigError(f"phase must be 'train' or 'forward', got {phase!r}")
-        return {
+        kwargs = {
             "algorithm": rp.algorithm,
             "max_packed_sequence_length": getattr(rp, f"max_packed_sequence_length_{phase}"),
             "min_num_micro_batches": getattr(rp, f"min_num_micro_batches_{phase}"),
             "pad_multiple": rp.pad_multiple,
             "vp_size": self.parallel.vpp or 1,
         }
+        if rp.shared_prefix and phase == "train":  # the forward (log-prob) pass stays dense
+            kwargs["shared_prefix"] = True
+        return kwargs
 
     def dynamic_batching_shard_kwargs(self, dp_size: int, phase: str = "train") -> Dict[str, Any]:
         """Keyword arguments of :func:`seqpack.roll.dynamic_batching_shard`
