@@ -110,13 +110,19 @@ class DynamicBatchingArgs(TypedDict):
     """NeMo-RL's dynamic-batching arguments of ``shard_by_batch_size``.
 
     ``rule`` is seqpack's: ``"nemo_rl"`` (default) or ``"optimal"`` (the fewest
-    padded tokens under the same cap, see :func:`seqpack.plan_dynamic_batching`)."""
+    padded tokens under the same cap, see :func:`seqpack.plan_dynamic_batching`).
+    ``shared_prefix`` / ``shared_prefix_group_key`` (seqpack's): micro-batches of
+    prefix trees instead, as :class:`SequencePackingArgs`' (a tree has no padding
+    to share: each shard gets its own micro-batches of whole trees, their physical
+    tokens rounded up to ``sequence_length_round`` under the cap)."""
 
     max_tokens_per_microbatch: int
     sequence_length_round: int
     input_key: str
     input_lengths_key: str
     rule: NotRequired[Literal["nemo_rl", "optimal"]]
+    shared_prefix: NotRequired[bool]
+    shared_prefix_group_key: NotRequired[str]
 
 
 def _check(condition: bool, message: str) -> None:
@@ -590,6 +596,13 @@ class BatchedDataDict(UserDict, Generic[DictT]):
         return out
 
     def _shard_dynamic(self, shards: int, batch_size: int, args: Mapping[str, Any]):
+        if args.get("shared_prefix", False):  # trees: sequence packing's plan, padded as trees
+            tree_args = {"max_tokens_per_microbatch": args["max_tokens_per_microbatch"],
+                         "input_key": args["input_key"], "input_lengths_key": args["input_lengths_key"],
+                         "sequence_length_pad_multiple": args["sequence_length_round"], "shared_prefix": True}
+            if "shared_prefix_group_key" in args:
+                tree_args["shared_prefix_group_key"] = args["shared_prefix_group_key"]
+            return self._shard_packed(shards, batch_size, tree_args)
         lens = _lengths(self.data, args["input_lengths_key"])
         width_source = self.data.get(args["input_key"])
         _check(_is_tensor(width_source) and width_source.dim() >= 2,

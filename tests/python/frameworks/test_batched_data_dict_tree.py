@@ -219,3 +219,21 @@ def test_a_forest_step_plan_shards_and_iterates_as_trees():
                 seen += [int(tmb.data["idx"][i]) * 100 + int(tmb.data["input_lengths"][i]) for i in range(len(tmb.rows))]
     assert len(set(counts)) == 1
     assert sorted(seen) == sorted(g * 100 + len(r) for g, r in zip(groups, rows))
+
+
+def test_dynamic_batching_args_with_shared_prefix_plan_trees():
+    """dynamic_batching_args["shared_prefix"]: each shard's micro-batches are whole
+    trees under the cap (physical tokens rounded to sequence_length_round), every
+    row once, the same count on every shard; the dynamic iterator yields them."""
+    data, rows, groups = grpo_data([100] * 4, [[20] * 4] * 4, seed=7)
+    args = {"max_tokens_per_microbatch": 256, "sequence_length_round": 16, "input_key": "input_ids",
+            "input_lengths_key": "input_lengths", "shared_prefix": True, "shared_prefix_group_key": "idx"}
+    shards, order = data.shard_by_batch_size(2, batch_size=16, dynamic_batching_args=args)
+    assert sorted(order) == list(range(16))
+    assert [len(s.micro_batch_indices[0]) for s in shards] == [2, 2]
+    for shard in shards:
+        batch = shard.get_batch(0)
+        for tmb, length in zip(batch.make_microbatch_iterator_with_dynamic_shapes(shared_prefix=True),
+                               batch.micro_batch_lengths[0]):
+            assert len(set(tmb.data["idx"].tolist())) == 1  # one group (180 tokens -> 192) per micro-batch
+            assert length == 192 == -(-(tmb.tree.num_tokens - tmb.tree.num_pad_tokens) // 16) * 16 <= 256
