@@ -7,6 +7,7 @@ benchmarks/results/ together with the machine it ran on.
 
 from __future__ import annotations
 
+import argparse
 import csv
 import datetime as _dt
 import gc
@@ -23,6 +24,17 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # idle BLAS threads would steal a core
 
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+
+
+def torch_cpu_arguments(doc: str, repeat: int = 3) -> argparse.ArgumentParser:
+    """The options of a CPU model benchmark: ``--quick``, ``--threads`` (torch CPU
+    threads, default 1), ``--repeat`` and ``--csv``."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
+    parser.add_argument("--repeat", type=int, default=repeat)
+    parser.add_argument("--csv")
+    return parser
 
 
 def measure(fn: Callable[[], Any], repeat: int = 7, warmup: int = 1, budget_s: float = 30.0) -> Dict[str, float]:

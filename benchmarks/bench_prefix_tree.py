@@ -38,7 +38,8 @@ import json
 import math
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _harness import CsvLog, announce, environment, format_table, measure, peak_extra_mib, run_child  # noqa: E402
+from _harness import (CsvLog, announce, environment, format_table, measure, peak_extra_mib, run_child,  # noqa: E402
+                      torch_cpu_arguments)
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -229,11 +230,7 @@ def child(spec: str) -> int:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
-    parser.add_argument("--repeat", type=int, default=3)
-    parser.add_argument("--csv")
+    parser = torch_cpu_arguments(__doc__)
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:

@@ -19,12 +19,11 @@ and (trees) the forest and every micro-batch's tree: per-step costs.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _harness import CsvLog, announce, environment, format_table, measure  # noqa: E402
+from _harness import CsvLog, announce, environment, format_table, measure, torch_cpu_arguments  # noqa: E402
 from bench_prefix_tree import Model, grpo_batch, max_rel_diff, plain_step, tree_step  # noqa: E402
 
 import numpy as np  # noqa: E402
@@ -69,11 +68,7 @@ def cases(quick):
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
-    parser.add_argument("--repeat", type=int, default=3)
-    parser.add_argument("--csv")
+    parser = torch_cpu_arguments(__doc__)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)

@@ -7,7 +7,9 @@
   importing torch costs seconds per rank): each :meth:`RankPool.run` sends one
   case, a module-level function, to every rank and returns every rank's
   :class:`Outcome`; a case that does not finish in time tears the pool down and
-  raises :class:`Hang`.
+  raises :class:`Hang`. :func:`started_pools` (a module fixture's body) and
+  :func:`values_of` (every rank's value, or a failure with every rank's traceback)
+  are the usual way to use them.
 
 ``target`` and the cases must be module-level functions (pickled by name, imported
 again in each rank); everything they take and return must pickle.
@@ -21,7 +23,7 @@ import queue
 import socket
 import time
 import traceback
-from typing import Any, Callable, List, NamedTuple, Optional, Tuple
+from typing import Any, Callable, Iterator, List, NamedTuple, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -227,3 +229,26 @@ class RankPool:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def started_pools(worlds) -> Iterator[dict]:
+    """A module fixture's body: one :class:`RankPool` per world size, started together
+    (they start in parallel), yielded as ``{world: pool}``, closed afterwards."""
+    started = {w: RankPool(w) for w in worlds}
+    try:
+        for pool in started.values():
+            pool.wait_ready()
+        yield started
+    finally:
+        for pool in started.values():
+            pool.close()
+
+
+def values_of(pool: "RankPool", fn: Callable, *args: Any, timeout_s: float) -> List[Any]:
+    """``fn(rank, world, *args)`` on every rank of ``pool`` (a hang raises :class:`Hang`
+    and tears the pool down); fails with every raising rank's traceback, else returns
+    the ranks' values in rank order."""
+    outcomes = pool.run(fn, *args, timeout_s=timeout_s)
+    failed = [o for o in outcomes if o.raised]
+    assert not failed, "\n".join(f"rank {o.rank}: {o.raised} {o.message}\n{o.trace}" for o in failed)
+    return [o.value for o in outcomes]

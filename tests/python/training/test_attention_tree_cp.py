@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-from _gloo import RankPool
+from _gloo import started_pools, values_of
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -274,21 +274,7 @@ def case_loss_wrapper(rank, world):
 
 @pytest.fixture(scope="module")
 def pools():
-    started = {w: RankPool(w) for w in WORLDS}
-    try:
-        for pool in started.values():
-            pool.wait_ready()
-        yield started
-    finally:
-        for pool in started.values():
-            pool.close()
-
-
-def _run(pool, fn, *args):
-    outcomes = pool.run(fn, *args, timeout_s=CASE_TIMEOUT_S)
-    failed = [o for o in outcomes if o.raised]
-    assert not failed, "\n".join(f"rank {o.rank}: {o.raised} {o.message}\n{o.trace}" for o in failed)
-    return [o.value for o in outcomes]
+    yield from started_pools(WORLDS)
 
 
 @pytest.mark.parametrize("world", WORLDS)
@@ -298,4 +284,4 @@ def _run(pool, fn, *args):
                          ids=["cp-seed0", "cp-seed4", "tiny", "gather", "ulysses", "failing-rank", "train-step",
                               "loss-wrapper"])
 def test_on_gloo_ranks(pools, world, case, args):
-    assert _run(pools[world], case, *args) == [True] * world
+    assert values_of(pools[world], case, *args, timeout_s=CASE_TIMEOUT_S) == [True] * world  # a hang raises

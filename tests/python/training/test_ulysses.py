@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-from _gloo import RankPool
+from _gloo import started_pools, values_of
 
 import seqpack
 from seqpack import ulysses_attention, varlen_attention
@@ -281,21 +281,11 @@ def case_train_dp_ulysses(rank, world, steps):
 
 @pytest.fixture(scope="module")
 def pools():
-    started = {w: RankPool(w) for w in WORLDS}  # started together, waited for together
-    try:
-        for pool in started.values():
-            pool.wait_ready()
-        yield started
-    finally:
-        for pool in started.values():
-            pool.close()
+    yield from started_pools(WORLDS)
 
 
 def _run(pool, fn, *args):
-    outcomes = pool.run(fn, *args, timeout_s=CASE_TIMEOUT_S)  # a hang raises here (and tears the pool down)
-    failed = [o for o in outcomes if o.raised]
-    assert not failed, "\n".join(f"rank {o.rank}: {o.raised} {o.message}\n{o.trace}" for o in failed)
-    return [o.value for o in outcomes]
+    return values_of(pool, fn, *args, timeout_s=CASE_TIMEOUT_S)  # a hang raises (and tears the pool down)
 
 
 @pytest.mark.parametrize("world", WORLDS)
