@@ -15,6 +15,11 @@ shared_prefix=True)`` (and the dynamic-batching iterator) then yields a
     rank 0, micro-batch 0  TreeMicroBatch(tree = prompt 0 once + 4 responses,
                                           data = rows 0..3, rows = [0, 1, 2, 3])
 
+Iterate with the options the shards were planned with (``group_key`` = the
+``shared_prefix_group_key``, ``pad_to_multiple_of`` at most the pad multiple,
+``min_shared_tokens`` = 1): the packing iterator refuses a tree larger than its
+micro-batch's planned length.
+
 Importing this module does not import torch.
 """
 
@@ -46,9 +51,11 @@ class TreeMicroBatch:
             ``tree.input_ids`` / ``tree.position_ids`` with
             :func:`~seqpack.tree_attention`, and the loss with
             ``SequencePackingLossWrapper(loss_fn, cu_seqlens_q=tree)``.
-        data: the micro-batch's rows of the global batch (a ``SlicedDataDict``, in
-            the tree's logical row order); a dummy micro-batch's one zero-loss row.
-        rows: the rows' indices in the global batch (empty for a dummy).
+        data: the micro-batch's rows (a ``SlicedDataDict``, in the tree's logical row
+            order); a dummy micro-batch's one zero-loss row.
+        rows: the rows' positions in the batch the iterator ran on (a shard's
+            ``get_batch``, in the shard's order, as ``micro_batch_indices`` count
+            them); empty for a dummy.
     """
 
     tree: "PrefixTreeBatch"
@@ -82,18 +89,23 @@ def _group_ids(data: Mapping[str, Any], group_key: Optional[str], rows: Sequence
 
 
 def shared_prefix_bins(data: Mapping[str, Any], lengths: np.ndarray, shards: int, batch_size: int,
-                       args: Mapping[str, Any]) -> Tuple[List[List[List[int]]], List[List[int]]]:
+                       args: Mapping[str, Any], pad_key: str = "sequence_length_pad_multiple"
+                       ) -> Tuple[List[List[List[int]]], List[List[int]]]:
     """Per global batch: its bins (chunk-local row indices, a multiple of ``shards``
     of them) planned on a forest of its rows, and each bin's physical tokens rounded
-    up to ``sequence_length_pad_multiple``."""
+    up to ``args[pad_key]`` (the pad multiple)."""
     from ..planning.balance import plan_micro_batches
     from ..planning.prefix_forest import PrefixForest
 
-    multiple = as_positive_int(args["sequence_length_pad_multiple"], "sequence_length_pad_multiple")
+    multiple = as_positive_int(args[pad_key], pad_key)
     cap = as_positive_int(args["max_tokens_per_microbatch"], "max_tokens_per_microbatch")
     usable = cap // multiple * multiple  # physical tokens <= usable -> padded tokens <= cap
     if usable == 0:
-        raise ValueError(f"max_tokens_per_microbatch ({cap}) is below sequence_length_pad_multiple ({multiple})")
+        raise ValueError(f"max_tokens_per_microbatch ({cap}) is below {pad_key} ({multiple})")
+    if lengths.size and int(lengths.max()) > usable:
+        row = int(lengths.argmax())
+        raise ValueError(f"row {row} has {int(lengths[row])} tokens, more than max_tokens_per_microbatch = {cap} "
+                         f"holds as a tree padded to {pad_key} = {multiple} ({usable})")
     flat, cu = _row_tokens(data, args["input_key"], lengths)
     group_key = args.get("shared_prefix_group_key")
     bins_per_chunk, loads_per_chunk = [], []
@@ -108,13 +120,20 @@ def shared_prefix_bins(data: Mapping[str, Any], lengths: np.ndarray, shards: int
 
 
 def tree_micro_batch(mb: "SlicedDataDict", rows: Sequence[int], lengths: np.ndarray, *, input_key: str = "input_ids",
-                     group_key: Optional[str] = None, min_shared_tokens: Any = 1,
-                     pad_to_multiple_of: Any = 1) -> TreeMicroBatch:
-    """The :class:`TreeMicroBatch` of the micro-batch ``mb`` (rows ``rows`` of the
-    global batch; ``lengths`` its rows' real tokens)."""
+                     group_key: Optional[str] = None, min_shared_tokens: Any = 1, pad_to_multiple_of: Any = 1,
+                     planned_tokens: Optional[int] = None) -> TreeMicroBatch:
+    """The :class:`TreeMicroBatch` of the micro-batch ``mb`` (at positions ``rows``
+    of the batch iterated; ``lengths`` its rows' real tokens). ``planned_tokens``:
+    the micro-batch's planned length, which the tree must not pass."""
     from ..tensors.prefix_tree import PrefixTreeBatch
 
     flat, cu = _row_tokens(mb.data, input_key, lengths)
     tree = PrefixTreeBatch.from_packed(flat, cu, group_ids=_group_ids(mb.data, group_key, range(lengths.shape[0])),
                                        min_shared_tokens=min_shared_tokens, pad_to_multiple_of=pad_to_multiple_of)
+    if rows and planned_tokens is not None and tree.num_tokens > planned_tokens:
+        raise ValueError(f"the tree of rows {list(rows)[:8]} has {tree.num_tokens} tokens, more than its planned "
+                         f"micro_batch_lengths entry ({planned_tokens}): iterate with the options the shards were "
+                         f"planned with (group_key = the shared_prefix_group_key, got {group_key!r}; "
+                         f"pad_to_multiple_of at most the pad multiple, got {pad_to_multiple_of!r}; "
+                         f"min_shared_tokens = 1, got {min_shared_tokens!r})")
     return TreeMicroBatch(tree=tree, data=mb, rows=tuple(int(r) for r in rows))

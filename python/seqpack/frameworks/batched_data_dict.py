@@ -597,12 +597,11 @@ class BatchedDataDict(UserDict, Generic[DictT]):
 
     def _shard_dynamic(self, shards: int, batch_size: int, args: Mapping[str, Any]):
         if args.get("shared_prefix", False):  # trees: sequence packing's plan, padded as trees
-            tree_args = {"max_tokens_per_microbatch": args["max_tokens_per_microbatch"],
-                         "input_key": args["input_key"], "input_lengths_key": args["input_lengths_key"],
-                         "sequence_length_pad_multiple": args["sequence_length_round"], "shared_prefix": True}
-            if "shared_prefix_group_key" in args:
-                tree_args["shared_prefix_group_key"] = args["shared_prefix_group_key"]
-            return self._shard_packed(shards, batch_size, tree_args)
+            tree_args = {key: args[key] for key in ("max_tokens_per_microbatch", "input_key", "input_lengths_key",
+                                                    "sequence_length_round", "shared_prefix_group_key")
+                         if key in args}
+            return self._shard_packed(shards, batch_size, {**tree_args, "shared_prefix": True},
+                                      pad_key="sequence_length_round")
         lens = _lengths(self.data, args["input_lengths_key"])
         width_source = self.data.get(args["input_key"])
         _check(_is_tensor(width_source) and width_source.dim() >= 2,
@@ -618,7 +617,8 @@ class BatchedDataDict(UserDict, Generic[DictT]):
             out.append(shard)
         return out, list(plan.sorted_indices)
 
-    def _shard_packed(self, shards: int, batch_size: int, args: Mapping[str, Any]):
+    def _shard_packed(self, shards: int, batch_size: int, args: Mapping[str, Any],
+                      pad_key: str = "sequence_length_pad_multiple"):
         order = args.get("microbatch_order")
         if order not in (None, "packer", "largest_first"):
             raise BatchedDataDictError(f"sequence packing microbatch_order must be 'packer' or 'largest_first', "
@@ -629,7 +629,7 @@ class BatchedDataDict(UserDict, Generic[DictT]):
                                        f"got {balance!r}")
         lens = _lengths(self.data, args["input_lengths_key"])
         if args.get("shared_prefix", False):  # bins of prefix trees: physical tokens under the cap
-            bins_per_chunk, loads_per_chunk = shared_prefix_bins(self.data, lens, shards, batch_size, args)
+            bins_per_chunk, loads_per_chunk = shared_prefix_bins(self.data, lens, shards, batch_size, args, pad_key)
         else:
             bins_per_chunk, padded = _pack_chunks(lens, shards, batch_size, args)
             loads_per_chunk = [[int(padded[c * batch_size + np.asarray(b)].sum()) for b in bins]
@@ -761,7 +761,7 @@ class BatchedDataDict(UserDict, Generic[DictT]):
                 yield mb
 
         if shared_prefix:
-            return self._tree_iterator(indices, lambda start, end: self.slice(start, end), tree_options)
+            return self._tree_iterator(indices, lambda start, end: self.slice(start, end), tree_options, None)
         return gen()
 
     def get_microbatch_iterator_dynamic_shapes_len(self) -> int:
@@ -773,18 +773,24 @@ class BatchedDataDict(UserDict, Generic[DictT]):
         :func:`seqpack.plan_step` dummy, as :meth:`dummy_microbatch`).
 
         ``shared_prefix=True``: each bin as a :class:`TreeMicroBatch` (its rows'
-        :class:`~seqpack.PrefixTreeBatch`, the rows, their indices). ``tree_options``:
+        :class:`~seqpack.PrefixTreeBatch`, the rows, their positions). ``tree_options``:
         ``input_key`` (``"input_ids"``), ``input_lengths_key`` (``"input_lengths"``),
         ``group_key`` (share only within rows of one value of it; default any common
         prefix), ``min_shared_tokens`` and ``pad_to_multiple_of`` (of the tree, e.g.
         :func:`seqpack.alignment`; default 1), as :func:`seqpack.pack_prefix_tree`.
+        Use the options the bins were planned with (``group_key`` = the
+        ``shared_prefix_group_key``, ``pad_to_multiple_of`` at most the pad
+        multiple): a tree above its micro-batch's planned length is refused.
         """
-        indices, _ = self._one_plan()
+        indices, lengths = self._one_plan()
         if shared_prefix:
-            return self._tree_iterator(indices, self._slice_or_dummy, tree_options)
+            return self._tree_iterator(indices, self._slice_or_dummy, tree_options, lengths)
         return (self._slice_or_dummy(start, end) for start, end in indices)
 
-    def _tree_iterator(self, indices, slice_rows, options: Mapping[str, Any]) -> Iterator[TreeMicroBatch]:
+    def _tree_iterator(self, indices, slice_rows, options: Mapping[str, Any],
+                       planned: Optional[Sequence[int]]) -> Iterator[TreeMicroBatch]:
+        """A :class:`TreeMicroBatch` per row range; with ``planned`` (packing: each
+        micro-batch's planned tokens) a tree above its plan is refused."""
         known = {"input_key", "input_lengths_key", "group_key", "min_shared_tokens", "pad_to_multiple_of"}
         unknown = sorted(set(options) - known)
         _check(not unknown, f"unknown shared-prefix option(s) {unknown}; known: {sorted(known)}")
@@ -792,9 +798,10 @@ class BatchedDataDict(UserDict, Generic[DictT]):
         lengths_key = options.pop("input_lengths_key", "input_lengths")
 
         def gen():
-            for start, end in indices:
+            for k, (start, end) in enumerate(indices):
                 mb = slice_rows(start, end)
-                yield tree_micro_batch(mb, range(start, end), _lengths(mb.data, lengths_key), **options)
+                yield tree_micro_batch(mb, range(start, end), _lengths(mb.data, lengths_key),
+                                       planned_tokens=None if planned is None else int(planned[k]), **options)
 
         return gen()
 

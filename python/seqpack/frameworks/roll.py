@@ -606,7 +606,9 @@ def make_micro_batch_iter_for_sequence_packing(
     ``group_key`` column when given): each micro-batch's *physical* tokens, padded
     as a whole to the pad multiple, stay under the cap, and a tree that fits stays
     whole. Each micro-batch's ``meta_info["prefix_tree"]`` is its rows'
-    :class:`~seqpack.PrefixTreeBatch` (padded to the pad multiple).
+    :class:`~seqpack.PrefixTreeBatch` (padded to the pad multiple). With
+    ``step_plan`` the plan decides the micro-batches (plan it with ``forest=``) and
+    each still gets its tree.
 
     A DataProto's micro-batches are its own ``select_idxs`` (its class); a mapping's
     are :class:`RollBatch`. As ROLL, the mini-batch's own ``meta_info`` (a
@@ -647,6 +649,8 @@ def _sequence_packing(mini_batch: Any, *, algorithm: Any, cap: Any, min_num: Any
     meta = getattr(mini_batch, "meta_info", None)
     if not isinstance(meta, MutableMapping):
         meta = {}
+    if shared_prefix and algorithm != "load_balance":
+        raise ValueError(f"shared_prefix plans prefix trees with algorithm 'load_balance', got {algorithm!r}")
     if algorithm == "none":
         n = batch_size(cols, "mini_batch")
         if strict:
@@ -672,7 +676,11 @@ def _sequence_packing(mini_batch: Any, *, algorithm: Any, cap: Any, min_num: Any
         metrics = {**step_plan.metrics, **_phase_metrics(cols, parts, phase)}
         _write_meta(mini_batch, partition_indices_list=[list(p) for p in parts],
                     sequence_packing_metrics=dict(metrics))
-        return _yield_parts(mini_batch, cols, meta, parts, n, metrics, reorder=True)
+        trees = None
+        if shared_prefix:  # the plan decides (plan it with forest=); each micro-batch still gets its tree
+            groups = padded_forest(cols, group_key, missing_group_ok=False)[1]
+            trees = _tree_maker(groups, _pad_of(pad_rule, pad_multiple, tp_size, cp_size))
+        return _yield_parts(mini_batch, cols, meta, parts, n, metrics, reorder=True, trees=trees)
     agree = _agrees(dp_group)
     box: Dict[str, Any] = {}
 
@@ -695,9 +703,7 @@ def _sequence_packing(mini_batch: Any, *, algorithm: Any, cap: Any, min_num: Any
         if cap is None:
             raise ValueError("max_packed_sequence_length is required with algorithm 'load_balance'")
         box["cap"] = limit = as_positive_int(cap, "max_packed_sequence_length")
-        tp, cp = as_positive_int(tp_size, "tp_size"), as_positive_int(cp_size, "cp_size")
-        multiple = (as_positive_int(pad_rule(cp, tp), "the pad factor") if pad_multiple is None
-                    else as_positive_int(pad_multiple, "pad_multiple"))
+        multiple = _pad_of(pad_rule, pad_multiple, tp_size, cp_size)
         box["padded"] = padded = round_up(mask_lengths(cols, "mini_batch"), multiple)
         box["pad"] = multiple
         if shared_prefix:
@@ -737,8 +743,16 @@ def _sequence_packing(mini_batch: Any, *, algorithm: Any, cap: Any, min_num: Any
         metrics["sharing_kept"] = plan.sharing_kept
     _write_meta(mini_batch, partition_indices_list=[list(p) for p in plan.micro_batches],
                 sequence_packing_metrics=dict(metrics))
-    trees = (lambda part: _micro_batch_tree(cols, part, box["groups"], box["pad"])) if shared_prefix else None
+    trees = _tree_maker(box["groups"], box["pad"]) if shared_prefix else None
     return _yield_parts(mini_batch, cols, meta, plan.micro_batches, n, metrics, reorder=True, trees=trees)
+
+
+def _pad_of(pad_rule: Callable[[int, int], int], pad_multiple: Any, tp_size: Any, cp_size: Any) -> int:
+    """Every sequence's (or tree's) pad multiple: ``pad_multiple``, else the rule's."""
+    tp, cp = as_positive_int(tp_size, "tp_size"), as_positive_int(cp_size, "cp_size")
+    if pad_multiple is not None:
+        return as_positive_int(pad_multiple, "pad_multiple")
+    return as_positive_int(pad_rule(cp, tp), "the pad factor")
 
 
 def _shared_prefix_forest(cols: Mapping[str, Any], group_key: Optional[str], strict: bool, multiple: int,
@@ -754,14 +768,17 @@ def _shared_prefix_forest(cols: Mapping[str, Any], group_key: Optional[str], str
     return padded_forest(cols, group_key, missing_group_ok=False)
 
 
-def _micro_batch_tree(cols: Mapping[str, Any], part: Sequence[int], groups: Optional[List[int]], multiple: int):
-    """The :class:`~seqpack.PrefixTreeBatch` of one micro-batch's rows."""
-    from ..tensors.prefix_tree import PrefixTreeBatch
+def _tree_maker(groups: Optional[List[int]], multiple: int) -> Callable[[Mapping[str, Any], Sequence[int]], Any]:
+    """``tree(columns, part)``: the :class:`~seqpack.PrefixTreeBatch` of a yielded
+    micro-batch (its own columns: a dummy's one row too), padded to ``multiple``;
+    ``part`` (its rows in the mini-batch) picks their groups."""
+    def tree(mb_cols: Mapping[str, Any], part: Sequence[int]):
+        from ..tensors.prefix_tree import PrefixTreeBatch
 
-    index = list(part)
-    return PrefixTreeBatch.from_padded(cols["input_ids"][index], cols["attention_mask"][index],
-                                       group_ids=None if groups is None else [groups[i] for i in index],
-                                       pad_to_multiple_of=multiple)
+        ids = None if groups is None or not part else [groups[i] for i in part]
+        return PrefixTreeBatch.from_padded(mb_cols["input_ids"], mb_cols["attention_mask"], group_ids=ids,
+                                           pad_to_multiple_of=multiple)
+    return tree
 
 
 def _roll_soft_plan(padded: np.ndarray, cap: int, count: int) -> MicroBatchPlan:
@@ -797,7 +814,7 @@ def _proto_dummy(proto: Any, cols: Mapping[str, Any]) -> Any:
 
 def _yield_parts(batch: Any, cols: Mapping[str, Any], meta: Dict[str, Any], parts: Sequence[Sequence[int]], n: int,
                  metrics: Dict[str, Any], reorder: bool,
-                 trees: Optional[Callable[[Sequence[int]], Any]] = None) -> Iterator[Any]:
+                 trees: Optional[Callable[[Mapping[str, Any], Sequence[int]], Any]] = None) -> Iterator[Any]:
     proto = is_data_proto(batch)
 
     def gen():
@@ -812,7 +829,7 @@ def _yield_parts(batch: Any, cols: Mapping[str, Any], meta: Dict[str, Any], part
                                 partition_indices_list=[list(p) for p in parts] if reorder else [],
                                 mini_batch_size=n, is_padding_batch=not part, sequence_packing_metrics=dict(metrics))
             if trees is not None:
-                mb.meta_info["prefix_tree"] = trees(part)
+                mb.meta_info["prefix_tree"] = trees(_columns(mb), part)
             yield mb
 
     return gen()

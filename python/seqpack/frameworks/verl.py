@@ -148,7 +148,8 @@ def rearrange_micro_batches(
             rows sharing only within one value of the ``group_key`` column - verl's
             ``uid``, when the batch has it), the cap bounding each micro-batch's
             *physical* tokens, a tree that fits whole in one micro-batch; lay each
-            micro-batch out with :func:`seqpack.pack_prefix_tree`.
+            micro-batch out with :func:`seqpack.pack_prefix_tree`. With ``step_plan`` the
+            plan decides the micro-batches (plan it with ``forest=``).
 
     Returns:
         ``(micro_batches, micro_bsz_idx)``: the sub-batches (rows ascending) and

@@ -64,7 +64,9 @@ def tree_cp_bounds(tree: "PrefixTreeBatch", cp_size: Any) -> np.ndarray:
     tokens: rank ``r`` holds ``[bounds[r], bounds[r + 1])``. A token belongs to the
     rank whose equal share of the total work (:func:`tree_cp_work`) holds the middle
     of its own work, so no rank is more than one token's work from its share. A
-    rank may hold no token (fewer tokens than ranks)."""
+    rank may hold no token: fewer tokens than ranks, or a token whose work spans a
+    whole share (one row of 3 tokens over 3 ranks: ``[0, 2, 2, 3]``); the CP
+    functions handle such a rank."""
     cp = as_positive_int(cp_size, "cp_size")
     work = tree_cp_work(tree)
     cum = np.cumsum(work)

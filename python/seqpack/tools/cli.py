@@ -46,39 +46,37 @@ def _add_plan_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print the tables as JSON")
 
 
-def _run_report(lengths: np.ndarray, args: argparse.Namespace) -> int:
+def _tables_json(tables) -> str:
+    return json.dumps([{"title": t.title, "columns": t.columns, "rows": t.rows} for t in tables],
+                      default=lambda o: o.item() if hasattr(o, "item") else str(o), indent=1)
+
+
+def _run_report(lengths: np.ndarray, args: argparse.Namespace, trees: bool = False) -> int:
+    """The planners' report of ``lengths``; with ``trees`` (the demo) also a GRPO batch
+    (G = 8) plainly and as prefix trees. ``--json``: every table in one JSON array."""
     from .report import analyze
 
     rep = analyze(lengths, capacity=args.capacity, dp_size=args.dp, sequence_length_round=args.round,
                   algorithms=args.algorithm)
+    tree_rep = None
+    if trees:
+        from .report_trees import grpo_rows, tree_report
+
+        prompts = max(args.dp, args.num_sequences // 64)  # 64 prompts x 8 responses by default
+        tree_rep = tree_report(*grpo_rows(prompts=prompts, group=8, seed=args.seed, max_len=args.capacity),
+                               capacity=args.capacity, dp_size=args.dp)
     if args.json:
-        print(json.dumps([{"title": t.title, "columns": t.columns, "rows": t.rows} for t in rep.tables],
-                         default=lambda o: o.item() if hasattr(o, "item") else str(o), indent=1))
+        print(_tables_json(rep.tables + (tree_rep.tables if tree_rep else [])))
     else:
-        print(rep.format())
+        print(rep.format() + ("\n\n" + tree_rep.format() if tree_rep else ""))
     if args.plot:
         rep.plot(args.plot)
         print(f"\nfigure saved to {args.plot}")
-    return 0
-
-
-def _run_tree_report(args: argparse.Namespace) -> int:
-    """The demo's second part: a GRPO batch (G = 8) plainly and as prefix trees."""
-    from .report_trees import grpo_rows, tree_report
-
-    prompts = max(args.dp, args.num_sequences // 64)  # 64 prompts x 8 responses by default
-    rep = tree_report(*grpo_rows(prompts=prompts, group=8, seed=args.seed, max_len=args.capacity),
-                      capacity=args.capacity, dp_size=args.dp)
-    if args.json:
-        print(json.dumps([{"title": t.title, "columns": t.columns, "rows": t.rows} for t in rep.tables],
-                         default=lambda o: o.item() if hasattr(o, "item") else str(o), indent=1))
-    else:
-        print("\n" + rep.format())
-    if args.plot:
-        stem, dot, ext = args.plot.rpartition(".")
-        path = f"{stem}_trees.{ext}" if dot else f"{args.plot}_trees"
-        rep.plot(path)
-        print(f"\nfigure saved to {path}")
+        if tree_rep:
+            stem, dot, ext = args.plot.rpartition(".")
+            path = f"{stem}_trees.{ext}" if dot else f"{args.plot}_trees"
+            tree_rep.plot(path)
+            print(f"figure saved to {path}")
     return 0
 
 
@@ -126,8 +124,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         if args.command == "demo":
             from .report import synthetic_rl_lengths
 
-            code = _run_report(synthetic_rl_lengths(args.num_sequences, seed=args.seed, max_len=args.capacity), args)
-            return code or _run_tree_report(args)
+            lengths = synthetic_rl_lengths(args.num_sequences, seed=args.seed, max_len=args.capacity)
+            return _run_report(lengths, args, trees=True)
         if args.command == "plan":
             return _run_report(load_lengths(args.lengths), args)
         return _bench(args)

@@ -32,13 +32,16 @@ CAP_MULTIPLES = (1, 2, 4, 8, 16)  # caps of the sharing curve, in mean trees
 
 def grpo_rows(prompts: int = 64, group: int = 8, seed: int = 0, max_len: int = 8192,
               vocab: int = 32000) -> Tuple[List[np.ndarray], List[int]]:
-    """Synthetic GRPO rollouts: ``prompts`` prompts (256-2048 tokens) with ``group``
-    responses each (lognormal, median ~600 tokens, each row clipped to ``max_len``);
-    random token ids. Returns the rows and each row's prompt (its group)."""
+    """Synthetic GRPO rollouts: ``prompts`` prompts (256-2048 tokens, at most half of
+    ``max_len``) with ``group`` responses each (lognormal, median ~600 tokens, each
+    row clipped to ``max_len``); random token ids. Returns the rows and each row's
+    prompt (its group)."""
+    if max_len < 2:
+        raise ValueError(f"max_len must be at least 2 (a prompt token and a response token), got {max_len}")
     rng = np.random.default_rng(seed)
     rows, groups = [], []
     for p in range(prompts):
-        prompt = rng.integers(0, vocab, int(rng.integers(256, 2049)))
+        prompt = rng.integers(0, vocab, min(int(rng.integers(256, 2049)), max_len // 2))
         for _ in range(group):
             n = int(np.clip(np.rint(rng.lognormal(math.log(600), 1.0)), 1, max_len - prompt.shape[0]))
             rows.append(np.concatenate([prompt, rng.integers(0, vocab, n)]))

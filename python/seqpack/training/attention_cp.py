@@ -194,12 +194,12 @@ def attend_gathered(q, k, v, gather, plan: Dict[str, Any], *, causal: bool, scal
 
     def attend(qc, kc, vc):
         keys, values = gather(kc).index_select(0, k_index), gather(vc).index_select(0, k_index)
-        out = varlen_attention(qc, keys, values, plan["cu_q"], plan["cu_k"], plan["max_q"], plan["max_k"],
-                               causal=causal, softmax_scale=scale, backend=backend)
-        if qc.shape[0] == 0:  # no query here: keep the gathers in the graph (an exact 0), so that this
-            # rank's backward still joins their reduce-scatters
-            out = out + (qc[:0].sum() + keys[:0].sum() + values[:0].sum()).to(out.dtype)
-        return out
+        if qc.shape[0] == 0:  # no query here (a tree's CP rank can hold none): no kernel runs, and the
+            # gathers stay in the graph through an exact 0, so this rank's backward joins their reduce-scatters
+            zero = (qc[:0].sum() + keys[:0].sum() + values[:0].sum()).to(vc.dtype)
+            return vc.new_zeros((0, qc.shape[1], vc.shape[2])) + zero
+        return varlen_attention(qc, keys, values, plan["cu_q"], plan["cu_k"], plan["max_q"], plan["max_k"],
+                                causal=causal, softmax_scale=scale, backend=backend)
 
     if kv_heads_per_chunk >= hk:
         return attend(q, k, v)

@@ -237,3 +237,24 @@ def test_dynamic_batching_args_with_shared_prefix_plan_trees():
                                batch.micro_batch_lengths[0]):
             assert len(set(tmb.data["idx"].tolist())) == 1  # one group (180 tokens -> 192) per micro-batch
             assert length == 192 == -(-(tmb.tree.num_tokens - tmb.tree.num_pad_tokens) // 16) * 16 <= 256
+
+
+def test_the_iterator_refuses_a_tree_above_its_plan_and_errors_name_the_keys():
+    data, rows, groups = grpo_data([100] * 2, [[20] * 4] * 2, seed=8)  # 180 physical tokens a group
+    shards, _ = data.shard_by_batch_size(1, sequence_packing_args=packing_args(256, 8, shared_prefix_group_key="idx"))
+    batch = shards[0].get_batch(0)
+    with pytest.raises(ValueError, match=r"more than its planned micro_batch_lengths entry \(184\).*"
+                                         r"pad_to_multiple_of at most the pad multiple, got 128"):
+        list(batch.make_microbatch_iterator_for_packable_sequences(shared_prefix=True, group_key="idx",
+                                                                   pad_to_multiple_of=128))
+    tmbs = list(batch.make_microbatch_iterator_for_packable_sequences(shared_prefix=True, group_key="idx",
+                                                                      pad_to_multiple_of=8))
+    # rows: positions in the batch iterated (its order), as micro_batch_indices count them
+    assert [t.rows for t in tmbs] == [tuple(range(s, e)) for s, e in batch.micro_batch_indices[0]]
+    for t in tmbs:
+        assert torch.equal(t.data["input_ids"], batch["input_ids"][list(t.rows)])
+    args = {"max_tokens_per_microbatch": 100, "sequence_length_round": 16, "input_key": "input_ids",
+            "input_lengths_key": "input_lengths", "shared_prefix": True}
+    with pytest.raises(ValueError, match=r"more than max_tokens_per_microbatch = 100 holds as a tree padded to "
+                                         r"sequence_length_round = 16 \(96\)"):
+        data.shard_by_batch_size(1, dynamic_batching_args=args)

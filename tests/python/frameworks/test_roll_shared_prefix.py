@@ -107,3 +107,24 @@ def test_sequence_packing_args_shared_prefix_turns_it_on():
     batch, rows, _ = roll_batch([30, 30], [[5, 5, 5], [6, 6]])
     mbs = list(make_micro_batch_iter_for_sequence_packing(batch, **cfg.load_balance_kwargs("train")))
     assert sorted(i for mb in mbs for i in mb.meta_info["partition_indices"]) == list(range(len(rows)))
+
+
+def test_a_forest_step_plan_gives_trees_and_dummies_get_theirs():
+    batch, rows, groups = roll_batch([40, 40, 40], [[5, 5], [6], [7, 7, 7]], seed=4)
+    forest = seqpack.PrefixForest.from_rows(rows, group_ids=groups)
+    plan = seqpack.plan_step(forest.lengths, dp_size=2, max_tokens=128, forest=forest, min_micro_batches=3)
+    mine = plan.rank_rows(0)
+    local = {k: v[mine] for k, v in batch.items()}
+    mbs = list(make_micro_batch_iter_for_sequence_packing(local, max_packed_sequence_length=128, pad_multiple=1,
+                                                          step_plan=plan, dp_rank=0, shared_prefix=True,
+                                                          group_key="prompt_id"))
+    assert len(mbs) == plan.num_micro_batches[0]
+    for mb in mbs:
+        tree = mb.meta_info["prefix_tree"]
+        if mb.meta_info["is_padding_batch"]:
+            assert tree.num_logical_tokens == 1  # the dummy's one token
+        else:
+            assert tree.seq_lens.tolist() == mb["attention_mask"].sum(1).tolist()
+    with pytest.raises(ValueError, match="shared_prefix plans prefix trees with algorithm 'load_balance', got 'none'"):
+        list(make_micro_batch_iter_for_sequence_packing(batch, algorithm="none", micro_batch_size=1,
+                                                        shared_prefix=True))

@@ -98,3 +98,12 @@ def test_plot_writes_png(tmp_path, capsys):
 def test_bench_runs(capsys):
     assert cli.main(["bench", "--sizes", "64", "--capacity", "512"]) == 0
     assert "Planner speed" in capsys.readouterr().out
+
+
+def test_demo_json_is_one_array_and_small_capacities_work(capsys):
+    # The demo's two reports print as one JSON array; a cap below the synthetic
+    # prompts' lengths still runs (prompts are clipped to half of it).
+    assert cli.main(["demo", "-n", "256", "--dp", "2", "--capacity", "1024", "--round", "16", "--json"]) == 0
+    titles = [t["title"] for t in json.loads(capsys.readouterr().out)]
+    assert "A GRPO batch as prefix trees: plan_step plain vs with a PrefixForest" in titles
+    assert titles[0] == "Data-parallel balance (tokens per rank)"
