@@ -136,6 +136,7 @@ def _samples():
         loss.ClippedPGLoss: lambda: loss.ClippedPGLoss({"ratio_clip_min": 0.2, "ratio_clip_max": 0.28}),
         loss.SequencePackingLossWrapper: lambda: loss.SequencePackingLossWrapper(
             loss.NLLLoss(), cu_seqlens_q=[0, 3, 5], cu_seqlens_q_padded=[0, 4, 8], temperature=0.7),
+        loss.MseValueLoss: lambda: loss.MseValueLoss({"scale": 0.5, "cliprange": 0.2}),
         loss.LossType: lambda: loss.LossType,  # namespaces of NeMo-RL's constants: the class itself travels
         loss.MetricNormalization: lambda: loss.MetricNormalization,
         loss.LossConfigError: lambda: loss.LossConfigError("cfg['ratio_clip_min'] must be >= 0"),

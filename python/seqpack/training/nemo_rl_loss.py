@@ -76,8 +76,8 @@ class MetricNormalization:
     NONE = "none"
 
 
-MIN_KEYS = {"probs_ratio_min", "probs_ratio_clamped_min"}
-MAX_KEYS = {"probs_ratio_max", "probs_ratio_clamped_max"}
+MIN_KEYS = {"probs_ratio_min", "probs_ratio_clamped_min", "values_min"}
+MAX_KEYS = {"probs_ratio_max", "probs_ratio_clamped_max", "values_max"}
 
 
 def _host_cu(cu: Any, name: str) -> np.ndarray:
