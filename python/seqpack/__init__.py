@@ -68,6 +68,7 @@ _export("tensors.prefix_tree_cp", "tree_cp_bounds", "tree_cp_local_rows")
 # Training ops
 _export("training.logprobs", "TokenLogprobs", "packed_token_logprobs", "linear_token_logprobs")
 _export("training.logprobs_tree", "tree_token_logprobs", "tree_linear_token_logprobs")
+_export("training.logprobs_columns", "column_logprobs", "linear_column_logprobs")
 _export("training.loss", "SequencePackingLossWrapper", "prepare_loss_input", "NLLLoss", "ClippedPGLoss")
 _export("training.attention", "varlen_attention", "cp_attention", "ulysses_attention", "attention_backends",
         "tree_attention", "tree_attention_backends", "tree_cp_attention")
@@ -89,6 +90,7 @@ __all__ = [
     "tree_cp_bounds", "tree_cp_local_rows",
     # training
     "packed_token_logprobs", "linear_token_logprobs", "tree_token_logprobs", "tree_linear_token_logprobs",
+    "column_logprobs", "linear_column_logprobs",
     "TokenLogprobs",
     "SequencePackingLossWrapper",
     "prepare_loss_input",
@@ -218,5 +220,6 @@ if TYPE_CHECKING:  # what the lazy attributes resolve to, for type checkers and 
     from .training.attention import (attention_backends, cp_attention, tree_attention, tree_attention_backends,
                                      tree_cp_attention, ulysses_attention, varlen_attention)
     from .training.logprobs import TokenLogprobs, packed_token_logprobs
+    from .training.logprobs_columns import column_logprobs, linear_column_logprobs
     from .training.logprobs_tree import tree_linear_token_logprobs, tree_token_logprobs
     from .training.loss import ClippedPGLoss, NLLLoss, SequencePackingLossWrapper, prepare_loss_input
