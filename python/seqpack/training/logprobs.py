@@ -261,14 +261,8 @@ def _packed_plan(logits, input_ids, cu_seqlens, cu_seqlens_padded, cp_size, cp_r
     all-reduces (with a vocabulary-parallel group) need every rank to share."""
     torch = _torch()
     from . import _logprob_ops as ops
-    from ..tensors._device import check_tensor
 
-    if check_tensor(logits, "logits").dim() != 2:
-        raise ValueError(f"logits must be a [T, V] tensor, got {tuple(logits.shape)}")
-    if logits.dtype not in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
-        raise TypeError(f"logits must be float32, bfloat16, float16 or float64, got {logits.dtype}")
-    if logits.shape[1] == 0:
-        raise ValueError("logits must have at least one vocabulary column (V > 0)")
+    check_logits(logits)
     vocab_start, num_threads = _int_args(vocab_start, num_threads)
     targets, layout = _targets(logits.shape[0], logits.device, logits.shape[1], input_ids, cu_seqlens,
                                cu_seqlens_padded, cp_size, cp_rank, temperature, vocab_parallel_group, vocab_start)
@@ -429,6 +423,20 @@ def _linear_plan(hidden, weight, input_ids, cu_seqlens, cu_seqlens_padded, bias,
                  "which of hidden, weight and bias require grad (with grad mode on)": facts["requires_grad"],
                  "reduce_hidden_grad": bool(reduce_hidden_grad), "the shape of input_ids": tuple(input_ids.shape),
                  "the packed layout": layout, "the autocast state": autocast_state(hidden.device.type)}
+
+
+def check_logits(logits: "torch.Tensor") -> None:
+    """The rules of the log-prob functions' logits: a ``[T, V > 0]`` tensor of fp32,
+    bf16, fp16 or fp64."""
+    torch = _torch()
+    from ..tensors._device import check_tensor
+
+    if check_tensor(logits, "logits").dim() != 2:
+        raise ValueError(f"logits must be a [T, V] tensor, got shape {tuple(logits.shape)}")
+    if logits.dtype not in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
+        raise TypeError(f"logits must be float32, bfloat16, float16 or float64, got {logits.dtype}")
+    if logits.shape[1] == 0:
+        raise ValueError("logits must have at least one vocabulary column (V > 0)")
 
 
 def _check_head(hidden: "torch.Tensor", weight: "torch.Tensor", bias: Optional["torch.Tensor"]) -> None:

@@ -100,15 +100,10 @@ def column_logprobs(logits: "torch.Tensor", columns: "torch.Tensor", *, temperat
     """
     import torch
 
-    from ..tensors._device import check_tensor
     from . import _multi_target_ops  # noqa: F401  (registers the operators)
+    from .logprobs import check_logits
 
-    if check_tensor(logits, "logits").dim() != 2:
-        raise ValueError(f"logits must be a [T, V] tensor, got shape {tuple(logits.shape)}")
-    if logits.dtype not in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
-        raise TypeError(f"logits must be float32, bfloat16, float16 or float64, got {logits.dtype}")
-    if logits.shape[1] == 0:
-        raise ValueError("logits must have at least one vocabulary column (V > 0)")
+    check_logits(logits)
     cols = _columns(columns, logits.shape[0], logits.shape[1], logits.device)
     temp, entropy = as_temperature(temperature), bool(return_entropy)
     threads = as_positive_int(num_threads, "num_threads", allow_zero=True)

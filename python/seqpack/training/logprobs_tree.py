@@ -188,18 +188,13 @@ def tree_token_logprobs(logits: "torch.Tensor", tree: PrefixTreeBatch, *, temper
     """
     import torch
 
-    from ..tensors._device import check_tensor
+    from .logprobs import check_logits
 
     _check_tree(tree)
-    if check_tensor(logits, "logits").dim() != 2:
-        raise ValueError(f"logits must be a [T, V] tensor, got shape {tuple(logits.shape)}")
-    if logits.dtype not in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
-        raise TypeError(f"logits must be float32, bfloat16, float16 or float64, got {logits.dtype}")
+    check_logits(logits)
     rows = _local_rows(tree, cp_size, cp_rank)
     _check_rows(logits, "logits", rows, tree)
     vocab = int(logits.shape[1])
-    if vocab == 0:
-        raise ValueError("logits must have at least one vocabulary column (V > 0)")
     temp, entropy = as_temperature(temperature), bool(return_entropy)
     _check_tree_ids(tree, vocab)
     plan, (primary, offsets, ids) = _device_plan(tree, logits.device, rows)
