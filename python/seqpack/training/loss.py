@@ -27,18 +27,20 @@ from ..tensors.cp import gather_cp
 from ..tensors.layout import PackedLayout
 from ..tensors.prefix_tree import PrefixTreeBatch
 from ..tensors.thd import pack_to_layout
-from . import nemo_rl_loss, value_loss
+from . import nemo_rl_loss, value_loss, vocab_parallel
 from .logprobs import _linear_plan, _packed_plan
 from .loss_tree import check_tree_logits, tree_loss_plan
 from .nemo_rl_loss import (MAX_KEYS, MIN_KEYS, PG_DEFAULTS, ClippedPGLoss, LossConfigError, LossType,
                            MetricNormalization, NLLLoss, _host_cu, calculate_kl, clipped_pg_loss, masked_mean,
                            nll_loss, pg_config, segment_masked_mean, segment_mean, segment_sum)
 from .value_loss import VALUE_LOSS_DEFAULTS, MseValueLoss
+from .vocab_parallel import vocab_parallel_gather_columns
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-__all__ = sorted(nemo_rl_loss.__all__ + value_loss.__all__ + ["SequencePackingLossWrapper", "prepare_loss_input"])
+__all__ = sorted(nemo_rl_loss.__all__ + value_loss.__all__ + vocab_parallel.__all__
+                 + ["SequencePackingLossWrapper", "prepare_loss_input"])
 
 
 _COUPLED = re.compile(r"dpo|preference|pairwise|contrastive", re.IGNORECASE)

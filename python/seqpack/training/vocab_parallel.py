@@ -1,0 +1,123 @@
+"""Columns of vocabulary-parallel logits (issue 30, item 2): NeMo-RL's
+``gather_logits_at_global_indices`` under tensor parallelism, as
+``seqpack.loss.vocab_parallel_gather_columns``.
+
+Each TP rank holds the logits of its slice of the vocabulary ``[start, start +
+V_local)``; the wanted columns are global token ids. Every rank gathers the columns
+it owns (0 elsewhere), and one all-reduce sums them, so every rank ends with every
+column::
+
+    V = 8, TP = 2        rank 0 holds columns 0..3, rank 1 columns 4..7
+    columns [5, 1]       rank 0: [0, z1]    rank 1: [z5, 0]    all-reduce: [z5, z1]
+
+The backward is NeMo-RL's: each rank's gradient reaches only the columns it owns,
+unscaled (every rank computes the same loss on the gathered columns, and each
+column's gradient lives on its one owner). A softmax over the gathered columns is
+the full-vocabulary softmax restricted to them and renormalised.
+
+    >>> import torch
+    >>> from seqpack.loss import vocab_parallel_gather_columns
+    >>> logits = torch.arange(8.0).view(1, 8)
+    >>> vocab_parallel_gather_columns(logits, torch.tensor([[5, 1]])).tolist()   # no TP group: a gather
+    [[5.0, 1.0]]
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Dict, Optional
+
+from .._lengths import as_int
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+__all__ = ["vocab_parallel_gather_columns"]
+
+_SUM = None
+
+
+def _sum_over_ranks():
+    """All-reduce (sum) forward, the gradient passed through unchanged backward."""
+    global _SUM
+    if _SUM is None:
+        import torch
+        import torch.distributed as dist
+
+        class SumOverRanks(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, local, group):
+                out = local.clone()
+                dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
+                return out
+
+            @staticmethod
+            def backward(ctx, grad):
+                return grad, None
+
+        _SUM = SumOverRanks
+    return _SUM
+
+
+def vocab_parallel_gather_columns(logits: "torch.Tensor", columns: "torch.Tensor", tp_group: Any = None, *,
+                                  vocab_start_index: Optional[int] = None,
+                                  vocab_end_index: Optional[int] = None, agree: bool = True) -> "torch.Tensor":
+    """The logits at global token ids ``columns`` of vocabulary-parallel ``logits``,
+    gathered across ``tp_group`` (NeMo-RL's semantics; fp32, differentiable).
+
+    Args:
+        logits: ``[..., V_local]`` this rank's vocabulary slice (the whole vocabulary
+            without a TP group).
+        columns: ``[..., k]`` integer global token ids, the same leading shape.
+        tp_group: the tensor-parallel group (``None``, or one of size 1: a plain
+            gather).
+        vocab_start_index / vocab_end_index: this rank's slice (default
+            ``rank * V_local`` and ``start + V_local``, NeMo-RL's layout).
+        agree: before the all-reduce every rank checks its arguments, then one
+            all-reduce makes every rank raise together when one failed or when the
+            ranks' shapes differ (``False`` skips it).
+
+    Returns:
+        ``[..., k]`` fp32: column ``j`` of row ``r`` is the full-vocabulary logit
+        ``columns[r, j]``; a column no rank owns (outside the vocabulary) is 0.
+    """
+    import torch
+    import torch.distributed as dist
+
+    from .._dist import active, checked_on_every_rank, tensor_facts
+    from ..tensors._device import check_tensor
+
+    parallel = tp_group is not None and active(tp_group)
+
+    def local() -> Dict[str, Any]:
+        check_tensor(logits, "logits")
+        check_tensor(columns, "columns")
+        if not logits.dtype.is_floating_point:
+            raise TypeError(f"logits must be floating point, got {logits.dtype}")
+        if columns.dtype.is_floating_point or columns.dtype == torch.bool:
+            raise TypeError(f"columns must hold integer token ids, got {columns.dtype}")
+        if logits.dim() < 1 or columns.dim() != logits.dim() or columns.shape[:-1] != logits.shape[:-1]:
+            raise ValueError(f"columns must be [..., k] with logits' leading shape {tuple(logits.shape[:-1])}, got "
+                             f"{tuple(columns.shape)}")
+        width = int(logits.shape[-1])
+        rank = dist.get_rank(tp_group) if parallel else 0
+        start = rank * width if vocab_start_index is None else as_int(vocab_start_index, "vocab_start_index")
+        end = start + width if vocab_end_index is None else as_int(vocab_end_index, "vocab_end_index")
+        if end - start != width:
+            raise ValueError(f"vocab_end_index - vocab_start_index must be logits' vocabulary slice ({width}), got "
+                             f"[{start}, {end})")
+        return {"start": start, "end": end}
+
+    facts = (lambda _: {"the shapes of logits and columns (but the vocabulary slice)":
+                        [tuple(logits.shape[:-1]), tuple(columns.shape)],
+                        "whether logits require grad": tensor_facts(logits)["requires_grad"]})
+    slice_ = checked_on_every_rank(local, tp_group, "vocab_parallel_gather_columns", agree and parallel,
+                                   fingerprint=facts)
+    start, end = slice_["start"], slice_["end"]
+    ids = columns.to(device=logits.device, dtype=torch.int64)
+    owned = (ids >= start) & (ids < end)
+    index = (ids - start).clamp(0, max(int(logits.shape[-1]) - 1, 0))
+    if logits.shape[-1] == 0:  # an empty slice owns no column
+        values = logits.new_zeros(ids.shape, dtype=torch.float32)
+    else:
+        values = torch.where(owned, logits.float().gather(-1, index), 0.0)
+    return _sum_over_ranks().apply(values, tp_group) if parallel else values

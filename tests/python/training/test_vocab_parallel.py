@@ -1,0 +1,96 @@
+"""``vocab_parallel_gather_columns`` (issue 30, item 2): NeMo-RL's column gather of
+vocabulary-parallel logits. One process: a plain gather (out-of-vocabulary columns
+0), and a softmax over the gathered columns is the full softmax restricted to them.
+On 2 and 3 gloo ranks: every rank's result equals the gather of the full logits,
+each rank's gradient is the full gradient's slice (NeMo-RL's backward), and a rank
+with other shapes makes every rank raise."""
+
+import pytest
+import torch
+import torch.distributed as dist
+from _gloo import started_pools, values_of
+
+from seqpack.loss import vocab_parallel_gather_columns
+
+WORLDS = (2, 3)
+CASE_TIMEOUT_S = 60
+
+
+def full_gather(logits, columns):
+    valid = (columns >= 0) & (columns < logits.shape[-1])
+    return torch.where(valid, logits.gather(-1, columns.clamp(0, logits.shape[-1] - 1)), 0.0)
+
+
+def test_one_process_is_a_gather_and_its_softmax_is_the_restricted_one():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(2, 3, 7, generator=g, dtype=torch.float64)
+    columns = torch.tensor([[[0, 6, 3], [1, 1, 9], [2, -1, 5]],
+                            [[4, 0, 6], [5, 5, 5], [7, 3, 2]]])  # 9, -1 and 7 are outside V = 7: 0
+    out = vocab_parallel_gather_columns(logits, columns)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out.double(), full_gather(logits, columns), rtol=1e-6, atol=1e-6)
+    ok = torch.tensor([[[0, 6, 3]]]).expand(2, 3, 3)
+    sub = torch.log_softmax(vocab_parallel_gather_columns(logits, ok).double(), -1)
+    probs = torch.softmax(logits, -1).gather(-1, ok)
+    torch.testing.assert_close(sub, torch.log(probs / probs.sum(-1, keepdim=True)), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("logits, columns, kwargs, error, match", [
+    (torch.zeros(2, 5), torch.zeros(3, 2, dtype=torch.long), {}, ValueError, "leading shape"),
+    (torch.zeros(2, 5), torch.zeros(2, 2), {}, TypeError, "integer token ids"),
+    (torch.zeros(2, 5, dtype=torch.long), torch.zeros(2, 2, dtype=torch.long), {}, TypeError, "floating point"),
+    (torch.zeros(2, 5), torch.zeros(2, 2, dtype=torch.long), {"vocab_start_index": 0, "vocab_end_index": 4},
+     ValueError, r"vocabulary slice \(5\)"),
+])
+def test_bad_arguments_are_named(logits, columns, kwargs, error, match):
+    with pytest.raises(error, match=match):
+        vocab_parallel_gather_columns(logits, columns, **kwargs)
+
+
+def case_tp(rank, world, seed):
+    g = torch.Generator().manual_seed(seed)
+    width = 5
+    full = torch.randn(2, 4, width * world, generator=g, dtype=torch.float64)
+    columns = torch.randint(-1, width * world + 2, (2, 4, 6), generator=g)  # some outside the vocabulary
+    w = torch.randn(2, 4, 6, generator=g, dtype=torch.float64)
+    ref_leaf = full.clone().requires_grad_()
+    ref = full_gather(ref_leaf, columns)
+    (ref * w).sum().backward()
+    mine = full[..., rank * width:(rank + 1) * width].clone().requires_grad_()
+    out = vocab_parallel_gather_columns(mine, columns, dist.group.WORLD)
+    torch.testing.assert_close(out.double(), ref.detach(), rtol=1e-6, atol=1e-6)
+    (out.double() * w).sum().backward()  # the same loss on every rank
+    torch.testing.assert_close(mine.grad, ref_leaf.grad[..., rank * width:(rank + 1) * width], rtol=1e-6,
+                               atol=1e-6)
+    return True
+
+
+def case_failing_rank(rank, world):
+    logits = torch.zeros(2, 3)
+    columns = torch.zeros(2, 4 if rank == 0 else 5, dtype=torch.long)
+    try:
+        vocab_parallel_gather_columns(logits, columns, dist.group.WORLD)
+    except ValueError as exc:
+        assert "disagree on the shapes of logits and columns" in str(exc), str(exc)
+    else:
+        raise AssertionError("every rank must raise")
+    bad = torch.zeros(2, 3) if rank else torch.zeros(3, 3)
+    try:
+        vocab_parallel_gather_columns(bad, torch.zeros(2, 4, dtype=torch.long), dist.group.WORLD)
+    except ValueError as exc:
+        assert ("leading shape" if rank == 0 else "another rank's input failed") in str(exc), str(exc)
+    else:
+        raise AssertionError("every rank must raise")
+    return True
+
+
+@pytest.fixture(scope="module")
+def pools():
+    yield from started_pools(WORLDS)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("case, args", [(case_tp, (0,)), (case_tp, (5,)), (case_failing_rank, ())],
+                         ids=["tp-seed0", "tp-seed5", "failing-rank"])
+def test_on_gloo_ranks(pools, world, case, args):
+    assert values_of(pools[world], case, *args, timeout_s=CASE_TIMEOUT_S) == [True] * world  # a hang raises
