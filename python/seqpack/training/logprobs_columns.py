@@ -33,13 +33,14 @@ from .logprobs import TokenLogprobs
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-__all__ = ["column_logprobs", "linear_column_logprobs"]
+__all__ = ["column_logprobs", "linear_column_logprobs", "vocab_parallel_column_logprobs"]
 
 
-def _columns(columns: Any, rows: int, vocab: int, device) -> "torch.Tensor":
+def _columns(columns: Any, rows: int, vocab: Optional[int], device) -> "torch.Tensor":
     """``columns`` as int64 ``[rows, k]`` on ``device``, every entry < ``vocab`` (on
     the host a ``ValueError`` naming the first bad one; on a CUDA device an
-    asynchronous device assertion: no host synchronisation)."""
+    asynchronous device assertion: no host synchronisation; ``vocab=None``: global
+    ids of a vocabulary-parallel slice, not checked here)."""
     import torch
 
     from ..tensors._device import check_tensor
@@ -53,6 +54,8 @@ def _columns(columns: Any, rows: int, vocab: int, device) -> "torch.Tensor":
     if columns.dtype.is_floating_point or columns.dtype.is_complex or columns.dtype == torch.bool:
         raise TypeError(f"columns must hold integer token ids, got {columns.dtype}")
     columns = columns.to(device=device, dtype=torch.int64)
+    if vocab is None:
+        return columns
     if columns.device.type == "cpu":
         if columns.numel() and int(columns.max()) >= vocab:
             r, c = (int(x) for x in (columns >= vocab).nonzero()[0])
@@ -81,7 +84,8 @@ def _result(out, rows: int, k: int, entropy: bool) -> TokenLogprobs:
 
 
 def column_logprobs(logits: "torch.Tensor", columns: "torch.Tensor", *, temperature: Any = 1.0,
-                    return_entropy: bool = False, num_threads: int = 0) -> TokenLogprobs:
+                    return_entropy: bool = False, num_threads: int = 0, vocab_parallel_group: Any = None,
+                    vocab_start: Any = None) -> TokenLogprobs:
     """Log-probability of each of ``columns[t]`` under row ``t`` of ``logits``
     (``log_softmax(logits[t] / temperature)[columns[t]]``), and the row's entropy
     over the whole vocabulary; differentiable.
@@ -93,6 +97,10 @@ def column_logprobs(logits: "torch.Tensor", columns: "torch.Tensor", *, temperat
         temperature: positive and finite (a Python, NumPy or 0-d tensor number).
         return_entropy: also each row's entropy ``[T]``.
         num_threads: CPU threads of the kernels (0: seqpack's default).
+        vocab_parallel_group / vocab_start: tensor parallelism: ``logits`` is this
+            rank's vocabulary slice ``[vocab_start, vocab_start + V_local)`` (default
+            start ``rank * V_local``, Megatron's layout) and ``columns`` hold global
+            ids; see :func:`vocab_parallel_column_logprobs`.
 
     Returns:
         :class:`~seqpack.TokenLogprobs` ``(logprobs [T, k], entropy [T] or None)``,
@@ -100,18 +108,59 @@ def column_logprobs(logits: "torch.Tensor", columns: "torch.Tensor", *, temperat
     """
     import torch
 
+    from .._dist import active
     from . import _multi_target_ops  # noqa: F401  (registers the operators)
     from .logprobs import check_logits
 
     check_logits(logits)
-    cols = _columns(columns, logits.shape[0], logits.shape[1], logits.device)
     temp, entropy = as_temperature(temperature), bool(return_entropy)
     threads = as_positive_int(num_threads, "num_threads", allow_zero=True)
     if logits.stride(1) != 1:
         logits = logits.contiguous()
+    if vocab_parallel_group is not None and active(vocab_parallel_group):
+        cols = _columns(columns, logits.shape[0], None, logits.device)
+        return vocab_parallel_column_logprobs(logits, cols, vocab_parallel_group, vocab_start, temp, entropy, threads)
+    cols = _columns(columns, logits.shape[0], logits.shape[1], logits.device)
     primary, offsets, extras = _csr(cols)
     out = torch.ops.seqpack.multi_token_logprobs(logits, primary, offsets, extras, temp, entropy, threads)
     return _result(out, cols.shape[0], cols.shape[1], entropy)
+
+
+def vocab_parallel_column_logprobs(logits: "torch.Tensor", columns: "torch.Tensor", group: Any,
+                                   vocab_start: Any, temperature: float, entropy: bool,
+                                   num_threads: int) -> TokenLogprobs:
+    """:func:`column_logprobs` of a vocabulary-parallel ``logits`` slice: a column's
+    logit minus its row's log-sum-exp over the whole vocabulary, from the two
+    vocabulary-parallel primitives::
+
+        z   = vocab_parallel_gather_columns(logits, [anchor | columns])   one all-reduce
+        lp0 = vocab-parallel log-prob of the anchor                       the row statistics' two
+        lse = z[anchor] - lp0,   log p(column) = z[column] - lse           all-reduces (max, sums)
+
+    ``anchor`` is the row's first column (id 0 where it is negative): any id works,
+    its log-prob carries the row's log-sum-exp and entropy. Both pieces are
+    differentiable and their gradients are each rank's own slice (the gather's
+    reaches a column's owner, the log-prob's every rank's softmax), so the
+    backward needs no communication. A column outside the global vocabulary has
+    no owner and a logit of 0 (NeMo-RL's gather). ``columns`` int64 ``[T, k]``;
+    every rank calls it with the same shapes."""
+    import torch
+    import torch.distributed as dist
+
+    from . import _logprob_ops as ops
+    from .vocab_parallel import vocab_parallel_gather_columns
+
+    width = int(logits.shape[1])
+    start = dist.get_rank(group) * width if vocab_start is None else as_positive_int(vocab_start, "vocab_start",
+                                                                                      allow_zero=True)
+    anchor = columns[:, :1].clamp(min=0)
+    z = vocab_parallel_gather_columns(logits, torch.cat([anchor, columns.clamp(min=0)], 1), group,
+                                      vocab_start_index=start, agree=False) / temperature
+    lp0, ent, _, _ = ops.VocabParallelTokenLogprobs.apply(logits, anchor[:, 0].contiguous(), start, temperature,
+                                                          entropy, num_threads, group)
+    log_sumexp = z[:, 0] - lp0.to(z.dtype)
+    lp = torch.where(columns >= 0, z[:, 1:] - log_sumexp[:, None], 0.0)
+    return TokenLogprobs(lp, ent if entropy else None)
 
 
 def linear_column_logprobs(hidden: "torch.Tensor", weight: "torch.Tensor", columns: "torch.Tensor", *,

@@ -27,7 +27,8 @@ from ..tensors.cp import gather_cp
 from ..tensors.layout import PackedLayout
 from ..tensors.prefix_tree import PrefixTreeBatch
 from ..tensors.thd import pack_to_layout
-from . import nemo_rl_loss, value_loss, vocab_parallel
+from . import distillation, nemo_rl_loss, value_loss, vocab_parallel
+from .distillation import DISTILLATION_DEFAULTS, DistillationLoss, distillation_loss_input, distillation_topk_logprobs
 from .logprobs import _linear_plan, _packed_plan
 from .loss_tree import check_tree_logits, tree_loss_plan
 from .nemo_rl_loss import (MAX_KEYS, MIN_KEYS, PG_DEFAULTS, ClippedPGLoss, LossConfigError, LossType,
@@ -39,7 +40,7 @@ from .vocab_parallel import vocab_parallel_gather_columns
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-__all__ = sorted(nemo_rl_loss.__all__ + value_loss.__all__ + vocab_parallel.__all__
+__all__ = sorted(nemo_rl_loss.__all__ + value_loss.__all__ + vocab_parallel.__all__ + distillation.__all__
                  + ["SequencePackingLossWrapper", "prepare_loss_input"])
 
 
@@ -56,9 +57,21 @@ def _check_packable(loss_fn: Any) -> None:
                          "(or set loss_fn.batch_coupled = False if it is in fact per-sequence)")
 
 
-def _is_logprob_loss(loss_fn: Any) -> bool:
+def _input_type(loss_fn: Any) -> str:
+    """NeMo-RL's ``LossInputType`` of ``loss_fn`` (a string or its enum): ``logprob``
+    (the default), ``logit`` or ``distillation``."""
     kind = getattr(loss_fn, "input_type", "logprob")
-    return str(getattr(kind, "value", kind)).lower() == "logprob"
+    return str(getattr(kind, "value", kind)).lower()
+
+
+def _is_logprob_loss(loss_fn: Any) -> bool:
+    return _input_type(loss_fn) == "logprob"
+
+
+def _computes_input(loss_fn: Any) -> bool:
+    """Whether seqpack computes the loss's input itself (log-probs, or distillation's
+    top-k log-probs): the fused and prefix-tree paths need such a loss."""
+    return _input_type(loss_fn) in ("logprob", "distillation")
 
 
 def _group_info(group) -> Tuple[int, int]:
@@ -95,7 +108,9 @@ def prepare_loss_input(logits, data, loss_fn=None, vocab_parallel_rank=None, voc
     (CP-local, vocab-local) logits ``[B, S, V]`` (one packed sequence: ``B = 1``),
     all-gathered over CP, as ``({"next_token_logprobs": [B, L - 1]}, data)`` with
     ``L`` the width of ``data["input_ids"]`` (and ``next_token_entropy`` when
-    ``loss_fn.needs_entropy``). With ``lm_head_weight`` (``[V, H]``, this
+    ``loss_fn.needs_entropy``). For a distillation loss (``input_type ==
+    "distillation"``) NeMo-RL's ``{"student_topk_logprobs", "teacher_topk_logprobs",
+    "H_all"}`` instead (:mod:`seqpack.training.distillation`). With ``lm_head_weight`` (``[V, H]``, this
     rank's vocabulary slice under TP; ``lm_head_bias`` optional) ``logits`` holds the
     final hidden states ``[..., H]`` instead, and the logits are never materialised
     (:func:`seqpack.linear_token_logprobs`).
@@ -119,6 +134,14 @@ def prepare_loss_input(logits, data, loss_fn=None, vocab_parallel_rank=None, voc
         padded = rows.shape[0] // batch * cp  # each row a sequence of this padded width (CP-sharded like one)
         if padded < width:
             raise ValueError(f"the sequence's logits cover {padded} positions, its data {width}")
+        if _input_type(loss_fn) == "distillation":
+            layout = PackedLayout.from_offsets([i * width for i in range(batch + 1)],
+                                               [i * padded for i in range(batch + 1)])
+            run, facts = distillation_loss_input(
+                rows, data, layout, loss_fn, temperature=temperature, context_parallel_group=context_parallel_group,
+                vocab_parallel_group=vocab_parallel_group, vocab_parallel_rank=vocab_parallel_rank,
+                lm_head_weight=lm_head_weight, lm_head_bias=lm_head_bias)
+            return run, {**facts, "the shape of logits": tuple(logits.shape)}, None
         packed_ids = torch.zeros(batch, padded, dtype=ids.dtype, device=ids.device)
         packed_ids[:, :width] = ids
         cu = [i * width for i in range(batch + 1)]
@@ -131,9 +154,11 @@ def prepare_loss_input(logits, data, loss_fn=None, vocab_parallel_rank=None, voc
             batch, width)}, (batch, width, padded, cu_p)
 
     groups = groups_of(vocab_parallel_group, context_parallel_group)
-    run, _, (batch, width, padded, cu_p) = checked_on_every_rank(local, groups, "prepare_loss_input",
-                                                                 bool(agree) and bool(groups),
-                                                                 fingerprint=lambda r: r[1])
+    run, _, shape = checked_on_every_rank(local, groups, "prepare_loss_input", bool(agree) and bool(groups),
+                                          fingerprint=lambda r: r[1])
+    if shape is None:  # distillation: the top-k log-probs, gathered and unpacked
+        return run(), data
+    batch, width, padded, cu_p = shape
     lp, ent = run()
     if cp > 1:  # agreed above: lp's rows, dtype and requires_grad follow the logits'
         lp = gather_cp(lp, cu_p, context_parallel_group, agree=False)
@@ -208,7 +233,8 @@ class SequencePackingLossWrapper(ValueEquality):
                 raise ValueError("cu_seqlens_q_padded does not apply to a prefix tree (its layout has no per-row padding)")
             if prepare_fn is not None or not _is_logprob_loss(loss_fn):
                 raise ValueError("a prefix tree (cu_seqlens_q) computes every row's log-probs in one pass: it needs a "
-                                 "log-prob loss (loss_fn.input_type == 'logprob') and no prepare_fn")
+                                 "log-prob loss (loss_fn.input_type == 'logprob'; not "
+                                 f"{_input_type(loss_fn)!r}) and no prepare_fn")
             layout = PackedLayout.from_offsets(self.tree.cu_seqlens)
         elif isinstance(cu_seqlens_q, PackedLayout):
             layout = cu_seqlens_q
@@ -222,9 +248,10 @@ class SequencePackingLossWrapper(ValueEquality):
         if not fused and not getattr(loss_fn, "splits_per_sequence", True):
             raise ValueError(f"{type(loss_fn).__name__} does not split over sequences (e.g. VAPO's "
                              "positive_example_nll_weight divides by the micro-batch's own token count): use fused=True")
-        if fused and (prepare_fn is not None or not _is_logprob_loss(loss_fn)):
-            raise ValueError("fused=True computes the log-probs itself: it needs a log-prob loss "
-                             "(loss_fn.input_type == 'logprob') and no prepare_fn")
+        if fused and (prepare_fn is not None or not _computes_input(loss_fn)):
+            raise ValueError("fused=True computes the loss's input itself: it needs a log-prob or distillation loss "
+                             f"(loss_fn.input_type 'logprob' or 'distillation', not {_input_type(loss_fn)!r}) and no "
+                             "prepare_fn")
 
     def _check(self, logits, data) -> Tuple[Any, int]:
         from ..tensors._device import check_tensor
@@ -296,7 +323,7 @@ class SequencePackingLossWrapper(ValueEquality):
         for i in range(batch):
             seq = _slice_row(data, i, lengths[i])
             piece = logits[:, starts[i]: starts[i + 1]]
-            if self.prepare_fn is None and not _is_logprob_loss(self.loss_fn):
+            if self.prepare_fn is None and not _computes_input(self.loss_fn):
                 loss, metrics = self.loss_fn(piece, seq, global_valid_seqs, global_valid_toks,
                                              vocab_parallel_rank=self.vocab_parallel_rank,
                                              vocab_parallel_group=self.vocab_parallel_group,
@@ -328,6 +355,13 @@ class SequencePackingLossWrapper(ValueEquality):
         # rows' width, as NeMo-RL's trim); its unpack maps results back to [B, S].
         layout = PackedLayout.from_offsets(np.concatenate([[0], np.cumsum(np.minimum(np.diff(self.cu), width))]),
                                            self.cu_padded)
+        if _input_type(self.loss_fn) == "distillation":
+            run, facts = distillation_loss_input(
+                logits2d, data, layout, self.loss_fn, temperature=self.temperature,
+                context_parallel_group=self.context_parallel_group, vocab_parallel_group=self.vocab_parallel_group,
+                vocab_parallel_rank=self.vocab_parallel_rank, lm_head_weight=lm_head_weight, lm_head_bias=lm_head_bias)
+            return (lambda global_valid_seqs, global_valid_toks: self.loss_fn(
+                data=data, global_valid_seqs=global_valid_seqs, global_valid_toks=global_valid_toks, **run())), facts
         packed = pack_to_layout({"input_ids": ids}, layout)
         cp_size, cp_rank = _group_info(self.context_parallel_group)
         entropy = bool(getattr(self.loss_fn, "needs_entropy", False))

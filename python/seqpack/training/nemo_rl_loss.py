@@ -232,6 +232,33 @@ class _LossConfigTypeError(LossConfigError, TypeError):
     :class:`LossConfigError` that is also a ``TypeError``."""
 
 
+def known_keys(cfg: Optional[Mapping[str, Any]], defaults: Mapping[str, Any], loss: str) -> Dict[str, Any]:
+    """``cfg`` over ``defaults``; a key ``defaults`` lacks (NeMo-RL's loss configs
+    forbid extras) raises :class:`LossConfigError` naming it and the closest known
+    key."""
+    import difflib
+
+    cfg = dict(cfg or {})
+    for key in cfg:
+        if key not in defaults:
+            close = difflib.get_close_matches(str(key), list(defaults), n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else f" (known: {', '.join(defaults)})"
+            raise LossConfigError(f"cfg[{key!r}] is not a {loss} key{hint}")
+    return {**defaults, **cfg}
+
+
+def _cfg_bool(c: Dict[str, Any], key: str) -> bool:
+    """``c[key]`` as a bool (Python, NumPy or 0-d tensor booleans; 0 / 1 too)."""
+    value = c[key]
+    if hasattr(value, "item") and getattr(value, "ndim", 0) == 0:
+        value = value.item()
+    if isinstance(value, bool) or (isinstance(value, (int, np.integer)) and value in (0, 1)):
+        return bool(value)
+    if isinstance(value, np.bool_):
+        return bool(value)
+    raise _LossConfigTypeError(f"cfg[{key!r}] must be a bool, got {value!r}")
+
+
 def _cfg_real(c: Dict[str, Any], key: str, **rules: Any) -> float:
     """``c[key]`` as a float by :func:`seqpack._lengths.as_real` (NumPy and 0-d
     tensor numbers accepted), any refusal a :class:`LossConfigError` naming the key

@@ -22,12 +22,11 @@ packed sequence's rows of the value head's output.
 
 from __future__ import annotations
 
-import difflib
 import math
 from typing import Any, Dict, Mapping, Optional, Tuple
 
 from .._equality import ValueEquality
-from .nemo_rl_loss import LossConfigError, LossType, MetricNormalization, _cfg_real, masked_mean
+from .nemo_rl_loss import LossType, MetricNormalization, _cfg_real, known_keys, masked_mean
 
 __all__ = ["MseValueLoss", "VALUE_LOSS_DEFAULTS"]
 
@@ -39,13 +38,7 @@ def value_loss_config(cfg: Optional[Mapping[str, Any]]) -> Dict[str, Any]:
     """``cfg`` over :data:`VALUE_LOSS_DEFAULTS`, validated: an unknown key (NeMo-RL's
     config forbids extras) or a value that is not a finite real number raises
     :class:`LossConfigError` naming the key."""
-    cfg = dict(cfg or {})
-    for key in cfg:
-        if key not in VALUE_LOSS_DEFAULTS:
-            close = difflib.get_close_matches(str(key), list(VALUE_LOSS_DEFAULTS), n=1)
-            hint = f"; did you mean {close[0]!r}?" if close else f" (known: {', '.join(VALUE_LOSS_DEFAULTS)})"
-            raise LossConfigError(f"cfg[{key!r}] is not a MseValueLossFn key{hint}")
-    c = {**VALUE_LOSS_DEFAULTS, **cfg}
+    c = known_keys(cfg, VALUE_LOSS_DEFAULTS, "MseValueLossFn")
     c["scale"] = _cfg_real(c, "scale")
     if c["cliprange"] is not None:
         c["cliprange"] = _cfg_real(c, "cliprange")  # NeMo-RL clips only when it is > 0

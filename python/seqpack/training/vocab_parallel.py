@@ -62,7 +62,7 @@ def vocab_parallel_gather_columns(logits: "torch.Tensor", columns: "torch.Tensor
                                   vocab_start_index: Optional[int] = None,
                                   vocab_end_index: Optional[int] = None, agree: bool = True) -> "torch.Tensor":
     """The logits at global token ids ``columns`` of vocabulary-parallel ``logits``,
-    gathered across ``tp_group`` (NeMo-RL's semantics; fp32, differentiable).
+    gathered across ``tp_group`` (NeMo-RL's semantics; fp32 or fp64, differentiable).
 
     Args:
         logits: ``[..., V_local]`` this rank's vocabulary slice (the whole vocabulary
@@ -77,7 +77,7 @@ def vocab_parallel_gather_columns(logits: "torch.Tensor", columns: "torch.Tensor
             ranks' shapes differ (``False`` skips it).
 
     Returns:
-        ``[..., k]`` fp32: column ``j`` of row ``r`` is the full-vocabulary logit
+        ``[..., k]`` fp32 (fp64 for fp64 logits): column ``j`` of row ``r`` is the full-vocabulary logit
         ``columns[r, j]``; a column no rank owns (outside the vocabulary) is 0.
     """
     import torch
@@ -116,8 +116,9 @@ def vocab_parallel_gather_columns(logits: "torch.Tensor", columns: "torch.Tensor
     ids = columns.to(device=logits.device, dtype=torch.int64)
     owned = (ids >= start) & (ids < end)
     index = (ids - start).clamp(0, max(int(logits.shape[-1]) - 1, 0))
+    dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
     if logits.shape[-1] == 0:  # an empty slice owns no column
-        values = logits.new_zeros(ids.shape, dtype=torch.float32)
+        values = logits.new_zeros(ids.shape, dtype=dtype)
     else:
-        values = torch.where(owned, logits.float().gather(-1, index), 0.0)
+        values = torch.where(owned, logits.gather(-1, index).to(dtype), 0.0)
     return _sum_over_ranks().apply(values, tp_group) if parallel else values
