@@ -137,6 +137,9 @@ def _samples():
         loss.SequencePackingLossWrapper: lambda: loss.SequencePackingLossWrapper(
             loss.NLLLoss(), cu_seqlens_q=[0, 3, 5], cu_seqlens_q_padded=[0, 4, 8], temperature=0.7),
         loss.MseValueLoss: lambda: loss.MseValueLoss({"scale": 0.5, "cliprange": 0.2}),
+        loss.DistillationLoss: lambda: loss.DistillationLoss({"kl_type": "reverse", "zero_outside_topk": True}),
+        loss.DPOLoss: lambda: loss.DPOLoss({"sft_loss_weight": 0.1, "preference_average_log_probs": True}),
+        loss.PreferenceLoss: loss.PreferenceLoss,
         loss.LossType: lambda: loss.LossType,  # namespaces of NeMo-RL's constants: the class itself travels
         loss.MetricNormalization: lambda: loss.MetricNormalization,
         loss.LossConfigError: lambda: loss.LossConfigError("cfg['ratio_clip_min'] must be >= 0"),

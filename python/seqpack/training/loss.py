@@ -27,13 +27,14 @@ from ..tensors.cp import gather_cp
 from ..tensors.layout import PackedLayout
 from ..tensors.prefix_tree import PrefixTreeBatch
 from ..tensors.thd import pack_to_layout
-from . import distillation, nemo_rl_loss, value_loss, vocab_parallel
+from . import distillation, nemo_rl_loss, preference_loss, value_loss, vocab_parallel
 from .distillation import DISTILLATION_DEFAULTS, DistillationLoss, distillation_loss_input, distillation_topk_logprobs
 from .logprobs import _linear_plan, _packed_plan
 from .loss_tree import check_tree_logits, tree_loss_plan
 from .nemo_rl_loss import (MAX_KEYS, MIN_KEYS, PG_DEFAULTS, ClippedPGLoss, LossConfigError, LossType,
                            MetricNormalization, NLLLoss, _host_cu, calculate_kl, clipped_pg_loss, masked_mean,
                            nll_loss, pg_config, segment_masked_mean, segment_mean, segment_sum)
+from .preference_loss import DPO_DEFAULTS, DPOLoss, PreferenceLoss
 from .value_loss import VALUE_LOSS_DEFAULTS, MseValueLoss
 from .vocab_parallel import vocab_parallel_gather_columns
 
@@ -41,20 +42,24 @@ if TYPE_CHECKING:  # pragma: no cover
     import torch
 
 __all__ = sorted(nemo_rl_loss.__all__ + value_loss.__all__ + vocab_parallel.__all__ + distillation.__all__
+                 + preference_loss.__all__
                  + ["SequencePackingLossWrapper", "prepare_loss_input"])
 
 
 _COUPLED = re.compile(r"dpo|preference|pairwise|contrastive", re.IGNORECASE)
 
 
-def _check_packable(loss_fn: Any) -> None:
+def _check_packable(loss_fn: Any, fused: bool) -> None:
+    """A loss that couples a micro-batch's rows (DPO's chosen / rejected pairs) runs
+    only fused: one call on the whole micro-batch."""
     coupled = getattr(loss_fn, "batch_coupled", None)
     if coupled is None:
         coupled = bool(_COUPLED.search(type(loss_fn).__name__)) or bool(_COUPLED.search(getattr(loss_fn, "__name__", "")))
-    if coupled:
+    if coupled and not fused:
         raise ValueError(f"{type(loss_fn).__name__} couples the sequences of a batch (e.g. DPO's chosen/rejected "
-                         "pairs), so it cannot run on packed sequences one at a time; disable sequence packing for it "
-                         "(or set loss_fn.batch_coupled = False if it is in fact per-sequence)")
+                         "pairs), so it cannot run on packed sequences one at a time: use fused=True (one call on the "
+                         "whole micro-batch, each pair's rows in it; or set loss_fn.batch_coupled = False if it is in "
+                         "fact per-sequence)")
 
 
 def _input_type(loss_fn: Any) -> str:
@@ -194,7 +199,9 @@ class SequencePackingLossWrapper(ValueEquality):
         fused: compute every sequence's log-probs in one pass over the packed
             logits, one CP all-gather per call, and call ``loss_fn`` once on the whole
             ``[B, S - 1]`` micro-batch (NeMo-RL's ``SequencePackingFusionLossWrapper``);
-            needs a log-prob loss (``input_type == "logprob"``).
+            needs a log-prob or distillation loss (``input_type``). The only way
+            to run a loss that couples rows (DPO's pairs: each pair's rows in the
+            micro-batch).
         temperature: divide the logits by it (inside the fused kernel; no copy).
 
     Called as ``wrapper(next_token_logits, data, global_valid_seqs,
@@ -224,7 +231,7 @@ class SequencePackingLossWrapper(ValueEquality):
                  temperature: float = 1.0, agree: bool = True):
         if cu_seqlens_q is None:
             raise ValueError("cu_seqlens_q is required")
-        _check_packable(loss_fn)
+        _check_packable(loss_fn, fused)
         self.loss_fn, self.prepare_fn, self.fused, self.agree = loss_fn, prepare_fn, fused, bool(agree)
         self.temperature = as_temperature(temperature)
         self.tree = cu_seqlens_q if isinstance(cu_seqlens_q, PrefixTreeBatch) else None
@@ -248,10 +255,11 @@ class SequencePackingLossWrapper(ValueEquality):
         if not fused and not getattr(loss_fn, "splits_per_sequence", True):
             raise ValueError(f"{type(loss_fn).__name__} does not split over sequences (e.g. VAPO's "
                              "positive_example_nll_weight divides by the micro-batch's own token count): use fused=True")
-        if fused and (prepare_fn is not None or not _computes_input(loss_fn)):
+        if fused and prepare_fn is not None:
+            raise ValueError("fused=True computes the loss's input itself: it takes no prepare_fn")
+        if fused and not _computes_input(loss_fn):
             raise ValueError("fused=True computes the loss's input itself: it needs a log-prob or distillation loss "
-                             f"(loss_fn.input_type 'logprob' or 'distillation', not {_input_type(loss_fn)!r}) and no "
-                             "prepare_fn")
+                             f"(loss_fn.input_type 'logprob' or 'distillation', not {_input_type(loss_fn)!r})")
 
     def _check(self, logits, data) -> Tuple[Any, int]:
         from ..tensors._device import check_tensor

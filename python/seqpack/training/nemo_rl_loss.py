@@ -10,8 +10,8 @@ of the whole optimizer step, summed over data-parallel ranks). A masked token
 mean over the step is then ``sum_t loss_t / N``, which splits into any
 partition of the tokens - per sequence, per micro-batch - whose parts simply
 add. Losses that couple sequences of a batch (DPO and other preference losses
-pair chosen/rejected rows) do not split this way and cannot be packed: the
-wrapper refuses them.
+pair chosen/rejected rows) do not split this way: the wrapper runs them only fused,
+one call per micro-batch, which must hold each pair whole.
 
 Conventions (NeMo-RL's): ``data`` holds the micro-batch **unpacked**, ``[B, S]``;
 ``next_token_logprobs[b, j]`` is ``log p(input_ids[b, j + 1])`` (``[B, S - 1]``);

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from seqpack import BatchedDataDict
-from seqpack.loss import (ClippedPGLoss, NLLLoss, SequencePackingLossWrapper, calculate_kl, clipped_pg_loss,
-                          masked_mean, nll_loss, prepare_loss_input, segment_masked_mean, segment_mean, segment_sum)
+from seqpack.loss import (ClippedPGLoss, MseValueLoss, NLLLoss, SequencePackingLossWrapper, calculate_kl,
+                          clipped_pg_loss, masked_mean, nll_loss, prepare_loss_input, segment_masked_mean, segment_mean, segment_sum)
 
 PG_CFG = {"ratio_clip_min": 0.2, "ratio_clip_max": 0.28, "ratio_clip_c": 3.0, "reference_policy_kl_penalty": 0.05,
           "reference_policy_kl_type": "k3", "use_importance_sampling_correction": True}
@@ -166,8 +166,10 @@ def test_wrapper_errors():
         SequencePackingLossWrapper(NLLLoss(), None, np.array([0, 5, 10], np.int32), np.array([0, 4, 10], np.int32))
     with pytest.raises(TypeError, match="cu_seqlens_q must be a 1-D int32 or int64 tensor"):
         SequencePackingLossWrapper(NLLLoss(), None, torch.tensor([0.0, 4.0, 10.0]))
-    with pytest.raises(ValueError, match="needs a log-prob loss"):
+    with pytest.raises(ValueError, match="takes no prepare_fn"):
         SequencePackingLossWrapper(NLLLoss(), lambda **kw: None, cu, cu_p, fused=True)
+    with pytest.raises(ValueError, match="needs a log-prob or distillation loss"):
+        SequencePackingLossWrapper(MseValueLoss(), None, cu, cu_p, fused=True)
 
     class DPOLossFn:
         def __call__(self, *args, **kwargs):
