@@ -93,7 +93,11 @@ class SequencePackingArgs(TypedDict):
     (seqpack's, NeMo-RL PR #4008's ``policy.shared_prefix_training``): plan the bins
     on prefix trees of the rows (physical tokens under the cap, groups whole), then
     iterate them as trees; ``shared_prefix_group_key``: rows share prefixes only
-    with rows of the same value of this key (default: any common prefix)."""
+    with rows of the same value of this key (default: any common prefix).
+    ``force_group_size`` (seqpack's, verl's name): every group of that many
+    consecutive rows of a global batch stays in one bin, rows in order (DPO's
+    interleaved chosen / rejected pairs: 2), so a loss coupling them
+    (:class:`~seqpack.loss.DPOLoss`) runs packed."""
 
     max_tokens_per_microbatch: int
     input_key: str
@@ -104,6 +108,7 @@ class SequencePackingArgs(TypedDict):
     balance: NotRequired[Literal["round_robin", "karmarkar_karp"]]
     shared_prefix: NotRequired[bool]
     shared_prefix_group_key: NotRequired[str]
+    force_group_size: NotRequired[int]
 
 
 class DynamicBatchingArgs(TypedDict):
@@ -596,6 +601,10 @@ class BatchedDataDict(UserDict, Generic[DictT]):
         return out
 
     def _shard_dynamic(self, shards: int, batch_size: int, args: Mapping[str, Any]):
+        if args.get("force_group_size", 1) != 1:
+            raise BatchedDataDictError("dynamic batching deals rows sorted by length across shards, which splits "
+                                       "force_group_size's groups: use sequence_packing_args (its bins keep each group "
+                                       "of consecutive rows whole)")
         if args.get("shared_prefix", False):  # trees: sequence packing's plan, padded as trees
             tree_args = {key: args[key] for key in ("max_tokens_per_microbatch", "input_key", "input_lengths_key",
                                                     "sequence_length_round", "shared_prefix_group_key")
@@ -628,6 +637,9 @@ class BatchedDataDict(UserDict, Generic[DictT]):
             raise BatchedDataDictError(f"sequence packing balance must be 'round_robin' or 'karmarkar_karp', "
                                        f"got {balance!r}")
         lens = _lengths(self.data, args["input_lengths_key"])
+        if args.get("shared_prefix", False) and args.get("force_group_size", 1) != 1:
+            raise BatchedDataDictError("shared_prefix keeps its trees (shared_prefix_group_key) whole instead of "
+                                       "force_group_size's groups of consecutive rows: give one of them")
         if args.get("shared_prefix", False):  # bins of prefix trees: physical tokens under the cap
             bins_per_chunk, loads_per_chunk = shared_prefix_bins(self.data, lens, shards, batch_size, args, pad_key)
         else:
@@ -868,12 +880,22 @@ class SlicedDataDict(BatchedDataDict):
 
 
 def _pack_chunks(lens: np.ndarray, shards: int, batch_size: int, args: Mapping[str, Any]):
-    """Per global batch, the packer's bins (chunk-local indices) of the padded lengths."""
+    """Per global batch, the packer's bins (chunk-local indices) of the padded lengths;
+    with ``force_group_size`` of its groups of consecutive rows, each whole in a bin."""
     multiple = _positive(args["sequence_length_pad_multiple"], "sequence_length_pad_multiple")
     padded = round_up(lens, multiple)
     packer = get_packer(args["algorithm"], bin_capacity=args["max_tokens_per_microbatch"], min_bin_count=shards,
                         bin_count_multiple=shards)
-    bins = [packer.pack(padded[c: c + batch_size]) for c in range(0, len(lens), batch_size)]
+    group = _positive(args.get("force_group_size", 1), "force_group_size")
+    if group == 1:
+        return [packer.pack(padded[c: c + batch_size]) for c in range(0, len(lens), batch_size)], padded
+    from ..planning.group_planning import consecutive_groups, pack_groups
+
+    try:
+        members = consecutive_groups(batch_size, group)
+        bins = [pack_groups(packer, padded[c: c + batch_size], members)[0] for c in range(0, len(lens), batch_size)]
+    except ValueError as exc:
+        raise BatchedDataDictError(f"sequence packing with force_group_size={group}: {exc}") from None
     return bins, padded
 
 

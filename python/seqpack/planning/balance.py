@@ -166,6 +166,7 @@ def plan_micro_batches(
     order: str = "heaviest_first",
     *,
     forest: Any = None,
+    group_ids: Any = None,
 ) -> MicroBatchPlan:
     """Split sequences into balanced micro-batches that never exceed ``max_tokens``.
 
@@ -199,6 +200,10 @@ def plan_micro_batches(
             physical tokens, or with ``attention_coeff`` ``attention_coeff * tokens``
             plus twice the visible attention pairs minus the tokens (``s**2`` for a
             plain row).
+        group_ids: one label per row; rows of one label stay in one micro-batch
+            (DPO's chosen / rejected pairs, a reward model's candidates), listed in
+            row order. Each group is one item (its summed tokens and workloads); a
+            group over ``max_tokens`` raises.
 
     Raises:
         ValueError: a sequence longer than ``max_tokens``; more micro-batches
@@ -212,6 +217,16 @@ def plan_micro_batches(
     if order not in ("heaviest_first", "small_at_ends"):
         raise ValueError(f"order must be 'heaviest_first' or 'small_at_ends', got {order!r}")
     max_tokens = as_positive_int(max_tokens, "max_tokens")
+    if group_ids is not None:
+        if forest is not None:
+            raise ValueError("forest and group_ids cannot be combined (a forest's trees are its groups: build it "
+                             "with PrefixForest(..., group_ids=))")
+        from .group_planning import plan_group_micro_batches
+
+        return MicroBatchPlan(**plan_group_micro_batches(
+            group_ids, lengths, max_tokens, as_positive_int(min_num, "min_num"),
+            as_positive_int(multiple_of, "multiple_of"), _coeff(attention_coeff), order,
+            sequence_workloads(lengths, attention_coeff)))
     if forest is not None:
         from .forest_planning import plan_forest_micro_batches
 

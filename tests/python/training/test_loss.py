@@ -10,7 +10,8 @@ import torch
 
 from seqpack import BatchedDataDict
 from seqpack.loss import (ClippedPGLoss, MseValueLoss, NLLLoss, SequencePackingLossWrapper, calculate_kl,
-                          clipped_pg_loss, masked_mean, nll_loss, prepare_loss_input, segment_masked_mean, segment_mean, segment_sum)
+                          clipped_pg_loss, masked_mean, nll_loss, prepare_loss_input, segment_masked_mean, segment_mean,
+                          segment_sum)
 
 PG_CFG = {"ratio_clip_min": 0.2, "ratio_clip_max": 0.28, "ratio_clip_c": 3.0, "reference_policy_kl_penalty": 0.05,
           "reference_policy_kl_type": "k3", "use_importance_sampling_correction": True}
