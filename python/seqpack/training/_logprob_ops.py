@@ -128,8 +128,45 @@ def logprob_grad(logits: torch.Tensor, targets: torch.Tensor, vocab_start: int, 
     Extra targets (several columns of a row read from its one log-sum-exp, see
     ``logprob_math.hpp``): row ``r``'s are ``extra_ids[extra_offsets[r]:extra_offsets[r + 1]]``
     (global ids, < 0 skipped) with upstream gradients ``extra_grad``; all three or none."""
+    grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+    if _kernel(logits) == "cpu" and grad.nbytes >= _HUGE_PAGES_FROM:
+        # A fresh gradient as large as the logits: with 4 KiB pages its first-touch
+        # faults cost as much as the kernel itself.
+        _core.advise_huge_pages(grad)
+    return _grad_into(logits, targets, vocab_start, temperature, max, log_sumexp, entropy, grad_logprob, grad_entropy,
+                      num_threads, extra_offsets, extra_ids, extra_grad, grad)
+
+
+@logprob_grad.register_fake
+def _(logits, targets, vocab_start, temperature, max, log_sumexp, entropy, grad_logprob, grad_entropy, num_threads,
+      extra_offsets=None, extra_ids=None, extra_grad=None):
+    return torch.empty_like(logits, memory_format=torch.contiguous_format)
+
+
+@torch.library.custom_op("seqpack::logprob_grad_into", mutates_args=("grad",))
+def logprob_grad_into(logits: torch.Tensor, targets: torch.Tensor, vocab_start: int, temperature: float,
+                      max: torch.Tensor, log_sumexp: torch.Tensor, entropy: Optional[torch.Tensor],
+                      grad_logprob: torch.Tensor, grad_entropy: Optional[torch.Tensor], num_threads: int,
+                      extra_offsets: Optional[torch.Tensor], extra_ids: Optional[torch.Tensor],
+                      extra_grad: Optional[torch.Tensor], grad: torch.Tensor) -> None:
+    """:func:`logprob_grad` written into ``grad`` (contiguous, the logits' shape and
+    dtype): a caller's workspace, reused tile after tile."""
+    _grad_into(logits, targets, vocab_start, temperature, max, log_sumexp, entropy, grad_logprob, grad_entropy,
+               num_threads, extra_offsets, extra_ids, extra_grad, grad)
+
+
+@logprob_grad_into.register_fake
+def _(logits, targets, vocab_start, temperature, max, log_sumexp, entropy, grad_logprob, grad_entropy, num_threads,
+      extra_offsets, extra_ids, extra_grad, grad):
+    return None
+
+
+def _grad_into(logits, targets, vocab_start, temperature, max, log_sumexp, entropy, grad_logprob, grad_entropy,
+               num_threads, extra_offsets, extra_ids, extra_grad, grad):
     if grad_entropy is not None and entropy is None:
         raise ValueError("grad_entropy needs the entropy")
+    if tuple(grad.shape) != tuple(logits.shape) or grad.dtype != logits.dtype or not grad.is_contiguous():
+        raise ValueError(f"grad must be a contiguous {logits.dtype} {tuple(logits.shape)} tensor")
     extras = _extras(logits, extra_offsets, extra_ids, extra_grad)
     acc = acc_dtype(logits.dtype)
     vectors = [t.to(acc).contiguous() for t in (max, log_sumexp, grad_logprob)]
@@ -137,26 +174,14 @@ def logprob_grad(logits: torch.Tensor, targets: torch.Tensor, vocab_start: int, 
     g_ent = grad_entropy.to(acc).contiguous() if grad_entropy is not None else None
     logits = _checked(logits, targets, *vectors, *([ent, g_ent] if g_ent is not None else []))
     targets = targets.contiguous()
-    grad = torch.empty_like(logits, memory_format=torch.contiguous_format)
+    m, log_se, g_lp = vectors
     kernel = _kernel(logits)
     if kernel is None:
-        m, log_se, g_lp = vectors
         return _grad_torch(logits, targets, vocab_start, temperature, m, log_se, ent, g_lp, g_ent, grad, extras)
-    if kernel == "cpu" and grad.nbytes >= _HUGE_PAGES_FROM:
-        # A fresh gradient as large as the logits: with 4 KiB pages its first-touch
-        # faults cost as much as the kernel itself.
-        _core.advise_huge_pages(grad)
-    m, log_se, g_lp = vectors
     args = (logits, targets, vocab_start, temperature, m, log_se, ent, g_lp, g_ent, grad)
     kwargs = {} if extras is None else dict(zip(("extra_offsets", "extra_ids", "extra_grad"), extras))
     _launch(kernel, "logprob_row_grad", logits, args, num_threads, **kwargs)
     return grad
-
-
-@logprob_grad.register_fake
-def _(logits, targets, vocab_start, temperature, max, log_sumexp, entropy, grad_logprob, grad_entropy, num_threads,
-      extra_offsets=None, extra_ids=None, extra_grad=None):
-    return torch.empty_like(logits, memory_format=torch.contiguous_format)
 
 
 def _extras(logits, offsets, ids, grad):
@@ -365,19 +390,38 @@ def _linear(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
     return torch.nn.functional.linear(hidden, weight, bias)
 
 
-def _tile_logits(hidden, weight, bias, r, v):
-    return _linear(hidden[r[0]:r[1]], weight[v[0]:v[1]], None if bias is None else bias[v[0]:v[1]])
+def _tile_logits(hidden, weight, bias, r, v, workspace=None):
+    """The logits of tile ``(r, v)``; with ``workspace`` (a flat buffer of the largest
+    tile) written into its front instead of a fresh tensor."""
+    h, w, b = hidden[r[0]:r[1]], weight[v[0]:v[1]], None if bias is None else bias[v[0]:v[1]]
+    if workspace is None:
+        return _linear(h, w, b)
+    out = workspace[: h.shape[0] * w.shape[0]].view(h.shape[0], w.shape[0])
+    return torch.mm(h, w.t(), out=out) if b is None else torch.addmm(b, h, w.t(), out=out)
+
+
+def tile_workspace(plan, like: torch.Tensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """One flat buffer for the largest tile of ``plan``, allocated once per call (the
+    tiles reuse it, so the peak does not depend on when the allocator returns a
+    freed tile to the system: issue 30, item 7)."""
+    size = max(((r1 - r0) * (v1 - v0) for (r0, r1), (v0, v1) in plan), default=0)
+    buffer = torch.empty(size, dtype=dtype or like.dtype, device=like.device)
+    if isinstance(size, int) and buffer.device.type == "cpu" and size * buffer.element_size() >= _HUGE_PAGES_FROM:
+        _core.advise_huge_pages(buffer)  # (not while tracing: symbolic sizes)
+    return buffer
 
 
 def linear_stats(hidden, weight, bias, targets, vocab_start, temperature, entropy, num_threads, chunk):
-    """:func:`logprob_stats` of ``hidden @ weight.T + bias``, a tile at a time (vocabulary
-    slices of the same rows merged exactly)."""
+    """:func:`logprob_stats` of ``hidden @ weight.T + bias``, a tile at a time in one
+    workspace (vocabulary slices of the same rows merged exactly)."""
     rows = hidden.shape[0]
     out = torch.zeros((4, rows), dtype=acc_dtype(hidden.dtype), device=hidden.device)
     merged = None
-    for r, v in tiles(rows, weight.shape[0], chunk):
-        s = logprob_stats(_tile_logits(hidden, weight, bias, r, v), targets[r[0]:r[1]], vocab_start + v[0],
-                          temperature, entropy, num_threads)
+    plan = tiles(rows, weight.shape[0], chunk)
+    workspace = tile_workspace(plan, hidden)
+    for r, v in plan:
+        s = logprob_stats(_tile_logits(hidden, weight, bias, r, v, workspace), targets[r[0]:r[1]],
+                          vocab_start + v[0], temperature, entropy, num_threads)
         if v == (0, weight.shape[0]):
             out[:, r[0]:r[1]] = s
         else:
@@ -405,25 +449,33 @@ def linear_grads(ctx, grad_logprob, grad_entropy, needs: Tuple[bool, bool, bool]
     g_weight = (torch.zeros(weight.shape, dtype=acc, device=weight.device) if by_rows
                 else torch.empty_like(weight)) if want_w else None
     g_bias = torch.zeros(vocab, dtype=acc, device=weight.device) if want_b else None
+    # Two workspaces of the largest tile, allocated once (the forward's is freed by
+    # now): the tile's logits and their gradient; the matmuls write into the outputs.
+    logits_ws, grad_ws = tile_workspace(plan, hidden), tile_workspace(plan, hidden)
+    acc_ws = tile_workspace(plan, hidden, acc) if acc != hidden.dtype else None
     for r, v in plan:  # no data-dependent skips: traceable, no host reads
         (lo, hi), (v0, v1) = r, v
         h = hidden[lo:hi]
-        tile_extras = () if extras is None else (extras[0][lo:hi + 1], extras[1], extras[2])
-        grad = logprob_grad(_tile_logits(hidden, weight, bias, r, v), targets[lo:hi], ctx.vocab_start + v0,
-                            ctx.temperature, m[lo:hi], log_se[lo:hi], ent[lo:hi] if g_ent is not None else None,
-                            g_lp[lo:hi], g_ent[lo:hi] if g_ent is not None else None, ctx.num_threads, *tile_extras)
+        tile_extras = (None, None, None) if extras is None else (extras[0][lo:hi + 1], extras[1], extras[2])
+        z = _tile_logits(hidden, weight, bias, r, v, logits_ws)
+        n = z.shape[0] * z.shape[1]
+        grad = grad_ws[:n].view(z.shape)
+        logprob_grad_into(z, targets[lo:hi], ctx.vocab_start + v0, ctx.temperature, m[lo:hi], log_se[lo:hi],
+                          ent[lo:hi] if g_ent is not None else None, g_lp[lo:hi],
+                          g_ent[lo:hi] if g_ent is not None else None, ctx.num_threads, *tile_extras, grad)
+        grad_acc = grad if acc_ws is None else acc_ws[:n].view(z.shape).copy_(grad)
         if g_hidden is not None:
             if by_rows:
-                g_hidden[lo:hi] = grad @ weight
+                torch.mm(grad, weight, out=g_hidden[lo:hi])
             else:
-                g_hidden.addmm_(grad.to(acc), weight[v0:v1].to(acc))
+                g_hidden.addmm_(grad_acc, weight[v0:v1].to(acc))
         if g_weight is not None:
             if by_rows:
-                g_weight.addmm_(grad.t().to(acc), h.to(acc))
+                g_weight.addmm_(grad_acc.t(), h.to(acc))
             else:
-                g_weight[v0:v1] = grad.t() @ h
+                torch.mm(grad.t(), h, out=g_weight[v0:v1])
         if g_bias is not None:
-            g_bias[v0:v1] += grad.sum(0, dtype=acc)
+            g_bias[v0:v1] += grad_acc.sum(0)
     return (None if g_hidden is None else g_hidden.to(hidden.dtype),
             None if g_weight is None else g_weight.to(weight.dtype),
             None if g_bias is None else g_bias.to(bias.dtype))

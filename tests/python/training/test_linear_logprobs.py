@@ -146,8 +146,8 @@ def test_custom_op_passes_opcheck_and_never_holds_all_logits(monkeypatch):
                               (h.requires_grad_(), w.requires_grad_(), b.requires_grad_(), targets, 0, 1.3, entropy,
                                0, 3))
     shapes = []
-    real = ops._linear
-    monkeypatch.setattr(ops, "_linear", lambda *a: shapes.append(tuple(real(*a).shape)) or real(*a))
+    real = ops._tile_logits
+    monkeypatch.setattr(ops, "_tile_logits", lambda *a: (lambda z: shapes.append(tuple(z.shape)) or z)(real(*a)))
     out = linear_token_logprobs(h, w, torch.randint(0, 7, (10,)), [0, 10], chunk_tokens=4)
     out.logprobs.sum().backward()
     assert shapes and max(s[0] for s in shapes) == 4  # forward and backward: a chunk of logits at a time
@@ -161,12 +161,12 @@ def test_fewer_rows_than_vocabulary_tiles_the_vocabulary(monkeypatch):
     h, w, b = (t.requires_grad_() for t in head(16, 8, 100, seed=6))
     ids = torch.randint(0, 100, (16,), generator=torch.Generator().manual_seed(7))
     shapes = []
-    real = ops._linear
-    monkeypatch.setattr(ops, "_linear", lambda *a: shapes.append(tuple(real(*a).shape)) or real(*a))
+    real = ops._tile_logits
+    monkeypatch.setattr(ops, "_tile_logits", lambda *a: (lambda z: shapes.append(tuple(z.shape)) or z)(real(*a)))
     out = linear_token_logprobs(h, w, ids, cu, cu_p, bias=b, return_entropy=True, chunk_tokens=3)
     grads = torch.autograd.grad(out.logprobs.sum() + out.entropy.sum(), (h, w, b))
     assert set(shapes) == {(16, 18), (16, 10)} and len(shapes) == 12  # 3 x 100 logits: 18 columns, twice
-    monkeypatch.setattr(ops, "_linear", real)
+    monkeypatch.setattr(ops, "_tile_logits", real)
     full = seqpack.packed_token_logprobs(F.linear(h, w, b), ids, cu, cu_p, return_entropy=True)
     torch.testing.assert_close(out.logprobs, full.logprobs)
     torch.testing.assert_close(out.entropy, full.entropy)

@@ -189,7 +189,7 @@ def test_errors():
 
 
 def test_docs_worked_example():
-    # docs/loss.md: lengths [5, 3] padded to [8, 4], CP = 2.
+    # docs/losses.md: lengths [5, 3] padded to [8, 4], CP = 2.
     assert seqpack.cp_partition_indices([0, 8, 12], 2, 0).tolist() == [0, 1, 6, 7, 8, 11]
     assert next_token_sources([0, 5, 8], [0, 8, 12], cp_size=2, cp_rank=0).tolist() == [1, 2, -1, -1, 9, -1]
     assert next_token_sources([0, 5, 8], [0, 8, 12], cp_size=2, cp_rank=1).tolist() == [3, 4, -1, -1, 10, -1]
