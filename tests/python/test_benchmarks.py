@@ -1,4 +1,5 @@
-"""The loss, training-step, boundary, THD, step-planning, TRL, AutoModel, prefix-tree, forest-planning and tree-step benchmark
+"""The loss, training-step, boundary, THD, step-planning, TRL, AutoModel, prefix-tree, forest-planning, tree-step,
+distillation and DPO benchmark
 scripts still run (``--quick``: tiny sizes, a smoke test; their numbers come from full runs recorded in
 benchmarks/RESULTS.md)."""
 
@@ -22,7 +23,9 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
                                            ("bench_automodel.py", "AutoModel pack_dataset"),
                                            ("bench_prefix_tree.py", "Prefix-tree packing vs plain packing"),
                                            ("bench_forest_planning.py", "Tree-aware planning"),
-                                           ("bench_tree_step.py", "GRPO training step, plain packing vs prefix trees")])
+                                           ("bench_tree_step.py", "GRPO training step, plain packing vs prefix trees"),
+                                           ("bench_distillation.py", "Distillation loss input + mixed KL"),
+                                           ("bench_dpo.py", "DPO training step, padded vs packed pairs")])
 def test_quick_run_prints_its_table(script, title, tmp_path):
     # The scripts import the same seqpack as this test (installed, or the source tree).
     here = str(pathlib.Path(seqpack.__file__).resolve().parents[1])

@@ -51,7 +51,7 @@ _COUPLED = re.compile(r"dpo|preference|pairwise|contrastive", re.IGNORECASE)
 
 def _check_packable(loss_fn: Any, fused: bool) -> None:
     """A loss that couples a micro-batch's rows (DPO's chosen / rejected pairs) runs
-    only fused: one call on the whole micro-batch."""
+    only fused or on a prefix tree: one call on the whole micro-batch."""
     coupled = getattr(loss_fn, "batch_coupled", None)
     if coupled is None:
         coupled = bool(_COUPLED.search(type(loss_fn).__name__)) or bool(_COUPLED.search(getattr(loss_fn, "__name__", "")))
@@ -231,7 +231,7 @@ class SequencePackingLossWrapper(ValueEquality):
                  temperature: float = 1.0, agree: bool = True):
         if cu_seqlens_q is None:
             raise ValueError("cu_seqlens_q is required")
-        _check_packable(loss_fn, fused)
+        _check_packable(loss_fn, fused or isinstance(cu_seqlens_q, PrefixTreeBatch))  # a tree: one call too
         self.loss_fn, self.prepare_fn, self.fused, self.agree = loss_fn, prepare_fn, fused, bool(agree)
         self.temperature = as_temperature(temperature)
         self.tree = cu_seqlens_q if isinstance(cu_seqlens_q, PrefixTreeBatch) else None
@@ -252,7 +252,7 @@ class SequencePackingLossWrapper(ValueEquality):
         self.cu_padded = layout.cu_seqlens_padded.astype(np.int64)
         self.vocab_parallel_rank, self.vocab_parallel_group = vocab_parallel_rank, vocab_parallel_group
         self.context_parallel_group = context_parallel_group
-        if not fused and not getattr(loss_fn, "splits_per_sequence", True):
+        if not fused and self.tree is None and not getattr(loss_fn, "splits_per_sequence", True):
             raise ValueError(f"{type(loss_fn).__name__} does not split over sequences (e.g. VAPO's "
                              "positive_example_nll_weight divides by the micro-batch's own token count): use fused=True")
         if fused and prepare_fn is not None:

@@ -13,7 +13,9 @@ column::
 The backward is NeMo-RL's: each rank's gradient reaches only the columns it owns,
 unscaled (every rank computes the same loss on the gathered columns, and each
 column's gradient lives on its one owner). A softmax over the gathered columns is
-the full-vocabulary softmax restricted to them and renormalised.
+the full-vocabulary softmax restricted to them and renormalised. With a CP group
+(NeMo-RL's ``cp_group``) each rank gathers the columns of its zigzag rows and one
+all-gather gives every rank the whole rows.
 
     >>> import torch
     >>> from seqpack.loss import vocab_parallel_gather_columns
@@ -26,7 +28,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Dict, Optional
 
-from .._lengths import as_int
+import numpy as np
+
+from .._lengths import as_int, as_positive_int
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -58,35 +62,46 @@ def _sum_over_ranks():
     return _SUM
 
 
-def vocab_parallel_gather_columns(logits: "torch.Tensor", columns: "torch.Tensor", tp_group: Any = None, *,
-                                  vocab_start_index: Optional[int] = None,
-                                  vocab_end_index: Optional[int] = None, agree: bool = True) -> "torch.Tensor":
+def vocab_parallel_gather_columns(logits: "torch.Tensor", columns: "torch.Tensor", tp_group: Any = None,
+                                  cp_group: Any = None, *, vocab_start_index: Optional[int] = None,
+                                  vocab_end_index: Optional[int] = None, chunk_size: Optional[int] = None,
+                                  agree: bool = True) -> "torch.Tensor":
     """The logits at global token ids ``columns`` of vocabulary-parallel ``logits``,
-    gathered across ``tp_group`` (NeMo-RL's semantics; fp32 or fp64, differentiable).
+    gathered across ``tp_group`` (NeMo-RL's semantics and argument order; fp32 or fp64,
+    differentiable).
 
     Args:
         logits: ``[..., V_local]`` this rank's vocabulary slice (the whole vocabulary
-            without a TP group).
-        columns: ``[..., k]`` integer global token ids, the same leading shape.
+            without a TP group); with a CP group ``[B, S_cp, V_local]``, this rank's
+            zigzag rows of every row (each row padded to ``S_cp * cp``).
+        columns: ``[..., k]`` integer global token ids, the same leading shape; with
+            a CP group ``[B, S, k]`` for the whole rows (``S <= S_cp * cp``).
         tp_group: the tensor-parallel group (``None``, or one of size 1: a plain
             gather).
+        cp_group: the context-parallel group: the columns of this rank's rows are
+            gathered here and all-gathered over the group (sequence order, cut to
+            ``S``); its backward is :func:`seqpack.cp.gather_cp`'s.
         vocab_start_index / vocab_end_index: this rank's slice (default
             ``rank * V_local`` and ``start + V_local``, NeMo-RL's layout).
-        agree: before the all-reduce every rank checks its arguments, then one
-            all-reduce makes every rank raise together when one failed or when the
-            ranks' shapes differ (``False`` skips it).
+        chunk_size: NeMo-RL's memory bound for its upcast copy of the logits; seqpack
+            gathers before upcasting (no copy), so it is only checked (> 0).
+        agree: before the first collective every rank checks its arguments, then one
+            all-reduce over both groups makes every rank raise together when one
+            failed or when the ranks' shapes differ (``False`` skips it).
 
     Returns:
-        ``[..., k]`` fp32 (fp64 for fp64 logits): column ``j`` of row ``r`` is the full-vocabulary logit
-        ``columns[r, j]``; a column no rank owns (outside the vocabulary) is 0.
+        ``[..., k]`` fp32 (fp64 for fp64 logits): column ``j`` of row ``r`` is the
+        full-vocabulary logit ``columns[r, j]``; a column no rank owns (outside the
+        vocabulary) is 0.
     """
     import torch
     import torch.distributed as dist
 
-    from .._dist import active, checked_on_every_rank, tensor_facts
+    from .._dist import active, checked_on_every_rank, groups_of, tensor_facts
     from ..tensors._device import check_tensor
 
     parallel = tp_group is not None and active(tp_group)
+    cp = dist.get_world_size(cp_group) if cp_group is not None and active(cp_group) else 1
 
     def local() -> Dict[str, Any]:
         check_tensor(logits, "logits")
@@ -95,7 +110,16 @@ def vocab_parallel_gather_columns(logits: "torch.Tensor", columns: "torch.Tensor
             raise TypeError(f"logits must be floating point, got {logits.dtype}")
         if columns.dtype.is_floating_point or columns.dtype == torch.bool:
             raise TypeError(f"columns must hold integer token ids, got {columns.dtype}")
-        if logits.dim() < 1 or columns.dim() != logits.dim() or columns.shape[:-1] != logits.shape[:-1]:
+        if chunk_size is not None:
+            as_positive_int(chunk_size, "chunk_size")
+        if cp > 1:
+            if logits.dim() != 3 or columns.dim() != 3 or columns.shape[0] != logits.shape[0]:
+                raise ValueError(f"with a CP group logits must be [B, S_cp, V_local] and columns [B, S, k], got "
+                                 f"{tuple(logits.shape)} and {tuple(columns.shape)}")
+            if columns.shape[1] > logits.shape[1] * cp or (logits.shape[1] * cp) % (2 * cp):
+                raise ValueError(f"columns cover {columns.shape[1]} positions; this rank's {logits.shape[1]} rows "
+                                 f"x cp {cp} must cover them, in 2 x cp zigzag chunks")
+        elif logits.dim() < 1 or columns.dim() != logits.dim() or columns.shape[:-1] != logits.shape[:-1]:
             raise ValueError(f"columns must be [..., k] with logits' leading shape {tuple(logits.shape[:-1])}, got "
                              f"{tuple(columns.shape)}")
         width = int(logits.shape[-1])
@@ -110,10 +134,19 @@ def vocab_parallel_gather_columns(logits: "torch.Tensor", columns: "torch.Tensor
     facts = (lambda _: {"the shapes of logits and columns (but the vocabulary slice)":
                         [tuple(logits.shape[:-1]), tuple(columns.shape)],
                         "whether logits require grad": tensor_facts(logits)["requires_grad"]})
-    slice_ = checked_on_every_rank(local, tp_group, "vocab_parallel_gather_columns", agree and parallel,
+    groups = groups_of(tp_group, cp_group)
+    slice_ = checked_on_every_rank(local, groups, "vocab_parallel_gather_columns", agree and bool(groups),
                                    fingerprint=facts)
     start, end = slice_["start"], slice_["end"]
     ids = columns.to(device=logits.device, dtype=torch.int64)
+    if cp > 1:  # this rank's zigzag rows of every (padded) row's columns
+        from ..tensors.cp import cp_local_rows, gather_cp
+
+        batch, local_rows, k = logits.shape[0], logits.shape[1], ids.shape[-1]
+        padded, full = local_rows * cp, ids.shape[1]
+        cu = np.arange(batch + 1, dtype=np.int64) * padded
+        ids = torch.nn.functional.pad(ids, (0, 0, 0, padded - full)).reshape(batch * padded, k)
+        ids = cp_local_rows(ids, cu, cp, dist.get_rank(cp_group)).view(batch, local_rows, k)
     owned = (ids >= start) & (ids < end)
     index = (ids - start).clamp(0, max(int(logits.shape[-1]) - 1, 0))
     dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
@@ -121,4 +154,9 @@ def vocab_parallel_gather_columns(logits: "torch.Tensor", columns: "torch.Tensor
         values = logits.new_zeros(ids.shape, dtype=dtype)
     else:
         values = torch.where(owned, logits.gather(-1, index).to(dtype), 0.0)
-    return _sum_over_ranks().apply(values, tp_group) if parallel else values
+    if parallel:
+        values = _sum_over_ranks().apply(values, tp_group)
+    if cp > 1:
+        values = gather_cp(values.reshape(batch * local_rows, k), cu, cp_group, agree=False)
+        values = values.view(batch, padded, k)[:, :full]
+    return values

@@ -174,3 +174,34 @@ def test_micro_batches_of_whole_pairs_add_up():
     torch.testing.assert_close(parts, whole, rtol=1e-12, atol=1e-12)
     summed["num_valid_samples"] = whole_metrics["num_valid_samples"]  # a count: micro-batches' counts add
     assert summed == pytest.approx({**whole_metrics}, rel=1e-9)
+
+
+def test_pairs_as_prefix_trees_share_the_prompt():
+    # A pair's two rows share their prompt: as a prefix tree the prompt runs once, and
+    # the DPO loss through the wrapper (one call on every row) is the unpacked one.
+    from seqpack import pack_prefix_tree
+    from seqpack.testing.tiny_model import TinyCausalLM, TinyConfig
+
+    torch.manual_seed(0)
+    model = TinyCausalLM(TinyConfig(vocab_size=32, hidden_size=16, num_layers=1, num_heads=2,
+                                    num_kv_heads=1)).double()
+    g = torch.Generator().manual_seed(1)
+    rows = []
+    for prompt_len, (c, r) in ((5, (3, 4)), (2, (6, 1))):
+        prompt = torch.randint(1, 32, (prompt_len,), generator=g).tolist()
+        rows += [prompt + torch.randint(1, 32, (c,), generator=g).tolist(),
+                 prompt + torch.randint(1, 32, (r,), generator=g).tolist()]
+    lengths = [len(x) for x in rows]
+    width = max(lengths)
+    ids = torch.tensor([x + [0] * (width - len(x)) for x in rows])
+    mask = (torch.arange(width)[None] < torch.tensor(lengths)[:, None]).double()
+    data = {"input_ids": ids, "token_mask": mask, "sample_mask": torch.ones(4, dtype=torch.float64),
+            "reference_policy_logprobs": -torch.rand(4, width, generator=g, dtype=torch.float64)}
+    loss_fn = DPOLoss({"reference_policy_kl_penalty": 0.4, "sft_loss_weight": 0.3})
+    logits = model.forward_padded(ids, mask.long(), right_padded=True)
+    base, _ = call(loss_fn, logits, data, 4, mask[:, 1:].sum())
+    tree = pack_prefix_tree(rows, group_ids=[0, 0, 1, 1])
+    assert tree.num_tokens < sum(lengths)  # the prompts once
+    loss, _ = SequencePackingLossWrapper(loss_fn, cu_seqlens_q=tree)(model.forward_tree(tree), data, 4,
+                                                                     mask[:, 1:].sum())
+    torch.testing.assert_close(loss, base, rtol=1e-10, atol=1e-12)

@@ -95,3 +95,35 @@ def pools():
                          ids=["tp-seed0", "tp-seed5", "failing-rank"])
 def test_on_gloo_ranks(pools, world, case, args):
     assert values_of(pools[world], case, *args, timeout_s=CASE_TIMEOUT_S) == [True] * world  # a hang raises
+
+
+def case_tp_cp(rank, world, seed):
+    """NeMo-RL's cp_group: a 2 x (world / 2) grid would need 4 ranks; here CP alone
+    over every rank (TP None) and CP with a TP group of one: each rank holds its
+    zigzag rows of [B, S_cp, V]; the result is the whole rows' gather, the gradient
+    (the same loss on every rank, / cp) the rank's rows of the full one."""
+    from seqpack.cp import cp_local_rows
+
+    g = torch.Generator().manual_seed(seed)
+    batch, full_len, vocab, k = 2, 7, 6, 3
+    padded = -(-full_len // (2 * world)) * 2 * world
+    logits = torch.randn(batch, padded, vocab, generator=g, dtype=torch.float64)
+    columns = torch.randint(0, vocab, (batch, full_len, k), generator=g)
+    w = torch.randn(batch, full_len, k, generator=g, dtype=torch.float64)
+    leaf = logits.clone().requires_grad_()
+    ref = full_gather(leaf[:, :full_len], columns)
+    (ref * w).sum().backward()
+    cu = [i * padded for i in range(batch + 1)]
+    mine = cp_local_rows(logits.reshape(batch * padded, vocab), cu, world, rank).view(batch, padded // world, vocab)
+    mine = mine.clone().requires_grad_()
+    out = vocab_parallel_gather_columns(mine, columns, None, dist.group.WORLD, chunk_size=4)
+    torch.testing.assert_close(out, ref.detach(), rtol=0, atol=0)
+    ((out * w).sum() / world).backward()
+    expect = cp_local_rows(leaf.grad.reshape(batch * padded, vocab), cu, world, rank).view(mine.shape)
+    torch.testing.assert_close(mine.grad, expect, rtol=1e-12, atol=1e-12)
+    return True
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_context_parallel_on_gloo_ranks(pools, world):
+    assert values_of(pools[world], case_tp_cp, 4, timeout_s=CASE_TIMEOUT_S) == [True] * world
