@@ -4,7 +4,7 @@ the agreement every rank runs before its first collective
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, TypeVar, Union
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, TypeVar, Union
 
 T = TypeVar("T")
 
@@ -31,6 +31,15 @@ def all_reduce_ints(values: Sequence[int], op: str, group=None) -> List[int]:
 def all_reduce_int(value: int, op: str, group=None) -> int:
     """``value`` reduced with ``"max"`` or ``"min"`` over ``group``."""
     return all_reduce_ints([value], op, group)[0]
+
+
+def size_and_rank(group) -> Tuple[int, int]:
+    """``(world size, this process's rank)`` of ``group``; ``(1, 0)`` for ``None``."""
+    if group is None:
+        return 1, 0
+    import torch.distributed as dist
+
+    return dist.get_world_size(group), dist.get_rank(group)
 
 
 def groups_of(*groups: Any) -> List[Any]:

@@ -250,18 +250,17 @@ def distillation_loss_input(rows: "torch.Tensor", data: Mapping[str, Any], layou
     The teacher's ids are packed into the layout (-1 in padding rows: no column),
     the student's side runs on the packed rows in one pass
     (:func:`distillation_topk_logprobs`) and is unpacked back to ``[B, S - 1, k]``."""
-    from .._dist import autocast_state, grad_on
+    from .._dist import autocast_state, grad_on, size_and_rank
     from ..tensors.cp import gather_cp
     from ..tensors.layout import PackedLayout
     from ..tensors.thd import pack_to_layout
-    from .loss import _group_info
 
     ids = data["input_ids"]
     if ids.dim() != 2:
         raise ValueError(f"data['input_ids'] must be [B, S], got shape {tuple(ids.shape)}")
     batch, width = ids.shape
     t_logits, t_ids = check_teacher(data, batch, width)
-    cp_size, cp_rank = _group_info(context_parallel_group)
+    cp_size, cp_rank = size_and_rank(context_parallel_group)
     local = PackedLayout(layout.cu_seqlens, layout.cu_seqlens_padded, cp_size=cp_size, cp_rank=cp_rank)
     columns = pack_to_layout({"columns": t_ids[:, :width]}, local, pad_value=-1)["columns"]
     if rows.dim() != 2 or rows.shape[0] != columns.shape[0]:

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, Mapping, Optional, Tuple
 
 import numpy as np
 
-from .._dist import autocast_state, checked_on_every_rank, groups_of, tensor_facts
+from .._dist import autocast_state, checked_on_every_rank, groups_of, size_and_rank, tensor_facts
 from .._equality import ValueEquality
 from .._lengths import as_temperature
 from ..tensors.cp import gather_cp
@@ -79,12 +79,6 @@ def _computes_input(loss_fn: Any) -> bool:
     return _input_type(loss_fn) in ("logprob", "distillation")
 
 
-def _group_info(group) -> Tuple[int, int]:
-    if group is None:
-        return 1, 0
-    import torch.distributed as dist
-
-    return dist.get_world_size(group), dist.get_rank(group)
 
 
 def _rows_plan(rows, lm_head_weight, lm_head_bias, vocab_parallel_rank, input_ids, cu, cu_p, *, cp_size, cp_rank,
@@ -126,7 +120,7 @@ def prepare_loss_input(logits, data, loss_fn=None, vocab_parallel_rank=None, voc
     (shapes, dtypes, ``requires_grad``) makes every rank raise."""
     import torch
 
-    cp, cp_rank = _group_info(context_parallel_group)
+    cp, cp_rank = size_and_rank(context_parallel_group)
 
     def local():
         rows = logits.reshape(-1, logits.shape[-1])
@@ -265,7 +259,7 @@ class SequencePackingLossWrapper(ValueEquality):
         from ..tensors._device import check_tensor
 
         check_tensor(logits, "next_token_logits")
-        cp, rank = _group_info(self.context_parallel_group)
+        cp, rank = size_and_rank(self.context_parallel_group)
         rows = logits.shape[-2] if logits.dim() == 3 else logits.shape[0]
         if self.tree is not None:
             check_tree_logits(self.tree, logits, cp, rank)
@@ -293,7 +287,7 @@ class SequencePackingLossWrapper(ValueEquality):
             if self.tree is not None:
                 return cp, batch, tree_loss_plan(
                     self.tree, self.loss_fn, next_token_logits, data, lm_head_weight, lm_head_bias,
-                    temperature=self.temperature, cp_size=cp, cp_rank=_group_info(self.context_parallel_group)[1],
+                    temperature=self.temperature, cp_size=cp, cp_rank=size_and_rank(self.context_parallel_group)[1],
                     context_parallel_group=self.context_parallel_group, vocab_parallel_group=self.vocab_parallel_group)
             if self.fused:
                 return cp, batch, self._fused_plan(next_token_logits, data, lm_head_weight, lm_head_bias)
@@ -371,7 +365,7 @@ class SequencePackingLossWrapper(ValueEquality):
             return (lambda global_valid_seqs, global_valid_toks: self.loss_fn(
                 data=data, global_valid_seqs=global_valid_seqs, global_valid_toks=global_valid_toks, **run())), facts
         packed = pack_to_layout({"input_ids": ids}, layout)
-        cp_size, cp_rank = _group_info(self.context_parallel_group)
+        cp_size, cp_rank = size_and_rank(self.context_parallel_group)
         entropy = bool(getattr(self.loss_fn, "needs_entropy", False))
         run, facts = _rows_plan(logits2d, lm_head_weight, lm_head_bias, self.vocab_parallel_rank, packed["input_ids"],
                                 PackedLayout(layout.cu_seqlens, layout.cu_seqlens_padded, cp_size=cp_size,
