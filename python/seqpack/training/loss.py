@@ -57,9 +57,9 @@ def _check_packable(loss_fn: Any, fused: bool) -> None:
         coupled = bool(_COUPLED.search(type(loss_fn).__name__)) or bool(_COUPLED.search(getattr(loss_fn, "__name__", "")))
     if coupled and not fused:
         raise ValueError(f"{type(loss_fn).__name__} couples the sequences of a batch (e.g. DPO's chosen/rejected "
-                         "pairs), so it cannot run on packed sequences one at a time: use fused=True (one call on the "
-                         "whole micro-batch, each pair's rows in it; or set loss_fn.batch_coupled = False if it is in "
-                         "fact per-sequence)")
+                         "pairs), so it cannot run on packed sequences one at a time: use fused=True or a prefix tree "
+                         "(one call on the whole micro-batch, each pair's rows in it; or set loss_fn.batch_coupled = "
+                         "False if it is in fact per-sequence)")
 
 
 def _input_type(loss_fn: Any) -> str:
@@ -77,8 +77,6 @@ def _computes_input(loss_fn: Any) -> bool:
     """Whether seqpack computes the loss's input itself (log-probs, or distillation's
     top-k log-probs): the fused and prefix-tree paths need such a loss."""
     return _input_type(loss_fn) in ("logprob", "distillation")
-
-
 
 
 def _rows_plan(rows, lm_head_weight, lm_head_bias, vocab_parallel_rank, input_ids, cu, cu_p, *, cp_size, cp_rank,
@@ -193,9 +191,9 @@ class SequencePackingLossWrapper(ValueEquality):
         fused: compute every sequence's log-probs in one pass over the packed
             logits, one CP all-gather per call, and call ``loss_fn`` once on the whole
             ``[B, S - 1]`` micro-batch (NeMo-RL's ``SequencePackingFusionLossWrapper``);
-            needs a log-prob or distillation loss (``input_type``). The only way
-            to run a loss that couples rows (DPO's pairs: each pair's rows in the
-            micro-batch).
+            needs a log-prob or distillation loss (``input_type``). With a prefix
+            tree, the only way to run a loss that couples rows (DPO's pairs: each
+            pair's rows in the micro-batch).
         temperature: divide the logits by it (inside the fused kernel; no copy).
 
     Called as ``wrapper(next_token_logits, data, global_valid_seqs,
