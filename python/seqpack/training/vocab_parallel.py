@@ -75,7 +75,8 @@ def vocab_parallel_gather_columns(logits: "torch.Tensor", columns: "torch.Tensor
             without a TP group); with a CP group ``[B, S_cp, V_local]``, this rank's
             zigzag rows of every row (each row padded to ``S_cp * cp``).
         columns: ``[..., k]`` integer global token ids, the same leading shape; with
-            a CP group ``[B, S, k]`` for the whole rows (``S <= S_cp * cp``).
+            a CP group ``[B, S, k]`` for the whole rows (``S <= S_cp * cp``); or one
+            set ``[k]`` for every position (NeMo-RL's column gather).
         tp_group: the tensor-parallel group (``None``, or one of size 1: a plain
             gather).
         cp_group: the context-parallel group: the columns of this rank's rows are
@@ -102,6 +103,8 @@ def vocab_parallel_gather_columns(logits: "torch.Tensor", columns: "torch.Tensor
 
     parallel = tp_group is not None and active(tp_group)
     cp = dist.get_world_size(cp_group) if cp_group is not None and active(cp_group) else 1
+    if isinstance(columns, torch.Tensor) and columns.dim() == 1 and logits.dim() >= 1:  # one set for every position
+        columns = columns.expand(*logits.shape[:-1], columns.shape[0])
 
     def local() -> Dict[str, Any]:
         check_tensor(logits, "logits")

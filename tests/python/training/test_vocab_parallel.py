@@ -63,6 +63,9 @@ def case_tp(rank, world, seed):
     (out.double() * w).sum().backward()  # the same loss on every rank
     torch.testing.assert_close(mine.grad, ref_leaf.grad[..., rank * width:(rank + 1) * width], rtol=1e-6,
                                atol=1e-6)
+    shared = torch.randperm(width * world, generator=g)[:6]  # NeMo-RL's tp_sharded test: one [k] set
+    out = vocab_parallel_gather_columns(full[..., rank * width:(rank + 1) * width], shared, dist.group.WORLD)
+    torch.testing.assert_close(out, full[..., shared], rtol=0, atol=0)
     return True
 
 
@@ -127,3 +130,29 @@ def case_tp_cp(rank, world, seed):
 @pytest.mark.parametrize("world", WORLDS)
 def test_context_parallel_on_gloo_ranks(pools, world):
     assert values_of(pools[world], case_tp_cp, 4, timeout_s=CASE_TIMEOUT_S) == [True] * world
+
+
+def test_nemo_rls_column_gather_tests():
+    # NeMo-RL test_vocab_parallel_gather_columns_no_tp: bf16 logits, one [k] set of
+    # columns for every position; fp32 and exactly the upcast gather.
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(2, 3, 10, generator=g).to(torch.bfloat16)
+    idx = torch.tensor([1, 4, 7])
+    out = vocab_parallel_gather_columns(logits, idx)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, logits[..., idx].float(), rtol=0, atol=0)
+    # test_subset_softmax_matches_full_vocab_reference, T in {1, 2}: the subset
+    # log-softmax of the gathered columns is the full one restricted and renormalised,
+    # values and gradients.
+    for temperature in (1.0, 2.0):
+        base = torch.randn(2, 6, 64, generator=g)
+        cols = torch.randperm(64, generator=g)[:8].sort().values
+        x = base.clone().requires_grad_()
+        full = torch.log_softmax(x / temperature, -1)[..., cols]
+        ref = full - torch.logsumexp(full, -1, keepdim=True)
+        y = base.clone().requires_grad_()
+        new = torch.log_softmax(vocab_parallel_gather_columns(y, cols) / temperature, -1)
+        torch.testing.assert_close(new, ref, rtol=1e-6, atol=1e-6)
+        ref.sum().backward()
+        new.sum().backward()
+        torch.testing.assert_close(y.grad, x.grad, rtol=1e-6, atol=1e-6)
