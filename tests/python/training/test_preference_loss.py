@@ -4,7 +4,9 @@
   ``test_dpo_loss``, ``test_dpo_loss_varying_sequence_lengths``,
   ``test_dpo_sft_matches_nll_loss``) with their literal values, on the CPU.
 - Hypothesis, fp64: the fused wrapper on packed pairs = the unpacked loss (values,
-  gradients, metrics); micro-batches holding whole pairs add up to the batch.
+  gradients, metrics); micro-batches holding whole pairs add up to the batch; pairs
+  as prefix trees (the prompt once) give the same loss.
+- gloo: CP 2 / 3 and TP 2 / 3 equal one rank, values and each rank's gradient.
 """
 
 import math
@@ -12,6 +14,7 @@ import math
 import numpy as np
 import pytest
 import torch
+from _gloo import started_pools, values_of
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -205,3 +208,49 @@ def test_pairs_as_prefix_trees_share_the_prompt():
     loss, _ = SequencePackingLossWrapper(loss_fn, cu_seqlens_q=tree)(model.forward_tree(tree), data, 4,
                                                                      mask[:, 1:].sum())
     torch.testing.assert_close(loss, base, rtol=1e-10, atol=1e-12)
+
+
+# ---- CP and TP on gloo ranks -------------------------------------------------------------
+def case_dpo_parallel(rank, world, seed):
+    """The fused DPO wrapper with each rank's zigzag rows (CP) or vocabulary slice
+    (TP) equals one rank's, values and the rank's part of the gradient."""
+    import torch.distributed as dist
+
+    from seqpack.cp import cp_local_rows
+
+    data, logits = pairs_case([5, 3, 7, 2], 6 * world, seed)
+    lengths = [5, 3, 7, 2]
+    mask = torch.arange(7)[None] < torch.tensor(lengths)[:, None]
+    packed = pack_sequences({"logits": logits}, attention_mask=mask, pad_multiple=2 * world)
+    layout = packed.layout
+    loss_fn = DPOLoss({"reference_policy_kl_penalty": 0.2, "sft_loss_weight": 0.1})
+    gvs, gvt = data["sample_mask"].sum(), (data["token_mask"][:, 1:] * data["sample_mask"][:, None]).sum()
+    full = packed["logits"].detach().clone().requires_grad_()
+    kwargs = dict(cu_seqlens_q=layout.cu_seqlens, cu_seqlens_q_padded=layout.cu_seqlens_padded, fused=True)
+    ref, _ = SequencePackingLossWrapper(loss_fn, **kwargs)(full, data, gvs, gvt)
+    ref.backward()
+    local = cp_local_rows(packed["logits"], layout.cu_seqlens_padded, world, rank).detach().clone().requires_grad_()
+    loss, _ = SequencePackingLossWrapper(loss_fn, context_parallel_group=dist.group.WORLD, **kwargs)(
+        local, data, gvs, gvt)
+    torch.testing.assert_close(loss, ref, rtol=1e-10, atol=1e-12)
+    (loss / world).backward()
+    torch.testing.assert_close(local.grad, cp_local_rows(full.grad, layout.cu_seqlens_padded, world, rank),
+                               rtol=1e-9, atol=1e-12)
+    cols = slice(rank * 6, (rank + 1) * 6)
+    sliced = packed["logits"][:, cols].detach().clone().requires_grad_()
+    loss, _ = SequencePackingLossWrapper(loss_fn, vocab_parallel_rank=rank, vocab_parallel_group=dist.group.WORLD,
+                                         **kwargs)(sliced, data, gvs, gvt)
+    torch.testing.assert_close(loss, ref, rtol=1e-10, atol=1e-12)
+    loss.backward()
+    torch.testing.assert_close(sliced.grad, full.grad[:, cols], rtol=1e-9, atol=1e-12)
+    return True
+
+
+@pytest.fixture(scope="module")
+def pools():
+    yield from started_pools((2, 3))
+
+
+@pytest.mark.parametrize("world", (2, 3))
+def test_cp_and_tp_on_gloo_ranks(pools, world):
+    assert values_of(pools[world], case_dpo_parallel, 5, timeout_s=90) == [True] * world
