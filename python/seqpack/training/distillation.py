@@ -84,8 +84,6 @@ def distillation_per_token_kl(student_topk_logprobs: "torch.Tensor", teacher_top
                               H_all: Optional["torch.Tensor"], kl_type: str, mixed_kl_weight: float,
                               zero_outside_topk: bool) -> "torch.Tensor":
     """The KL of every position ``[..., k] -> [...]`` (see the module's formulas)."""
-    import torch
-
     p, q = student_topk_logprobs.exp(), teacher_topk_logprobs.exp()
     forward = q * (teacher_topk_logprobs - student_topk_logprobs)
     reverse = p * (student_topk_logprobs - teacher_topk_logprobs)
@@ -102,7 +100,7 @@ def distillation_per_token_kl(student_topk_logprobs: "torch.Tensor", teacher_top
         p_rest = 1.0 - p.sum(-1)
         correction = h_rest - LOG_INFINITESIMAL * p_rest
         kl = kl + (correction * (1.0 - w) if kl_type == "mixed" else correction)
-    return kl if kl.dtype.is_floating_point else kl.to(torch.float32)
+    return kl
 
 
 class DistillationLoss(ValueEquality):
