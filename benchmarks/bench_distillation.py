@@ -82,7 +82,7 @@ def child(spec: str) -> dict:
     mem = peak_extra_mib(lambda: out.__setitem__("result", run(method, logits, data, loss_fn)))
     loss, grad = out.pop("result")
     grad_mib = grad.numel() * grad.element_size() / 2**20
-    checksum = float(grad.double().abs().sum())
+    checksum = sum(float(part.abs().sum(dtype=torch.float64)) for part in grad.split(256, dim=1))  # no [T, V] copy
     del grad
     best = float("inf")
     for _ in range(repeat):
@@ -98,6 +98,8 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--repeat", type=int, default=2)
     parser.add_argument("--tokens", type=int, nargs="*", help="positions T per case (default 2048 4096)")
+    parser.add_argument("--methods", nargs="*", default=["torch", "seqpack"], choices=["torch", "seqpack"],
+                        help="seqpack alone where PyTorch's [T, V] tensors do not fit (T = 16k at V = 152k)")
     parser.add_argument("--csv")
     parser.add_argument("--child", help=argparse.SUPPRESS)  # internal: one (case, method), JSON out
     args = parser.parse_args()
@@ -114,18 +116,20 @@ def main() -> int:
     for tokens in token_list:
         for zero in (1, 0):
             for k in ks:
-                got = {m: run_child(__file__, f"{tokens},{vocab},{k},{zero},{m},{repeat}") for m in ("torch", "seqpack")}
-                a, b = got["seqpack"], got["torch"]
-                assert abs(a["loss"] - b["loss"]) <= 1e-4 * abs(b["loss"]) + 1e-4, (a["loss"], b["loss"])
-                assert abs(a["grad_abs"] - b["grad_abs"]) <= 1e-3 * abs(b["grad_abs"]) + 1e-6, (a, b)
+                got = {m: run_child(__file__, f"{tokens},{vocab},{k},{zero},{m},{repeat}") for m in args.methods}
                 case = f"T={tokens}/V={vocab}/k={k}/zero_outside_topk={bool(zero)}"
                 for m in got:
                     log.add(case, m, "seconds", got[m]["seconds"])
                     log.add(case, m, "peak_extra_mib", got[m]["peak_extra_mib"])
-                t, s = got["torch"], got["seqpack"]
-                rows.append([tokens, vocab, k, bool(zero), tokens * vocab * 4 / 2**20, t["seconds"], s["seconds"],
-                             s["seconds"] / t["seconds"], t["peak_extra_mib"], s["peak_extra_mib"],
-                             s["peak_extra_mib"] / max(t["peak_extra_mib"], 1e-9)])
+                s, t = got.get("seqpack"), got.get("torch")
+                if s and t:
+                    assert abs(s["loss"] - t["loss"]) <= 1e-4 * abs(t["loss"]) + 1e-4, (s["loss"], t["loss"])
+                    assert abs(s["grad_abs"] - t["grad_abs"]) <= 1e-3 * abs(t["grad_abs"]) + 1e-6, (s, t)
+                cell = (lambda r, key: r[key] if r else float("nan"))  # noqa: E731
+                rows.append([tokens, vocab, k, bool(zero), tokens * vocab * 4 / 2**20, cell(t, "seconds"),
+                             cell(s, "seconds"), cell(s, "seconds") / cell(t, "seconds"), cell(t, "peak_extra_mib"),
+                             cell(s, "peak_extra_mib"), cell(s, "peak_extra_mib") / max(cell(t, "peak_extra_mib"),
+                                                                                         1e-9)])
                 print(f"  {case}: done", flush=True)
     print(format_table(
         "Distillation loss input + mixed KL, forward + backward, CPU fp32: NeMo-RL's log_softmax + gather vs seqpack",
