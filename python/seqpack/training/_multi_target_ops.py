@@ -102,12 +102,24 @@ multi_token_logprobs.register_autograd(_backward, setup_context=_setup)
 
 
 # ---- from hidden states and the LM head -----------------------------------------------
+# Extra targets' logits are dot products of gathered rows ``[E, H]``: at most this many
+# elements of them exist at once (a distillation's k columns per row make E = T * k).
+_EXTRA_ELEMENTS = 1 << 22
+
+
 def _extra_logits(hidden, weight, bias, ids, e_row, dtype):
     """z of each extra target as the LM head gives it (``hidden[row] . weight[id] +
-    bias[id]``, rounded to the head's dtype as a logits tile would be), in ``dtype``."""
+    bias[id]``, rounded to the head's dtype as a logits tile would be), in ``dtype``;
+    a chunk of extras at a time, so the gathered ``[chunk, H]`` rows stay small."""
     col = ids.clamp(min=0)
     acc = torch.float32 if hidden.dtype in (torch.bfloat16, torch.float16) else hidden.dtype
-    z = (hidden[e_row].to(acc) * weight[col].to(acc)).sum(-1)
+    count, width = ids.shape[0], max(int(hidden.shape[1]), 1)
+    step = max(1, _EXTRA_ELEMENTS // width)
+    z = torch.empty(count, dtype=acc, device=hidden.device)
+    for lo in range(0, count, step):  # no data-dependent skips: traceable, no host reads
+        hi = min(count, lo + step)
+        rows, cols = hidden[e_row[lo:hi]].to(acc), weight[col[lo:hi]].to(acc)
+        z[lo:hi] = torch.bmm(rows.unsqueeze(1), cols.unsqueeze(2)).view(hi - lo)
     if bias is not None:
         z = z + bias[col].to(acc)
     return z.to(hidden.dtype).to(dtype)

@@ -97,3 +97,23 @@ def test_scalars_and_the_empty_cases():
     assert out.logprobs.shape == (3, 0) and out.entropy is None
     out = column_logprobs(torch.zeros(0, 4), torch.zeros(0, 2, dtype=torch.int32), temperature=torch.tensor(2.0))
     assert out.logprobs.shape == (0, 2)
+
+
+def test_fused_head_gathers_the_columns_a_chunk_at_a_time(monkeypatch):
+    # k columns per row make T * k extra logits: their gathered [E, H] rows exist a
+    # chunk at a time (distillation at k = 64 would otherwise hold T * 64 * H).
+    from seqpack.training import _multi_target_ops as mto
+
+    g = torch.Generator().manual_seed(3)
+    hidden = torch.randn(9, 5, generator=g, dtype=torch.float64)
+    weight = torch.randn(13, 5, generator=g, dtype=torch.float64)
+    columns = torch.randint(-1, 13, (9, 6), generator=g)
+    whole = linear_column_logprobs(hidden, weight, columns, return_entropy=True)
+    seen = []
+    real_bmm = torch.bmm
+    monkeypatch.setattr(mto, "_EXTRA_ELEMENTS", 11)  # two extras (H = 5) per chunk
+    monkeypatch.setattr(mto.torch, "bmm", lambda a, b: seen.append(a.shape[0]) or real_bmm(a, b))
+    chunked = linear_column_logprobs(hidden, weight, columns, return_entropy=True)
+    assert max(seen) == 2 and sum(seen) == 9 * 6
+    torch.testing.assert_close(chunked.logprobs, whole.logprobs, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(chunked.entropy, whole.entropy, rtol=1e-12, atol=1e-12)
