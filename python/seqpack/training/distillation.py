@@ -193,25 +193,29 @@ def distillation_topk_logprobs(rows: "torch.Tensor", columns: "torch.Tensor", *,
 
     ``zero_outside_topk``: full-vocabulary log-probs (one log-sum-exp per row, with
     the row's entropy when ``calculate_entropy``: ``H_all = -entropy``); otherwise
-    the log-softmax of the k gathered logits. Vocabulary-parallel logits go through
-    :func:`~seqpack.training.logprobs_columns.vocab_parallel_column_logprobs` /
-    :func:`~seqpack.loss.vocab_parallel_gather_columns`; an LM head split over a
-    TP group is refused (gather its output's columns, or pass logits)."""
-    import torch
-
+    the log-softmax of the k gathered logits (with the LM head, k dot products per
+    row). Vocabulary-parallel logits go through
+    :func:`~seqpack.training.logprobs_columns_tp.vocab_parallel_column_logprobs` /
+    :func:`~seqpack.loss.vocab_parallel_gather_columns`, an LM head split over a TP
+    group through :mod:`~seqpack.training.logprobs_columns_tp`."""
     from .._dist import active
+    from ._columns import subset_log_softmax
     from .logprobs_columns import column_logprobs, linear_column_logprobs
     from .vocab_parallel import vocab_parallel_gather_columns
 
     parallel = vocab_parallel_group is not None and active(vocab_parallel_group)
     if lm_head_weight is not None:
-        if parallel:
-            raise NotImplementedError("distillation with the LM head fused in and a vocabulary-parallel head is not "
-                                      "implemented: pass this rank's logits, or an unsplit head")
+        if not zero_outside_topk:  # the k columns' logits alone: k dot products a row, no vocabulary pass
+            from .logprobs_columns_tp import vocab_parallel_linear_column_logprobs
+
+            out = vocab_parallel_linear_column_logprobs(rows, lm_head_weight, columns,
+                                                        vocab_parallel_group if parallel else None,
+                                                        bias=lm_head_bias, vocab_start=vocab_start,
+                                                        temperature=temperature, subset=True)
+            return out.logprobs, None
         out = linear_column_logprobs(rows, lm_head_weight, columns, bias=lm_head_bias, temperature=temperature,
-                                     return_entropy=calculate_entropy and zero_outside_topk)
-        if not zero_outside_topk:  # a log-softmax is shift-invariant: over the k full log-probs it is the subset's
-            return _subset_log_softmax(out.logprobs, columns), None
+                                     return_entropy=calculate_entropy, vocab_parallel_group=vocab_parallel_group,
+                                     vocab_start=vocab_start)
         return out.logprobs, (-out.entropy if out.entropy is not None else None)
     if zero_outside_topk:
         out = column_logprobs(rows, columns, temperature=temperature, return_entropy=calculate_entropy,
@@ -219,18 +223,7 @@ def distillation_topk_logprobs(rows: "torch.Tensor", columns: "torch.Tensor", *,
         return out.logprobs, (-out.entropy if out.entropy is not None else None)
     z = vocab_parallel_gather_columns(rows, columns, vocab_parallel_group if parallel else None,
                                       vocab_start_index=vocab_start if parallel else None, agree=False)
-    return _subset_log_softmax(z / temperature, columns.to(z.device)), None
-
-
-def _subset_log_softmax(z: "torch.Tensor", columns: "torch.Tensor") -> "torch.Tensor":
-    """Log-softmax over each row's columns ``>= 0`` (0 at the others; a row without
-    any is all 0, with no NaN in its forward or backward)."""
-    import torch
-
-    valid = columns >= 0
-    empty = ~valid.any(-1, keepdim=True)
-    z = torch.where(valid | empty, z, -torch.inf)
-    return torch.where(valid, torch.log_softmax(z, dim=-1), 0.0)
+    return subset_log_softmax(z / temperature, columns.to(z.device)), None
 
 
 def distillation_loss_input(rows: "torch.Tensor", data: Mapping[str, Any], layout: Any, loss_fn: Any, *,

@@ -28,42 +28,13 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Optional
 
 from .._lengths import as_positive_int, as_temperature
+from ._columns import check_columns
 from .logprobs import TokenLogprobs
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-__all__ = ["column_logprobs", "linear_column_logprobs", "vocab_parallel_column_logprobs"]
-
-
-def _columns(columns: Any, rows: int, vocab: Optional[int], device) -> "torch.Tensor":
-    """``columns`` as int64 ``[rows, k]`` on ``device``, every entry < ``vocab`` (on
-    the host a ``ValueError`` naming the first bad one; on a CUDA device an
-    asynchronous device assertion: no host synchronisation; ``vocab=None``: global
-    ids of a vocabulary-parallel slice, not checked here)."""
-    import torch
-
-    from ..tensors._device import check_tensor
-
-    if not isinstance(columns, torch.Tensor):
-        raise TypeError(f"columns must be an integer tensor [T, k], got {type(columns).__name__}")
-    check_tensor(columns, "columns")
-    if columns.dim() != 2 or columns.shape[0] != rows:
-        raise ValueError(f"columns must be [T = {rows}, k] (one row of column ids per row), got "
-                         f"{tuple(columns.shape)}")
-    if columns.dtype.is_floating_point or columns.dtype.is_complex or columns.dtype == torch.bool:
-        raise TypeError(f"columns must hold integer token ids, got {columns.dtype}")
-    columns = columns.to(device=device, dtype=torch.int64)
-    if vocab is None:
-        return columns
-    if columns.device.type == "cpu":
-        if columns.numel() and int(columns.max()) >= vocab:
-            r, c = (int(x) for x in (columns >= vocab).nonzero()[0])
-            raise ValueError(f"columns[{r}, {c}] = {int(columns[r, c])} is not a column of the vocabulary "
-                             f"(V = {vocab}); ids must be < {vocab}, or negative for none")
-    elif columns.numel():
-        torch._assert_async((columns < vocab).all(), "seqpack: a column id is >= the vocabulary size")
-    return columns
+__all__ = ["column_logprobs", "linear_column_logprobs"]
 
 
 def _csr(columns: "torch.Tensor"):
@@ -100,7 +71,7 @@ def column_logprobs(logits: "torch.Tensor", columns: "torch.Tensor", *, temperat
         vocab_parallel_group / vocab_start: tensor parallelism: ``logits`` is this
             rank's vocabulary slice ``[vocab_start, vocab_start + V_local)`` (default
             start ``rank * V_local``, Megatron's layout) and ``columns`` hold global
-            ids; see :func:`vocab_parallel_column_logprobs`.
+            ids; see :mod:`seqpack.training.logprobs_columns_tp`.
 
     Returns:
         :class:`~seqpack.TokenLogprobs` ``(logprobs [T, k], entropy [T] or None)``,
@@ -118,55 +89,21 @@ def column_logprobs(logits: "torch.Tensor", columns: "torch.Tensor", *, temperat
     if logits.stride(1) != 1:
         logits = logits.contiguous()
     if vocab_parallel_group is not None and active(vocab_parallel_group):
-        cols = _columns(columns, logits.shape[0], None, logits.device)
+        cols = check_columns(columns, logits.shape[0], None, logits.device)
+        from .logprobs_columns_tp import vocab_parallel_column_logprobs
+
         return vocab_parallel_column_logprobs(logits, cols, vocab_parallel_group, vocab_start, temp, entropy, threads)
-    cols = _columns(columns, logits.shape[0], logits.shape[1], logits.device)
+    cols = check_columns(columns, logits.shape[0], logits.shape[1], logits.device)
     primary, offsets, extras = _csr(cols)
     out = torch.ops.seqpack.multi_token_logprobs(logits, primary, offsets, extras, temp, entropy, threads)
     return _result(out, cols.shape[0], cols.shape[1], entropy)
 
 
-def vocab_parallel_column_logprobs(logits: "torch.Tensor", columns: "torch.Tensor", group: Any,
-                                   vocab_start: Any, temperature: float, entropy: bool,
-                                   num_threads: int) -> TokenLogprobs:
-    """:func:`column_logprobs` of a vocabulary-parallel ``logits`` slice: a column's
-    logit minus its row's log-sum-exp over the whole vocabulary, from the two
-    vocabulary-parallel primitives::
-
-        z   = vocab_parallel_gather_columns(logits, [anchor | columns])   one all-reduce
-        lp0 = vocab-parallel log-prob of the anchor                       the row statistics' two
-        lse = z[anchor] - lp0,   log p(column) = z[column] - lse           all-reduces (max, sums)
-
-    ``anchor`` is the row's first column (id 0 where it is negative): any id works,
-    its log-prob carries the row's log-sum-exp and entropy. Both pieces are
-    differentiable and their gradients are each rank's own slice (the gather's
-    reaches a column's owner, the log-prob's every rank's softmax), so the
-    backward needs no communication. A column outside the global vocabulary has
-    no owner and a logit of 0 (NeMo-RL's gather). ``columns`` int64 ``[T, k]``;
-    every rank calls it with the same shapes."""
-    import torch
-    import torch.distributed as dist
-
-    from . import _logprob_ops as ops
-    from .vocab_parallel import vocab_parallel_gather_columns
-
-    width = int(logits.shape[1])
-    start = dist.get_rank(group) * width if vocab_start is None else as_positive_int(vocab_start, "vocab_start",
-                                                                                      allow_zero=True)
-    anchor = columns[:, :1].clamp(min=0)
-    z = vocab_parallel_gather_columns(logits, torch.cat([anchor, columns.clamp(min=0)], 1), group,
-                                      vocab_start_index=start, agree=False) / temperature
-    lp0, ent, _, _ = ops.VocabParallelTokenLogprobs.apply(logits, anchor[:, 0].contiguous(), start, temperature,
-                                                          entropy, num_threads, group)
-    log_sumexp = z[:, 0] - lp0.to(z.dtype)
-    lp = torch.where(columns >= 0, z[:, 1:] - log_sumexp[:, None], 0.0)
-    return TokenLogprobs(lp, ent if entropy else None)
-
-
 def linear_column_logprobs(hidden: "torch.Tensor", weight: "torch.Tensor", columns: "torch.Tensor", *,
                            bias: Optional["torch.Tensor"] = None, temperature: Any = 1.0,
                            return_entropy: bool = False, chunk_tokens: Optional[int] = None,
-                           num_threads: int = 0) -> TokenLogprobs:
+                           num_threads: int = 0, vocab_parallel_group: Any = None,
+                           vocab_start: Any = None) -> TokenLogprobs:
     """:func:`column_logprobs` of ``hidden @ weight.T + bias`` without the ``[T, V]``
     logits: the LM head fused in, a chunk of rows at a time (as
     :func:`~seqpack.linear_token_logprobs`); each extra column's logit is one dot
@@ -177,6 +114,10 @@ def linear_column_logprobs(hidden: "torch.Tensor", weight: "torch.Tensor", colum
             whole vocabulary), same dtype and device; bias: ``[V]`` or None.
         columns, temperature, return_entropy, num_threads: as :func:`column_logprobs`.
         chunk_tokens: rows of logits per chunk (default: about 2^24 logits).
+        vocab_parallel_group / vocab_start: ``weight`` (and ``bias``) is this rank's
+            vocabulary slice of the head, ``columns`` global ids; the hidden states'
+            gradient is summed over the group (see
+            :mod:`seqpack.training.logprobs_columns_tp`).
     """
     import torch
 
@@ -184,13 +125,22 @@ def linear_column_logprobs(hidden: "torch.Tensor", weight: "torch.Tensor", colum
     from . import _multi_target_ops  # noqa: F401  (registers the operators)
     from .logprobs import _check_head
 
+    from .._dist import active
+
     _check_head(hidden, weight, bias)
     vocab = int(weight.shape[0])
-    cols = _columns(columns, hidden.shape[0], vocab, hidden.device)
+    parallel = vocab_parallel_group is not None and active(vocab_parallel_group)
+    cols = check_columns(columns, hidden.shape[0], None if parallel else vocab, hidden.device)
     temp, entropy = as_temperature(temperature), bool(return_entropy)
     chunk = ops.chunk_rows(0 if chunk_tokens is None else as_positive_int(chunk_tokens, "chunk_tokens"),
                            hidden.shape[0], vocab)
     threads = as_positive_int(num_threads, "num_threads", allow_zero=True)
+    if parallel:
+        from .logprobs_columns_tp import vocab_parallel_linear_column_logprobs
+
+        return vocab_parallel_linear_column_logprobs(hidden, weight, cols, vocab_parallel_group, bias=bias,
+                                                     vocab_start=vocab_start, temperature=temp, entropy=entropy,
+                                                     chunk=chunk, num_threads=threads)
     primary, offsets, extras = _csr(cols)
     out = torch.ops.seqpack.linear_multi_token_logprobs(hidden, weight, bias, primary, offsets, extras, temp,
                                                         entropy, threads, chunk)

@@ -8,7 +8,8 @@
   written as NeMo-RL computes it (log_softmax + gather over the whole vocabulary).
 - Hypothesis, fp64: packed (per sequence and fused, logits or the LM head fused
   in, any temperature) = unpacked, values and gradients.
-- gloo: TP 2 / 3 and CP 2 equal one rank, values and each rank's gradient.
+- gloo: TP 2 / 3 (logits, and the LM head fused in) and CP 2 / 3 equal one rank,
+  values and each rank's gradient.
 """
 
 import math
@@ -343,6 +344,56 @@ def case_column_logprobs_tp(rank, world, seed):
     return True
 
 
+def case_lm_head_vocab_parallel(rank, world, seed):
+    """TP with the LM head fused in: each rank holds a vocabulary slice of the head;
+    the loss equals one rank's (the whole head), each rank's head gradient is its
+    slice, the hidden states' gradient the whole one; linear_column_logprobs on the
+    slice equals the whole head's too."""
+    from seqpack.training.logprobs_columns import linear_column_logprobs
+
+    g = torch.Generator().manual_seed(seed)
+    width, hidden_size = 4, 5
+    vocab = width * world
+    data, _, _ = packed_case([5, 2, 4], vocab, 6, seed)
+    hidden = torch.randn(3, 5, hidden_size, generator=g, dtype=torch.float64)
+    weight = torch.randn(vocab, hidden_size, generator=g, dtype=torch.float64)
+    bias = torch.randn(vocab, generator=g, dtype=torch.float64)
+    packed = pack_sequences({"hidden": hidden}, attention_mask=data["token_mask"].bool())
+    gvt = valid_toks(data)
+    cols = slice(rank * width, (rank + 1) * width)
+    for kl_type, zero in (("mixed", True), ("reverse", True), ("forward", False), ("mixed", False)):
+        loss_fn = DistillationLoss({"kl_type": kl_type, "mixed_kl_weight": 0.3, "zero_outside_topk": zero})
+        wrapper = SequencePackingLossWrapper(loss_fn, cu_seqlens_q=packed.layout.cu_seqlens, fused=True)
+        ref_leaves = [t.clone().requires_grad_() for t in (packed["hidden"], weight, bias)]
+        ref, _ = wrapper(ref_leaves[0], data, 3, gvt, lm_head_weight=ref_leaves[1], lm_head_bias=ref_leaves[2])
+        ref.backward()
+        mine = [packed["hidden"].clone().requires_grad_(), weight[cols].clone().requires_grad_(),
+                bias[cols].clone().requires_grad_()]
+        tp = SequencePackingLossWrapper(loss_fn, cu_seqlens_q=packed.layout.cu_seqlens, fused=True,
+                                        vocab_parallel_rank=rank, vocab_parallel_group=dist.group.WORLD)
+        loss, _ = tp(mine[0], data, 3, gvt, lm_head_weight=mine[1], lm_head_bias=mine[2])
+        torch.testing.assert_close(loss, ref, rtol=1e-10, atol=1e-10)
+        loss.backward()
+        torch.testing.assert_close(mine[0].grad, ref_leaves[0].grad, rtol=1e-9, atol=1e-11)
+        torch.testing.assert_close(mine[1].grad, ref_leaves[1].grad[cols], rtol=1e-9, atol=1e-11)
+        torch.testing.assert_close(mine[2].grad, ref_leaves[2].grad[cols], rtol=1e-9, atol=1e-11)
+    h = torch.randn(6, hidden_size, generator=g, dtype=torch.float64)
+    columns = torch.randint(-1, vocab, (6, 3), generator=g)
+    w = torch.randn(6, 3, generator=g, dtype=torch.float64)
+    leaves = [t.clone().requires_grad_() for t in (h, weight)]
+    ref = linear_column_logprobs(*leaves, columns, return_entropy=True, temperature=0.9)
+    ((ref.logprobs * w).sum() + ref.entropy.sum()).backward()
+    mine = [h.clone().requires_grad_(), weight[cols].clone().requires_grad_()]
+    out = linear_column_logprobs(*mine, columns, return_entropy=True, temperature=0.9,
+                                 vocab_parallel_group=dist.group.WORLD)
+    torch.testing.assert_close(out.logprobs, ref.logprobs.detach(), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(out.entropy, ref.entropy.detach(), rtol=1e-12, atol=1e-12)
+    ((out.logprobs * w).sum() + out.entropy.sum()).backward()
+    torch.testing.assert_close(mine[0].grad, leaves[0].grad, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(mine[1].grad, leaves[1].grad[cols], rtol=1e-10, atol=1e-12)
+    return True
+
+
 @pytest.fixture(scope="module")
 def pools():
     yield from started_pools(WORLDS)
@@ -350,7 +401,8 @@ def pools():
 
 @pytest.mark.parametrize("world", WORLDS)
 @pytest.mark.parametrize("case, args", [(case_vocab_parallel, (1,)), (case_context_parallel, (2,)),
-                                        (case_column_logprobs_tp, (3,))], ids=["tp", "cp", "columns-tp"])
+                                        (case_column_logprobs_tp, (3,)), (case_lm_head_vocab_parallel, (4,))],
+                         ids=["tp", "cp", "columns-tp", "lm-head-tp"])
 def test_on_gloo_ranks(pools, world, case, args):
     assert values_of(pools[world], case, *args, timeout_s=CASE_TIMEOUT_S) == [True] * world  # a hang raises
 
