@@ -107,22 +107,34 @@ multi_token_logprobs.register_autograd(_backward, setup_context=_setup)
 _EXTRA_ELEMENTS = 1 << 22
 
 
+def acc_of(dtype: torch.dtype) -> torch.dtype:
+    """fp32 for bf16 / fp16, else the dtype itself: where dot products accumulate."""
+    return torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
+
+
+def extra_chunks(count: int, width: int):
+    """``(lo, hi)`` ranges of extras whose gathered ``[hi - lo, width]`` rows stay
+    under ``_EXTRA_ELEMENTS`` elements."""
+    step = max(1, _EXTRA_ELEMENTS // max(width, 1))
+    return [(lo, min(count, lo + step)) for lo in range(0, count, step)]
+
+
+def row_column_dots(hidden, weight, bias, rows, cols):
+    """``hidden[rows[e]] . weight[cols[e]] (+ bias[cols[e]])`` for every extra ``e``
+    (``cols`` valid row indices of ``weight``), accumulated in :func:`acc_of`, a
+    chunk of extras at a time (no data-dependent skips: traceable, no host reads)."""
+    acc = acc_of(hidden.dtype)
+    z = torch.empty(rows.shape[0], dtype=acc, device=hidden.device)
+    for lo, hi in extra_chunks(rows.shape[0], int(hidden.shape[1])):
+        h, w = hidden[rows[lo:hi]].to(acc), weight[cols[lo:hi]].to(acc)
+        z[lo:hi] = torch.bmm(h.unsqueeze(1), w.unsqueeze(2)).view(hi - lo)
+    return z if bias is None else z + bias[cols].to(acc)
+
+
 def _extra_logits(hidden, weight, bias, ids, e_row, dtype):
     """z of each extra target as the LM head gives it (``hidden[row] . weight[id] +
-    bias[id]``, rounded to the head's dtype as a logits tile would be), in ``dtype``;
-    a chunk of extras at a time, so the gathered ``[chunk, H]`` rows stay small."""
-    col = ids.clamp(min=0)
-    acc = torch.float32 if hidden.dtype in (torch.bfloat16, torch.float16) else hidden.dtype
-    count, width = ids.shape[0], max(int(hidden.shape[1]), 1)
-    step = max(1, _EXTRA_ELEMENTS // width)
-    z = torch.empty(count, dtype=acc, device=hidden.device)
-    for lo in range(0, count, step):  # no data-dependent skips: traceable, no host reads
-        hi = min(count, lo + step)
-        rows, cols = hidden[e_row[lo:hi]].to(acc), weight[col[lo:hi]].to(acc)
-        z[lo:hi] = torch.bmm(rows.unsqueeze(1), cols.unsqueeze(2)).view(hi - lo)
-    if bias is not None:
-        z = z + bias[col].to(acc)
-    return z.to(hidden.dtype).to(dtype)
+    bias[id]``, rounded to the head's dtype as a logits tile would be), in ``dtype``."""
+    return row_column_dots(hidden, weight, bias, e_row, ids.clamp(min=0)).to(hidden.dtype).to(dtype)
 
 
 @torch.library.custom_op("seqpack::linear_multi_token_logprobs", mutates_args=())

@@ -84,34 +84,23 @@ def _head_columns():
     if _HEAD_COLUMNS is None:
         import torch
 
-        from ._multi_target_ops import _EXTRA_ELEMENTS
-
-        def chunks(count: int, width: int):
-            step = max(1, _EXTRA_ELEMENTS // max(width, 1))
-            return [(lo, min(count, lo + step)) for lo in range(0, count, step)]
+        from ._multi_target_ops import acc_of, extra_chunks, row_column_dots
 
         class HeadColumns(torch.autograd.Function):
             @staticmethod
             def forward(ctx, hidden, weight, bias, rows, cols, owned):
-                acc = torch.float32 if hidden.dtype in (torch.bfloat16, torch.float16) else hidden.dtype
-                z = torch.zeros(rows.shape[0], dtype=acc, device=hidden.device)
-                for lo, hi in chunks(rows.shape[0], hidden.shape[1]):
-                    h, w = hidden[rows[lo:hi]].to(acc), weight[cols[lo:hi]].to(acc)
-                    z[lo:hi] = torch.bmm(h.unsqueeze(1), w.unsqueeze(2)).view(hi - lo)
-                if bias is not None:
-                    z = z + bias[cols].to(acc)
                 ctx.save_for_backward(hidden, weight, rows, cols, owned)
                 ctx.has_bias = bias is not None
-                return torch.where(owned, z, 0.0)
+                return torch.where(owned, row_column_dots(hidden, weight, bias, rows, cols), 0.0)
 
             @staticmethod
             def backward(ctx, grad):
                 hidden, weight, rows, cols, owned = ctx.saved_tensors
-                acc = grad.dtype
-                g = torch.where(owned, grad, 0.0)
+                acc = acc_of(hidden.dtype)
+                g = torch.where(owned, grad, 0.0).to(acc)
                 g_h = torch.zeros(hidden.shape, dtype=acc, device=hidden.device) if ctx.needs_input_grad[0] else None
                 g_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if ctx.needs_input_grad[1] else None
-                for lo, hi in chunks(rows.shape[0], hidden.shape[1]):
+                for lo, hi in extra_chunks(rows.shape[0], int(hidden.shape[1])):
                     part = g[lo:hi, None]
                     if g_h is not None:
                         g_h.index_add_(0, rows[lo:hi], part * weight[cols[lo:hi]].to(acc))
@@ -120,6 +109,7 @@ def _head_columns():
                 g_b = None
                 if ctx.has_bias and ctx.needs_input_grad[2]:
                     g_b = torch.zeros(weight.shape[0], dtype=acc, device=weight.device).index_add_(0, cols, g)
+                    g_b = g_b.to(weight.dtype)  # the head's dtype, as the bias
                 return (None if g_h is None else g_h.to(hidden.dtype), None if g_w is None else g_w.to(weight.dtype),
                         g_b, None, None, None)
 
