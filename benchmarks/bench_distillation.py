@@ -33,23 +33,26 @@ import torch  # noqa: E402
 from seqpack.loss import DistillationLoss, prepare_loss_input  # noqa: E402
 
 
-def make_case(tokens: int, vocab: int, topk: int, seed: int = 0):
+def make_case(tokens: int, vocab: int, topk: int, seed: int = 0, device: str = "cpu", dtype=torch.float32):
     """One packed sequence of ``tokens`` positions: student logits [1, T, V], the
-    teacher's top-k (distinct ids per position) and NeMo-RL's masks."""
-    g = torch.Generator().manual_seed(seed)
-    logits = torch.randn(1, tokens, vocab, generator=g)
-    ids = torch.randint(0, vocab, (1, tokens), generator=g)
+    teacher's top-k (distinct ids per position) and NeMo-RL's masks, drawn on ``device``."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    logits = torch.randn(1, tokens, vocab, generator=g, device=device).to(dtype)
+    ids = torch.randint(0, vocab, (1, tokens), generator=g, device=device)
     # distinct ids per position, as a teacher's top-k: k ids spread over the vocabulary
-    base = torch.randint(0, vocab, (1, tokens, 1), generator=g)
-    indices = (base + torch.arange(topk) * (vocab // topk + 1)) % vocab
-    data = {"input_ids": ids, "token_mask": torch.ones(1, tokens), "sample_mask": torch.ones(1),
-            "teacher_topk_logits": torch.randn(1, tokens, topk, generator=g) * 3,
+    base = torch.randint(0, vocab, (1, tokens, 1), generator=g, device=device)
+    indices = (base + torch.arange(topk, device=device) * (vocab // topk + 1)) % vocab
+    data = {"input_ids": ids, "token_mask": torch.ones(1, tokens, device=device),
+            "sample_mask": torch.ones(1, device=device),
+            "teacher_topk_logits": torch.randn(1, tokens, topk, generator=g, device=device) * 3,
             "teacher_topk_indices": indices}
     return logits, data
 
 
 def torch_input(logits, data, loss_fn):
-    """NeMo-RL's non-distributed distillation input, written out."""
+    """NeMo-RL's non-distributed distillation input, written out (the logits upcast to
+    fp32 first, as NeMo-RL's loss does)."""
+    logits = logits.float()
     idx = data["teacher_topk_indices"]
     h_all = None
     if loss_fn.zero_outside_topk:

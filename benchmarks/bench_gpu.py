@@ -6,6 +6,9 @@ Baselines:
   loop    the per-sequence PyTorch loop of bench_thd.py (ROLL's ``_pack_sequences``);
   torch   ``log_softmax`` + ``gather`` (+ entropy) forward and backward on the
           same logits; its extra peak memory from ``torch.cuda.max_memory_allocated``;
+  NeMo-RL (distillation) the top-k input by log_softmax + gather over the whole
+          vocabulary (bench_distillation.py), against seqpack's column log-probs;
+  linear  (LM head fused) F.linear + log_softmax + gather, against linear_token_logprobs;
   plain   (prefix trees) bench_prefix_tree.py's model on GRPO rows packed back to
           back (varlen_attention, packed_token_logprobs), against the same rows as a
           prefix tree (tree_attention per backend, tree_token_logprobs), bf16.
@@ -17,6 +20,7 @@ static pack -> log-probs -> loss against the same step run eagerly.
 
     python benchmarks/bench_gpu.py --csv benchmarks/results/gpu.csv
     python benchmarks/bench_gpu.py --quick
+    python benchmarks/bench_gpu.py --only distillation linear
 """
 
 from __future__ import annotations
@@ -159,6 +163,118 @@ def bench_logprobs(cases, log, repeat):
     return format_table(f"fused log-probs forward+backward on the GPU (device copy: {copy_gbs:,.0f} GB/s)",
                         ["case", "fused ms", "torch ms", "x torch", "fused extra MiB", "torch extra MiB",
                          "fused GB/s", "of copy"], rows)
+
+
+def cuda_extra_mib(fn, returned_bytes=0):
+    """Peak allocated-memory rise of one ``fn()`` (MiB), minus ``returned_bytes``
+    (gradients both methods return)."""
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base - returned_bytes) / 2**20
+
+
+def measure(fn, repeat, returned_bytes=0, runs=1):
+    """(timings, [extra MiB of each of ``runs`` runs]) or None when it does not fit."""
+    try:
+        extra = [cuda_extra_mib(fn, returned_bytes) for _ in range(runs)]
+        return cuda_time(fn, repeat, warmup=1), extra
+    except torch.OutOfMemoryError:
+        torch.cuda.empty_cache()
+        return None
+
+
+def rel_diff(ours, theirs):
+    """|ours - theirs| / |theirs| (the absolute difference where theirs is 0)."""
+    ours, theirs = float(ours), float(theirs)
+    return abs(ours - theirs) / abs(theirs) if theirs else abs(ours - theirs)
+
+
+def ratio_row(ours, theirs):
+    """[ours ms, theirs ms, ours / theirs, ours MiB (worst run), theirs MiB (best run), ratio]."""
+    cell = (lambda r, f: f(r) if r else "oom")  # noqa: E731
+    t_ratio = ours[0]["min"] / theirs[0]["min"] if ours and theirs else "-"
+    m_ratio = max(ours[1]) / min(theirs[1]) if ours and theirs else "-"
+    return [cell(ours, lambda r: r[0]["min"]), cell(theirs, lambda r: r[0]["min"]), t_ratio,
+            cell(ours, lambda r: max(r[1])), cell(theirs, lambda r: min(r[1])), m_ratio]
+
+
+def bench_distillation(log, repeat, quick):
+    """Issue 30: the student's side of top-k distillation (input + mixed KL, forward and
+    backward) at V = 152k, seqpack's fused column log-probs against NeMo-RL's
+    log_softmax + gather (bench_distillation.py's two methods, on the device)."""
+    from bench_distillation import make_case, run
+    from seqpack.loss import DistillationLoss
+
+    tokens, vocab = (2048, 32000) if quick else (16384, 151936)
+    rows = []
+    for dtype in (torch.float32, torch.bfloat16):
+        for zero in (True, False):
+            for k in ((8,) if quick else (1, 8, 64)):
+                loss_fn = DistillationLoss({"kl_type": "mixed", "mixed_kl_weight": 0.5, "zero_outside_topk": zero})
+                logits, data = make_case(tokens, vocab, k, device="cuda", dtype=dtype)
+                grad_bytes = logits.numel() * logits.element_size()
+                case = f"T={tokens},V={vocab},{str(dtype).split('.')[1]},k={k},zero_outside_topk={zero}"
+                got, losses = {}, {}
+                for method in ("seqpack", "torch"):
+                    losses[method] = run(method, logits, data, loss_fn)[0]
+                    got[method] = measure(lambda m=method: run(m, logits, data, loss_fn), repeat, grad_bytes, runs=2)
+                    for key, value in (("ms_min", got[method][0]["min"] if got[method] else "oom"),
+                                       ("extra_peak_mib", max(got[method][1]) if got[method] else "oom")):
+                        log.add(case, method, key, value)
+                rows.append([case, *ratio_row(got["seqpack"], got["torch"]), rel_diff(*losses.values())])
+                del logits, data
+                torch.cuda.empty_cache()
+    return format_table(
+        "distillation loss input + mixed KL, forward+backward on the GPU: seqpack vs NeMo-RL's log_softmax + gather",
+        ["case", "seqpack ms", "torch ms", "seqpack / torch", "seqpack extra MiB", "torch extra MiB",
+         "memory ratio", "loss rel diff"], rows,
+        note="CUDA events, best of the runs; extra MiB = max_memory_allocated rise minus the [T, V] logits gradient "
+             "both return, seqpack's worst of 2 runs against torch's best. torch upcasts bf16 logits to fp32 "
+             "first, as NeMo-RL's loss does.")
+
+
+def bench_linear_head(log, repeat, quick):
+    """Issue 30 item 7 on the device: linear_token_logprobs (LM head fused, tile
+    workspaces) against F.linear + log_softmax + gather, bf16 head, extra peak memory
+    of each of 4 runs; seqpack at its default chunk and at larger ``chunk_tokens``."""
+    from bench_loss import linear_case, run_linear
+
+    shapes = [(2048, 256, 32000)] if quick else [(8192, 4096, 151936), (16384, 4096, 151936)]
+    chunks = (None, 1024) if quick else (None, 255, 2048)
+    rows = []
+    for tokens, hidden, vocab in shapes:
+        h, w, ids, cu, targets, mask = linear_case(tokens, hidden, vocab)
+        h, w = h.to("cuda", torch.bfloat16), w.to("cuda", torch.bfloat16)
+        ids, targets, mask = ids.cuda(), targets.cuda(), mask.cuda()
+        returned = (h.numel() + w.numel()) * h.element_size()
+        case = f"T={tokens},H={hidden},V={vocab},bf16"
+        runs = {}
+        for method, chunk in [("torch", None)] + [("seqpack", c) for c in chunks if c is None or c < tokens]:
+            name = method if method == "torch" else f"seqpack chunk={chunk or 'default'}"
+            loss = run_linear(method, h, w, ids, cu, targets, mask, chunk)[0]
+            got = measure(lambda m=method, c=chunk: run_linear(m, h, w, ids, cu, targets, mask, c), repeat,
+                          returned, runs=4)
+            runs[name] = (got, loss)
+            if got:
+                log.add(case, name, "ms_min", got[0]["min"])
+                for i, mib in enumerate(got[1]):
+                    log.add(case, name, f"extra_peak_mib_run{i}", mib)
+        theirs, torch_loss = runs.pop("torch")
+        for name, (ours, loss) in runs.items():
+            spread = "/".join(f"{m:,.0f}" for m in ours[1]) if ours else "-"
+            rows.append([case, name, *ratio_row(ours, theirs), spread, rel_diff(loss, torch_loss)])
+        del h, w
+        torch.cuda.empty_cache()
+    return format_table(
+        "LM head fused (linear_token_logprobs) forward+backward on the GPU vs F.linear + log_softmax + gather",
+        ["case", "seqpack", "seqpack ms", "torch ms", "seqpack / torch", "seqpack extra MiB", "torch extra MiB",
+         "memory ratio", "seqpack MiB per run", "loss rel diff"], rows,
+        note="CUDA events, best of the runs; extra MiB = max_memory_allocated rise minus the hidden and head "
+             "gradients both return; 4 runs each, seqpack's worst against torch's best. torch upcasts the bf16 "
+             "logits to fp32 before log_softmax. chunk = rows' worth of logits per tile (default on CUDA: about 2^26 logits); with fewer rows than vocabulary entries, tiles are vocabulary slices of every row.")
 
 
 def check_sync_free_and_graph(log):
@@ -311,6 +427,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--csv")
+    parser.add_argument("--only", nargs="*", choices=["thd", "logprobs", "sync", "trees", "distillation", "linear"],
+                        help="run these sections only (default: all)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("no CUDA device: nothing to measure")
@@ -321,10 +439,15 @@ def main() -> int:
     cases = [(4096, 32000, torch.bfloat16, True)] if args.quick else [
         (t, v, d, e) for t in (16384, 65536) for v in (32000, 151936) for d in (torch.bfloat16, torch.float32)
         for e in (False, True)]
-    ok = [section("pack/unpack", bench_thd, QUICK_SHAPES if args.quick else SHAPES, log, repeat),
-          section("fused log-probs", bench_logprobs, cases, log, repeat),
-          section("sync / CUDA graph", check_sync_free_and_graph, log),
-          section("prefix trees", bench_prefix_trees, log, 3 if args.quick else 5, args.quick)]
+    sections = {
+        "thd": ("pack/unpack", bench_thd, QUICK_SHAPES if args.quick else SHAPES, log, repeat),
+        "logprobs": ("fused log-probs", bench_logprobs, cases, log, repeat),
+        "sync": ("sync / CUDA graph", check_sync_free_and_graph, log),
+        "trees": ("prefix trees", bench_prefix_trees, log, 3 if args.quick else 5, args.quick),
+        "distillation": ("distillation", bench_distillation, log, 3 if args.quick else 10, args.quick),
+        "linear": ("LM head fused", bench_linear_head, log, 3 if args.quick else 5, args.quick),
+    }
+    ok = [section(*sections[name]) for name in (args.only or sections)]
     print(f"\nwrote {log.write()}")
     return 0 if all(ok) else 1
 

@@ -183,12 +183,13 @@ def linear_case(tokens, hidden, vocab, seed=0):
     return h, w, ids, cu, targets, mask
 
 
-def run_linear(method, h, w, ids, cu, targets, mask):
+def run_linear(method, h, w, ids, cu, targets, mask, chunk_tokens=None):
     h, w = h.detach().requires_grad_(), w.detach().requires_grad_()
     if method == "torch":
-        lp = torch.log_softmax(torch.nn.functional.linear(h, w), -1).gather(-1, targets[:, None])[:, 0] * mask
+        logits = torch.nn.functional.linear(h, w).float()  # a bf16 head's logits upcast, as trainers do
+        lp = torch.log_softmax(logits, -1).gather(-1, targets[:, None])[:, 0] * mask
     else:
-        lp = seqpack.linear_token_logprobs(h, w, ids, cu).logprobs
+        lp = seqpack.linear_token_logprobs(h, w, ids, cu, chunk_tokens=chunk_tokens).logprobs
     loss = -lp.sum() / mask.sum()
     loss.backward()
     return loss.detach(), h.grad, w.grad

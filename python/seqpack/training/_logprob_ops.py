@@ -367,22 +367,35 @@ class VocabParallelTokenLogprobs(torch.autograd.Function):
 # accumulated by a matmul with K = chunk over every chunk (measured on the CPU at
 # V = 152k, T = 2k: 1.16-1.3x PyTorch's time instead of 1.3-1.45x; at V = 32k the
 # row tiles are faster). Default chunk: about 2^24 logits (64 MiB in fp32).
+# On CUDA the default is about 2^26 logits, and tiles are vocabulary slices whenever
+# there are fewer rows than vocabulary entries (and more than a chunk): the head's
+# fp32 gradient accumulator [V, H] of row tiles costs more memory and no less time
+# (measured on an H200 at V = 152k, H = 4096, bf16, T = 8k / 16k: row tiles of
+# 1024-4096 rows took 1.18-1.42x PyTorch's time holding 4.2-5.9 GB; this default's
+# slices 1.17-1.19x holding 0.4-0.6 GB: benchmarks/results/gpu_issue30_h200_*.md).
 _CHUNK_LOGITS = 1 << 24
+_CHUNK_LOGITS_CUDA = 1 << 26
+# torch.mm(a, b, out_dtype=torch.float32) for bf16 / fp16 operands (CUDA; PyTorch >= 2.8).
+_MM_OUT_DTYPE = hasattr(torch.ops.aten.mm, "dtype")
 _MIN_TILE_ROWS = 256
+_SLICE_ALIGN = 64  # columns: a vocabulary slice's width is a multiple (128 bytes of bf16)
 
 
-def chunk_rows(chunk_tokens: int, rows: int, vocab: int) -> int:
-    """Rows per chunk: ``chunk_tokens`` when given (> 0), else ~2^24 logits."""
+def chunk_rows(chunk_tokens: int, rows: int, vocab: int, cuda: bool = False) -> int:
+    """Rows per chunk: ``chunk_tokens`` when given (> 0), else ~2^24 logits (2^26 on CUDA)."""
     if chunk_tokens > 0:
         return chunk_tokens
-    return max(1, min(max(rows, 1), _CHUNK_LOGITS // max(vocab, 1)))
+    budget = _CHUNK_LOGITS_CUDA if cuda else _CHUNK_LOGITS
+    return max(1, min(max(rows, 1), budget // max(vocab, 1)))
 
 
-def tiles(rows: int, vocab: int, chunk: int):
+def tiles(rows: int, vocab: int, chunk: int, cuda: bool = False):
     """(row range, vocabulary range) of each tile, within ``chunk × vocab`` logits."""
-    if rows <= chunk or rows >= vocab or chunk >= _MIN_TILE_ROWS:
+    if rows <= chunk or rows >= vocab or (chunk >= _MIN_TILE_ROWS and not cuda):
         return [((lo, min(rows, lo + chunk)), (0, vocab)) for lo in range(0, rows, chunk)]
     width = max(1, chunk * vocab // rows)
+    if width > _SLICE_ALIGN:  # slices of whole 128-byte lines: the kernels' vectorised rows
+        width -= width % _SLICE_ALIGN
     return [((0, rows), (v0, min(vocab, v0 + width))) for v0 in range(0, vocab, width)]
 
 
@@ -417,7 +430,7 @@ def linear_stats(hidden, weight, bias, targets, vocab_start, temperature, entrop
     rows = hidden.shape[0]
     out = torch.zeros((4, rows), dtype=acc_dtype(hidden.dtype), device=hidden.device)
     merged = None
-    plan = tiles(rows, weight.shape[0], chunk)
+    plan = tiles(rows, weight.shape[0], chunk, hidden.is_cuda)
     workspace = tile_workspace(plan, hidden)
     for r, v in plan:
         s = logprob_stats(_tile_logits(hidden, weight, bias, r, v, workspace), targets[r[0]:r[1]],
@@ -442,17 +455,22 @@ def linear_grads(ctx, grad_logprob, grad_entropy, needs: Tuple[bool, bool, bool]
     want_b = want_b and bias is not None
     acc = torch.float32 if hidden.dtype in (torch.bfloat16, torch.float16) else hidden.dtype
     rows, vocab = hidden.shape[0], weight.shape[0]
-    plan = tiles(rows, vocab, ctx.chunk)
+    plan = tiles(rows, vocab, ctx.chunk, hidden.is_cuda)
     by_rows = not plan or plan[0][1] == (0, vocab)  # tiles of rows (or none): the head's gradient accumulates
+    accumulate_w = by_rows and len(plan) != 1  # one tile writes the head's gradient directly
     g_hidden = (torch.zeros_like(hidden) if by_rows else torch.zeros(hidden.shape, dtype=acc,
                                                                       device=hidden.device)) if want_h else None
-    g_weight = (torch.zeros(weight.shape, dtype=acc, device=weight.device) if by_rows
+    g_weight = (torch.zeros(weight.shape, dtype=acc, device=weight.device) if accumulate_w
                 else torch.empty_like(weight)) if want_w else None
     g_bias = torch.zeros(vocab, dtype=acc, device=weight.device) if want_b else None
+    # Products that accumulate over tiles: on CUDA, tensor-core products of the bf16 /
+    # fp16 operands with an fp32 result (torch.mm's out_dtype); elsewhere, fp32 products
+    # of upcast operands (the upcast gradient tile in a workspace of its own).
+    fast = acc != hidden.dtype and hidden.is_cuda and _MM_OUT_DTYPE
     # Two workspaces of the largest tile, allocated once (the forward's is freed by
     # now): the tile's logits and their gradient; the matmuls write into the outputs.
     logits_ws, grad_ws = tile_workspace(plan, hidden), tile_workspace(plan, hidden)
-    acc_ws = tile_workspace(plan, hidden, acc) if acc != hidden.dtype else None
+    acc_ws = tile_workspace(plan, hidden, acc) if acc != hidden.dtype and not fast else None
     for r, v in plan:  # no data-dependent skips: traceable, no host reads
         (lo, hi), (v0, v1) = r, v
         h = hidden[lo:hi]
@@ -467,15 +485,19 @@ def linear_grads(ctx, grad_logprob, grad_entropy, needs: Tuple[bool, bool, bool]
         if g_hidden is not None:
             if by_rows:
                 torch.mm(grad, weight, out=g_hidden[lo:hi])
+            elif fast:
+                g_hidden.add_(torch.mm(grad, weight[v0:v1], out_dtype=acc))
             else:
                 g_hidden.addmm_(grad_acc, weight[v0:v1].to(acc))
         if g_weight is not None:
-            if by_rows:
-                g_weight.addmm_(grad_acc.t(), h.to(acc))
-            else:
+            if not accumulate_w:
                 torch.mm(grad.t(), h, out=g_weight[v0:v1])
+            elif fast:
+                g_weight.add_(torch.mm(grad.t(), h, out_dtype=acc))
+            else:
+                g_weight.addmm_(grad_acc.t(), h.to(acc))
         if g_bias is not None:
-            g_bias[v0:v1] += grad_acc.sum(0)
+            g_bias[v0:v1] += grad.sum(0, dtype=acc)
     return (None if g_hidden is None else g_hidden.to(hidden.dtype),
             None if g_weight is None else g_weight.to(weight.dtype),
             None if g_bias is None else g_bias.to(bias.dtype))

@@ -371,7 +371,7 @@ def linear_token_logprobs(
             shape, the dtypes and ``requires_grad`` of hidden, weight and bias,
             and ``reduce_hidden_grad``: the backward's all-reduce).
         chunk_tokens: rows of logits per chunk (default: about 2^24 logits, e.g. 110
-            rows at V = 152k); 1 to T.
+            rows at V = 152k; 2^26 on CUDA); 1 to T.
         reduce_hidden_grad: with ``vocab_parallel_group``, all-reduce ``grad_hidden``
             over the group (every slice of the head contributes to every row). Turn it
             off when ``hidden`` already went through Megatron's
@@ -402,7 +402,7 @@ def _linear_plan(hidden, weight, input_ids, cu_seqlens, cu_seqlens_padded, bias,
     vocab_start, num_threads = _int_args(vocab_start, num_threads)
     targets, layout = _targets(hidden.shape[0], hidden.device, weight.shape[0], input_ids, cu_seqlens,
                                cu_seqlens_padded, cp_size, cp_rank, temperature, vocab_parallel_group, vocab_start)
-    chunk = ops.chunk_rows(chunk, hidden.shape[0], weight.shape[0])
+    chunk = ops.chunk_rows(chunk, hidden.shape[0], weight.shape[0], hidden.is_cuda)
     args = (hidden, weight, bias, targets, vocab_start, as_temperature(temperature), bool(return_entropy), num_threads,
             chunk)
 

@@ -113,7 +113,7 @@ def linear_column_logprobs(hidden: "torch.Tensor", weight: "torch.Tensor", colum
         hidden: ``[T, H]`` final hidden states; weight: ``[V, H]`` the LM head (the
             whole vocabulary), same dtype and device; bias: ``[V]`` or None.
         columns, temperature, return_entropy, num_threads: as :func:`column_logprobs`.
-        chunk_tokens: rows of logits per chunk (default: about 2^24 logits).
+        chunk_tokens: rows of logits per chunk (default: about 2^24 logits, 2^26 on CUDA).
         vocab_parallel_group / vocab_start: ``weight`` (and ``bias``) is this rank's
             vocabulary slice of the head, ``columns`` global ids; the hidden states'
             gradient is summed over the group (see
@@ -133,7 +133,7 @@ def linear_column_logprobs(hidden: "torch.Tensor", weight: "torch.Tensor", colum
     cols = check_columns(columns, hidden.shape[0], None if parallel else vocab, hidden.device)
     temp, entropy = as_temperature(temperature), bool(return_entropy)
     chunk = ops.chunk_rows(0 if chunk_tokens is None else as_positive_int(chunk_tokens, "chunk_tokens"),
-                           hidden.shape[0], vocab)
+                           hidden.shape[0], vocab, hidden.is_cuda)
     threads = as_positive_int(num_threads, "num_threads", allow_zero=True)
     if parallel:
         from .logprobs_columns_tp import vocab_parallel_linear_column_logprobs

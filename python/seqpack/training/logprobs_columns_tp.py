@@ -160,7 +160,8 @@ def vocab_parallel_linear_column_logprobs(hidden: "torch.Tensor", weight: "torch
         from ._columns import subset_log_softmax
 
         return TokenLogprobs(subset_log_softmax(z, columns), None)
-    chunk = ops.chunk_rows(as_positive_int(chunk, "chunk", allow_zero=True), hidden.shape[0], width)
+    chunk = ops.chunk_rows(as_positive_int(chunk, "chunk", allow_zero=True), hidden.shape[0], width,
+                           hidden.is_cuda)
     lp0, ent, _, _ = ops.VocabParallelLinearTokenLogprobs.apply(hidden, weight, bias, anchor[:, 0].contiguous(), start,
                                                                 temperature, entropy, num_threads, chunk, group, True)
     return _compose(z, lp0, ent, columns, entropy)

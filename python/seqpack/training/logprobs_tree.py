@@ -222,7 +222,8 @@ def tree_linear_token_logprobs(hidden: "torch.Tensor", weight: "torch.Tensor", t
             bias: ``[V]`` or None.
         tree, temperature, return_entropy, cp_size, cp_rank: as
             :func:`tree_token_logprobs` (with CP, ``hidden`` holds this rank's rows).
-        chunk_tokens: rows of logits per chunk (default: about 2^24 logits); >= 1.
+        chunk_tokens: rows of logits per chunk (default: about 2^24 logits, 2^26 on
+            CUDA); >= 1.
         num_threads: CPU threads of the kernels (0: seqpack's default).
 
     Returns:
@@ -246,7 +247,7 @@ def tree_linear_token_logprobs(hidden: "torch.Tensor", weight: "torch.Tensor", t
     vocab = int(weight.shape[0])
     temp, entropy = as_temperature(temperature), bool(return_entropy)
     chunk = ops.chunk_rows(0 if chunk_tokens is None else as_positive_int(chunk_tokens, "chunk_tokens"),
-                           hidden.shape[0], vocab)
+                           hidden.shape[0], vocab, hidden.is_cuda)
     threads = as_positive_int(num_threads, "num_threads", allow_zero=True)
     _check_tree_ids(tree, vocab)
     plan, (primary, offsets, ids) = _device_plan(tree, hidden.device, rows)
