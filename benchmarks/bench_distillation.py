@@ -103,6 +103,8 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, nargs="*", help="positions T per case (default 2048 4096)")
     parser.add_argument("--methods", nargs="*", default=["torch", "seqpack"], choices=["torch", "seqpack"],
                         help="seqpack alone where PyTorch's [T, V] tensors do not fit (T = 16k at V = 152k)")
+    parser.add_argument("--zero-outside-topk", type=int, nargs="*", default=[1, 0], choices=[1, 0],
+                        help="1: NeMo-RL's zero_outside_topk (the baseline holds 4 [T, V] fp32 tensors), 0: restricted")
     parser.add_argument("--csv")
     parser.add_argument("--child", help=argparse.SUPPRESS)  # internal: one (case, method), JSON out
     args = parser.parse_args()
@@ -117,7 +119,7 @@ def main() -> int:
         vocab, token_list, ks, repeat = 152064, args.tokens or [2048, 4096], [1, 8, 64], args.repeat
     rows = []
     for tokens in token_list:
-        for zero in (1, 0):
+        for zero in args.zero_outside_topk:
             for k in ks:
                 got = {m: run_child(__file__, f"{tokens},{vocab},{k},{zero},{m},{repeat}") for m in args.methods}
                 case = f"T={tokens}/V={vocab}/k={k}/zero_outside_topk={bool(zero)}"

@@ -10,10 +10,13 @@ the same model, the same preference batch, forward + backward of every micro-bat
 Both compute the same loss (checked). Tokens/s counts real tokens; "computed / real"
 is what the model processes per real token.
 
-The lengths are synthetic (this machine reaches no dataset hub): per pair a prompt
-and two responses drawn from lognormals shaped like chat preference data
-(UltraFeedback-style: prompt median 150 tokens, chosen 320, rejected 260, long tails),
-clipped to 2,048 tokens a row.
+Lengths: by default a real preference dataset's, ``data/dpo_en_demo_lengths.csv``
+(the 300 pairs of LLaMA-Factory's dpo_en_demo.json tokenized with a real 65k BPE
+vocabulary; how they were made: ``data/make_dpo_lengths.py``), the first ``--pairs``
+in file order; ``--synthetic`` draws them from lognormals instead (prompt median 150
+tokens, chosen 320, rejected 260). Rows are cut at ``--max-len`` tokens (2,048, as
+NeMo-RL's DPO recipes' max_total_sequence_length), and a pair whose prompt alone
+reaches it is left out.
 
     python benchmarks/bench_dpo.py            # CPU, tiny model
     python benchmarks/bench_dpo.py --quick    # smoke test
@@ -39,13 +42,25 @@ from seqpack.testing.tiny_model import TinyCausalLM, TinyConfig  # noqa: E402
 CONFIG = TinyConfig(vocab_size=4096, hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2)
 
 
-def preference_lengths(pairs: int, seed: int = 0, max_len: int = 2048):
+REAL_LENGTHS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "dpo_en_demo_lengths.csv")
+
+
+def preference_lengths(pairs: int, seed: int = 0, max_len: int = 2048, path: str | None = REAL_LENGTHS):
     """(row lengths [2 * pairs], prompt lengths [pairs]): rows 2i / 2i + 1 are pair i's
-    chosen / rejected response after its prompt."""
-    rng = np.random.default_rng(seed)
-    prompt = np.clip(np.rint(rng.lognormal(math.log(150), 0.9, pairs)), 8, 1024).astype(np.int64)
-    chosen = np.clip(np.rint(rng.lognormal(math.log(320), 0.8, pairs)), 4, None).astype(np.int64)
-    rejected = np.clip(np.rint(rng.lognormal(math.log(260), 0.9, pairs)), 4, None).astype(np.int64)
+    chosen / rejected response after its prompt; the first ``pairs`` of ``path``'s
+    (prompt, chosen, rejected) token counts whose prompt is under ``max_len``, or
+    lognormal draws when ``path`` is None."""
+    if path is None:
+        rng = np.random.default_rng(seed)
+        prompt = np.clip(np.rint(rng.lognormal(math.log(150), 0.9, pairs)), 8, 1024).astype(np.int64)
+        chosen = np.clip(np.rint(rng.lognormal(math.log(320), 0.8, pairs)), 4, None).astype(np.int64)
+        rejected = np.clip(np.rint(rng.lognormal(math.log(260), 0.9, pairs)), 4, None).astype(np.int64)
+    else:
+        counts = np.loadtxt(path, delimiter=",", skiprows=1, dtype=np.int64, ndmin=2)
+        counts = counts[counts[:, 0] < max_len][:pairs]
+        if len(counts) < pairs:
+            raise SystemExit(f"{path} has {len(counts)} pairs with a prompt under {max_len} tokens; --pairs {pairs}")
+        prompt, chosen, rejected = counts.T
     rows = np.stack([prompt + chosen, prompt + rejected], 1).reshape(-1)
     return np.minimum(rows, max_len), prompt
 
@@ -96,13 +111,17 @@ def main() -> int:
     parser.add_argument("--pairs", type=int, default=64)
     parser.add_argument("--pairs-per-mb", type=int, default=4, help="padded: pairs per micro-batch (NeMo-RL mbs)")
     parser.add_argument("--max-tokens", type=int, default=4096, help="packed: real tokens per micro-batch")
+    parser.add_argument("--max-len", type=int, default=2048, help="rows cut at this many tokens")
+    parser.add_argument("--synthetic", action="store_true", help="lognormal lengths instead of the real dataset's")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if args.quick:
-        args.pairs, args.repeat, args.max_tokens = 8, 1, 2048
+        args.pairs, args.repeat, args.max_tokens, args.max_len = 8, 1, 2048, 1024
     env = announce(environment(), torch)
     log = CsvLog("dpo", env, args.csv)
-    lengths, prompt = preference_lengths(args.pairs)
+    lengths, prompt = preference_lengths(args.pairs, max_len=args.max_len,
+                                         path=None if args.synthetic else REAL_LENGTHS)
+    source = "synthetic lognormal" if args.synthetic else "dpo_en_demo's real pairs"
     data = make_batch(lengths, prompt)
     loss_fn = DPOLoss({"reference_policy_kl_penalty": 0.1, "sft_loss_weight": 0.1})
     gvs, gvt = float(2 * args.pairs), float(data["token_mask"][:, 1:].sum())
@@ -124,9 +143,10 @@ def main() -> int:
             best = min(best, time.perf_counter() - t0)
         computed = real if mode == "packed" else sum(int(lengths[r].max()) * len(r) for r in plans[mode])
         results[mode] = (best, computed)
-        log.add(f"pairs={args.pairs}", mode, "seconds", best)
-        log.add(f"pairs={args.pairs}", mode, "tokens_per_s", real / best)
-        log.add(f"pairs={args.pairs}", mode, "micro_batches", len(plans[mode]))
+        case = f"pairs={args.pairs}/{'synthetic' if args.synthetic else 'dpo_en_demo'}"
+        log.add(case, mode, "seconds", best)
+        log.add(case, mode, "tokens_per_s", real / best)
+        log.add(case, mode, "micro_batches", len(plans[mode]))
     assert abs(losses["packed"] - losses["padded"]) <= 1e-3 * abs(losses["padded"]) + 1e-4, losses
     base = results["padded"][0]
     rows = [[mode, len(plans[mode]), real / t, computed / real, base / t] for mode, (t, computed) in results.items()]
@@ -137,7 +157,7 @@ def main() -> int:
              f"(plan_micro_batches group_ids) under {args.max_tokens} real tokens, fused DPO loss. Best of "
              f"{args.repeat} step(s); the step losses agree ({losses['padded']:.6f} vs {losses['packed']:.6f}). "
              f"Row lengths: median {int(np.median(lengths))}, p90 {int(np.percentile(lengths, 90))}, max "
-             f"{int(lengths.max())} (synthetic lognormal, see the module docstring)."))
+             f"{int(lengths.max())} ({source}, see the module docstring)."))
     print(f"\nCSV: {log.write()}")
     return 0
 

@@ -128,13 +128,37 @@ def logprob_grad(logits: torch.Tensor, targets: torch.Tensor, vocab_start: int, 
     Extra targets (several columns of a row read from its one log-sum-exp, see
     ``logprob_math.hpp``): row ``r``'s are ``extra_ids[extra_offsets[r]:extra_offsets[r + 1]]``
     (global ids, < 0 skipped) with upstream gradients ``extra_grad``; all three or none."""
-    grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
-    if _kernel(logits) == "cpu" and grad.nbytes >= _HUGE_PAGES_FROM:
-        # A fresh gradient as large as the logits: with 4 KiB pages its first-touch
-        # faults cost as much as the kernel itself.
-        _core.advise_huge_pages(grad)
     return _grad_into(logits, targets, vocab_start, temperature, max, log_sumexp, entropy, grad_logprob, grad_entropy,
-                      num_threads, extra_offsets, extra_ids, extra_grad, grad)
+                      num_threads, extra_offsets, extra_ids, extra_grad,
+                      logits_sized(logits.shape, logits.dtype, logits.device))
+
+
+def logits_sized(shape, dtype: torch.dtype, device) -> torch.Tensor:
+    """A fresh (uninitialised) tensor for a gradient of logits. On the CPU a large one
+    is advised huge pages: with 4 KiB pages its first-touch faults cost as much as the
+    kernel that writes it."""
+    grad = torch.empty(shape, dtype=dtype, device=device)
+    if grad.device.type == "cpu" and grad.nbytes >= _HUGE_PAGES_FROM:
+        _core.advise_huge_pages(grad)
+    return grad
+
+
+class ColumnGather(torch.autograd.Function):
+    """``logits.gather(-1, index)`` whose backward scatters into a
+    :func:`logits_sized` gradient (PyTorch's gather backward zero-fills a fresh
+    ``[..., V]`` tensor with 4 KiB pages)."""
+
+    @staticmethod
+    def forward(ctx, logits, index):
+        ctx.save_for_backward(index)
+        ctx.like = (logits.shape, logits.dtype, logits.device)
+        return logits.gather(-1, index)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (index,) = ctx.saved_tensors
+        out = logits_sized(*ctx.like).zero_()
+        return out.scatter_add_(-1, index, grad.to(out.dtype)), None
 
 
 @logprob_grad.register_fake

@@ -99,6 +99,7 @@ def vocab_parallel_gather_columns(logits: "torch.Tensor", columns: "torch.Tensor
     import torch.distributed as dist
 
     from .._dist import active, checked_on_every_rank, groups_of, tensor_facts
+    from ._logprob_ops import ColumnGather
     from ..tensors._device import check_tensor
 
     parallel = tp_group is not None and active(tp_group)
@@ -156,7 +157,7 @@ def vocab_parallel_gather_columns(logits: "torch.Tensor", columns: "torch.Tensor
     if logits.shape[-1] == 0:  # an empty slice owns no column
         values = logits.new_zeros(ids.shape, dtype=dtype)
     else:
-        values = torch.where(owned, logits.gather(-1, index).to(dtype), 0.0)
+        values = torch.where(owned, ColumnGather.apply(logits, index).to(dtype), 0.0)
     if parallel:
         values = _sum_over_ranks().apply(values, tp_group)
     if cp > 1:

@@ -36,6 +36,21 @@ def test_one_process_is_a_gather_and_its_softmax_is_the_restricted_one():
     torch.testing.assert_close(sub, torch.log(probs / probs.sum(-1, keepdim=True)), rtol=1e-6, atol=1e-6)
 
 
+def test_gradient_is_the_gathers_with_repeated_columns(monkeypatch):
+    # The backward scatters into a fresh gradient of its own (huge pages on the CPU, from
+    # any size here): gradcheck in fp64, repeated and out-of-vocabulary columns.
+    from seqpack.training import _logprob_ops
+
+    monkeypatch.setattr(_logprob_ops, "_HUGE_PAGES_FROM", 0)
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(3, 4, 6, generator=g, dtype=torch.float64, requires_grad=True)
+    columns = torch.tensor([[0, 0, 5], [2, 9, 2], [-1, 1, 1], [3, 4, 5]]).expand(3, 4, 3)
+    assert torch.autograd.gradcheck(lambda x: vocab_parallel_gather_columns(x, columns), (logits,))
+    (grad,) = torch.autograd.grad(vocab_parallel_gather_columns(logits, columns).sum(), logits)
+    (want,) = torch.autograd.grad(full_gather(logits, columns).sum(), logits)
+    torch.testing.assert_close(grad, want, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("logits, columns, kwargs, error, match", [
     (torch.zeros(2, 5), torch.zeros(3, 2, dtype=torch.long), {}, ValueError, "leading shape"),
     (torch.zeros(2, 5), torch.zeros(2, 2), {}, TypeError, "integer token ids"),
