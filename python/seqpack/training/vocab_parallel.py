@@ -99,8 +99,8 @@ def vocab_parallel_gather_columns(logits: "torch.Tensor", columns: "torch.Tensor
     import torch.distributed as dist
 
     from .._dist import active, checked_on_every_rank, groups_of, tensor_facts
-    from ._logprob_ops import ColumnGather
     from ..tensors._device import check_tensor
+    from ._logprob_ops import ColumnGather
 
     parallel = tp_group is not None and active(tp_group)
     cp = dist.get_world_size(cp_group) if cp_group is not None and active(cp_group) else 1
