@@ -186,8 +186,8 @@ def linear_case(tokens, hidden, vocab, seed=0):
 def run_linear(method, h, w, ids, cu, targets, mask, chunk_tokens=None):
     h, w = h.detach().requires_grad_(), w.detach().requires_grad_()
     if method == "torch":
-        logits = torch.nn.functional.linear(h, w).float()  # a bf16 head's logits upcast, as trainers do
-        lp = torch.log_softmax(logits, -1).gather(-1, targets[:, None])[:, 0] * mask
+        # a bf16 head's logits upcast, as trainers do (no name: nothing keeps them past log_softmax)
+        lp = torch.log_softmax(torch.nn.functional.linear(h, w).float(), -1).gather(-1, targets[:, None])[:, 0] * mask
     else:
         lp = seqpack.linear_token_logprobs(h, w, ids, cu, chunk_tokens=chunk_tokens).logprobs
     loss = -lp.sum() / mask.sum()
