@@ -1,6 +1,8 @@
 // Prefix-tree packing: the trie is built with the GIL released; its arrays come back
 // as NumPy arrays without a copy.
+#include <iterator>
 #include <optional>
+#include <vector>
 
 #include "convert.hpp"
 #include "seqpack/prefix_tree.hpp"
@@ -37,6 +39,22 @@ void init_prefix_tree(py::module_& m) {
       py::arg("tokens"), py::arg("cu_seqlens"), py::arg("group_ids"), py::arg("min_shared_tokens"),
       py::arg("pad_to_multiple_of"), py::arg("pad_token"),
       "The token trie of rows (flat tokens + cu_seqlens) in DFS order, as a dict of int64 arrays.");
+  m.def(
+      "check_prefix_tree",
+      [](const py::dict& arrays, int64_t num_pad_tokens) {
+        static constexpr const char* kNames[] = {"input_ids",     "position_ids", "parent",
+                                                 "subtree_end",   "first_logical", "logical_index",
+                                                 "cu_seqlens",    "segment_offsets", "segment_parent"};
+        std::vector<LengthsArg> held;
+        held.reserve(std::size(kNames));
+        for (const char* name : kNames) held.emplace_back(py::object(arrays[name]), name);
+        PrefixTreeView view{held[0].view(), held[1].view(), held[2].view(), held[3].view(), held[4].view(),
+                            held[5].view(), held[6].view(), held[7].view(), held[8].view(), num_pad_tokens};
+        py::gil_scoped_release release;
+        check_prefix_tree("PrefixTreeBatch", view);
+      },
+      py::arg("arrays"), py::arg("num_pad_tokens"),
+      "Raises ValueError unless the dict of int64 arrays is a prefix-tree layout build_prefix_tree could produce.");
 }
 
 }  // namespace seqpack::bindings

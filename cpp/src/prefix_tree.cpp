@@ -10,7 +10,6 @@ namespace seqpack {
 namespace {
 
 constexpr const char* kFn = "build_prefix_tree";
-constexpr int64_t kMaxTokens = int64_t{1} << 40;  // a padded tree past this is a mistake, not a batch
 
 }  // namespace
 
@@ -18,6 +17,10 @@ PrefixTree build_prefix_tree(std::span<const int64_t> tokens, Lengths cu, std::s
                              const PrefixTreeOptions& options) {
   detail::check_trie_arguments(kFn, tokens, cu, group_ids, options.min_shared_tokens);
   check_positive(kFn, "pad_to_multiple_of", options.pad_to_multiple_of);
+  if (options.pad_to_multiple_of > kMaxPrefixTreePadMultiple)
+    throw_invalid(kFn, "pad_to_multiple_of: must be at most 2^24 (" + std::to_string(kMaxPrefixTreePadMultiple) +
+                           ": a micro-batch shape, not a memory size), got " +
+                           std::to_string(options.pad_to_multiple_of));
   const size_t rows = cu.size() - 1;
   const int64_t n_logical = cu.back();
   const detail::Trie trie = detail::build_trie(tokens, cu, group_ids, options.min_shared_tokens);
@@ -69,9 +72,10 @@ PrefixTree build_prefix_tree(std::span<const int64_t> tokens, Lengths cu, std::s
 
   PrefixTree tree;
   const int64_t total = round_up(kFn, n_nodes, options.pad_to_multiple_of);
-  if (total > kMaxTokens)
+  if (total > kMaxPrefixTreeTokens)  // before any per-token array is allocated
     throw_invalid(kFn, "pad_to_multiple_of: rounding " + std::to_string(n_nodes) + " tokens up to a multiple of " +
-                           std::to_string(options.pad_to_multiple_of) + " gives more than 2^40 tokens");
+                           std::to_string(options.pad_to_multiple_of) + " gives " + std::to_string(total) +
+                           ", more than a tree may hold (2^31 - 1 tokens: its offsets are int32)");
   tree.num_pad_tokens = total - n_nodes;
   const auto T = static_cast<size_t>(total);
   tree.input_ids.resize(T);

@@ -1,5 +1,6 @@
 #include <algorithm>
 #include <random>
+#include <string_view>
 #include <vector>
 
 #include "seqpack/prefix_tree.hpp"
@@ -100,7 +101,7 @@ TEST(PrefixTree, BadArgumentsThrowNamingThem) {
   EXPECT_TRUE(ThrowsInvalid([&] { build_prefix_tree(tokens, Vec{0, 3}, {}, {-1, 1, 0}); }, {"min_shared_tokens"}));
   EXPECT_TRUE(ThrowsInvalid([&] { build_prefix_tree(tokens, Vec{0, 3}, {}, {1, 0, 0}); }, {"pad_to_multiple_of"}));
   EXPECT_TRUE(ThrowsInvalid([&] { build_prefix_tree(tokens, Vec{0, 3}, {}, {1, INT64_MAX, 0}); },
-                            {"pad_to_multiple_of", "2^40"}));
+                            {"pad_to_multiple_of", "at most 2^24"}));
 }
 
 // Random forests against the definition: logical tokens (r, p) and (s, p) are one
@@ -166,3 +167,58 @@ TEST(PrefixTree, RandomForestsMatchTheDefinition) {
 }
 
 }  // namespace
+
+// ---- check_prefix_tree: the contract of a tree given from outside ------------------
+namespace {
+
+PrefixTreeView view_of(const PrefixTree& t) {
+  return {t.input_ids,    t.position_ids,  t.parent,          t.subtree_end,    t.first_logical,
+          t.logical_index, t.cu_seqlens,    t.segment_offsets, t.segment_parent, t.num_pad_tokens};
+}
+
+}  // namespace
+
+TEST(PrefixTreeCheck, EveryBuiltTreePasses) {
+  std::mt19937_64 rng(11);
+  for (int trial = 0; trial < 300; ++trial) {
+    Rows rows;
+    const int n = static_cast<int>(rng() % 8);
+    for (int r = 0; r < n; ++r) {
+      Vec row = rows.empty() || rng() % 2 ? Vec{} : rows[rng() % rows.size()];
+      row.resize(rng() % (row.size() + 1));
+      for (int k = static_cast<int>(rng() % 5); k > 0; --k) row.push_back(static_cast<int64_t>(rng() % 3));
+      rows.push_back(row);
+    }
+    const PrefixTree t = build(rows, {}, static_cast<int64_t>(rng() % 3), 1 + static_cast<int64_t>(rng() % 4));
+    EXPECT_NO_THROW(check_prefix_tree("test", view_of(t)));
+  }
+}
+
+TEST(PrefixTreeCheck, TamperedArraysAreRefused) {
+  const PrefixTree good = build({{5, 6, 7}, {5, 6, 8, 9}, {5, 6}, {5}}, {0, 0, 0, 1}, 1, 4);
+  auto refused = [&](auto edit, std::initializer_list<std::string_view> words) {
+    PrefixTree t = good;
+    edit(t);
+    return ThrowsInvalid([&] { check_prefix_tree("PrefixTreeBatch", view_of(t)); }, words);
+  };
+  EXPECT_TRUE(refused([](PrefixTree& t) { t.subtree_end[2] = 4; }, {"parent[3]", "depth-first"}));
+  EXPECT_TRUE(refused([](PrefixTree& t) { t.subtree_end[0] = 6; }, {"subtree_end"}));
+  EXPECT_TRUE(refused([](PrefixTree& t) { t.logical_index[3] = 4; }, {"logical_index[3]", "path from a root"}));
+  EXPECT_TRUE(refused([](PrefixTree& t) { t.logical_index[0] = 99; }, {"logical_index[0]", "real token"}));
+  EXPECT_TRUE(refused([](PrefixTree& t) { t.position_ids[4] = 7; }, {"position_ids[4]", "depth"}));
+  EXPECT_TRUE(refused([](PrefixTree& t) { t.first_logical[1] = 4; }, {"first_logical[1]", "first logical"}));
+  EXPECT_TRUE(refused([](PrefixTree& t) { t.segment_parent[1] = -1; }, {"segment_parent[1]"}));
+  EXPECT_TRUE(refused([](PrefixTree& t) { t.segment_offsets[1] = 1; }, {"segment_offsets", "segment"}));
+  EXPECT_TRUE(refused([](PrefixTree& t) { t.parent[7] = 0; }, {"pad token 7", "own root"}));
+  EXPECT_TRUE(refused([](PrefixTree& t) { t.num_pad_tokens = 9; }, {"num_pad_tokens"}));
+  EXPECT_TRUE(refused([](PrefixTree& t) { t.cu_seqlens.back() = 3; }, {"cu_seqlens", "end at"}));
+  EXPECT_TRUE(refused([](PrefixTree& t) { t.parent.pop_back(); }, {"parent", "one entry per physical token"}));
+}
+
+TEST(PrefixTreeCheck, PaddingIsRefusedBeforeItIsAllocated) {
+  const Flat f = flatten({{1, 2, 3}});
+  EXPECT_TRUE(ThrowsInvalid([&] { build_prefix_tree(f.tokens, f.cu, {}, {1, int64_t{1} << 40, 0}); },
+                            {"pad_to_multiple_of", "at most 2^24"}));
+  EXPECT_TRUE(ThrowsInvalid([&] { build_prefix_tree(f.tokens, f.cu, {}, {1, (int64_t{1} << 24) + 1, 0}); },
+                            {"pad_to_multiple_of"}));
+}

@@ -63,4 +63,27 @@ struct PrefixTree {
 PrefixTree build_prefix_tree(std::span<const int64_t> tokens, Lengths cu_seqlens, std::span<const int64_t> group_ids,
                              const PrefixTreeOptions& options = {});
 
+// The arrays of a PrefixTree, borrowed (a tree rebuilt from a pickle, or given by hand).
+struct PrefixTreeView {
+  Lengths input_ids, position_ids, parent, subtree_end, first_logical, logical_index, cu_seqlens, segment_offsets,
+      segment_parent;
+  int64_t num_pad_tokens = 0;
+};
+
+// Throws std::invalid_argument ("[seqpack.<fn>] <array>: <rule>") unless `tree` is a
+// layout build_prefix_tree could have produced: one entry per physical token where
+// due, at most kMaxPrefixTreeTokens tokens, pad tokens last (each its own root at
+// position 0), parents before their children in depth-first order with
+// subtree_end closing each subtree, position = depth, every row a root-to-node path
+// (logical_index), first_logical the first occurrence of each physical token,
+// every real token on some row, and the segments of the rule above. Linear time.
+void check_prefix_tree(const char* fn, const PrefixTreeView& tree);
+
+// The most physical tokens a tree may have, padding included: offsets of the tree
+// reach kernels as int32 (flash-attention's cu_seqlens), as every packed layout's do.
+inline constexpr int64_t kMaxPrefixTreeTokens = (int64_t{1} << 31) - 1;
+// The largest pad_to_multiple_of: a multiple is a static micro-batch shape, and a
+// pad of tens of millions of tokens is a mistake (2^24 pads hold 640 MiB of arrays).
+inline constexpr int64_t kMaxPrefixTreePadMultiple = int64_t{1} << 24;
+
 }  // namespace seqpack

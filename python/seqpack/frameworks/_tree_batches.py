@@ -16,9 +16,9 @@ shared_prefix=True)`` (and the dynamic-batching iterator) then yields a
                                           data = rows 0..3, rows = [0, 1, 2, 3])
 
 Iterate with the options the shards were planned with (``group_key`` = the
-``shared_prefix_group_key``, ``pad_to_multiple_of`` at most the pad multiple,
-``min_shared_tokens`` = 1): the packing iterator refuses a tree larger than its
-micro-batch's planned length.
+``shared_prefix_group_key``, ``min_shared_tokens`` = 1): the packing iterator
+refuses a tree whose real tokens pass its micro-batch's planned length, or whose
+``pad_to_multiple_of`` padding passes that length rounded up to the multiple.
 
 Importing this module does not import torch.
 """
@@ -121,19 +121,30 @@ def shared_prefix_bins(data: Mapping[str, Any], lengths: np.ndarray, shards: int
 
 def tree_micro_batch(mb: "SlicedDataDict", rows: Sequence[int], lengths: np.ndarray, *, input_key: str = "input_ids",
                      group_key: Optional[str] = None, min_shared_tokens: Any = 1, pad_to_multiple_of: Any = 1,
-                     planned_tokens: Optional[int] = None) -> TreeMicroBatch:
+                     planned_tokens: Optional[int] = None, token_cap: Optional[int] = None) -> TreeMicroBatch:
     """The :class:`TreeMicroBatch` of the micro-batch ``mb`` (at positions ``rows``
     of the batch iterated; ``lengths`` its rows' real tokens). ``planned_tokens``:
-    the micro-batch's planned length, which the tree must not pass."""
+    the micro-batch's planned length, which the tree's real tokens must not pass;
+    ``token_cap``: the cap it was planned under, which its padding must not pass
+    (without one, the planned length rounded up to ``pad_to_multiple_of``)."""
     from ..tensors.prefix_tree import PrefixTreeBatch
 
     flat, cu = _row_tokens(mb.data, input_key, lengths)
     tree = PrefixTreeBatch.from_packed(flat, cu, group_ids=_group_ids(mb.data, group_key, range(lengths.shape[0])),
                                        min_shared_tokens=min_shared_tokens, pad_to_multiple_of=pad_to_multiple_of)
-    if rows and planned_tokens is not None and tree.num_tokens > planned_tokens:
-        raise ValueError(f"the tree of rows {list(rows)[:8]} has {tree.num_tokens} tokens, more than its planned "
-                         f"micro_batch_lengths entry ({planned_tokens}): iterate with the options the shards were "
-                         f"planned with (group_key = the shared_prefix_group_key, got {group_key!r}; "
-                         f"pad_to_multiple_of at most the pad multiple, got {pad_to_multiple_of!r}; "
-                         f"min_shared_tokens = 1, got {min_shared_tokens!r})")
+    if rows and planned_tokens is not None:
+        # The plan counts physical tokens (a sequence-packing plan already rounded up
+        # to its pad multiple, a plan_step(forest=) plan not): the tree's real tokens
+        # must fit its entry, and its padding the cap it was planned under.
+        real, multiple = tree.num_tokens - tree.num_pad_tokens, as_positive_int(pad_to_multiple_of, "pad_to_multiple_of")
+        cap = round_up(planned_tokens, multiple) if token_cap is None else max(int(token_cap), planned_tokens)
+        if real > planned_tokens:
+            raise ValueError(f"the tree of rows {list(rows)[:8]} has {real} tokens, more than its planned "
+                             f"micro_batch_lengths entry ({planned_tokens}): iterate with the options the shards were "
+                             f"planned with (group_key = the shared_prefix_group_key, got {group_key!r}; "
+                             f"min_shared_tokens = 1, got {min_shared_tokens!r})")
+        if tree.num_tokens > cap:
+            raise ValueError(f"the tree of rows {list(rows)[:8]} has {real} tokens, {tree.num_tokens} padded to "
+                             f"pad_to_multiple_of = {multiple}: more than the {cap} tokens its micro-batch was planned "
+                             f"under ({'the token cap' if token_cap is not None else 'its entry rounded up'})")
     return TreeMicroBatch(tree=tree, data=mb, rows=tuple(int(r) for r in rows))

@@ -246,6 +246,9 @@ class BatchedDataDict(UserDict, Generic[DictT]):
         self.micro_batch_indices: Optional[List[List[List[int]]]] = None
         self.micro_batch_lengths: Optional[List[List[int]]] = None
         self.elem_counts_per_gb: Optional[List[int]] = None
+        # The token cap the micro-batches were planned under (set by sequence packing
+        # and step plans): a tree micro-batch may pad up to it.
+        self.micro_batch_token_cap: Optional[int] = None
 
     def __eq__(self, other: object) -> bool:
         """Same keys and values (tensors equal in dtype, shape, device and every
@@ -669,6 +672,7 @@ class BatchedDataDict(UserDict, Generic[DictT]):
             shard.micro_batch_indices = indices[s]
             shard.micro_batch_lengths = lengths[s]
             shard.elem_counts_per_gb = [c[-1][1] if c else 0 for c in indices[s]]
+            shard.micro_batch_token_cap = int(args["max_tokens_per_microbatch"])
             out.append(shard)
         return out, [i for r in rows for i in r]
 
@@ -697,6 +701,7 @@ class BatchedDataDict(UserDict, Generic[DictT]):
                 shard.micro_batch_indices.append(bounds)
                 shard.micro_batch_lengths.append(list(plan.tokens[m][s]))
                 shard.elem_counts_per_gb.append(start)
+            shard.micro_batch_token_cap = int(plan.max_tokens)
             out.append(shard)
         return out, [i for r in rows for i in r]
 
@@ -733,6 +738,7 @@ class BatchedDataDict(UserDict, Generic[DictT]):
             out.micro_batch_indices = [self.micro_batch_indices[batch_idx]]
             out.micro_batch_lengths = [self.micro_batch_lengths[batch_idx]]
             out.elem_counts_per_gb = [self.elem_counts_per_gb[batch_idx]]
+            out.micro_batch_token_cap = self.micro_batch_token_cap
             return out
         _check(batch_size is not None, "batch_size is required unless the data is a sequence-packed shard")
         batch_size = _positive(batch_size, "batch_size")
@@ -791,8 +797,10 @@ class BatchedDataDict(UserDict, Generic[DictT]):
         prefix), ``min_shared_tokens`` and ``pad_to_multiple_of`` (of the tree, e.g.
         :func:`seqpack.alignment`; default 1), as :func:`seqpack.pack_prefix_tree`.
         Use the options the bins were planned with (``group_key`` = the
-        ``shared_prefix_group_key``, ``pad_to_multiple_of`` at most the pad
-        multiple): a tree above its micro-batch's planned length is refused.
+        ``shared_prefix_group_key``): a tree whose real tokens pass its
+        micro-batch's planned length is refused, and so is one padded past the
+        shard's token cap (``max_tokens_per_microbatch`` or the step plan's
+        ``max_tokens``).
         """
         indices, lengths = self._one_plan()
         if shared_prefix:
@@ -813,7 +821,8 @@ class BatchedDataDict(UserDict, Generic[DictT]):
             for k, (start, end) in enumerate(indices):
                 mb = slice_rows(start, end)
                 yield tree_micro_batch(mb, range(start, end), _lengths(mb.data, lengths_key),
-                                       planned_tokens=None if planned is None else int(planned[k]), **options)
+                                       planned_tokens=None if planned is None else int(planned[k]),
+                                       token_cap=self.micro_batch_token_cap, **options)
 
         return gen()
 

@@ -6,11 +6,26 @@ ids + ``cu_seqlens``; and per-row group ids. Shared by
 
 from __future__ import annotations
 
+import numbers
 from typing import Any, Iterable, Optional, Tuple
 
 import numpy as np
 
 from .._lengths import INT64_MAX, _is_torch_tensor, check_not_meta, host_array, shown, type_name
+
+
+def _refuse_big_python_ints(value: Any, name: str) -> None:
+    """Python integers past int64 (either way) make NumPy build an object or float
+    array: say so, naming the value, instead of "not an integer"."""
+    if isinstance(value, np.ndarray) or _is_torch_tensor(value):
+        return
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, (list, tuple)):
+            stack.extend(item)
+        elif isinstance(item, numbers.Integral) and not -INT64_MAX - 1 <= int(item) <= INT64_MAX:
+            raise ValueError(f"{name} must fit in int64 ([{-INT64_MAX - 1}, {INT64_MAX}]), got {int(item)}")
 
 
 def int_array(value: Any, name: str, ndim: int) -> np.ndarray:
@@ -30,6 +45,7 @@ def int_array(value: Any, name: str, ndim: int) -> np.ndarray:
     if arr.size == 0:
         return np.zeros(arr.shape, dtype=np.int64)
     if arr.dtype.kind not in "iu":
+        _refuse_big_python_ints(value, name)
         raise TypeError(f"{name} must hold integers, got dtype {arr.dtype}")
     if arr.dtype == np.uint64 and int(arr.max()) > INT64_MAX:
         raise ValueError(f"{name} must fit in int64, got {int(arr.max())}")

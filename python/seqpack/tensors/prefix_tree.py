@@ -58,7 +58,7 @@ Importing this module does not import torch; tensors are accepted where arrays a
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict
+from typing import Any, Callable, Dict, Tuple
 
 import numpy as np
 
@@ -77,6 +77,20 @@ _ARRAYS = ("input_ids", "position_ids", "parent", "subtree_end", "logical_index"
            "segment_parent", "first_logical")
 
 
+def _int64_array(value: Any, name: str) -> np.ndarray:
+    """A fresh 1-D int64 copy of an integer array (tensors read on the host)."""
+    if _is_torch_tensor(value):
+        value = value.detach().cpu().numpy()
+    arr = np.asarray(value)
+    if arr.size and (arr.dtype == object or arr.dtype.kind not in "iu"):
+        raise TypeError(f"{name} must hold integers, got {arr.dtype}")
+    if arr.ndim != 1:
+        raise ValueError(f"{name} must be 1-D, got shape {arr.shape}")
+    if arr.dtype == np.uint64 and arr.size and int(arr.max()) > np.iinfo(np.int64).max:
+        raise ValueError(f"{name} must fit in int64")
+    return arr.astype(np.int64, copy=True)
+
+
 def _build(tokens: np.ndarray, cu: np.ndarray, group_ids: Any, min_shared_tokens: Any, pad_to_multiple_of: Any,
            pad_token_id: Any) -> "PrefixTreeBatch":
     min_shared = as_positive_int(min_shared_tokens, "min_shared_tokens", allow_zero=True)
@@ -84,7 +98,7 @@ def _build(tokens: np.ndarray, cu: np.ndarray, group_ids: Any, min_shared_tokens
     pad = as_int64(pad_token_id, "pad_token_id")
     arrays = _core.build_prefix_tree(tokens, cu, group_array(group_ids, cu.shape[0] - 1), min_shared, multiple, pad)
     num_pad = int(arrays.pop("num_pad_tokens"))
-    return PrefixTreeBatch(**arrays, num_pad_tokens=num_pad)
+    return PrefixTreeBatch._trusted(arrays, num_pad)
 
 
 def pack_prefix_tree(rows: Any, *, group_ids: Any = None, min_shared_tokens: Any = 1, pad_to_multiple_of: Any = 1,
@@ -111,7 +125,7 @@ class PrefixTreeBatch:
     :meth:`from_packed`; holds read-only int64 NumPy arrays, compares by value,
     pickles and deep-copies through them."""
 
-    __slots__ = ("_arrays", "_num_pad_tokens")
+    __slots__ = ("_arrays", "_num_pad_tokens", "_plans")
 
     def __init__(self, *, input_ids: Any, position_ids: Any, parent: Any, subtree_end: Any, logical_index: Any,
                  cu_seqlens: Any, segment_offsets: Any, segment_parent: Any, first_logical: Any,
@@ -121,17 +135,29 @@ class PrefixTreeBatch:
                      segment_parent=segment_parent, first_logical=first_logical)
         arrays = {}
         for name in _ARRAYS:
-            arr = np.array(given[name], dtype=np.int64, copy=True)
-            if arr.ndim != 1:
-                raise ValueError(f"{name} must be 1-D, got shape {arr.shape}")
+            arr = _int64_array(given[name], name)
             arr.flags.writeable = False
             arrays[name] = arr
-        t = arrays["input_ids"].shape[0]
-        for name in ("position_ids", "parent", "subtree_end", "first_logical"):
-            if arrays[name].shape[0] != t:
-                raise ValueError(f"{name} must have one entry per physical token ({t}), got {arrays[name].shape[0]}")
+        num_pad = as_positive_int(num_pad_tokens, "num_pad_tokens", allow_zero=True)
+        # The whole contract (depth-first order, subtree ends, depths, rows as root
+        # paths, first occurrences, segments), checked in C++ in linear time: a tree
+        # given by hand or rebuilt from a pickle is one build_prefix_tree could make.
+        _core.check_prefix_tree(arrays, num_pad)
+        self._init(arrays, num_pad)
+
+    def _init(self, arrays: Dict[str, np.ndarray], num_pad_tokens: int) -> None:
         self._arrays = arrays
-        self._num_pad_tokens = as_positive_int(num_pad_tokens, "num_pad_tokens", allow_zero=True)
+        self._num_pad_tokens = num_pad_tokens
+        self._plans: Dict[Any, Any] = {}
+
+    @classmethod
+    def _trusted(cls, arrays: Dict[str, np.ndarray], num_pad_tokens: int) -> "PrefixTreeBatch":
+        """A tree the C++ builder has just made (fresh int64 arrays): no second check."""
+        self = object.__new__(cls)
+        for arr in arrays.values():
+            arr.flags.writeable = False
+        self._init({name: arrays[name] for name in _ARRAYS}, int(num_pad_tokens))
+        return self
 
     # ---- constructors -------------------------------------------------------------
     @classmethod
@@ -213,6 +239,7 @@ class PrefixTreeBatch:
     def to_logical(self, x: Any) -> Any:
         """Per-physical-token values ``x`` [T, ...] (array or tensor) in the logical
         layout [N, ...]: each logical token takes its physical token's value."""
+        x = self._rows_of(x)
         self._check_rows(x, self.num_tokens, "num_tokens (T)")
         return x[self._index_for(x, self.logical_index)]
 
@@ -222,6 +249,7 @@ class PrefixTreeBatch:
         occurrence (rows in their given order); later occurrences are not read, so
         values that are a function of the prefix (ids, positions, hidden states of a
         causal model) round-trip exactly. Pad tokens get ``fill``."""
+        x = self._rows_of(x)
         self._check_rows(x, self.num_logical_tokens, "num_logical_tokens (N)")
         real = self.num_tokens - self._num_pad_tokens
         index = self._index_for(x, self.first_logical[:real])
@@ -234,6 +262,11 @@ class PrefixTreeBatch:
         out = np.full((self.num_tokens, *arr.shape[1:]), fill, dtype=arr.dtype)
         out[:real] = arr[index]
         return out
+
+    @staticmethod
+    def _rows_of(x: Any) -> Any:
+        """A tensor as it is; anything else (a list, a tuple) as a NumPy array."""
+        return x if _is_torch_tensor(x) or isinstance(x, np.ndarray) else np.asarray(x)
 
     @staticmethod
     def _check_rows(x: Any, n: int, what: str) -> None:
@@ -287,7 +320,58 @@ class PrefixTreeBatch:
     __hash__ = None  # type: ignore[assignment]
 
     def __reduce__(self):
-        return (_rebuild, ({k: np.array(v) for k, v in self._arrays.items()}, self._num_pad_tokens))
+        # The host plans built so far travel with the tree (a collate function in a
+        # DataLoader worker builds them; the training loop then builds none).
+        return (_rebuild, ({k: np.array(v) for k, v in self._arrays.items()}, self._num_pad_tokens, dict(self._plans)))
+
+    # ---- host plans ------------------------------------------------------------------
+    def host_plan(self, key: Any, build: Callable[["PrefixTreeBatch"], Any]) -> Any:
+        """The host plan ``key`` of this tree (attention segments and their key rows,
+        log-prob targets, a CP cut), built by ``build(self)`` on first use and kept
+        by the tree: every attention layer of a step, and every step that reuses the
+        tree, reads the same plan. Plans pickle with the tree (those with a
+        ``check_tree(tree)`` method are checked against it when rebuilt; others are
+        left to be built again). ``key`` must be hashable and picklable.
+
+        >>> tree = pack_prefix_tree([[1, 2, 3], [1, 2, 4]])
+        >>> tree.host_plan("sizes", lambda t: t.num_tokens)
+        4
+        """
+        plans = self._plans
+        plan = plans.get(key)
+        if plan is None:
+            plan = build(self)  # two threads may both build it, harmlessly: one value wins
+            plan = plans.setdefault(key, plan)
+        return plan
+
+    def prepare(self, *, attention: bool = True, targets: bool = True, cp_size: Any = None) -> "PrefixTreeBatch":
+        """Build now the host plans a training step reads (the attention plan, the
+        log-prob targets, the CP cut for ``cp_size`` ranks), so that the step does
+        none of that work: call it where the batch is built (a collate function, a
+        DataLoader worker); the plans pickle with the tree. Returns the tree.
+        Imports nothing heavy: the plans are NumPy.
+
+        >>> tree = pack_prefix_tree([[1, 2, 3], [1, 2, 4]]).prepare()
+        >>> sorted(map(str, tree.planned()))
+        ['attention', 'targets']
+        """
+        if attention:
+            from .tree_plans import attention_plan
+
+            attention_plan(self)
+        if targets:
+            from .tree_plans import tree_targets
+
+            tree_targets(self)
+        if cp_size is not None and as_positive_int(cp_size, "cp_size") > 1:
+            from .prefix_tree_cp import tree_cp_bounds
+
+            tree_cp_bounds(self, cp_size)
+        return self
+
+    def planned(self) -> Tuple[Any, ...]:
+        """The keys of the host plans this tree holds."""
+        return tuple(self._plans)
 
     def __repr__(self) -> str:
         return (f"PrefixTreeBatch(num_rows={self.num_rows}, num_logical_tokens={self.num_logical_tokens}, "
@@ -322,5 +406,15 @@ class PrefixTreeMetrics:
         return self.plain_attention_pairs / self.tree_attention_pairs if self.tree_attention_pairs else 1.0
 
 
-def _rebuild(arrays: Dict[str, np.ndarray], num_pad_tokens: int) -> PrefixTreeBatch:
-    return PrefixTreeBatch(**arrays, num_pad_tokens=num_pad_tokens)
+def _rebuild(arrays: Dict[str, np.ndarray], num_pad_tokens: int, plans: Any = None) -> PrefixTreeBatch:
+    """A pickled tree: its arrays checked as any tree given from outside, then each
+    plan that can be checked against it (others are dropped, to be built again)."""
+    tree = PrefixTreeBatch(**arrays, num_pad_tokens=num_pad_tokens)
+    if plans is not None and not isinstance(plans, dict):
+        raise TypeError(f"a pickled PrefixTreeBatch's plans must be a dict, got {type(plans).__name__}")
+    for key, plan in (plans or {}).items():
+        check = getattr(type(plan), "check_tree", None)
+        if check is not None:
+            check(plan, tree)
+            tree._plans[key] = plan
+    return tree

@@ -16,11 +16,19 @@ visible to query ``i`` exactly when ``j <= i < subtree_end[j]``::
                  └── 3 ── 4                    4   x x . x x        <- row 5 6 8 9
         5                                      5             x      <- row 5
 
-Per segment (a maximal non-branching chain, see the layout's docstring) the
-queries of the segment see every row of its ancestor segments (the *prefix*) and
+Per attention segment (a maximal chain that breaks at branch points only:
+:func:`~seqpack.tensors.tree_plans.attention_segments`; rows ending inside a chain
+do not cut it, so a chain of rows, each a prefix of the next, costs what its
+longest row costs alone) the queries of the segment see every row of its ancestor segments (the *prefix*) and
 their own segment causally: segment ``[3, 5)`` attends to keys ``0 1 | 3 4`` with
 the mask ``[[1 1 1 0], [1 1 1 1]]``. Pad tokens are single-token root segments
 that see only themselves.
+
+Rows that share nothing (every attention segment a root) run plain packing's
+kernels: :func:`~seqpack.varlen_attention` on the rows, no tree plan, whichever of
+the sdpa and varlen backends is asked for. The plan of a tree is built once and
+kept by the tree (:meth:`~seqpack.PrefixTreeBatch.host_plan`; build it where the
+batch is built with :meth:`~seqpack.PrefixTreeBatch.prepare`).
 
 Backends (:func:`tree_attention_backends` says which run here); none but the
 reference ever builds a dense ``[T, T]`` mask:
@@ -34,8 +42,9 @@ reference ever builds a dense ``[T, T]`` mask:
   fp16 / bf16, varlen_attention's reference elsewhere. The queries stay in place
   (segments are contiguous in DFS order); keys and values are gathered once per
   segment that reads them, so their memory is the sum of the segments' path
-  lengths (about the logical tokens on GRPO batches; more on deep, finely
-  branched trees).
+  lengths: at most the physical tokens times ``2 * leaves - 1``, and under twice
+  the tokens of the rows that end at leaves (the bound of
+  :mod:`~seqpack.tensors.tree_plans`), never the square of the depth.
 - ``"sdpa"`` (any device, CPU included; gradients): segments grouped by shape
   (prefix length, own length), keys gathered by an index of their ancestor
   segments' rows, one ``scaled_dot_product_attention`` call per group (a root
@@ -72,12 +81,9 @@ Importing this module does not import torch.
 from __future__ import annotations
 
 import functools
-import threading
-from collections import OrderedDict, defaultdict
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, Optional
 
-import numpy as np
-
+from ..tensors.tree_plans import attention_plan
 from .attention_varlen import MAX_SCORE_ELEMENTS, _check, _follow_autocast, _scale, _why_unavailable, varlen_attention
 
 if TYPE_CHECKING:
@@ -238,90 +244,26 @@ def _flex(q, k, v, tree, scale):
 
 
 # ---- sdpa: segments over their ancestor segments -------------------------------------
-class _Plan:
-    """Host metadata of the sdpa path: segments grouped by ``(P, Lq)`` (prefix length,
-    own length), each group's query rows and key rows, and the inverse permutation
-    that puts the groups' outputs back in physical order."""
-
-    __slots__ = ("groups", "q_index", "k_index", "inverse")
-
-    def __init__(self, groups: List[Tuple[int, int, int]], q_index: np.ndarray, k_index: np.ndarray,
-                 inverse: np.ndarray) -> None:
-        self.groups = groups  # (count, P, Lq) per group, in the order of q_index / k_index
-        self.q_index, self.k_index, self.inverse = q_index, k_index, inverse
-
-
-# Every attention layer of a forward pass sees the same tree: its plan is built once
-# (per backend).
-# Keyed by identity and holding the tree itself (a PrefixTreeBatch is immutable and
-# has no weak references), so an id reused by a new tree never hits; a few entries
-# cover a step's micro-batches.
-_PLAN_CACHE: "OrderedDict[Tuple[int, Any], Tuple[Any, Any]]" = OrderedDict()
-PLAN_CACHE_SIZE = 8
-
-
-_PLAN_LOCK = threading.Lock()
-
-
-def _cached_plan(tree, build: Callable[[Any], Any]) -> Any:
-    """``build(tree)``, once per tree and builder."""
-    key = (id(tree), build)
-    with _PLAN_LOCK:
-        hit = _PLAN_CACHE.get(key)
-        if hit is not None and hit[0] is tree:
-            _PLAN_CACHE.move_to_end(key)
-            return hit[1]
-    plan = build(tree)  # outside the lock: two threads may both build it, harmlessly
-    with _PLAN_LOCK:
-        _PLAN_CACHE[key] = (tree, plan)
-        while len(_PLAN_CACHE) > PLAN_CACHE_SIZE:
-            _PLAN_CACHE.popitem(last=False)
-    return plan
-
-
-def _paths(tree) -> List[np.ndarray]:
-    """paths[s]: the key rows of a query at the end of segment s (its ancestors'
-    rows, then its own), built parent before child: a parent segment precedes its
-    children in DFS order."""
-    offsets, parents = tree.segment_offsets, tree.segment_parent
-    paths: List[np.ndarray] = []
-    for s in range(parents.shape[0]):
-        own = np.arange(offsets[s], offsets[s + 1], dtype=np.int64)
-        p = int(parents[s])
-        paths.append(own if p < 0 else np.concatenate([paths[p], own]))
-    return paths
-
-
-def _plan(tree) -> _Plan:
-    offsets = tree.segment_offsets
-    full = _paths(tree)
-    by_shape: Dict[Tuple[int, int], List[int]] = defaultdict(list)
-    for s in range(len(full)):
-        rows = int(offsets[s + 1] - offsets[s])
-        by_shape[(full[s].shape[0] - rows, rows)].append(s)
-    groups, q_parts, k_parts = [], [], []
-    for (prefix, rows), members in by_shape.items():
-        groups.append((len(members), prefix, rows))
-        q_parts.extend(np.arange(offsets[s], offsets[s + 1], dtype=np.int64) for s in members)
-        k_parts.extend(full[s] for s in members)
-    q_index = np.concatenate(q_parts) if q_parts else np.zeros(0, dtype=np.int64)
-    k_index = np.concatenate(k_parts) if k_parts else np.zeros(0, dtype=np.int64)
-    inverse = np.empty_like(q_index)
-    inverse[q_index] = np.arange(q_index.shape[0], dtype=np.int64)
-    return _Plan(groups, q_index, k_index, inverse)
+def _plain(q, k, v, plan, scale):
+    """Rows that share nothing: the tree is packed rows, and attention is plain
+    packing's (:func:`~seqpack.varlen_attention` on the segments), no tree plan."""
+    cu, longest = plan.segment_offsets, plan.max_q
+    return varlen_attention(q, k, v, cu, cu, longest, longest, causal=True, softmax_scale=scale)
 
 
 def _sdpa(q, k, v, tree, scale, budget: int = MAX_SCORE_ELEMENTS):
-    """One SDPA call per group of same-shape segments (split so that a call's
-    ``count x Hq x Lq x (P + Lq)`` scores stay within ``budget``). The gathers are
-    one ``index_select`` per tensor (one backward node each, not one per segment)."""
+    """One SDPA call per group of same-shape attention segments (split so that a
+    call's ``count x Hq x Lq x (P + Lq)`` scores stay within ``budget``). The gathers
+    are one ``index_select`` per tensor (one backward node each, not one per segment)."""
     torch = _torch()
     from ..tensors._device import host_to_device
 
     sdpa = torch.nn.functional.scaled_dot_product_attention
-    plan = _cached_plan(tree, _plan)
+    plan = attention_plan(tree)
+    if plan.plain:
+        return _plain(q, k, v, plan, scale)
     hq, hk, dv = q.shape[1], k.shape[1], v.shape[2]
-    q_index, k_index, inverse = host_to_device([plan.q_index, plan.k_index, plan.inverse], q.device)
+    q_index, k_index, inverse = host_to_device([plan.group_q, plan.group_k, plan.inverse], q.device)
     q_parts = torch.split(q.index_select(0, q_index), [c * lq for c, _, lq in plan.groups])
     k_sizes = [c * (p + lq) for c, p, lq in plan.groups]
     k_parts = torch.split(k.index_select(0, k_index), k_sizes)
@@ -348,29 +290,14 @@ def _sdpa(q, k, v, tree, scale, budget: int = MAX_SCORE_ELEMENTS):
 
 
 # ---- varlen: every segment a sequence over its path ----------------------------------
-class _VarlenPlan:
-    """Host metadata of the varlen path: the key rows of every segment's path, and
-    the offsets of the segments (queries) and of their paths (keys)."""
-
-    __slots__ = ("k_index", "cu_q", "cu_k", "max_q", "max_k")
-
-    def __init__(self, tree) -> None:
-        paths = _paths(tree)
-        offsets = tree.segment_offsets.astype(np.int64)
-        lengths = np.fromiter((p.shape[0] for p in paths), dtype=np.int64, count=len(paths))
-        self.k_index = np.concatenate(paths) if paths else np.zeros(0, dtype=np.int64)
-        self.cu_q = offsets
-        self.cu_k = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
-        self.max_q = int(np.diff(offsets).max()) if paths else 0
-        self.max_k = int(lengths.max()) if paths else 0
-
-
 def _varlen(q, k, v, tree, scale):
     """One :func:`~seqpack.varlen_attention` call: queries in place, keys and values
-    gathered along each segment's path (one ``index_select`` each)."""
+    gathered along each attention segment's path (one ``index_select`` each)."""
     from ..tensors._device import host_to_device
 
-    plan = _cached_plan(tree, _VarlenPlan)
+    plan = attention_plan(tree)
+    if plan.plain:
+        return _plain(q, k, v, plan, scale)
     (k_index,) = host_to_device([plan.k_index], q.device)
     return varlen_attention(q, k.index_select(0, k_index), v.index_select(0, k_index), plan.cu_q, plan.cu_k,
                             plan.max_q, plan.max_k, causal=True, softmax_scale=scale)

@@ -24,14 +24,13 @@ then attends over the whole tree for its heads.
 
 from __future__ import annotations
 
-import functools
 from typing import TYPE_CHECKING, Any, Dict, Optional
 
 import numpy as np
 
 from .._lengths import as_positive_int
+from ..tensors.tree_plans import attention_plan
 from .attention_cp import attend_gathered
-from .attention_tree import _cached_plan, _VarlenPlan
 from .attention_varlen import _check, _follow_autocast, _pick, _scale
 
 if TYPE_CHECKING:
@@ -47,7 +46,7 @@ def tree_cp_plan(tree: "PrefixTreeBatch", bounds: np.ndarray, rank: int) -> Dict
     one query segment per tree segment they meet, its keys (rows of the full
     layout) the segment's root path cut after its last local row."""
     start, end = int(bounds[rank]), int(bounds[rank + 1])
-    whole = _cached_plan(tree, _VarlenPlan)
+    whole = attention_plan(tree)
     offsets = whole.cu_q
     first = int(np.searchsorted(offsets, start, side="right")) - 1
     last = int(np.searchsorted(offsets, end, side="left"))
@@ -64,17 +63,45 @@ def tree_cp_plan(tree: "PrefixTreeBatch", bounds: np.ndarray, rank: int) -> Dict
                 max_q=int(q_lens.max(initial=0)), max_k=int(k_lens.max(initial=0)))
 
 
-@functools.lru_cache(maxsize=64)
-def _plan_builder(cp: int, rank: int):
-    """One builder per (CP size, rank), so that the tree's plan cache keeps one entry
-    for each: every attention layer of a step reuses it."""
+class TreeCpPlan:
+    """One CP rank's host plan of a tree: the cut (``bounds``) and the rank's varlen
+    plan (:func:`tree_cp_plan`), kept by the tree under ``("cp", cp_size, rank)``."""
+
+    __slots__ = ("bounds", "plan")
+
+    def __init__(self, bounds: np.ndarray, plan: Dict[str, Any]) -> None:
+        self.bounds, self.plan = bounds, plan
+
+    def __getstate__(self):
+        return {"bounds": self.bounds, "plan": self.plan}
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        self.bounds, self.plan = state["bounds"], state["plan"]
+
+    def check_tree(self, tree: "PrefixTreeBatch") -> None:
+        """Raises ValueError unless this plan is one of ``tree``'s (a pickled plan):
+        the cut recomputed, the key rows bounded."""
+        from ..tensors.prefix_tree_cp import tree_cp_bounds
+
+        bounds, plan = self.bounds, self.plan
+        if not isinstance(bounds, np.ndarray) or not np.array_equal(bounds, tree_cp_bounds(tree, bounds.shape[0] - 1)):
+            raise ValueError("a pickled tree CP plan's cut does not match its tree")
+        k = plan.get("k_index") if isinstance(plan, dict) else None
+        if not isinstance(k, np.ndarray) or k.dtype != np.int64 or (k.size and (k.min() < 0 or
+                                                                                k.max() >= tree.num_tokens)):
+            raise ValueError("a pickled tree CP plan's key rows must be int64 rows of its tree")
+
+
+def _cp_plan(tree: "PrefixTreeBatch", cp: int, rank: int) -> TreeCpPlan:
+    """Rank ``rank``'s :class:`TreeCpPlan` of ``tree`` over ``cp`` ranks, built once
+    per tree: every attention layer of a step reuses it."""
     from ..tensors.prefix_tree_cp import tree_cp_bounds
 
-    def build(tree):
-        bounds = tree_cp_bounds(tree, cp)
-        return bounds, tree_cp_plan(tree, bounds, rank)
+    def build(t):
+        bounds = tree_cp_bounds(t, cp)
+        return TreeCpPlan(bounds, tree_cp_plan(t, bounds, rank))
 
-    return build
+    return tree.host_plan(("cp", cp, rank), build)
 
 
 def _checks(q, k, v, tree, size: int, me: int, softmax_scale, kv_heads_per_chunk, backend: str) -> Dict[str, Any]:
@@ -84,7 +111,8 @@ def _checks(q, k, v, tree, size: int, me: int, softmax_scale, kv_heads_per_chunk
 
     _tree(tree)
     _check(q, k, v, (-1, 0), True)
-    bounds, plan = _cached_plan(tree, _plan_builder(size, me))
+    cp_plan = _cp_plan(tree, size, me)
+    bounds, plan = cp_plan.bounds, cp_plan.plan
     start, end = int(bounds[me]), int(bounds[me + 1])
     if q.shape[0] != end - start or k.shape[0] != end - start:
         raise ValueError(f"q and k must hold this rank's {end - start} rows of the tree (rows [{start}, {end}) of "

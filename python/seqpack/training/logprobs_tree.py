@@ -52,109 +52,19 @@ Importing this module does not import torch.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, List, NamedTuple, Optional, Tuple
+from typing import TYPE_CHECKING, Any, List, Optional, Tuple
 
 import numpy as np
 
-from .._equality import values_equal
 from .._lengths import as_positive_int, as_temperature, type_name
 from ..tensors.prefix_tree import PrefixTreeBatch
+from ..tensors.tree_plans import TreeTargets, tree_targets
 from .logprobs import TokenLogprobs
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
 __all__ = ["TreeTargets", "tree_targets", "tree_token_logprobs", "tree_linear_token_logprobs"]
-
-
-class TreeTargets(NamedTuple):
-    """The host plan of :func:`tree_token_logprobs` (int64 NumPy arrays).
-
-    Attributes:
-        primary: ``[T]`` the primary target id of each physical token, -1 where it
-            has none (a row's last token, a pad token, only negative targets).
-        extra_source / extra_target: ``[E]`` the other (physical token, target id)
-            pairs of the branch points, sorted by physical token, then id.
-        extra_offsets: ``[T + 1]`` physical token ``p``'s extra pairs are
-            ``extra_offsets[p]:extra_offsets[p + 1]`` (the kernels' form).
-        logprob_index: ``[N]`` where each logical token reads its log-prob in
-            ``concat(primary log-probs [T], extra log-probs [E], [0])``: ``p`` for its
-            physical token's primary target, ``T + e`` for extra pair ``e``, ``T + E``
-            (the 0) where it has no target.
-        entropy_index: ``[N]`` where each logical token reads its entropy in
-            ``concat(entropy [T], [0])``: its physical token, or ``T`` (the 0).
-    """
-
-    primary: np.ndarray
-    extra_source: np.ndarray
-    extra_target: np.ndarray
-    extra_offsets: np.ndarray
-    logprob_index: np.ndarray
-    entropy_index: np.ndarray
-
-    def __eq__(self, other: object) -> bool:  # arrays element by element, not a tuple's truth values
-        if not isinstance(other, TreeTargets):
-            return NotImplemented
-        return all(values_equal(a, b) for a, b in zip(self, other))
-
-    def __ne__(self, other: object) -> bool:
-        equal = self.__eq__(other)
-        return equal if equal is NotImplemented else not equal
-
-    __hash__ = None  # holds arrays
-
-
-def tree_targets(tree: PrefixTreeBatch) -> TreeTargets:
-    """The targets of ``tree``'s physical tokens and the map back to its logical
-    tokens (see :class:`TreeTargets`): NumPy, vectorised, linear in the tokens but for
-    one sort of the (physical token, target) pairs. Torch-free.
-
-    >>> from seqpack import pack_prefix_tree
-    >>> plan = tree_targets(pack_prefix_tree([[5, 6, 7], [5, 6, 8, 9]]))
-    >>> plan.primary.tolist(), plan.extra_source.tolist(), plan.extra_target.tolist()
-    ([6, 7, -1, 9, -1], [1], [8])
-    >>> plan.extra_offsets.tolist()
-    [0, 0, 1, 1, 1, 1]
-    >>> plan.logprob_index.tolist(), plan.entropy_index.tolist()
-    ([0, 1, 6, 0, 5, 3, 6], [0, 1, 5, 0, 1, 3, 5])
-    """
-    if not isinstance(tree, PrefixTreeBatch):
-        raise TypeError(f"tree must be a PrefixTreeBatch (from seqpack.pack_prefix_tree), got {type_name(tree)}")
-    ids, logical, cu = tree.input_ids, tree.logical_index, tree.cu_seqlens
-    t, n = ids.shape[0], logical.shape[0]
-    # Logical token i predicts logical token i + 1 unless it ends its row.
-    has_next = np.ones(n, dtype=bool)
-    ends = cu[1:][cu[1:] > cu[:-1]] - 1  # the last token of each non-empty row
-    has_next[ends] = False
-    where = np.flatnonzero(has_next)
-    src = logical[where]
-    tgt = ids[logical[where + 1]]
-    keep = tgt >= 0  # a negative id is "no target", as for packed rows
-    where, src, tgt = where[keep], src[keep], tgt[keep]
-
-    order = np.lexsort((tgt, src))  # by physical token, then target id
-    s_src, s_tgt = src[order], tgt[order]
-    new_pair = np.ones(s_src.shape[0], dtype=bool)
-    new_pair[1:] = (s_src[1:] != s_src[:-1]) | (s_tgt[1:] != s_tgt[:-1])
-    pair_of_sorted = np.cumsum(new_pair) - 1  # the pair of each sorted (logical) entry
-    u_src, u_tgt = s_src[new_pair], s_tgt[new_pair]
-    is_primary = np.ones(u_src.shape[0], dtype=bool)
-    is_primary[1:] = u_src[1:] != u_src[:-1]  # the smallest target id of each physical token
-
-    primary = np.full(t, -1, dtype=np.int64)
-    primary[u_src[is_primary]] = u_tgt[is_primary]
-    extra = ~is_primary
-    num_extra = int(extra.sum())
-    pair_out = np.where(is_primary, u_src, t + np.cumsum(extra) - 1)  # each pair's slot in the concatenation
-
-    logprob_index = np.full(n, t + num_extra, dtype=np.int64)
-    logprob_index[where[order]] = pair_out[pair_of_sorted]
-    entropy_index = np.full(n, t, dtype=np.int64)
-    entropy_index[where] = src
-    extra_source = u_src[extra].astype(np.int64)
-    extra_offsets = np.searchsorted(extra_source, np.arange(t + 1, dtype=np.int64)).astype(np.int64)
-    return TreeTargets(primary, extra_source, u_tgt[extra].astype(np.int64), extra_offsets, logprob_index,
-                       entropy_index)
 
 
 def tree_token_logprobs(logits: "torch.Tensor", tree: PrefixTreeBatch, *, temperature: Any = 1.0,

@@ -62,6 +62,20 @@ def _sum_over_ranks():
     return _SUM
 
 
+def _tp_world(tp_group: Any) -> int:
+    """The size of a given TP group, read from ``torch.distributed`` as NeMo-RL reads
+    it (so a group its tests emulate by patching ``get_world_size``, ``get_rank`` and
+    ``all_reduce`` is used as given); never ignored: where ``torch.distributed``
+    cannot say, a ``ValueError``."""
+    import torch.distributed as dist
+
+    try:
+        return int(dist.get_world_size(tp_group))
+    except (RuntimeError, ValueError, AssertionError) as e:
+        raise ValueError(f"tp_group was given but torch.distributed cannot size it ({e}); initialise the process "
+                         "group, or pass tp_group=None for the whole vocabulary on one rank") from e
+
+
 def vocab_parallel_gather_columns(logits: "torch.Tensor", columns: "torch.Tensor", tp_group: Any = None,
                                   cp_group: Any = None, *, vocab_start_index: Optional[int] = None,
                                   vocab_end_index: Optional[int] = None, chunk_size: Optional[int] = None,
@@ -78,7 +92,9 @@ def vocab_parallel_gather_columns(logits: "torch.Tensor", columns: "torch.Tensor
             a CP group ``[B, S, k]`` for the whole rows (``S <= S_cp * cp``); or one
             set ``[k]`` for every position (NeMo-RL's column gather).
         tp_group: the tensor-parallel group (``None``, or one of size 1: a plain
-            gather).
+            gather). A group is used as given, sized and ranked by
+            ``torch.distributed`` (its functions patched, as NeMo-RL's tests do,
+            included); one it cannot size is refused, never taken for one rank.
         cp_group: the context-parallel group: the columns of this rank's rows are
             gathered here and all-gathered over the group (sequence order, cut to
             ``S``); its backward is :func:`seqpack.cp.gather_cp`'s.
@@ -102,7 +118,7 @@ def vocab_parallel_gather_columns(logits: "torch.Tensor", columns: "torch.Tensor
     from ..tensors._device import check_tensor
     from ._logprob_ops import ColumnGather
 
-    parallel = tp_group is not None and active(tp_group)
+    parallel = tp_group is not None and _tp_world(tp_group) > 1
     cp = dist.get_world_size(cp_group) if cp_group is not None and active(cp_group) else 1
     if isinstance(columns, torch.Tensor) and columns.dim() == 1 and logits.dim() >= 1:  # one set for every position
         columns = columns.expand(*logits.shape[:-1], columns.shape[0])
@@ -138,7 +154,7 @@ def vocab_parallel_gather_columns(logits: "torch.Tensor", columns: "torch.Tensor
     facts = (lambda _: {"the shapes of logits and columns (but the vocabulary slice)":
                         [tuple(logits.shape[:-1]), tuple(columns.shape)],
                         "whether logits require grad": tensor_facts(logits)["requires_grad"]})
-    groups = groups_of(tp_group, cp_group)
+    groups = groups_of(tp_group, cp_group)  # real process groups only: an emulated one has no agreement to join
     slice_ = checked_on_every_rank(local, groups, "vocab_parallel_gather_columns", agree and bool(groups),
                                    fingerprint=facts)
     start, end = slice_["start"], slice_["end"]

@@ -219,6 +219,17 @@ def test_a_forest_step_plan_shards_and_iterates_as_trees():
                 seen += [int(tmb.data["idx"][i]) * 100 + int(tmb.data["input_lengths"][i]) for i in range(len(tmb.rows))]
     assert len(set(counts)) == 1
     assert sorted(seen) == sorted(g * 100 + len(r) for g, r in zip(groups, rows))
+    # Padded trees: the plan counts physical tokens unpadded; padding up to the
+    # step's max_tokens is accepted (issue 38: 20 tokens padded to 4 against a
+    # planned 19 were refused), past it refused.
+    for shard in shards:
+        batch = shard.get_batch(0)
+        for tmb in batch.make_microbatch_iterator_for_packable_sequences(shared_prefix=True, group_key="idx",
+                                                                         pad_to_multiple_of=4):
+            assert tmb.tree.num_tokens % 4 == 0 and tmb.tree.num_tokens <= 64
+        with pytest.raises(ValueError, match="more than the 64 tokens its micro-batch was planned under"):
+            list(batch.make_microbatch_iterator_for_packable_sequences(shared_prefix=True, group_key="idx",
+                                                                       pad_to_multiple_of=128))
 
 
 def test_dynamic_batching_args_with_shared_prefix_plan_trees():
@@ -243,10 +254,17 @@ def test_the_iterator_refuses_a_tree_above_its_plan_and_errors_name_the_keys():
     data, rows, groups = grpo_data([100] * 2, [[20] * 4] * 2, seed=8)  # 180 physical tokens a group
     shards, _ = data.shard_by_batch_size(1, sequence_packing_args=packing_args(256, 8, shared_prefix_group_key="idx"))
     batch = shards[0].get_batch(0)
-    with pytest.raises(ValueError, match=r"more than its planned micro_batch_lengths entry \(184\).*"
-                                         r"pad_to_multiple_of at most the pad multiple, got 128"):
+    with pytest.raises(ValueError, match=r"has 180 tokens, 512 padded to pad_to_multiple_of = 512: more than the "
+                                         r"256 tokens its micro-batch was planned under \(the token cap\)"):
         list(batch.make_microbatch_iterator_for_packable_sequences(shared_prefix=True, group_key="idx",
-                                                                   pad_to_multiple_of=128))
+                                                                   pad_to_multiple_of=512))
+    padded = list(batch.make_microbatch_iterator_for_packable_sequences(shared_prefix=True, group_key="idx",
+                                                                        pad_to_multiple_of=128))
+    assert [t.tree.num_tokens for t in padded] == [256] * len(padded)  # 180 -> 256: within the cap
+    with pytest.raises(ValueError, match=r"has \d+ tokens, more than its planned micro_batch_lengths entry "
+                                         r"\(184\).*min_shared_tokens = 1, got 500"):
+        list(batch.make_microbatch_iterator_for_packable_sequences(shared_prefix=True, group_key="idx",
+                                                                   min_shared_tokens=500))
     tmbs = list(batch.make_microbatch_iterator_for_packable_sequences(shared_prefix=True, group_key="idx",
                                                                       pad_to_multiple_of=8))
     # rows: positions in the batch iterated (its order), as micro_batch_indices count them

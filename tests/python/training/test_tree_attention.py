@@ -14,6 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import seqpack
+from seqpack.tensors.tree_plans import attention_plan
 from seqpack.training import attention_tree
 
 # Eager FlexAttention on the CPU warns that it is unfused; that is what it tests here.
@@ -154,7 +155,7 @@ def test_same_shape_segments_are_batched_and_budget_split():
     a tiny budget splits the group into several calls with the same result."""
     prompt = [1, 2, 3, 4]
     tree = seqpack.pack_prefix_tree([prompt + [10 + i, 20 + i] for i in range(6)])
-    plan = attention_tree._plan(tree)
+    plan = attention_plan(tree)
     assert sorted(plan.groups) == [(1, 0, 4), (6, 4, 2)]
     q, k, v = _qkv(tree.num_tokens)
     whole = attention_tree._sdpa(q, k, v, tree, 1.0)
@@ -284,8 +285,8 @@ def test_cuda_backends_with_gradients(backend, dtype, tol):
 def test_plan_is_built_once_per_tree():
     rows = [[1, 2, 3], [1, 2, 4, 5]]
     tree = seqpack.pack_prefix_tree(rows)
-    for build in (attention_tree._plan, attention_tree._VarlenPlan):
-        assert attention_tree._cached_plan(tree, build) is attention_tree._cached_plan(tree, build)
+    assert attention_plan(tree) is attention_plan(tree)
+    assert tree.planned() == ("attention",)
     other = seqpack.pack_prefix_tree(rows[::-1])  # a different tree: its own plan
     q, k, v = _qkv(tree.num_tokens)
     for t in (tree, other, tree):

@@ -1,0 +1,287 @@
+"""Host plans of a prefix tree: what its consumers derive from the layout once and
+the tree then carries (:meth:`~seqpack.PrefixTreeBatch.host_plan`), pickled with it.
+
+- :func:`attention_plan` (:class:`TreeAttentionPlan`): the *attention segments* and
+  the key rows of each. An attention segment is a maximal chain of physical tokens
+  in which every token but the last has exactly one child: segments break at
+  branch points only (a row ending inside a chain changes the log-prob targets, not
+  the attention). Its queries see its ancestors' rows (the prefix, fully) and its own
+  rows (causally)::
+
+      rows (one per turn)      5 6 | 5 6 7 8 | 5 6 7 8 9 | 5 6 7 8 4      (a chain, then a branch)
+      physical                 0:5 1:6 2:7 3:8 ┬ 4:9
+                                               └ 5:4
+      attention segments       [0 1 2 3] [4] [5]        parents -1 0 0
+      key rows (paths)         0 1 2 3 | 0 1 2 3 4 | 0 1 2 3 5
+
+  The keys gathered are the sum of the segments' path lengths, at most the tree's
+  physical tokens times ``2 * leaves - 1`` and below twice the tokens of the rows
+  that end at leaves; a chain of rows (each a prefix of the next) is one segment,
+  its keys exactly its tokens. Rows that share nothing are root segments only:
+  :attr:`TreeAttentionPlan.plain`, and attention runs plain packing's kernels.
+- :func:`tree_targets` (:class:`TreeTargets`): each physical token's next-token
+  targets and the map back to the logical tokens (the log-prob kernels' plan).
+
+    >>> from seqpack import pack_prefix_tree
+    >>> tree = pack_prefix_tree([[5, 6], [5, 6, 7, 8], [5, 6, 7, 8, 9], [5, 6, 7, 8, 4]])
+    >>> plan = attention_plan(tree)
+    >>> plan.segment_offsets.tolist(), plan.segment_parent.tolist(), plan.k_index.tolist()
+    ([0, 4, 5, 6], [-1, 0, 0], [0, 1, 2, 3, 0, 1, 2, 3, 4, 0, 1, 2, 3, 5])
+
+Torch-free: every plan is NumPy.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any, Dict, List, NamedTuple, Optional, Tuple
+
+import numpy as np
+
+from .._equality import values_equal
+from .._lengths import type_name
+from .prefix_tree import PrefixTreeBatch
+
+__all__ = ["TreeAttentionPlan", "TreeTargets", "attention_plan", "attention_segments", "tree_targets"]
+
+
+def _tree(tree: Any) -> PrefixTreeBatch:
+    if not isinstance(tree, PrefixTreeBatch):
+        raise TypeError(f"tree must be a PrefixTreeBatch (from seqpack.pack_prefix_tree), got {type_name(tree)}")
+    return tree
+
+
+def _index_array(a: Any, name: str, size: Optional[int], low: int, high: Optional[int]) -> int:
+    """Checks a pickled plan's int64 array: 1-D, ``size`` entries (any when None),
+    values in ``[low, high)`` (no upper bound when None); returns its size."""
+    if not isinstance(a, np.ndarray) or a.dtype != np.int64 or a.ndim != 1:
+        raise ValueError(f"a tree plan's {name} must be a 1-D int64 array, got {type_name(a)}")
+    if size is not None and a.shape[0] != size:
+        raise ValueError(f"a tree plan's {name} must hold {size} entries for this tree, got {a.shape[0]}")
+    if a.shape[0] and (int(a.min()) < low or (high is not None and int(a.max()) >= high)):
+        raise ValueError(f"a tree plan's {name} must hold values in [{low}, {high}) for this tree")
+    return int(a.shape[0])
+
+
+# ---- attention ---------------------------------------------------------------------
+def attention_segments(tree: PrefixTreeBatch) -> Tuple[np.ndarray, np.ndarray]:
+    """``(offsets [S + 1], parent [S])`` int64: the tree's attention segments (see
+    the module docstring), in physical order; a pad token is a root segment of its
+    own. Vectorised, linear in the tokens."""
+    _tree(tree)
+    t, real = tree.num_tokens, tree.num_tokens - tree.num_pad_tokens
+    parent = tree.parent
+    children = np.bincount(parent[parent >= 0], minlength=t) if t else np.zeros(0, dtype=np.int64)
+    starts = np.ones(t, dtype=bool)
+    inner = np.flatnonzero(parent[:real] >= 0)
+    # A token continues its parent's segment when it is the parent's only child (in
+    # depth-first order that child comes right after its parent).
+    starts[inner] = children[parent[inner]] != 1
+    first = np.flatnonzero(starts)
+    segment_of = np.cumsum(starts) - 1
+    up = parent[first]
+    seg_parent = np.where(up >= 0, segment_of[np.maximum(up, 0)], -1).astype(np.int64)
+    return np.append(first, t).astype(np.int64), seg_parent
+
+
+class TreeAttentionPlan:
+    """The host plan of :func:`~seqpack.tree_attention` (int64 NumPy arrays, ints).
+
+    Attributes:
+        segment_offsets / segment_parent: the attention segments.
+        plain: every segment is a root (nothing shared): the tree is packed rows
+            with offsets ``segment_offsets``, and attention is plain packing's.
+        k_index: ``[K]`` the key rows of every segment's path, segment after
+            segment; ``cu_k`` ``[S + 1]`` their offsets (``cu_q`` is
+            ``segment_offsets``), ``max_q`` / ``max_k`` the longest of each.
+        groups: ``(count, P, Lq)`` per group of same-shape segments (prefix length,
+            own length) for the SDPA path; ``group_q`` / ``group_k`` their query
+            and key rows, group after group; ``inverse`` puts the groups' outputs
+            back in physical order.
+    """
+
+    __slots__ = ("segment_offsets", "segment_parent", "plain", "k_index", "cu_k", "max_q", "max_k", "groups",
+                 "group_q", "group_k", "inverse")
+
+    def __init__(self, tree: PrefixTreeBatch) -> None:
+        offsets, parents = attention_segments(tree)
+        self.segment_offsets, self.segment_parent = offsets, parents
+        s = parents.shape[0]
+        self.plain = bool((parents < 0).all())
+        own = np.diff(offsets)
+        # A segment's path: its last token's depth + 1 (a pad token: 1).
+        lengths = tree.position_ids[offsets[1:] - 1] + 1 if s else np.zeros(0, dtype=np.int64)
+        cu_k = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+        k_index = np.empty(int(cu_k[-1]), dtype=np.int64)
+        for seg in range(s):  # a parent segment precedes its children in depth-first order
+            p, at, prefix = int(parents[seg]), int(cu_k[seg]), int(lengths[seg] - own[seg])
+            if p >= 0:
+                k_index[at:at + prefix] = k_index[cu_k[p]:cu_k[p + 1]]
+            k_index[at + prefix:cu_k[seg + 1]] = np.arange(offsets[seg], offsets[seg + 1])
+        self.k_index, self.cu_k = k_index, cu_k
+        self.max_q = int(own.max()) if s else 0
+        self.max_k = int(lengths.max()) if s else 0
+        self.groups: List[Tuple[int, int, int]] = []
+        self.group_q = self.group_k = self.inverse = np.zeros(0, dtype=np.int64)
+        if not self.plain:
+            self._group(own, lengths)
+
+    def _group(self, own: np.ndarray, lengths: np.ndarray) -> None:
+        by_shape: Dict[Tuple[int, int], List[int]] = defaultdict(list)
+        for seg, (rows, keys) in enumerate(zip(own.tolist(), lengths.tolist())):
+            by_shape[(keys - rows, rows)].append(seg)
+        q_parts, k_parts = [], []
+        for (prefix, rows), members in by_shape.items():
+            self.groups.append((len(members), prefix, rows))
+            q_parts.extend(np.arange(self.segment_offsets[m], self.segment_offsets[m + 1]) for m in members)
+            k_parts.extend(self.k_index[self.cu_k[m]:self.cu_k[m + 1]] for m in members)
+        self.group_q = np.concatenate(q_parts).astype(np.int64)
+        self.group_k = np.concatenate(k_parts).astype(np.int64)
+        self.inverse = np.empty_like(self.group_q)
+        self.inverse[self.group_q] = np.arange(self.group_q.shape[0], dtype=np.int64)
+
+    @property
+    def cu_q(self) -> np.ndarray:
+        return self.segment_offsets
+
+    @property
+    def num_keys(self) -> int:
+        """Key rows gathered for the whole tree (the sum of the paths)."""
+        return int(self.cu_k[-1])
+
+    def __getstate__(self):
+        return {name: getattr(self, name) for name in self.__slots__}
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        for name in self.__slots__:
+            setattr(self, name, state[name])
+
+    def check_tree(self, tree: PrefixTreeBatch) -> None:
+        """Raises ValueError unless this plan is ``tree``'s (a pickled plan): its
+        segments are recomputed (linear) and its key rows bounded."""
+        offsets, parents = attention_segments(tree)
+        if not (np.array_equal(offsets, self.segment_offsets) and np.array_equal(parents, self.segment_parent)):
+            raise ValueError("a pickled tree attention plan does not match its tree's attention segments")
+        t, s = tree.num_tokens, parents.shape[0]
+        k = _index_array(self.k_index, "k_index", None, 0, t)
+        _index_array(self.cu_k, "cu_k", s + 1, 0, k + 1)
+        if (self.cu_k.shape[0] and (self.cu_k[0] != 0 or self.cu_k[-1] != k)) or (np.diff(self.cu_k) < 1).any():
+            raise ValueError("a pickled tree attention plan's cu_k must start at 0, increase and end at its keys")
+        if self.plain != bool((parents < 0).all()):
+            raise ValueError("a pickled tree attention plan's plain flag does not match its tree")
+        q = _index_array(self.group_q, "group_q", None, 0, t)
+        _index_array(self.inverse, "inverse", q, 0, max(q, 1))
+        g = _index_array(self.group_k, "group_k", None, 0, t)
+        if (sum(c * lq for c, _, lq in self.groups) != q or sum(c * (p + lq) for c, p, lq in self.groups) != g
+                or (not self.plain and q != t)):
+            raise ValueError("a pickled tree attention plan's groups do not add up to its rows")
+
+
+def attention_plan(tree: PrefixTreeBatch) -> TreeAttentionPlan:
+    """``tree``'s :class:`TreeAttentionPlan`, built once and kept by the tree."""
+    return _tree(tree).host_plan("attention", TreeAttentionPlan)
+
+
+# ---- log-prob targets ------------------------------------------------------------------
+class TreeTargets(NamedTuple):
+    """The host plan of :func:`tree_token_logprobs` (int64 NumPy arrays).
+
+    Attributes:
+        primary: ``[T]`` the primary target id of each physical token, -1 where it
+            has none (a row's last token, a pad token, only negative targets).
+        extra_source / extra_target: ``[E]`` the other (physical token, target id)
+            pairs of the branch points, sorted by physical token, then id.
+        extra_offsets: ``[T + 1]`` physical token ``p``'s extra pairs are
+            ``extra_offsets[p]:extra_offsets[p + 1]`` (the kernels' form).
+        logprob_index: ``[N]`` where each logical token reads its log-prob in
+            ``concat(primary log-probs [T], extra log-probs [E], [0])``: ``p`` for its
+            physical token's primary target, ``T + e`` for extra pair ``e``, ``T + E``
+            (the 0) where it has no target.
+        entropy_index: ``[N]`` where each logical token reads its entropy in
+            ``concat(entropy [T], [0])``: its physical token, or ``T`` (the 0).
+    """
+
+    primary: np.ndarray
+    extra_source: np.ndarray
+    extra_target: np.ndarray
+    extra_offsets: np.ndarray
+    logprob_index: np.ndarray
+    entropy_index: np.ndarray
+
+    def __eq__(self, other: object) -> bool:  # arrays element by element, not a tuple's truth values
+        if not isinstance(other, TreeTargets):
+            return NotImplemented
+        return all(values_equal(a, b) for a, b in zip(self, other))
+
+    def __ne__(self, other: object) -> bool:
+        equal = self.__eq__(other)
+        return equal if equal is NotImplemented else not equal
+
+    __hash__ = None  # holds arrays
+
+    def check_tree(self, tree: PrefixTreeBatch) -> None:
+        """Raises ValueError unless this plan indexes within ``tree`` (a pickled plan)."""
+        t, n = tree.num_tokens, tree.num_logical_tokens
+        e = _index_array(self.extra_source, "extra_source", None, 0, t)
+        _index_array(self.primary, "primary", t, -1, None)
+        _index_array(self.extra_target, "extra_target", e, 0, None)
+        _index_array(self.extra_offsets, "extra_offsets", t + 1, 0, e + 1)
+        _index_array(self.logprob_index, "logprob_index", n, 0, t + e + 1)
+        _index_array(self.entropy_index, "entropy_index", n, 0, t + 1)
+
+
+def tree_targets(tree: PrefixTreeBatch) -> TreeTargets:
+    """The targets of ``tree``'s physical tokens and the map back to its logical
+    tokens (see :class:`TreeTargets`): NumPy, vectorised, linear in the tokens but for
+    one sort of the (physical token, target) pairs. Torch-free.
+
+    >>> from seqpack import pack_prefix_tree
+    >>> plan = tree_targets(pack_prefix_tree([[5, 6, 7], [5, 6, 8, 9]]))
+    >>> plan.primary.tolist(), plan.extra_source.tolist(), plan.extra_target.tolist()
+    ([6, 7, -1, 9, -1], [1], [8])
+    >>> plan.extra_offsets.tolist()
+    [0, 0, 1, 1, 1, 1]
+    >>> plan.logprob_index.tolist(), plan.entropy_index.tolist()
+    ([0, 1, 6, 0, 5, 3, 6], [0, 1, 5, 0, 1, 3, 5])
+    """
+    return _tree(tree).host_plan("targets", _build_targets)
+
+
+def _build_targets(tree: PrefixTreeBatch) -> TreeTargets:
+    ids, logical, cu = tree.input_ids, tree.logical_index, tree.cu_seqlens
+    t, n = ids.shape[0], logical.shape[0]
+    # Logical token i predicts logical token i + 1 unless it ends its row.
+    has_next = np.ones(n, dtype=bool)
+    ends = cu[1:][cu[1:] > cu[:-1]] - 1  # the last token of each non-empty row
+    has_next[ends] = False
+    where = np.flatnonzero(has_next)
+    src = logical[where]
+    tgt = ids[logical[where + 1]]
+    keep = tgt >= 0  # a negative id is "no target", as for packed rows
+    where, src, tgt = where[keep], src[keep], tgt[keep]
+
+    order = np.lexsort((tgt, src))  # by physical token, then target id
+    s_src, s_tgt = src[order], tgt[order]
+    new_pair = np.ones(s_src.shape[0], dtype=bool)
+    new_pair[1:] = (s_src[1:] != s_src[:-1]) | (s_tgt[1:] != s_tgt[:-1])
+    pair_of_sorted = np.cumsum(new_pair) - 1  # the pair of each sorted (logical) entry
+    u_src, u_tgt = s_src[new_pair], s_tgt[new_pair]
+    is_primary = np.ones(u_src.shape[0], dtype=bool)
+    is_primary[1:] = u_src[1:] != u_src[:-1]  # the smallest target id of each physical token
+
+    primary = np.full(t, -1, dtype=np.int64)
+    primary[u_src[is_primary]] = u_tgt[is_primary]
+    extra = ~is_primary
+    num_extra = int(extra.sum())
+    pair_out = np.where(is_primary, u_src, t + np.cumsum(extra) - 1)  # each pair's slot in the concatenation
+
+    logprob_index = np.full(n, t + num_extra, dtype=np.int64)
+    logprob_index[where[order]] = pair_out[pair_of_sorted]
+    entropy_index = np.full(n, t, dtype=np.int64)
+    entropy_index[where] = src
+    extra_source = u_src[extra].astype(np.int64)
+    extra_offsets = np.searchsorted(extra_source, np.arange(t + 1, dtype=np.int64)).astype(np.int64)
+    return TreeTargets(primary, extra_source, u_tgt[extra].astype(np.int64), extra_offsets, logprob_index,
+                       entropy_index)
+
+
