@@ -65,6 +65,7 @@ _export("tensors.cp", "cp_partition_indices", "cp_restore_order")
 _export("tensors.dataset", "PackedDataset", "collate_packs", "pack_dataset")
 _export("tensors.prefix_tree", "PrefixTreeBatch", "PrefixTreeMetrics", "pack_prefix_tree")
 _export("tensors.prefix_tree_cp", "tree_cp_bounds", "tree_cp_local_rows")
+_export("tensors.tree_plans", "prepare_tree")
 # Training ops
 _export("training.logprobs", "TokenLogprobs", "packed_token_logprobs", "linear_token_logprobs")
 _export("training.logprobs_tree", "tree_token_logprobs", "tree_linear_token_logprobs")
@@ -87,7 +88,7 @@ __all__ = [
     "unpack_sequences",
     "StaticPackedBatch", "pack_sequences_static", "cp_partition_indices", "cp_restore_order",
     "collate_packs", "pack_dataset", "pack_prefix_tree", "PrefixTreeBatch", "PrefixTreeMetrics",
-    "tree_cp_bounds", "tree_cp_local_rows",
+    "tree_cp_bounds", "tree_cp_local_rows", "prepare_tree",
     # training
     "packed_token_logprobs", "linear_token_logprobs", "tree_token_logprobs", "tree_linear_token_logprobs",
     "column_logprobs", "linear_column_logprobs",
@@ -215,6 +216,7 @@ if TYPE_CHECKING:  # what the lazy attributes resolve to, for type checkers and 
     from .tensors.layout import PackedLayout, alignment
     from .tensors.prefix_tree import PrefixTreeBatch, PrefixTreeMetrics, pack_prefix_tree
     from .tensors.prefix_tree_cp import tree_cp_bounds, tree_cp_local_rows
+    from .tensors.tree_plans import prepare_tree
     from .tensors.thd import (PackedBatch, PackedSeqParams, StaticPackedBatch, pack_sequences, pack_sequences_static,
                               pack_to_layout, unpack_sequences)
     from .training.attention import (attention_backends, cp_attention, tree_attention, tree_attention_backends,

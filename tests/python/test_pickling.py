@@ -96,7 +96,7 @@ def _report():
 def _samples():
     from seqpack.frameworks import batched_data_dict as bdd, config, hf, roll
     from seqpack.planning import packing
-    from seqpack.tensors import prefix_tree
+    from seqpack.tensors import prefix_tree, tree_plans
     from seqpack.training import logprobs_tree
     from seqpack.testing import tiny_model
     from seqpack.tools import report, report_trees
@@ -129,6 +129,8 @@ def _samples():
             [[1, 2, 3, 4], [1, 2, 3, 5], [1, 2, 6], [1, 2, 7, 8]]).items(6),
         seqpack.PrefixTreeBatch: lambda: seqpack.pack_prefix_tree([[5, 6, 7], [5, 6, 8], [5]], group_ids=[0, 0, 1],
                                                                    pad_to_multiple_of=4),
+        tree_plans.TreeAttentionPlan: lambda: tree_plans.attention_plan(seqpack.pack_prefix_tree([[5, 6, 7], [5, 6, 8]])),
+        tree_plans.TreeCpPlan: lambda: tree_plans.cp_attention_plan(seqpack.pack_prefix_tree([[5, 6, 7], [5, 6, 8]]), 2, 1),
         # training
         seqpack.TokenLogprobs: _token_logprobs,
         logprobs_tree.TreeTargets: lambda: logprobs_tree.tree_targets(seqpack.pack_prefix_tree([[5, 6, 7], [5, 6, 8]])),

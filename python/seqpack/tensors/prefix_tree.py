@@ -327,8 +327,9 @@ class PrefixTreeBatch:
     # ---- host plans ------------------------------------------------------------------
     def host_plan(self, key: Any, build: Callable[["PrefixTreeBatch"], Any]) -> Any:
         """The host plan ``key`` of this tree (attention segments and their key rows,
-        log-prob targets, a CP cut), built by ``build(self)`` on first use and kept
-        by the tree: every attention layer of a step, and every step that reuses the
+        log-prob targets, a CP rank's plan; :mod:`seqpack.tensors.tree_plans`, and
+        :func:`~seqpack.tensors.tree_plans.prepare_tree` to build them all at once),
+        built by ``build(self)`` on first use and kept by the tree: every attention layer of a step, and every step that reuses the
         tree, reads the same plan. Plans pickle with the tree (those with a
         ``check_tree(tree)`` method are checked against it when rebuilt; others are
         left to be built again). ``key`` must be hashable and picklable.
@@ -343,31 +344,6 @@ class PrefixTreeBatch:
             plan = build(self)  # two threads may both build it, harmlessly: one value wins
             plan = plans.setdefault(key, plan)
         return plan
-
-    def prepare(self, *, attention: bool = True, targets: bool = True, cp_size: Any = None) -> "PrefixTreeBatch":
-        """Build now the host plans a training step reads (the attention plan, the
-        log-prob targets, the CP cut for ``cp_size`` ranks), so that the step does
-        none of that work: call it where the batch is built (a collate function, a
-        DataLoader worker); the plans pickle with the tree. Returns the tree.
-        Imports nothing heavy: the plans are NumPy.
-
-        >>> tree = pack_prefix_tree([[1, 2, 3], [1, 2, 4]]).prepare()
-        >>> sorted(map(str, tree.planned()))
-        ['attention', 'targets']
-        """
-        if attention:
-            from .tree_plans import attention_plan
-
-            attention_plan(self)
-        if targets:
-            from .tree_plans import tree_targets
-
-            tree_targets(self)
-        if cp_size is not None and as_positive_int(cp_size, "cp_size") > 1:
-            from .prefix_tree_cp import tree_cp_bounds
-
-            tree_cp_bounds(self, cp_size)
-        return self
 
     def planned(self) -> Tuple[Any, ...]:
         """The keys of the host plans this tree holds."""

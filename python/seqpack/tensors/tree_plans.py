@@ -39,10 +39,11 @@ from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 import numpy as np
 
 from .._equality import values_equal
-from .._lengths import type_name
+from .._lengths import as_positive_int, type_name
 from .prefix_tree import PrefixTreeBatch
 
-__all__ = ["TreeAttentionPlan", "TreeTargets", "attention_plan", "attention_segments", "tree_targets"]
+__all__ = ["TreeAttentionPlan", "TreeCpPlan", "TreeTargets", "attention_plan", "attention_segments", "cp_attention_plan",
+           "prepare_tree", "tree_cp_plan", "tree_targets"]
 
 
 def _tree(tree: Any) -> PrefixTreeBatch:
@@ -156,6 +157,17 @@ class TreeAttentionPlan:
         for name in self.__slots__:
             setattr(self, name, state[name])
 
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, TreeAttentionPlan):
+            return NotImplemented
+        return all(values_equal(getattr(self, n), getattr(other, n)) for n in self.__slots__)
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return (f"TreeAttentionPlan(num_segments={self.segment_parent.shape[0]}, num_keys={self.num_keys}, "
+                f"plain={self.plain})")
+
     def check_tree(self, tree: PrefixTreeBatch) -> None:
         """Raises ValueError unless this plan is ``tree``'s (a pickled plan): its
         segments are recomputed (linear) and its key rows bounded."""
@@ -180,6 +192,100 @@ class TreeAttentionPlan:
 def attention_plan(tree: PrefixTreeBatch) -> TreeAttentionPlan:
     """``tree``'s :class:`TreeAttentionPlan`, built once and kept by the tree."""
     return _tree(tree).host_plan("attention", TreeAttentionPlan)
+
+
+# ---- context parallelism -------------------------------------------------------------
+def tree_cp_plan(tree: PrefixTreeBatch, bounds: np.ndarray, rank: int) -> Dict[str, Any]:
+    """The varlen plan of rank ``rank``'s rows ``[bounds[rank], bounds[rank + 1])``:
+    one query segment per tree segment they meet, its keys (rows of the full
+    layout) the segment's root path cut after its last local row."""
+    start, end = int(bounds[rank]), int(bounds[rank + 1])
+    whole = attention_plan(tree)  # the attention segments and their paths
+    offsets = whole.cu_q
+    first = int(np.searchsorted(offsets, start, side="right")) - 1
+    last = int(np.searchsorted(offsets, end, side="left"))
+    seg = np.arange(max(first, 0), last if end > start else max(first, 0), dtype=np.int64)
+    q_start, q_end = np.maximum(offsets[seg], start), np.minimum(offsets[seg + 1], end)
+    k_start = whole.cu_k[seg]
+    k_lens = whole.cu_k[seg + 1] - k_start - (offsets[seg + 1] - q_end)  # the path up to the last local row
+    k_index = np.repeat(k_start - np.concatenate([[0], np.cumsum(k_lens)[:-1]]), k_lens) + np.arange(
+        int(k_lens.sum()), dtype=np.int64)
+    q_lens = q_end - q_start
+    return dict(cu_q=np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int64),
+                cu_k=np.concatenate([[0], np.cumsum(k_lens)]).astype(np.int64),
+                k_index=whole.k_index[k_index] if k_index.shape[0] else np.zeros(0, dtype=np.int64),
+                max_q=int(q_lens.max(initial=0)), max_k=int(k_lens.max(initial=0)))
+
+
+class TreeCpPlan:
+    """One CP rank's host plan of a tree: the cut (``bounds``) and the rank's varlen
+    plan (:func:`tree_cp_plan`), kept by the tree under ``("cp", cp_size, rank)``."""
+
+    __slots__ = ("bounds", "plan")
+
+    def __init__(self, bounds: np.ndarray, plan: Dict[str, Any]) -> None:
+        self.bounds, self.plan = bounds, plan
+
+    def __getstate__(self):
+        return {"bounds": self.bounds, "plan": self.plan}
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        self.bounds, self.plan = state["bounds"], state["plan"]
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, TreeCpPlan):
+            return NotImplemented
+        return values_equal(self.bounds, other.bounds) and values_equal(self.plan, other.plan)
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def check_tree(self, tree: PrefixTreeBatch) -> None:
+        """Raises ValueError unless this plan is one of ``tree``'s (a pickled plan):
+        the cut recomputed, the key rows bounded."""
+        from .prefix_tree_cp import tree_cp_bounds
+
+        bounds, plan = self.bounds, self.plan
+        if not isinstance(bounds, np.ndarray) or not np.array_equal(bounds, tree_cp_bounds(tree, bounds.shape[0] - 1)):
+            raise ValueError("a pickled tree CP plan's cut does not match its tree")
+        k = plan.get("k_index") if isinstance(plan, dict) else None
+        if not isinstance(k, np.ndarray) or k.dtype != np.int64 or (k.size and (k.min() < 0 or
+                                                                                k.max() >= tree.num_tokens)):
+            raise ValueError("a pickled tree CP plan's key rows must be int64 rows of its tree")
+
+
+def cp_attention_plan(tree: PrefixTreeBatch, cp: int, rank: int) -> TreeCpPlan:
+    """Rank ``rank``'s :class:`TreeCpPlan` of ``tree`` over ``cp`` ranks, built once
+    and kept by the tree: every attention layer of a step reuses it."""
+    from .prefix_tree_cp import tree_cp_bounds
+
+    def build(t):
+        bounds = tree_cp_bounds(t, cp)
+        return TreeCpPlan(bounds, tree_cp_plan(t, bounds, rank))
+
+    return tree.host_plan(("cp", cp, rank), build)
+
+
+def prepare_tree(tree: PrefixTreeBatch, *, attention: bool = True, targets: bool = True,
+                 cp_size: Any = None) -> PrefixTreeBatch:
+    """Build now the host plans a training step reads (the attention plan, the
+    log-prob targets, each rank's CP attention plan for ``cp_size`` ranks), so that
+    the step does none of that work: call it where the batch is built (a collate
+    function, a DataLoader worker); the plans pickle with the tree. Returns the tree.
+
+    >>> from seqpack import pack_prefix_tree
+    >>> tree = prepare_tree(pack_prefix_tree([[1, 2, 3], [1, 2, 4]]))
+    >>> sorted(map(str, tree.planned()))
+    ['attention', 'targets']
+    """
+    _tree(tree)
+    if attention:
+        attention_plan(tree)
+    if targets:
+        tree_targets(tree)
+    if cp_size is not None and as_positive_int(cp_size, "cp_size") > 1:
+        for rank in range(int(cp_size)):  # every rank's: the same tree goes to each
+            cp_attention_plan(tree, int(cp_size), rank)
+    return tree
 
 
 # ---- log-prob targets ------------------------------------------------------------------

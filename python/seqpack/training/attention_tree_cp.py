@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, Dict, Optional
 import numpy as np
 
 from .._lengths import as_positive_int
-from ..tensors.tree_plans import attention_plan
+from ..tensors.tree_plans import cp_attention_plan
 from .attention_cp import attend_gathered
 from .attention_varlen import _check, _follow_autocast, _pick, _scale
 
@@ -41,69 +41,6 @@ if TYPE_CHECKING:
 __all__ = ["tree_cp_attention"]
 
 
-def tree_cp_plan(tree: "PrefixTreeBatch", bounds: np.ndarray, rank: int) -> Dict[str, Any]:
-    """The varlen plan of rank ``rank``'s rows ``[bounds[rank], bounds[rank + 1])``:
-    one query segment per tree segment they meet, its keys (rows of the full
-    layout) the segment's root path cut after its last local row."""
-    start, end = int(bounds[rank]), int(bounds[rank + 1])
-    whole = attention_plan(tree)
-    offsets = whole.cu_q
-    first = int(np.searchsorted(offsets, start, side="right")) - 1
-    last = int(np.searchsorted(offsets, end, side="left"))
-    seg = np.arange(max(first, 0), last if end > start else max(first, 0), dtype=np.int64)
-    q_start, q_end = np.maximum(offsets[seg], start), np.minimum(offsets[seg + 1], end)
-    k_start = whole.cu_k[seg]
-    k_lens = whole.cu_k[seg + 1] - k_start - (offsets[seg + 1] - q_end)  # the path up to the last local row
-    k_index = np.repeat(k_start - np.concatenate([[0], np.cumsum(k_lens)[:-1]]), k_lens) + np.arange(
-        int(k_lens.sum()), dtype=np.int64)
-    q_lens = q_end - q_start
-    return dict(cu_q=np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int64),
-                cu_k=np.concatenate([[0], np.cumsum(k_lens)]).astype(np.int64),
-                k_index=whole.k_index[k_index] if k_index.shape[0] else np.zeros(0, dtype=np.int64),
-                max_q=int(q_lens.max(initial=0)), max_k=int(k_lens.max(initial=0)))
-
-
-class TreeCpPlan:
-    """One CP rank's host plan of a tree: the cut (``bounds``) and the rank's varlen
-    plan (:func:`tree_cp_plan`), kept by the tree under ``("cp", cp_size, rank)``."""
-
-    __slots__ = ("bounds", "plan")
-
-    def __init__(self, bounds: np.ndarray, plan: Dict[str, Any]) -> None:
-        self.bounds, self.plan = bounds, plan
-
-    def __getstate__(self):
-        return {"bounds": self.bounds, "plan": self.plan}
-
-    def __setstate__(self, state: Dict[str, Any]) -> None:
-        self.bounds, self.plan = state["bounds"], state["plan"]
-
-    def check_tree(self, tree: "PrefixTreeBatch") -> None:
-        """Raises ValueError unless this plan is one of ``tree``'s (a pickled plan):
-        the cut recomputed, the key rows bounded."""
-        from ..tensors.prefix_tree_cp import tree_cp_bounds
-
-        bounds, plan = self.bounds, self.plan
-        if not isinstance(bounds, np.ndarray) or not np.array_equal(bounds, tree_cp_bounds(tree, bounds.shape[0] - 1)):
-            raise ValueError("a pickled tree CP plan's cut does not match its tree")
-        k = plan.get("k_index") if isinstance(plan, dict) else None
-        if not isinstance(k, np.ndarray) or k.dtype != np.int64 or (k.size and (k.min() < 0 or
-                                                                                k.max() >= tree.num_tokens)):
-            raise ValueError("a pickled tree CP plan's key rows must be int64 rows of its tree")
-
-
-def _cp_plan(tree: "PrefixTreeBatch", cp: int, rank: int) -> TreeCpPlan:
-    """Rank ``rank``'s :class:`TreeCpPlan` of ``tree`` over ``cp`` ranks, built once
-    per tree: every attention layer of a step reuses it."""
-    from ..tensors.prefix_tree_cp import tree_cp_bounds
-
-    def build(t):
-        bounds = tree_cp_bounds(t, cp)
-        return TreeCpPlan(bounds, tree_cp_plan(t, bounds, rank))
-
-    return tree.host_plan(("cp", cp, rank), build)
-
-
 def _checks(q, k, v, tree, size: int, me: int, softmax_scale, kv_heads_per_chunk, backend: str) -> Dict[str, Any]:
     """Every check of :func:`tree_cp_attention` whose outcome can differ between
     ranks, run before its first collective and inside the agreement."""
@@ -111,7 +48,7 @@ def _checks(q, k, v, tree, size: int, me: int, softmax_scale, kv_heads_per_chunk
 
     _tree(tree)
     _check(q, k, v, (-1, 0), True)
-    cp_plan = _cp_plan(tree, size, me)
+    cp_plan = cp_attention_plan(tree, size, me)
     bounds, plan = cp_plan.bounds, cp_plan.plan
     start, end = int(bounds[me]), int(bounds[me + 1])
     if q.shape[0] != end - start or k.shape[0] != end - start:

@@ -71,7 +71,7 @@ def _tp_world(tp_group: Any) -> int:
 
     try:
         return int(dist.get_world_size(tp_group))
-    except (RuntimeError, ValueError, AssertionError) as e:
+    except (RuntimeError, ValueError, AssertionError, AttributeError, TypeError) as e:
         raise ValueError(f"tp_group was given but torch.distributed cannot size it ({e}); initialise the process "
                          "group, or pass tp_group=None for the whole vocabulary on one rank") from e
 

@@ -271,7 +271,21 @@ def test_the_dense_mask_is_refused_when_large():
     (lambda: PrefixTreeBatch.from_padded([[1, 2]], [[0.5, 1.0]]), TypeError, "attention_mask must be bool"),
     (lambda: pack_prefix_tree([[1, 2]]).to_logical(np.zeros(3)), ValueError, r"num_tokens \(T\) = 2"),
     (lambda: pack_prefix_tree([[1, 2]]).to_physical(np.zeros((3, 1))), ValueError, r"num_logical_tokens \(N\) = 2"),
+    # issue 38, item 5
+    (lambda: pack_prefix_tree([[1, 2]]).to_logical([1, 2, 3]), ValueError, r"= 2 rows along dim 0, got shape \(3,\)"),
+    (lambda: pack_prefix_tree([[1, 2]]).to_physical([1]), ValueError, r"= 2 rows along dim 0, got shape \(1,\)"),
+    (lambda: pack_prefix_tree([[1, -2**63 - 1]]), ValueError, r"rows\[0\] must fit in int64 .*got -9223372036854775809"),
+    (lambda: pack_prefix_tree([[1, 2**63]]), ValueError, r"rows\[0\] must fit in int64 .*got 9223372036854775808"),
+    (lambda: pack_prefix_tree([[1]], pad_to_multiple_of=2**40), ValueError, "pad_to_multiple_of: must be at most 2"),
+    (lambda: pack_prefix_tree([[1]], pad_to_multiple_of=2**31), ValueError, "pad_to_multiple_of: must be at most 2"),
+    (lambda: pack_prefix_tree([[1]], pad_to_multiple_of=2**24 + 1), ValueError, "pad_to_multiple_of"),
 ])
 def test_bad_input_raises_a_clear_error(call, error, match):
     with pytest.raises(error, match=match):
         call()
+
+
+def test_lists_move_between_the_layouts():
+    tree = pack_prefix_tree([[1, 2], [1, 3]])
+    assert tree.to_logical([10, 11, 12]).tolist() == [10, 11, 10, 12]
+    assert tree.to_physical((1, 2, 3, 4)).tolist() == [1, 2, 4]

@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 
 import seqpack
 from seqpack import tree_attention, tree_cp_attention, tree_cp_bounds, tree_cp_local_rows, ulysses_attention
-from seqpack.training.attention_tree_cp import tree_cp_plan
+from seqpack.tensors.tree_plans import tree_cp_plan
 
 CASE_TIMEOUT_S = 60
 WORLDS = (2, 3)

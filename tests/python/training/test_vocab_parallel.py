@@ -171,3 +171,43 @@ def test_nemo_rls_column_gather_tests():
         ref.sum().backward()
         new.sum().backward()
         torch.testing.assert_close(y.grad, x.grad, rtol=1e-6, atol=1e-6)
+
+
+def test_an_emulated_tp_group_is_used_as_given(monkeypatch):
+    """NeMo-RL's test_vocab_parallel_gather_columns_tp_sharded emulates 2 TP ranks with
+    torch.distributed not initialised, patching get_rank, get_world_size and
+    all_reduce: the group is used as given (issue 38: it was taken for one rank and
+    gave wrong values). A group torch.distributed cannot size is refused."""
+    import torch.distributed as dist
+
+    g = torch.Generator().manual_seed(3)
+    full = torch.randn(3, 8, dtype=torch.float64, generator=g)
+    columns = torch.tensor([1, 6, 3, 7])
+    shards = full.split(4, dim=-1)
+    other = {0: 1, 1: 0}
+    state = {"rank": 0}
+
+    def all_reduce(t, op=None, group=None):  # the other rank's contribution, computed here
+        me = state["rank"]
+        state["rank"] = other[me]
+        try:
+            t += vocab_parallel_gather_columns_local(shards[other[me]], columns, other[me])
+        finally:
+            state["rank"] = me
+
+    def vocab_parallel_gather_columns_local(shard, cols, rank):
+        ids = cols.expand(shard.shape[0], -1)
+        owned = (ids >= rank * 4) & (ids < rank * 4 + 4)
+        return torch.where(owned, shard.gather(-1, (ids - rank * 4).clamp(0, 3)), 0.0)
+
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: state["rank"])
+    monkeypatch.setattr(dist, "all_reduce", all_reduce)
+    for rank in (0, 1):
+        state["rank"] = rank
+        out = vocab_parallel_gather_columns(shards[rank], columns, tp_group=object())
+        torch.testing.assert_close(out, full[:, columns])
+    monkeypatch.undo()
+    if not dist.is_initialized():
+        with pytest.raises(ValueError, match="tp_group was given but torch.distributed cannot size it"):
+            vocab_parallel_gather_columns(shards[0], columns, tp_group=object())
