@@ -23,6 +23,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
                                            ("bench_automodel.py", "AutoModel pack_dataset"),
                                            ("bench_prefix_tree.py", "Prefix-tree packing vs plain packing"),
                                            ("bench_forest_planning.py", "Tree-aware planning"),
+                                           ("bench_tree_chain.py", "Chains of rows"),
                                            ("bench_tree_step.py", "GRPO training step, plain packing vs prefix trees"),
                                            ("bench_distillation.py", "Distillation loss input + mixed KL"),
                                            ("bench_dpo.py", "DPO training step, padded vs packed pairs")])

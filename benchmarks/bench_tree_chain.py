@@ -1,0 +1,169 @@
+"""Trees as the layout (issue 38): chains, nothing shared, and host work off the step.
+
+Three tables, CPU, one process per measurement where memory is read:
+
+  chains        multi-turn rollouts logged one row per turn: a chain of rows, each a
+                prefix of the next. tree_attention (sdpa and varlen backends) forward +
+                backward on the chain's tree against the longest row alone through
+                varlen_attention: peak RSS rise (each in a fresh child process) and time.
+                Attention segments break at branch points only, so the chain is one
+                segment (issue 38 measured +583 / +700 MB at 2,500 tokens before).
+  nothing shared  a tree whose rows share nothing against plain packing, forward +
+                backward of an attention-dominated model (2 layers, hidden 128, 4 heads):
+                the tree runs plain packing's kernels.
+  host work     milliseconds per micro-batch the training loop spends on host work for a
+                GRPO tree: building the tree and its plans inside the step (before)
+                against receiving them built by the collate function (after,
+                seqpack.prepare_tree in the DataLoader worker).
+
+    python benchmarks/bench_tree_chain.py            # full run
+    python benchmarks/bench_tree_chain.py --quick    # small shapes, smoke test
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _harness import CsvLog, announce, environment, format_table, measure, peak_extra_mib, run_child  # noqa: E402
+from _harness import torch_cpu_arguments  # noqa: E402
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+import seqpack  # noqa: E402
+from bench_prefix_tree import MEMORY_ENV, Model, grpo_batch, plain_step  # noqa: E402
+
+HEADS, HEAD_DIM = 4, 32
+
+
+def chain_rows(tokens: int, turns: int) -> list:
+    ids = np.random.default_rng(0).integers(0, 4096, tokens)
+    cuts = np.linspace(tokens / turns, tokens, turns).astype(np.int64)
+    return [ids[:c] for c in cuts]
+
+
+def chain_step(kind: str, tokens: int, turns: int, backend: str):
+    """fwd + bwd of attention alone on a chain's tree (``kind="chain"``) or on its
+    longest row through varlen_attention (``"row"``)."""
+    rows = chain_rows(tokens, turns)
+    tree = seqpack.pack_prefix_tree(rows) if kind == "chain" else None
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(tokens, HEADS, HEAD_DIM, generator=g).requires_grad_() for _ in range(3))
+    cu = [0, tokens]
+
+    def step():
+        if tree is not None:
+            out = seqpack.tree_attention(q, k, v, tree, backend=backend)
+        else:
+            out = seqpack.varlen_attention(q, k, v, cu, cu, tokens, tokens, causal=True)
+        out.sum().backward()
+        for x in (q, k, v):
+            x.grad = None
+
+    return step
+
+
+def child(spec: str) -> int:
+    kind, tokens, turns, backend = spec.split(",")
+    torch.set_num_threads(1)
+    step = chain_step(kind, int(tokens), int(turns), backend)
+    step()
+    print(json.dumps({"peak_mib": peak_extra_mib(step)}))
+    return 0
+
+
+def tree_step(model, tree):
+    ids, positions = torch.tensor(tree.input_ids), torch.tensor(tree.position_ids)
+    logits = model(ids, positions, lambda q, k, v: seqpack.tree_attention(q, k, v, tree))
+    (-seqpack.tree_token_logprobs(logits, tree).logprobs.sum()).backward()
+    model.zero_grad(set_to_none=True)
+
+
+def main() -> int:
+    parser = torch_cpu_arguments(__doc__)
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        return child(args.child)
+    torch.set_num_threads(args.threads)
+    env = environment()
+    announce(env, torch)
+    log = CsvLog("tree_chain", env, args.csv)
+    repeat = 1 if args.quick else args.repeat
+
+    # ---- chains -----------------------------------------------------------------------
+    rows_out = []
+    for tokens in ((1000,) if args.quick else (2500, 4000, 10000)):
+        turns = 8 if args.quick else 25
+        alone_mem = run_child(__file__, f"row,{tokens},{turns},sdpa", MEMORY_ENV)["peak_mib"]
+        alone_t = measure(chain_step("row", tokens, turns, "sdpa"), repeat=repeat, warmup=1)["min"]
+        for backend in ("sdpa", "varlen"):
+            mem = run_child(__file__, f"chain,{tokens},{turns},{backend}", MEMORY_ENV)["peak_mib"]
+            t = measure(chain_step("chain", tokens, turns, backend), repeat=repeat, warmup=1)["min"]
+            rows_out.append([tokens, turns, backend, mem, alone_mem, mem / max(alone_mem, 1e-9), t * 1e3,
+                             alone_t * 1e3, t / alone_t])
+            log.add(f"chain {tokens}", backend, "peak_rss_rise_mib", mem)
+            log.add(f"chain {tokens}", backend, "seconds_min", t)
+        log.add(f"chain {tokens}", "longest row alone", "peak_rss_rise_mib", alone_mem)
+        log.add(f"chain {tokens}", "longest row alone", "seconds_min", alone_t)
+    print(format_table("Chains of rows (each a prefix of the next) vs the longest row alone: attention fwd+bwd",
+                       ["tokens", "rows", "backend", "chain MiB", "row MiB", "memory ratio", "chain ms", "row ms",
+                        "time ratio"], rows_out,
+                       note=f"CPU fp32, {HEADS} heads x {HEAD_DIM}, 1 thread for memory (fresh child, "
+                            "MALLOC_MMAP_THRESHOLD_=128 KiB), best of %d for time. Target: within 10%%." % repeat))
+
+    # ---- nothing shared -----------------------------------------------------------------
+    rng = np.random.default_rng(3)
+    lens = rng.integers(64 if args.quick else 256, 128 if args.quick else 1024, 4 if args.quick else 12)
+    rows = [rng.integers(0, 4096, n) for n in lens]
+    model = Model(hidden=128, heads=HEADS, head_dim=HEAD_DIM, ffn=344)
+    tree = seqpack.prepare_tree(seqpack.pack_prefix_tree(rows))
+    assert seqpack.tensors.tree_plans.attention_plan(tree).plain
+    t_plain = measure(lambda: (plain_step(model, rows), model.zero_grad(set_to_none=True)), repeat=repeat * 3,
+                      warmup=1)["min"]
+    t_tree = measure(lambda: tree_step(model, tree), repeat=repeat * 3, warmup=1)["min"]
+    log.add("nothing shared", "plain", "seconds_min", t_plain)
+    log.add("nothing shared", "tree", "seconds_min", t_tree)
+    print()
+    print(format_table("Nothing shared: tree vs plain packing, fwd+bwd (2 layers, hidden 128, 4 heads)",
+                       ["rows", "tokens", "plain ms", "tree ms", "tree speed vs plain"],
+                       [[len(rows), int(lens.sum()), t_plain * 1e3, t_tree * 1e3, t_plain / t_tree]],
+                       note="Target >= 0.97x. Both step times exclude building the batch."))
+
+    # ---- host work per micro-batch ----------------------------------------------------------
+    rows, groups = grpo_batch(rng, 1, 8, 64 if args.quick else 512, 32 if args.quick else 256)
+    model = Model(hidden=128, heads=HEADS, head_dim=HEAD_DIM, ffn=344)
+    built = seqpack.prepare_tree(seqpack.pack_prefix_tree(rows, group_ids=groups))
+
+    def before():  # the trie, the attention plan and the targets inside the step
+        tree_step(model, seqpack.pack_prefix_tree(rows, group_ids=groups))
+
+    def after():  # received prepared from the collate function
+        tree_step(model, built)
+
+    host = measure(lambda: seqpack.prepare_tree(seqpack.pack_prefix_tree(rows, group_ids=groups)), repeat=20,
+                   warmup=2)["min"]
+    in_loop = measure(lambda: [seqpack.tensors.tree_plans.attention_plan(built),
+                               seqpack.tensors.tree_plans.tree_targets(built)], repeat=20, warmup=2)["min"]
+    t_before = measure(before, repeat=repeat * 3, warmup=1)["min"]
+    t_after = measure(after, repeat=repeat * 3, warmup=1)["min"]
+    for side, value in (("host in step, before", host), ("host in step, after", in_loop),
+                        ("step before", t_before), ("step after", t_after)):
+        log.add("GRPO G=8 host work", side, "seconds_min", value)
+    print()
+    print(format_table("Host work per micro-batch in the training loop (GRPO G=8)",
+                       ["", "host ms in the loop", "step ms"],
+                       [["before: tree + plans built in the step", host * 1e3, t_before * 1e3],
+                        ["after: prepare_tree in the collate function", in_loop * 1e3, t_after * 1e3]],
+                       note="host ms: building the trie, the attention plan and the targets (before) against "
+                            "reading the plans the tree carries (after); best of 20."))
+    print(f"\nCSV: {log.write()}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
