@@ -24,7 +24,9 @@ import numpy as np
 
 from .._lengths import as_positive_int
 from ..tensors.layout import host_offsets
-from .attention_varlen import _check, _follow_autocast, _pick, _scale, _torch, varlen_attention
+from . import attention_inputs as inputs
+from .attention_varlen import varlen_attention
+from .varlen_backends import pick_backend
 
 if TYPE_CHECKING:
     import torch
@@ -71,7 +73,7 @@ def _cp_checks(q, k, v, packed_batch, size: int, me: int, causal: bool, softmax_
         raise ValueError(f"group has size {size} and this rank is {me} in it; "
                          f"packed_batch was built for cp_size={cp}, cp_rank={rank}")
     cu_p = host_offsets(cu, "packed_batch.cu_seqlens_padded", copy_device=True)
-    _check(q, k, v, (-1, -1), causal)
+    inputs.check_qkv(q, k, v, (-1, -1), causal)
     plan = _cp_plan(cu_p, cp, rank, causal)
     local = int(cu_p[-1]) // cp
     if q.shape[0] != local or k.shape[0] != local:
@@ -79,8 +81,8 @@ def _cp_checks(q, k, v, packed_batch, size: int, me: int, causal: bool, softmax_
                          f"got {q.shape[0]} and {k.shape[0]}")
     hk = k.shape[1]
     step = hk if kv_heads_per_chunk is None else as_positive_int(kv_heads_per_chunk, "kv_heads_per_chunk")
-    scale = _scale(softmax_scale, q)
-    _pick(backend, q, (-1, 0 if causal else -1), causal)  # an unknown / unusable backend: before the gathers
+    scale = inputs.softmax_scale(softmax_scale, q)
+    pick_backend(backend, q, (-1, 0 if causal else -1), causal)  # an unknown / unusable backend: before the gathers
     return dict(cu_p=cu_p, plan=plan, step=min(step, hk), scale=scale)
 
 
@@ -163,7 +165,7 @@ def cp_attention(
     from .._dist import checked_on_every_rank
     from ..tensors.cp import gather_cp
 
-    q, k, v = _follow_autocast(q, k, v)  # the gathers move the autocast dtype, as varlen_attention computes in it
+    q, k, v = inputs.follow_autocast(q, k, v)  # the gathers move the autocast dtype, as varlen_attention computes in it
     size, me = dist.get_world_size(group), dist.get_rank(group)
     if size < 1 or me < 0:
         raise ValueError(f"this process is not in the CP group (size {size}, rank {me}); it cannot take part in "
@@ -188,7 +190,7 @@ def attend_gathered(q, k, v, gather, plan: Dict[str, Any], *, causal: bool, scal
     activation checkpointing) when fewer than all."""
     from ..tensors._device import host_to_device
 
-    torch = _torch()
+    import torch
     (k_index,) = host_to_device([plan["k_index"]], k.device)
     hk, group_size = k.shape[1], q.shape[1] // k.shape[1]
 

@@ -84,7 +84,9 @@ import functools
 from typing import TYPE_CHECKING, Any, Dict, Optional
 
 from ..tensors.tree_plans import attention_plan
-from .attention_varlen import MAX_SCORE_ELEMENTS, _check, _follow_autocast, _scale, _why_unavailable, varlen_attention
+from . import attention_inputs as inputs
+from .attention_varlen import MAX_SCORE_ELEMENTS, varlen_attention
+from .varlen_backends import why_unavailable
 
 if TYPE_CHECKING:
     import torch
@@ -112,14 +114,14 @@ def _why_tree_unavailable(name: str) -> Optional[str]:
         if not hasattr(torch.nn.functional, "scaled_dot_product_attention"):
             return "torch.nn.functional.scaled_dot_product_attention is missing (PyTorch < 2.0)"
         return None
-    return _why_unavailable(name)  # flex, reference: the same rules as varlen_attention's
+    return why_unavailable(name)  # flex, reference: the same rules as varlen_attention's
 
 
 def _cuda_varlen_kernel(q) -> bool:
     """Whether varlen_attention runs a CUDA kernel (flash-attn, varlen_attn) on q."""
     torch = _torch()
     return (q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16)
-            and any(_why_unavailable(name) is None for name in ("flash_attn", "torch_varlen")))
+            and any(why_unavailable(name) is None for name in ("flash_attn", "torch_varlen")))
 
 
 def tree_attention_backends() -> Dict[str, str]:
@@ -166,14 +168,14 @@ def tree_attention(
 
     if not isinstance(tree, PrefixTreeBatch):
         raise TypeError(f"tree must be a PrefixTreeBatch (seqpack.pack_prefix_tree), got {type(tree).__name__}")
-    q, k, v = _follow_autocast(q, k, v)
-    _check(q, k, v, None, True)
+    q, k, v = inputs.follow_autocast(q, k, v)
+    inputs.check_qkv(q, k, v, None, True)
     t = tree.num_tokens
     if q.shape[0] != t or k.shape[0] != t:
         raise ValueError(f"q, k and v must have one row per physical token of tree (tree.num_tokens = {t}), got "
                          f"q {tuple(q.shape)} and k/v {tuple(k.shape)}")
-    scale = _scale(softmax_scale, q)
-    name = _pick(backend, q, k, v)
+    scale = inputs.softmax_scale(softmax_scale, q)
+    name = pick_tree_backend(backend, q, k, v)
     if t == 0:  # [0, Hq, Dv], still attached to v's graph
         return v[:0].repeat_interleave(q.shape[1] // k.shape[1], 1)
     if name == "reference":
@@ -185,7 +187,8 @@ def tree_attention(
     return _sdpa(q, k, v, tree, scale)
 
 
-def _pick(backend: Any, q, k, v) -> str:
+def pick_tree_backend(backend: Any, q, k, v) -> str:
+    """The backend :func:`tree_attention` runs for ``backend`` on these inputs (or why it cannot)."""
     torch = _torch()
     if not isinstance(backend, str):
         raise TypeError(f"backend must be a string ('auto' or one of {TREE_BACKENDS}), got {type(backend).__name__}")

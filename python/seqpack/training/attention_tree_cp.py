@@ -31,7 +31,8 @@ import numpy as np
 from .._lengths import as_positive_int
 from ..tensors.tree_plans import cp_attention_plan
 from .attention_cp import attend_gathered
-from .attention_varlen import _check, _follow_autocast, _pick, _scale
+from . import attention_inputs as inputs
+from .varlen_backends import pick_backend
 
 if TYPE_CHECKING:
     import torch
@@ -47,7 +48,7 @@ def _checks(q, k, v, tree, size: int, me: int, softmax_scale, kv_heads_per_chunk
     from ..tensors.prefix_tree_cp import _tree
 
     _tree(tree)
-    _check(q, k, v, (-1, 0), True)
+    inputs.check_qkv(q, k, v, (-1, 0), True)
     cp_plan = cp_attention_plan(tree, size, me)
     bounds, plan = cp_plan.bounds, cp_plan.plan
     start, end = int(bounds[me]), int(bounds[me + 1])
@@ -56,8 +57,8 @@ def _checks(q, k, v, tree, size: int, me: int, softmax_scale, kv_heads_per_chunk
                          f"tree_cp_bounds(tree, {size})), got {q.shape[0]} and {k.shape[0]}")
     hk = k.shape[1]
     step = hk if kv_heads_per_chunk is None else as_positive_int(kv_heads_per_chunk, "kv_heads_per_chunk")
-    scale = _scale(softmax_scale, q)
-    _pick(backend, q, (-1, 0), True)  # an unknown / unusable backend: before the gathers
+    scale = inputs.softmax_scale(softmax_scale, q)
+    pick_backend(backend, q, (-1, 0), True)  # an unknown / unusable backend: before the gathers
     return dict(bounds=bounds, plan=plan, step=min(step, hk), scale=scale,
                 segments=(tree.segment_offsets, tree.segment_parent))
 
@@ -124,7 +125,7 @@ def tree_cp_attention(
     from ..tensors.cp import gather_rank_rows
     from ..tensors.prefix_tree_cp import rank_major_order
 
-    q, k, v = _follow_autocast(q, k, v)
+    q, k, v = inputs.follow_autocast(q, k, v)
     size, me = dist.get_world_size(group), dist.get_rank(group)
     if size < 1 or me < 0:
         raise ValueError(f"this process is not in the CP group (size {size}, rank {me}); it cannot take part in "

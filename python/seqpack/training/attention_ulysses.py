@@ -27,7 +27,9 @@ import numpy as np
 
 from ..tensors.layout import host_offsets
 from .attention_tree import tree_attention
-from .attention_varlen import _check, _follow_autocast, _pick, _scale, _torch, varlen_attention
+from . import attention_inputs as inputs
+from .attention_varlen import varlen_attention
+from .varlen_backends import pick_backend
 
 if TYPE_CHECKING:
     import torch
@@ -52,7 +54,7 @@ def _all_to_all(x, group, size: int, to_heads: bool):
     back in rank order: the stream). Else the inverse."""
     import torch.distributed as dist
 
-    torch = _torch()
+    import torch
     if to_heads:
         n, h, d = x.shape
         send = x.reshape(n, size, h // size, d).transpose(0, 1).contiguous()  # [size, n, H / size, D]
@@ -70,7 +72,7 @@ def _all_to_all(x, group, size: int, to_heads: bool):
 def _ulysses_exchange():
     """The all-to-all as an autograd function: its backward is the inverse
     all-to-all (the exchange is a permutation of rows and heads over the group)."""
-    torch = _torch()
+    import torch
 
     class UlyssesAllToAll(torch.autograd.Function):
         @staticmethod
@@ -105,12 +107,12 @@ def _ulysses_checks(q, k, v, packed_batch, size: int, me: int, causal: bool, sof
                          "ulysses_attention takes a batch of the whole packed stream (cp_size=1), each rank "
                          "holding a contiguous slice of it (PackedBatch.ulysses_slice)")
     cu_p = host_offsets(cu, "packed_batch.cu_seqlens_padded", copy_device=True)
-    left, right = _check(q, k, v, window_size, causal)
+    left, right = inputs.check_qkv(q, k, v, window_size, causal)
     total = int(cu_p[-1])
     n = _check_rows_and_heads(q, k, total, size)
     hk = k.shape[1]
-    scale = _scale(softmax_scale, q)
-    _pick(backend, q, (left, right), causal)  # an unknown / unusable backend: before the all-to-all
+    scale = inputs.softmax_scale(softmax_scale, q)
+    pick_backend(backend, q, (left, right), causal)  # an unknown / unusable backend: before the all-to-all
     longest = int(np.diff(cu_p).max(initial=0))
     return dict(cu_p=cu_p, total=total, n=n, longest=longest, rep=max(1, size // hk), scale=scale, tree=None)
 
@@ -137,7 +139,7 @@ def _check_rows_and_heads(q, k, total: int, size: int) -> int:
 def _tree_checks(q, k, v, tree, size: int, causal: bool, softmax_scale, window_size, backend: str) -> Dict[str, Any]:
     """:func:`_ulysses_checks` for a prefix tree: the stream is the tree's physical
     layout and every rank runs :func:`~seqpack.tree_attention` over it for its heads."""
-    from .attention_tree import TREE_BACKENDS, _pick as tree_pick
+    from .attention_tree import TREE_BACKENDS, pick_tree_backend
 
     if causal is not True or tuple(window_size if window_size is not None else (-1, -1)) != (-1, -1):
         raise ValueError("a prefix tree's attention is each token over its ancestors and itself: ulysses_attention "
@@ -146,10 +148,10 @@ def _tree_checks(q, k, v, tree, size: int, causal: bool, softmax_scale, window_s
     if backend != "auto" and backend not in TREE_BACKENDS:
         raise ValueError(f"with a prefix tree, backend is tree_attention's: 'auto' or one of {TREE_BACKENDS}, got "
                          f"{backend!r}")
-    _check(q, k, v, None, True)
+    inputs.check_qkv(q, k, v, None, True)
     n = _check_rows_and_heads(q, k, tree.num_tokens, size)
-    scale = _scale(softmax_scale, q)
-    tree_pick(backend, q, k, v)  # an unknown / unusable backend: before the all-to-all
+    scale = inputs.softmax_scale(softmax_scale, q)
+    pick_tree_backend(backend, q, k, v)  # an unknown / unusable backend: before the all-to-all
     return dict(cu_p=None, total=tree.num_tokens, n=n, longest=0, rep=max(1, size // k.shape[1]), scale=scale,
                 tree=tree, segments=[tree.segment_offsets, tree.segment_parent])
 
@@ -235,8 +237,8 @@ def ulysses_attention(
 
     from .._dist import checked_on_every_rank
 
-    torch = _torch()
-    q, k, v = _follow_autocast(q, k, v)  # the all-to-alls move the autocast dtype, as varlen_attention computes in it
+    import torch
+    q, k, v = inputs.follow_autocast(q, k, v)  # the all-to-alls move the autocast dtype, as varlen_attention computes in it
     size, me = dist.get_world_size(group), dist.get_rank(group)
     if size < 1 or me < 0:
         raise ValueError(f"this process is not in the SP group (size {size}, rank {me}); it cannot take part in "

@@ -43,19 +43,19 @@ else the reference.
 
 from __future__ import annotations
 
-import functools
-import inspect
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .._lengths import as_int64, as_positive_int, as_real
+from .._lengths import as_positive_int
 from ..tensors.layout import check_offsets
+from . import attention_inputs as inputs
+from .varlen_backends import BACKENDS, attention_backends  # noqa: F401  (varlen_attention's, re-exported)
+from .varlen_backends import flash_attn_varlen_func, pick_backend, torch_varlen_attn, torch_varlen_params
 
 if TYPE_CHECKING:
     import torch
 
-BACKENDS = ("flash_attn", "torch_varlen", "flex", "reference")
 MAX_SCORE_ELEMENTS = 1 << 25  # reference backend: scores per tile (heads x queries x keys), 128 MiB in fp32
 
 
@@ -63,50 +63,6 @@ def _torch():
     import torch
 
     return torch
-
-
-def _flash_attn_func():
-    from flash_attn import flash_attn_varlen_func
-
-    return flash_attn_varlen_func
-
-
-def _torch_varlen_func():
-    from torch.nn.attention.varlen import varlen_attn
-
-    return varlen_attn
-
-
-@functools.lru_cache(maxsize=None)
-def _why_unavailable(name: str) -> Optional[str]:
-    """None when ``name`` can run here, else the reason it cannot (found once per
-    process: ``auto`` asks on every call)."""
-    torch = _torch()
-    if name == "reference":
-        return None
-    if name == "flex":
-        try:
-            import torch.nn.attention.flex_attention  # noqa: F401
-        except ImportError as e:
-            return f"torch.nn.attention.flex_attention not importable ({e})"
-        return None
-    try:
-        _flash_attn_func() if name == "flash_attn" else _torch_varlen_func()
-    except ImportError as e:
-        return f"not importable ({e})"
-    if not torch.cuda.is_available():
-        return "needs a CUDA device"
-    return None
-
-
-def attention_backends() -> Dict[str, str]:
-    """Every backend of :func:`varlen_attention` and whether it can run here.
-
-    >>> import seqpack
-    >>> seqpack.attention_backends()["reference"]
-    'available'
-    """
-    return {name: (_why_unavailable(name) or "available") for name in BACKENDS}
 
 
 def _host_cu(cu: Any, name: str) -> Optional[np.ndarray]:
@@ -121,76 +77,6 @@ def _device_cu(cu: Any, device) -> "torch.Tensor":
     if isinstance(cu, torch.Tensor):
         return cu.to(device=device, dtype=torch.int32)
     return torch.as_tensor(np.asarray(cu), dtype=torch.int32, device=device)
-
-
-def _follow_autocast(q, k, v):
-    """q, k and v as ``torch.nn.functional.scaled_dot_product_attention`` takes them
-    under ``torch.autocast`` for q's device type (SDPA is on autocast's lower-precision
-    list): float32 / float16 / bfloat16 tensors on that device type in the autocast
-    dtype (float64 and other devices' tensors as they are, as autocast leaves them),
-    so the attention computes in, and returns, the autocast dtype. Outside autocast
-    (or for non-tensors, left to the checks) unchanged: mismatched dtypes raise."""
-    torch = _torch()
-    if not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
-        return q, k, v
-    device = q.device.type
-    try:
-        if not torch.is_autocast_enabled(device):
-            return q, k, v
-        dtype = torch.get_autocast_dtype(device)
-    except (RuntimeError, TypeError, AttributeError):  # a device type without autocast
-        return q, k, v
-    castable = (torch.float32, torch.float16, torch.bfloat16)
-    return tuple(t.to(dtype) if t.dtype in castable and t.device.type == device else t for t in (q, k, v))
-
-
-def _check(q, k, v, window_size, causal) -> Tuple[int, int]:
-    """The argument rules of the attention functions; returns the ``(left, right)``
-    window (``right`` is 0 when causal)."""
-    from ..tensors._device import check_tensor
-
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if check_tensor(t, name).dim() != 3:
-            raise ValueError(f"{name} must be a [T, H, D] tensor, got {tuple(t.shape)}")
-        if not t.dtype.is_floating_point:
-            raise TypeError(f"{name} must be a floating-point tensor, got {t.dtype}")
-        if t.shape[1] == 0:
-            raise ValueError(f"{name} must have at least one head, got shape {tuple(t.shape)} (H = 0)")
-    if q.shape[2] == 0:
-        raise ValueError(f"the head dim D must be positive, got q of shape {tuple(q.shape)}")
-    if k.shape[:2] != v.shape[:2]:
-        raise ValueError(f"k and v must have the same rows and heads, got {tuple(k.shape)} and {tuple(v.shape)}")
-    if q.shape[2] != k.shape[2]:
-        raise ValueError(f"q and k must have the same head dim, got {q.shape[2]} and {k.shape[2]}")
-    if q.shape[1] % k.shape[1]:
-        raise ValueError(f"q heads ({q.shape[1]}) must be a multiple of k/v heads ({k.shape[1]}) (GQA)")
-    if not (q.dtype == k.dtype == v.dtype) or not (q.device == k.device == v.device):
-        raise ValueError(f"q, k and v must share dtype and device (under torch.autocast they are cast to its dtype "
-                         f"first), got {q.dtype} / {k.dtype} / {v.dtype} on {q.device} / {k.device} / {v.device}")
-    left, right = _window(window_size)
-    return left, (0 if causal else right)
-
-
-def _scale(softmax_scale: Any, q) -> float:
-    """``softmax_scale`` as a float (any finite number, as flash-attn takes it; any
-    NumPy or 0-d tensor number), by default ``1 / sqrt(D)``."""
-    if softmax_scale is None:
-        return q.shape[2] ** -0.5
-    return as_real(softmax_scale, "softmax_scale")
-
-
-def _window(window_size: Any) -> Tuple[int, int]:
-    """``window_size`` as ``(left, right)`` ints >= -1; ``None`` is no window,
-    ``(-1, -1)``, as flash-attn's default."""
-    if window_size is None:
-        return -1, -1
-    if isinstance(window_size, (str, bytes)) or not hasattr(window_size, "__len__") or len(window_size) != 2:
-        raise TypeError(f"window_size must be a (left, right) pair of ints (-1: unbounded) or None, got "
-                        f"{window_size!r}")
-    left, right = (as_int64(w, f"window_size[{i}]") for i, w in enumerate(window_size))
-    if left < -1 or right < -1:
-        raise ValueError(f"window_size must be (left, right) with each >= -1, got {tuple(window_size)}")
-    return left, right
 
 
 def varlen_attention(
@@ -240,9 +126,9 @@ def varlen_attention(
     float32 q/k, after rotary embeddings, and a bfloat16 v): the attention runs in,
     and returns, that dtype. Outside autocast they must share their dtype.
     """
-    q, k, v = _follow_autocast(q, k, v)
-    left, right = _check(q, k, v, window_size, causal)
-    scale = _scale(softmax_scale, q)
+    q, k, v = inputs.follow_autocast(q, k, v)
+    left, right = inputs.check_qkv(q, k, v, window_size, causal)
+    scale = inputs.softmax_scale(softmax_scale, q)
     max_seqlen_q = as_positive_int(max_seqlen_q, "max_seqlen_q", allow_zero=True)
     max_seqlen_k = as_positive_int(max_seqlen_k, "max_seqlen_k", allow_zero=True)
     host_q, host_k = _host_cu(cu_seqlens_q, "cu_seqlens_q"), _host_cu(cu_seqlens_k, "cu_seqlens_k")
@@ -256,9 +142,9 @@ def varlen_attention(
         if host_q.size > 1 and (np.diff(host_q).max() > max_seqlen_q or np.diff(host_k).max() > max_seqlen_k):
             raise ValueError(f"max_seqlen_q / max_seqlen_k ({max_seqlen_q} / {max_seqlen_k}) are below the longest "
                              f"sequence ({np.diff(host_q).max()} / {np.diff(host_k).max()})")
-    name = _pick(backend, q, (left, right), causal)
+    name = pick_backend(backend, q, (left, right), causal)
     if name == "flash_attn":
-        out = _flash_attn_func()(q, k, v, _device_cu(cu_seqlens_q, q.device), _device_cu(cu_seqlens_k, q.device),
+        out = flash_attn_varlen_func()(q, k, v, _device_cu(cu_seqlens_q, q.device), _device_cu(cu_seqlens_k, q.device),
                                  int(max_seqlen_q), int(max_seqlen_k), dropout_p=0.0, softmax_scale=scale,
                                  causal=bool(causal), window_size=(left, right))
         return out[0] if isinstance(out, tuple) else out
@@ -274,42 +160,9 @@ def varlen_attention(
     return _reference(q, k, v, host_q, host_k, causal, scale, (left, right))
 
 
-def _pick(backend: str, q, window, causal) -> str:
-    torch = _torch()
-    if backend != "auto":
-        if backend not in BACKENDS:
-            raise ValueError(f"backend must be 'auto' or one of {BACKENDS}, got {backend!r}")
-        why = _why_unavailable(backend)
-        if why is not None:
-            raise ValueError(f"attention backend {backend!r} is not available: {why}")
-        if backend == "flex" and q.device.type == "cpu" and torch.is_grad_enabled() and q.requires_grad:
-            raise ValueError("attention backend 'flex' has no backward on the CPU (PyTorch's FlexAttention); use "
-                             "'reference' for training on the CPU")
-        if backend in ("flash_attn", "torch_varlen") and (q.device.type != "cuda"
-                                                           or q.dtype not in (torch.float16, torch.bfloat16)):
-            raise ValueError(f"attention backend {backend!r} needs CUDA fp16/bf16 tensors, got {q.device} {q.dtype}")
-        return backend
-    if q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16):
-        for name in ("flash_attn", "torch_varlen"):
-            if _why_unavailable(name) is None and (name == "flash_attn" or _torch_varlen_supports(window, causal)):
-                return name
-    return "reference"
-
-
-@functools.lru_cache(maxsize=1)
-def _torch_varlen_params() -> frozenset:
-    """Keyword names of this PyTorch's varlen_attn (read once: it changed across releases)."""
-    return frozenset(inspect.signature(_torch_varlen_func()).parameters)
-
-
-def _torch_varlen_supports(window, causal) -> bool:
-    params = _torch_varlen_params()
-    return "window_size" in params or window == (-1, 0 if causal else -1)
-
-
 def _torch_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, window):
-    fn = _torch_varlen_func()
-    params = _torch_varlen_params()
+    fn = torch_varlen_attn()
+    params = torch_varlen_params()
     kwargs: Dict[str, Any] = {"scale": scale} if "scale" in params else {}
     if "window_size" in params:  # later releases: causal is the window (-1, 0)
         kwargs["window_size"] = (window[0], 0 if causal else window[1])

@@ -44,8 +44,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Dict, Mapping, Optional, Tuple
 
 from .._equality import ValueEquality
-from .nemo_rl_loss import (LossConfigError, LossType, MetricNormalization, _cfg_bool, _cfg_real, _check, known_keys,
-                           masked_mean)
+from .loss_config import LossConfigError, cfg_bool, cfg_real, check_config, known_keys
+from .nemo_rl_loss import LossType, MetricNormalization, masked_mean
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -73,10 +73,10 @@ def distillation_config(cfg: Optional[Mapping[str, Any]]) -> Dict[str, Any]:
                 "(it needs the teacher's full logits and token-alignment projection matrices between the two "
                 "vocabularies); DistillationLoss is the same-tokenizer top-k loss")
     c = known_keys(cfg, DISTILLATION_DEFAULTS, "DistillationLossFn")
-    _check(c["kl_type"] in KL_TYPES, f"cfg['kl_type'] must be one of {', '.join(KL_TYPES)} (Invalid KL type), "
+    check_config(c["kl_type"] in KL_TYPES, f"cfg['kl_type'] must be one of {', '.join(KL_TYPES)} (Invalid KL type), "
                                      f"got {c['kl_type']!r}")
-    c["mixed_kl_weight"] = _cfg_real(c, "mixed_kl_weight", minimum=0, maximum=1)
-    c["zero_outside_topk"] = _cfg_bool(c, "zero_outside_topk")
+    c["mixed_kl_weight"] = cfg_real(c, "mixed_kl_weight", minimum=0, maximum=1)
+    c["zero_outside_topk"] = cfg_bool(c, "zero_outside_topk")
     return c
 
 

@@ -249,13 +249,13 @@ def packed_token_logprobs(
         unless asked for. The backward writes ``d/d logits`` directly (softmax
         minus one-hot, scaled), in the logits' dtype; it is never ``[T, V]`` extra.
     """
-    run = _agreed(lambda: _packed_plan(logits, input_ids, cu_seqlens, cu_seqlens_padded, cp_size, cp_rank,
+    run = _agreed(lambda: packed_plan(logits, input_ids, cu_seqlens, cu_seqlens_padded, cp_size, cp_rank,
                                        return_entropy, temperature, vocab_parallel_group, vocab_start, num_threads),
                   vocab_parallel_group, agree, "packed_token_logprobs")
     return run()
 
 
-def _packed_plan(logits, input_ids, cu_seqlens, cu_seqlens_padded, cp_size, cp_rank, return_entropy, temperature,
+def packed_plan(logits, input_ids, cu_seqlens, cu_seqlens_padded, cp_size, cp_rank, return_entropy, temperature,
                  vocab_parallel_group, vocab_start, num_threads) -> Tuple[Callable[[], TokenLogprobs], Dict[str, Any]]:
     """Every check of :func:`packed_token_logprobs`; returns the call, and what its
     all-reduces (with a vocabulary-parallel group) need every rank to share."""
@@ -383,21 +383,21 @@ def linear_token_logprobs(
     >>> seqpack.linear_token_logprobs(hidden, head, ids, [0, 3, 5], [0, 4, 6]).logprobs.tolist()
     [-1.3862943649291992, -1.3862943649291992, 0.0, 0.0, -1.3862943649291992, 0.0]
     """
-    run = _agreed(lambda: _linear_plan(hidden, weight, input_ids, cu_seqlens, cu_seqlens_padded, bias, cp_size,
+    run = _agreed(lambda: linear_plan(hidden, weight, input_ids, cu_seqlens, cu_seqlens_padded, bias, cp_size,
                                        cp_rank, return_entropy, temperature, vocab_parallel_group, vocab_start,
                                        chunk_tokens, reduce_hidden_grad, num_threads),
                   vocab_parallel_group, agree, "linear_token_logprobs")
     return run()
 
 
-def _linear_plan(hidden, weight, input_ids, cu_seqlens, cu_seqlens_padded, bias, cp_size, cp_rank, return_entropy,
+def linear_plan(hidden, weight, input_ids, cu_seqlens, cu_seqlens_padded, bias, cp_size, cp_rank, return_entropy,
                  temperature, vocab_parallel_group, vocab_start, chunk_tokens, reduce_hidden_grad,
                  num_threads) -> Tuple[Callable[[], TokenLogprobs], Dict[str, Any]]:
     """Every check of :func:`linear_token_logprobs`; returns the call, and what its
     all-reduces (with a vocabulary-parallel group) need every rank to share."""
     from . import _logprob_ops as ops
 
-    _check_head(hidden, weight, bias)
+    check_head(hidden, weight, bias)
     chunk = 0 if chunk_tokens is None else as_positive_int(chunk_tokens, "chunk_tokens")
     vocab_start, num_threads = _int_args(vocab_start, num_threads)
     targets, layout = _targets(hidden.shape[0], hidden.device, weight.shape[0], input_ids, cu_seqlens,
@@ -439,7 +439,7 @@ def check_logits(logits: "torch.Tensor") -> None:
         raise ValueError("logits must have at least one vocabulary column (V > 0)")
 
 
-def _check_head(hidden: "torch.Tensor", weight: "torch.Tensor", bias: Optional["torch.Tensor"]) -> None:
+def check_head(hidden: "torch.Tensor", weight: "torch.Tensor", bias: Optional["torch.Tensor"]) -> None:
     """The rules of the fused LM head's inputs: hidden ``[T, H]`` float, weight
     ``[V > 0, H]`` and bias ``[V]`` (or None) of hidden's dtype and device."""
     torch = _torch()

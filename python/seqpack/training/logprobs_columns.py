@@ -123,11 +123,11 @@ def linear_column_logprobs(hidden: "torch.Tensor", weight: "torch.Tensor", colum
 
     from . import _logprob_ops as ops
     from . import _multi_target_ops  # noqa: F401  (registers the operators)
-    from .logprobs import _check_head
+    from .logprobs import check_head
 
     from .._dist import active
 
-    _check_head(hidden, weight, bias)
+    check_head(hidden, weight, bias)
     vocab = int(weight.shape[0])
     parallel = vocab_parallel_group is not None and active(vocab_parallel_group)
     cols = check_columns(columns, hidden.shape[0], None if parallel else vocab, hidden.device)

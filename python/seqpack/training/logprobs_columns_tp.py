@@ -134,7 +134,7 @@ def vocab_parallel_linear_column_logprobs(hidden: "torch.Tensor", weight: "torch
     import torch
 
     from . import _logprob_ops as ops
-    from .vocab_parallel import _sum_over_ranks
+    from .vocab_parallel import sum_over_ranks
 
     width = int(weight.shape[0])
     if group is None:
@@ -154,7 +154,7 @@ def vocab_parallel_linear_column_logprobs(hidden: "torch.Tensor", weight: "torch
         z = _head_columns().apply(hidden, weight, bias, rows, local, owned)
     else:
         z = _head_columns().apply(_copy_to_group().apply(hidden, group), weight, bias, rows, local, owned)
-        z = _sum_over_ranks().apply(z, group)
+        z = sum_over_ranks().apply(z, group)
     z = z.view(ids.shape).to(hidden.dtype).to(z.dtype) / temperature
     if subset:
         from ._columns import subset_log_softmax

@@ -148,10 +148,10 @@ def tree_linear_token_logprobs(hidden: "torch.Tensor", weight: "torch.Tensor", t
     """
     torch = _torch()
     from . import _logprob_ops as ops
-    from .logprobs import _check_head
+    from .logprobs import check_head
 
     _check_tree(tree)
-    _check_head(hidden, weight, bias)
+    check_head(hidden, weight, bias)
     rows = _local_rows(tree, cp_size, cp_rank)
     _check_rows(hidden, "hidden", rows, tree)
     vocab = int(weight.shape[0])

@@ -29,7 +29,7 @@ from ..tensors.prefix_tree import PrefixTreeBatch
 from ..tensors.thd import pack_to_layout
 from . import distillation, nemo_rl_loss, preference_loss, value_loss, vocab_parallel
 from .distillation import DISTILLATION_DEFAULTS, DistillationLoss, distillation_loss_input, distillation_topk_logprobs
-from .logprobs import _linear_plan, _packed_plan
+from .logprobs import linear_plan, packed_plan
 from .loss_tree import check_tree_logits, tree_loss_plan
 from .nemo_rl_loss import (MAX_KEYS, MIN_KEYS, PG_DEFAULTS, ClippedPGLoss, LossConfigError, LossType,
                            MetricNormalization, NLLLoss, _host_cu, calculate_kl, clipped_pg_loss, masked_mean,
@@ -91,10 +91,10 @@ def _rows_plan(rows, lm_head_weight, lm_head_bias, vocab_parallel_rank, input_id
         if lm_head_bias is not None:
             raise ValueError("lm_head_bias needs lm_head_weight")
         vocab_start = (vocab_parallel_rank or 0) * rows.shape[1]
-        return _packed_plan(rows, input_ids, cu, cu_p, cp_size, cp_rank, return_entropy, temperature,
+        return packed_plan(rows, input_ids, cu, cu_p, cp_size, cp_rank, return_entropy, temperature,
                             vocab_parallel_group, vocab_start, 0)
     vocab_start = (vocab_parallel_rank or 0) * check_tensor(lm_head_weight, "lm_head_weight").shape[0]
-    return _linear_plan(rows, lm_head_weight, input_ids, cu, cu_p, lm_head_bias, cp_size, cp_rank, return_entropy,
+    return linear_plan(rows, lm_head_weight, input_ids, cu, cu_p, lm_head_bias, cp_size, cp_rank, return_entropy,
                         temperature, vocab_parallel_group, vocab_start, None, True, 0)
 
 

@@ -38,6 +38,8 @@ from .._equality import ValueEquality
 from .._lengths import as_real
 from ..tensors.layout import host_offsets
 
+from .loss_config import LossConfigError, cfg_real, check_config
+
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
@@ -132,12 +134,6 @@ def segment_masked_mean(values: "torch.Tensor", mask: "torch.Tensor", cu_seqlens
 # ---------------------------------------------------------------- losses
 
 
-class LossConfigError(ValueError, AssertionError):
-    """A loss configuration seqpack cannot honour: an unknown or unimplemented key, or
-    a combination NeMo-RL forbids (a ``ValueError``; also an ``AssertionError``, which
-    is what NeMo-RL's own checks raise)."""
-
-
 def calculate_kl(logprobs: "torch.Tensor", logprobs_reference: "torch.Tensor", kl_type: str = "k3",
                  input_clamp_value: Optional[float] = 20.0, output_clamp_value: Optional[float] = 10.0,
                  importance_sampling_weights: Optional["torch.Tensor"] = None) -> "torch.Tensor":
@@ -222,55 +218,6 @@ PG_NOT_IMPLEMENTED = ("seq_logprob_error_in_loss", "metrics_level", "enable_torc
 _TIS_TYPES = ("tis", "icepop", "seq-mask-tis")
 
 
-def _check(condition: bool, message: str) -> None:
-    if not condition:
-        raise LossConfigError(message)
-
-
-class _LossConfigTypeError(LossConfigError, TypeError):
-    """A configuration value of the wrong type (a string, a bool, ``None``): a
-    :class:`LossConfigError` that is also a ``TypeError``."""
-
-
-def known_keys(cfg: Optional[Mapping[str, Any]], defaults: Mapping[str, Any], loss: str) -> Dict[str, Any]:
-    """``cfg`` over ``defaults``; a key ``defaults`` lacks (NeMo-RL's loss configs
-    forbid extras) raises :class:`LossConfigError` naming it and the closest known
-    key."""
-    import difflib
-
-    cfg = dict(cfg or {})
-    for key in cfg:
-        if key not in defaults:
-            close = difflib.get_close_matches(str(key), list(defaults), n=1)
-            hint = f"; did you mean {close[0]!r}?" if close else f" (known: {', '.join(defaults)})"
-            raise LossConfigError(f"cfg[{key!r}] is not a {loss} key{hint}")
-    return {**defaults, **cfg}
-
-
-def _cfg_bool(c: Dict[str, Any], key: str) -> bool:
-    """``c[key]`` as a bool (Python, NumPy or 0-d tensor booleans; 0 / 1 too)."""
-    value = c[key]
-    if hasattr(value, "item") and getattr(value, "ndim", 0) == 0:
-        value = value.item()
-    if isinstance(value, bool) or (isinstance(value, (int, np.integer)) and value in (0, 1)):
-        return bool(value)
-    if isinstance(value, np.bool_):
-        return bool(value)
-    raise _LossConfigTypeError(f"cfg[{key!r}] must be a bool, got {value!r}")
-
-
-def _cfg_real(c: Dict[str, Any], key: str, **rules: Any) -> float:
-    """``c[key]`` as a float by :func:`seqpack._lengths.as_real` (NumPy and 0-d
-    tensor numbers accepted), any refusal a :class:`LossConfigError` naming the key
-    (also a ``TypeError`` for a value of the wrong type)."""
-    try:
-        return as_real(c[key], f"cfg[{key!r}]", **rules)
-    except TypeError as e:
-        raise _LossConfigTypeError(str(e)) from None
-    except ValueError as e:
-        raise LossConfigError(str(e)) from None
-
-
 def pg_config(cfg: Optional[Mapping[str, Any]]) -> Dict[str, Any]:
     """``cfg`` over :data:`PG_DEFAULTS`, validated as NeMo-RL's ``ClippedPGLossFn``
     validates it (plus the checks it defers to the first call); unknown and
@@ -284,43 +231,43 @@ def pg_config(cfg: Optional[Mapping[str, Any]]) -> Dict[str, Any]:
     c = {**PG_DEFAULTS, **cfg}
     for key in ("ratio_clip_min", "ratio_clip_max", "reference_policy_kl_penalty", "positive_example_nll_weight",
                 "entropy_coef"):
-        c[key] = _cfg_real(c, key, minimum=0)
+        c[key] = cfg_real(c, key, minimum=0)
     if c["ratio_clip_c"] is not None:
-        c["ratio_clip_c"] = _cfg_real(c, "ratio_clip_c", minimum=1, minimum_inclusive=False,
+        c["ratio_clip_c"] = cfg_real(c, "ratio_clip_c", minimum=1, minimum_inclusive=False,
                                       rule="> 1 (the dual-clip bound), a finite number")
-    _check(c["reference_policy_kl_type"] in ("k1", "k2", "k3"),
+    check_config(c["reference_policy_kl_type"] in ("k1", "k2", "k3"),
            f"cfg['reference_policy_kl_type'] must be 'k1', 'k2' or 'k3', got {c['reference_policy_kl_type']!r}")
     if c["sequence_level_importance_ratios"]:
-        _check(not c["token_level_loss"], "sequence_level_importance_ratios (GSPO) is mutually exclusive with "
+        check_config(not c["token_level_loss"], "sequence_level_importance_ratios (GSPO) is mutually exclusive with "
                                           "token-level loss: set token_level_loss to False")
     if c["use_cispo"]:
         for key, bad in (("disable_ppo_ratio", True), ("force_on_policy_ratio", True),
                          ("sequence_level_importance_ratios", True), ("token_level_loss", False)):
-            _check(bool(c[key]) != bad, f"use_cispo is incompatible with {key}={c[key]!r}")
-        _check(c["ratio_clip_c"] is None, "use_cispo is incompatible with ratio_clip_c (dual clip)")
+            check_config(bool(c[key]) != bad, f"use_cispo is incompatible with {key}={c[key]!r}")
+        check_config(c["ratio_clip_c"] is None, "use_cispo is incompatible with ratio_clip_c (dual clip)")
     for key in ("kl_input_clamp_value", "kl_output_clamp_value"):  # None: no clamp
         if c[key] is not None:
-            c[key] = _cfg_real(c, key, minimum=0, finite=False)
+            c[key] = cfg_real(c, key, minimum=0, finite=False)
     for key in ("truncated_importance_sampling_ratio", "truncated_importance_sampling_ratio_min"):
         if c[key] is not None:
-            c[key] = _cfg_real(c, key, minimum=0, minimum_inclusive=False, rule="positive (a finite number > 0)")
+            c[key] = cfg_real(c, key, minimum=0, minimum_inclusive=False, rule="positive (a finite number > 0)")
     kind, hi, lo = (c["truncated_importance_sampling_type"], c["truncated_importance_sampling_ratio"],
                     c["truncated_importance_sampling_ratio_min"])
     if kind is None:
-        _check(hi is None, "truncated_importance_sampling_ratio needs a truncated_importance_sampling_type "
+        check_config(hi is None, "truncated_importance_sampling_ratio needs a truncated_importance_sampling_type "
                            f"(one of {', '.join(_TIS_TYPES)})")
     else:
-        _check(c["use_importance_sampling_correction"],
+        check_config(c["use_importance_sampling_correction"],
                "truncated importance sampling needs use_importance_sampling_correction=True")
-        _check(kind in _TIS_TYPES, f"truncated_importance_sampling_type must be one of {_TIS_TYPES}, got {kind!r}")
-        _check(hi is not None and hi > 0, f"truncated_importance_sampling_ratio should be positive, got {hi!r}")
+        check_config(kind in _TIS_TYPES, f"truncated_importance_sampling_type must be one of {_TIS_TYPES}, got {kind!r}")
+        check_config(hi is not None and hi > 0, f"truncated_importance_sampling_ratio should be positive, got {hi!r}")
         if lo is not None:
-            _check(lo <= hi, "truncated_importance_sampling_ratio_min must be <= truncated_importance_sampling_ratio")
+            check_config(lo <= hi, "truncated_importance_sampling_ratio_min must be <= truncated_importance_sampling_ratio")
         if kind in ("icepop", "seq-mask-tis"):
-            _check(lo is not None, f"truncated_importance_sampling_type={kind!r} needs "
+            check_config(lo is not None, f"truncated_importance_sampling_type={kind!r} needs "
                                    "truncated_importance_sampling_ratio_min")
         if kind == "seq-mask-tis":
-            _check(not c["sequence_level_importance_ratios"], "seq-mask-tis is incompatible with "
+            check_config(not c["sequence_level_importance_ratios"], "seq-mask-tis is incompatible with "
                                                               "sequence_level_importance_ratios")
     return c
 

@@ -38,7 +38,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Dict, Mapping, Optional, Tuple
 
 from .._equality import ValueEquality
-from .nemo_rl_loss import LossType, MetricNormalization, _cfg_bool, _cfg_real, known_keys, masked_mean
+from .loss_config import cfg_bool, cfg_real, known_keys
+from .nemo_rl_loss import LossType, MetricNormalization, masked_mean
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -66,11 +67,11 @@ def dpo_config(cfg: Optional[Mapping[str, Any]]) -> Dict[str, Any]:
     for key in DPO_SECTION_KEYS:
         cfg.pop(key, None)
     c = known_keys(cfg, DPO_DEFAULTS, "DPOLossFn (or NeMo-RL dpo section)")
-    c["reference_policy_kl_penalty"] = _cfg_real(c, "reference_policy_kl_penalty")
+    c["reference_policy_kl_penalty"] = cfg_real(c, "reference_policy_kl_penalty")
     for key in ("preference_loss_weight", "sft_loss_weight"):
-        c[key] = _cfg_real(c, key, minimum=0)
+        c[key] = cfg_real(c, key, minimum=0)
     for key in ("preference_average_log_probs", "sft_average_log_probs"):
-        c[key] = _cfg_bool(c, key)
+        c[key] = cfg_bool(c, key)
     return c
 
 

@@ -26,7 +26,8 @@ import math
 from typing import Any, Dict, Mapping, Optional, Tuple
 
 from .._equality import ValueEquality
-from .nemo_rl_loss import LossType, MetricNormalization, _cfg_real, known_keys, masked_mean
+from .loss_config import cfg_real, known_keys
+from .nemo_rl_loss import LossType, MetricNormalization, masked_mean
 
 __all__ = ["MseValueLoss", "VALUE_LOSS_DEFAULTS"]
 
@@ -39,9 +40,9 @@ def value_loss_config(cfg: Optional[Mapping[str, Any]]) -> Dict[str, Any]:
     config forbids extras) or a value that is not a finite real number raises
     :class:`LossConfigError` naming the key."""
     c = known_keys(cfg, VALUE_LOSS_DEFAULTS, "MseValueLossFn")
-    c["scale"] = _cfg_real(c, "scale")
+    c["scale"] = cfg_real(c, "scale")
     if c["cliprange"] is not None:
-        c["cliprange"] = _cfg_real(c, "cliprange")  # NeMo-RL clips only when it is > 0
+        c["cliprange"] = cfg_real(c, "cliprange")  # NeMo-RL clips only when it is > 0
     return c
 
 

@@ -40,7 +40,7 @@ __all__ = ["vocab_parallel_gather_columns"]
 _SUM = None
 
 
-def _sum_over_ranks():
+def sum_over_ranks():
     """All-reduce (sum) forward, the gradient passed through unchanged backward."""
     global _SUM
     if _SUM is None:
@@ -175,7 +175,7 @@ def vocab_parallel_gather_columns(logits: "torch.Tensor", columns: "torch.Tensor
     else:
         values = torch.where(owned, ColumnGather.apply(logits, index).to(dtype), 0.0)
     if parallel:
-        values = _sum_over_ranks().apply(values, tp_group)
+        values = sum_over_ranks().apply(values, tp_group)
     if cp > 1:
         values = gather_cp(values.reshape(batch * local_rows, k), cu, cp_group, agree=False)
         values = values.view(batch, padded, k)[:, :full]
