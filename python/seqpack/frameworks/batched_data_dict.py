@@ -43,24 +43,25 @@ leaves are media, shared with ``share_immutable_media`` like NeMo-RL's ``vllm_*`
 from __future__ import annotations
 
 import copy
-import pickle
 from collections import UserDict
-from typing import (TYPE_CHECKING, Any, Collection, Dict, Generic, Iterator, List, Literal, Mapping, Optional,
-                    Sequence, Tuple, TypeVar, Union)
+from typing import (TYPE_CHECKING, Any, Collection, Dict, Generic, Iterator, List, Mapping, Optional, Sequence, Tuple,
+                    TypeVar, Union)
 
 import numpy as np
 
 from ._batch import dummy_row
-from ._tree_batches import TreeMicroBatch, shared_prefix_bins, tree_micro_batch
+from ._bdd_gather import all_gather_rows
+from ._bdd_sharding import bin_assignment_spread, shard_by_plan, shard_dynamic, shard_packed
+from ._bdd_values import (COUPLED_MEDIA_KEYS, NATIVE_MEDIA_KEYS, BatchedDataDictError, DynamicBatchingArgs,
+                          SequencePackingArgs, _check, _check_row_counts, _lengths, _media_memo, _positive, _row_mapped,
+                          _segment_counts, _take)
+from ._tree_batches import TreeMicroBatch, tree_micro_batch
 from ._batch import is_packed as _is_packed
 from ._batch import is_tensor as _is_tensor
 from ._batch import rows as _rows
 from ._batch import select as _select
 from .._equality import values_equal
-from .._lengths import as_int, as_lengths, as_positive_int, check_not_meta
-from ..planning.balance import get_seqlen_balanced_partitions
-from ..planning.dynamic_batching import plan_dynamic_batching
-from ..planning.packing import get_packer
+from .._lengths import as_int
 from ..tensors.layout import alignment, round_up
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -69,171 +70,10 @@ if TYPE_CHECKING:  # pragma: no cover
     from ..planning.step import StepPlan
     from ..tensors.thd import PackedBatch
 
-try:  # Python 3.11+
-    from typing import NotRequired, TypedDict
-except ImportError:  # pragma: no cover
-    from typing_extensions import NotRequired, TypedDict
-
 __all__ = ["BatchedDataDict", "BatchedDataDictError", "DynamicBatchingArgs", "SequencePackingArgs",
            "SlicedDataDict", "TreeMicroBatch", "bin_assignment_spread"]
 
 DictT = TypeVar("DictT", bound=Mapping[str, Any])
-
-
-class BatchedDataDictError(ValueError, AssertionError):
-    """Invalid arguments or data (a ``ValueError``; also an ``AssertionError`` like
-    NeMo-RL's checks, so existing ``except AssertionError`` code keeps working)."""
-
-
-class SequencePackingArgs(TypedDict):
-    """NeMo-RL's sequence-packing arguments of ``shard_by_batch_size``.
-
-    ``balance`` is seqpack's: ``"round_robin"`` (NeMo-RL, default) or
-    ``"karmarkar_karp"`` (bins dealt to shards by token load). ``shared_prefix``
-    (seqpack's, NeMo-RL PR #4008's ``policy.shared_prefix_training``): plan the bins
-    on prefix trees of the rows (physical tokens under the cap, groups whole), then
-    iterate them as trees; ``shared_prefix_group_key``: rows share prefixes only
-    with rows of the same value of this key (default: any common prefix).
-    ``force_group_size`` (seqpack's, verl's name): every group of that many
-    consecutive rows of a global batch stays in one bin, rows in order (DPO's
-    interleaved chosen / rejected pairs: 2), so a loss coupling them
-    (:class:`~seqpack.loss.DPOLoss`) runs packed."""
-
-    max_tokens_per_microbatch: int
-    input_key: str
-    input_lengths_key: str
-    algorithm: str
-    sequence_length_pad_multiple: int
-    microbatch_order: NotRequired[Literal["packer", "largest_first"]]
-    balance: NotRequired[Literal["round_robin", "karmarkar_karp"]]
-    shared_prefix: NotRequired[bool]
-    shared_prefix_group_key: NotRequired[str]
-    force_group_size: NotRequired[int]
-
-
-class DynamicBatchingArgs(TypedDict):
-    """NeMo-RL's dynamic-batching arguments of ``shard_by_batch_size``.
-
-    ``rule`` is seqpack's: ``"nemo_rl"`` (default) or ``"optimal"`` (the fewest
-    padded tokens under the same cap, see :func:`seqpack.plan_dynamic_batching`).
-    ``shared_prefix`` / ``shared_prefix_group_key`` (seqpack's): micro-batches of
-    prefix trees instead, as :class:`SequencePackingArgs`' (a tree has no padding
-    to share: each shard gets its own micro-batches of whole trees, their physical
-    tokens rounded up to ``sequence_length_round`` under the cap)."""
-
-    max_tokens_per_microbatch: int
-    sequence_length_round: int
-    input_key: str
-    input_lengths_key: str
-    rule: NotRequired[Literal["nemo_rl", "optimal"]]
-    shared_prefix: NotRequired[bool]
-    shared_prefix_group_key: NotRequired[str]
-
-
-def _check(condition: bool, message: str) -> None:
-    if not condition:
-        raise BatchedDataDictError(message)
-
-
-def _positive(value: Any, name: str) -> int:
-    """:func:`seqpack._lengths.as_positive_int` (a ``TypeError`` for a non-int), its
-    ``ValueError`` as a :class:`BatchedDataDictError`."""
-    try:
-        return as_positive_int(value, name)
-    except ValueError as e:
-        raise BatchedDataDictError(str(e)) from None
-
-
-# NeMo-RL's media vocabulary (nemo_rl.data.multimodal_utils): the row keys holding
-# native vLLM media, and the ``"type"`` of a content part that is media.
-NATIVE_MEDIA_KEYS = frozenset({"vllm_content", "vllm_images", "vllm_videos", "vllm_audios"})
-MEDIA_CONTENT_TYPES = frozenset({"input_image", "image", "image_url", "video", "audio"})
-# Media values and the per-segment metadata that must stay aligned with them, as NeMo-RL checks.
-COUPLED_MEDIA_KEYS = (("pixel_values", "image_grid_thw"), ("pixel_values", "imgs_sizes"),
-                      ("pixel_values", "num_frames"), ("pixel_values_videos", "video_grid_thw"))
-
-
-def _media_memo(item: Any, media_keys: Collection[str], in_media: bool = False) -> Dict[int, Any]:
-    """Prepare one row for ``repeat_interleave(share_immutable_media=True)``, as
-    NeMo-RL does: every ``PackedTensor`` in it is flagged for deduplication (its own
-    ``deepcopy`` then shares its segments), and a ``deepcopy`` memo maps to itself
-    every leaf under a media key (``media_keys``) or inside a typed media content
-    part (``{"type": "image", ...}``), so copies share those leaves. Everything else
-    (``token_ids`` tensors, text, every container) is copied."""
-    memo: Dict[int, Any] = {}
-    stack = [(item, in_media)]
-    while stack:
-        x, media = stack.pop()
-        if _is_packed(x):
-            if callable(getattr(x, "enable_deduplication", None)):
-                x.enable_deduplication()
-            else:  # an older PackedTensor, without deduplication: its segments are shared directly
-                memo.update((id(t), t) for t in getattr(x, "tensors", ()) if t is not None)
-        elif isinstance(x, Mapping):
-            kind = x.get("type")
-            typed = isinstance(kind, str) and kind in MEDIA_CONTENT_TYPES
-            stack.extend((v, media or typed or k in media_keys) for k, v in x.items())
-        elif isinstance(x, (list, tuple)):
-            stack.extend((v, media) for v in x)
-        elif media:
-            memo[id(x)] = x
-    return memo
-
-
-def _empty_packed(v: Any) -> Any:
-    """No rows of a ``PackedTensor``'s kind: ``empty_rows_like(v, 0)`` (NeMo-RL's own
-    empty value); an older ``PackedTensor``, which cannot be built from an empty
-    list, as its ``empty_like`` with no rows left."""
-    cls = type(v)
-    if callable(getattr(cls, "empty_rows_like", None)):
-        return cls.empty_rows_like(v, 0)
-    if callable(getattr(cls, "empty_like", None)) and hasattr(v, "tensors"):
-        empty = cls.empty_like(v)
-        empty.tensors = []
-        return empty
-    return v.slice([])
-
-
-def _take(key: str, v: Any, rows: Sequence[int]) -> Any:
-    """Rows ``rows`` of one value (:func:`seqpack.frameworks._batch.select`); no rows
-    of a ``PackedTensor`` is its empty value, not an error."""
-    if _is_packed(v) and len(rows) == 0:
-        return _empty_packed(v)
-    return _select(key, v, rows)
-
-
-def _check_row_counts(batch: Mapping[str, Any], where: str) -> int:
-    """The one logical row count of every value of ``batch`` (``len`` of a
-    ``PackedTensor``), or a :class:`BatchedDataDictError`."""
-    sizes = {_rows(v) for v in batch.values()}
-    _check(len(sizes) <= 1, f"{where} has inconsistent logical row counts: {sorted(sizes)}")
-    return sizes.pop() if sizes else 0
-
-
-def _row_mapped(v: Any) -> bool:
-    """A ``PackedTensor`` with deduplication or a row-to-segment map (NeMo-RL's newer
-    ones); a plain one holds one segment per row."""
-    return bool(getattr(v, "deduplication_enabled", False)) or getattr(v, "_row_offsets", None) is not None
-
-
-def _segment_counts(v: Any) -> List[int]:
-    """Non-empty media segments per logical row of a ``PackedTensor``."""
-    if callable(getattr(v, "logical_segment_counts_by_row", None)):
-        return list(v.logical_segment_counts_by_row())
-    return [int(t is not None) for t in v.tensors]
-
-
-def _lengths(data: Mapping[str, Any], key: str) -> np.ndarray:
-    if key not in data:
-        raise BatchedDataDictError(f"input_lengths_key {key!r} is not in the data (keys: {sorted(data)})")
-    v = data[key]
-    if _is_tensor(v):
-        check_not_meta(v, f"data[{key!r}]")
-        v = v.detach().cpu().numpy()
-    lens = np.asarray(v)
-    _check(lens.ndim == 1 and (lens.size == 0 or np.issubdtype(lens.dtype, np.integer)),
-           f"data[{key!r}] must be a 1-D sequence of integer lengths, got shape {lens.shape} dtype {lens.dtype}")
-    return lens.astype(np.int64, copy=False)
 
 
 class BatchedDataDict(UserDict, Generic[DictT]):
@@ -339,58 +179,7 @@ class BatchedDataDict(UserDict, Generic[DictT]):
         unsupported value, or ranks that differ there, make every rank raise
         instead of waiting. (The gathered tensors carry no gradient: an
         all-gather is not differentiable, so ``requires_grad`` may differ.)"""
-        import torch.distributed as dist
-
-        import torch
-
-        from .._dist import checked_on_every_rank
-
-        world = dist.get_world_size(group)
-        items = list(self.data.items())
-        payloads: Dict[Any, bytes] = {}
-
-        def local() -> List[tuple]:  # what each key's gathers exchange
-            kinds = []
-            for key, v in items:
-                if _is_tensor(v):
-                    if v.dim() < 1:
-                        raise ValueError(f"BatchedDataDict.all_gather: {key!r} is a 0-d tensor; every tensor value "
-                                         "needs a row dimension to gather")
-                    kinds.append((str(key), "tensor", tuple(v.shape[1:]), str(v.dtype)))
-                elif isinstance(v, list):  # pickled here: an unpicklable item fails inside the agreement
-                    payloads[key] = pickle.dumps(v, protocol=pickle.HIGHEST_PROTOCOL)
-                    kinds.append((str(key), "list", None, None))
-                else:
-                    raise NotImplementedError(f"Attempted to gather_and_balance_globally for unsupported type "
-                                              f"{type(v)} with key {key}. Please provide either a tensor or a list "
-                                              "of picklable objects.")
-            return kinds
-
-        checked_on_every_rank(local, group, "BatchedDataDict.all_gather", world > 1, fingerprint=lambda kinds: {
-            "the keys and their order": [k[0] for k in kinds],
-            "which values are tensors and which lists": [k[1] for k in kinds],
-            "each tensor's shape past its rows": [k[2] for k in kinds],
-            "each tensor's dtype": [k[3] for k in kinds]})
-        out = type(self)()
-        for key, v in items:
-            if _is_tensor(v):
-                count = torch.tensor([v.shape[0]], dtype=torch.int64, device=v.device)
-                counts = [torch.zeros_like(count) for _ in range(world)]
-                dist.all_gather(counts, count, group=group)
-                sizes = [int(c.item()) for c in counts]
-                most = max(sizes)
-                padded = v.new_zeros((most, *v.shape[1:]))
-                padded[: v.shape[0]] = v
-                parts = [torch.empty_like(padded) for _ in range(world)]
-                dist.all_gather(parts, padded.contiguous(), group=group)
-                out[key] = torch.cat([p[:n] for p, n in zip(parts, sizes)])
-            elif isinstance(v, list):
-                out[key] = [x for part in _gather_bytes(payloads[key], world, group) for x in pickle.loads(part)]
-            else:
-                raise NotImplementedError(f"Attempted to gather_and_balance_globally for unsupported type {type(v)} "
-                                          f"with key {key}. Please provide either a tensor or a list of picklable "
-                                          "objects.")
-        return out
+        return all_gather_rows(self, group)
 
     # ---------------------------------------------------------------- sizes
 
@@ -573,7 +362,7 @@ class BatchedDataDict(UserDict, Generic[DictT]):
         if step_plan is not None:
             _check(dynamic_batching_args is None and sequence_packing_args is None,
                    "step_plan cannot be combined with dynamic_batching_args or sequence_packing_args")
-            return self._shard_by_plan(shards, batch_size, step_plan)
+            return shard_by_plan(self, shards, batch_size, step_plan, SlicedDataDict)
         shards = _positive(shards, "shards")
         total = self._rows_to_split()
         batch_size = total if batch_size is None else _positive(batch_size, "batch_size")
@@ -581,9 +370,9 @@ class BatchedDataDict(UserDict, Generic[DictT]):
         if not allow_uneven_shards:
             _check(batch_size % shards == 0, f"Batch size ({batch_size}) is not a multiple of shards ({shards})")
         if dynamic_batching_args is not None:
-            return self._shard_dynamic(shards, batch_size, dynamic_batching_args)
+            return shard_dynamic(self, shards, batch_size, dynamic_batching_args, SlicedDataDict)
         if sequence_packing_args is not None:
-            return self._shard_packed(shards, batch_size, sequence_packing_args)
+            return shard_packed(self, shards, batch_size, sequence_packing_args, SlicedDataDict)
         num_chunks = total // batch_size
         shard_size = -(-batch_size // shards) if allow_uneven_shards else batch_size // shards
         out = []
@@ -602,108 +391,6 @@ class BatchedDataDict(UserDict, Generic[DictT]):
             v = self.data[key]
             out[key] = _take(key, v, rows) if (_is_tensor(v) or _is_packed(v)) else [v[i] for i in rows]
         return out
-
-    def _shard_dynamic(self, shards: int, batch_size: int, args: Mapping[str, Any]):
-        if args.get("force_group_size", 1) != 1:
-            raise BatchedDataDictError("dynamic batching deals rows sorted by length across shards, which splits "
-                                       "force_group_size's groups: use sequence_packing_args (its bins keep each group "
-                                       "of consecutive rows whole)")
-        if args.get("shared_prefix", False):  # trees: sequence packing's plan, padded as trees
-            tree_args = {key: args[key] for key in ("max_tokens_per_microbatch", "input_key", "input_lengths_key",
-                                                    "sequence_length_round", "shared_prefix_group_key")
-                         if key in args}
-            return self._shard_packed(shards, batch_size, {**tree_args, "shared_prefix": True},
-                                      pad_key="sequence_length_round")
-        lens = _lengths(self.data, args["input_lengths_key"])
-        width_source = self.data.get(args["input_key"])
-        _check(_is_tensor(width_source) and width_source.dim() >= 2,
-               f"input_key {args['input_key']!r} must name a [batch, seq] tensor")
-        plan = plan_dynamic_batching(lens, shards, args["max_tokens_per_microbatch"], args["sequence_length_round"],
-                                     rule=args.get("rule", "nemo_rl"), batch_size=batch_size,
-                                     max_seqlen=int(width_source.shape[1]))
-        out = []
-        for s in range(shards):
-            shard = self._gather(plan.shard_indices(s), SlicedDataDict)
-            shard.micro_batch_indices = plan.micro_batch_indices  # shared by every shard, as NeMo-RL's
-            shard.micro_batch_lengths = plan.micro_batch_lengths
-            out.append(shard)
-        return out, list(plan.sorted_indices)
-
-    def _shard_packed(self, shards: int, batch_size: int, args: Mapping[str, Any],
-                      pad_key: str = "sequence_length_pad_multiple"):
-        order = args.get("microbatch_order")
-        if order not in (None, "packer", "largest_first"):
-            raise BatchedDataDictError(f"sequence packing microbatch_order must be 'packer' or 'largest_first', "
-                                       f"got {order!r}")
-        balance = args.get("balance", "round_robin")
-        if balance not in ("round_robin", "karmarkar_karp"):
-            raise BatchedDataDictError(f"sequence packing balance must be 'round_robin' or 'karmarkar_karp', "
-                                       f"got {balance!r}")
-        lens = _lengths(self.data, args["input_lengths_key"])
-        if args.get("shared_prefix", False) and args.get("force_group_size", 1) != 1:
-            raise BatchedDataDictError("shared_prefix keeps its trees (shared_prefix_group_key) whole instead of "
-                                       "force_group_size's groups of consecutive rows: give one of them")
-        if args.get("shared_prefix", False):  # bins of prefix trees: physical tokens under the cap
-            bins_per_chunk, loads_per_chunk = shared_prefix_bins(self.data, lens, shards, batch_size, args, pad_key)
-        else:
-            bins_per_chunk, padded = _pack_chunks(lens, shards, batch_size, args)
-            loads_per_chunk = [[int(padded[c * batch_size + np.asarray(b)].sum()) for b in bins]
-                               for c, bins in enumerate(bins_per_chunk)]
-        rows: List[List[int]] = [[] for _ in range(shards)]
-        indices: List[List[List[List[int]]]] = [[] for _ in range(shards)]
-        lengths: List[List[List[int]]] = [[] for _ in range(shards)]
-        for c, bins in enumerate(bins_per_chunk):
-            base, loads = c * batch_size, loads_per_chunk[c]
-            for s, mine in enumerate(_deal(bins, loads, shards, balance)):
-                if order == "largest_first":
-                    mine = sorted(mine, key=lambda i: -loads[i])  # stable: ties keep the packer's order
-                start, chunk_idx, chunk_len = 0, [], []
-                for i in mine:
-                    rows[s].extend(base + j for j in bins[i])
-                    chunk_idx.append([start, start + len(bins[i])])
-                    chunk_len.append(loads[i])
-                    start += len(bins[i])
-                indices[s].append(chunk_idx)
-                lengths[s].append(chunk_len)
-        keys = sorted(self.data)  # NeMo-RL rebuilds packed shards with from_batches: sorted keys
-        out = []
-        for s in range(shards):
-            shard = self._gather(rows[s], SlicedDataDict, keys)
-            shard.micro_batch_indices = indices[s]
-            shard.micro_batch_lengths = lengths[s]
-            shard.elem_counts_per_gb = [c[-1][1] if c else 0 for c in indices[s]]
-            shard.micro_batch_token_cap = int(args["max_tokens_per_microbatch"])
-            out.append(shard)
-        return out, [i for r in rows for i in r]
-
-    def _shard_by_plan(self, shards: int, batch_size: Optional[int], plan: "StepPlan"):
-        from ..planning.step import StepPlan
-
-        _check(isinstance(plan, StepPlan), f"step_plan must be a seqpack.StepPlan, got {type(plan).__name__}")
-        _check(plan.dp_size == shards, f"step_plan was planned for dp_size={plan.dp_size}, not shards={shards}")
-        total = self._batch_size()
-        _check(plan.num_sequences == total, f"step_plan covers {plan.num_sequences} rows, the data has {total}")
-        if batch_size is not None:
-            expected = [(c, c + batch_size) for c in range(0, total, batch_size)]
-            _check(plan.mini_batch_ranges == expected,
-                   f"step_plan's mini-batches {plan.mini_batch_ranges} are not the global batches of "
-                   f"batch_size={batch_size}")
-        rows: List[List[int]] = [plan.rank_rows(s) for s in range(shards)]
-        out = []
-        for s in range(shards):
-            shard = self._gather(rows[s], SlicedDataDict, sorted(self.data))
-            shard.micro_batch_indices, shard.micro_batch_lengths, shard.elem_counts_per_gb = [], [], []
-            for m, mini_batch in enumerate(plan.assignment):
-                bounds, start = [], 0  # row ranges within the global batch, as sequence packing's
-                for cell in mini_batch[s]:
-                    bounds.append([start, start + len(cell)])
-                    start += len(cell)
-                shard.micro_batch_indices.append(bounds)
-                shard.micro_batch_lengths.append(list(plan.tokens[m][s]))
-                shard.elem_counts_per_gb.append(start)
-            shard.micro_batch_token_cap = int(plan.max_tokens)
-            out.append(shard)
-        return out, [i for r in rows for i in r]
 
     def dummy_microbatch(self, input_lengths_key: str = "input_lengths") -> "SlicedDataDict":
         """A one-row micro-batch that runs one token and adds nothing to the loss
@@ -883,83 +570,3 @@ class BatchedDataDict(UserDict, Generic[DictT]):
 
 class SlicedDataDict(BatchedDataDict):
     """A slice or shard of a :class:`BatchedDataDict` (NeMo-RL's marker type)."""
-
-
-# ---------------------------------------------------------------- packing helpers
-
-
-def _pack_chunks(lens: np.ndarray, shards: int, batch_size: int, args: Mapping[str, Any]):
-    """Per global batch, the packer's bins (chunk-local indices) of the padded lengths;
-    with ``force_group_size`` of its groups of consecutive rows, each whole in a bin."""
-    multiple = _positive(args["sequence_length_pad_multiple"], "sequence_length_pad_multiple")
-    padded = round_up(lens, multiple)
-    packer = get_packer(args["algorithm"], bin_capacity=args["max_tokens_per_microbatch"], min_bin_count=shards,
-                        bin_count_multiple=shards)
-    group = _positive(args.get("force_group_size", 1), "force_group_size")
-    if group == 1:
-        return [packer.pack(padded[c: c + batch_size]) for c in range(0, len(lens), batch_size)], padded
-    from ..planning.group_planning import consecutive_groups, pack_groups
-
-    try:
-        members = consecutive_groups(batch_size, group)
-        bins = [pack_groups(packer, padded[c: c + batch_size], members)[0] for c in range(0, len(lens), batch_size)]
-    except ValueError as exc:
-        raise BatchedDataDictError(f"sequence packing with force_group_size={group}: {exc}") from None
-    return bins, padded
-
-
-def _deal(bins: List[List[int]], loads: List[int], shards: int, balance: str) -> List[List[int]]:
-    """Bin numbers per shard: round-robin in packer order, or Karmarkar-Karp over the
-    bin loads with the same number of bins per shard."""
-    if balance == "round_robin" or shards == 1:
-        return [list(range(s, len(bins), shards)) for s in range(shards)]
-    return get_seqlen_balanced_partitions(loads, shards, equal_size=True)
-
-
-def bin_assignment_spread(input_lengths: Any, shards: int, sequence_packing_args: Mapping[str, Any],
-                          batch_size: Optional[int] = None) -> Dict[str, Dict[str, float]]:
-    """Per-shard packed tokens of each global batch under round-robin and
-    Karmarkar-Karp bin assignment: ``{"round_robin": {...}, "karmarkar_karp": {...}}``
-    with ``max``, ``min`` and ``spread`` (max - min) of the tokens per shard,
-    worst over global batches.
-
-    >>> args = {"max_tokens_per_microbatch": 100, "algorithm": "first_fit_decreasing",
-    ...         "sequence_length_pad_multiple": 1}
-    >>> spread = bin_assignment_spread([90, 80, 70, 60, 50, 40, 30, 20], 2, args)
-    >>> spread["karmarkar_karp"]["spread"] <= spread["round_robin"]["spread"]
-    True
-    """
-    lens = as_lengths(input_lengths, "input_lengths").astype(np.int64)
-    batch_size = len(lens) if batch_size is None else _positive(batch_size, "batch_size")
-    bins_per_chunk, padded = _pack_chunks(lens, shards, batch_size, sequence_packing_args)
-    report: Dict[str, Dict[str, float]] = {}
-    for balance in ("round_robin", "karmarkar_karp"):
-        worst = {"max": 0.0, "min": float("inf"), "spread": 0.0}
-        for c, bins in enumerate(bins_per_chunk):
-            loads = [int(padded[c * batch_size + np.asarray(b)].sum()) for b in bins]
-            per_shard = [sum(loads[i] for i in mine) for mine in _deal(bins, loads, shards, balance)]
-            worst["max"] = max(worst["max"], max(per_shard))
-            worst["min"] = min(worst["min"], min(per_shard))
-            worst["spread"] = max(worst["spread"], max(per_shard) - min(per_shard))
-        report[balance] = worst
-    return report
-
-
-def _gather_bytes(payload: bytes, world: int, group: Any) -> List[bytes]:
-    """Every rank's ``payload``, in rank order: its length, then the bytes padded to
-    the longest, all-gathered (on the current CUDA device for NCCL, else the CPU)."""
-    import torch
-    import torch.distributed as dist
-
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else "cpu"
-    size = torch.tensor([len(payload)], dtype=torch.int64, device=device)
-    sizes = [torch.zeros_like(size) for _ in range(world)]
-    dist.all_gather(sizes, size, group=group)
-    lengths = [int(n.item()) for n in sizes]
-    buffer = torch.zeros(max(lengths), dtype=torch.uint8)
-    if payload:
-        buffer[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-    buffer = buffer.to(device)
-    parts = [torch.empty_like(buffer) for _ in range(world)]
-    dist.all_gather(parts, buffer, group=group)
-    return [bytes(p[:n].cpu().numpy().tobytes()) for p, n in zip(parts, lengths)]
