@@ -59,8 +59,8 @@ _export("planning.step", "StepPlan", "plan_step")
 _export("planning.prefix_forest", "PrefixForest")
 # Packed tensors
 _export("tensors.layout", "PackedLayout", "alignment")
-_export("tensors.thd", "PackedBatch", "PackedSeqParams", "StaticPackedBatch", "pack_sequences",
-        "pack_sequences_static", "pack_to_layout", "unpack_sequences")
+_export("tensors.thd", "PackedBatch", "PackedSeqParams", "pack_sequences", "pack_to_layout", "unpack_sequences")
+_export("tensors.thd_static", "StaticPackedBatch", "pack_sequences_static")
 _export("tensors.cp", "cp_partition_indices", "cp_restore_order")
 _export("tensors.dataset", "PackedDataset", "collate_packs", "pack_dataset")
 _export("tensors.prefix_tree", "PrefixTreeBatch", "PrefixTreeMetrics", "pack_prefix_tree")
@@ -217,8 +217,8 @@ if TYPE_CHECKING:  # what the lazy attributes resolve to, for type checkers and 
     from .tensors.prefix_tree import PrefixTreeBatch, PrefixTreeMetrics, pack_prefix_tree
     from .tensors.prefix_tree_cp import tree_cp_bounds, tree_cp_local_rows
     from .tensors.tree_plans import prepare_tree
-    from .tensors.thd import (PackedBatch, PackedSeqParams, StaticPackedBatch, pack_sequences, pack_sequences_static,
-                              pack_to_layout, unpack_sequences)
+    from .tensors.thd import PackedBatch, PackedSeqParams, pack_sequences, pack_to_layout, unpack_sequences
+    from .tensors.thd_static import StaticPackedBatch, pack_sequences_static
     from .training.attention import (attention_backends, cp_attention, tree_attention, tree_attention_backends,
                                      tree_cp_attention, ulysses_attention, varlen_attention)
     from .training.logprobs import TokenLogprobs, packed_token_logprobs

@@ -3,7 +3,8 @@
 - :mod:`~seqpack.tensors.layout`: :class:`PackedLayout` (cu_seqlens, alignment, CP) and
   the one alignment rule.
 - :mod:`~seqpack.tensors.thd`: pack/unpack between padded ``[B, S, ...]`` and packed
-  ``[T, ...]`` tensors (planned or static-shape).
+  ``[T, ...]`` tensors; :mod:`~seqpack.tensors.thd_static` the static-shape pack.
+- :mod:`~seqpack.tensors.tree_plans`: the host plans a prefix tree carries.
 - :mod:`~seqpack.tensors.cp`: context-parallel sharding (the 2·CP zigzag chunks).
 - :mod:`~seqpack.tensors.dataset`: packing a tokenized dataset offline for SFT.
 - :mod:`~seqpack.tensors.prefix_tree`: prefix-tree packing (shared prefixes laid out once).
@@ -18,8 +19,8 @@ from .dataset import PackedDataset, collate_packs, pack_dataset
 from .layout import PackedLayout, alignment, round_up
 from .prefix_tree import PrefixTreeBatch, PrefixTreeMetrics, pack_prefix_tree
 from .prefix_tree_cp import gather_tree_cp, tree_cp_bounds, tree_cp_local_rows
-from .thd import (PackedBatch, PackedSeqParams, StaticPackedBatch, pack_sequences, pack_sequences_static,
-                  pack_to_layout, unpack_sequences)
+from .thd import PackedBatch, PackedSeqParams, pack_sequences, pack_to_layout, unpack_sequences
+from .thd_static import StaticPackedBatch, pack_sequences_static
 
 __all__ = [
     "PackedBatch", "PackedDataset", "PackedLayout", "PackedSeqParams", "PrefixTreeBatch", "PrefixTreeMetrics",
