@@ -8,7 +8,7 @@
 
 #include "seqpack/packing.hpp"
 #include "seqpack/partition.hpp"
-#include "seqpack/step.hpp"
+#include "seqpack/capped_partition.hpp"
 
 namespace seqpack {
 

@@ -84,15 +84,4 @@ double step_time(const std::vector<double>& cell_costs, int64_t dp_size, int64_t
 // max(W / dp_size, the heaviest sequence).
 double step_lower_bound(Lengths lengths, const StepOptions& options);
 
-// Building blocks shared with plan_micro_batches (one rank, k micro-batches).
-//
-// Each sequence, heaviest work first, to the lightest of k groups that still has
-// room for it under the cap, then moves and swaps between the heaviest and the
-// lightest group (bounded work). Nothing when a sequence finds no room. Indices
-// sorted inside each group. O(n log n + n log k).
-std::optional<IndexGroups> capped_greedy_partition(Lengths lengths, std::span<const double> work, int64_t k,
-                                                   int64_t cap);
-// The moves and swaps alone, on groups that already respect the cap.
-IndexGroups rebalance_under_cap(const IndexGroups& groups, Lengths lengths, std::span<const double> work, int64_t cap);
-
 }  // namespace seqpack
