@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional
 import numpy as np
 
 from ._bdd_values import BatchedDataDictError, _check, _is_tensor, _lengths, _positive
-from ._tree_batches import shared_prefix_bins
+from ._tree_batches import bin_trees, shared_prefix_bins
 from .._lengths import as_lengths
 from ..planning.balance import get_seqlen_balanced_partitions
 from ..planning.dynamic_batching import plan_dynamic_batching
@@ -76,6 +76,7 @@ def shard_packed(data: "BatchedDataDict", shards: int, batch_size: int, args: Ma
         loads_per_chunk = [[int(padded[c * batch_size + np.asarray(b)].sum()) for b in bins]
                            for c, bins in enumerate(bins_per_chunk)]
     rows: List[List[int]] = [[] for _ in range(shards)]
+    trees: List[List[Any]] = [[] for _ in range(shards)]
     indices: List[List[List[List[int]]]] = [[] for _ in range(shards)]
     lengths: List[List[List[int]]] = [[] for _ in range(shards)]
     for c, bins in enumerate(bins_per_chunk):
@@ -91,6 +92,9 @@ def shard_packed(data: "BatchedDataDict", shards: int, batch_size: int, args: Ma
                 start += len(bins[i])
             indices[s].append(chunk_idx)
             lengths[s].append(chunk_len)
+            if args.get("shared_prefix", False):  # each bin's tree, built once, here
+                trees[s].append(bin_trees(data.data, lens, [[base + j for j in bins[i]] for i in mine],
+                                          args["input_key"], args.get("shared_prefix_group_key")))
     keys = sorted(data.data)  # NeMo-RL rebuilds packed shards with from_batches: sorted keys
     out = []
     for s in range(shards):
@@ -99,6 +103,12 @@ def shard_packed(data: "BatchedDataDict", shards: int, batch_size: int, args: Ma
         shard.micro_batch_lengths = lengths[s]
         shard.elem_counts_per_gb = [c[-1][1] if c else 0 for c in indices[s]]
         shard.micro_batch_token_cap = int(args["max_tokens_per_microbatch"])
+        if args.get("shared_prefix", False):
+            shard.micro_batch_trees = trees[s]
+            shard.micro_batch_tree_options = {"input_key": args["input_key"],
+                                              "input_lengths_key": args["input_lengths_key"],
+                                              "group_key": args.get("shared_prefix_group_key"),
+                                              "min_shared_tokens": 1, "pad_to_multiple_of": 1}
         out.append(shard)
     return out, [i for r in rows for i in r]
 

@@ -38,7 +38,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from ..tensors.prefix_tree import PrefixTreeBatch
     from .batched_data_dict import SlicedDataDict
 
-__all__ = ["TreeMicroBatch", "shared_prefix_bins", "tree_micro_batch"]
+__all__ = ["TreeMicroBatch", "bin_trees", "shared_prefix_bins", "tree_micro_batch"]
 
 
 @dataclass(frozen=True)
@@ -117,6 +117,25 @@ def shared_prefix_bins(data: Mapping[str, Any], lengths: np.ndarray, shards: int
         bins_per_chunk.append([list(b) for b in plan.micro_batches])
         loads_per_chunk.append([int(round_up(t, multiple)) for t in plan.tokens])
     return bins_per_chunk, loads_per_chunk
+
+
+def bin_trees(data: Mapping[str, Any], lengths: np.ndarray, bins: Sequence[Sequence[int]], input_key: str,
+              group_key: Optional[str]) -> List["PrefixTreeBatch"]:
+    """The prefix tree of each bin's rows (positions in ``data``, in the bin's
+    order), as the iterator would build it with its default options, with its host
+    plans built (:func:`seqpack.prepare_tree`): built once where the shards are, so
+    iterating a shard builds no trie and no plan."""
+    from ..tensors.prefix_tree import PrefixTreeBatch
+    from ..tensors.tree_plans import prepare_tree
+
+    flat, cu = _row_tokens(data, input_key, lengths)
+    out = []
+    for rows in bins:
+        rows = list(rows)
+        tokens = np.concatenate([flat[cu[r]:cu[r + 1]] for r in rows]) if rows else np.zeros(0, dtype=np.int64)
+        offsets = np.concatenate([[0], np.cumsum(lengths[rows])]).astype(np.int64)
+        out.append(prepare_tree(PrefixTreeBatch.from_packed(tokens, offsets, group_ids=_group_ids(data, group_key, rows))))
+    return out
 
 
 def tree_micro_batch(mb: "SlicedDataDict", rows: Sequence[int], lengths: np.ndarray, *, input_key: str = "input_ids",

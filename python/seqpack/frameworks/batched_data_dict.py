@@ -89,6 +89,11 @@ class BatchedDataDict(UserDict, Generic[DictT]):
         # The token cap the micro-batches were planned under (set by sequence packing
         # and step plans): a tree micro-batch may pad up to it.
         self.micro_batch_token_cap: Optional[int] = None
+        # With sequence packing's shared_prefix: each micro-batch's prefix tree, built
+        # (with its host plans) when the shards were, per global batch; and the options
+        # they were built with. The iterators then build no trie.
+        self.micro_batch_trees: Optional[List[List[Any]]] = None
+        self.micro_batch_tree_options: Optional[Dict[str, Any]] = None
 
     def __eq__(self, other: object) -> bool:
         """Same keys and values (tensors equal in dtype, shape, device and every
@@ -426,6 +431,9 @@ class BatchedDataDict(UserDict, Generic[DictT]):
             out.micro_batch_lengths = [self.micro_batch_lengths[batch_idx]]
             out.elem_counts_per_gb = [self.elem_counts_per_gb[batch_idx]]
             out.micro_batch_token_cap = self.micro_batch_token_cap
+            if self.micro_batch_trees is not None:
+                out.micro_batch_trees = [self.micro_batch_trees[batch_idx]]
+                out.micro_batch_tree_options = self.micro_batch_tree_options
             return out
         _check(batch_size is not None, "batch_size is required unless the data is a sequence-packed shard")
         batch_size = _positive(batch_size, "batch_size")
@@ -434,6 +442,7 @@ class BatchedDataDict(UserDict, Generic[DictT]):
         if self.micro_batch_indices is not None:
             out.micro_batch_indices = [self.micro_batch_indices[batch_idx]]
             out.micro_batch_lengths = [self.micro_batch_lengths[batch_idx]]
+            out.micro_batch_token_cap = self.micro_batch_token_cap
         return out
 
     def _one_plan(self) -> Tuple[List[List[int]], List[int]]:
@@ -452,11 +461,11 @@ class BatchedDataDict(UserDict, Generic[DictT]):
                f"Data dict size ({size}) is not a multiple of the provided microbatch size ({microbatch_size})")
         return (self.slice(i, i + microbatch_size) for i in range(0, size, microbatch_size))
 
-    def make_microbatch_iterator_with_dynamic_shapes(self, sequence_dim: int = 1, shared_prefix: bool = False,
+    def make_microbatch_iterator_with_dynamic_shapes(self, sequence_dim: int = 1, shared_prefix: Optional[bool] = None,
                                                      **tree_options: Any) -> Iterator["SlicedDataDict"]:
         """The dynamic-batching micro-batches, each cut to its padded length; with
-        ``shared_prefix``, each as a :class:`TreeMicroBatch` (``tree_options`` as
-        :meth:`make_microbatch_iterator_for_packable_sequences`)."""
+        ``shared_prefix``, each as a :class:`TreeMicroBatch` (``shared_prefix`` and
+        ``tree_options`` as :meth:`make_microbatch_iterator_for_packable_sequences`)."""
         indices, lengths = self._one_plan()
 
         def gen():
@@ -465,20 +474,24 @@ class BatchedDataDict(UserDict, Generic[DictT]):
                 mb.truncate_tensors(dim=sequence_dim, truncated_len=length)
                 yield mb
 
-        if shared_prefix:
+        if self._iterates_trees(shared_prefix):
             return self._tree_iterator(indices, lambda start, end: self.slice(start, end), tree_options, None)
         return gen()
 
     def get_microbatch_iterator_dynamic_shapes_len(self) -> int:
         return len(self._one_plan()[0])
 
-    def make_microbatch_iterator_for_packable_sequences(self, shared_prefix: bool = False,
+    def make_microbatch_iterator_for_packable_sequences(self, shared_prefix: Optional[bool] = None,
                                                        **tree_options: Any) -> Iterator["SlicedDataDict"]:
         """The packed micro-batches (bins) as row slices (an empty one, a
         :func:`seqpack.plan_step` dummy, as :meth:`dummy_microbatch`).
 
         ``shared_prefix=True``: each bin as a :class:`TreeMicroBatch` (its rows'
-        :class:`~seqpack.PrefixTreeBatch`, the rows, their positions). ``tree_options``:
+        :class:`~seqpack.PrefixTreeBatch`, the rows, their positions). The default,
+        ``None``, is what the shard was planned with: trees for a shard of
+        ``shard_by_batch_size(..., {"shared_prefix": True})``, whose trees were
+        built (with their host plans) when the shards were; given options other
+        than those, the trees are built again here. ``tree_options``:
         ``input_key`` (``"input_ids"``), ``input_lengths_key`` (``"input_lengths"``),
         ``group_key`` (share only within rows of one value of it; default any common
         prefix), ``min_shared_tokens`` and ``pad_to_multiple_of`` (of the tree, e.g.
@@ -490,9 +503,12 @@ class BatchedDataDict(UserDict, Generic[DictT]):
         ``max_tokens``).
         """
         indices, lengths = self._one_plan()
-        if shared_prefix:
+        if self._iterates_trees(shared_prefix):
             return self._tree_iterator(indices, self._slice_or_dummy, tree_options, lengths)
         return (self._slice_or_dummy(start, end) for start, end in indices)
+
+    def _iterates_trees(self, shared_prefix: Optional[bool]) -> bool:
+        return self.micro_batch_trees is not None if shared_prefix is None else bool(shared_prefix)
 
     def _tree_iterator(self, indices, slice_rows, options: Mapping[str, Any],
                        planned: Optional[Sequence[int]]) -> Iterator[TreeMicroBatch]:
@@ -501,7 +517,15 @@ class BatchedDataDict(UserDict, Generic[DictT]):
         known = {"input_key", "input_lengths_key", "group_key", "min_shared_tokens", "pad_to_multiple_of"}
         unknown = sorted(set(options) - known)
         _check(not unknown, f"unknown shared-prefix option(s) {unknown}; known: {sorted(known)}")
+        carried = self.micro_batch_trees[0] if self.micro_batch_trees is not None else None
+        built_with = self.micro_batch_tree_options or {}
+        if carried is not None and all(built_with.get(k) == v for k, v in options.items()):
+            return (TreeMicroBatch(tree=tree, data=slice_rows(start, end), rows=tuple(range(start, end)))
+                    for tree, (start, end) in zip(carried, indices))
         options = dict(options)
+        if carried is not None:  # built again with other options: the shard's own keys, unless given
+            for key in ("input_key", "group_key", "input_lengths_key"):
+                options.setdefault(key, built_with[key])
         lengths_key = options.pop("input_lengths_key", "input_lengths")
 
         def gen():

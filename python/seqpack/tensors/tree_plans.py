@@ -101,10 +101,12 @@ class TreeAttentionPlan:
             back in physical order.
     """
 
-    __slots__ = ("segment_offsets", "segment_parent", "plain", "k_index", "cu_k", "max_q", "max_k", "groups",
-                 "group_q", "group_k", "inverse")
+    _STATE = ("segment_offsets", "segment_parent", "plain", "k_index", "cu_k", "max_q", "max_k", "groups", "group_q",
+              "group_k", "inverse")
+    __slots__ = _STATE + ("_devices",)
 
     def __init__(self, tree: PrefixTreeBatch) -> None:
+        self._devices: Dict[Any, Any] = {}
         offsets, parents = attention_segments(tree)
         self.segment_offsets, self.segment_parent = offsets, parents
         s = parents.shape[0]
@@ -150,17 +152,35 @@ class TreeAttentionPlan:
         """Key rows gathered for the whole tree (the sum of the paths)."""
         return int(self.cu_k[-1])
 
+    def on_device(self, device: Any, *names: str) -> Tuple[Any, ...]:
+        """The index arrays ``names`` as tensors on ``device``: one pinned,
+        non-blocking host-to-device copy the first time, kept by the plan for every
+        later layer and step (device copies are not pickled). Imports torch."""
+        import torch
+
+        from ._device import host_to_device
+
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        key = (device, names)
+        hit = self._devices.get(key)
+        if hit is None:
+            hit = self._devices.setdefault(key, tuple(host_to_device([getattr(self, n) for n in names], device)))
+        return hit
+
     def __getstate__(self):
-        return {name: getattr(self, name) for name in self.__slots__}
+        return {name: getattr(self, name) for name in self._STATE}
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
-        for name in self.__slots__:
+        for name in self._STATE:
             setattr(self, name, state[name])
+        self._devices = {}
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, TreeAttentionPlan):
             return NotImplemented
-        return all(values_equal(getattr(self, n), getattr(other, n)) for n in self.__slots__)
+        return all(values_equal(getattr(self, n), getattr(other, n)) for n in self._STATE)
 
     __hash__ = None  # type: ignore[assignment]
 

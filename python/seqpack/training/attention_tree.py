@@ -259,14 +259,12 @@ def _sdpa(q, k, v, tree, scale, budget: int = MAX_SCORE_ELEMENTS):
     call's ``count x Hq x Lq x (P + Lq)`` scores stay within ``budget``). The gathers
     are one ``index_select`` per tensor (one backward node each, not one per segment)."""
     torch = _torch()
-    from ..tensors._device import host_to_device
-
     sdpa = torch.nn.functional.scaled_dot_product_attention
     plan = attention_plan(tree)
     if plan.plain:
         return _plain(q, k, v, plan, scale)
     hq, hk, dv = q.shape[1], k.shape[1], v.shape[2]
-    q_index, k_index, inverse = host_to_device([plan.group_q, plan.group_k, plan.inverse], q.device)
+    q_index, k_index, inverse = plan.on_device(q.device, "group_q", "group_k", "inverse")
     q_parts = torch.split(q.index_select(0, q_index), [c * lq for c, _, lq in plan.groups])
     k_sizes = [c * (p + lq) for c, p, lq in plan.groups]
     k_parts = torch.split(k.index_select(0, k_index), k_sizes)
@@ -296,11 +294,9 @@ def _sdpa(q, k, v, tree, scale, budget: int = MAX_SCORE_ELEMENTS):
 def _varlen(q, k, v, tree, scale):
     """One :func:`~seqpack.varlen_attention` call: queries in place, keys and values
     gathered along each attention segment's path (one ``index_select`` each)."""
-    from ..tensors._device import host_to_device
-
     plan = attention_plan(tree)
     if plan.plain:
         return _plain(q, k, v, plan, scale)
-    (k_index,) = host_to_device([plan.k_index], q.device)
+    (k_index,) = plan.on_device(q.device, "k_index")
     return varlen_attention(q, k.index_select(0, k_index), v.index_select(0, k_index), plan.cu_q, plan.cu_k,
                             plan.max_q, plan.max_k, causal=True, softmax_scale=scale)

@@ -276,3 +276,41 @@ def test_the_iterator_refuses_a_tree_above_its_plan_and_errors_name_the_keys():
     with pytest.raises(ValueError, match=r"more than max_tokens_per_microbatch = 100 holds as a tree padded to "
                                          r"sequence_length_round = 16 \(96\)"):
         data.shard_by_batch_size(1, dynamic_batching_args=args)
+
+
+def test_shards_carry_their_trees_built_once_with_their_plans(monkeypatch):
+    """Issue 38: shard_by_batch_size(shared_prefix) builds each bin's tree (and its
+    host plans) once; its shards remember it, so the iterator (shared_prefix by
+    default) builds no trie; other options build the trees again, with the shard's keys."""
+    data, rows, groups = grpo_data([40, 30, 50, 20], [[6, 9, 4], [7, 7], [5, 8, 3, 2], [9]], seed=12)
+    shards, _ = data.shard_by_batch_size(2, batch_size=len(rows),
+                                         sequence_packing_args=packing_args(160, 8, shared_prefix_group_key="idx"))
+    batches = [pickle.loads(pickle.dumps(s.get_batch(0))) for s in shards]  # the trees travel with the shards
+    built = []
+    real_from_packed = seqpack.PrefixTreeBatch.from_packed
+
+    def counting(*args, **kwargs):
+        built.append(1)
+        return real_from_packed(*args, **kwargs)
+
+    monkeypatch.setattr(seqpack.PrefixTreeBatch, "from_packed", counting)
+    for batch in batches:
+        assert batch.micro_batch_tree_options["group_key"] == "idx"
+        tmbs = list(batch.make_microbatch_iterator_for_packable_sequences())  # shared_prefix: the shard's
+        same = list(batch.make_microbatch_iterator_for_packable_sequences(shared_prefix=True, group_key="idx"))
+        assert built == [] and len(tmbs) == len(batch.micro_batch_indices[0])
+        for tmb, again in zip(tmbs, same):
+            assert isinstance(tmb, TreeMicroBatch) and tmb.tree is again.tree
+            assert set(tmb.tree.planned()) == {"attention", "targets"}
+            want = real_from_packed(
+                np.concatenate([tmb.data["input_ids"][i, :int(n)].numpy() for i, n in enumerate(tmb.data["input_lengths"])]),
+                np.concatenate([[0], np.cumsum(tmb.data["input_lengths"].numpy())]),
+                group_ids=tmb.data["idx"].tolist())
+            assert tmb.tree == want
+        padded = list(batch.make_microbatch_iterator_for_packable_sequences(pad_to_multiple_of=8))
+        assert len(built) == len(tmbs)  # other options: built again, grouped by the shard's key
+        for tmb, p in zip(tmbs, padded):
+            assert p.tree.num_tokens % 8 == 0 and p.tree.num_tokens - p.tree.num_pad_tokens == tmb.tree.num_tokens
+        built.clear()
+        assert all(not isinstance(mb, TreeMicroBatch)
+                   for mb in batch.make_microbatch_iterator_for_packable_sequences(shared_prefix=False))

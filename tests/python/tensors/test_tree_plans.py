@@ -179,3 +179,13 @@ def test_prepared_trees_cross_dataloader_workers(start):
         want = _collate_trees([_Rows()[i] for i in range(4 * k, 4 * k + 4)])
         assert tree == want and set(tree.planned()) == {"attention", "targets"}
         assert tree._plans["attention"] == attention_plan(want)
+
+
+def test_device_copies_are_made_once_and_not_pickled():
+    tree = seqpack.pack_prefix_tree([[1, 2, 3], [1, 2, 4, 5]])
+    plan = attention_plan(tree)
+    first = plan.on_device("cpu", "group_q", "group_k", "inverse")
+    assert plan.on_device(torch.device("cpu"), "group_q", "group_k", "inverse") is first
+    assert torch.equal(first[1], torch.from_numpy(plan.group_k))
+    copied = pickle.loads(pickle.dumps(plan))
+    assert copied == plan and copied._devices == {}
