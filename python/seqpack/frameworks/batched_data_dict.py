@@ -80,6 +80,10 @@ class BatchedDataDict(UserDict, Generic[DictT]):
     """A batch as a dict of tensors (dim 0 = batch) and lists, NeMo-RL compatible."""
 
     ADDITIONAL_OPTIONAL_KEY_TENSORS = ["token_type_ids", "mm_token_type_ids"]
+    # Defaults for batches pickled before these existed (instances set their own).
+    micro_batch_token_cap: Optional[int] = None
+    micro_batch_trees: Optional[List[List[Any]]] = None
+    micro_batch_tree_options: Optional[Dict[str, Any]] = None
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
