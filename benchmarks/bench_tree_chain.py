@@ -11,6 +11,10 @@ Three tables, CPU, one process per measurement where memory is read:
   nothing shared  a tree whose rows share nothing against plain packing, forward +
                 backward of an attention-dominated model (2 layers, hidden 128, 4 heads):
                 the tree runs plain packing's kernels.
+  tree attention  tree_attention alone (CPU: the cascade path, each shared prefix read
+                once) against varlen_attention on the rows, on GRPO batches, forward and
+                forward + backward, next to the visible-pairs ratio (the work bound's
+                speed-up) and the segment-gather path it replaced (cascade off).
   host work     milliseconds per micro-batch the training loop spends on host work for a
                 GRPO tree: building the tree and its plans inside the step (before)
                 against receiving them built by the collate function (after,
@@ -149,6 +153,60 @@ def main() -> int:
                        note="Target >= 0.97x. Both step times exclude building the batch; the two sides "
                             "alternate, best of %d each. The tree reads its log-probs with tree_token_logprobs, "
                             "plain packing with packed_token_logprobs; attention is the same call." % (repeat * 3)))
+
+    # ---- tree attention alone ---------------------------------------------------------------
+    from seqpack.training import attention_tree
+
+    att_rows = []
+    shapes = [(8, 64, 32)] if args.quick else [(4, 512, 256), (8, 512, 256), (16, 512, 256), (8, 256, 512)]
+    for g, p, r in shapes:
+        rows_g, groups_g = grpo_batch(rng, 1, g, p, r)
+        tree_g = seqpack.pack_prefix_tree(rows_g, group_ids=groups_g)
+        pairs = tree_g.metrics().attention_ratio
+        lens_g = [len(x) for x in rows_g]
+        cu_g = np.concatenate([[0], np.cumsum(lens_g)])
+        gen = torch.Generator().manual_seed(1)
+        qt, kt, vt = (torch.randn(tree_g.num_tokens, HEADS, HEAD_DIM, generator=gen).requires_grad_() for _ in range(3))
+        qp, kp, vp = (torch.randn(int(cu_g[-1]), HEADS, HEAD_DIM, generator=gen).requires_grad_() for _ in range(3))
+        longest = max(lens_g)
+
+        def plain_fn(backward):
+            def run():
+                out = seqpack.varlen_attention(qp, kp, vp, cu_g, cu_g, longest, longest, causal=True)
+                if backward:
+                    out.sum().backward()
+            return run
+
+        def tree_fn(backward, cascade=True):
+            def run():
+                saved = attention_tree.cascade_available
+                if not cascade:
+                    attention_tree.cascade_available = lambda *a: False
+                try:
+                    out = seqpack.tree_attention(qt, kt, vt, tree_g, backend="sdpa")
+                    if backward:
+                        out.sum().backward()
+                finally:
+                    attention_tree.cascade_available = saved
+            return run
+
+        for backward in (False, True):
+            t_plain, t_tree, t_old = alternating([plain_fn(backward), tree_fn(backward), tree_fn(backward, False)],
+                                                 repeat * 3)
+            kind = "fwd+bwd" if backward else "fwd"
+            name = f"GRPO G={g} {p}/{r}"
+            att_rows.append([name, kind, pairs, t_plain * 1e3, t_tree * 1e3, t_plain / t_tree,
+                             (t_plain / t_tree) / pairs, t_plain / t_old])
+            for side, value in (("plain", t_plain), ("tree cascade", t_tree), ("tree segment gathers", t_old)):
+                log.add(f"{name} {kind}", side, "seconds_min", value)
+    print()
+    print(format_table("tree_attention alone vs varlen_attention on the rows (CPU)",
+                       ["batch", "pass", "pairs ratio", "plain ms", "tree ms", "speed-up", "of pairs ratio",
+                        "speed-up before"], att_rows,
+                       note=f"{HEADS} heads x {HEAD_DIM}, fp32, 1 thread; the three sides alternate, best of "
+                            f"{repeat * 3} each. Target (issue 38): speed-up >= 0.8 of the pairs ratio. "
+                            "'speed-up before': the same backend with the cascade off (keys gathered per segment, "
+                            "masked SDPA), against plain."))
 
     # ---- host work per micro-batch ----------------------------------------------------------
     rows, groups = grpo_batch(rng, 1, 8, 64 if args.quick else 512, 32 if args.quick else 256)

@@ -99,10 +99,16 @@ class TreeAttentionPlan:
             own length) for the SDPA path; ``group_q`` / ``group_k`` their query
             and key rows, group after group; ``inverse`` puts the groups' outputs
             back in physical order.
+        own_groups / own_rows: the cascade (prefix-once) path's causal part:
+            ``(count, L)`` per group of segments of own length ``L`` and their rows,
+            group after group (every token once).
+        prefix_groups / prefix_q / prefix_k: its shared-prefix part, one entry per
+            segment with children: ``(Nq, P)``, the rows of all its children's
+            segments (queries) and its own path (keys, read once for all of them).
     """
 
     _STATE = ("segment_offsets", "segment_parent", "plain", "k_index", "cu_k", "max_q", "max_k", "groups", "group_q",
-              "group_k", "inverse")
+              "group_k", "inverse", "own_groups", "own_rows", "prefix_groups", "prefix_q", "prefix_k")
     __slots__ = _STATE + ("_devices",)
 
     def __init__(self, tree: PrefixTreeBatch) -> None:
@@ -126,8 +132,32 @@ class TreeAttentionPlan:
         self.max_k = int(lengths.max()) if s else 0
         self.groups: List[Tuple[int, int, int]] = []
         self.group_q = self.group_k = self.inverse = np.zeros(0, dtype=np.int64)
+        self.own_groups: List[Tuple[int, int]] = []
+        self.prefix_groups: List[Tuple[int, int]] = []
+        self.own_rows = self.prefix_q = self.prefix_k = np.zeros(0, dtype=np.int64)
         if not self.plain:
             self._group(own, lengths)
+            self._cascade(own)
+
+    def _cascade(self, own: np.ndarray) -> None:
+        offsets, parents = self.segment_offsets, self.segment_parent
+        rows_of = [np.arange(offsets[s], offsets[s + 1], dtype=np.int64) for s in range(parents.shape[0])]
+        by_length: Dict[int, List[int]] = defaultdict(list)
+        for seg, rows in enumerate(own.tolist()):
+            by_length[rows].append(seg)
+        self.own_groups = [(len(members), rows) for rows, members in by_length.items()]
+        self.own_rows = np.concatenate([rows_of[m] for members in by_length.values() for m in members])
+        children: Dict[int, List[int]] = defaultdict(list)
+        for seg, parent in enumerate(parents.tolist()):
+            if parent >= 0:
+                children[parent].append(seg)
+        q_parts, k_parts = [], []
+        for parent, kids in children.items():
+            q_parts.extend(rows_of[c] for c in kids)
+            k_parts.append(self.k_index[self.cu_k[parent]:self.cu_k[parent + 1]])
+            self.prefix_groups.append((int(sum(own[c] for c in kids)), int(k_parts[-1].shape[0])))
+        self.prefix_q = np.concatenate(q_parts).astype(np.int64) if q_parts else self.prefix_q
+        self.prefix_k = np.concatenate(k_parts).astype(np.int64) if k_parts else self.prefix_k
 
     def _group(self, own: np.ndarray, lengths: np.ndarray) -> None:
         by_shape: Dict[Tuple[int, int], List[int]] = defaultdict(list)
@@ -207,6 +237,12 @@ class TreeAttentionPlan:
         if (sum(c * lq for c, _, lq in self.groups) != q or sum(c * (p + lq) for c, p, lq in self.groups) != g
                 or (not self.plain and q != t)):
             raise ValueError("a pickled tree attention plan's groups do not add up to its rows")
+        own = _index_array(self.own_rows, "own_rows", 0 if self.plain else t, 0, t)
+        pq = _index_array(self.prefix_q, "prefix_q", None, 0, t)
+        pk = _index_array(self.prefix_k, "prefix_k", None, 0, t)
+        if (sum(c * n for c, n in self.own_groups) != own or sum(n for n, _ in self.prefix_groups) != pq
+                or sum(p for _, p in self.prefix_groups) != pk):
+            raise ValueError("a pickled tree attention plan's cascade groups do not add up to its rows")
 
 
 def attention_plan(tree: PrefixTreeBatch) -> TreeAttentionPlan:

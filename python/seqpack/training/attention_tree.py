@@ -85,6 +85,7 @@ from typing import TYPE_CHECKING, Any, Dict, Optional
 
 from ..tensors.tree_plans import attention_plan
 from . import attention_inputs as inputs
+from .attention_tree_cascade import cascade_available, tree_cascade_attention
 from .attention_varlen import MAX_SCORE_ELEMENTS, varlen_attention
 from .varlen_backends import why_unavailable
 
@@ -263,6 +264,8 @@ def _sdpa(q, k, v, tree, scale, budget: int = MAX_SCORE_ELEMENTS):
     plan = attention_plan(tree)
     if plan.plain:
         return _plain(q, k, v, plan, scale)
+    if cascade_available(q, v):  # the CPU: each shared prefix read once, no masks
+        return tree_cascade_attention(q, k, v, plan, scale)
     hq, hk, dv = q.shape[1], k.shape[1], v.shape[2]
     q_index, k_index, inverse = plan.on_device(q.device, "group_q", "group_k", "inverse")
     q_parts = torch.split(q.index_select(0, q_index), [c * lq for c, _, lq in plan.groups])

@@ -356,3 +356,31 @@ def test_a_chain_of_10k_tokens_costs_what_its_longest_row_costs(backend):
 
     chain, alone = peak("chain"), peak("row")
     assert chain <= 1.1 * alone + 8, (chain, alone)
+
+
+def test_the_cpu_sdpa_backend_reads_each_shared_prefix_once(monkeypatch):
+    """CPU, shared prefixes: the cascade path (each parent's path gathered once for all
+    its children, two fused-kernel parts merged by log-sum-exp); its values and
+    gradients equal the segment-gather path's and the fp64 reference's."""
+    from seqpack.training import attention_tree_cascade
+
+    prompt = [1, 2, 3, 4, 5]
+    tree = seqpack.pack_prefix_tree([prompt + [10 + i, 20 + i, 30] for i in range(4)] + [prompt + [10, 20, 30, 7]]
+                                    + [[9, 9]], pad_to_multiple_of=4)
+    plan = attention_plan(tree)
+    # the prompt's 4 child segments (10 20 30 7 continues a chain: one segment) as one query block of
+    # 13 rows against the prompt's 5 keys, gathered once, not once per child
+    assert plan.prefix_groups == [(13, 5)] and plan.prefix_k.tolist() == [0, 1, 2, 3, 4]
+    calls = []
+    real = attention_tree.tree_cascade_attention
+    monkeypatch.setattr(attention_tree, "tree_cascade_attention", lambda *a: calls.append(1) or real(*a))
+    for dtype, tol in ((torch.float64, 1e-10), (torch.float32, 1e-5), (torch.bfloat16, 3e-2)):
+        q, k, v = (x.to(dtype).requires_grad_() for x in _qkv(tree.num_tokens))
+        up = torch.randn(tree.num_tokens, 4, 8, dtype=torch.float64)
+        got = seqpack.tree_attention(q, k, v, tree, backend="sdpa")
+        exact = [x.detach().double().requires_grad_() for x in (q, k, v)]
+        want = seqpack.tree_attention(*exact, tree, backend="reference")
+        torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol)
+        for a, b in zip(torch.autograd.grad(got, (q, k, v), up.to(dtype)), torch.autograd.grad(want, exact, up)):
+            torch.testing.assert_close(a.double(), b, rtol=tol, atol=tol)
+    assert len(calls) == 3
