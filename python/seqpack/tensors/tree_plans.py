@@ -42,8 +42,8 @@ from .._equality import values_equal
 from .._lengths import as_positive_int, type_name
 from .prefix_tree import PrefixTreeBatch
 
-__all__ = ["TreeAttentionPlan", "TreeCpPlan", "TreeTargets", "attention_plan", "attention_segments", "cp_attention_plan",
-           "prepare_tree", "tree_cp_plan", "tree_targets"]
+__all__ = ["TreeAttentionPlan", "TreeCpPlan", "TreeTargets", "attention_plan", "attention_segments",
+           "cp_attention_plan", "prepare_tree", "tree_cp_plan", "tree_targets"]
 
 
 def _tree(tree: Any) -> PrefixTreeBatch:
