@@ -45,11 +45,15 @@ reference ever builds a dense ``[T, T]`` mask:
   lengths: at most the physical tokens times ``2 * leaves - 1``, and under twice
   the tokens of the rows that end at leaves (the bound of
   :mod:`~seqpack.tensors.tree_plans`), never the square of the depth.
-- ``"sdpa"`` (any device, CPU included; gradients): segments grouped by shape
-  (prefix length, own length), keys gathered by an index of their ancestor
-  segments' rows, one ``scaled_dot_product_attention`` call per group (a root
-  segment uses SDPA's own causal kernel; others a small ``[Lq, P + Lq]`` mask).
-  Scores cost what the visible pairs cost, not ``T^2``.
+- ``"sdpa"`` (any device, CPU included; gradients). On the CPU (head sizes of q
+  and v equal) it uses the cascade of :mod:`~seqpack.training.attention_tree_cascade`:
+  all children of a segment form one query block against its path, so each shared
+  prefix's keys are read once. Each segment is also causal over itself, and the
+  two parts are merged by log-sum-exp, with no mask. Elsewhere, segments are
+  grouped by shape (prefix length, own length) and keys gathered by an index of
+  their ancestor segments' rows, with one ``scaled_dot_product_attention`` call
+  per group: a root segment uses SDPA's own causal kernel, others a small
+  ``[Lq, P + Lq]`` mask. Scores cost what the visible pairs cost, not ``T^2``.
 - ``"flex"``: FlexAttention with a block mask from the ancestor rule,
   ``(kv <= q) & (q < subtree_end[kv])`` (forward on any device, backward on GPU
   only, as :func:`~seqpack.varlen_attention`'s flex; eager mode materialises the
@@ -60,10 +64,9 @@ reference ever builds a dense ``[T, T]`` mask:
 ``backend="auto"`` picks varlen on CUDA fp16 / bf16 when flash-attn or PyTorch's
 ``varlen_attn`` is there (one launch, FlashAttention's kernels), else sdpa; eager
 FlexAttention materialises the scores (about Hq·T² elements), so it is only chosen
-by name (compile it for speed and memory). Not measured on a GPU yet: the
-alternative of a prefix/suffix split merged by log-sum-exp (cascade inference,
-Hydragen), which reads a shared prefix's keys once for all its children, was not
-written; the varlen path reads them once per child segment.
+by name (compile it for speed and memory). On CUDA the varlen path reads a shared
+prefix's keys once per child segment. The cascade there needs a kernel that
+returns the log-sum-exp (flash-attn's), which is not wired in yet.
 
     >>> import torch, seqpack
     >>> tree = seqpack.pack_prefix_tree([[1, 2, 3], [1, 2, 4]])     # physical: 1 2 3 4
