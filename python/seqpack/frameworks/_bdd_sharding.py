@@ -92,9 +92,11 @@ def shard_packed(data: "BatchedDataDict", shards: int, batch_size: int, args: Ma
                 start += len(bins[i])
             indices[s].append(chunk_idx)
             lengths[s].append(chunk_len)
-            if args.get("shared_prefix", False):  # each bin's tree, built once, here
-                trees[s].append(bin_trees(data.data, lens, [[base + j for j in bins[i]] for i in mine],
-                                          args["input_key"], args.get("shared_prefix_group_key")))
+            trees[s].append([[base + j for j in bins[i]] for i in mine])  # each bin's rows, for its tree
+    if args.get("shared_prefix", False):  # every bin's tree, built once, here (the rows read once)
+        built = iter(bin_trees(data.data, lens, [b for shard in trees for chunk in shard for b in chunk],
+                               args["input_key"], args.get("shared_prefix_group_key")))
+        trees = [[[next(built) for _ in chunk] for chunk in shard] for shard in trees]
     keys = sorted(data.data)  # NeMo-RL rebuilds packed shards with from_batches: sorted keys
     out = []
     for s in range(shards):

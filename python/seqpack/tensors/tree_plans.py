@@ -99,16 +99,17 @@ class TreeAttentionPlan:
             own length) for the SDPA path; ``group_q`` / ``group_k`` their query
             and key rows, group after group; ``inverse`` puts the groups' outputs
             back in physical order.
-        own_groups / own_rows: the cascade (prefix-once) path's causal part:
-            ``(count, L)`` per group of segments of own length ``L`` and their rows,
-            group after group (every token once).
+        own_groups / own_rows / own_inverse: the cascade (prefix-once) path's
+            causal part: ``(count, L)`` per group of segments of own length ``L``,
+            their rows group after group (every token once), and the permutation
+            back to physical order.
         prefix_groups / prefix_q / prefix_k: its shared-prefix part, one entry per
             segment with children: ``(Nq, P)``, the rows of all its children's
             segments (queries) and its own path (keys, read once for all of them).
     """
 
     _STATE = ("segment_offsets", "segment_parent", "plain", "k_index", "cu_k", "max_q", "max_k", "groups", "group_q",
-              "group_k", "inverse", "own_groups", "own_rows", "prefix_groups", "prefix_q", "prefix_k")
+              "group_k", "inverse", "own_groups", "own_rows", "own_inverse", "prefix_groups", "prefix_q", "prefix_k")
     __slots__ = _STATE + ("_devices",)
 
     def __init__(self, tree: PrefixTreeBatch) -> None:
@@ -134,7 +135,7 @@ class TreeAttentionPlan:
         self.group_q = self.group_k = self.inverse = np.zeros(0, dtype=np.int64)
         self.own_groups: List[Tuple[int, int]] = []
         self.prefix_groups: List[Tuple[int, int]] = []
-        self.own_rows = self.prefix_q = self.prefix_k = np.zeros(0, dtype=np.int64)
+        self.own_rows = self.own_inverse = self.prefix_q = self.prefix_k = np.zeros(0, dtype=np.int64)
         if not self.plain:
             self._group(own, lengths)
             self._cascade(own)
@@ -147,6 +148,8 @@ class TreeAttentionPlan:
             by_length[rows].append(seg)
         self.own_groups = [(len(members), rows) for rows, members in by_length.items()]
         self.own_rows = np.concatenate([rows_of[m] for members in by_length.values() for m in members])
+        self.own_inverse = np.empty_like(self.own_rows)
+        self.own_inverse[self.own_rows] = np.arange(self.own_rows.shape[0], dtype=np.int64)
         children: Dict[int, List[int]] = defaultdict(list)
         for seg, parent in enumerate(parents.tolist()):
             if parent >= 0:
@@ -238,6 +241,7 @@ class TreeAttentionPlan:
                 or (not self.plain and q != t)):
             raise ValueError("a pickled tree attention plan's groups do not add up to its rows")
         own = _index_array(self.own_rows, "own_rows", 0 if self.plain else t, 0, t)
+        _index_array(self.own_inverse, "own_inverse", own, 0, max(own, 1))
         pq = _index_array(self.prefix_q, "prefix_q", None, 0, t)
         pk = _index_array(self.prefix_k, "prefix_k", None, 0, t)
         if (sum(c * n for c, n in self.own_groups) != own or sum(n for n, _ in self.prefix_groups) != pq

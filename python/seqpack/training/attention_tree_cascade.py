@@ -165,12 +165,8 @@ def tree_cascade_attention(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tenso
     ``Hq`` heads, their gradients summed back), by the cascade of the module
     docstring; ``plan``: the tree's :class:`~seqpack.tensors.tree_plans.TreeAttentionPlan`
     (not ``plain``). Differentiable w.r.t. q, k and v."""
-    import torch
-
     groups = q.shape[1] // k.shape[1]
     if groups > 1:
         k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
-    own_rows, prefix_q, prefix_k = plan.on_device(q.device, "own_rows", "prefix_q", "prefix_k")
-    inverse = torch.empty_like(own_rows)
-    inverse[own_rows] = torch.arange(own_rows.shape[0], device=own_rows.device)
-    return _function().apply(q, k.contiguous(), v.contiguous(), plan, (own_rows, prefix_q, prefix_k, inverse), scale)
+    index = plan.on_device(q.device, "own_rows", "prefix_q", "prefix_k", "own_inverse")  # copied once per device
+    return _function().apply(q, k.contiguous(), v.contiguous(), plan, index, scale)
