@@ -6,10 +6,12 @@ value semantics; clear errors."""
 import copy
 import pickle
 
+import re
+
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import seqpack
@@ -180,6 +182,7 @@ def test_items_of_a_grpo_group_larger_than_the_cap():
 @settings(max_examples=80, deadline=None)
 @given(batches(), st.integers(0, 12), st.integers(1, 4), st.integers(1, 2), st.sampled_from([None, 64]),
        st.sampled_from(["heaviest_first", "small_at_ends"]))
+@example(([[1], [0, 0], [0, 1]], {"group_ids": None, "min_shared_tokens": 0}), 0, 1, 2, None, "heaviest_first")
 def test_micro_batches_of_trees_hold_the_cap_and_keep_trees_whole(batch, slack, min_num, multiple_of, coeff, order):
     rows, options = batch
     forest = PrefixForest.from_rows(rows, **options)
@@ -187,8 +190,12 @@ def test_micro_batches_of_trees_hold_the_cap_and_keep_trees_whole(batch, slack, 
     try:
         plan = seqpack.plan_micro_batches(forest.lengths, cap, min_num=min_num, multiple_of=multiple_of,
                                           attention_coeff=coeff, order=order, forest=forest)
-    except ValueError as e:  # more micro-batches asked for than rows can fill
-        assert "micro-batches" in str(e) and len(rows) < -(-min_num // multiple_of) * multiple_of
+    except ValueError as e:  # more micro-batches needed than rows can fill: min_num, or the tokens over the cap,
+        # rounded up to multiple_of (rows [1], [0 0], [0 1] under a cap of 2 need 3, so 4 with multiple_of = 2)
+        need = re.search(r"need at least (\d+) micro-batches .* there are only (\d+) sequences", str(e))
+        assert need is not None, str(e)
+        assert int(need.group(2)) == len(rows) < int(need.group(1))
+        assert int(need.group(1)) % multiple_of == 0 and int(need.group(1)) >= min_num
         return
     placed = sorted(r for mb in plan.micro_batches for r in mb)
     assert placed == list(range(len(rows)))
