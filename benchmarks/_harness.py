@@ -56,6 +56,21 @@ def measure(fn: Callable[[], Any], repeat: int = 7, warmup: int = 1, budget_s: f
     return {"median": statistics.median(times), "min": min(times), "max": max(times), "runs": len(times)}
 
 
+def alternating(fns: Sequence[Callable[[], Any]], repeat: int) -> List[float]:
+    """Best time in seconds of each of ``fns``, run in turn ``repeat`` times after one
+    warm-up each, so that a noisy neighbour on a shared VM slows every side alike."""
+    for fn in fns:
+        fn()
+    gc.collect()
+    best = [float("inf")] * len(fns)
+    for _ in range(repeat):
+        for i, fn in enumerate(fns):
+            start = time.perf_counter()
+            fn()
+            best[i] = min(best[i], time.perf_counter() - start)
+    return best
+
+
 def rss_kib(field: str) -> int:
     """A ``/proc/self/status`` memory field (``"VmRSS:"``, ``"VmHWM:"``) in KiB (Linux)."""
     with open("/proc/self/status") as f:

@@ -30,11 +30,10 @@ import argparse
 import json
 import os
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _harness import CsvLog, announce, environment, format_table, measure, peak_extra_mib, run_child  # noqa: E402
-from _harness import torch_cpu_arguments  # noqa: E402
+from _harness import alternating, torch_cpu_arguments  # noqa: E402
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -79,20 +78,6 @@ def child(spec: str) -> int:
     step()
     print(json.dumps({"peak_mib": peak_extra_mib(step)}))
     return 0
-
-
-def alternating(fns, repeat):
-    """Best time of each of ``fns``, run in turn ``repeat`` times after one warm-up
-    each, so that a noisy neighbour on the shared VM slows every side alike."""
-    for fn in fns:
-        fn()
-    best = [float("inf")] * len(fns)
-    for _ in range(repeat):
-        for i, fn in enumerate(fns):
-            start = time.perf_counter()
-            fn()
-            best[i] = min(best[i], time.perf_counter() - start)
-    return best
 
 
 def tree_step(model, tree):

@@ -24,7 +24,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _harness import CsvLog, announce, environment, format_table, measure, torch_cpu_arguments  # noqa: E402
-from bench_prefix_tree import Model, grpo_batch, max_rel_diff, plain_step, tree_step  # noqa: E402
+from bench_prefix_tree import Model, grpo_batch, max_rel_diff, plain_step, prepared_tree, tree_step  # noqa: E402
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -50,7 +50,7 @@ def step(model, rows, groups, cap, trees):
     for cell in p.assignment[0][0]:
         mb_rows = [rows[i] for i in cell]
         if trees:
-            total += float(tree_step(model, mb_rows, [groups[i] for i in cell]))
+            total += float(tree_step(model, prepared_tree(mb_rows, [groups[i] for i in cell])))
         else:
             total += float(plain_step(model, mb_rows))
     return total, p

@@ -96,7 +96,7 @@ def _report():
 def _samples():
     from seqpack.frameworks import batched_data_dict as bdd, config, hf, roll
     from seqpack.planning import packing
-    from seqpack.tensors import prefix_tree, tree_plans
+    from seqpack.tensors import prefix_tree, token_layout, tree_plans
     from seqpack.training import logprobs_tree
     from seqpack.testing import tiny_model
     from seqpack.tools import report, report_trees
@@ -176,6 +176,7 @@ def _samples():
         roll.LoadBalancePacker: lambda: roll.LoadBalancePacker(roll.SequencePackingConfig(
             algorithm="load_balance", max_packed_sequence_length_train=64)),
         # tools
+        token_layout.TokenLayout: _planned_layout,
         report.Report: _report,
         report_trees.TreeReport: lambda: report_trees.tree_report(
             *report_trees.grpo_rows(prompts=2, group=2, seed=0, max_len=4096), capacity=4096, dp_size=2),
@@ -196,6 +197,13 @@ def _samples():
         s.setdefault(type(packer), lambda p=packer: copy.copy(p))
     s[packing.FirstFitPacker] = lambda: packing.FirstFitPacker(100, algorithm="first_fit_decreasing")
     return s
+
+
+def _planned_layout():
+    """A layout of rows that share nothing, with its host plans built."""
+    layout = seqpack.PackedLayout.from_lengths([3, 5, 1], pad_multiple=4)
+    layout.logical_index, layout.position_ids, layout.pad_index  # noqa: B018 (built and kept)
+    return layout
 
 
 def _metrics():

@@ -171,13 +171,16 @@ def tree_attention_forward(module, query, key, value, attention_mask, dropout: f
     forwards from ``model(...)`` to every attention call (:func:`tree_kwargs` builds
     the whole call). No mask: the registered mask function builds none (and refuses
     a padding ``attention_mask``); a mask reaching this function is refused too."""
-    from ..tensors.prefix_tree import PrefixTreeBatch
+    from ..tensors.layout_kinds import is_layout
     from ..training.attention_tree import tree_attention
 
-    if not isinstance(prefix_tree, PrefixTreeBatch):
-        raise ValueError(f"seqpack tree attention needs the tree: call model(..., prefix_tree=tree) with a "
-                         f"PrefixTreeBatch (seqpack.integrations.hf.tree_kwargs(tree)); got prefix_tree = "
-                         f"{type(prefix_tree).__name__}")
+    if not is_layout(prefix_tree):
+        raise ValueError(f"seqpack tree attention needs the layout: call model(..., prefix_tree=tree) with a "
+                         f"PrefixTreeBatch or PackedLayout (seqpack.integrations.hf.tree_kwargs(tree)); got "
+                         f"prefix_tree = {type(prefix_tree).__name__}")
+    if prefix_tree.cp_size != 1:
+        raise ValueError(f"seqpack tree attention runs the whole stream; the layout is cut for cp_size = "
+                         f"{prefix_tree.cp_size}")
     if as_real(dropout, "dropout", minimum=0, maximum=1) and module.training:
         raise ValueError("seqpack tree attention has no attention dropout; set the model's attention_dropout to 0")
     if softcap is not None:
@@ -234,11 +237,9 @@ def tree_kwargs(tree: Any, device: Any = None) -> Dict[str, Any]:
     ``logits[0, tree.logical_index]`` or its log-probs with
     :func:`seqpack.tree_token_logprobs` (not ``labels=``: the shifted loss of
     transformers would read the DFS order as one sequence)."""
-    from ..tensors.prefix_tree import PrefixTreeBatch
+    from ..tensors.layout_kinds import as_tree
 
-    if not isinstance(tree, PrefixTreeBatch):
-        raise TypeError(f"tree must be a PrefixTreeBatch (seqpack.pack_prefix_tree), got {type(tree).__name__}")
-    return tree.hf_kwargs(device)
+    return as_tree(tree).hf_kwargs(device)
 
 
 # Vision inputs of Qwen2-VL-style processors: one entry per image / video (patches

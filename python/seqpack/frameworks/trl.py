@@ -512,7 +512,7 @@ def _trl_pack_dataset() -> Any:
 def _trl_modules() -> List[Tuple[str, Any]]:
     import sys
 
-    return [(name, module) for name, module in list(sys.modules.items())
+    return [(name, module) for name, module in sys.modules.copy().items()  # copy(): atomic, imports may race
             if module is not None and (name == "trl" or name.startswith("trl."))]
 
 

@@ -34,6 +34,7 @@ import numpy as np
 from .. import _core
 from .._equality import fields_equal
 from .._lengths import as_positive_int, check_not_meta, core_lengths, round_up
+from .token_layout import TokenLayout
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -187,9 +188,11 @@ def _host_form(cu: Any, name: str) -> Any:
 
 
 @dataclass(frozen=True, eq=False)
-class PackedLayout:
+class PackedLayout(TokenLayout):
     """Where each sequence's tokens sit in a packed THD tensor, and for which
-    context-parallel split. Immutable; built by :meth:`from_lengths` or
+    context-parallel split: the :class:`~seqpack.tensors.token_layout.TokenLayout`
+    of rows that share nothing (physical row ``cu_seqlens_padded[i] + j`` is token
+    ``j`` of row ``i``; the rows' tails are pad rows). Immutable; built by :meth:`from_lengths` or
     :meth:`from_offsets` (both validate), held by every :class:`seqpack.PackedBatch`
     (:func:`seqpack.pack_sequences`, :func:`seqpack.collate_packs`, and through them
     ``BatchedDataDict``'s micro-batches and the HF ``PackingCollator``). Taken in
@@ -213,6 +216,7 @@ class PackedLayout:
     cp_rank: int = 0
     _device_offsets: Dict[Any, Tuple[Any, Any]] = field(default_factory=dict, repr=False, compare=False)
     _core_layout: Any = field(default=None, repr=False, compare=False)  # the C++ ThdLayout
+    _plans: Dict[Any, Any] = field(default_factory=dict, repr=False, compare=False)  # host plans (TokenLayout)
 
     def __post_init__(self) -> None:
         cp = as_positive_int(self.cp_size, "cp_size")
@@ -233,7 +237,7 @@ class PackedLayout:
             object.__setattr__(self, name, value)
 
     @classmethod
-    def _from_core(cls, core: Any, pad_multiple: int, cp_rank: int) -> "PackedLayout":
+    def _from_core(cls, core: Any, pad_multiple: int, cp_rank: int, plans: Any = None) -> "PackedLayout":
         """A layout the C++ core has just built and checked (a plan's, or the core
         layout of a pickle, which checks its offsets as it loads): no second pass."""
         if not isinstance(core, _core.ThdLayout):
@@ -241,10 +245,12 @@ class PackedLayout:
         self = object.__new__(cls)
         object.__setattr__(self, "pad_multiple", as_positive_int(pad_multiple, "pad_multiple"))
         object.__setattr__(self, "_device_offsets", {})
+        object.__setattr__(self, "_plans", {})
         cp_rank = as_positive_int(cp_rank, "cp_rank", allow_zero=True)
         if cp_rank >= core.cp_size:
             raise ValueError(f"cp_rank must be an int in [0, cp_size={core.cp_size}), got {cp_rank}")
         self._adopt(core, int(core.cp_size), cp_rank)
+        self._adopt_plans(plans)
         return self
 
     # ---- value semantics: equality, hashing, pickling ----------------------------
@@ -260,9 +266,10 @@ class PackedLayout:
                      self.cp_rank))
 
     def __reduce__(self):
-        # The C++ layout pickles as its offsets (checked again on load); the
-        # device-offset cache is not state and starts empty in the copy.
-        return PackedLayout._from_core, (self._core_layout, self.pad_multiple, self.cp_rank)
+        # The C++ layout pickles as its offsets (checked again on load), with the
+        # host plans that can be checked against it; the device-offset cache is
+        # not state and starts empty in the copy.
+        return PackedLayout._from_core, (self._core_layout, self.pad_multiple, self.cp_rank, self._pickled_plans())
 
     # ---- constructors ------------------------------------------------------------
     @classmethod
@@ -327,6 +334,32 @@ class PackedLayout:
     def real_tokens(self) -> int:
         return int(self.cu_seqlens[-1])
 
+    # ---- the TokenLayout interface ----------------------------------------------------
+    num_rows = property(lambda self: self.num_sequences, doc="Rows (sequences) R.")
+    num_logical_tokens = property(lambda self: self.real_tokens, doc="Real tokens N (cu_seqlens[-1]).")
+
+    @property
+    def logical_index(self) -> np.ndarray:
+        """``[N]`` int64: the THD row of each real token, sequences in order."""
+        return self.host_plan("logical_index", _logical_index)
+
+    @property
+    def position_ids(self) -> np.ndarray:
+        """``[T]`` int64 over the full THD tensor: positions restart at 0 at each
+        sequence and run on through its tail padding (what :func:`seqpack.pack_sequences`
+        gives)."""
+        return self.host_plan("position_ids", _position_ids)
+
+    def rows(self) -> "PackedLayout":
+        """Itself: rows that share nothing are plain packing."""
+        return self
+
+    def select(self, *, rows: Any, tree: Any) -> Any:
+        return rows
+
+    def _plan_store(self) -> Dict[Any, Any]:
+        return self._plans
+
     def local_offsets(self) -> np.ndarray:
         """``[B + 1]`` int64: where each sequence's local rows start on this CP rank."""
         return self.cu_seqlens_padded.astype(np.int64) // self.cp_size
@@ -379,3 +412,18 @@ class PackedLayout:
         cp = f", cp_size={self.cp_size}, cp_rank={self.cp_rank}" if self.cp_size > 1 else ""
         return (f"PackedLayout(num_sequences={self.num_sequences}, real_tokens={self.real_tokens}, "
                 f"num_tokens={self.num_tokens}, pad_multiple={self.pad_multiple}{cp})")
+
+
+def _logical_index(layout: PackedLayout) -> np.ndarray:
+    lens = layout.seq_lens
+    shift = layout.cu_seqlens_padded[:-1].astype(np.int64) - layout.cu_seqlens[:-1].astype(np.int64)
+    index = np.repeat(shift, lens) + np.arange(layout.real_tokens, dtype=np.int64)
+    index.flags.writeable = False
+    return index
+
+
+def _position_ids(layout: PackedLayout) -> np.ndarray:
+    starts = layout.cu_seqlens_padded[:-1].astype(np.int64)
+    pos = np.arange(layout.num_tokens, dtype=np.int64) - np.repeat(starts, layout.padded_lens)
+    pos.flags.writeable = False
+    return pos

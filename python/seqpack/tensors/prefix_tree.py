@@ -58,13 +58,14 @@ Importing this module does not import torch; tensors are accepted where arrays a
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Tuple
+from typing import Any, Dict
 
 import numpy as np
 
 from .. import _core
 from .._lengths import _is_torch_tensor, as_int64, as_positive_int
 from ..planning._token_rows import group_array, packed_rows, padded_rows, rows_flat
+from .token_layout import TokenLayout
 
 __all__ = ["PrefixTreeBatch", "PrefixTreeMetrics", "pack_prefix_tree"]
 
@@ -119,11 +120,12 @@ def pack_prefix_tree(rows: Any, *, group_ids: Any = None, min_shared_tokens: Any
     return _build(tokens, cu, group_ids, min_shared_tokens, pad_to_multiple_of, pad_token_id)
 
 
-class PrefixTreeBatch:
+class PrefixTreeBatch(TokenLayout):
     """A batch of rows packed as a prefix tree (see the module docstring for the
-    layout). Built by :func:`pack_prefix_tree`, :meth:`from_padded` or
+    layout): the :class:`~seqpack.tensors.token_layout.TokenLayout` of rows that
+    share prefixes. Built by :func:`pack_prefix_tree`, :meth:`from_padded` or
     :meth:`from_packed`; holds read-only int64 NumPy arrays, compares by value,
-    pickles and deep-copies through them."""
+    pickles and deep-copies through them (with the host plans built so far)."""
 
     __slots__ = ("_arrays", "_num_pad_tokens", "_plans")
 
@@ -219,10 +221,28 @@ class PrefixTreeBatch:
     def num_segments(self) -> int:
         return int(self._arrays["segment_parent"].shape[0])
 
+    cp_size = property(lambda self: 1, doc="1: a tree holds the whole stream (cut into ranges when sharded).")
+    cp_rank = property(lambda self: 0, doc="0 (see cp_size).")
+
     @property
-    def seq_lens(self) -> np.ndarray:
-        """Logical length of each row [R]."""
-        return np.diff(self._arrays["cu_seqlens"])
+    def shares_tokens(self) -> bool:
+        return self.num_logical_tokens != self.num_tokens - self._num_pad_tokens
+
+    def rows(self) -> Any:
+        """The plain packing of these physical tokens when no token is shared: each
+        row's tokens back to back (in the physical order), each pad token an empty
+        sequence padded to one row; ``None`` when rows share tokens.
+
+        >>> pack_prefix_tree([[1, 2], [3]], pad_to_multiple_of=4).rows().cu_seqlens_padded.tolist()
+        [0, 2, 3, 4]
+        """
+        return None if self.shares_tokens else self.host_plan("rows", _plain_rows)
+
+    def select(self, *, rows: Any, tree: Any) -> Any:
+        return tree
+
+    def _plan_store(self) -> Dict[Any, Any]:
+        return self._plans
 
     def attention_mask(self, max_tokens: int = MAX_DENSE_MASK_TOKENS) -> np.ndarray:
         """Dense bool [T, T]: ``mask[i, j]`` (query i, key j) is ``j <= i < subtree_end[j]``.
@@ -234,53 +254,6 @@ class PrefixTreeBatch:
                              "(use parent / subtree_end or the segments instead)")
         i = np.arange(t, dtype=np.int64)
         return (i[None, :] <= i[:, None]) & (i[:, None] < self.subtree_end[None, :])
-
-    # ---- moving per-token values ----------------------------------------------------
-    def to_logical(self, x: Any) -> Any:
-        """Per-physical-token values ``x`` [T, ...] (array or tensor) in the logical
-        layout [N, ...]: each logical token takes its physical token's value."""
-        x = self._rows_of(x)
-        self._check_rows(x, self.num_tokens, "num_tokens (T)")
-        return x[self._index_for(x, self.logical_index)]
-
-    def to_physical(self, x: Any, fill: Any = 0) -> Any:
-        """Per-logical-token values ``x`` [N, ...] (array or tensor) in the physical
-        layout [T, ...]: each physical token takes the value of its *first* logical
-        occurrence (rows in their given order); later occurrences are not read, so
-        values that are a function of the prefix (ids, positions, hidden states of a
-        causal model) round-trip exactly. Pad tokens get ``fill``."""
-        x = self._rows_of(x)
-        self._check_rows(x, self.num_logical_tokens, "num_logical_tokens (N)")
-        real = self.num_tokens - self._num_pad_tokens
-        index = self._index_for(x, self.first_logical[:real])
-        if _is_torch_tensor(x):
-            out = x.new_full((self.num_tokens, *x.shape[1:]), fill)
-            if real:
-                out = out.index_copy(0, self._index_for(x, np.arange(real)), x[index])
-            return out
-        arr = np.asarray(x)
-        out = np.full((self.num_tokens, *arr.shape[1:]), fill, dtype=arr.dtype)
-        out[:real] = arr[index]
-        return out
-
-    @staticmethod
-    def _rows_of(x: Any) -> Any:
-        """A tensor as it is; anything else (a list, a tuple) as a NumPy array."""
-        return x if _is_torch_tensor(x) or isinstance(x, np.ndarray) else np.asarray(x)
-
-    @staticmethod
-    def _check_rows(x: Any, n: int, what: str) -> None:
-        shape = tuple(getattr(x, "shape", ()))
-        if len(shape) < 1 or shape[0] != n:
-            raise ValueError(f"x must have {what} = {n} rows along dim 0, got shape {shape}")
-
-    @staticmethod
-    def _index_for(x: Any, index: np.ndarray) -> Any:
-        if _is_torch_tensor(x):
-            import torch
-
-            return torch.from_numpy(np.ascontiguousarray(index)).to(x.device)
-        return index
 
     # ---- metrics ------------------------------------------------------------------
     def metrics(self) -> "PrefixTreeMetrics":
@@ -322,32 +295,8 @@ class PrefixTreeBatch:
     def __reduce__(self):
         # The host plans built so far travel with the tree (a collate function in a
         # DataLoader worker builds them; the training loop then builds none).
-        return (_rebuild, ({k: np.array(v) for k, v in self._arrays.items()}, self._num_pad_tokens, dict(self._plans)))
-
-    # ---- host plans ------------------------------------------------------------------
-    def host_plan(self, key: Any, build: Callable[["PrefixTreeBatch"], Any]) -> Any:
-        """The host plan ``key`` of this tree (attention segments and their key rows,
-        log-prob targets, a CP rank's plan; :mod:`seqpack.tensors.tree_plans`, and
-        :func:`~seqpack.tensors.tree_plans.prepare_tree` to build them all at once),
-        built by ``build(self)`` on first use and kept by the tree: every attention layer of a step, and every step that reuses the
-        tree, reads the same plan. Plans pickle with the tree (those with a
-        ``check_tree(tree)`` method are checked against it when rebuilt; others are
-        left to be built again). ``key`` must be hashable and picklable.
-
-        >>> tree = pack_prefix_tree([[1, 2, 3], [1, 2, 4]])
-        >>> tree.host_plan("sizes", lambda t: t.num_tokens)
-        4
-        """
-        plans = self._plans
-        plan = plans.get(key)
-        if plan is None:
-            plan = build(self)  # two threads may both build it, harmlessly: one value wins
-            plan = plans.setdefault(key, plan)
-        return plan
-
-    def planned(self) -> Tuple[Any, ...]:
-        """The keys of the host plans this tree holds."""
-        return tuple(self._plans)
+        return (_rebuild, ({k: np.array(v) for k, v in self._arrays.items()}, self._num_pad_tokens,
+                           self._pickled_plans()))
 
     def __repr__(self) -> str:
         return (f"PrefixTreeBatch(num_rows={self.num_rows}, num_logical_tokens={self.num_logical_tokens}, "
@@ -382,15 +331,20 @@ class PrefixTreeMetrics:
         return self.plain_attention_pairs / self.tree_attention_pairs if self.tree_attention_pairs else 1.0
 
 
+def _plain_rows(tree: PrefixTreeBatch) -> Any:
+    """:meth:`PrefixTreeBatch.rows` of a tree that shares no token."""
+    from .layout import PackedLayout
+
+    real = tree.num_tokens - tree.num_pad_tokens
+    starts = np.sort(tree.logical_index[tree.cu_seqlens[:-1][tree.seq_lens > 0]])  # each non-empty row's first token
+    cu = np.concatenate([starts, [real]]).astype(np.int64)
+    pads = np.arange(real + 1, tree.num_tokens + 1, dtype=np.int64)
+    return PackedLayout.from_offsets(np.concatenate([cu, np.full(pads.shape[0], real)]), np.concatenate([cu, pads]))
+
+
 def _rebuild(arrays: Dict[str, np.ndarray], num_pad_tokens: int, plans: Any = None) -> PrefixTreeBatch:
     """A pickled tree: its arrays checked as any tree given from outside, then each
-    plan that can be checked against it (others are dropped, to be built again)."""
+    plan checked against it."""
     tree = PrefixTreeBatch(**arrays, num_pad_tokens=num_pad_tokens)
-    if plans is not None and not isinstance(plans, dict):
-        raise TypeError(f"a pickled PrefixTreeBatch's plans must be a dict, got {type(plans).__name__}")
-    for key, plan in (plans or {}).items():
-        check = getattr(type(plan), "check_tree", None)
-        if check is not None:
-            check(plan, tree)
-            tree._plans[key] = plan
+    tree._adopt_plans(plans)
     return tree

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .._lengths import as_positive_int
+from .layout_kinds import as_tree
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -45,12 +46,7 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = ["gather_tree_cp", "tree_cp_bounds", "tree_cp_local_rows", "tree_cp_work"]
 
 
-def _tree(tree: Any, name: str = "tree") -> "PrefixTreeBatch":
-    from .prefix_tree import PrefixTreeBatch
-
-    if not isinstance(tree, PrefixTreeBatch):
-        raise TypeError(f"{name} must be a PrefixTreeBatch (seqpack.pack_prefix_tree), got {type(tree).__name__}")
-    return tree
+_tree = as_tree
 
 
 def tree_cp_work(tree: "PrefixTreeBatch") -> np.ndarray:

@@ -44,6 +44,7 @@ from .. import _core
 from .._equality import values_equal
 from .._lengths import as_int64, as_lengths, as_positive_int, type_name
 from .layout import PackedLayout, PackedSeqParams, alignment, host_offsets, megatron_packed_seq_params
+from .layout_kinds import as_packed_layout
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -566,8 +567,7 @@ def pack_to_layout(
     """
     named, batch, width, leading = _named_tensors(tensors, position_keys)
     num_threads = as_positive_int(num_threads, "num_threads", allow_zero=True)
-    if not isinstance(layout, PackedLayout):
-        raise TypeError(f"layout must be a PackedLayout, got {type(layout).__name__}")
+    as_packed_layout(layout)
     if batch != layout.num_sequences:
         raise ValueError(f"the tensors hold {batch} rows; the layout has {layout.num_sequences} sequences")
     plan = _core.thd_plan_for_layout(layout._core_layout, width, layout.cp_rank)

@@ -41,15 +41,13 @@ import numpy as np
 from .._equality import values_equal
 from .._lengths import as_positive_int, type_name
 from .prefix_tree import PrefixTreeBatch
+from .layout_kinds import as_tree
 
 __all__ = ["TreeAttentionPlan", "TreeCpPlan", "TreeTargets", "attention_plan", "attention_segments",
            "cp_attention_plan", "prepare_tree", "tree_cp_plan", "tree_targets"]
 
 
-def _tree(tree: Any) -> PrefixTreeBatch:
-    if not isinstance(tree, PrefixTreeBatch):
-        raise TypeError(f"tree must be a PrefixTreeBatch (from seqpack.pack_prefix_tree), got {type_name(tree)}")
-    return tree
+_tree = as_tree
 
 
 def _index_array(a: Any, name: str, size: Optional[int], low: int, high: Optional[int]) -> int:
@@ -221,7 +219,7 @@ class TreeAttentionPlan:
         return (f"TreeAttentionPlan(num_segments={self.segment_parent.shape[0]}, num_keys={self.num_keys}, "
                 f"plain={self.plain})")
 
-    def check_tree(self, tree: PrefixTreeBatch) -> None:
+    def check_layout(self, tree: PrefixTreeBatch) -> None:
         """Raises ValueError unless this plan is ``tree``'s (a pickled plan): its
         segments are recomputed (linear) and its key rows bounded."""
         offsets, parents = attention_segments(tree)
@@ -299,11 +297,12 @@ class TreeCpPlan:
 
     __hash__ = None  # type: ignore[assignment]
 
-    def check_tree(self, tree: PrefixTreeBatch) -> None:
+    def check_layout(self, tree: PrefixTreeBatch) -> None:
         """Raises ValueError unless this plan is one of ``tree``'s (a pickled plan):
         the cut recomputed, the key rows bounded."""
         from .prefix_tree_cp import tree_cp_bounds
 
+        _tree(tree)
         bounds, plan = self.bounds, self.plan
         if not isinstance(bounds, np.ndarray) or not np.array_equal(bounds, tree_cp_bounds(tree, bounds.shape[0] - 1)):
             raise ValueError("a pickled tree CP plan's cut does not match its tree")
@@ -327,8 +326,9 @@ def cp_attention_plan(tree: PrefixTreeBatch, cp: int, rank: int) -> TreeCpPlan:
 
 def prepare_tree(tree: PrefixTreeBatch, *, attention: bool = True, targets: bool = True,
                  cp_size: Any = None) -> PrefixTreeBatch:
-    """Build now the host plans a training step reads (the attention plan, the
-    log-prob targets, each rank's CP attention plan for ``cp_size`` ranks), so that
+    """Build now the host plans a training step reads (the attention plan, or the
+    plain rows of a tree that shares nothing; the log-prob targets; each rank's CP
+    attention plan for ``cp_size`` ranks), so that
     the step does none of that work: call it where the batch is built (a collate
     function, a DataLoader worker); the plans pickle with the tree. Returns the tree.
 
@@ -338,7 +338,7 @@ def prepare_tree(tree: PrefixTreeBatch, *, attention: bool = True, targets: bool
     ['attention', 'targets']
     """
     _tree(tree)
-    if attention:
+    if attention and tree.rows() is None:  # rows sharing nothing run plain packing: no attention plan
         attention_plan(tree)
     if targets:
         tree_targets(tree)
@@ -385,9 +385,9 @@ class TreeTargets(NamedTuple):
 
     __hash__ = None  # holds arrays
 
-    def check_tree(self, tree: PrefixTreeBatch) -> None:
+    def check_layout(self, tree: PrefixTreeBatch) -> None:
         """Raises ValueError unless this plan indexes within ``tree`` (a pickled plan)."""
-        t, n = tree.num_tokens, tree.num_logical_tokens
+        t, n = _tree(tree).num_tokens, tree.num_logical_tokens
         e = _index_array(self.extra_source, "extra_source", None, 0, t)
         _index_array(self.primary, "primary", t, -1, None)
         _index_array(self.extra_target, "extra_target", e, 0, None)

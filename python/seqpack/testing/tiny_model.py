@@ -164,19 +164,25 @@ class TinyCausalLM(nn.Module):
         """Logits ``[T, V]`` at the physical tokens of a :class:`seqpack.PrefixTreeBatch`
         (``tree.num_tokens`` rows, pad tokens included); ``logits[tree.logical_index]``
         are the rows' logits, each as the row run alone would give them."""
-        from ..tensors.prefix_tree import PrefixTreeBatch
+        from ..tensors.layout_kinds import as_tree
+
+        tree = as_tree(tree)
+        return self.forward_layout(torch.tensor(tree.input_ids, device=self.embed.weight.device), tree, backend)
+
+    def forward_layout(self, input_ids: torch.Tensor, layout: Any, backend: str = "auto") -> torch.Tensor:
+        """Logits ``[T, V]`` of the physical tokens ``input_ids`` [T] of any layout
+        (a :class:`seqpack.PrefixTreeBatch`, a :class:`seqpack.PackedLayout` of rows
+        that share nothing), each attention layer :func:`seqpack.tree_attention`."""
+        from ..tensors.layout_kinds import as_layout
         from ..training.attention_tree import tree_attention
 
-        if not isinstance(tree, PrefixTreeBatch):
-            raise TypeError(f"tree must be a PrefixTreeBatch (seqpack.pack_prefix_tree), got {type(tree).__name__}")
-        device = self.embed.weight.device
-        ids = torch.tensor(tree.input_ids, device=device)  # a copy: the arrays are read-only
-        positions = torch.tensor(tree.position_ids, device=device)
+        layout = as_layout(layout)
+        positions = torch.tensor(layout.position_ids, device=input_ids.device)  # a copy: the arrays are read-only
 
         def attend(q, k, v):
-            return tree_attention(q, k, v, tree, backend=backend)
+            return tree_attention(q, k, v, layout, backend=backend)
 
-        x = self.embed(ids)
+        x = self.embed(input_ids)
         for block in self.blocks:
             x = block(x, positions, attend)
         return self.lm_head(self.norm(x))

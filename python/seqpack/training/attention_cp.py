@@ -25,7 +25,7 @@ import numpy as np
 from .._lengths import as_positive_int
 from ..tensors.layout import host_offsets
 from . import attention_inputs as inputs
-from .attention_varlen import varlen_attention
+from .attention_gathered import attend_gathered
 from .varlen_backends import pick_backend
 
 if TYPE_CHECKING:
@@ -52,17 +52,24 @@ def _cp_plan(cu_padded: np.ndarray, cp: int, rank: int, causal: bool) -> Dict[st
                 k_index=k_index.astype(np.int64), max_q=int(q_lens.max(initial=0)), max_k=int(k_lens.max(initial=0)))
 
 
+def _cut_as_tree(packed_batch: Any) -> bool:
+    """Whether the layout of ``packed_batch`` is cut for CP as a tree (contiguous
+    ranges balanced by attention work) rather than in zigzag chunks of rows."""
+    from ..tensors.layout_kinds import is_layout
+
+    layout = getattr(packed_batch, "layout", packed_batch)
+    return is_layout(layout) and layout.select(rows=False, tree=True)
+
+
 def _cp_checks(q, k, v, packed_batch, size: int, me: int, causal: bool, softmax_scale, kv_heads_per_chunk,
                backend: str) -> Dict[str, Any]:
     """Every check of :func:`cp_attention` whose outcome can differ between ranks
     (the batch's offsets, CP size and rank, this rank's q/k/v, the arguments), run
     before its first collective and inside the agreement; returns what the call
     needs."""
-    from ..tensors.prefix_tree import PrefixTreeBatch
-
-    if isinstance(packed_batch, PrefixTreeBatch):
-        raise TypeError("cp_attention takes a zigzag PackedBatch; for a prefix tree use seqpack.tree_cp_attention "
-                        "(contiguous ranges of the tree balanced by attention work, seqpack.tree_cp_bounds)")
+    if _cut_as_tree(packed_batch):  # here only when not causal: a tree goes to tree_cp_attention otherwise
+        raise ValueError("a prefix tree's attention is causal (each token over its ancestors and itself): "
+                         "cp_attention takes causal=True with a tree")
     try:
         layout = getattr(packed_batch, "layout", None)  # a PackedBatch's host offsets; else one copy
         cu = layout.cu_seqlens_padded if layout is not None else packed_batch.cu_seqlens_padded
@@ -144,9 +151,11 @@ def cp_attention(
 
     Args:
         q, k, v: local rows ``[T / cp, Hq, D]`` and ``[T / cp, Hk, D]``.
-        packed_batch: the :class:`seqpack.PackedBatch` of these rows (its
-            ``cu_seqlens_padded``, ``cp_size`` and ``cp_rank`` are used), or any
-            object with those three attributes.
+        packed_batch: the layout of these rows: a :class:`seqpack.PackedBatch` or
+            :class:`~seqpack.PackedLayout` (its ``cu_seqlens_padded``, ``cp_size``
+            and ``cp_rank`` are used), or any object with those three attributes;
+            a :class:`~seqpack.PrefixTreeBatch` (cut in contiguous ranges, not
+            zigzag chunks) runs :func:`~seqpack.tree_cp_attention`.
         group: the CP process group (``torch.distributed``; default WORLD); its
             size and this rank's index must be the batch's ``cp_size``/``cp_rank``.
         agree: run the checks' all-reduce (default). It costs one small collective
@@ -165,6 +174,12 @@ def cp_attention(
     from .._dist import checked_on_every_rank
     from ..tensors.cp import gather_cp
 
+    if causal is True and _cut_as_tree(packed_batch):
+        from .attention_tree_cp import tree_cp_attention
+
+        return tree_cp_attention(q, k, v, getattr(packed_batch, "layout", packed_batch), group,
+                                 softmax_scale=softmax_scale, kv_heads_per_chunk=kv_heads_per_chunk, backend=backend,
+                                 agree=agree)
     q, k, v = inputs.follow_autocast(q, k, v)  # the gathers move the autocast dtype, as varlen_attention computes in it
     size, me = dist.get_world_size(group), dist.get_rank(group)
     if size < 1 or me < 0:
@@ -178,38 +193,3 @@ def cp_attention(
     # Agreed above (the offsets, k's and v's shapes, dtypes and requires_grad).
     return attend_gathered(q, k, v, lambda t: gather_cp(t, cu32, group, agree=False), plan, causal=causal,
                            scale=scale, backend=backend, kv_heads_per_chunk=step)
-
-
-def attend_gathered(q, k, v, gather, plan: Dict[str, Any], *, causal: bool, scale: float, backend: str,
-                    kv_heads_per_chunk: int) -> "torch.Tensor":
-    """This rank's queries against keys and values gathered over its group:
-    ``gather(t)`` gives every rank's rows of ``t`` in the full layout, ``plan``'s
-    ``k_index`` picks each query segment's keys from them (``cu_q``, ``cu_k``,
-    ``max_q``, ``max_k``: the :func:`varlen_attention` offsets), and
-    ``kv_heads_per_chunk`` KV heads go at a time (re-gathered in the backward:
-    activation checkpointing) when fewer than all."""
-    from ..tensors._device import host_to_device
-
-    import torch
-    (k_index,) = host_to_device([plan["k_index"]], k.device)
-    hk, group_size = k.shape[1], q.shape[1] // k.shape[1]
-
-    def attend(qc, kc, vc):
-        keys, values = gather(kc).index_select(0, k_index), gather(vc).index_select(0, k_index)
-        if qc.shape[0] == 0:  # no query here (a tree's CP rank can hold none): no kernel runs, and the
-            # gathers stay in the graph through an exact 0, so this rank's backward joins their reduce-scatters
-            zero = (qc[:0].sum() + keys[:0].sum() + values[:0].sum()).to(vc.dtype)
-            return vc.new_zeros((0, qc.shape[1], vc.shape[2])) + zero
-        return varlen_attention(qc, keys, values, plan["cu_q"], plan["cu_k"], plan["max_q"], plan["max_k"],
-                                causal=causal, softmax_scale=scale, backend=backend)
-
-    if kv_heads_per_chunk >= hk:
-        return attend(q, k, v)
-    from torch.utils.checkpoint import checkpoint
-
-    outs = []
-    for h in range(0, hk, kv_heads_per_chunk):
-        e = min(hk, h + kv_heads_per_chunk)
-        outs.append(checkpoint(attend, q[:, h * group_size: e * group_size], k[:, h:e], v[:, h:e],
-                               use_reentrant=False))
-    return torch.cat(outs, dim=1)

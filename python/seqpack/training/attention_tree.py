@@ -24,11 +24,13 @@ their own segment causally: segment ``[3, 5)`` attends to keys ``0 1 | 3 4`` wit
 the mask ``[[1 1 1 0], [1 1 1 1]]``. Pad tokens are single-token root segments
 that see only themselves.
 
-Rows that share nothing (every attention segment a root) run plain packing's
-kernels: :func:`~seqpack.varlen_attention` on the rows, no tree plan, whichever of
-the sdpa and varlen backends is asked for. The plan of a tree is built once and
+Any :class:`~seqpack.tensors.token_layout.TokenLayout` is accepted: a layout whose
+rows share no token (a :class:`~seqpack.PackedLayout`, or a tree with nothing
+shared) runs plain packing's kernels, :func:`~seqpack.varlen_attention` on its
+:meth:`~seqpack.tensors.token_layout.TokenLayout.rows`, with no tree plan; a tree
+whose attention segments are all roots (chains) runs it on the segments. The plan of a tree is built once and
 kept by the tree (:meth:`~seqpack.PrefixTreeBatch.host_plan`; build it where the
-batch is built with :meth:`~seqpack.PrefixTreeBatch.prepare`).
+batch is built with :func:`~seqpack.prepare_tree`).
 
 Backends (:func:`tree_attention_backends` says which run here); none but the
 reference ever builds a dense ``[T, T]`` mask:
@@ -86,6 +88,7 @@ from __future__ import annotations
 import functools
 from typing import TYPE_CHECKING, Any, Dict, Optional
 
+from ..tensors.layout_kinds import as_layout
 from ..tensors.tree_plans import attention_plan
 from . import attention_inputs as inputs
 from .attention_tree_cascade import cascade_available, tree_cascade_attention
@@ -100,6 +103,8 @@ if TYPE_CHECKING:
 __all__ = ["TREE_BACKENDS", "MAX_REFERENCE_SCORES", "tree_attention", "tree_attention_backends"]
 
 TREE_BACKENDS = ("varlen", "sdpa", "flex", "reference")
+# The varlen_attention backend that runs rows sharing nothing for each tree backend.
+_ROWS_BACKEND = {"reference": "reference", "flex": "flex"}
 # The reference builds [Hq, T, T] float64 scores: refused past this many (256 MiB).
 MAX_REFERENCE_SCORES = 1 << 25
 
@@ -155,7 +160,11 @@ def tree_attention(
         q: ``[T, Hq, D]`` at the physical tokens (``T = tree.num_tokens``, pad
             tokens included).
         k: ``[T, Hk, D]``, v: ``[T, Hk, Dv]`` (``Hq`` a multiple of ``Hk``: GQA).
-        tree: the :class:`~seqpack.PrefixTreeBatch` the tokens were laid out by.
+        tree: the layout the tokens were laid out by (a
+            :class:`~seqpack.tensors.token_layout.TokenLayout`): a
+            :class:`~seqpack.PrefixTreeBatch`, or rows that share nothing (a
+            :class:`~seqpack.PackedLayout`, a ``PackedBatch``, ``cu_seqlens``
+            offsets), which run :func:`~seqpack.varlen_attention` as they are.
         softmax_scale: default ``1 / sqrt(D)``; any real number (NumPy and 0-d
             tensor scalars included).
         backend: ``"auto"`` or one of :data:`TREE_BACKENDS`.
@@ -168,13 +177,13 @@ def tree_attention(
     Under ``torch.autocast`` (for q's device type) q, k and v are cast to the
     autocast dtype first, as SDPA's are; outside autocast they must share dtype.
     """
-    from ..tensors.prefix_tree import PrefixTreeBatch
-
-    if not isinstance(tree, PrefixTreeBatch):
-        raise TypeError(f"tree must be a PrefixTreeBatch (seqpack.pack_prefix_tree), got {type(tree).__name__}")
+    layout = as_layout(tree, "tree")
+    if layout.cp_size != 1:
+        raise ValueError(f"tree is laid out for cp_size = {layout.cp_size} (this rank's zigzag rows): use "
+                         "seqpack.cp_attention with the CP group")
     q, k, v = inputs.follow_autocast(q, k, v)
     inputs.check_qkv(q, k, v, None, True)
-    t = tree.num_tokens
+    t = layout.num_tokens
     if q.shape[0] != t or k.shape[0] != t:
         raise ValueError(f"q, k and v must have one row per physical token of tree (tree.num_tokens = {t}), got "
                          f"q {tuple(q.shape)} and k/v {tuple(k.shape)}")
@@ -182,13 +191,18 @@ def tree_attention(
     name = pick_tree_backend(backend, q, k, v)
     if t == 0:  # [0, Hq, Dv], still attached to v's graph
         return v[:0].repeat_interleave(q.shape[1] // k.shape[1], 1)
+    rows = layout.rows()
+    if rows is not None:  # nothing shared: plain packing's kernels, no tree plan
+        cu, longest = rows.cu_seqlens_padded, rows.max_seqlen_padded
+        return varlen_attention(q, k, v, cu, cu, longest, longest, causal=True, softmax_scale=scale,
+                                backend=_ROWS_BACKEND.get(name, "auto"))
     if name == "reference":
-        return _reference(q, k, v, tree, scale)
+        return _reference(q, k, v, layout, scale)
     if name == "flex":
-        return _flex(q, k, v, tree, scale)
+        return _flex(q, k, v, layout, scale)
     if name == "varlen":
-        return _varlen(q, k, v, tree, scale)
-    return _sdpa(q, k, v, tree, scale)
+        return _varlen(q, k, v, layout, scale)
+    return _sdpa(q, k, v, layout, scale)
 
 
 def pick_tree_backend(backend: Any, q, k, v) -> str:

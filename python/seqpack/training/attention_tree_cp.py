@@ -30,8 +30,8 @@ import numpy as np
 
 from .._lengths import as_positive_int
 from ..tensors.tree_plans import cp_attention_plan
-from .attention_cp import attend_gathered
 from . import attention_inputs as inputs
+from .attention_gathered import attend_gathered
 from .varlen_backends import pick_backend
 
 if TYPE_CHECKING:

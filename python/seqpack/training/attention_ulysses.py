@@ -92,16 +92,20 @@ def _ulysses_checks(q, k, v, packed_batch, size: int, me: int, causal: bool, sof
     """Every check of :func:`ulysses_attention` whose outcome can differ between
     ranks, run before its first collective and inside the agreement; returns what
     the call needs."""
-    from ..tensors.prefix_tree import PrefixTreeBatch
+    from ..tensors.layout_kinds import is_layout
 
-    if isinstance(packed_batch, PrefixTreeBatch):
-        return _tree_checks(q, k, v, packed_batch, size, causal, softmax_scale, window_size, backend)
+    layout = getattr(packed_batch, "layout", packed_batch)  # a PackedBatch's layout
+    if is_layout(layout):
+        rows = layout.rows()  # a tree with nothing shared: plain packing's rows
+        if rows is None:
+            return _tree_checks(q, k, v, layout, size, causal, softmax_scale, window_size, backend)
+        layout = rows
     try:
-        layout = getattr(packed_batch, "layout", None)  # a PackedBatch's host offsets; else one copy
-        cu = layout.cu_seqlens_padded if layout is not None else packed_batch.cu_seqlens_padded
+        cu = layout.cu_seqlens_padded
     except AttributeError as exc:
-        raise TypeError(f"packed_batch must have cu_seqlens_padded (a PackedBatch or a PackedLayout): {exc}") from None
-    cp = getattr(packed_batch, "cp_size", 1)
+        raise TypeError(f"packed_batch must have cu_seqlens_padded (a PackedBatch or a PackedLayout), or be a "
+                        f"PrefixTreeBatch: {exc}") from None
+    cp = getattr(layout, "cp_size", 1)
     if cp != 1:
         raise ValueError(f"packed_batch was built for cp_size={cp} (zigzag rows, cp_attention's layout); "
                          "ulysses_attention takes a batch of the whole packed stream (cp_size=1), each rank "

@@ -46,6 +46,7 @@ from .._lengths import as_positive_int, as_temperature
 from .._equality import values_equal
 from ..tensors.cp import cp_row_positions
 from ..tensors.layout import PackedLayout, check_offsets, reads_on_host
+from ..tensors.layout_kinds import is_layout
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -139,7 +140,7 @@ def _offsets_on(device, cu_seqlens: Any, cu_seqlens_padded: Any, cp: int, rows: 
     """(cu_seqlens, cu_seqlens_padded) as tensors on ``device``: host offsets are
     validated against the shapes and copied with one pinned non-blocking copy;
     device offsets are used as they are (not read back)."""
-    if isinstance(cu_seqlens, PackedLayout):
+    if is_layout(cu_seqlens):
         return _sized(cu_seqlens, rows, ids_len)._offsets_on(device)  # read only by the kernels
     if cu_seqlens_padded is None:
         cu_seqlens_padded = cu_seqlens
@@ -149,6 +150,20 @@ def _offsets_on(device, cu_seqlens: Any, cu_seqlens_padded: Any, cp: int, rows: 
     if isinstance(cu, np.ndarray) or isinstance(padded, np.ndarray):
         raise TypeError("cu_seqlens and cu_seqlens_padded must both be device tensors or both host offsets")
     return cu, padded
+
+
+def _rows_layout(cu_seqlens: Any) -> Any:
+    """Offsets as they are; a layout (a PackedBatch's included) as the plain packing of
+    its rows. A tree whose rows share tokens is refused: a shared token predicts one
+    token per child, one row of logits cannot hold them."""
+    layout = getattr(cu_seqlens, "layout", cu_seqlens)
+    if not is_layout(layout):
+        return cu_seqlens
+    rows = layout.rows()
+    if rows is None:
+        raise TypeError("cu_seqlens is a prefix tree whose rows share tokens (a shared token has one target per "
+                        "child): use seqpack.tree_token_logprobs or seqpack.tree_linear_token_logprobs")
+    return rows
 
 
 def _sized(layout: PackedLayout, rows: int, ids_len: int) -> PackedLayout:
@@ -306,7 +321,8 @@ def _targets(rows: int, device, vocab: int, input_ids: Any, cu_seqlens: Any, cu_
     if input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool:
         raise TypeError(f"input_ids must be an integer tensor, got {input_ids.dtype}")
     as_temperature(temperature)  # a normal float32: what the kernels receive is always valid
-    if isinstance(cu_seqlens, PackedLayout):  # the layout carries the offsets and the CP split
+    cu_seqlens = _rows_layout(cu_seqlens)
+    if is_layout(cu_seqlens):  # the layout carries the offsets and the CP split
         if cu_seqlens_padded is not None:
             raise ValueError("give cu_seqlens_padded only with plain offsets, not with a PackedLayout")
         cp_size, cp_rank = cu_seqlens.cp_size, cu_seqlens.cp_rank
@@ -321,7 +337,7 @@ def _targets(rows: int, device, vocab: int, input_ids: Any, cu_seqlens: Any, cu_
 
     layout = None
     if vocab_parallel_group is not None:  # facts for the agreement: host offsets by value, device ones by shape
-        if isinstance(cu_seqlens, PackedLayout):
+        if is_layout(cu_seqlens):
             layout = (cp, cu_seqlens.cu_seqlens.astype(np.int64), cu_seqlens.cu_seqlens_padded.astype(np.int64))
         else:
             given = (cu_seqlens, cu_seqlens if cu_seqlens_padded is None else cu_seqlens_padded)

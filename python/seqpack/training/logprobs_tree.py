@@ -56,8 +56,9 @@ from typing import TYPE_CHECKING, Any, List, Optional, Tuple
 
 import numpy as np
 
-from .._lengths import as_positive_int, as_temperature, type_name
+from .._lengths import as_positive_int, as_temperature
 from ..tensors.prefix_tree import PrefixTreeBatch
+from ..tensors.layout_kinds import as_tree
 from ..tensors.tree_plans import TreeTargets, tree_targets
 from .logprobs import TokenLogprobs
 
@@ -173,8 +174,7 @@ def _torch():
 
 
 def _check_tree(tree: Any) -> None:
-    if not isinstance(tree, PrefixTreeBatch):
-        raise TypeError(f"tree must be a PrefixTreeBatch (from seqpack.pack_prefix_tree), got {type_name(tree)}")
+    as_tree(tree)
 
 
 def _local_rows(tree: PrefixTreeBatch, cp_size: Any, cp_rank: Any) -> Tuple[int, int]:

@@ -25,7 +25,7 @@ from .._equality import ValueEquality
 from .._lengths import as_temperature
 from ..tensors.cp import gather_cp
 from ..tensors.layout import PackedLayout
-from ..tensors.prefix_tree import PrefixTreeBatch
+from ..tensors.layout_kinds import is_layout
 from ..tensors.thd import pack_to_layout
 from . import distillation, nemo_rl_loss, preference_loss, value_loss, vocab_parallel
 from .distillation import DISTILLATION_DEFAULTS, DistillationLoss, distillation_loss_input, distillation_topk_logprobs
@@ -223,10 +223,16 @@ class SequencePackingLossWrapper(ValueEquality):
                  temperature: float = 1.0, agree: bool = True):
         if cu_seqlens_q is None:
             raise ValueError("cu_seqlens_q is required")
-        _check_packable(loss_fn, fused or isinstance(cu_seqlens_q, PrefixTreeBatch))  # a tree: one call too
+        given = getattr(cu_seqlens_q, "layout", cu_seqlens_q)  # a PackedBatch's layout
+        layout = given if is_layout(given) else PackedLayout.from_offsets(
+            _host_cu(cu_seqlens_q, "cu_seqlens_q"),
+            None if cu_seqlens_q_padded is None else _host_cu(cu_seqlens_q_padded, "cu_seqlens_q_padded"))
+        # Rows back to back run the loss per sequence; a tree's logits are its physical
+        # tokens, whose log-probs are every row's at once (loss_tree).
+        self.tree = layout.select(rows=None, tree=layout)
+        _check_packable(loss_fn, fused or self.tree is not None)  # a tree: one call too
         self.loss_fn, self.prepare_fn, self.fused, self.agree = loss_fn, prepare_fn, fused, bool(agree)
         self.temperature = as_temperature(temperature)
-        self.tree = cu_seqlens_q if isinstance(cu_seqlens_q, PrefixTreeBatch) else None
         if self.tree is not None:
             if cu_seqlens_q_padded is not None:
                 raise ValueError("cu_seqlens_q_padded does not apply to a prefix tree (its layout has no per-row padding)")
@@ -235,11 +241,8 @@ class SequencePackingLossWrapper(ValueEquality):
                                  "log-prob loss (loss_fn.input_type == 'logprob'; not "
                                  f"{_input_type(loss_fn)!r}) and no prepare_fn")
             layout = PackedLayout.from_offsets(self.tree.cu_seqlens)
-        elif isinstance(cu_seqlens_q, PackedLayout):
-            layout = cu_seqlens_q
-        else:
-            layout = PackedLayout.from_offsets(_host_cu(cu_seqlens_q, "cu_seqlens_q"), None if cu_seqlens_q_padded is
-                                               None else _host_cu(cu_seqlens_q_padded, "cu_seqlens_q_padded"))
+        elif is_layout(given) and cu_seqlens_q_padded is not None:
+            raise ValueError("give cu_seqlens_q_padded only with plain offsets: a layout as cu_seqlens_q carries its own")
         self.cu = layout.cu_seqlens.astype(np.int64)
         self.cu_padded = layout.cu_seqlens_padded.astype(np.int64)
         self.vocab_parallel_rank, self.vocab_parallel_group = vocab_parallel_rank, vocab_parallel_group

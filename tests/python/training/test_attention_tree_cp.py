@@ -195,14 +195,16 @@ def case_failing_rank(rank, world):
         assert "disagree on the tree's segments" in str(exc), str(exc)
     else:
         raise AssertionError("ranks with different trees must raise")
-    try:  # zigzag CP does not take a tree: every rank says which function does
-        seqpack.cp_attention(q, k, v, tree)
-    except TypeError as exc:
-        assert "use seqpack.tree_cp_attention" in str(exc), str(exc)
+    try:  # a tree's attention is causal: non-causal CP refuses it on every rank
+        seqpack.cp_attention(q, k, v, tree, causal=False)
+    except ValueError as exc:
+        assert "a prefix tree's attention is causal" in str(exc), str(exc)
     else:
-        raise AssertionError("cp_attention must refuse a tree")
+        raise AssertionError("cp_attention(causal=False) must refuse a tree")
     ref = tree_cp_local_rows(tree_attention(*full, tree, backend="reference"), tree, world, rank)
     torch.testing.assert_close(tree_cp_attention(q, k, v, tree), ref, rtol=1e-10, atol=1e-12)
+    # cp_attention takes any layout: a tree runs tree_cp_attention (its contiguous cut)
+    torch.testing.assert_close(seqpack.cp_attention(q, k, v, tree), ref, rtol=1e-10, atol=1e-12)
     return True
 
 

@@ -211,7 +211,7 @@ def test_bad_inputs_name_the_argument_and_rule():
         seqpack.tree_attention(q[:, 0], k, v, tree)
     with pytest.raises(TypeError, match=r"\bq\b"):
         seqpack.tree_attention(q.numpy(), k, v, tree)
-    with pytest.raises(TypeError, match="tree must be a PrefixTreeBatch"):
+    with pytest.raises(TypeError, match="tree must be a layout"):
         seqpack.tree_attention(q, k, v, [[1, 2, 3], [1, 2, 4]])
     with pytest.raises(ValueError, match="backend must be 'auto' or one of"):
         seqpack.tree_attention(q, k, v, tree, backend="flash")

@@ -1,0 +1,86 @@
+"""What seqpack accepts in place of a layout, and the one place that looks at kinds.
+
+Consumers take a :class:`~seqpack.tensors.token_layout.TokenLayout` through one
+argument; this module turns what users pass there into one and checks the few
+arguments that must be a given kind (the tree plans read a tree's parents and
+segments):
+
+- :func:`as_layout`: a layout as it is, a :class:`~seqpack.PackedBatch` as its
+  ``layout``, flash-attn style ``cu_seqlens`` (with Megatron's
+  ``cu_seqlens_padded``) as a :class:`~seqpack.PackedLayout`;
+- :func:`is_layout`: a layout (not offsets that could become one);
+- :func:`as_tree`, :func:`as_packed_layout`: the argument, when of that kind, else a
+  ``TypeError`` naming it.
+
+Outside this module and :mod:`~seqpack.tensors.token_layout`, no code branches on a
+layout's class (a test reads the source). Importing it does not import torch.
+
+    >>> as_layout([0, 3, 5], cu_seqlens_padded=[0, 4, 6]).cu_seqlens_padded.tolist()
+    [0, 4, 6]
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from .._lengths import _is_torch_tensor, type_name
+from .layout import PackedLayout, host_offsets
+from .prefix_tree import PrefixTreeBatch
+from .token_layout import TokenLayout
+
+__all__ = ["as_layout", "as_packed_layout", "as_tree", "is_layout"]
+
+
+def as_layout(value: Any, name: str = "layout", cu_seqlens_padded: Any = None) -> TokenLayout:
+    """``value`` as a :class:`TokenLayout`: a layout as it is; a
+    :class:`~seqpack.PackedBatch` (or anything with a ``layout``) as its layout; host
+    offsets (flash-attn's ``cu_seqlens``, with Megatron's ``cu_seqlens_padded``) as
+    :meth:`PackedLayout.from_offsets <seqpack.PackedLayout.from_offsets>`.
+
+    """
+    if isinstance(value, TokenLayout):
+        if cu_seqlens_padded is not None:
+            raise ValueError(f"give cu_seqlens_padded only with plain offsets, not with a {type(value).__name__} "
+                             f"as {name}")
+        return value
+    held = getattr(value, "layout", None)
+    if isinstance(held, TokenLayout):
+        return as_layout(held, name, cu_seqlens_padded)
+    if not _offsets_like(value):
+        raise TypeError(f"{name} must be a layout (PrefixTreeBatch, PackedLayout, PackedBatch) or 1-D cu_seqlens "
+                        f"offsets, got {type_name(value)}")
+    cu = host_offsets(value, name)
+    return PackedLayout.from_offsets(cu, None if cu_seqlens_padded is None else
+                                     host_offsets(cu_seqlens_padded, "cu_seqlens_padded"))
+
+
+def _offsets_like(value: Any) -> bool:
+    if _is_torch_tensor(value) or isinstance(value, np.ndarray):
+        return value.ndim == 1
+    if not isinstance(value, (list, tuple)):
+        return False
+    return all(not hasattr(v, "__len__") for v in value)
+
+
+def as_tree(value: Any, name: str = "tree") -> Any:
+    """``value`` when it is a :class:`~seqpack.PrefixTreeBatch` (what the tree plans
+    and tree kernels read: parents, subtree ends, segments), else a ``TypeError``."""
+    from .prefix_tree import PrefixTreeBatch
+
+    if not isinstance(value, PrefixTreeBatch):
+        raise TypeError(f"{name} must be a PrefixTreeBatch (seqpack.pack_prefix_tree), got {type_name(value)}")
+    return value
+
+
+def as_packed_layout(value: Any, name: str = "layout") -> Any:
+    """``value`` when it is a :class:`~seqpack.PackedLayout`, else a ``TypeError``."""
+    if not isinstance(value, PackedLayout):
+        raise TypeError(f"{name} must be a PackedLayout, got {type_name(value)}")
+    return value
+
+
+def is_layout(value: Any) -> bool:
+    """True for a :class:`TokenLayout` (not for offsets that could become one)."""
+    return isinstance(value, TokenLayout)
