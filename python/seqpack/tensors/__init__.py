@@ -1,5 +1,8 @@
 """Packed tensors: the THD layout and what moves tokens into and out of it.
 
+- :mod:`~seqpack.tensors.token_layout`: :class:`TokenLayout`, the one layout of rows and
+  trees (a packed batch is the layout of rows that share nothing);
+  :mod:`~seqpack.tensors.layout_kinds`: what is accepted in place of a layout.
 - :mod:`~seqpack.tensors.layout`: :class:`PackedLayout` (cu_seqlens, alignment, CP) and
   the one alignment rule.
 - :mod:`~seqpack.tensors.thd`: pack/unpack between padded ``[B, S, ...]`` and packed
@@ -21,10 +24,11 @@ from .prefix_tree import PrefixTreeBatch, PrefixTreeMetrics, pack_prefix_tree
 from .prefix_tree_cp import gather_tree_cp, tree_cp_bounds, tree_cp_local_rows
 from .thd import PackedBatch, PackedSeqParams, pack_sequences, pack_to_layout, unpack_sequences
 from .thd_static import StaticPackedBatch, pack_sequences_static
+from .token_layout import TokenLayout
 
 __all__ = [
     "PackedBatch", "PackedDataset", "PackedLayout", "PackedSeqParams", "PrefixTreeBatch", "PrefixTreeMetrics",
-    "StaticPackedBatch", "alignment", "collate_packs", "cp_partition_indices", "cp_restore_order", "pack_dataset",
+    "StaticPackedBatch", "TokenLayout", "alignment", "collate_packs", "cp_partition_indices", "cp_restore_order", "pack_dataset",
     "gather_tree_cp", "pack_prefix_tree", "pack_sequences", "pack_sequences_static", "pack_to_layout", "round_up",
     "tree_cp_bounds", "tree_cp_local_rows", "unpack_sequences",
 ]
