@@ -114,7 +114,7 @@ def main() -> int:
     env = announce(environment(), torch)
     log = CsvLog("distillation", env, args.csv)
     if args.quick:
-        vocab, token_list, ks, repeat = 4096, [256], [1, 8], 1
+        vocab, token_list, ks, repeat = 4096, [256], [8], 1
     else:  # T = 16k at V = 152k: the baseline's [T, V] fp32 tensors (9.3 GiB each) do not fit 24 GiB
         vocab, token_list, ks, repeat = 152064, args.tokens or [2048, 4096], [1, 8, 64], args.repeat
     rows = []

@@ -328,7 +328,7 @@ def main() -> int:
              "huge pages). extra MiB: peak RSS rise during forward+backward minus the [T, V] fp32 gradient every "
              f"method returns. Kernel build: {env['logprob_cpu_isa']}."))
     if not args.skip_linear:
-        bench_linear(args.quick, log, args.linear_runs)
+        bench_linear(args.quick, log, 1 if args.quick else args.linear_runs)
     print(f"\nCSV: {log.write()}")
     return 0
 

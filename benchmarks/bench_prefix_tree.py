@@ -58,6 +58,9 @@ VOCAB = 4096
 # hidden size and vocabulary: the issue-38 "attention-dominated" model).
 MODELS = {"default": dict(vocab=4096, hidden=256, heads=8, head_dim=32, ffn=688, layers=2),
           "attention": dict(vocab=512, hidden=128, heads=4, head_dim=32, ffn=344, layers=2)}
+# Row lengths of each model's batches, times those of the default (the attention
+# model's rows are twice as long, so that attention is most of its plain step).
+ROW_SCALE = {"default": 1, "attention": 2}
 
 
 def work_per_token_and_pair(cfg):
@@ -129,8 +132,9 @@ class Model(torch.nn.Module):
 
 
 # ---- the two steps --------------------------------------------------------------------
-def plain_step(model, rows, device="cpu"):
-    """Forward + backward of the rows packed back to back; returns the loss."""
+def plain_step(model, rows, device="cpu", attention=True):
+    """Forward + backward of the rows packed back to back; returns the loss.
+    ``attention=False`` puts ``v`` in attention's place (the step's time without it)."""
     lens = np.fromiter((len(r) for r in rows), dtype=np.int64, count=len(rows))
     cu = np.zeros(len(rows) + 1, dtype=np.int64)
     np.cumsum(lens, out=cu[1:])
@@ -139,6 +143,8 @@ def plain_step(model, rows, device="cpu"):
     longest = int(lens.max())
 
     def attend(q, k, v):
+        if not attention:
+            return v.repeat_interleave(q.shape[1] // k.shape[1], 1) * 1.0
         return seqpack.varlen_attention(q, k, v, cu, cu, longest, longest, causal=True)
 
     logits = model(ids, positions, attend)
@@ -208,7 +214,7 @@ def sft_batch(rng, count, lo, hi, vocab=VOCAB):
     return rows, list(range(count))  # one group per row: nothing is shared
 
 
-def cases(quick, vocab=VOCAB):
+def cases(quick, vocab=VOCAB, scale=1):
     rng = np.random.default_rng(0)
     out = []
     if quick:
@@ -216,12 +222,14 @@ def cases(quick, vocab=VOCAB):
         out.append(("agentic 3 turns", *agentic_batch(rng, (3,), 32, 16, 8, vocab)))
         out.append(("SFT, nothing shared", *sft_batch(rng, 3, 32, 96, vocab)))
         return out
+    x = scale
     for g in (4, 8, 16):
-        prompts = max(1, 8 // g)  # 6,144 logical tokens (12,288 at G = 16)
-        for name, (p, r) in (("2:1", (512, 256)), ("1:2", (256, 512))):
+        prompts = max(1, 8 // g)  # 6,144 logical tokens (12,288 at G = 16), times the scale
+        for name, (p, r) in (("2:1", (512 * x, 256 * x)), ("1:2", (256 * x, 512 * x))):
             out.append((f"GRPO G={g} {name} ({p}/{r}) x{prompts}", *grpo_batch(rng, prompts, g, p, r, vocab)))
-    out.append(("agentic 3/4/5 turns (256 + 64/turn)", *agentic_batch(rng, (3, 4, 5), 256, 64, 64, vocab)))
-    out.append(("SFT, nothing shared (256-1024)", *sft_batch(rng, 10, 256, 1024, vocab)))
+    out.append((f"agentic 3/4/5 turns ({256 * x} + {64 * x}/turn)",
+                *agentic_batch(rng, (3, 4, 5), 256 * x, 64 * x, 64 * x, vocab)))
+    out.append((f"SFT, nothing shared ({256 * x}-{1024 * x})", *sft_batch(rng, 10, 256 * x, 1024 * x, vocab)))
     return out
 
 
@@ -240,7 +248,10 @@ def max_rel_diff(a, b):
 def step_fn(model, side, rows, tree):
     """One step of ``side`` ("plain" / "tree") that leaves no gradient behind."""
     def step():
-        plain_step(model, rows) if side == "plain" else tree_step(model, tree)
+        if side == "tree":
+            tree_step(model, tree)
+        else:
+            plain_step(model, rows, attention=side == "plain")
         model.zero_grad(set_to_none=True)
     return step
 
@@ -252,7 +263,7 @@ def child(spec: str) -> int:
     torch.set_num_threads(int(threads))
     torch.manual_seed(0)
     cfg = MODELS[model_name]
-    _, rows, groups = cases(quick == "1", cfg["vocab"])[int(index)]
+    _, rows, groups = cases(quick == "1", cfg["vocab"], ROW_SCALE[model_name])[int(index)]
     step = step_fn(Model(**cfg), side, rows, prepared_tree(rows, groups))
     step()
     print(json.dumps({"peak_mib": peak_extra_mib(step)}))
@@ -277,7 +288,7 @@ def main() -> int:
     model = Model(**cfg)
     repeat = 1 if args.quick else args.repeat
     rows_out, checks, targets = [], [], {}
-    for index, (name, rows, groups) in enumerate(cases(args.quick, cfg["vocab"])):
+    for index, (name, rows, groups) in enumerate(cases(args.quick, cfg["vocab"], ROW_SCALE[args.model])):
         t_prepare = measure(lambda: prepared_tree(rows, groups), repeat=3, warmup=1)["min"]
         tree = prepared_tree(rows, groups)  # in the collate function: not part of the step
         m = tree.metrics()
@@ -295,16 +306,18 @@ def main() -> int:
         mem_p, mem_t = (run_child(__file__, f"{int(args.quick)},{args.threads},{index},{side},{args.model}",
                                   MEMORY_ENV)["peak_mib"] for side in ("plain", "tree"))
         # The sides alternate (best of `repeat` each), so a noisy neighbour slows both alike.
-        t_p, t_t = alternating([step_fn(model, "plain", rows, tree), step_fn(model, "tree", rows, tree)], repeat)
+        t_p, t_t, t_bare = alternating([step_fn(model, "plain", rows, tree), step_fn(model, "tree", rows, tree),
+                                        step_fn(model, "plain without attention", rows, tree)], repeat)
         speedup = t_p / t_t
         ratio = m.logical_tokens / m.physical_tokens
         bound = work_bound(cfg, m)
-        rows_out.append([name, m.num_rows, m.logical_tokens, m.physical_tokens, ratio, t_p * 1e3, t_t * 1e3,
-                         speedup, bound, speedup / bound, t_prepare * 1e3, mem_p, mem_t])
+        rows_out.append([name, m.num_rows, m.logical_tokens, m.physical_tokens, ratio, 1 - t_bare / t_p, t_p * 1e3,
+                         t_t * 1e3, speedup, bound, speedup / bound, t_prepare * 1e3, mem_p, mem_t])
         log.add(name, "plain", "seconds_min", t_p)
         log.add(name, "tree", "seconds_min", t_t)
         log.add(name, "tree", "prepare_seconds_min", t_prepare)
         log.add(name, "-", "work_bound", bound)
+        log.add(name, "plain", "attention_share", 1 - t_bare / t_p)
         log.add(name, "plain", "peak_rss_rise_mib", mem_p)
         log.add(name, "tree", "peak_rss_rise_mib", mem_t)
         log.add(name, "-", "logical_tokens", m.logical_tokens)
@@ -315,7 +328,8 @@ def main() -> int:
         print(f"  {name}: done", flush=True)
 
     print(format_table(
-        TITLE, ["case", "rows", "logical tok", "physical tok", "token ratio", "plain ms", "tree ms", "speed-up",
+        TITLE, ["case", "rows", "logical tok", "physical tok", "token ratio", "attn share", "plain ms", "tree ms",
+                "speed-up",
                 "work bound", "of bound", "prepare ms", "plain peak MiB", "tree peak MiB"], rows_out,
         note="CPU fp32, torch threads = %d, timings taken on a shared 2-core VM (the sides alternate, best of %d "
              "each after a warm-up). Model %r: %d layers, hidden %d, %d heads x %d, SwiGLU %d, vocab %d; loss = -sum "
@@ -323,7 +337,8 @@ def main() -> int:
              "packed_token_logprobs. tree: tree_attention (sdpa) + tree_token_logprobs on a tree built where the "
              "batch is built (pack_prefix_tree + prepare_tree: 'prepare ms', host, not in the step). work bound = "
              "(per-token work x tokens + per-pair work x visible pairs), rows / tree, with the model's multiply-adds; "
-             "of bound = speed-up / work bound. token ratio = logical / physical. Times: glibc's default allocator. "
+             "of bound = speed-up / work bound. attn share: 1 - (the plain step with v in attention's place) / "
+             "(the plain step). token ratio = logical / physical. Times: glibc's default allocator. "
              "peak MiB: CPU peak RSS rise (VmHWM) of one warm step in a fresh child process with "
              "MALLOC_MMAP_THRESHOLD_=128 KiB, for both sides." % (
                  args.threads, repeat, args.model, cfg["layers"], cfg["hidden"], cfg["heads"], cfg["head_dim"],
@@ -347,7 +362,7 @@ def main() -> int:
     log.add(f"build {n}", "PrefixForest.from_rows", "seconds_min", t_forest)
 
     sft = [r for r in rows_out if r[0].startswith("SFT")][0]
-    overhead = sft[6] / sft[5] - 1
+    overhead = sft[7] / sft[6] - 1
     g8 = [(k, v) for k, v in targets.items() if k.startswith("GRPO G=8 2:1")]
     lines = []
     for k, (sp, ratio, _, _, _) in g8:

@@ -24,6 +24,7 @@ import numpy as np
 
 from .._lengths import as_positive_int
 from ..tensors.layout import host_offsets
+from ..tensors.layout_kinds import is_layout
 from . import attention_inputs as inputs
 from .attention_gathered import attend_gathered
 from .varlen_backends import pick_backend
@@ -55,8 +56,6 @@ def _cp_plan(cu_padded: np.ndarray, cp: int, rank: int, causal: bool) -> Dict[st
 def _cut_as_tree(packed_batch: Any) -> bool:
     """Whether the layout of ``packed_batch`` is cut for CP as a tree (contiguous
     ranges balanced by attention work) rather than in zigzag chunks of rows."""
-    from ..tensors.layout_kinds import is_layout
-
     layout = getattr(packed_batch, "layout", packed_batch)
     return is_layout(layout) and layout.select(rows=False, tree=True)
 
@@ -81,7 +80,11 @@ def _cp_checks(q, k, v, packed_batch, size: int, me: int, causal: bool, softmax_
                          f"packed_batch was built for cp_size={cp}, cp_rank={rank}")
     cu_p = host_offsets(cu, "packed_batch.cu_seqlens_padded", copy_device=True)
     inputs.check_qkv(q, k, v, (-1, -1), causal)
-    plan = _cp_plan(cu_p, cp, rank, causal)
+    held = getattr(packed_batch, "layout", packed_batch)
+    if is_layout(held) and held.cp_size == cp and held.cp_rank == rank:  # the layout keeps its rank's plan
+        plan = held.host_plan(("zigzag_cp_attention", bool(causal)), lambda _: _cp_plan(cu_p, cp, rank, causal))
+    else:
+        plan = _cp_plan(cu_p, cp, rank, causal)
     local = int(cu_p[-1]) // cp
     if q.shape[0] != local or k.shape[0] != local:
         raise ValueError(f"q and k must hold this rank's {local} rows (cu_seqlens_padded[-1] / cp_size), "
