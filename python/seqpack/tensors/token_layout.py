@@ -144,6 +144,17 @@ class TokenLayout(abc.ABC):
         """True when some physical token is read by more than one logical token."""
         return self.num_logical_tokens != self.num_tokens - self.num_pad_tokens
 
+    def packed_seq_params(self, device: Any = "cpu") -> Any:
+        """Megatron-Core's ``PackedSeqParams`` (THD) of the rows, when no token is
+        shared (:meth:`rows`); a tree that shares tokens has none (Transformer
+        Engine's THD attention masks rows, not trees: use
+        :func:`seqpack.tree_attention`)."""
+        rows = self.rows()
+        if rows is None:
+            raise TypeError("this prefix tree's rows share tokens: Megatron's THD PackedSeqParams cannot describe its "
+                            "attention (each token over its ancestors); run it with seqpack.tree_attention")
+        return rows.packed_seq_params(device)
+
     # ---- host plans ------------------------------------------------------------------------
     def host_plan(self, key: Any, build: Callable[[Any], T]) -> T:
         """The host plan ``key`` of this layout, built by ``build(self)`` on first use

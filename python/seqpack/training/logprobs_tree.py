@@ -78,8 +78,9 @@ def tree_token_logprobs(logits: "torch.Tensor", tree: PrefixTreeBatch, *, temper
         logits: ``[T, V]`` (fp32, bf16, fp16; fp64 for ``gradcheck``), one row per
             physical token of ``tree`` (``T = tree.num_tokens``; the rows of pad
             tokens are ignored and get no gradient), the whole vocabulary ``[0, V)``.
-        tree: the :class:`~seqpack.PrefixTreeBatch` the logits were computed on.
-            Its token ids (pad tokens aside) must be ``< V``; an id < 0 as a target
+        tree: the :class:`~seqpack.PrefixTreeBatch` the logits were computed on
+            (one whose rows share nothing runs :func:`~seqpack.packed_token_logprobs`
+            on its :meth:`~seqpack.PrefixTreeBatch.rows`: no targets plan). Its token ids (pad tokens aside) must be ``< V``; an id < 0 as a target
             means "no target": log-prob 0, entropy 0, no gradient.
         temperature: logits are divided by it first (positive, finite; a Python,
             NumPy or 0-d tensor number).
@@ -108,6 +109,13 @@ def tree_token_logprobs(logits: "torch.Tensor", tree: PrefixTreeBatch, *, temper
     vocab = int(logits.shape[1])
     temp, entropy = as_temperature(temperature), bool(return_entropy)
     _check_tree_ids(tree, vocab)
+    plain = _plain_rows(tree, cp_size)
+    if plain is not None:  # nothing shared: plain packing's kernel on the rows, no targets plan
+        from .logprobs import packed_token_logprobs
+
+        out = packed_token_logprobs(logits, _on_device(tree, "input_ids", logits.device), plain, temperature=temp,
+                                    return_entropy=entropy, num_threads=num_threads)
+        return _rows_logical(out, tree)
     plan, (primary, offsets, ids) = _device_plan(tree, logits.device, rows)
     if logits.stride(1) != 1:
         logits = logits.contiguous()
@@ -161,6 +169,14 @@ def tree_linear_token_logprobs(hidden: "torch.Tensor", weight: "torch.Tensor", t
                            hidden.shape[0], vocab, hidden.is_cuda)
     threads = as_positive_int(num_threads, "num_threads", allow_zero=True)
     _check_tree_ids(tree, vocab)
+    plain = _plain_rows(tree, cp_size)
+    if plain is not None:  # nothing shared: plain packing's fused head on the rows, no targets plan
+        from .logprobs import linear_token_logprobs
+
+        out = linear_token_logprobs(hidden, weight, _on_device(tree, "input_ids", hidden.device), plain, bias=bias,
+                                    temperature=temp, return_entropy=entropy, chunk_tokens=chunk_tokens,
+                                    num_threads=threads)
+        return _rows_logical(out, tree)
     plan, (primary, offsets, ids) = _device_plan(tree, hidden.device, rows)
     out = torch.ops.seqpack.linear_multi_token_logprobs(hidden, weight, bias, primary, offsets, ids, temp, entropy,
                                                         threads, chunk)
@@ -175,6 +191,35 @@ def _torch():
 
 def _check_tree(tree: Any) -> None:
     as_tree(tree)
+
+
+def _plain_rows(tree: PrefixTreeBatch, cp_size: Any) -> Any:
+    """The tree's plain rows when it shares nothing and is not cut for CP, else None."""
+    return tree.rows() if as_positive_int(cp_size, "cp_size") == 1 else None
+
+
+def _on_device(tree: PrefixTreeBatch, name: str, device) -> "torch.Tensor":
+    """The tree's ``logical_index``, or its ``input_ids`` with -1 ("no target") at the
+    pad tokens (whose ids are never read), on ``device``: copied there once per
+    device and kept by the tree (a copy on the CPU too: its arrays are read-only)."""
+    device = _torch().device(device)
+
+    def build(t):
+        from ..tensors._device import host_to_device
+
+        values = np.array(getattr(t, name))
+        if name == "input_ids":
+            values[t.num_tokens - t.num_pad_tokens:] = -1
+        return host_to_device([values], device)[0]
+
+    return tree.host_plan((name, str(device)), build)
+
+
+def _rows_logical(out: TokenLogprobs, tree: PrefixTreeBatch) -> TokenLogprobs:
+    """Per-physical-row log-probs of a tree that shares nothing, in its logical layout."""
+    index = _on_device(tree, "logical_index", out.logprobs.device)
+    return TokenLogprobs(out.logprobs.index_select(0, index),
+                         None if out.entropy is None else out.entropy.index_select(0, index))
 
 
 def _local_rows(tree: PrefixTreeBatch, cp_size: Any, cp_rank: Any) -> Tuple[int, int]:

@@ -252,3 +252,38 @@ def test_varlen_attention_takes_a_layout_of_rows_alone():
         seqpack.varlen_attention(q, k, v, tree, causal=False)
     with pytest.raises(TypeError, match="needs cu_seqlens_k"):
         seqpack.varlen_attention(q, k, v, [0, 3, 5])
+
+
+def test_megatron_params_of_any_layout_whose_rows_share_nothing():
+    layout = seqpack.PackedLayout.from_lengths([3, 5], pad_multiple=4)
+    assert layout.packed_seq_params() == layout.packed_seq_params()
+    tree = seqpack.pack_prefix_tree([[1, 2, 3], [4, 5]], pad_to_multiple_of=4)
+    params = tree.packed_seq_params()
+    assert params.qkv_format == "thd" and params.cu_seqlens_q_padded.tolist() == [0, 3, 5, 6, 7, 8]
+    assert params.cu_seqlens_q.tolist() == [0, 3, 5, 5, 5, 5]
+    with pytest.raises(TypeError, match="tree_attention"):
+        seqpack.pack_prefix_tree([[1, 2, 3], [1, 2, 4]]).packed_seq_params()
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_tree_log_probs_of_rows_that_share_nothing_run_the_packed_kernels(fused):
+    """No targets plan, the packed operator, the same values as the rows packed plainly
+    (fp64, log-probs and entropies, gradients)."""
+    rows = [[1, 2, 3, 0], [4, 5], [6]]
+    tree = seqpack.pack_prefix_tree(rows, pad_to_multiple_of=4)
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(tree.num_tokens, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    head = torch.randn(7, 8, generator=g, dtype=torch.float64)
+    if fused:
+        got = seqpack.tree_linear_token_logprobs(hidden, head, tree, return_entropy=True)
+    else:
+        got = seqpack.tree_token_logprobs(hidden @ head.T, tree, return_entropy=True)
+    assert "targets" not in tree.planned()
+    flat = torch.tensor([t for r in rows for t in r])
+    cu = np.cumsum([0] + [len(r) for r in rows])
+    want = seqpack.packed_token_logprobs(tree.to_logical(hidden) @ head.T, flat, cu, return_entropy=True)
+    torch.testing.assert_close(got.logprobs, want.logprobs, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(got.entropy, want.entropy, rtol=1e-12, atol=1e-12)
+    (grad,) = torch.autograd.grad(got.logprobs.sum() + got.entropy.sum(), hidden)
+    (grad_want,) = torch.autograd.grad(want.logprobs.sum() + want.entropy.sum(), hidden)
+    torch.testing.assert_close(grad, grad_want, rtol=1e-12, atol=1e-12)
