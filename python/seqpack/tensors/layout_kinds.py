@@ -38,7 +38,6 @@ def as_layout(value: Any, name: str = "layout", cu_seqlens_padded: Any = None) -
     :class:`~seqpack.PackedBatch` (or anything with a ``layout``) as its layout; host
     offsets (flash-attn's ``cu_seqlens``, with Megatron's ``cu_seqlens_padded``) as
     :meth:`PackedLayout.from_offsets <seqpack.PackedLayout.from_offsets>`.
-
     """
     if isinstance(value, TokenLayout):
         if cu_seqlens_padded is not None:
@@ -57,6 +56,7 @@ def as_layout(value: Any, name: str = "layout", cu_seqlens_padded: Any = None) -
 
 
 def _offsets_like(value: Any) -> bool:
+    """A 1-D array, tensor, list or tuple of numbers (not rows of tokens)."""
     if _is_torch_tensor(value) or isinstance(value, np.ndarray):
         return value.ndim == 1
     if not isinstance(value, (list, tuple)):
@@ -67,8 +67,6 @@ def _offsets_like(value: Any) -> bool:
 def as_tree(value: Any, name: str = "tree") -> Any:
     """``value`` when it is a :class:`~seqpack.PrefixTreeBatch` (what the tree plans
     and tree kernels read: parents, subtree ends, segments), else a ``TypeError``."""
-    from .prefix_tree import PrefixTreeBatch
-
     if not isinstance(value, PrefixTreeBatch):
         raise TypeError(f"{name} must be a PrefixTreeBatch (seqpack.pack_prefix_tree), got {type_name(value)}")
     return value

@@ -58,7 +58,7 @@ Importing this module does not import torch; tensors are accepted where arrays a
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict
+from typing import Any, Dict, Tuple
 
 import numpy as np
 
@@ -224,10 +224,6 @@ class PrefixTreeBatch(TokenLayout):
     cp_size = property(lambda self: 1, doc="1: a tree holds the whole stream (cut into ranges when sharded).")
     cp_rank = property(lambda self: 0, doc="0 (see cp_size).")
 
-    @property
-    def shares_tokens(self) -> bool:
-        return self.num_logical_tokens != self.num_tokens - self._num_pad_tokens
-
     def rows(self) -> Any:
         """The plain packing of these physical tokens when no token is shared: each
         row's tokens back to back (in the physical order), each pad token an empty
@@ -240,6 +236,10 @@ class PrefixTreeBatch(TokenLayout):
 
     def select(self, *, rows: Any, tree: Any) -> Any:
         return tree
+
+    def _first_occurrence(self) -> Tuple[np.ndarray, np.ndarray]:
+        real = self.num_tokens - self._num_pad_tokens  # the real tokens come first, each read
+        return np.arange(real, dtype=np.int64), self.first_logical[:real]
 
     def _plan_store(self) -> Dict[Any, Any]:
         return self._plans

@@ -198,6 +198,12 @@ class TokenLayout(abc.ABC):
             check(plan, self)
             store[key] = plan
 
+    def _first_occurrence(self) -> Tuple[np.ndarray, np.ndarray]:
+        """(physical rows read by a logical token, the logical token that reads each
+        first), physical ascending."""
+        physical, logical = np.unique(self.logical_index, return_index=True)
+        return physical.astype(np.int64), logical.astype(np.int64)
+
     # ---- moving per-token values --------------------------------------------------------
     def to_logical(self, x: Any) -> Any:
         """Per-physical-token values ``x`` [T, ...] (array or tensor) in the logical
@@ -214,7 +220,7 @@ class TokenLayout(abc.ABC):
         causal model) round-trip exactly. Pad rows get ``fill``."""
         x = _rows_of(x)
         _check_rows(x, self.num_logical_tokens, "num_logical_tokens (N)")
-        physical, logical = self.host_plan("first_occurrence", _first_occurrence)
+        physical, logical = self.host_plan("first_occurrence", type(self)._first_occurrence)
         if _is_torch_tensor(x):
             out = x.new_full((self.num_tokens, *x.shape[1:]), fill)
             if physical.shape[0]:
@@ -230,13 +236,6 @@ def _pad_index(layout: TokenLayout) -> np.ndarray:
     read = np.zeros(layout.num_tokens, dtype=bool)
     read[layout.logical_index] = True
     return np.flatnonzero(~read).astype(np.int64)
-
-
-def _first_occurrence(layout: TokenLayout) -> Tuple[np.ndarray, np.ndarray]:
-    """(physical rows, the logical token that first reads each), physical ascending."""
-    index = layout.logical_index
-    physical, logical = np.unique(index, return_index=True)
-    return physical.astype(np.int64), logical.astype(np.int64)
 
 
 def _rows_of(x: Any) -> Any:
