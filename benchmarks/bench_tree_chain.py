@@ -140,10 +140,14 @@ def main() -> int:
                             "plain packing with packed_token_logprobs; attention is the same call." % (repeat * 3)))
 
     # ---- tree attention alone ---------------------------------------------------------------
+    from seqpack.tensors.tree_plans import attention_plan
     from seqpack.training import attention_tree
 
     att_rows = []
-    shapes = [(8, 64, 32)] if args.quick else [(4, 512, 256), (8, 512, 256), (16, 512, 256), (8, 256, 512)]
+    # The last four share almost nothing (a prompt of 4-64 tokens): the plan expands them to their rows.
+    shapes = [(8, 64, 32), (4, 2, 64)] if args.quick else [(4, 512, 256), (8, 512, 256), (16, 512, 256),
+                                                           (8, 256, 512), (8, 8, 512), (8, 32, 512), (4, 4, 1024),
+                                                           (4, 64, 256)]
     for g, p, r in shapes:
         rows_g, groups_g = grpo_batch(rng, 1, g, p, r)
         tree_g = seqpack.pack_prefix_tree(rows_g, group_ids=groups_g)
@@ -179,7 +183,7 @@ def main() -> int:
             t_plain, t_tree, t_old = alternating([plain_fn(backward), tree_fn(backward), tree_fn(backward, False)],
                                                  repeat * 3)
             kind = "fwd+bwd" if backward else "fwd"
-            name = f"GRPO G={g} {p}/{r}"
+            name = f"GRPO G={g} {p}/{r}" + (" (expanded)" if attention_plan(tree_g).expand else "")
             att_rows.append([name, kind, pairs, t_plain * 1e3, t_tree * 1e3, t_plain / t_tree,
                              (t_plain / t_tree) / pairs, t_plain / t_old])
             for side, value in (("plain", t_plain), ("tree cascade", t_tree), ("tree segment gathers", t_old)):

@@ -83,6 +83,15 @@ def attention_segments(tree: PrefixTreeBatch) -> Tuple[np.ndarray, np.ndarray]:
     return np.append(first, t).astype(np.int64), seg_parent
 
 
+# A tree whose rows' causal pairs are fewer than this many times its own visible
+# pairs shares too little for the tree kernels to pay: its attention runs as plain
+# packing over the logical rows (expanded). Measured on the CPU, fwd+bwd against the
+# rows alone (RESULTS.md, "Partial sharing"): the tree kernels ran at 0.73-0.81x at a
+# pairs ratio of 1.00-1.003, 1.01x at 1.031 and 1.03-1.07x at 1.11; expanded runs at
+# 0.94-0.97x whatever the ratio (the gathers to and from the rows).
+EXPAND_BELOW = 1.02
+
+
 class TreeAttentionPlan:
     """The host plan of :func:`~seqpack.tree_attention` (int64 NumPy arrays, ints).
 
@@ -90,6 +99,12 @@ class TreeAttentionPlan:
         segment_offsets / segment_parent: the attention segments.
         plain: every segment is a root (nothing shared): the tree is packed rows
             with offsets ``segment_offsets``, and attention is plain packing's.
+        expand: the rows share so little (their causal pairs below
+            :data:`EXPAND_BELOW` times the tree's) that attention is cheaper as plain
+            packing over the logical rows: q, k and v gathered to the rows
+            (``row_index``, the tree's ``logical_index``; ``row_offsets`` /
+            ``max_row`` the rows' offsets and longest), each physical token's output
+            read at its first occurrence (``first_row``).
         k_index: ``[K]`` the key rows of every segment's path, segment after
             segment; ``cu_k`` ``[S + 1]`` their offsets (``cu_q`` is
             ``segment_offsets``), ``max_q`` / ``max_k`` the longest of each.
@@ -107,7 +122,8 @@ class TreeAttentionPlan:
     """
 
     _STATE = ("segment_offsets", "segment_parent", "plain", "k_index", "cu_k", "max_q", "max_k", "groups", "group_q",
-              "group_k", "inverse", "own_groups", "own_rows", "own_inverse", "prefix_groups", "prefix_q", "prefix_k")
+              "group_k", "inverse", "own_groups", "own_rows", "own_inverse", "prefix_groups", "prefix_q", "prefix_k",
+              "expand", "row_offsets", "max_row", "row_index", "first_row")
     __slots__ = _STATE + ("_devices",)
 
     def __init__(self, tree: PrefixTreeBatch) -> None:
@@ -134,7 +150,15 @@ class TreeAttentionPlan:
         self.own_groups: List[Tuple[int, int]] = []
         self.prefix_groups: List[Tuple[int, int]] = []
         self.own_rows = self.own_inverse = self.prefix_q = self.prefix_k = np.zeros(0, dtype=np.int64)
-        if not self.plain:
+        self.expand = not self.plain and _expands(tree)
+        self.row_offsets = self.row_index = self.first_row = np.zeros(0, dtype=np.int64)
+        self.max_row = 0
+        if self.expand:
+            real = tree.num_tokens - tree.num_pad_tokens
+            self.row_offsets, self.row_index = np.array(tree.cu_seqlens), np.array(tree.logical_index)
+            self.first_row = np.array(tree.first_logical[:real])
+            self.max_row = int(tree.seq_lens.max(initial=0))
+        elif not self.plain:
             self._group(own, lengths)
             self._cascade(own)
 
@@ -217,7 +241,7 @@ class TreeAttentionPlan:
 
     def __repr__(self) -> str:
         return (f"TreeAttentionPlan(num_segments={self.segment_parent.shape[0]}, num_keys={self.num_keys}, "
-                f"plain={self.plain})")
+                f"plain={self.plain}, expand={self.expand})")
 
     def check_layout(self, tree: PrefixTreeBatch) -> None:
         """Raises ValueError unless this plan is ``tree``'s (a pickled plan): its
@@ -232,19 +256,33 @@ class TreeAttentionPlan:
             raise ValueError("a pickled tree attention plan's cu_k must start at 0, increase and end at its keys")
         if self.plain != bool((parents < 0).all()):
             raise ValueError("a pickled tree attention plan's plain flag does not match its tree")
+        if self.expand != (not self.plain and _expands(tree)):
+            raise ValueError("a pickled tree attention plan's expand flag does not match its tree")
+        if self.expand and not (np.array_equal(self.row_offsets, tree.cu_seqlens)
+                                and np.array_equal(self.row_index, tree.logical_index)
+                                and np.array_equal(self.first_row, tree.first_logical[:t - tree.num_pad_tokens])
+                                and self.max_row == int(tree.seq_lens.max(initial=0))):
+            raise ValueError("a pickled tree attention plan's rows do not match its tree")
+        flat = self.plain or self.expand  # no groups: plain packing's kernels
         q = _index_array(self.group_q, "group_q", None, 0, t)
         _index_array(self.inverse, "inverse", q, 0, max(q, 1))
         g = _index_array(self.group_k, "group_k", None, 0, t)
         if (sum(c * lq for c, _, lq in self.groups) != q or sum(c * (p + lq) for c, p, lq in self.groups) != g
-                or (not self.plain and q != t)):
+                or (not flat and q != t)):
             raise ValueError("a pickled tree attention plan's groups do not add up to its rows")
-        own = _index_array(self.own_rows, "own_rows", 0 if self.plain else t, 0, t)
+        own = _index_array(self.own_rows, "own_rows", 0 if flat else t, 0, t)
         _index_array(self.own_inverse, "own_inverse", own, 0, max(own, 1))
         pq = _index_array(self.prefix_q, "prefix_q", None, 0, t)
         pk = _index_array(self.prefix_k, "prefix_k", None, 0, t)
         if (sum(c * n for c, n in self.own_groups) != own or sum(n for n, _ in self.prefix_groups) != pq
                 or sum(p for _, p in self.prefix_groups) != pk):
             raise ValueError("a pickled tree attention plan's cascade groups do not add up to its rows")
+
+
+def _expands(tree: PrefixTreeBatch) -> bool:
+    """Whether ``tree`` shares too little for the tree kernels (:data:`EXPAND_BELOW`)."""
+    m = tree.metrics()
+    return m.plain_attention_pairs < EXPAND_BELOW * m.tree_attention_pairs
 
 
 def attention_plan(tree: PrefixTreeBatch) -> TreeAttentionPlan:

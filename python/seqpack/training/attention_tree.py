@@ -272,6 +272,21 @@ def _plain(q, k, v, plan, scale):
     return varlen_attention(q, k, v, cu, cu, longest, longest, causal=True, softmax_scale=scale)
 
 
+def _expanded(q, k, v, tree, plan, scale):
+    """A tree that shares too little for its kernels to pay (``plan.expand``): plain
+    packing's attention over the logical rows, each physical token's output read at
+    its first occurrence; a pad token sees only itself (its own ``v``)."""
+    torch = _torch()
+    rows, first = plan.on_device(q.device, "row_index", "first_row")
+    ql, kl, vl = (x.index_select(0, rows) for x in (q, k, v))
+    cu, longest = plan.row_offsets, plan.max_row
+    out = varlen_attention(ql, kl, vl, cu, cu, longest, longest, causal=True, softmax_scale=scale).index_select(0, first)
+    pads = tree.num_pad_tokens
+    if pads:
+        out = torch.cat([out, v[v.shape[0] - pads:].repeat_interleave(q.shape[1] // k.shape[1], 1).to(out.dtype)])
+    return out
+
+
 def _sdpa(q, k, v, tree, scale, budget: int = MAX_SCORE_ELEMENTS):
     """One SDPA call per group of same-shape attention segments (split so that a
     call's ``count x Hq x Lq x (P + Lq)`` scores stay within ``budget``). The gathers
@@ -281,6 +296,8 @@ def _sdpa(q, k, v, tree, scale, budget: int = MAX_SCORE_ELEMENTS):
     plan = attention_plan(tree)
     if plan.plain:
         return _plain(q, k, v, plan, scale)
+    if plan.expand:
+        return _expanded(q, k, v, tree, plan, scale)
     if cascade_available(q, v):  # the CPU: each shared prefix read once, no masks
         return tree_cascade_attention(q, k, v, plan, scale)
     hq, hk, dv = q.shape[1], k.shape[1], v.shape[2]
@@ -317,6 +334,8 @@ def _varlen(q, k, v, tree, scale):
     plan = attention_plan(tree)
     if plan.plain:
         return _plain(q, k, v, plan, scale)
+    if plan.expand:
+        return _expanded(q, k, v, tree, plan, scale)
     (k_index,) = plan.on_device(q.device, "k_index")
     return varlen_attention(q, k.index_select(0, k_index), v.index_select(0, k_index), plan.cu_q, plan.cu_k,
                             plan.max_q, plan.max_k, causal=True, softmax_scale=scale)

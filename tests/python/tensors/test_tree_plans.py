@@ -189,3 +189,33 @@ def test_device_copies_are_made_once_and_not_pickled():
     assert torch.equal(first[1], torch.from_numpy(plan.group_k))
     copied = pickle.loads(pickle.dumps(plan))
     assert copied == plan and copied._devices == {}
+
+
+def _little_shared(pad_to_multiple_of=1):
+    """One shared token under three rows of 41: the rows' pairs are 1.0008x the tree's."""
+    rng = np.random.default_rng(0)
+    rows = [[7] + (rng.permutation(50)[:40] + 100 * i).tolist() for i in range(1, 4)]
+    return seqpack.pack_prefix_tree(rows, pad_to_multiple_of=pad_to_multiple_of)
+
+
+def test_a_tree_that_shares_little_expands_and_its_flag_is_checked():
+    from seqpack.tensors.tree_plans import EXPAND_BELOW
+
+    tree = _little_shared()
+    m = tree.metrics()
+    assert m.attention_ratio < EXPAND_BELOW and tree.shares_tokens
+    plan = attention_plan(tree)
+    assert plan.expand and not plan.plain and plan.groups == [] and plan.own_rows.shape == (0,)
+    assert plan.row_index.tolist() == tree.logical_index.tolist() and plan.max_row == 41
+    shared = seqpack.pack_prefix_tree([[1, 2, 3, 4], [1, 2, 3, 5]])
+    assert not attention_plan(shared).expand  # 20 pairs against 14: the tree pays
+
+    def flag(p):
+        p.expand = False
+
+    def rows(p):
+        p.row_index[0] = 1
+
+    for edit, match in [(flag, "expand flag does not match"), (rows, "rows do not match")]:
+        with pytest.raises(ValueError, match=match):
+            _tamper(tree, "attention", edit)()

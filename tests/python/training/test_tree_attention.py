@@ -384,3 +384,22 @@ def test_the_cpu_sdpa_backend_reads_each_shared_prefix_once(monkeypatch):
         for a, b in zip(torch.autograd.grad(got, (q, k, v), up.to(dtype)), torch.autograd.grad(want, exact, up)):
             torch.testing.assert_close(a.double(), b, rtol=tol, atol=tol)
     assert len(calls) == 3
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "varlen"])
+@pytest.mark.parametrize("pad", [1, 8])
+def test_a_tree_that_shares_little_runs_as_its_rows(backend, pad):
+    """Expanded (the plan's choice when the rows' pairs are under EXPAND_BELOW times
+    the tree's): the rows' plain attention, each token's output at its first
+    occurrence, pad tokens their own v; fp64 values and gradients as the dense mask."""
+    rng = np.random.default_rng(0)
+    rows = [[7] + (rng.permutation(50)[:40] + 100 * i).tolist() for i in range(1, 4)]
+    tree = seqpack.pack_prefix_tree(rows, pad_to_multiple_of=pad)
+    assert attention_plan(tree).expand
+    q, k, v = _qkv(tree.num_tokens, grad=True)
+    out = seqpack.tree_attention(q, k, v, tree, backend=backend)
+    want = dense(q, k, v, tree)
+    torch.testing.assert_close(out, want, rtol=1e-10, atol=1e-12)
+    for got, ref in zip(torch.autograd.grad(out.pow(2).sum(), (q, k, v)),
+                        torch.autograd.grad(want.pow(2).sum(), (q, k, v))):
+        torch.testing.assert_close(got, ref, rtol=1e-10, atol=1e-12)
