@@ -22,9 +22,10 @@ concatenated; see ``docs/vlm.md``.
     >>> batch = hf.PackingCollator()([{"input_ids": [1, 2, 3]}, {"input_ids": [4, 5]}])  # doctest: +SKIP
     >>> model(**batch).loss                                       # doctest: +SKIP
 
-Prefix trees (``docs/prefix_tree.md``): ``register_tree()`` adds ``"seqpack_tree"``,
-:func:`seqpack.tree_attention` reading the tree from the ``prefix_tree`` keyword
-argument that ``model(**tree_kwargs(tree))`` passes down to every attention call.
+Prefix trees (``docs/prefix_tree.md``, :mod:`seqpack.frameworks.hf_tree`, its names
+here too): ``register_tree()`` adds ``"seqpack_tree"``, :func:`seqpack.tree_attention`
+when ``model(**tree_kwargs(tree))`` passes the tree down to every attention call and
+the model's usual attention (SDPA) for every other call.
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence
 import numpy as np
 
 from .._lengths import as_int64, as_positive_int, as_real
-from ..tensors.prefix_tree import HF_TREE_KWARG
+from .hf_tree import (TREE_KWARG, TREE_NAME, register_tree, restore_attention, tree_attention_forward,  # noqa: F401
+                      tree_kwargs, tree_name, use_tree_attention)
 
 NAME = "seqpack"
 IGNORE_INDEX = -100
@@ -151,95 +153,6 @@ def register(name: str = NAME, backend: str = "auto") -> str:
     # 2-D padding mask, which attention_forward unpads.
     AttentionMaskInterface.register(name, flash_attention_mask)
     return name
-
-
-
-# ---- prefix trees -------------------------------------------------------------------
-TREE_NAME = "seqpack_tree"
-TREE_KWARG = HF_TREE_KWARG
-
-
-def tree_attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
-                           sliding_window: Optional[int] = None, softcap=None, is_causal: Optional[bool] = None,
-                           prefix_tree: Any = None, backend: str = "auto", **kwargs):
-    """transformers' attention-function contract over a prefix tree: ``query``
-    ``[1, Hq, T, D]``, ``key``/``value`` ``[1, Hk, T, D]`` at the tree's physical
-    tokens (``T = prefix_tree.num_tokens``); returns ``([1, T, Hq, D], None)`` from
-    :func:`seqpack.tree_attention` - each token attends to its ancestors and itself.
-
-    The tree arrives as the ``prefix_tree`` keyword argument, which transformers
-    forwards from ``model(...)`` to every attention call (:func:`tree_kwargs` builds
-    the whole call). No mask: the registered mask function builds none (and refuses
-    a padding ``attention_mask``); a mask reaching this function is refused too."""
-    from ..tensors.layout_kinds import is_layout
-    from ..training.attention_tree import tree_attention
-
-    if not is_layout(prefix_tree):
-        raise ValueError(f"seqpack tree attention needs the layout: call model(..., prefix_tree=tree) with a "
-                         f"PrefixTreeBatch or PackedLayout (seqpack.integrations.hf.tree_kwargs(tree)); got "
-                         f"prefix_tree = {type(prefix_tree).__name__}")
-    if prefix_tree.cp_size != 1:
-        raise ValueError(f"seqpack tree attention runs the whole stream; the layout is cut for cp_size = "
-                         f"{prefix_tree.cp_size}")
-    if as_real(dropout, "dropout", minimum=0, maximum=1) and module.training:
-        raise ValueError("seqpack tree attention has no attention dropout; set the model's attention_dropout to 0")
-    if softcap is not None:
-        raise ValueError("seqpack tree attention does not support logit softcapping")
-    if not (is_causal if is_causal is not None else getattr(module, "is_causal", True)):
-        raise ValueError("seqpack tree attention is causal (ancestors and self); the module asked for non-causal")
-    if attention_mask is not None:
-        raise ValueError("seqpack tree attention takes no attention_mask (the tree is the mask); pass none")
-    t = prefix_tree.num_tokens
-    if sliding_window is not None and t and int(prefix_tree.position_ids.max()) >= as_positive_int(
-            sliding_window, "sliding_window"):
-        raise ValueError(f"sliding_window = {sliding_window} is shorter than the tree's deepest row "
-                         f"({int(prefix_tree.position_ids.max()) + 1} tokens); seqpack tree attention has no window")
-    if query.shape[0] != 1 or query.shape[2] != t or key.shape[2] != t:
-        raise ValueError(f"seqpack tree attention takes one row of the tree's {t} physical tokens (input_ids "
-                         f"[1, T], no KV cache); got query {tuple(query.shape)} and key {tuple(key.shape)}")
-    q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [T, H, D]
-    out = tree_attention(q, k, v, prefix_tree, softmax_scale=scaling, backend=backend)
-    return out[None], None
-
-
-def _tree_mask(*args: Any, attention_mask: Any = None, **kwargs: Any) -> None:
-    """The mask function of tree attention: builds nothing (the tree is the mask).
-    An all-ones padding mask means nothing and passes; one with padding is refused
-    rather than silently dropped (pad a tree with ``pad_to_multiple_of`` instead)."""
-    if attention_mask is not None and not bool(attention_mask.all()):
-        raise ValueError("seqpack tree attention takes no padding attention_mask (the tree is the mask; its pad "
-                         "tokens see only themselves): pass attention_mask=None")
-    return None
-
-
-def register_tree(name: str = TREE_NAME, backend: str = "auto") -> str:
-    """Registers seqpack's prefix-tree attention (:func:`tree_attention_forward`)
-    with transformers under ``name``, with a mask function that builds nothing; use
-    ``attn_implementation=name`` and call the model with :func:`tree_kwargs`.
-    Returns ``name``."""
-    import functools
-
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface
-
-    fn = tree_attention_forward if backend == "auto" else functools.partial(tree_attention_forward, backend=backend)
-    AttentionInterface.register(name, fn)
-    AttentionMaskInterface.register(name, _tree_mask)
-    return name
-
-
-def tree_kwargs(tree: Any, device: Any = None) -> Dict[str, Any]:
-    """What to pass to ``model(**tree_kwargs(tree))`` for a model loaded with the
-    implementation :func:`register_tree` registered: ``input_ids`` and
-    ``position_ids`` ``[1, T]`` (int64; the position of a token is its depth, so
-    RoPE sees what each row alone would) and ``prefix_tree`` (read by the attention).
-    The logits ``[1, T, V]`` are per physical token: take each row's with
-    ``logits[0, tree.logical_index]`` or its log-probs with
-    :func:`seqpack.tree_token_logprobs` (not ``labels=``: the shifted loss of
-    transformers would read the DFS order as one sequence)."""
-    from ..tensors.layout_kinds import as_tree
-
-    return as_tree(tree).hf_kwargs(device)
 
 
 # Vision inputs of Qwen2-VL-style processors: one entry per image / video (patches

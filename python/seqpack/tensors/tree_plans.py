@@ -44,7 +44,7 @@ from .prefix_tree import PrefixTreeBatch
 from .layout_kinds import as_tree
 
 __all__ = ["TreeAttentionPlan", "TreeCpPlan", "TreeTargets", "attention_plan", "attention_segments",
-           "cp_attention_plan", "prepare_tree", "tree_cp_plan", "tree_targets"]
+           "cp_attention_plan", "prepare_tree", "scored_targets", "tree_cp_plan", "tree_targets"]
 
 
 _tree = as_tree
@@ -451,13 +451,38 @@ def tree_targets(tree: PrefixTreeBatch) -> TreeTargets:
     return _tree(tree).host_plan("targets", _build_targets)
 
 
-def _build_targets(tree: PrefixTreeBatch) -> TreeTargets:
+def scored_targets(tree: PrefixTreeBatch, scored: Any) -> Tuple[np.ndarray, TreeTargets]:
+    """The plan of the logical tokens ``scored`` alone (``[N]`` bool: whose next token
+    is wanted, as TRL's labels that are not -100), over only the physical tokens that
+    predict one of them: ``rows`` ``[S]`` (their physical indices, ascending) and a
+    :class:`TreeTargets` whose physical tokens are those ``S`` rows (the others never
+    computed). Tokens not scored read the 0. Built per call (not kept by the tree).
+
+    >>> from seqpack import pack_prefix_tree
+    >>> tree = pack_prefix_tree([[5, 6, 7], [5, 6, 8, 9]])   # logical: 5 6 7 | 5 6 8 9
+    >>> rows, plan = scored_targets(tree, [False, True, False, False, True, True, False])
+    >>> rows.tolist(), plan.primary.tolist(), plan.extra_target.tolist(), plan.logprob_index.tolist()
+    ([1, 3], [7, 9], [8], [3, 0, 3, 3, 2, 1, 3])
+    """
+    tree = _tree(tree)
+    mask = np.asarray(scored)
+    if mask.shape != (tree.num_logical_tokens,) or mask.dtype != np.bool_:
+        raise ValueError(f"scored must be a [N] bool array, one per logical token (N = {tree.num_logical_tokens}), "
+                         f"got {mask.dtype} {mask.shape}")
+    return _build_targets(tree, mask)
+
+
+def _build_targets(tree: PrefixTreeBatch, scored: Optional[np.ndarray] = None) -> Any:
+    """:class:`TreeTargets` of every logical token (``scored`` None), or ``(rows,
+    plan)`` of the scored ones over the physical tokens that predict them."""
     ids, logical, cu = tree.input_ids, tree.logical_index, tree.cu_seqlens
     t, n = ids.shape[0], logical.shape[0]
     # Logical token i predicts logical token i + 1 unless it ends its row.
     has_next = np.ones(n, dtype=bool)
     ends = cu[1:][cu[1:] > cu[:-1]] - 1  # the last token of each non-empty row
     has_next[ends] = False
+    if scored is not None:
+        has_next &= scored
     where = np.flatnonzero(has_next)
     src = logical[where]
     tgt = ids[logical[where + 1]]
@@ -472,6 +497,12 @@ def _build_targets(tree: PrefixTreeBatch) -> TreeTargets:
     u_src, u_tgt = s_src[new_pair], s_tgt[new_pair]
     is_primary = np.ones(u_src.shape[0], dtype=bool)
     is_primary[1:] = u_src[1:] != u_src[:-1]  # the smallest target id of each physical token
+    rows = None
+    if scored is not None:  # the physical tokens with a pair, numbered 0..S-1
+        rows = u_src[is_primary].astype(np.int64)
+        t = rows.shape[0]
+        u_src = np.cumsum(is_primary) - 1
+        src = np.searchsorted(rows, src)
 
     primary = np.full(t, -1, dtype=np.int64)
     primary[u_src[is_primary]] = u_tgt[is_primary]
@@ -485,7 +516,6 @@ def _build_targets(tree: PrefixTreeBatch) -> TreeTargets:
     entropy_index[where] = src
     extra_source = u_src[extra].astype(np.int64)
     extra_offsets = np.searchsorted(extra_source, np.arange(t + 1, dtype=np.int64)).astype(np.int64)
-    return TreeTargets(primary, extra_source, u_tgt[extra].astype(np.int64), extra_offsets, logprob_index,
+    plan = TreeTargets(primary, extra_source, u_tgt[extra].astype(np.int64), extra_offsets, logprob_index,
                        entropy_index)
-
-
+    return plan if rows is None else (rows, plan)

@@ -59,7 +59,7 @@ import numpy as np
 from .._lengths import as_positive_int, as_temperature
 from ..tensors.prefix_tree import PrefixTreeBatch
 from ..tensors.layout_kinds import as_tree
-from ..tensors.tree_plans import TreeTargets, tree_targets
+from ..tensors.tree_plans import TreeTargets, scored_targets, tree_targets
 from .logprobs import TokenLogprobs
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -70,7 +70,7 @@ __all__ = ["TreeTargets", "tree_targets", "tree_token_logprobs", "tree_linear_to
 
 def tree_token_logprobs(logits: "torch.Tensor", tree: PrefixTreeBatch, *, temperature: Any = 1.0,
                         return_entropy: bool = False, num_threads: int = 0, cp_size: Any = 1,
-                        cp_rank: Any = 0) -> TokenLogprobs:
+                        cp_rank: Any = 0, scored: Any = None) -> TokenLogprobs:
     """Log-probability (and entropy) of each logical token's next token, from the
     logits of ``tree``'s physical tokens; differentiable (see the module docstring).
 
@@ -91,6 +91,11 @@ def tree_token_logprobs(logits: "torch.Tensor", tree: PrefixTreeBatch, *, temper
             rows ``[bounds[r], bounds[r + 1])`` of :func:`~seqpack.tree_cp_bounds`,
             and only the logical tokens those rows predict get values (0 elsewhere):
             the ranks' results sum to the whole tree's.
+        scored: ``[N]`` bool (NumPy, a list or a tensor) - only these logical tokens'
+            next tokens are wanted (a GRPO batch's completion tokens; TRL's labels
+            that are not -100): the others read 0 (entropy too), and the rows of
+            the physical tokens that predict no scored token are never computed
+            (no log-sum-exp, no gradient). None: every logical token.
 
     Returns:
         :class:`~seqpack.TokenLogprobs` ``(logprobs, entropy)`` ``[N]`` in the logical
@@ -109,6 +114,12 @@ def tree_token_logprobs(logits: "torch.Tensor", tree: PrefixTreeBatch, *, temper
     vocab = int(logits.shape[1])
     temp, entropy = as_temperature(temperature), bool(return_entropy)
     _check_tree_ids(tree, vocab)
+    if scored is not None:
+        sel, plan, (primary, offsets, ids) = _scored_plan(tree, scored, logits.device, rows)
+        out = torch.ops.seqpack.multi_token_logprobs(logits.index_select(0, sel).contiguous(), primary, offsets, ids,
+                                                     temp, entropy, as_positive_int(num_threads, "num_threads",
+                                                                                    allow_zero=True))
+        return _logical(out, plan, entropy)
     plain = _plain_rows(tree, cp_size)
     if plain is not None:  # nothing shared: plain packing's kernel on the rows, no targets plan
         from .logprobs import packed_token_logprobs
@@ -127,7 +138,8 @@ def tree_token_logprobs(logits: "torch.Tensor", tree: PrefixTreeBatch, *, temper
 def tree_linear_token_logprobs(hidden: "torch.Tensor", weight: "torch.Tensor", tree: PrefixTreeBatch, *,
                                bias: Optional["torch.Tensor"] = None, temperature: Any = 1.0,
                                return_entropy: bool = False, chunk_tokens: Optional[int] = None,
-                               num_threads: int = 0, cp_size: Any = 1, cp_rank: Any = 0) -> TokenLogprobs:
+                               num_threads: int = 0, cp_size: Any = 1, cp_rank: Any = 0,
+                               scored: Any = None) -> TokenLogprobs:
     """:func:`tree_token_logprobs` of ``hidden @ weight.T + bias`` without ever holding
     the ``[T, V]`` logits: the LM head fused in, a chunk of ``chunk_tokens`` physical
     tokens at a time, forward and backward (the chunks of
@@ -139,7 +151,7 @@ def tree_linear_token_logprobs(hidden: "torch.Tensor", weight: "torch.Tensor", t
             bfloat16 / float16 / float64.
         weight: ``[V, H]`` the LM head (the whole vocabulary), same dtype and device;
             bias: ``[V]`` or None.
-        tree, temperature, return_entropy, cp_size, cp_rank: as
+        tree, temperature, return_entropy, cp_size, cp_rank, scored: as
             :func:`tree_token_logprobs` (with CP, ``hidden`` holds this rank's rows).
         chunk_tokens: rows of logits per chunk (default: about 2^24 logits, 2^26 on
             CUDA); >= 1.
@@ -169,6 +181,11 @@ def tree_linear_token_logprobs(hidden: "torch.Tensor", weight: "torch.Tensor", t
                            hidden.shape[0], vocab, hidden.is_cuda)
     threads = as_positive_int(num_threads, "num_threads", allow_zero=True)
     _check_tree_ids(tree, vocab)
+    if scored is not None:
+        sel, plan, (primary, offsets, ids) = _scored_plan(tree, scored, hidden.device, rows)
+        out = torch.ops.seqpack.linear_multi_token_logprobs(hidden.index_select(0, sel), weight, bias, primary,
+                                                            offsets, ids, temp, entropy, threads, chunk)
+        return _logical(out, plan, entropy)
     plain = _plain_rows(tree, cp_size)
     if plain is not None:  # nothing shared: plain packing's fused head on the rows, no targets plan
         from .logprobs import linear_token_logprobs
@@ -256,6 +273,29 @@ def _device_plan(tree: PrefixTreeBatch, device, rows: Tuple[int, int]) -> Tuple[
     if (start, end) != (0, tree.num_tokens):
         plan = _local_targets(plan, start, end)
     return plan, host_to_device([plan.primary, plan.extra_offsets, plan.extra_target], device)
+
+
+def _scored_plan(tree: PrefixTreeBatch, scored: Any, device, rows: Tuple[int, int]):
+    """The rows (local to ``rows``: a CP rank's) that predict a scored token, their
+    :class:`TreeTargets` and what the operators read of it, on ``device``."""
+    from . import _multi_target_ops  # noqa: F401  (registers seqpack::*multi_token_logprobs)
+    from ..tensors._device import host_to_device
+
+    if hasattr(scored, "detach"):
+        scored = scored.detach().cpu().numpy()
+    scored = np.asarray(scored)
+    if scored.dtype != np.bool_:
+        raise ValueError(f"scored must be bool (one flag per logical token), got {scored.dtype}")
+    start, end = rows
+    if (start, end) != (0, tree.num_tokens):  # a CP rank: the scored tokens its rows predict
+        plan = _local_targets(tree_targets(tree), start, end)
+        predicted = plan.logprob_index < plan.primary.shape[0] + plan.extra_source.shape[0]
+        scored = scored & predicted if scored.shape == predicted.shape else scored
+    sel, plan = scored_targets(tree, scored)
+    if (start, end) != (0, tree.num_tokens):
+        sel = sel - start
+    return (host_to_device([sel], device)[0], plan,
+            host_to_device([plan.primary, plan.extra_offsets, plan.extra_target], device))
 
 
 def _local_targets(plan: TreeTargets, start: int, end: int) -> TreeTargets:

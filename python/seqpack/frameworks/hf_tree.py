@@ -1,0 +1,218 @@
+"""HF transformers on prefix trees: one attention implementation for the whole
+life of a model (also ``seqpack.integrations.hf``).
+
+:func:`register_tree` registers ``"seqpack_tree"`` with transformers. A call that
+passes a tree (``model(**tree_kwargs(tree))``, which hands ``prefix_tree=tree`` down
+to every attention call) runs :func:`seqpack.tree_attention`; any other call -
+``model.generate`` with its KV cache, a padded batch, an evaluation - runs the
+model's usual attention (``fallback``: SDPA unless told otherwise, eager, flash,
+...) with the mask transformers builds for it. So a trainer needs no switching:
+
+* no attention to switch back before generating;
+* nothing to switch during gradient checkpointing's recompute, which calls every
+  layer again with the same keyword arguments, the tree included;
+* no mask built for a tree: transformers would read the tree's depth positions as
+  packed sequences and build a ``[T, T]`` mask for SDPA. The mask function hands the
+  attention a deferred mask, built on first use only by a call without a tree.
+
+::
+
+    model(**tree_kwargs(tree))         prefix_tree=tree   ->  tree attention, no mask built
+    model(input_ids, attention_mask)   no tree            ->  fallback (sdpa) with its mask
+    model.generate(...)                no tree, KV cache  ->  fallback (sdpa) with its mask
+
+    >>> from seqpack.integrations import hf                        # doctest: +SKIP
+    >>> model = AutoModelForCausalLM.from_config(cfg, attn_implementation=hf.register_tree())  # doctest: +SKIP
+    >>> logits = model(**hf.tree_kwargs(tree)).logits[0]            # doctest: +SKIP
+    >>> model.generate(prompt_ids, max_new_tokens=8)                # doctest: +SKIP
+
+:func:`use_tree_attention` switches a loaded model to the implementation whose
+fallback is the one it runs now (``"sdpa"`` -> ``"seqpack_tree"``, ``"eager"`` ->
+``"seqpack_tree_eager"``) and :func:`restore_attention` switches it back.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from typing import Any, Callable, Dict, Optional
+
+from .._lengths import as_positive_int, as_real
+from ..tensors.prefix_tree import HF_TREE_KWARG
+
+__all__ = ["TREE_NAME", "TREE_KWARG", "register_tree", "tree_attention_forward", "tree_kwargs", "tree_name",
+           "use_tree_attention", "restore_attention"]
+
+TREE_NAME = "seqpack_tree"
+TREE_KWARG = HF_TREE_KWARG
+_FALLBACK = "sdpa"
+
+
+class _DeferredMask:
+    """What the mask function of a tree implementation returns: the fallback's mask
+    call, made on first use (by an attention call without a tree) and kept for the
+    other layers of that forward. A call with a tree never builds it."""
+
+    __slots__ = ("_build", "_kwargs", "_mask", "_built")
+
+    def __init__(self, build: Callable[..., Any], kwargs: Dict[str, Any]) -> None:
+        self._build, self._kwargs, self._mask, self._built = build, kwargs, None, False
+
+    @property
+    def padding(self) -> Any:
+        """The 2-D padding mask the model was called with (None: none)."""
+        return self._kwargs.get("attention_mask")
+
+    def resolve(self) -> Any:
+        if not self._built:
+            self._mask, self._built = self._build(**self._kwargs), True
+        return self._mask
+
+
+def tree_attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
+                           sliding_window: Optional[int] = None, softcap=None, is_causal: Optional[bool] = None,
+                           prefix_tree: Any = None, backend: str = "auto", **kwargs):
+    """transformers' attention-function contract over a prefix tree: ``query``
+    ``[1, Hq, T, D]``, ``key``/``value`` ``[1, Hk, T, D]`` at the tree's physical
+    tokens (``T = prefix_tree.num_tokens``); returns ``([1, T, Hq, D], None)`` from
+    :func:`seqpack.tree_attention` - each token attends to its ancestors and itself.
+
+    The tree arrives as the ``prefix_tree`` keyword argument, which transformers
+    forwards from ``model(...)`` to every attention call (:func:`tree_kwargs` builds
+    the whole call). No mask: a padding ``attention_mask`` is refused (an all-ones
+    one means nothing and passes), a built mask too."""
+    from ..tensors.layout_kinds import is_layout
+    from ..training.attention_tree import tree_attention
+
+    if not is_layout(prefix_tree):
+        raise ValueError(f"seqpack tree attention needs the layout: call model(..., prefix_tree=tree) with a "
+                         f"PrefixTreeBatch or PackedLayout (seqpack.integrations.hf.tree_kwargs(tree)); got "
+                         f"prefix_tree = {type(prefix_tree).__name__}")
+    if prefix_tree.cp_size != 1:
+        raise ValueError(f"seqpack tree attention runs the whole stream; the layout is cut for cp_size = "
+                         f"{prefix_tree.cp_size}")
+    if as_real(dropout, "dropout", minimum=0, maximum=1) and module.training:
+        raise ValueError("seqpack tree attention has no attention dropout; set the model's attention_dropout to 0")
+    if softcap is not None:
+        raise ValueError("seqpack tree attention does not support logit softcapping (Gemma 2's "
+                         "attn_logit_softcapping): run such a model without a tree")
+    if not (is_causal if is_causal is not None else getattr(module, "is_causal", True)):
+        raise ValueError("seqpack tree attention is causal (ancestors and self); the module asked for non-causal")
+    if isinstance(attention_mask, _DeferredMask):
+        padding = attention_mask.padding
+        if padding is not None and not bool(padding.all()):
+            raise ValueError("seqpack tree attention takes no padding attention_mask (the tree is the mask; its pad "
+                             "tokens see only themselves): pass attention_mask=None")
+    elif attention_mask is not None:
+        raise ValueError("seqpack tree attention takes no attention_mask (the tree is the mask); pass none")
+    t = prefix_tree.num_tokens
+    if sliding_window is not None and t and int(prefix_tree.position_ids.max()) >= as_positive_int(
+            sliding_window, "sliding_window"):
+        raise ValueError(f"sliding_window = {sliding_window} is shorter than the tree's deepest row "
+                         f"({int(prefix_tree.position_ids.max()) + 1} tokens); seqpack tree attention has no window")
+    if query.shape[0] != 1 or query.shape[2] != t or key.shape[2] != t:
+        raise ValueError(f"seqpack tree attention takes one row of the tree's {t} physical tokens (input_ids "
+                         f"[1, T], no KV cache); got query {tuple(query.shape)} and key {tuple(key.shape)}")
+    q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [T, H, D]
+    out = tree_attention(q, k, v, prefix_tree, softmax_scale=scaling, backend=backend)
+    return out[None], None
+
+
+def _fallback_attention(fallback: str, module: Any) -> Callable[..., Any]:
+    """The attention function transformers would run for ``fallback`` in ``module``'s
+    model: the registered one, or for ``"eager"`` the model file's own."""
+    from transformers import AttentionInterface
+
+    if fallback == "eager":
+        own = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+        if own is None:
+            raise ValueError(f"{type(module).__name__} has no eager_attention_forward in its module: use another "
+                             f"fallback attention than 'eager'")
+        return own
+    return AttentionInterface()[fallback]
+
+
+def _dispatch(module, query, key, value, attention_mask, *args: Any, fallback: str = _FALLBACK,
+              backend: str = "auto", **kwargs: Any):
+    """The registered function: the tree's attention when ``prefix_tree`` is given,
+    else ``fallback``'s with the mask it would have had."""
+    tree = kwargs.pop(TREE_KWARG, None)
+    if tree is not None:
+        return tree_attention_forward(module, query, key, value, attention_mask, *args, prefix_tree=tree,
+                                      backend=backend, **kwargs)
+    if isinstance(attention_mask, _DeferredMask):
+        attention_mask = attention_mask.resolve()
+    return _fallback_attention(fallback, module)(module, query, key, value, attention_mask, *args, **kwargs)
+
+
+def _deferred_mask(fallback: str, **kwargs: Any) -> _DeferredMask:
+    from transformers.masking_utils import AttentionMaskInterface
+
+    return _DeferredMask(AttentionMaskInterface()[fallback], kwargs)
+
+
+def tree_name(fallback: str = _FALLBACK) -> str:
+    """The name :func:`register_tree` gives the tree implementation over ``fallback``:
+    ``"seqpack_tree"`` for SDPA, ``"seqpack_tree_<fallback>"`` otherwise."""
+    return TREE_NAME if fallback == _FALLBACK else f"{TREE_NAME}_{fallback}"
+
+
+def register_tree(name: Optional[str] = None, backend: str = "auto", fallback: str = _FALLBACK) -> str:
+    """Registers seqpack's prefix-tree attention with transformers (attention and mask
+    function, see the module docstring); use ``attn_implementation=name`` and call the
+    model with :func:`tree_kwargs`. Calls without a tree run ``fallback`` (an
+    implementation transformers knows: ``"sdpa"``, ``"eager"``,
+    ``"flash_attention_2"``, ...). Returns ``name`` (default :func:`tree_name`)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    if not isinstance(fallback, str) or fallback not in AttentionMaskInterface._global_mapping:
+        raise ValueError(f"fallback must be an attention implementation transformers builds masks for "
+                         f"({sorted(AttentionMaskInterface._global_mapping)}), got {fallback!r}")
+    if fallback.startswith(TREE_NAME):
+        raise ValueError(f"fallback {fallback!r} is a tree implementation itself: give the model's usual one")
+    name = tree_name(fallback) if name is None else name
+    AttentionInterface.register(name, functools.partial(_dispatch, fallback=fallback, backend=backend))
+    AttentionMaskInterface.register(name, functools.partial(_deferred_mask, fallback))
+    _FALLBACKS[name] = fallback
+    return name
+
+
+_FALLBACKS: Dict[str, str] = {}  # registered tree implementation -> its fallback
+
+
+def _implementation(model: Any) -> str:
+    return model.config._attn_implementation or _FALLBACK
+
+
+def use_tree_attention(model: Any) -> str:
+    """Switches ``model`` (a transformers ``PreTrainedModel``) to the tree
+    implementation over the attention it runs now (registered if needed) and returns
+    that previous implementation, for :func:`restore_attention`. A model on a tree
+    implementation already is left as it is."""
+    current = _implementation(model)
+    if current in _FALLBACKS:
+        return current
+    model.set_attn_implementation(register_tree(fallback=current))
+    return current
+
+
+def restore_attention(model: Any, previous: str) -> None:
+    """Switches ``model`` back to ``previous`` (what :func:`use_tree_attention`
+    returned) if it still runs a tree implementation."""
+    if _implementation(model) in _FALLBACKS and previous != _implementation(model):
+        model.set_attn_implementation(previous)
+
+
+def tree_kwargs(tree: Any, device: Any = None) -> Dict[str, Any]:
+    """What to pass to ``model(**tree_kwargs(tree))`` for a model loaded with the
+    implementation :func:`register_tree` registered: ``input_ids`` and
+    ``position_ids`` ``[1, T]`` (int64; the position of a token is its depth, so
+    RoPE sees what each row alone would) and ``prefix_tree`` (read by the attention).
+    The logits ``[1, T, V]`` are per physical token: take each row's with
+    ``logits[0, tree.logical_index]`` or its log-probs with
+    :func:`seqpack.tree_token_logprobs` (not ``labels=``: the shifted loss of
+    transformers would read the DFS order as one sequence)."""
+    from ..tensors.layout_kinds import as_tree
+
+    return as_tree(tree).hf_kwargs(device)
