@@ -62,6 +62,24 @@ class TreeMicroBatch:
     data: "SlicedDataDict"
     rows: Tuple[int, ...]
 
+    def forward(self, model: Any, **model_kwargs: Any) -> Any:
+        """The logits ``[1, T, V]`` of a transformers ``model`` (bare or under FSDP /
+        DDP / PEFT) on the tree's physical tokens, the ``next_token_logits`` of
+        ``SequencePackingLossWrapper(loss_fn, cu_seqlens_q=self.tree)(logits,
+        self.data, ...)``: NeMo-RL's policy forward on a tree
+        (:func:`seqpack.frameworks.policy_forward.nemo_rl_tree_forward`)."""
+        from .policy_forward import nemo_rl_tree_forward
+
+        return nemo_rl_tree_forward(model, self, **model_kwargs)
+
+    def logprobs(self, model: Any, *, temperature: Any = 1.0, **model_kwargs: Any) -> Any:
+        """NeMo-RL's ``get_logprobs`` on the tree: ``[B, S]`` token log-probs, 0 at
+        column 0 and past each row (:func:`seqpack.frameworks.policy_forward.
+        nemo_rl_tree_logprobs`)."""
+        from .policy_forward import nemo_rl_tree_logprobs
+
+        return nemo_rl_tree_logprobs(model, self, temperature=temperature, **model_kwargs)
+
 
 def _row_tokens(data: Mapping[str, Any], input_key: str, lengths: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
     """The rows' real tokens packed back to back (host int64) and their offsets."""

@@ -516,13 +516,7 @@ def _trl_modules() -> List[Tuple[str, Any]]:
             if module is not None and (name == "trl" or name.startswith("trl."))]
 
 
-def patched_names() -> List[str]:
-    """The ``module.pack_dataset`` names of loaded TRL modules that are seqpack's now."""
-    return sorted(f"{name}.pack_dataset" for name, module in _trl_modules()
-                  if getattr(module, "__dict__", {}).get("pack_dataset") is trl_pack_dataset)
-
-
-def patch() -> List[str]:
+def patch(shared_prefix: bool = False) -> List[str]:
     """Make TRL's trainers pack with seqpack: TRL's ``pack_dataset`` is replaced by
     :func:`trl_pack_dataset` in ``trl.data_utils`` and in every loaded TRL module that
     bound it (``trl.trainer.sft_trainer``, imported here, ``trl.experimental.gold.
@@ -530,8 +524,14 @@ def patch() -> List[str]:
     later bind the replacement from ``trl.data_utils``. Idempotent; :func:`unpatch`
     (or the :func:`patched` context manager) restores TRL's own.
 
+    ``shared_prefix=True`` also puts prefix trees under TRL's ``GRPOTrainer`` and
+    ``RLOOTrainer``: their log-probs (policy, old policy, reference model) are
+    computed with each shared prompt forwarded once (:mod:`seqpack.frameworks.trl_tree`;
+    docs/trl.md). ``patch()`` without it leaves an earlier ``shared_prefix`` patch on.
+
     Returns the ``module.pack_dataset`` names that are seqpack's now (the same list
-    when called again); the ones replaced by this call are logged (INFO)."""
+    when called again), and with ``shared_prefix`` the ``module.Trainer.method`` names;
+    the ones replaced by this call are logged (INFO)."""
     import importlib
     import logging
 
@@ -549,32 +549,68 @@ def patch() -> List[str]:
             module.pack_dataset = trl_pack_dataset
             replaced.append(f"{name}.pack_dataset")
     _TRL_ORIGINAL["pack_dataset"] = original
+    if shared_prefix:
+        from .trl_tree import patch_trainers, patched_trainer_names
+
+        before = set(patched_trainer_names())
+        replaced += [name for name in patch_trainers() if name not in before]
     if replaced:
-        logging.getLogger(__name__).info("seqpack.integrations.trl.patch(): TRL's pack_dataset replaced in %s",
+        logging.getLogger(__name__).info("seqpack.integrations.trl.patch(): TRL's %s replaced",
                                          ", ".join(sorted(replaced)))
     return patched_names()
 
 
+def patched_names() -> List[str]:
+    """The ``module.pack_dataset`` names of loaded TRL modules that are seqpack's now,
+    and the ``module.Trainer.method`` names of the ``shared_prefix`` patch."""
+    names = sorted(f"{name}.pack_dataset" for name, module in _trl_modules()
+                   if getattr(module, "__dict__", {}).get("pack_dataset") is trl_pack_dataset)
+    import sys
+
+    if "seqpack.frameworks.trl_tree" in sys.modules:
+        from .trl_tree import patched_trainer_names
+
+        names += patched_trainer_names()
+    return names
+
+
 def unpatch() -> List[str]:
     """Restores TRL's own ``pack_dataset`` wherever :func:`patch` (or a TRL module
-    imported since) put seqpack's; returns those ``module.pack_dataset`` names."""
+    imported since) put seqpack's, and TRL's trainer methods, models' forwards and
+    attention implementations a ``shared_prefix`` patch changed; returns the names
+    restored."""
     original = _TRL_ORIGINAL.pop("pack_dataset", None)
     restored = patched_names()
     if original is not None:
         for name, module in _trl_modules():
             if getattr(module, "__dict__", {}).get("pack_dataset") is trl_pack_dataset:
                 module.pack_dataset = original
+    import sys
+
+    if "seqpack.frameworks.trl_tree" in sys.modules:
+        from .trl_tree import unpatch_trainers
+
+        unpatch_trainers()
     return restored
 
 
 @contextlib.contextmanager
-def patched() -> Iterator[List[str]]:
+def patched(shared_prefix: bool = False) -> Iterator[List[str]]:
     """``with patched():`` TRL's trainers pack with seqpack inside the block (TRL
-    packs in the trainer's constructor); on exit TRL's own is restored unless it
-    was patched before the block. Yields :func:`patch`'s list."""
+    packs in the trainer's constructor), with prefix trees under GRPO and RLOO for
+    ``shared_prefix=True``; on exit TRL's own is restored unless it was patched
+    before the block. Yields :func:`patch`'s list."""
+    import sys
+
     was = bool(_TRL_ORIGINAL)
+    trees = "seqpack.frameworks.trl_tree" in sys.modules and bool(sys.modules["seqpack.frameworks.trl_tree"].
+                                                                    patched_trainer_names())
     try:
-        yield patch()
+        yield patch(shared_prefix=shared_prefix)
     finally:
         if not was:
             unpatch()
+        elif shared_prefix and not trees:
+            from .trl_tree import unpatch_trainers
+
+            unpatch_trainers()

@@ -95,7 +95,9 @@ def tree_token_logprobs(logits: "torch.Tensor", tree: PrefixTreeBatch, *, temper
             next tokens are wanted (a GRPO batch's completion tokens; TRL's labels
             that are not -100): the others read 0 (entropy too), and the rows of
             the physical tokens that predict no scored token are never computed
-            (no log-sum-exp, no gradient). None: every logical token.
+            (no log-sum-exp, no gradient). None: every logical token. ``logits``
+            may then hold those rows alone, ``scored_targets(tree, scored)[0]``
+            (HF: ``model(..., logits_to_keep=rows)``), no CP.
 
     Returns:
         :class:`~seqpack.TokenLogprobs` ``(logprobs, entropy)`` ``[N]`` in the logical
@@ -110,16 +112,19 @@ def tree_token_logprobs(logits: "torch.Tensor", tree: PrefixTreeBatch, *, temper
     _check_tree(tree)
     check_logits(logits)
     rows = _local_rows(tree, cp_size, cp_rank)
-    _check_rows(logits, "logits", rows, tree)
     vocab = int(logits.shape[1])
     temp, entropy = as_temperature(temperature), bool(return_entropy)
-    _check_tree_ids(tree, vocab)
     if scored is not None:
         sel, plan, (primary, offsets, ids) = _scored_plan(tree, scored, logits.device, rows)
-        out = torch.ops.seqpack.multi_token_logprobs(logits.index_select(0, sel).contiguous(), primary, offsets, ids,
-                                                     temp, entropy, as_positive_int(num_threads, "num_threads",
-                                                                                    allow_zero=True))
+        if logits.shape[0] != sel.shape[0] or rows[1] - rows[0] == sel.shape[0]:  # else: the scored rows alone
+            _check_rows(logits, "logits", rows, tree)
+            logits = logits.index_select(0, sel)
+        _check_tree_ids(tree, vocab)
+        out = torch.ops.seqpack.multi_token_logprobs(logits.contiguous(), primary, offsets, ids, temp, entropy,
+                                                     as_positive_int(num_threads, "num_threads", allow_zero=True))
         return _logical(out, plan, entropy)
+    _check_rows(logits, "logits", rows, tree)
+    _check_tree_ids(tree, vocab)
     plain = _plain_rows(tree, cp_size)
     if plain is not None:  # nothing shared: plain packing's kernel on the rows, no targets plan
         from .logprobs import packed_token_logprobs

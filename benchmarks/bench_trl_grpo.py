@@ -1,0 +1,208 @@
+"""TRL's GRPO on prefix trees: TRL 1.16's log-prob path vs seqpack.integrations.trl.patch(shared_prefix=True).
+
+The GRPO log-probs: forward + backward of ``GRPOTrainer._get_per_token_logps_and_entropies``
+(log-probs and entropies of the completions, TRL's fused LM head, a loss on both)
+on a batch laid out as TRL lays it out (prompts left-padded, completions
+right-padded, G rows per prompt, completions of random lengths), TRL's own method
+vs the patched one on copies of one HF Llama (fp32, no autocast: the same numbers,
+checked). Then a whole ``trainer.train()`` step under TRL's defaults (bf16
+autocast, gradient checkpointing, generation with ``model.generate`` on the CPU),
+unpatched vs patched.
+
+    python benchmarks/bench_trl_grpo.py            # G = 4, 8, 16 x prompt:completion 4:1, 1:1, 1:4
+    python benchmarks/bench_trl_grpo.py --quick    # two small cases (a smoke test)
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _harness import CsvLog, alternating, announce, environment, format_table, torch_cpu_arguments  # noqa: E402
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+TITLE = "TRL GRPO log-probs, TRL's padded rows vs prefix trees"
+TITLE_TRAIN = "TRL GRPO trainer.train() step, TRL vs patched"
+ROWS = 16  # rows per micro-batch: 16 / G prompts
+
+
+def tokenizer(vocab: int):
+    import tokenizers
+    import transformers
+
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t0"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="t0", pad_token="t1", eos_token="t2")
+
+
+def llama(quick: bool):
+    import transformers
+
+    size = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, vocab_size=512) if quick else \
+        dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
+             vocab_size=8192)
+    cfg = transformers.LlamaConfig(max_position_embeddings=4096, bos_token_id=0, pad_token_id=1, eos_token_id=2,
+                                   tie_word_embeddings=False, **size)
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(cfg)
+
+
+def batch(g: int, prompt: int, completion: int, vocab: int, seed: int = 0):
+    """TRL's layout: each prompt (length within 75-100 % of ``prompt``) left-padded,
+    G completions of random lengths (50-100 % of ``completion``) right-padded."""
+    rng = np.random.default_rng(seed)
+    ids = np.full((ROWS, prompt + completion), 1, dtype=np.int64)
+    mask = np.zeros_like(ids)
+    for k in range(ROWS // g):
+        n = int(rng.integers(prompt * 3 // 4, prompt + 1))
+        ids[k * g:(k + 1) * g, prompt - n:prompt] = rng.integers(3, vocab, n)
+        mask[k * g:(k + 1) * g, prompt - n:prompt] = 1
+    for r in range(ROWS):
+        n = int(rng.integers(completion // 2, completion + 1))
+        ids[r, prompt:prompt + n] = rng.integers(3, vocab, n)
+        mask[r, prompt:prompt + n] = 1
+    return torch.from_numpy(ids), torch.from_numpy(mask)
+
+
+def grpo_trainer(model, out_dir: str, vocab: int, g: int, completion: int, steps: int, **kw):
+    import datasets
+    from trl import GRPOConfig, GRPOTrainer
+
+    rng = np.random.default_rng(1)
+    prompts = [" ".join(f"t{int(i)}" for i in rng.integers(3, vocab, kw.pop("prompt_tokens", 8))) for _ in range(64)]
+    args = GRPOConfig(output_dir=out_dir, per_device_train_batch_size=ROWS, num_generations=g,
+                      max_completion_length=completion, max_steps=steps, logging_steps=1, report_to="none",
+                      save_strategy="no", seed=0, use_cpu=True, disable_tqdm=True, **kw)
+    return GRPOTrainer(model=model, reward_funcs=lambda completions, **_: [float(len(c) % 7) for c in completions],
+                       args=args, train_dataset=datasets.Dataset.from_dict({"prompt": prompts}),
+                       processing_class=tokenizer(vocab))
+
+
+def logprob_case(trainer, trl_model, tree_model, g: int, prompt: int, completion: int, vocab: int, repeat: int):
+    from trl.trainer.grpo_trainer import GRPOTrainer
+
+    from seqpack.frameworks._completion_trees import completion_tree
+    from seqpack.frameworks.trl_tree import METHOD
+
+    patched = GRPOTrainer.__dict__[METHOD]
+    original = patched._seqpack_original
+    ids, mask = batch(g, prompt, completion, vocab)
+
+    def step(method, model):
+        def run():
+            model.zero_grad(set_to_none=True)
+            lp, ent, _ = method(trainer, model, ids, mask, completion, compute_entropy=True)
+            (lp.sum() + 0.01 * ent.sum()).backward()
+            return lp.detach(), [p.grad for p in model.parameters()]
+        return run
+
+    (lp_trl, g_trl), (lp_tree, g_tree) = step(original, trl_model)(), step(patched, tree_model)()
+    lp_err = float((lp_trl - lp_tree).abs().max() / lp_trl.abs().max())
+    grad_err = max(float((a - b).abs().max() / a.abs().max()) for a, b in zip(g_trl, g_tree))
+    if lp_err > 2e-4 or grad_err > 1e-3:
+        raise AssertionError(f"G={g} {prompt}:{completion}: the tree path disagrees with TRL's: log-probs rel "
+                             f"{lp_err:.1e}, gradients rel {grad_err:.1e}")
+    t_trl, t_tree = alternating([step(original, trl_model), step(patched, tree_model)], repeat)
+    tree = completion_tree(ids, mask, completion)[0]
+    padded = ids.numel()
+    return dict(padded=padded, real=int(mask.sum()), physical=tree.num_tokens, t_trl=t_trl, t_tree=t_tree,
+                lp_err=lp_err, grad_err=grad_err)
+
+
+def train_steps(quick: bool, vocab: int, patched: bool, steps: int) -> float:
+    """Seconds per ``trainer.train()`` step after the first (TRL's defaults)."""
+    import seqpack.integrations.trl as seqpack_trl
+
+    model = llama(quick)
+    g, prompt, completion = (4, 24, 8) if quick else (8, 256, 64)
+    seqpack_trl.unpatch()
+    if patched:
+        seqpack_trl.patch(shared_prefix=True)
+    with tempfile.TemporaryDirectory() as out:
+        trainer = grpo_trainer(model, out, vocab, g, completion, steps + 1, prompt_tokens=prompt)
+        times = []
+
+        class Timer:
+            def on_step_begin(self, *a, **k):
+                times.append(time.perf_counter())
+
+        from transformers import PrinterCallback, TrainerCallback
+
+        trainer.remove_callback(PrinterCallback)
+        trainer.add_callback(type("StepTimer", (TrainerCallback,), {"on_step_begin": Timer.on_step_begin}))
+        trainer.train()
+        times.append(time.perf_counter())
+    seqpack_trl.unpatch()
+    return float(np.median(np.diff(times)[1:]))
+
+
+def main() -> int:
+    parser = torch_cpu_arguments(__doc__)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    env = announce(environment(), torch)
+    import transformers
+    import trl
+
+    env["transformers"], env["trl"] = transformers.__version__, trl.__version__
+    from trl.trainer.utils import add_fused_lm_head
+
+    import seqpack.integrations.trl as seqpack_trl
+
+    log = CsvLog("trl_grpo", env, args.csv)
+    repeat = 1 if args.quick else args.repeat
+    cases = [(4, 48, 12), (8, 12, 48)] if args.quick else \
+        [(g, p, c) for g in (4, 8, 16) for p, c in ((256, 64), (160, 160), (64, 256))]
+    trl_model = llama(args.quick)
+    vocab = trl_model.config.vocab_size
+    tree_model = copy.deepcopy(trl_model)
+    rows_out = []
+    with tempfile.TemporaryDirectory() as out:
+        trainer = grpo_trainer(trl_model, out, vocab, 4, 8, 1, bf16=False)  # TRL's fused head on trl_model
+        add_fused_lm_head(tree_model, temperature=trainer.temperature, outputs=("log_probs", "entropy"))
+        seqpack_trl.patch(shared_prefix=True)
+        for g, p, c in cases:
+            r = logprob_case(trainer, trl_model, tree_model, g, p, c, vocab, repeat)
+            name = f"G={g} {p}:{c}"
+            rows_out.append([name, r["padded"], r["real"], r["physical"], r["padded"] / r["physical"],
+                             r["t_trl"] * 1e3, r["t_tree"] * 1e3, r["t_trl"] / r["t_tree"], f"{r['lp_err']:.1e}",
+                             f"{r['grad_err']:.1e}"])
+            for key in ("padded", "real", "physical", "lp_err", "grad_err"):
+                log.add(name, "-", key, r[key])
+            log.add(name, "trl", "seconds_min", r["t_trl"])
+            log.add(name, "seqpack_tree", "seconds_min", r["t_tree"])
+            print(f"  {name}: done", flush=True)
+        seqpack_trl.unpatch()
+    print(format_table(
+        TITLE, ["case", "padded tok", "real tok", "tree tok", "padded / tree", "TRL ms", "tree ms", "speed-up",
+                "log-prob rel diff", "grad rel diff"], rows_out,
+        note="CPU fp32, torch threads = %d, %d rows per batch (16 / G prompts), Llama %d layers, hidden %d, vocab %d; "
+             "fwd+bwd of _get_per_token_logps_and_entropies (log-probs + entropies, TRL's fused head) with a loss on "
+             "both; the sides alternate, best of %d after a warm-up. padded / tree = TRL's forwarded tokens over the "
+             "tree's: the bound on the token-wise work (attention aside)." % (
+                 args.threads, ROWS, trl_model.config.num_hidden_layers, trl_model.config.hidden_size, vocab, repeat)))
+
+    steps = 1 if args.quick else 3
+    t_trl = train_steps(args.quick, vocab, False, steps)
+    t_tree = train_steps(args.quick, vocab, True, steps)
+    log.add("train", "trl", "seconds_per_step", t_trl)
+    log.add("train", "seqpack_tree", "seconds_per_step", t_tree)
+    print(format_table(
+        TITLE_TRAIN, ["case", "TRL s/step", "patched s/step", "speed-up"],
+        [["G=8 256:64" if not args.quick else "G=4 24:8", t_trl, t_tree, t_trl / t_tree]],
+        note="trainer.train() under TRL's defaults (bf16 autocast on the CPU, gradient checkpointing, beta 0), "
+             "16 rows per step, generation by model.generate (the same on both sides: the tree path changes only "
+             "the log-probs); median of %d steps after the first." % steps))
+    print(f"csv: {log.write()}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

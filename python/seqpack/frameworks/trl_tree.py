@@ -1,0 +1,290 @@
+"""TRL's GRPO and RLOO on prefix trees: ``seqpack.integrations.trl.patch(shared_prefix=True)``.
+
+TRL's ``GRPOTrainer`` and ``RLOOTrainer`` compute every per-token log-prob they
+need - the policy's, the old policy's, the reference model's - in
+``_get_per_token_logps_and_entropies``: the padded ``[B, P + C]`` prompt +
+completion rows forwarded as they are, so each prompt is forwarded once per
+sample of its group (G times). The patch puts seqpack's in its place: the rows
+become a :class:`~seqpack.PrefixTreeBatch` (each shared prefix once: a prompt once
+per group, and once for the batch where prompts repeat), the model runs on the
+tree through the attention :func:`seqpack.integrations.hf.use_tree_attention`
+switches it to, and the head scores only the completion tokens
+(:func:`seqpack.tree_linear_token_logprobs` with ``scored``)::
+
+    TRL: B rows x (P + C) tokens         the tree: P + G*C tokens per group
+    [pad pad p p p | c c c pad]          p p p -+- c c c
+    [pad pad p p p | c c pad pad]               +- c c
+    ...  (the prompt G times)                   +- ...
+
+It returns what TRL's does - ``[B, C]`` log-probs (and entropies) of the completion
+tokens, 0 where TRL's labels are -100 - with the semantics of TRL's fused LM head
+as installed on each model (temperature, ``cast_lm_head_to_fp32``, logit scale;
+the compute dtype of autocast), so the loss, gradients and TRL's options
+(``num_iterations``, ``beta`` with a reference model, ``importance_sampling_level``,
+PEFT / LoRA, gradient checkpointing) are TRL's. The model's own attention stays in
+place for every call without a tree: generation, evaluation, TRL's path.
+
+What the tree path cannot take goes to TRL's own path, with one warning naming the
+reason: vision inputs, the MoE load-balancing loss, logit soft-capping (Gemma 2),
+a prompt-learning PEFT adapter, a model without TRL's fused head, a sliding window
+shorter than a row, a row whose completion has no prompt before it.
+``AsyncGRPOTrainer`` (``trl.experimental``, which packs its own trees for
+flash-attention) is refused by name while the patch is on.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import types
+import warnings
+import weakref
+from typing import Any, Dict, List, Optional, Tuple
+
+from ._completion_trees import completion_tree, to_completions
+
+__all__ = ["patch_trainers", "unpatch_trainers", "patched_trainer_names"]
+
+METHOD = "_get_per_token_logps_and_entropies"
+# module, class: the trainers whose method the patch replaces
+_TRAINERS = (("trl.trainer.grpo_trainer", "GRPOTrainer"), ("trl.trainer.rloo_trainer", "RLOOTrainer"))
+_VISION = ("pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask", "spatial_shapes", "num_tiles",
+           "image_sizes", "token_type_ids", "mm_token_type_ids", "image_position_ids")
+_ORIGINAL: Dict[Tuple[str, str], Any] = {}  # (module, class) -> TRL's method, while patched
+_BASE_INIT: Dict[str, Any] = {}  # "init": _BaseTrainer.__init__, while patched
+_MODELS: "weakref.WeakSet[Any]" = weakref.WeakSet()  # models whose forward and attention the patch changed
+_WARNED: set = set()
+
+
+# ---- the model: TRL's fused head, read; a forward that runs the tree ----------------------
+def _head_of(model: Any) -> Optional[Dict[str, Any]]:
+    """The settings of TRL's fused LM head installed on ``model`` (``add_fused_lm_head``),
+    or None without one. Found under the wrappers put around it since: accelerate's
+    mixed-precision forward (``__wrapped__``, ``_original_forward``), seqpack's."""
+    stack = [model.__dict__.get(key) for key in ("_seqpack_trl_forward", "_original_forward", "forward")]
+    for _ in range(16):
+        if not stack:
+            return None
+        fn = stack.pop()
+        func = getattr(fn, "__func__", fn)
+        code = getattr(func, "__code__", None)
+        if code is not None and code.co_name == "_fused_forward":  # functools.wraps renamed it "forward"
+            head = inspect.getclosurevars(func).nonlocals
+            return head if "temperature" in head else None
+        stack += [getattr(func, attr) for attr in ("__wrapped__", "model_forward") if hasattr(func, attr)]
+    return None
+
+
+def _tree_forward(self, *args: Any, seqpack_tree: Any = None, labels: Any = None, shift_labels: Any = None,
+                  num_items_in_batch: Any = None, **kwargs: Any):
+    """The patched model's forward: TRL's when no tree is passed; else the backbone on
+    the tree and TRL's head settings on the scored tokens (see the module docstring)."""
+    if seqpack_tree is None:
+        for key, value in (("labels", labels), ("shift_labels", shift_labels),
+                           ("num_items_in_batch", num_items_in_batch)):
+            if value is not None:
+                kwargs[key] = value
+        return self._seqpack_trl_forward(*args, **kwargs)
+    import torch
+
+    from ..tensors.prefix_tree import HF_TREE_KWARG
+    from ..training.logprobs_tree import tree_linear_token_logprobs
+
+    tree, scored, entropy = seqpack_tree
+    head = _head_of(self)
+    kwargs["use_cache"] = False
+    kwargs[HF_TREE_KWARG] = tree
+    hidden = getattr(self, head.get("backbone_attr", "base_model"))(*args, **kwargs).last_hidden_state[0]
+    lm_head = self.get_output_embeddings()
+    weight, bias = lm_head.weight, lm_head.bias
+    if hasattr(weight, "full_tensor"):  # FSDP2's DTensor, gathered as TRL's head does
+        weight = weight.full_tensor()
+        bias = bias.full_tensor() if bias is not None else None
+    hidden = hidden.to(weight.device)
+    device = hidden.device.type
+    if head["cast_lm_head_to_fp32"]:
+        dtype = torch.float32
+    elif torch.is_autocast_enabled(device):
+        dtype = torch.get_autocast_dtype(device)
+    else:
+        dtype = hidden.dtype
+    with torch.autocast(device, enabled=False):
+        out = tree_linear_token_logprobs(hidden.to(dtype), weight.to(dtype), tree,
+                                         bias=None if bias is None else bias.to(dtype),
+                                         temperature=head["temperature"] / head["logit_scale"],
+                                         return_entropy=entropy, scored=scored)
+    return {"log_probs": out.logprobs, "entropy": out.entropy}
+
+
+def _install(model: Any) -> None:
+    """``model``'s forward takes ``seqpack_tree=`` and its attention takes trees."""
+    from .hf_tree import use_tree_attention
+
+    if model.__dict__.get("forward") is not None and getattr(model.forward, "__func__", None) is _tree_forward:
+        return
+    previous = use_tree_attention(model)
+    model._seqpack_trl_forward = model.forward
+    model._seqpack_attention = previous
+    model.forward = types.MethodType(_tree_forward, model)
+    _MODELS.add(model)
+
+
+def _uninstall(model: Any) -> None:
+    from .hf_tree import restore_attention
+
+    if getattr(model.__dict__.get("forward"), "__func__", None) is _tree_forward:
+        model.forward = model._seqpack_trl_forward
+        restore_attention(model, model._seqpack_attention)
+        del model._seqpack_trl_forward, model._seqpack_attention
+
+
+# ---- TRL's method, replaced ---------------------------------------------------------------
+def _hf_model(trainer: Any, model: Any) -> Tuple[Any, bool]:
+    """The transformers model under the accelerate / PEFT wrappers, and whether a
+    prompt-learning PEFT adapter (which changes the inputs) is active."""
+    inner = trainer.accelerator.unwrap_model(model) if hasattr(trainer, "accelerator") else model
+    prompt_learning = bool(getattr(inner, "peft_config", None)) and bool(
+        getattr(getattr(inner, "active_peft_config", None), "is_prompt_learning", False))
+    if hasattr(inner, "get_base_model"):
+        inner = inner.get_base_model()
+    return inner, prompt_learning
+
+
+def _fallback_reason(trainer: Any, model: Any, compute_aux_loss: bool, extra: Dict[str, Any],
+                     longest: int) -> Optional[str]:
+    vision = [k for k in _VISION if extra.get(k) is not None]
+    if vision:
+        return f"vision inputs ({', '.join(vision)})"
+    if compute_aux_loss:
+        return "the MoE load-balancing loss (compute_aux_loss: TRL's router loss is over the padded rows)"
+    hf_model, prompt_learning = _hf_model(trainer, model)
+    if prompt_learning:
+        return "a prompt-learning PEFT adapter (it changes the model's inputs)"
+    head = _head_of(hf_model)
+    if head is None:
+        return "a model without TRL's fused LM head (add_fused_lm_head)"
+    if head["final_logit_softcapping"] is not None:
+        return f"final_logit_softcapping = {head['final_logit_softcapping']} (a tree head without soft-capping)"
+    scale = float(head["logit_scale"])
+    if not (math.isfinite(scale) and scale > 0):
+        return f"logit_scale = {head['logit_scale']} (must be positive to fold into the temperature)"
+    config = hf_model.config.get_text_config()
+    if getattr(config, "attn_logit_softcapping", None) is not None:
+        return f"attn_logit_softcapping = {config.attn_logit_softcapping} (tree attention has no soft-capping)"
+    window = getattr(config, "sliding_window", None)
+    if window is not None and getattr(config, "use_sliding_window", True) and longest > int(window):
+        return f"sliding_window = {window}, shorter than a row of {longest} tokens (tree attention has no window)"
+    if not hf_model._can_set_attn_implementation():
+        return f"{type(hf_model).__name__} cannot switch its attention implementation"
+    return None
+
+
+def _warn_once(reason: str) -> None:
+    if reason not in _WARNED:
+        _WARNED.add(reason)
+        warnings.warn(f"seqpack.integrations.trl (shared_prefix=True): {reason}; these log-probs run on TRL's own "
+                      f"path", UserWarning, stacklevel=4)
+
+
+def _make_method(original: Any) -> Any:
+    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
+                                           compute_entropy=False, compute_aux_loss=False, **extra):
+        import torch
+
+        def trl_path():
+            return original(self, model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy,
+                            compute_aux_loss, **extra)
+
+        longest = int(attention_mask.sum(1).max()) if attention_mask.numel() else 0
+        reason = _fallback_reason(self, model, compute_aux_loss, extra, longest)
+        if reason is not None:
+            _warn_once(reason)
+            return trl_path()
+        c = int(logits_to_keep)
+        rows = input_ids.shape[0]
+        batch_size = batch_size or rows
+        chunks = []
+        for start in range(0, rows, batch_size):
+            end = min(start + batch_size, rows)
+            found = completion_tree(input_ids[start:end], attention_mask[start:end], c)
+            if found is None:
+                _warn_once("a row whose first completion token has no prompt token before it")
+                return trl_path()
+            chunks.append((end - start, found))
+        _install(_hf_model(self, model)[0])
+        logps, entropies = [], []
+        for b, (tree, scored, source, target) in chunks:
+            kw = tree.hf_kwargs(input_ids.device)
+            with self.accelerator.autocast():
+                out = model(input_ids=kw["input_ids"], position_ids=kw["position_ids"],
+                            seqpack_tree=(tree, scored, bool(compute_entropy)))
+            lp, ent = to_completions((out["log_probs"], out["entropy"]), source, target, (b, c))
+            logps.append(lp)
+            if ent is not None:
+                entropies.append(ent)
+        return torch.cat(logps), (torch.cat(entropies) if compute_entropy else None), None
+
+    _get_per_token_logps_and_entropies.__doc__ = (
+        "seqpack's: TRL's log-probs and entropies computed on prefix trees "
+        "(seqpack.integrations.trl.patch(shared_prefix=True)); TRL's own for what a tree cannot take.")
+    _get_per_token_logps_and_entropies._seqpack_original = original
+    return _get_per_token_logps_and_entropies
+
+
+def _trainer_classes() -> List[Tuple[Tuple[str, str], Any]]:
+    import importlib
+
+    return [((module, name), getattr(importlib.import_module(module), name)) for module, name in _TRAINERS]
+
+
+def _refuse_async(init: Any) -> Any:
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        if any(cls.__name__ == "AsyncGRPOTrainer" and cls.__module__.startswith("trl.experimental")
+               for cls in type(self).__mro__):
+            raise RuntimeError("seqpack.integrations.trl.patch(shared_prefix=True) does not cover AsyncGRPOTrainer "
+                               "(trl.experimental packs its own prefix trees for flash-attention through vLLM): "
+                               "call seqpack.integrations.trl.unpatch() before building it")
+        init(self, *args, **kwargs)
+
+    __init__._seqpack_original = init
+    return __init__
+
+
+def patched_trainer_names() -> List[str]:
+    """The ``Trainer.method`` names that are seqpack's now."""
+    return sorted(f"{module}.{name}.{METHOD}" for (module, name), cls in _trainer_classes()
+                  if hasattr(cls.__dict__.get(METHOD), "_seqpack_original"))
+
+
+def patch_trainers() -> List[str]:
+    """Replaces ``_get_per_token_logps_and_entropies`` of TRL's ``GRPOTrainer`` and
+    ``RLOOTrainer`` (idempotent) and refuses ``AsyncGRPOTrainer``; returns the
+    replaced ``module.Class.method`` names."""
+    from trl.trainer import base_trainer
+
+    for key, cls in _trainer_classes():
+        if not hasattr(cls.__dict__.get(METHOD), "_seqpack_original"):
+            _ORIGINAL[key] = cls.__dict__[METHOD]
+            setattr(cls, METHOD, _make_method(_ORIGINAL[key]))
+    base = base_trainer._BaseTrainer
+    if not hasattr(base.__dict__["__init__"], "_seqpack_original"):
+        _BASE_INIT["init"] = base.__dict__["__init__"]
+        base.__init__ = _refuse_async(_BASE_INIT["init"])
+    return patched_trainer_names()
+
+
+def unpatch_trainers() -> List[str]:
+    """Restores TRL's methods and every model's forward and attention the patch
+    changed; returns the restored names."""
+    from trl.trainer import base_trainer
+
+    restored = patched_trainer_names()
+    for key, cls in _trainer_classes():
+        if key in _ORIGINAL and hasattr(cls.__dict__.get(METHOD), "_seqpack_original"):
+            setattr(cls, METHOD, _ORIGINAL.pop(key))
+    if "init" in _BASE_INIT:
+        base_trainer._BaseTrainer.__init__ = _BASE_INIT.pop("init")
+    for model in list(_MODELS):
+        _uninstall(model)
+    _MODELS.clear()
+    return restored
