@@ -112,8 +112,9 @@ def pack_dataset(dataset: Any, split: Optional[str], packed_sequence_size: int, 
         raise ValueError("packed_sequence_size must be divisible by positive pad_to_multiple_of")
     factor = math.lcm(2 * cp if cp > 1 else 1, multiple)
     rule = _Rule(size, factor, limit, bool(drop_long_samples))
-    if isinstance(dataset, datasets.Dataset):
-        rows = _ArrowRows(dataset)
+    listed = _ListRows.of(dataset, datasets) if not isinstance(dataset, datasets.Dataset) else None
+    if isinstance(dataset, datasets.Dataset) or listed is not None:
+        rows = _ArrowRows(dataset) if listed is None else listed
         docs, offsets = rule.plan_arrays(rows)
     else:
         rows = _StreamRows()
@@ -301,6 +302,61 @@ class _ArrowRows:
         if "attention_mask" in unused and _all_ones(self.attention):
             unused.remove("attention_mask")
         return unused
+
+
+class _ListRows(_ArrowRows):
+    """A list (or tuple) of dict rows read as Arrow columns: each of ``input_ids`` /
+    ``labels`` / ``loss_mask`` converted in one ``pyarrow.array`` call (C++, no
+    Python loop per token), then packed as a ``datasets.Dataset`` is. Only rows
+    :meth:`of` can read whole - every row a dict with ``input_ids`` and ``labels``,
+    values Arrow reads as numbers - take this path; the others are read row by row
+    (:class:`_StreamRows`), whose errors are AutoModel's order of reading."""
+
+    @classmethod
+    def of(cls, dataset: Any, datasets: Any) -> Optional["_ListRows"]:
+        if not isinstance(dataset, (list, tuple)) or not dataset:
+            return None
+        if not all(isinstance(r, Mapping) and r.get("input_ids") is not None and r.get("labels") is not None
+                   for r in dataset):
+            return None  # read row by row: AutoModel's error at AutoModel's row
+        import pyarrow as pa
+        from datasets.table import InMemoryTable
+
+        columns = {}
+        try:
+            for name in _READ:
+                if name == "loss_mask" and not any("loss_mask" in r for r in dataset):
+                    continue
+                column = pa.array([r.get(name) for r in dataset])
+                kind = column.type
+                if not (pa.types.is_list(kind) or pa.types.is_large_list(kind)) or not (
+                        pa.types.is_integer(kind.value_type) or pa.types.is_floating(kind.value_type)
+                        or pa.types.is_boolean(kind.value_type) or pa.types.is_null(kind.value_type)):
+                    return None
+                columns[name] = column
+        except (pa.ArrowException, TypeError, ValueError, OverflowError):
+            return None
+        return cls(datasets.Dataset(InMemoryTable(pa.table(columns))), dataset)
+
+    def __init__(self, dataset: Any, rows: Any):
+        super().__init__(dataset)
+        self.source, self.placed = rows, np.zeros(0, np.int64)
+
+    def check_placed(self, rows: np.ndarray) -> None:
+        super().check_placed(rows)
+        self.placed = rows
+
+    def unused_columns(self) -> List[str]:
+        """The keys of the placed rows that are not packed, as :class:`_StreamRows`
+        names them (an all-ones ``attention_mask`` quietly)."""
+        unused: Dict[str, None] = {}
+        for i in self.placed.tolist():
+            for key, value in self.source[i].items():
+                if key not in _READ and key not in _QUIET and key not in unused:
+                    if key == "attention_mask" and _ones(value):
+                        continue
+                    unused[key] = None
+        return list(unused)
 
 
 class _Column:

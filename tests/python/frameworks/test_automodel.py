@@ -350,3 +350,47 @@ def test_every_kept_token_once_in_order_and_no_pack_over_size(case):
     assert tokens == want[:len(tokens)] and labels == want_labels[:len(tokens)]  # in order, each once
     if kwargs["max_packs"] is None or len(out) < kwargs["max_packs"]:
         assert len(tokens) == len(want)  # nothing lost without a cut
+
+
+@st.composite
+def row_lists(draw):
+    """Rows as users hand them over: Python lists, some loss masks empty or missing,
+    extra keys, an attention_mask of ones or with zeros, integral floats."""
+    rows, kwargs = draw(datasets_and_args())
+    for i, r in enumerate(rows):
+        kind = draw(st.sampled_from(["mask", "no mask", "empty mask", "extra", "ones", "zeros", "floats"]))
+        if kind == "no mask":
+            del r["loss_mask"]
+        elif kind == "empty mask":
+            r["loss_mask"] = []
+        elif kind == "extra":
+            r["source"] = f"doc{i}"
+        elif kind in ("ones", "zeros"):
+            r["attention_mask"] = [1] * len(r["input_ids"]) if kind == "ones" else [0] * len(r["input_ids"])
+        elif kind == "floats":
+            r["labels"] = [float(x) for x in r["labels"]]
+    return rows, kwargs
+
+
+@settings(max_examples=60, deadline=None)
+@given(row_lists())
+def test_a_list_of_rows_packs_as_the_same_rows_read_one_by_one(case):
+    """A list is read through Arrow columns at once; an iterator row by row: the same
+    packs, errors and warnings."""
+    rows, kwargs = case
+
+    def packed(data):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                out = pack_dataset(data, None, **kwargs)
+            except Exception as e:  # noqa: BLE001 - compared between the two paths
+                out = e
+        return out, [str(w.message) for w in caught]
+
+    (fast, fast_warnings), (slow, slow_warnings) = packed(rows), packed(iter(rows))
+    assert fast_warnings == slow_warnings
+    if isinstance(slow, Exception):
+        assert type(fast) is type(slow) and str(fast) == str(slow)
+        return
+    assert fast.features == slow.features and fast.to_dict() == slow.to_dict()
