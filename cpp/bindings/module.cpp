@@ -24,6 +24,7 @@ void init_thd(py::module_& m);
 void init_logprob(py::module_& m);
 void init_prefix_tree(py::module_& m);
 void init_prefix_forest(py::module_& m);
+void init_pylists(py::module_& m);
 }  // namespace seqpack::bindings
 
 PYBIND11_MODULE(_core, m) {
@@ -36,6 +37,7 @@ PYBIND11_MODULE(_core, m) {
   seqpack::bindings::init_logprob(m);
   seqpack::bindings::init_prefix_tree(m);
   seqpack::bindings::init_prefix_forest(m);
+  seqpack::bindings::init_pylists(m);
   m.def(
       "advise_huge_pages",
       [](py::handle obj) {

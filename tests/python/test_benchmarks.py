@@ -1,4 +1,4 @@
-"""The loss, training-step, boundary, THD, step-planning, TRL, AutoModel, prefix-tree, forest-planning, tree-step,
+"""The loss, training-step, boundary, THD, step-planning, TRL, TRL GRPO, AutoModel, prefix-tree, forest-planning, tree-step,
 distillation and DPO benchmark
 scripts still run (``--quick``: tiny sizes, a smoke test; their numbers come from full runs recorded in
 benchmarks/RESULTS.md)."""
@@ -20,6 +20,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
                                            ("bench_thd.py", "THD pack / unpack on the CPU"),
                                            ("bench_step.py", "Simulated step time"),
                                            ("bench_trl.py", "TRL pack_dataset"),
+                                           ("bench_trl_grpo.py", "TRL GRPO log-probs"),
                                            ("bench_automodel.py", "AutoModel pack_dataset"),
                                            ("bench_prefix_tree.py", "Prefix-tree packing vs plain packing"),
                                            ("bench_forest_planning.py", "Tree-aware planning"),

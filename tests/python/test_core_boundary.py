@@ -189,3 +189,16 @@ def test_device_mismatches_are_refused_before_any_launch():
     with pytest.raises(ValueError, match=r"fill must have shape \[8\]"):
         _core.cuda_move(x, 1, x.clone(), 1, torch.zeros(0, 3, dtype=torch.int64, device="cuda"),
                         torch.zeros(4, dtype=torch.uint8, device="cuda"), 0)
+
+
+def test_int_lists_reads_python_rows_or_names_the_first_it_cannot():
+    offsets, values, bad = _core.int_lists([[1, 2, 3], (4, 5), [], [True, -7], [2**63 - 1]])
+    assert bad == -1 and offsets.tolist() == [0, 3, 5, 5, 7, 8]
+    assert values.tolist() == [1, 2, 3, 4, 5, 1, -7, 2**63 - 1] and values.dtype == np.int64
+    assert _core.int_lists([])[2] == -1 and _core.int_lists([[]])[0].tolist() == [0, 0]
+    assert _core.int_lists([[1], [2.0]])[2] == 1  # a float: read by Arrow instead
+    assert _core.int_lists([[1], [2], np.arange(3)])[2] == 2  # an array row
+    assert _core.int_lists([[1], None])[2] == 1
+    assert _core.int_lists([[0], [2**63]])[2] == 1 and _core.int_lists([[-(2**63) - 1]])[2] == 0  # past int64
+    with pytest.raises(TypeError):
+        _core.int_lists(([1],))  # the rows must be a list

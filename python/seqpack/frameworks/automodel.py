@@ -39,6 +39,7 @@ from typing import Any, Dict, Iterable, List, Mapping, Optional, Tuple
 import numpy as np
 
 from .. import _core
+from .._memory import fresh_array
 from .._lengths import as_int, as_int64, as_positive_int, host_array, type_name
 from ..tensors.dataset import loss_mask_zeros
 
@@ -306,8 +307,9 @@ class _ArrowRows:
 
 class _ListRows(_ArrowRows):
     """A list (or tuple) of dict rows read as Arrow columns: each of ``input_ids`` /
-    ``labels`` / ``loss_mask`` converted in one ``pyarrow.array`` call (C++, no
-    Python loop per token), then packed as a ``datasets.Dataset`` is. Only rows
+    ``labels`` / ``loss_mask`` read in one C++ pass over the Python ints
+    (``_core.int_lists``; other values through ``pyarrow.array``), no Python loop
+    per token, then packed as a ``datasets.Dataset`` is. Only rows
     :meth:`of` can read whole - every row a dict with ``input_ids`` and ``labels``,
     values Arrow reads as numbers - take this path; the others are read row by row
     (:class:`_StreamRows`), whose errors are AutoModel's order of reading."""
@@ -327,7 +329,12 @@ class _ListRows(_ArrowRows):
             for name in _READ:
                 if name == "loss_mask" and not any("loss_mask" in r for r in dataset):
                     continue
-                column = pa.array([r.get(name) for r in dataset])
+                values = [r.get(name) for r in dataset]
+                if name == "loss_mask":  # None or missing: not applied, as an empty mask
+                    values = [() if v is None else v for v in values]
+                offsets, flat, bad = _core.int_lists(values)  # Python ints read in C++
+                column = pa.LargeListArray.from_arrays(pa.array(offsets), pa.array(flat)) if bad < 0 else \
+                    pa.array(values)  # other values (floats, arrays, ...): Arrow's conversion
                 kind = column.type
                 if not (pa.types.is_list(kind) or pa.types.is_large_list(kind)) or not (
                         pa.types.is_integer(kind.value_type) or pa.types.is_floating(kind.value_type)
@@ -336,7 +343,8 @@ class _ListRows(_ArrowRows):
                 columns[name] = column
         except (pa.ArrowException, TypeError, ValueError, OverflowError):
             return None
-        return cls(datasets.Dataset(InMemoryTable(pa.table(columns))), dataset)
+        # (a fingerprint given: datasets would hash every value of the table)
+        return cls(datasets.Dataset(InMemoryTable(pa.table(columns)), fingerprint="seqpack-list-rows"), dataset)
 
     def __init__(self, dataset: Any, rows: Any):
         super().__init__(dataset)
@@ -569,7 +577,7 @@ def _build(rows: Any, docs: np.ndarray, offsets: np.ndarray, rule: _Rule, pad_id
         gaps = (gaps[gaps[:, 1] > 0] - [base, 0]).astype(np.int64)
 
         def gather(values, starts, fill, which=copied, dtype=np.int64, fills=gaps):
-            target = np.empty(total, dtype)
+            target = fresh_array(total, dtype)
             runs = np.stack([starts[which], dst[which] - base, lengths[which]], 1).astype(np.int64)
             _core.move_rows(runs, fills, values, 1, target, 1, np.array(fill, dtype).tobytes())
             return target
@@ -583,7 +591,7 @@ def _build(rows: Any, docs: np.ndarray, offsets: np.ndarray, rule: _Rule, pad_id
             flags = gather(zero, zero_starts, 0, which=masked, dtype=np.uint8, fills=fills)
             np.putmask(label_out, flags.view(bool), CROSS_ENTROPY_IGNORE_IDX)
         cu = np.concatenate([[0], seg_end[copied] - base]).astype(np.int64)
-        positions = np.empty(total, np.int64)
+        positions = fresh_array(total, np.int64)
         plan = _core.thd_plan_for_layout(_core.thd_layout_from_offsets(cu, cu), int(np.diff(cu).max()), 0)
         plan.position_ids_into(positions)
         token_offsets = pa.array(np.arange(hi - lo + 1, dtype=np.int32) * size)

@@ -31,13 +31,13 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import mmap
 import warnings
 from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple
 
 import numpy as np
 
 from .. import _core
+from .._memory import fresh_array
 from .._lengths import as_int64, as_positive_int, type_name
 
 __all__ = ["pack_dataset", "STRATEGIES", "patch", "unpatch", "patched", "trl_pack_dataset"]
@@ -382,18 +382,6 @@ def _pack_table(table, seq_length: int, strategy: str, args: Dict[str, Any], pro
     return _gather(columns, values, names, frag_starts[order], frag_lengths[order], offsets, progress, args["desc"])
 
 
-def _fresh_array(size: int, dtype: np.dtype) -> np.ndarray:
-    """An uninitialised array; a large one (64 MiB and more) from an anonymous
-    mapping populated by the kernel in one call (Linux ``MAP_POPULATE``): half the
-    time of faulting its pages in one by one as the copy first writes them."""
-    nbytes = size * np.dtype(dtype).itemsize
-    populate = getattr(mmap, "MAP_POPULATE", None)
-    if populate is None or nbytes < (64 << 20):
-        return np.empty(size, dtype=dtype)
-    mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | populate)
-    return np.frombuffer(mapping, dtype=dtype)  # the array keeps the mapping alive
-
-
 def _gather_values(values, starts: np.ndarray, lengths: np.ndarray):
     """``values[starts[k]:starts[k] + lengths[k]]`` concatenated over k: one
     multi-threaded copy run per fragment for fixed-width values (seqpack's move
@@ -403,7 +391,7 @@ def _gather_values(values, starts: np.ndarray, lengths: np.ndarray):
     total = int(lengths.sum())
     if pa.types.is_primitive(values.type) and not pa.types.is_boolean(values.type) and values.null_count == 0:
         src = values.to_numpy(zero_copy_only=True)
-        out = _fresh_array(total, src.dtype)
+        out = fresh_array(total, src.dtype)
         runs = np.stack([starts, dst_starts, lengths], axis=1).astype(np.int64)
         _core.move_rows(runs, np.zeros((0, 2), np.int64), src, 1, out, 1)  # src: read-only, DLPack 1.0
         return pa.array(out, type=values.type)

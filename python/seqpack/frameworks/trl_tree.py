@@ -174,7 +174,7 @@ def _fallback_reason(trainer: Any, model: Any, compute_aux_loss: bool, extra: Di
     window = getattr(config, "sliding_window", None)
     if window is not None and getattr(config, "use_sliding_window", True) and longest > int(window):
         return f"sliding_window = {window}, shorter than a row of {longest} tokens (tree attention has no window)"
-    if not hf_model._can_set_attn_implementation():
+    if not getattr(hf_model, "_can_set_attn_implementation", lambda: True)():
         return f"{type(hf_model).__name__} cannot switch its attention implementation"
     return None
 
