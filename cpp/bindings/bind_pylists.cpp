@@ -50,10 +50,12 @@ py::tuple int_lists(const py::list& rows) {
   if (first_bad >= 0) return py::make_tuple(offsets, values, first_bad);
   int64_t* out = values.mutable_data();
   for (Py_ssize_t i = 0; i < n && first_bad < 0; ++i) {
-    // A list may change size while read only from Python code, which cannot run here.
     Py_ssize_t size = 0;
     PyObject** items = nullptr;
-    items_of(PyList_GET_ITEM(rows.ptr(), i), &items, &size);
+    if (!items_of(PyList_GET_ITEM(rows.ptr(), i), &items, &size) || off[i] + size != off[i + 1]) {
+      first_bad = i;  // changed since it was sized (no Python code runs here, but never write past it)
+      break;
+    }
     int64_t* dst = out + off[i];
     for (Py_ssize_t k = 0; k < size; ++k) {
       PyObject* x = items[k];

@@ -115,6 +115,6 @@ def completion_logprobs(model: Any, input_ids: Any, attention_mask: Any, complet
                 logits_to_keep=rows.to(kw["input_ids"].device), **{HF_TREE_KWARG: tree}, **model_kwargs)
     logits = out.logits[0]
     res = tree_token_logprobs(logits, tree, temperature=temperature, return_entropy=return_entropy, scored=scored)
-    lp, ent = to_completions((res.logprobs, res.entropy), source, target, (int(_host(input_ids).shape[0]),
+    lp, ent = to_completions((res.logprobs, res.entropy), source, target, (int(input_ids.shape[0]),
                                                                           int(completion_length)))
     return lp, ent

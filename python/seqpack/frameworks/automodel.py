@@ -113,7 +113,8 @@ def pack_dataset(dataset: Any, split: Optional[str], packed_sequence_size: int, 
         raise ValueError("packed_sequence_size must be divisible by positive pad_to_multiple_of")
     factor = math.lcm(2 * cp if cp > 1 else 1, multiple)
     rule = _Rule(size, factor, limit, bool(drop_long_samples))
-    listed = _ListRows.of(dataset, datasets) if not isinstance(dataset, datasets.Dataset) else None
+    # A list is read whole, column by column; with max_packs row by row (no row after the cut is read).
+    listed = _ListRows.of(dataset, datasets) if limit is None and not isinstance(dataset, datasets.Dataset) else None
     if isinstance(dataset, datasets.Dataset) or listed is not None:
         rows = _ArrowRows(dataset) if listed is None else listed
         docs, offsets = rule.plan_arrays(rows)

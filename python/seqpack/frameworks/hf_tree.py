@@ -68,6 +68,16 @@ class _DeferredMask:
             self._mask, self._built = self._build(**self._kwargs), True
         return self._mask
 
+    # A model that reads the mask itself before its attention (indexing, .shape)
+    # gets the built one.
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__") or name in _DeferredMask.__slots__:
+            raise AttributeError(name)
+        return getattr(self.resolve(), name)
+
+    def __getitem__(self, index: Any) -> Any:
+        return self.resolve()[index]
+
 
 def tree_attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
                            sliding_window: Optional[int] = None, softcap=None, is_causal: Optional[bool] = None,
@@ -96,6 +106,10 @@ def tree_attention_forward(module, query, key, value, attention_mask, dropout: f
     if softcap is not None:
         raise ValueError("seqpack tree attention does not support logit softcapping (Gemma 2's "
                          "attn_logit_softcapping): run such a model without a tree")
+    for sink in ("s_aux", "sinks"):
+        if kwargs.get(sink) is not None:
+            raise ValueError(f"seqpack tree attention has no attention sinks ({sink}, GPT-OSS): run such a model "
+                             f"without a tree")
     if not (is_causal if is_causal is not None else getattr(module, "is_causal", True)):
         raise ValueError("seqpack tree attention is causal (ancestors and self); the module asked for non-causal")
     if isinstance(attention_mask, _DeferredMask):
@@ -171,6 +185,10 @@ def register_tree(name: Optional[str] = None, backend: str = "auto", fallback: s
                          f"({sorted(AttentionMaskInterface._global_mapping)}), got {fallback!r}")
     if fallback.startswith(TREE_NAME):
         raise ValueError(f"fallback {fallback!r} is a tree implementation itself: give the model's usual one")
+    if not _usable_fallback(fallback):
+        raise ValueError(f"fallback {fallback!r}: transformers loads flash, paged and Hub-kernel implementations by "
+                         f"the name the model runs, which a tree implementation replaces; use 'sdpa' (exact "
+                         f"attention too) or 'eager'")
     name = tree_name(fallback) if name is None else name
     AttentionInterface.register(name, functools.partial(_dispatch, fallback=fallback, backend=backend))
     AttentionMaskInterface.register(name, functools.partial(_deferred_mask, fallback))
@@ -185,15 +203,35 @@ def _implementation(model: Any) -> str:
     return model.config._attn_implementation or _FALLBACK
 
 
+def _usable_fallback(name: str) -> bool:
+    """Whether calls without a tree can run ``name`` under another implementation's
+    name: not flash / paged / Hub kernels, which transformers loads by that name."""
+    return "flash" not in name and "/" not in name and "|" not in name and not name.startswith("paged")
+
+
 def use_tree_attention(model: Any) -> str:
     """Switches ``model`` (a transformers ``PreTrainedModel``) to the tree
     implementation over the attention it runs now (registered if needed) and returns
     that previous implementation, for :func:`restore_attention`. A model on a tree
-    implementation already is left as it is."""
+    implementation already is left as it is. A model on flash-attention, paged or
+    Hub-kernel attention gets the tree over SDPA (calls without a tree then run
+    SDPA: exact attention too), with a warning naming the change.
+
+    Raises ValueError for a model whose attention implementation cannot be set."""
+    import warnings
+
     current = _implementation(model)
     if current in _FALLBACKS:
         return current
-    model.set_attn_implementation(register_tree(fallback=current))
+    fallback = current if _usable_fallback(current) else _FALLBACK
+    if fallback != current:
+        warnings.warn(f"seqpack tree attention: {type(model).__name__} runs {current!r}, which a tree implementation "
+                      f"cannot wrap; calls without a tree (generation, evaluation) run 'sdpa' until "
+                      f"restore_attention(model, {current!r})", UserWarning, stacklevel=2)
+    model.set_attn_implementation(register_tree(fallback=fallback))
+    if _implementation(model) not in _FALLBACKS:  # transformers only logs a warning for such a model
+        raise ValueError(f"{type(model).__name__} cannot switch its attention implementation (it does not use "
+                         f"transformers' AttentionInterface): it cannot run on a prefix tree")
     return current
 
 

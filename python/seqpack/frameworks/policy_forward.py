@@ -112,6 +112,13 @@ def verl_tree_forward(model: Any, micro_batch: Any, temperature: Any = 1.0, calc
         if key not in data.keys():
             raise KeyError(f"micro_batch has no {key!r} (verl's actor forward reads input_ids, attention_mask and "
                            f"responses)")
+    extra = getattr(micro_batch, "non_tensor_batch", None) or {}
+    if "multi_modal_inputs" in extra or "multi_modal_inputs" in data.keys():
+        raise ValueError("micro_batch holds multi_modal_inputs: the tree forward runs text rows only (the images "
+                         "would be left out); run vision-language micro-batches on verl's own forward")
+    if "position_ids" in data.keys() and data["position_ids"].dim() == 3:
+        raise ValueError("micro_batch['position_ids'] is 3-D (M-RoPE): the tree forward numbers tokens by their depth "
+                         "(1-D positions); run vision-language micro-batches on verl's own forward")
     if hasattr(temperature, "numel") and temperature.numel() != 1:
         raise ValueError(f"temperature must be one number for the micro-batch (the tree shares rows), got a tensor "
                          f"of shape {tuple(temperature.shape)}")

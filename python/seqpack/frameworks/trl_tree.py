@@ -116,23 +116,37 @@ def _tree_forward(self, *args: Any, seqpack_tree: Any = None, labels: Any = None
     return {"log_probs": out.logprobs, "entropy": out.entropy}
 
 
+def _installed(model: Any) -> bool:
+    return getattr(getattr(model.__dict__.get("forward"), "__func__", None), "_seqpack_tree", False)
+
+
 def _install(model: Any) -> None:
-    """``model``'s forward takes ``seqpack_tree=`` and its attention takes trees."""
+    """``model``'s forward takes ``seqpack_tree=`` and its attention takes trees. The
+    forward keeps the class's signature (``functools.wraps``, as TRL's own), which
+    ``generate`` reads (``logits_to_keep``, the kwargs it validates)."""
+    import functools
+
     from .hf_tree import use_tree_attention
 
-    if model.__dict__.get("forward") is not None and getattr(model.forward, "__func__", None) is _tree_forward:
+    if _installed(model):
         return
     previous = use_tree_attention(model)
+
+    @functools.wraps(type(model).forward)
+    def forward(self, *args: Any, **kwargs: Any):
+        return _tree_forward(self, *args, **kwargs)
+
+    forward._seqpack_tree = True
     model._seqpack_trl_forward = model.forward
     model._seqpack_attention = previous
-    model.forward = types.MethodType(_tree_forward, model)
+    model.forward = types.MethodType(forward, model)
     _MODELS.add(model)
 
 
 def _uninstall(model: Any) -> None:
     from .hf_tree import restore_attention
 
-    if getattr(model.__dict__.get("forward"), "__func__", None) is _tree_forward:
+    if _installed(model):
         model.forward = model._seqpack_trl_forward
         restore_attention(model, model._seqpack_attention)
         del model._seqpack_trl_forward, model._seqpack_attention
@@ -168,6 +182,15 @@ def _fallback_reason(trainer: Any, model: Any, compute_aux_loss: bool, extra: Di
     scale = float(head["logit_scale"])
     if not (math.isfinite(scale) and scale > 0):
         return f"logit_scale = {head['logit_scale']} (must be positive to fold into the temperature)"
+    try:
+        from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
+    except ImportError:  # pragma: no cover
+        def is_deepspeed_zero3_enabled() -> bool:
+            return False
+    if is_deepspeed_zero3_enabled():
+        return "DeepSpeed ZeRO-3 (the LM head's weight is a shard outside TRL's gather)"
+    if any(name.endswith("sinks") for name, _ in hf_model.named_parameters()):
+        return "attention sinks (GPT-OSS: tree attention has none)"
     config = hf_model.config.get_text_config()
     if getattr(config, "attn_logit_softcapping", None) is not None:
         return f"attn_logit_softcapping = {config.attn_logit_softcapping} (tree attention has no soft-capping)"

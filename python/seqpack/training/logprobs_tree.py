@@ -117,7 +117,10 @@ def tree_token_logprobs(logits: "torch.Tensor", tree: PrefixTreeBatch, *, temper
     if scored is not None:
         sel, plan, (primary, offsets, ids) = _scored_plan(tree, scored, logits.device, rows)
         if logits.shape[0] != sel.shape[0] or rows[1] - rows[0] == sel.shape[0]:  # else: the scored rows alone
-            _check_rows(logits, "logits", rows, tree)
+            if logits.shape[0] != rows[1] - rows[0]:
+                raise ValueError(f"logits must have one row per physical token of the tree ({rows[1] - rows[0]}) "
+                                 f"or one per row that predicts a scored token (scored_targets(tree, scored)[0]: "
+                                 f"{sel.shape[0]}), got {logits.shape[0]} rows")
             logits = logits.index_select(0, sel)
         _check_tree_ids(tree, vocab)
         out = torch.ops.seqpack.multi_token_logprobs(logits.contiguous(), primary, offsets, ids, temp, entropy,

@@ -234,3 +234,17 @@ def test_gemma2_soft_capping_is_named(name):
     model = tiny("gemma2", name, attn_logit_softcapping=50.0)
     with pytest.raises(ValueError, match="soft"):
         model(**hf.tree_kwargs(seqpack.pack_prefix_tree(ROWS)))
+
+
+def test_flash_models_get_the_tree_over_sdpa_and_models_that_cannot_switch_are_named():
+    model = tiny("llama", "sdpa")
+    model.config._attn_implementation = "flash_attention_2"  # as loaded on a GPU (no kernel needed to switch)
+    with pytest.warns(UserWarning, match="'flash_attention_2'.*run 'sdpa'"):
+        assert hf.use_tree_attention(model) == "flash_attention_2"
+    assert model.config._attn_implementation == "seqpack_tree"
+    with pytest.raises(ValueError, match="loads flash"):
+        hf.register_tree(fallback="flash_attention_2")
+    stuck = tiny("llama", "sdpa")
+    stuck._can_set_attn_implementation = lambda: False
+    with pytest.raises(ValueError, match="cannot switch its attention implementation"):
+        hf.use_tree_attention(stuck)

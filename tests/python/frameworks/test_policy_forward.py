@@ -185,5 +185,9 @@ def test_verl_tree_forward_errors_are_named():
     empty["attention_mask"][0, :10] = 0  # a response with no prompt before it
     with pytest.raises(ValueError, match="no prompt token"):
         seqpack_verl.tree_forward_micro_batch(model, empty)
+    with pytest.raises(ValueError, match="multi_modal_inputs"):
+        seqpack_verl.tree_forward_micro_batch(model, dict(batch, multi_modal_inputs=np.zeros(12)))
+    with pytest.raises(ValueError, match="M-RoPE"):
+        seqpack_verl.tree_forward_micro_batch(model, dict(batch, position_ids=batch["position_ids"][None].repeat(3, 1, 1)))
     with pytest.raises(TypeError, match="TreeMicroBatch"):
         seqpack.frameworks.policy_forward.nemo_rl_tree_forward(model, batch)

@@ -147,7 +147,7 @@ def test_log_probs_entropies_and_gradients_equal_trls_in_fp64(kind, monkeypatch,
     ref = logps_and_grads(t, t.model, ids, mask, 6)
     seqpack_trl.patch(shared_prefix=True)
     with warnings.catch_warnings():
-        warnings.simplefilter("error")  # the tree path, no fallback
+        warnings.filterwarnings("error", message="seqpack.integrations.trl")  # the tree path, no fallback
         got = logps_and_grads(t, t.model, ids, mask, 6)
     assert t.model.config._attn_implementation == "seqpack_tree"
     assert rel(got[0], ref[0]) < 1e-10 and rel(got[1], ref[1]) < 1e-10
@@ -271,14 +271,15 @@ def test_what_a_tree_cannot_take_runs_trls_path_with_one_warning(case):
                                               "vision": "vision inputs"}[case]):
             got = t._get_per_token_logps_and_entropies(t.model, ids, mask, 6, **call)
         with warnings.catch_warnings():
-            warnings.simplefilter("error")  # once per reason
+            warnings.filterwarnings("error", message="seqpack.integrations.trl")  # once per reason
             t._get_per_token_logps_and_entropies(t.model, ids, mask, 6, **call)
     torch.testing.assert_close(got[0], ref[0], rtol=0, atol=0)  # TRL's own path
 
 
 def test_patch_and_unpatch_restore_trainers_models_and_attention():
     original = GRPOTrainer.__dict__[trl_tree.METHOD]
-    assert seqpack_trl.patch() == ["trl.data_utils.pack_dataset", "trl.trainer.sft_trainer.pack_dataset"]
+    packing = seqpack_trl.patch()  # (trl.pack_dataset too once another test has read it)
+    assert "trl.trainer.sft_trainer.pack_dataset" in packing and all(n.endswith(".pack_dataset") for n in packing)
     assert GRPOTrainer.__dict__[trl_tree.METHOD] is original  # no flag: packing only
     names = seqpack_trl.patch(shared_prefix=True)
     assert "trl.trainer.grpo_trainer.GRPOTrainer._get_per_token_logps_and_entropies" in names
@@ -289,6 +290,10 @@ def test_patch_and_unpatch_restore_trainers_models_and_attention():
     with torch.no_grad():
         t._get_per_token_logps_and_entropies(t.model, ids, mask, 6)
     assert t.model.config._attn_implementation == "seqpack_tree"
+    import inspect  # generate reads the forward's signature (logits_to_keep, the kwargs it validates)
+
+    assert inspect.signature(t.model.forward).parameters.keys() == inspect.signature(
+        type(t.model).forward).parameters.keys() - {"self"}
     assert seqpack_trl.unpatch() == names
     assert GRPOTrainer.__dict__[trl_tree.METHOD] is original and RLOOTrainer.__dict__[trl_tree.METHOD] is not None
     assert t.model.config._attn_implementation == "sdpa" and "_seqpack_trl_forward" not in t.model.__dict__
@@ -305,3 +310,17 @@ def test_async_grpo_is_refused_by_name(tmp_path):
     with pytest.raises(RuntimeError, match="AsyncGRPOTrainer"):
         async_grpo.AsyncGRPOTrainer(model=str(tmp_path / "model"), reward_funcs=reward, args=args, train_dataset=prompts(),
                                     processing_class=tokenizer())
+
+
+def test_a_logit_scale_is_folded_into_the_temperature():
+    """Cohere multiplies its logits by ``logit_scale``; TRL's head reads it from the
+    config, and so does the tree's (as a temperature divided by it)."""
+    t = trainer("grpo", model=tiny(kind="cohere", logit_scale=0.5), bf16=False, temperature=0.8)
+    ids, mask = grpo_batch()
+    ref = logps_and_grads(t, t.model, ids, mask, 6)
+    seqpack_trl.patch(shared_prefix=True)
+    got = logps_and_grads(t, t.model, ids, mask, 6)
+    assert t.model.config._attn_implementation == "seqpack_tree"
+    assert rel(got[0], ref[0]) < 2e-4 and rel(got[1], ref[1]) < 2e-4
+    for name, grad in ref[2].items():
+        assert rel(got[2][name], grad) < 1e-3, name
