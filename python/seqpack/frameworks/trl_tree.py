@@ -26,8 +26,9 @@ place for every call without a tree: generation, evaluation, TRL's path.
 
 What the tree path cannot take goes to TRL's own path, with one warning naming the
 reason: vision inputs, the MoE load-balancing loss, logit soft-capping (Gemma 2),
-a prompt-learning PEFT adapter, a model without TRL's fused head, a sliding window
-shorter than a row, a row whose completion has no prompt before it.
+attention sinks (GPT-OSS), DeepSpeed ZeRO-3, a prompt-learning PEFT adapter, a model
+without TRL's fused head, a sliding window shorter than a row, a row whose
+completion has no prompt before it.
 ``AsyncGRPOTrainer`` (``trl.experimental``, which packs its own trees for
 flash-attention) is refused by name while the patch is on.
 """
