@@ -5,8 +5,8 @@ life of a model (also ``seqpack.integrations.hf``).
 passes a tree (``model(**tree_kwargs(tree))``, which hands ``prefix_tree=tree`` down
 to every attention call) runs :func:`seqpack.tree_attention`; any other call -
 ``model.generate`` with its KV cache, a padded batch, an evaluation - runs the
-model's usual attention (``fallback``: SDPA unless told otherwise, eager, flash,
-...) with the mask transformers builds for it. So a trainer needs no switching:
+model's usual attention (``fallback``: SDPA unless told otherwise, or eager) with
+the mask transformers builds for it. So a trainer needs no switching:
 
 * no attention to switch back before generating;
 * nothing to switch during gradient checkpointing's recompute, which calls every
@@ -175,8 +175,10 @@ def register_tree(name: Optional[str] = None, backend: str = "auto", fallback: s
     """Registers seqpack's prefix-tree attention with transformers (attention and mask
     function, see the module docstring); use ``attn_implementation=name`` and call the
     model with :func:`tree_kwargs`. Calls without a tree run ``fallback`` (an
-    implementation transformers knows: ``"sdpa"``, ``"eager"``,
-    ``"flash_attention_2"``, ...). Returns ``name`` (default :func:`tree_name`)."""
+    implementation transformers knows and builds masks for: ``"sdpa"``, ``"eager"``,
+    ``"flex_attention"``, one registered by name such as seqpack's ``"seqpack"``; not
+    flash, paged or Hub kernels, which transformers loads by the name the model runs).
+    Returns ``name`` (default :func:`tree_name`)."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
