@@ -184,14 +184,15 @@ def main() -> int:
             log.add(name, "seqpack_tree", "seconds_min", r["t_tree"])
             print(f"  {name}: done", flush=True)
         seqpack_trl.unpatch()
-    print(rows_out and format_table(
-        TITLE, ["case", "padded tok", "real tok", "tree tok", "padded / tree", "TRL ms", "tree ms", "speed-up",
-                "log-prob rel diff", "grad rel diff"], rows_out,
-        note="CPU fp32, torch threads = %d, %d rows per batch (16 / G prompts), Llama %d layers, hidden %d, vocab %d; "
-             "fwd+bwd of _get_per_token_logps_and_entropies (log-probs + entropies, TRL's fused head) with a loss on "
-             "both; the sides alternate, best of %d after a warm-up. padded / tree = TRL's forwarded tokens over the "
-             "tree's: the bound on the token-wise work (attention aside)." % (
-                 args.threads, ROWS, trl_model.config.num_hidden_layers, trl_model.config.hidden_size, vocab, repeat)))
+    if rows_out:
+        print(format_table(
+            TITLE, ["case", "padded tok", "real tok", "tree tok", "padded / tree", "TRL ms", "tree ms", "speed-up",
+                    "log-prob rel diff", "grad rel diff"], rows_out,
+            note="CPU fp32, torch threads = %d, %d rows per batch (16 / G prompts), Llama %d layers, hidden %d, vocab %d; "
+                 "fwd+bwd of _get_per_token_logps_and_entropies (log-probs + entropies, TRL's fused head) with a loss on "
+                 "both; the sides alternate, best of %d after a warm-up. padded / tree = TRL's forwarded tokens over the "
+                 "tree's: the bound on the token-wise work (attention aside)." % (
+                     args.threads, ROWS, trl_model.config.num_hidden_layers, trl_model.config.hidden_size, vocab, repeat)))
 
     steps = 1 if args.quick else 4
     # the sides alternate (best of `repeat` runs of `steps` steps each), as above

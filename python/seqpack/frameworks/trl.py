@@ -553,13 +553,16 @@ def patched_names() -> List[str]:
     and the ``module.Trainer.method`` names of the ``shared_prefix`` patch."""
     names = sorted(f"{name}.pack_dataset" for name, module in _trl_modules()
                    if getattr(module, "__dict__", {}).get("pack_dataset") is trl_pack_dataset)
+    trees = _trees()
+    return names + (trees.patched_trainer_names() if trees is not None else [])
+
+
+def _trees() -> Any:
+    """:mod:`seqpack.frameworks.trl_tree` when loaded (only a ``shared_prefix`` patch
+    loads it: nothing of it to report or restore otherwise), else None."""
     import sys
 
-    if "seqpack.frameworks.trl_tree" in sys.modules:
-        from .trl_tree import patched_trainer_names
-
-        names += patched_trainer_names()
-    return names
+    return sys.modules.get("seqpack.frameworks.trl_tree")
 
 
 def unpatch() -> List[str]:
@@ -573,12 +576,9 @@ def unpatch() -> List[str]:
         for name, module in _trl_modules():
             if getattr(module, "__dict__", {}).get("pack_dataset") is trl_pack_dataset:
                 module.pack_dataset = original
-    import sys
-
-    if "seqpack.frameworks.trl_tree" in sys.modules:
-        from .trl_tree import unpatch_trainers
-
-        unpatch_trainers()
+    trees = _trees()
+    if trees is not None:
+        trees.unpatch_trainers()
     return restored
 
 
@@ -588,17 +588,12 @@ def patched(shared_prefix: bool = False) -> Iterator[List[str]]:
     packs in the trainer's constructor), with prefix trees under GRPO and RLOO for
     ``shared_prefix=True``; on exit TRL's own is restored unless it was patched
     before the block. Yields :func:`patch`'s list."""
-    import sys
-
     was = bool(_TRL_ORIGINAL)
-    trees = "seqpack.frameworks.trl_tree" in sys.modules and bool(sys.modules["seqpack.frameworks.trl_tree"].
-                                                                    patched_trainer_names())
+    trees_before = _trees() is not None and bool(_trees().patched_trainer_names())
     try:
         yield patch(shared_prefix=shared_prefix)
     finally:
         if not was:
             unpatch()
-        elif shared_prefix and not trees:
-            from .trl_tree import unpatch_trainers
-
-            unpatch_trainers()
+        elif shared_prefix and not trees_before:
+            _trees().unpatch_trainers()
