@@ -5,6 +5,7 @@
 
 #include "convert.hpp"
 #include "seqpack/forest_items.hpp"
+#include "seqpack/forest_planning.hpp"
 #include "seqpack/prefix_forest.hpp"
 
 namespace seqpack::bindings {
@@ -81,14 +82,15 @@ void init_prefix_forest(py::module_& m) {
   m.def(
       "forest_items",
       [](py::handle length, py::handle order, py::handle lcp, py::handle tree, int64_t num_trees, int64_t max_tokens,
-         py::handle rows_obj) {
+         py::handle rows_obj, int64_t min_items) {
         const ForestArgs f(length, order, lcp, tree, num_trees);
         std::optional<LengthsArg> rows;
         if (!rows_obj.is_none()) rows.emplace(rows_obj, "rows");
         ForestItems items;
         {
           py::gil_scoped_release release;
-          items = rows ? forest_items(f.view(), max_tokens, rows->view()) : forest_items(f.view(), max_tokens);
+          items = rows ? forest_items(f.view(), max_tokens, rows->view(), min_items)
+                       : forest_items(f.view(), max_tokens, min_items);
         }
         py::dict d;
         d["rows"] = to_list(items.rows);
@@ -99,9 +101,99 @@ void init_prefix_forest(py::module_& m) {
         return d;
       },
       py::arg("row_length"), py::arg("row_order"), py::arg("adjacent_lcp"), py::arg("tree_of_row"),
-      py::arg("num_trees"), py::arg("max_tokens"), py::arg("rows") = py::none(),
+      py::arg("num_trees"), py::arg("max_tokens"), py::arg("rows") = py::none(), py::arg("min_items") = 0,
       "The planner's items of a forest (or of the subset `rows`) under max_tokens: whole trees, or the contiguous "
-      "split of a larger tree that duplicates the fewest tokens (rows, tokens, pairs, tree, duplicated_tokens).");
+      "split of a larger tree that duplicates the fewest tokens (rows, tokens, pairs, tree, duplicated_tokens); "
+      "halved until there are min_items.");
+  m.def(
+      "plan_forest_micro_batches",
+      [](py::handle length, py::handle order, py::handle lcp, py::handle tree, int64_t num_trees, int64_t max_tokens,
+         int64_t min_num, int64_t multiple_of, int64_t attention_coeff, bool small_at_ends, bool whole_trees) {
+        const ForestArgs f(length, order, lcp, tree, num_trees);
+        const ForestPlanOptions o{max_tokens, min_num, multiple_of, attention_coeff, small_at_ends, whole_trees};
+        ForestMicroBatchPlan plan;
+        {
+          py::gil_scoped_release release;
+          plan = plan_forest_micro_batches(f.view(), o);
+        }
+        py::dict d;
+        d["groups"] = to_list(plan.groups);
+        d["tokens"] = plan.tokens;
+        d["pairs"] = plan.pairs;
+        d["workloads"] = plan.workloads;
+        d["lower_bound"] = plan.lower_bound;
+        d["physical_tokens"] = plan.physical_tokens;
+        d["method"] = std::string(plan.method);
+        return d;
+      },
+      py::arg("row_length"), py::arg("row_order"), py::arg("adjacent_lcp"), py::arg("tree_of_row"),
+      py::arg("num_trees"), py::arg("max_tokens"), py::arg("min_num"), py::arg("multiple_of"),
+      py::arg("attention_coeff"), py::arg("small_at_ends"), py::arg("whole_trees"),
+      "Micro-batches of a forest's rows under a cap on physical tokens (forest_planning.hpp).");
+  m.def(
+      "first_fit_trie",
+      [](py::handle length, py::handle order, py::handle lcp, py::handle tree, int64_t num_trees, int64_t max_tokens,
+         py::handle rows_obj) {
+        const ForestArgs f(length, order, lcp, tree, num_trees);
+        LengthsArg rows(rows_obj, "rows");
+        IndexGroups groups;
+        {
+          py::gil_scoped_release release;
+          groups = first_fit_trie(f.view(), max_tokens, rows.view());
+        }
+        return to_list(groups);
+      },
+      py::arg("row_length"), py::arg("row_order"), py::arg("adjacent_lcp"), py::arg("tree_of_row"),
+      py::arg("num_trees"), py::arg("max_tokens"), py::arg("rows"),
+      "AReaL's trie packing: rows in the given order, each to the first micro-batch where the tokens it adds fit.");
+  m.def(
+      "plan_forest_step",
+      [](py::handle length, py::handle order, py::handle lcp, py::handle tree, int64_t num_trees, int64_t dp_size,
+         int64_t max_tokens, double per_micro_batch, double per_token, double per_token_squared,
+         const std::string& sync, int64_t mini_batches, int64_t min_micro_batches, int64_t multiple_of,
+         std::optional<uint64_t> seed, bool whole_trees) {
+        const ForestArgs f(length, order, lcp, tree, num_trees);
+        StepOptions o;
+        o.dp_size = dp_size;
+        o.max_tokens = max_tokens;
+        o.cost = StepCost{per_micro_batch, per_token, per_token_squared};
+        if (sync == "micro_batch") o.sync = StepSync::MicroBatch;
+        else if (sync == "step") o.sync = StepSync::Step;
+        else throw py::value_error("sync must be 'micro_batch' or 'step', got '" + sync + "'");
+        o.mini_batches = mini_batches;
+        o.min_micro_batches = min_micro_batches;
+        o.multiple_of = multiple_of;
+        o.seed = seed;
+        ForestStepPlan plan;
+        {
+          py::gil_scoped_release release;
+          plan = plan_forest_step(f.view(), o, whole_trees);
+        }
+        py::list minis;
+        for (MiniBatchStep& mb : plan.plan.mini_batches) {
+          py::dict d;
+          d["begin"] = mb.begin;
+          d["end"] = mb.end;
+          d["num_micro_batches"] = mb.num_micro_batches;
+          d["cells"] = to_list(mb.cells);
+          d["costs"] = mb.costs;
+          d["tokens"] = mb.tokens;
+          d["predicted_time"] = mb.predicted_time;
+          d["lower_bound"] = mb.lower_bound;
+          minis.append(d);
+        }
+        py::dict out;
+        out["mini_batches"] = minis;
+        out["predicted_time"] = plan.plan.predicted_time;
+        out["lower_bound"] = plan.plan.lower_bound;
+        out["planned_on"] = plan.planned_on;
+        return out;
+      },
+      py::arg("row_length"), py::arg("row_order"), py::arg("adjacent_lcp"), py::arg("tree_of_row"),
+      py::arg("num_trees"), py::arg("dp_size"), py::arg("max_tokens"), py::arg("per_micro_batch"),
+      py::arg("per_token"), py::arg("per_token_squared"), py::arg("sync"), py::arg("mini_batches"),
+      py::arg("min_micro_batches"), py::arg("multiple_of"), py::arg("seed"), py::arg("whole_trees"),
+      "plan_step over a forest's rows: the fastest of several item sets per mini-batch, costed exactly.");
 }
 
 }  // namespace seqpack::bindings

@@ -5,11 +5,12 @@
 
 #include <algorithm>
 #include <deque>
+#include <queue>
 #include <numeric>
 #include <string>
 #include <utility>
 
-#include "forest_lcp.hpp"
+#include "forest_subset.hpp"
 
 namespace seqpack {
 namespace {
@@ -57,70 +58,75 @@ std::vector<std::pair<int64_t, int64_t>> split(const std::vector<int64_t>& fresh
 
 }  // namespace
 
-ForestItems forest_items(const ForestView& f, int64_t max_tokens) {
+ForestItems forest_items(const ForestView& f, int64_t max_tokens, int64_t min_items) {
   std::vector<int64_t> all(f.row_length.size());
   std::iota(all.begin(), all.end(), int64_t{0});
-  return forest_items(f, max_tokens, all);
+  return forest_items(f, max_tokens, all, min_items);
 }
 
-ForestItems forest_items(const ForestView& f, int64_t max_tokens, std::span<const int64_t> subset) {
-  check_forest(kFn, f);
-  check_positive(kFn, "max_tokens", max_tokens);
-  const size_t n_rows = f.row_length.size();
-  std::vector<char> chosen(n_rows, 0);
-  for (int64_t r : subset) {
-    if (r < 0 || r >= static_cast<int64_t>(n_rows))
-      throw_invalid(kFn, "rows: row id " + std::to_string(r) + " is outside [0, " + std::to_string(n_rows) + ")");
-    if (chosen[static_cast<size_t>(r)]) throw_invalid(kFn, "rows: row id " + std::to_string(r) + " is repeated");
-    chosen[static_cast<size_t>(r)] = 1;
-    if (f.row_length[static_cast<size_t>(r)] > max_tokens)
-      throw_invalid(kFn, "row " + std::to_string(r) + " has " + std::to_string(f.row_length[static_cast<size_t>(r)]) +
-                             " tokens, more than max_tokens = " + std::to_string(max_tokens) +
-                             " (no micro-batch can hold it)");
-  }
-  // The subset in depth-first order, each row's lcp with the previous one of the subset.
-  const detail::ForestLcp index(f);
-  std::vector<int64_t> ranks;
-  ranks.reserve(subset.size());
-  for (int64_t r : subset) ranks.push_back(index.rank(r));
-  std::sort(ranks.begin(), ranks.end());
-  const size_t rows = ranks.size();
-  std::vector<int64_t> order(rows), fresh(rows), lcp(rows);
-  for (size_t i = 0; i < rows; ++i) {
-    order[i] = f.row_order[static_cast<size_t>(ranks[i])];
-    lcp[i] = i == 0 ? 0 : index.lcp(ranks[i - 1], ranks[i]);  // 0 across trees
-    fresh[i] = index.length(order[i]) - lcp[i];
-  }
-
-  ForestItems items;
-  int64_t total = 0, physical = 0;
-  for (size_t begin = 0; begin < rows;) {
-    const int64_t tree = f.tree_of_row[static_cast<size_t>(order[begin])];
-    size_t end = begin;
-    while (end < rows && f.tree_of_row[static_cast<size_t>(order[end])] == tree) ++end;
-    const auto lo = static_cast<int64_t>(begin), hi = static_cast<int64_t>(end);
-    const std::vector<int64_t> tree_fresh(fresh.begin() + lo, fresh.begin() + hi);
-    std::vector<int64_t> tree_lcp(lcp.begin() + lo, lcp.begin() + hi);
-    tree_lcp[0] = 0;
-    for (const auto& [a, b] : split(tree_fresh, tree_lcp, max_tokens)) {
-      const auto first = begin + static_cast<size_t>(a);
-      items.rows.push_group(std::span<const int64_t>(order).subspan(first, static_cast<size_t>(b - a)));
-      items.tree.push_back(tree);
-      // The part's own cost: its first row whole, then each row's new tokens and pairs.
-      int64_t tokens = 0, pairs = 0;
-      for (size_t i = first; i < begin + static_cast<size_t>(b); ++i) {
-        const int64_t len = index.length(order[i]), shared = i == first ? 0 : lcp[i];
-        tokens += len - shared;
-        pairs += detail::ForestLcp::pairs(len) - detail::ForestLcp::pairs(shared);
-      }
-      items.tokens.push_back(tokens);
-      items.pairs.push_back(pairs);
-      total += tokens;
+std::vector<std::pair<int64_t, int64_t>> detail::tree_runs(const ForestSubset& s, int64_t max_tokens) {
+  std::vector<std::pair<int64_t, int64_t>> runs;
+  const auto& starts = s.tree_starts();
+  for (size_t t = 0; t + 1 < starts.size(); ++t) {
+    const auto lo = static_cast<size_t>(starts[t]), hi = static_cast<size_t>(starts[t + 1]);
+    std::vector<int64_t> fresh(hi - lo), lcp(hi - lo);
+    for (size_t p = lo; p < hi; ++p) {
+      lcp[p - lo] = p == lo ? 0 : s.lcp_prev(p);
+      fresh[p - lo] = s.length(p) - lcp[p - lo];
     }
-    for (size_t i = begin; i < end; ++i) physical += fresh[i];
-    begin = end;
+    for (const auto& [a, b] : split(fresh, lcp, max_tokens))
+      runs.emplace_back(static_cast<int64_t>(lo) + a, static_cast<int64_t>(lo) + b);
   }
-  items.duplicated_tokens = total - physical;
+  return runs;
+}
+
+ForestItems forest_items(const ForestView& f, int64_t max_tokens, std::span<const int64_t> subset, int64_t min_items) {
+  if (min_items < 0) throw_invalid(kFn, "min_items: must be >= 0, got " + std::to_string(min_items));
+  const detail::ForestSubset s(f, subset, max_tokens, kFn);
+  // Each item is a run [begin, end) of positions of one tree.
+  std::vector<std::pair<int64_t, int64_t>> runs = detail::tree_runs(s, max_tokens);
+  // Too few items: halve the largest run of several rows (then the earliest) until
+  // there are enough, each half carrying its prefix. A heap: O(R log R).
+  if (static_cast<int64_t>(runs.size()) < min_items) {
+    auto tokens = [&](const std::pair<int64_t, int64_t>& r) {
+      return s.run_tokens(static_cast<size_t>(r.first), static_cast<size_t>(r.second));
+    };
+    // (tokens, -begin): the largest first, then the earliest.
+    std::priority_queue<std::pair<int64_t, int64_t>> heap;
+    std::vector<int64_t> end_of(s.size() + 1, -1);
+    for (const auto& r : runs) {
+      end_of[static_cast<size_t>(r.first)] = r.second;
+      if (r.second - r.first > 1) heap.emplace(tokens(r), -r.first);
+    }
+    auto count = static_cast<int64_t>(runs.size());
+    while (count < min_items && !heap.empty()) {
+      const int64_t begin = -heap.top().second;
+      heap.pop();
+      const int64_t end = end_of[static_cast<size_t>(begin)], mid = begin + (end - begin) / 2;
+      end_of[static_cast<size_t>(begin)] = mid;
+      end_of[static_cast<size_t>(mid)] = end;
+      for (const auto& r : {std::pair{begin, mid}, std::pair{mid, end}})
+        if (r.second - r.first > 1) heap.emplace(tokens(r), -r.first);
+      ++count;
+    }
+    runs.clear();
+    for (int64_t b = 0; b < static_cast<int64_t>(s.size()); b = end_of[static_cast<size_t>(b)])
+      runs.emplace_back(b, end_of[static_cast<size_t>(b)]);
+  }
+  ForestItems items;
+  int64_t total = 0;
+  std::vector<int64_t> rows;
+  for (const auto& [a, b] : runs) {
+    const auto lo = static_cast<size_t>(a), hi = static_cast<size_t>(b);
+    rows.clear();
+    for (size_t p = lo; p < hi; ++p) rows.push_back(s.row(p));
+    items.rows.push_group(rows);
+    items.tree.push_back(s.tree(lo));
+    items.tokens.push_back(s.run_tokens(lo, hi));
+    items.pairs.push_back(s.run_pairs(lo, hi));
+    total += items.tokens.back();
+  }
+  items.duplicated_tokens = total - s.physical_tokens();
   return items;
 }
 

@@ -440,6 +440,8 @@ double step_time(const std::vector<double>& costs, int64_t R, int64_t K, StepSyn
   return time;
 }
 
+void check_step_options(const StepOptions& o) { check_options(o); }
+
 double step_lower_bound(Lengths lengths, const StepOptions& o) {
   check_options(o);
   check_lengths(lengths, o);

@@ -39,10 +39,16 @@ struct ForestItems {
 // Items of the forest under `max_tokens` (> 0): one per tree that fits, the fewest
 // duplicated tokens for each tree that does not. Throws when a single row is longer
 // than max_tokens. Items are ordered by tree, then part. O(R log R), without the trie.
-ForestItems forest_items(const ForestView& forest, int64_t max_tokens);
+//
+// `min_items`: when there are fewer items than this (a planner asked for more
+// micro-batches than there are trees), the largest item of several rows (then the
+// earliest) is halved in depth-first order, each half carrying its prefix, until
+// there are enough or every item is one row: O(R log R) with a heap.
+ForestItems forest_items(const ForestView& forest, int64_t max_tokens, int64_t min_items = 0);
 // The same for a subset of the rows (distinct ids in [0, R); a mini-batch of the
 // step): the items hold only these rows, and a tree is what of it they reach.
 // `duplicated_tokens` is then relative to the subset's own physical tokens.
-ForestItems forest_items(const ForestView& forest, int64_t max_tokens, std::span<const int64_t> rows);
+ForestItems forest_items(const ForestView& forest, int64_t max_tokens, std::span<const int64_t> rows,
+                         int64_t min_items = 0);
 
 }  // namespace seqpack

@@ -74,6 +74,9 @@ struct StepPlan {
 
 StepPlan plan_step(Lengths lengths, const StepOptions& options);
 
+// Throws what plan_step throws for these options (counts, the cost model).
+void check_step_options(const StepOptions& options);
+
 // The time of cells laid out rank-major (r·K + k) under a sync mode.
 double step_time(const std::vector<double>& cell_costs, int64_t dp_size, int64_t num_micro_batches, StepSync sync);
 

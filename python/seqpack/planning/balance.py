@@ -113,6 +113,10 @@ class MicroBatchPlan:
             physical tokens over the sum of the micro-batches' (1.0 when no tree is
             cut); ``tokens`` are then each micro-batch's physical tokens and
             ``workloads`` count attention by visible pairs. None otherwise.
+        physical_lower_bound: planned with a forest, the batch's physical tokens
+            (its rows as one prefix tree): no plan holds fewer. ``lower_bound`` is
+            then ``max(min_num, ceil(physical_lower_bound / max_tokens))``. None
+            otherwise.
     """
 
     micro_batches: List[List[int]]
@@ -123,6 +127,7 @@ class MicroBatchPlan:
     method: str
     order: str = field(default="heaviest_first")
     sharing_kept: Optional[float] = None
+    physical_lower_bound: Optional[int] = None
 
     @property
     def num_micro_batches(self) -> int:
@@ -167,6 +172,7 @@ def plan_micro_batches(
     *,
     forest: Any = None,
     group_ids: Any = None,
+    whole_trees: bool = False,
 ) -> MicroBatchPlan:
     """Split sequences into balanced micro-batches that never exceed ``max_tokens``.
 
@@ -192,14 +198,23 @@ def plan_micro_batches(
         order: ``"heaviest_first"`` or ``"small_at_ends"`` (lightest micro-batches
             first and last, shrinking pipeline bubbles).
         forest: a :class:`~seqpack.PrefixForest` of the same rows (``lengths`` must be
-            ``forest.lengths``): plan prefix trees instead of rows. The cap then bounds
-            each micro-batch's *physical* tokens (what the tree layout holds); a tree
-            that fits stays whole in one micro-batch, a larger one is split into parts
-            that each carry their prefix, duplicating the fewest tokens
-            (:meth:`PrefixForest.items <seqpack.PrefixForest.items>`); balance counts
-            physical tokens, or with ``attention_coeff`` ``attention_coeff * tokens``
-            plus twice the visible attention pairs minus the tokens (``s**2`` for a
-            plain row).
+            ``forest.lengths``): plan prefix trees instead of rows, in one C++ call
+            (:mod:`~seqpack.planning.forest_planning`). The cap then bounds each
+            micro-batch's *physical* tokens (what the tree layout holds). The plan
+            has the fewest micro-batches, then the fewest physical tokens, of
+            several packings: whole trees (a tree larger than the cap split where
+            it duplicates the fewest tokens), trees split to fill micro-batches that
+            would stay part empty (each part carries its prefix again), first fit
+            over rows in depth-first order, and AReaL's first-fit tries
+            (:func:`~seqpack.planning.forest_planning.first_fit_trie`); so never
+            more micro-batches, nor more tokens at as many, than either the
+            whole-trees plan or AReaL's. Balance counts physical tokens, or with
+            ``attention_coeff`` ``attention_coeff * tokens`` plus twice the visible
+            attention pairs minus the tokens (``s**2`` for a plain row).
+        whole_trees: with ``forest``, keep every tree that fits the cap in one
+            micro-batch (only a larger tree is split): for losses that couple a
+            tree's rows inside a micro-batch (DPO and other preference pairs).
+            Per-token losses (GRPO, SFT) do not need it.
         group_ids: one label per row; rows of one label stay in one micro-batch
             (DPO's chosen / rejected pairs, a reward model's candidates), listed in
             row order. Each group is one item (its summed tokens and workloads); a
@@ -217,6 +232,8 @@ def plan_micro_batches(
     if order not in ("heaviest_first", "small_at_ends"):
         raise ValueError(f"order must be 'heaviest_first' or 'small_at_ends', got {order!r}")
     max_tokens = as_positive_int(max_tokens, "max_tokens")
+    if whole_trees and forest is None:
+        raise ValueError("whole_trees=True needs forest= (it keeps a PrefixForest's trees whole)")
     if group_ids is not None:
         if forest is not None:
             raise ValueError("forest and group_ids cannot be combined (a forest's trees are its groups: build it "
@@ -232,7 +249,7 @@ def plan_micro_batches(
 
         return MicroBatchPlan(**plan_forest_micro_batches(
             forest, lengths, max_tokens, as_positive_int(min_num, "min_num"),
-            as_positive_int(multiple_of, "multiple_of"), _coeff(attention_coeff), order))
+            as_positive_int(multiple_of, "multiple_of"), _coeff(attention_coeff), order, whole_trees))
     raw = _core.plan_micro_batches(
         as_lengths(lengths, "lengths"),
         max_tokens,

@@ -183,31 +183,19 @@ class PrefixForest:
         are halved (in depth-first order, each half carrying its prefix) until there
         are enough or every item is one row. ``row_indices``: the items of just these
         rows (distinct ids; a mini-batch), the trees being what of them these rows
-        reach.
+        reach. O(rows log rows), in C++.
 
         Raises ValueError when one row alone is longer than ``max_tokens``.
         """
         cap = as_positive_int(max_tokens, "max_tokens")
         wanted = as_positive_int(min_items, "min_items", allow_zero=True)
         subset = None if row_indices is None else self._row_ids(row_indices, "row_indices")
-        d = _core.forest_items(*self._core_args(), cap, subset)
+        d = _core.forest_items(*self._core_args(), cap, subset, wanted)
         physical = self.num_physical_tokens if subset is None else self.physical_tokens(subset)
         rows = [np.asarray(r, dtype=np.int64) for r in d["rows"]]
-        tokens, pairs, tree = list(d["tokens"]), list(d["pairs"]), list(d["tree"])
-        while len(rows) < wanted:
-            several = [k for k in range(len(rows)) if rows[k].shape[0] > 1]
-            if not several:
-                break
-            k = max(several, key=lambda j: (tokens[j], -j))
-            half = rows[k].shape[0] // 2
-            parts = [rows[k][:half], rows[k][half:]]
-            t, p = self.subset_costs(parts)
-            rows[k:k + 1], tokens[k:k + 1], pairs[k:k + 1] = parts, list(t), list(p)
-            tree[k:k + 1] = [tree[k], tree[k]]
-        tokens_arr = np.asarray(tokens, dtype=np.int64)
-        return ForestItems(rows=rows, tokens=tokens_arr, pairs=np.asarray(pairs, dtype=np.int64),
-                           tree=np.asarray(tree, dtype=np.int64), duplicated_tokens=int(tokens_arr.sum()) - physical,
-                           physical_tokens=physical)
+        tokens, pairs, tree = d["tokens"], d["pairs"], d["tree"]
+        return ForestItems(rows=rows, tokens=tokens, pairs=pairs, tree=tree,
+                           duplicated_tokens=int(tokens.sum()) - physical, physical_tokens=physical)
 
     def _core_args(self) -> tuple:
         return (*(self._arrays[k] for k in _ARRAYS), self._num_trees)

@@ -58,11 +58,15 @@ class StepPlan:
             same inputs (docs/planning.md, "How far from optimal").
         lengths: the planned sequence lengths, one per sequence of the global batch
             (what :meth:`valid_tokens` checks counts against).
-        planned_on / sharing_kept: with a :class:`~seqpack.PrefixForest`, whether
-            the plan places whole trees and their parts (``"trees"``) or the rows
-            one by one (``"rows"``, the plain plan, kept when it predicts a faster
-            step), and the batch's physical tokens over the sum of the micro-batches'
-            (1.0 when no tree is cut). None without a forest.
+        planned_on / sharing_kept: with a :class:`~seqpack.PrefixForest`, the
+            items the kept plan placed: ``"trees"`` (whole trees and the parts of
+            larger ones), ``"split_trees"`` / ``"first_fit_rows"`` /
+            ``"first_fit_trie"`` (the micro-batches of those packings),
+            ``"rows"`` (the plain plan), ``"ranks_of_trees"`` (``whole_trees``:
+            trees to ranks, then micro-batches per rank); comma-separated per
+            mini-batch when they differ. And the batch's physical tokens over the
+            sum of the micro-batches' (1.0 when no tree is cut). None without a
+            forest.
     """
 
     assignment: List[List[List[List[int]]]]
@@ -233,6 +237,7 @@ def plan_step(
     multiple_of: int = 1,
     seed: Optional[int] = None,
     forest: Any = None,
+    whole_trees: bool = False,
 ) -> StepPlan:
     """Assign every sequence of a global batch to (mini-batch, rank, micro-batch)
     for the fastest step under ``cost``.
@@ -252,14 +257,20 @@ def plan_step(
             function of the inputs and the seed only, so every rank computes it
             alone and all agree.
         forest: a :class:`~seqpack.PrefixForest` of the same rows (``lengths`` must be
-            ``forest.lengths``): plan prefix trees (:mod:`~seqpack.planning.forest_planning`).
-            The cap bounds each micro-batch's physical tokens; a tree that fits stays
-            whole in one micro-batch of one rank, a larger one is split duplicating
-            the fewest tokens; ``tokens``, ``costs`` and ``predicted_time`` come from
-            each micro-batch's physical tokens and visible attention pairs; the plain
-            plan of the same rows is returned instead (so costed) when it is faster.
-            ``lower_bound`` is then a simpler proven bound (the trees' work over the
-            ranks plus the fewest micro-batches' overhead).
+            ``forest.lengths``): plan prefix trees, one C++ call
+            (:mod:`~seqpack.planning.forest_planning`). The cap bounds each
+            micro-batch's physical tokens. Each mini-batch is planned on whole
+            trees (a larger tree split duplicating the fewest tokens), on the
+            micro-batches of ``plan_micro_batches(..., forest=)`` (trees split
+            where that fills capacity), on AReaL's first-fit tries and on the rows
+            themselves; every cell's cost comes from its own physical tokens and
+            visible attention pairs and the fastest predicted step is kept
+            (``planned_on`` names it). ``lower_bound`` is then a simpler proven
+            bound (the trees' work over the ranks plus the fewest micro-batches'
+            overhead).
+        whole_trees: with ``forest``, keep every tree that fits in one micro-batch
+            and every tree on one rank (losses that couple a tree's rows: DPO and
+            other preference pairs).
 
     Raises:
         ValueError: a sequence above ``max_tokens``, fewer sequences than
@@ -279,13 +290,15 @@ def plan_step(
     dp_size = as_positive_int(dp_size, "dp_size")
     max_tokens = as_positive_int(max_tokens, "max_tokens")
     cost.check_finite(max_tokens)
+    if whole_trees and forest is None:
+        raise ValueError("whole_trees=True needs forest= (it keeps a PrefixForest's trees whole)")
     if forest is not None:
         from .forest_planning import plan_forest_step
 
         got = plan_forest_step(forest, lengths, dp_size, max_tokens, cost, sync,
                                as_positive_int(mini_batches, "mini_batches"),
                                as_positive_int(min_micro_batches, "min_micro_batches"),
-                               as_positive_int(multiple_of, "multiple_of"), seed)
+                               as_positive_int(multiple_of, "multiple_of"), seed, whole_trees)
         ks = got["num_micro_batches"]
         return StepPlan(
             assignment=[_nest(c, dp_size, k) for c, k in zip(got["cells"], ks)],
