@@ -32,6 +32,14 @@ LengthsArg::LengthsArg(py::handle obj, const char* name) {
     owned_.resize(static_cast<size_t>(n));
     bool all_integers = true;
     for (Py_ssize_t i = 0; i < n && all_integers; ++i) {
+      if (PyLong_CheckExact(items[i])) {  // the common case, without a Python call or a string
+        int overflow = 0;
+        const long long v = PyLong_AsLongLongAndOverflow(items[i], &overflow);
+        if (overflow == 0) {
+          owned_[static_cast<size_t>(i)] = v;
+          continue;
+        }
+      }
       const auto v = index_value(items[i], name, "[" + std::to_string(i) + "]");
       if (v) owned_[static_cast<size_t>(i)] = *v;
       all_integers = v.has_value();
@@ -66,6 +74,34 @@ LengthsArg::LengthsArg(py::handle obj, const char* name) {
   view_ = Lengths(owned_);
 }
 
+namespace {
+
+// Python ints for the indices 0 .. kCachedInts - 1, made once and shared by every
+// list to_list builds (as CPython shares its small ints): an index list then costs
+// a reference count per item instead of an allocation. Never freed.
+constexpr int64_t kCachedInts = int64_t{1} << 17;
+
+PyObject* index_object(int64_t v) {
+  static std::vector<PyObject*> cache;
+  if (v < 0 || v >= kCachedInts) return PyLong_FromLongLong(v);
+  if (static_cast<size_t>(v) >= cache.size()) {
+    const size_t old = cache.size(), want = std::min<size_t>(kCachedInts, std::max<size_t>(2 * old, v + 1));
+    cache.resize(want, nullptr);
+    for (size_t i = old; i < want; ++i) {
+      cache[i] = PyLong_FromLongLong(static_cast<long long>(i));
+      if (!cache[i]) {
+        cache.resize(i);
+        return nullptr;
+      }
+    }
+  }
+  PyObject* o = cache[static_cast<size_t>(v)];
+  Py_INCREF(o);
+  return o;
+}
+
+}  // namespace
+
 py::list to_list(const IndexGroups& groups) {
   // Raw C API: building the nested list dominates pack() for large inputs. The
   // lists hold only ints (no cycles), so the cyclic GC is paused meanwhile rather
@@ -85,7 +121,7 @@ py::list to_list(const IndexGroups& groups) {
     if (!inner) throw py::error_already_set();
     PyList_SET_ITEM(out, static_cast<Py_ssize_t>(g), inner);
     for (size_t j = 0; j < items.size(); ++j) {
-      PyObject* value = PyLong_FromLongLong(items[j]);
+      PyObject* value = index_object(items[j]);
       if (!value) throw py::error_already_set();
       PyList_SET_ITEM(inner, static_cast<Py_ssize_t>(j), value);
     }

@@ -37,18 +37,17 @@ inline Buffer<int64_t> order_by_length(Lengths lengths, bool length_desc, bool i
         start[static_cast<size_t>(v) + 1] = acc;
         acc += c;
       }
-      for (size_t i = 0; i < n; ++i) order[start[static_cast<size_t>(lengths[i]) + 1]++] = static_cast<int64_t>(i);
     } else {
       for (size_t v = 1; v < start.size(); ++v) start[v] += start[v - 1];
-      for (size_t i = 0; i < n; ++i) order[start[static_cast<size_t>(lengths[i])]++] = static_cast<int64_t>(i);
     }
-    if (index_desc) {  // reverse each run of equal lengths
-      for (size_t a = 0; a < n;) {
-        size_t b = a;
-        while (b < n && lengths[order[b]] == lengths[order[a]]) ++b;
-        std::reverse(order.begin() + static_cast<std::ptrdiff_t>(a), order.begin() + static_cast<std::ptrdiff_t>(b));
-        a = b;
-      }
+    // start[l + 1] (descending) / start[l] (ascending): the next slot of length l.
+    // Indices are dealt in the order wanted inside a length: last to first for
+    // index_desc.
+    const size_t shift = length_desc ? 1 : 0;
+    if (index_desc) {
+      for (size_t i = n; i-- > 0;) order[start[static_cast<size_t>(lengths[i]) + shift]++] = static_cast<int64_t>(i);
+    } else {
+      for (size_t i = 0; i < n; ++i) order[start[static_cast<size_t>(lengths[i]) + shift]++] = static_cast<int64_t>(i);
     }
     return order;
   }

@@ -81,6 +81,42 @@ IndexGroups first_fit_with(Lengths lengths, int64_t capacity, const Buffer<int64
   return builder.finish();
 }
 
+// First fit of items in non-increasing length order with a small capacity: the
+// bins with room for the current length ("open") in an occupancy bitset, so the
+// leftmost is one next-set-bit query; the others wait in a bucket per room. As the
+// length only falls, a bucket joins the open set once the length reaches its room,
+// and a bin leaves it when its room drops below the length: O(n + capacity) moves
+// and O(log64 bins) per item. The same bins as the max-tree's first fit.
+IndexGroups first_fit_decreasing_dense(Lengths lengths, int64_t capacity, const Buffer<int64_t>& order) {
+  const size_t n = lengths.size();
+  detail::NextSetBit open(static_cast<int64_t>(n) + 1);
+  Buffer<int64_t> room(n + 1), head(static_cast<size_t>(capacity) + 1, -1), next_in_bucket(n + 1);
+  BinBuilder builder(n);
+  int64_t bins = 0, level = capacity + 1;  // every bin with room >= level is open
+  for (int64_t item : order) {
+    const int64_t len = lengths[item];
+    for (; level > len; --level) {  // rooms in [len, level) open now
+      for (int64_t b = head[static_cast<size_t>(level - 1)]; b >= 0; b = next_in_bucket[static_cast<size_t>(b)])
+        open.insert(b);
+      head[static_cast<size_t>(level - 1)] = -1;
+    }
+    int64_t bin = open.next(0);
+    if (bin < 0) {
+      bin = bins++;
+      room[static_cast<size_t>(bin)] = capacity;
+      open.insert(bin);
+    }
+    const int64_t left = room[static_cast<size_t>(bin)] -= len;
+    if (left < len) {  // closed until the length falls to its room
+      open.erase(bin);
+      next_in_bucket[static_cast<size_t>(bin)] = head[static_cast<size_t>(left)];
+      head[static_cast<size_t>(left)] = bin;
+    }
+    builder.place(bin, item);
+  }
+  return builder.finish();
+}
+
 IndexGroups first_fit_in_order(const char* fn, Lengths lengths, int64_t capacity, const Buffer<int64_t>& order) {
   const int64_t bound = ceil_div(checked_sum(fn, "sequence_lengths", lengths), capacity);
   if (capacity <= std::numeric_limits<int32_t>::max())
@@ -141,6 +177,10 @@ IndexGroups greedy_sequential(Lengths lengths, int64_t bin_capacity, int64_t max
 
 IndexGroups first_fit_decreasing(Lengths lengths, int64_t bin_capacity) {
   check_common("first_fit_decreasing", lengths, bin_capacity);
+  if (bin_capacity <= detail::kDenseValueLimit && static_cast<size_t>(bin_capacity) <= 16 * lengths.size() + 1024) {
+    checked_sum("first_fit_decreasing", "sequence_lengths", lengths);
+    return first_fit_decreasing_dense(lengths, bin_capacity, decreasing_order(lengths));
+  }
   return first_fit_in_order("first_fit_decreasing", lengths, bin_capacity, decreasing_order(lengths));
 }
 
