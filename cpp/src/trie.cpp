@@ -8,29 +8,41 @@
 namespace seqpack::detail {
 namespace {
 
-// Open-addressing map (parent key, token) -> node id with linear probing. The
-// capacity is fixed up front (a power of two, at least twice the most entries), so
-// a probe always ends at an empty slot and nothing is ever rehashed.
+// Open-addressing map (parent key, token) -> node id with linear probing, kept at
+// most half full (doubled and rehashed past that), so a probe always ends at an
+// empty slot. Sized for what it will hold, not for the tokens: the trie builder
+// stores only the edges it cannot find by position (below).
 class EdgeTable {
  public:
-  explicit EdgeTable(int64_t max_entries) {
+  explicit EdgeTable(int64_t expected_entries) {
     size_t capacity = 16;
-    while (capacity < static_cast<size_t>(max_entries) * 2) capacity *= 2;
+    while (capacity < static_cast<size_t>(expected_entries) * 2) capacity *= 2;
     slots_.assign(capacity, Slot{});
     mask_ = capacity - 1;
   }
 
-  // The node stored for (parent, token); when absent, stores `fresh` and returns it.
-  int64_t find_or_insert(int64_t parent, int64_t token, int64_t fresh) {
-    size_t i = hash(parent, token) & mask_;
-    for (;; i = (i + 1) & mask_) {
-      Slot& s = slots_[i];
-      if (s.node < 0) {
-        s = Slot{parent, token, fresh};
-        return fresh;
-      }
+  // The node stored for (parent, token), or -1.
+  int64_t find(int64_t parent, int64_t token) const {
+    for (size_t i = hash(parent, token) & mask_;; i = (i + 1) & mask_) {
+      const Slot& s = slots_[i];
+      if (s.node < 0) return -1;
       if (s.parent == parent && s.token == token) return s.node;
     }
+  }
+
+  // Stores (parent, token) -> node; the pair must be absent.
+  void insert(int64_t parent, int64_t token, int64_t node) {
+    if (2 * (size_ + 1) > slots_.size()) grow();
+    place(Slot{parent, token, node});
+    ++size_;
+  }
+
+  // The node stored for (parent, token); when absent, stores `fresh` and returns it.
+  int64_t find_or_insert(int64_t parent, int64_t token, int64_t fresh) {
+    const int64_t node = find(parent, token);
+    if (node >= 0) return node;
+    insert(parent, token, fresh);
+    return fresh;
   }
 
  private:
@@ -47,8 +59,22 @@ class EdgeTable {
     x ^= x >> 31;
     return static_cast<size_t>(x);
   }
+  void place(const Slot& slot) {
+    size_t i = hash(slot.parent, slot.token) & mask_;
+    while (slots_[i].node >= 0) i = (i + 1) & mask_;
+    slots_[i] = slot;
+  }
+  void grow() {
+    std::vector<Slot> old(slots_.size() * 2, Slot{});
+    old.swap(slots_);
+    mask_ = slots_.size() - 1;
+    for (const Slot& slot : old)
+      if (slot.node >= 0) place(slot);
+  }
+
   std::vector<Slot> slots_;
   size_t mask_ = 0;
+  size_t size_ = 0;
 };
 
 // Dense group index per row (0 for every row without group ids).
@@ -126,14 +152,25 @@ Trie build_trie(std::span<const int64_t> tokens, Lengths cu, std::span<const int
   Trie trie;
   for (auto* v : {&trie.token, &trie.depth, &trie.up, &trie.first}) v->reserve(static_cast<size_t>(n_logical));
   trie.node_of.resize(static_cast<size_t>(n_logical));
-  EdgeTable edges(n_logical);
+  // A node created right after its parent (a row running on past the existing
+  // nodes) has the parent's id + 1: that edge is found by position, sequentially, and
+  // never stored; the table holds the roots and the branches only. A row walking a
+  // shared prefix (a GRPO prompt, an agent's history) then reads consecutive nodes.
+  EdgeTable edges(static_cast<int64_t>(rows) * 4);
   for (size_t r = 0; r < rows; ++r) {
     int64_t key = keys[r], parent = -1;
     for (int64_t i = cu[r]; i < cu[r + 1]; ++i) {
-      const int64_t fresh = trie.num_nodes();
-      const int64_t node = edges.find_or_insert(key, tokens[static_cast<size_t>(i)], fresh);
-      if (node == fresh) {
-        trie.token.push_back(tokens[static_cast<size_t>(i)]);
+      const int64_t tok = tokens[static_cast<size_t>(i)];
+      int64_t node = -1;
+      if (parent >= 0 && parent + 1 < trie.num_nodes() && trie.up[static_cast<size_t>(parent) + 1] == parent &&
+          trie.token[static_cast<size_t>(parent) + 1] == tok)
+        node = parent + 1;
+      else
+        node = edges.find(key, tok);
+      if (node < 0) {
+        node = trie.num_nodes();
+        if (parent < 0 || node != parent + 1) edges.insert(key, tok, node);
+        trie.token.push_back(tok);
         trie.depth.push_back(i - cu[r]);
         trie.up.push_back(parent);
         trie.first.push_back(i);
