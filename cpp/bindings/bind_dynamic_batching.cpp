@@ -1,5 +1,9 @@
+#include <optional>
+
 #include "convert.hpp"
+#include "forest_args.hpp"
 #include "seqpack/dynamic_batching.hpp"
+#include "seqpack/forest_planning.hpp"
 
 namespace seqpack::bindings {
 namespace {
@@ -35,18 +39,23 @@ void init_dynamic_batching(py::module_& m) {
   m.def(
       "plan_dynamic_batching",
       [](py::handle lengths, const std::string& rule, int64_t shards, int64_t batch_size, int64_t max_tokens,
-         int64_t round, int64_t max_seqlen, int64_t pp_size) {
+         int64_t round, int64_t max_seqlen, int64_t pp_size, py::handle forest) {
         DynamicBatchingRule r;
         if (rule == "nemo_rl") r = DynamicBatchingRule::NemoRL;
         else if (rule == "roll") r = DynamicBatchingRule::Roll;
         else if (rule == "optimal") r = DynamicBatchingRule::Optimal;
         else throw py::value_error("rule must be one of 'nemo_rl', 'roll', 'optimal', got '" + rule + "'");
         LengthsArg arg(lengths, "input_lengths");
+        std::optional<ForestArgs> f;
+        if (!forest.is_none()) {  // PrefixForest._core_args(): the plan is over its trees
+          const py::tuple t = forest.cast<py::tuple>();
+          f.emplace(t[0], t[1], t[2], t[3], t[4].cast<int64_t>());
+        }
         DynamicBatchingOptions o{shards, batch_size, max_tokens, round, max_seqlen, pp_size};
         DynamicBatchingPlan plan;
         {
           py::gil_scoped_release release;
-          plan = plan_dynamic_batching(arg.view(), o, r);
+          plan = f ? plan_forest_dynamic_batching(f->view(), o) : plan_dynamic_batching(arg.view(), o, r);
         }
         py::list indices, lens;
         for (const auto& chunk : plan.chunks) {
@@ -65,7 +74,7 @@ void init_dynamic_batching(py::module_& m) {
       },
       py::arg("input_lengths"), py::arg("rule"), py::arg("shards"), py::arg("batch_size"),
       py::arg("max_tokens_per_microbatch"), py::arg("sequence_length_round"), py::arg("max_seqlen") = 0,
-      py::arg("pp_size") = 1);
+      py::arg("pp_size") = 1, py::arg("forest") = py::none());
 }
 
 }  // namespace seqpack::bindings

@@ -4,25 +4,12 @@
 #include <optional>
 
 #include "convert.hpp"
+#include "forest_args.hpp"
 #include "seqpack/forest_items.hpp"
 #include "seqpack/forest_planning.hpp"
 #include "seqpack/prefix_forest.hpp"
 
 namespace seqpack::bindings {
-namespace {
-
-// The arrays of a forest that Python holds, kept alive for the call.
-struct ForestArgs {
-  LengthsArg length, order, lcp, tree;
-  int64_t num_trees;
-  ForestArgs(py::handle length_obj, py::handle order_obj, py::handle lcp_obj, py::handle tree_obj, int64_t trees)
-      : length(length_obj, "row_length"), order(order_obj, "row_order"), lcp(lcp_obj, "adjacent_lcp"),
-        tree(tree_obj, "tree_of_row"), num_trees(trees) {}
-  ForestView view() const { return {length.view(), order.view(), lcp.view(), tree.view(), num_trees}; }
-};
-
-}  // namespace
-
 void init_prefix_forest(py::module_& m) {
   m.def(
       "build_prefix_forest",

@@ -34,6 +34,7 @@
 #include <vector>
 
 #include "seqpack/common.hpp"
+#include "seqpack/dynamic_batching.hpp"
 #include "seqpack/prefix_forest.hpp"
 #include "seqpack/step.hpp"
 
@@ -84,5 +85,18 @@ struct ForestStepPlan {
 // tries and (without `whole_trees`) the rows themselves, every cell costed exactly;
 // the fastest predicted step kept.
 ForestStepPlan plan_forest_step(const ForestView& forest, const StepOptions& options, bool whole_trees);
+
+// Dynamic batching over a forest (dynamic_batching.hpp's plan shape: every shard the
+// same number of rows per chunk, one list of [start, end) row ranges shared by all
+// shards), the cap on each shard's micro-batch *physical* tokens rounded up to
+// sequence_length_round. Per chunk: trees, heaviest first, each whole to the
+// least-loaded shard (physical tokens) with room for its rows, else cut in depth-first
+// order over the shards with the most room; each shard's trees heaviest first, rows
+// depth-first; then the fewest ranges (greedy: each as long as every shard's rows
+// there fit), split to a multiple of pp_size as ROLL splits. `length` of a range: its
+// longest row over the shards, rounded up (the padded width of its rows);
+// padded_tokens: the shards' micro-batches' rounded physical tokens, summed.
+// options.max_seqlen is unused.
+DynamicBatchingPlan plan_forest_dynamic_batching(const ForestView& forest, const DynamicBatchingOptions& options);
 
 }  // namespace seqpack

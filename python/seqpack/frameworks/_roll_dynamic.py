@@ -34,6 +34,7 @@ def dynamic_batching_shard(
     *,
     keep_dp_partition: bool = False,
     rule: str = "roll",
+    forest: Any = None,
 ) -> Tuple[Any, Dict[str, float]]:
     """ROLL's ``dynamic_batching_shard``: rows sorted by length and dealt across DP
     ranks (rank ``r`` gets the ``r``-th contiguous block of the result), and one
@@ -45,6 +46,12 @@ def dynamic_batching_shard(
     ``keep_dp_partition=True``: the batch is already dispatched in contiguous
     per-rank blocks (e.g. by :func:`batch_balance`); rows are sorted within each
     block and the balance is kept. ``rule="optimal"``: the fewest padded tokens.
+    ``forest``: a :class:`~seqpack.PrefixForest` of the batch's rows (e.g.
+    ``PrefixForest.from_padded(input_ids, attention_mask, group_ids=...)``) for
+    micro-batches laid out as prefix trees: trees go to ranks whole where they fit
+    the ranks' rows, and the shared ranges keep every rank's micro-batch *physical*
+    tokens (rounded up to ``sequence_length_round``) within the cap
+    (:func:`~seqpack.plan_dynamic_batching` with ``forest=``); the counts stay equal.
 
     Returns ``(batch, metrics)``: a DataProto of the input's class (its own
     ``select_idxs``) or a :class:`RollBatch`, whose ``meta_info`` (a copy of the
@@ -65,7 +72,15 @@ def dynamic_batching_shard(
         warnings.warn(f"The attention_mask is all zero in the {log_prefix} stage. Please verify the rollout stage.")
     split_pp = pp if (pp > 1 and virtual_pipeline_model_parallel_size) or rule == "optimal" else 1
     per_rank = n // dp_size
-    if keep_dp_partition:
+    if forest is not None:
+        if keep_dp_partition:
+            raise ValueError("keep_dp_partition and forest cannot be combined: with a forest the plan deals the "
+                             "trees to the ranks itself")
+        plan = plan_dynamic_batching(lengths, dp_size, max_tokens_per_microbatch, sequence_length_round,
+                                     pp_size=split_pp, forest=forest)
+        order = plan.sorted_indices
+        padded_tokens = plan.padded_tokens
+    elif keep_dp_partition:
         blocks = [np.argsort(lengths[r * per_rank:(r + 1) * per_rank], kind="stable") + r * per_rank
                   for r in range(dp_size)]
         order = np.concatenate(blocks).tolist() if blocks else []

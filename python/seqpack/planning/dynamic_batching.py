@@ -102,6 +102,7 @@ def plan_dynamic_batching(
     batch_size: Optional[int] = None,
     max_seqlen: Optional[int] = None,
     pp_size: int = 1,
+    forest: Any = None,
 ) -> DynamicBatchingPlan:
     """Plan dynamic batching for a batch of sequence lengths.
 
@@ -118,6 +119,22 @@ def plan_dynamic_batching(
             ``"optimal"`` plans on the rounded lengths, then clamps).
         pp_size: ``"roll"``: split micro-batches until the count is a multiple
             (ROLL does this with VPP); ``"optimal"``: the count is a multiple.
+        forest: a :class:`~seqpack.PrefixForest` of the same rows
+            (``input_lengths`` must be ``forest.lengths``): the micro-batches are
+            prefix trees (the rule is then ``"forest"``, one C++ call). The plan
+            keeps its shape (every shard the same rows per chunk, one list of row
+            ranges shared by all shards, so equal counts), but the cap bounds each
+            shard's micro-batch *physical* tokens rounded up to
+            ``sequence_length_round``. Trees go to shards whole (heaviest first,
+            to the least-loaded shard with room for their rows), cut in depth-first
+            order only when no shard has room; the fewest ranges follow, split to
+            a multiple of ``pp_size``. ``micro_batch_lengths``: each range's
+            longest row, rounded (the width of its padded rows); ``padded_tokens``:
+            the micro-batches' rounded physical tokens::
+
+                shard 0: [A A A | B B]   A, B, C: trees; "|": the shared ranges
+                shard 1: [C C C | D E]   each side of a "|" within the cap on every
+                                         shard, as trees (a prompt once per part)
 
     Raises:
         ValueError: a padded length above the cap, a length above ``max_seqlen``,
@@ -126,6 +143,11 @@ def plan_dynamic_batching(
     if rule not in RULES:
         raise ValueError(f"rule must be one of {RULES}, got {rule!r}")
     lengths = as_lengths(input_lengths, "input_lengths")
+    core_forest = None
+    if forest is not None:
+        from .forest_planning import checked_forest
+
+        core_forest = checked_forest(forest, lengths)._core_args()
     shards = as_positive_int(shards, "shards")
     width = 0 if max_seqlen is None else as_positive_int(max_seqlen, "max_seqlen")
     if width and lengths.size and lengths.max() > width:
@@ -141,9 +163,10 @@ def plan_dynamic_batching(
         as_positive_int(sequence_length_round, "sequence_length_round"),
         width,
         as_positive_int(pp_size, "pp_size"),
+        forest=core_forest,
     )
     micro_batch_lengths, padded_tokens = raw["micro_batch_lengths"], raw["padded_tokens"]
-    if width and rule != "nemo_rl":  # the core clamps for NeMo-RL's rule only
+    if width and rule != "nemo_rl" and forest is None:  # the core clamps for NeMo-RL's rule only
         micro_batch_lengths = [[min(length, width) for length in chunk] for chunk in micro_batch_lengths]
         padded_tokens = shards * sum((e - s) * length for idx, lens in zip(raw["micro_batch_indices"],
                                                                            micro_batch_lengths)
@@ -156,5 +179,5 @@ def plan_dynamic_batching(
         shard_chunk_size=raw["shard_chunk_size"],
         padded_tokens=padded_tokens,
         valid_tokens=raw["valid_tokens"],
-        rule=rule,
+        rule="forest" if forest is not None else rule,
     )

@@ -34,10 +34,11 @@ from .._lengths import as_positive_int, type_name
 from ._token_rows import int_array
 from .prefix_forest import PrefixForest
 
-__all__ = ["first_fit_trie", "plan_forest_micro_batches", "plan_forest_step"]
+__all__ = ["checked_forest", "first_fit_trie", "plan_forest_micro_batches", "plan_forest_step"]
 
 
-def _checked_forest(forest: Any, lengths: Any) -> PrefixForest:
+def checked_forest(forest: Any, lengths: Any) -> PrefixForest:
+    """``forest`` when it is a :class:`~seqpack.PrefixForest` of rows of these lengths."""
     if not isinstance(forest, PrefixForest):
         raise TypeError(f"forest must be a seqpack.PrefixForest, got {type_name(forest)}")
     rows = int_array(lengths, "lengths", 1)
@@ -52,7 +53,7 @@ def plan_forest_micro_batches(forest: Any, lengths: Any, max_tokens: int, min_nu
                               attention_coeff: int, order: str, whole_trees: bool) -> Dict[str, Any]:
     """:func:`~seqpack.plan_micro_batches` with ``forest=``: the fields of its
     :class:`~seqpack.MicroBatchPlan`."""
-    forest = _checked_forest(forest, lengths)
+    forest = checked_forest(forest, lengths)
     raw = _core.plan_forest_micro_batches(*forest._core_args(), max_tokens, min_num, multiple_of, attention_coeff,
                                           order == "small_at_ends", bool(whole_trees))
     total = sum(raw["tokens"])
@@ -75,7 +76,7 @@ def plan_forest_step(forest: Any, lengths: Any, dp_size: int, max_tokens: int, c
     trees' work (each node once) over the ranks. Returns the fields of the
     :class:`~seqpack.StepPlan`, each mini-batch's cells, costs and tokens flat
     (rank-major)."""
-    forest = _checked_forest(forest, lengths)
+    forest = checked_forest(forest, lengths)
     raw = _core.plan_forest_step(*forest._core_args(), dp_size, max_tokens, cost.per_micro_batch, cost.per_token,
                                  cost.per_token_squared, sync, mini_batches, min_micro_batches, multiple_of, seed,
                                  bool(whole_trees))

@@ -128,3 +128,29 @@ def test_a_forest_step_plan_gives_trees_and_dummies_get_theirs():
     with pytest.raises(ValueError, match="shared_prefix plans prefix trees with algorithm 'load_balance', got 'none'"):
         list(make_micro_batch_iter_for_sequence_packing(batch, algorithm="none", micro_batch_size=1,
                                                         shared_prefix=True))
+
+
+def test_dynamic_batching_shard_with_a_forest():
+    """Issue 40: ROLL's dynamic batching on prefix trees. Every rank the same rows and
+    ranges; each rank's micro-batch, as a tree, within the cap; a group's rows on one
+    rank when its rows fit; fewer micro-batches than padding the same rows."""
+    from seqpack.roll import dynamic_batching_shard
+
+    data, rows, groups = roll_batch([40, 10, 30, 20], [[8, 12, 5, 9], [30, 2, 7, 7], [4, 4, 4, 4], [16, 3, 9, 1]])
+    forest = seqpack.PrefixForest.from_padded(data["input_ids"], data["attention_mask"], group_ids=groups)
+    cap = 128
+    out, metrics = dynamic_batching_shard(data, 2, cap, 8, forest=forest)
+    padded, _ = dynamic_batching_shard(data, 2, cap, 8)
+    ranges = out.meta_info["micro_batch_indices"]
+    assert out.meta_info["num_micro_batchs"] == len(ranges) <= padded.meta_info["num_micro_batchs"]
+    order = out["prompt_id"].tolist()
+    for rank in range(2):
+        mine = list(range(rank * 8, rank * 8 + 8))
+        picked = [int(torch.nonzero((data["input_ids"] == out["input_ids"][i]).all(dim=1))[0]) for i in mine]
+        for a, b in ranges:
+            part = picked[a:b]
+            assert physical([rows[i] for i in part], [groups[i] for i in part], 8) <= cap
+        assert len({order[i] for i in mine}) == 2  # two whole groups of four rows per rank
+    assert metrics["dynamic_batching/actual_tokens"] <= cap * len(ranges) * 2
+    with pytest.raises(ValueError, match="keep_dp_partition and forest cannot be combined"):
+        dynamic_batching_shard(data, 2, cap, 8, forest=forest, keep_dp_partition=True)

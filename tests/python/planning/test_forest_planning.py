@@ -273,3 +273,58 @@ def test_step_of_a_grpo_batch_keeps_groups_whole():
     assert sum(plan.num_micro_batches) <= sum(plain.num_micro_batches)
     whole = seqpack.plan_step(forest.lengths, 4, cap, cost=COSTS[1], forest=forest, whole_trees=True)
     assert whole.sharing_kept == 1.0 and plan.predicted_time <= whole.predicted_time
+
+
+# ---- plan_dynamic_batching(forest=...) -------------------------------------------------
+@settings(max_examples=80, deadline=None)
+@given(batches(max_rows=12), st.integers(0, 10), st.integers(1, 3), st.integers(1, 3), st.integers(1, 2),
+       st.booleans())
+def test_dynamic_batching_of_trees(batch, slack, shards, round_to, pp_size, chunked):
+    """Every row once; every shard the same rows per chunk and the same ranges (so the
+    same count); each shard's micro-batch, laid out as a tree (recomputed), within
+    the cap once rounded; counts a multiple of pp_size; lengths and padded tokens
+    as documented."""
+    rows, options = batch
+    rows = rows[:len(rows) - len(rows) % (2 * shards)]  # chunks of 2 x shards rows divide the batch
+    if options["group_ids"] is not None:
+        options = dict(options, group_ids=options["group_ids"][:len(rows)])
+    forest = PrefixForest.from_rows(rows, **options)
+    cap = -(-cap_of(rows, slack) // round_to) * round_to
+    size = 2 * shards if chunked and rows else None
+    try:
+        plan = seqpack.plan_dynamic_batching(forest.lengths, shards, cap, round_to, batch_size=size, pp_size=pp_size,
+                                             forest=forest)
+    except ValueError as e:
+        assert "pp_size" in str(e) and pp_size > 1, str(e)  # too few rows per shard to split to a multiple
+        return
+    assert plan.rule == "forest" and sorted(plan.sorted_indices) == list(range(len(rows)))
+    per_chunk = plan.shard_chunk_size * shards
+    total = 0
+    for c, (ranges, widths) in enumerate(zip(plan.micro_batch_indices, plan.micro_batch_lengths)):
+        assert ranges[0][0] == 0 and ranges[-1][1] == plan.shard_chunk_size
+        assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+        if pp_size > 1:
+            assert len(ranges) % pp_size == 0
+        for s in range(shards):
+            mine = plan.sorted_indices[c * per_chunk + s * plan.shard_chunk_size:][:plan.shard_chunk_size]
+            assert all(c * per_chunk <= i < (c + 1) * per_chunk for i in mine)
+            for (a, b), width in zip(ranges, widths):
+                tokens = -(-physical(rows, options, mine[a:b]) // round_to) * round_to
+                assert tokens <= cap
+                assert max(-(-len(rows[i]) // round_to) * round_to for i in mine[a:b]) <= width
+                total += tokens
+    assert plan.padded_tokens == total and plan.valid_tokens == sum(len(r) for r in rows)
+
+
+def test_dynamic_batching_keeps_grpo_groups_on_one_shard():
+    rows, groups = grpo_rows(8, 4, 200, 100, seed=5)
+    forest = PrefixForest.from_rows(rows, group_ids=groups)
+    cap = 2 * int(forest.num_physical_tokens / forest.num_trees)
+    plan = seqpack.plan_dynamic_batching(forest.lengths, 2, cap, 8, forest=forest)
+    for s in range(2):
+        mine = plan.shard_indices(s)
+        assert len({groups[i] for i in mine}) == 4  # four whole groups of four rows each
+    plain = seqpack.plan_dynamic_batching(forest.lengths, 2, cap, 8, rule="optimal")
+    assert plan.num_micro_batches <= plain.num_micro_batches
+    with pytest.raises(ValueError, match="lengths must be the forest's row lengths"):
+        seqpack.plan_dynamic_batching(forest.lengths[::-1], 2, cap, 8, forest=forest)

@@ -1,0 +1,159 @@
+// Dynamic batching over a prefix forest (forest_planning.hpp): rows to shards by
+// trees, then one list of row ranges shared by every shard under a cap on physical
+// tokens.
+#include <algorithm>
+#include <numeric>
+#include <string>
+#include <utility>
+
+#include "forest_subset.hpp"
+#include "seqpack/forest_planning.hpp"
+
+namespace seqpack {
+namespace {
+
+constexpr const char* kFn = "plan_dynamic_batching";
+
+// One shard's rows of a chunk: positions in the order it runs them, and for each
+// whether it continues the previous row's tree (so shares its lcp with it).
+struct ShardRows {
+  std::vector<int64_t> positions;
+  std::vector<char> continues;
+  int64_t load = 0;  // physical tokens
+};
+
+// Trees to shards with `per_shard` rows each (see the header).
+std::vector<ShardRows> deal(const detail::ForestSubset& s, int64_t shards, int64_t per_shard) {
+  const auto& starts = s.tree_starts();
+  std::vector<size_t> trees(s.num_trees());
+  std::iota(trees.begin(), trees.end(), size_t{0});
+  auto span_tokens = [&](size_t t) {
+    return s.run_tokens(static_cast<size_t>(starts[t]), static_cast<size_t>(starts[t + 1]));
+  };
+  std::stable_sort(trees.begin(), trees.end(), [&](size_t a, size_t b) { return span_tokens(a) > span_tokens(b); });
+  std::vector<std::vector<std::pair<int64_t, int64_t>>> parts(static_cast<size_t>(shards));  // runs per shard
+  std::vector<int64_t> free(static_cast<size_t>(shards), per_shard), load(static_cast<size_t>(shards), 0);
+  for (size_t t : trees) {
+    int64_t begin = starts[t];
+    const int64_t end = starts[t + 1];
+    int64_t whole = -1;  // the least-loaded shard with room for the whole tree
+    for (int64_t k = 0; k < shards; ++k)
+      if (free[static_cast<size_t>(k)] >= end - begin &&
+          (whole < 0 || load[static_cast<size_t>(k)] < load[static_cast<size_t>(whole)]))
+        whole = k;
+    while (begin < end) {
+      int64_t k = whole;
+      if (k < 0) {  // the shard with the most room (then the least load) takes the next rows
+        k = 0;
+        for (int64_t j = 1; j < shards; ++j)
+          if (free[static_cast<size_t>(j)] > free[static_cast<size_t>(k)] ||
+              (free[static_cast<size_t>(j)] == free[static_cast<size_t>(k)] &&
+               load[static_cast<size_t>(j)] < load[static_cast<size_t>(k)]))
+            k = j;
+      }
+      const auto ks = static_cast<size_t>(k);
+      const int64_t take = std::min(free[ks], end - begin);
+      parts[ks].emplace_back(begin, begin + take);
+      load[ks] += s.run_tokens(static_cast<size_t>(begin), static_cast<size_t>(begin + take));
+      free[ks] -= take;
+      begin += take;
+    }
+  }
+  std::vector<ShardRows> out(static_cast<size_t>(shards));
+  for (size_t k = 0; k < out.size(); ++k) {
+    auto& runs = parts[k];
+    std::stable_sort(runs.begin(), runs.end(), [&](const auto& a, const auto& b) {
+      return s.run_tokens(static_cast<size_t>(a.first), static_cast<size_t>(a.second)) >
+             s.run_tokens(static_cast<size_t>(b.first), static_cast<size_t>(b.second));
+    });
+    for (const auto& [a, b] : runs)
+      for (int64_t p = a; p < b; ++p) {
+        out[k].positions.push_back(p);
+        out[k].continues.push_back(p > a);
+      }
+    out[k].load = load[k];
+  }
+  return out;
+}
+
+}  // namespace
+
+DynamicBatchingPlan plan_forest_dynamic_batching(const ForestView& f, const DynamicBatchingOptions& o) {
+  check_forest(kFn, f);
+  check_positive(kFn, "shards", o.shards);
+  check_positive(kFn, "max_tokens_per_microbatch", o.max_tokens_per_microbatch);
+  check_positive(kFn, "sequence_length_round", o.sequence_length_round);
+  check_positive(kFn, "pp_size", o.pp_size);
+  if (o.batch_size < 0) throw_invalid(kFn, "batch_size must be >= 0 (0: the whole batch)");
+  const auto n = static_cast<int64_t>(f.row_length.size());
+  const int64_t chunk = o.batch_size == 0 ? n : o.batch_size;
+  if (chunk > 0 && n % chunk != 0)
+    throw_invalid(kFn, "the number of sequences (" + std::to_string(n) + ") must be a multiple of batch_size (" +
+                           std::to_string(chunk) + ")");
+  if (chunk % o.shards != 0)
+    throw_invalid(kFn, "batch_size (" + std::to_string(chunk) + ") must be a multiple of shards (" +
+                           std::to_string(o.shards) + ")");
+  const int64_t cap = o.max_tokens_per_microbatch, round = o.sequence_length_round;
+  for (int64_t r = 0; r < n; ++r)
+    if (round_up(kFn, f.row_length[static_cast<size_t>(r)], round) > cap)
+      throw_invalid(kFn, "row " + std::to_string(r) + " has " + std::to_string(f.row_length[static_cast<size_t>(r)]) +
+                             " tokens, above max_tokens_per_microbatch=" + std::to_string(cap) +
+                             " once rounded up to sequence_length_round=" + std::to_string(round));
+  DynamicBatchingPlan plan;
+  const int64_t num_chunks = chunk == 0 ? 0 : n / chunk;
+  const int64_t per_shard = chunk / o.shards;
+  plan.shard_chunk_size = per_shard;
+  for (int64_t c = 0; c < num_chunks; ++c) {
+    std::vector<int64_t> rows(static_cast<size_t>(chunk));
+    std::iota(rows.begin(), rows.end(), c * chunk);
+    const detail::ForestSubset s(f, rows, cap, kFn);
+    const std::vector<ShardRows> shards = deal(s, o.shards, per_shard);
+    for (const ShardRows& sh : shards)
+      for (int64_t p : sh.positions) plan.sorted_indices.push_back(s.row(static_cast<size_t>(p)));
+    // The fewest shared ranges: each grows while every shard's rows there fit.
+    std::vector<int64_t> tokens(static_cast<size_t>(o.shards), 0);
+    auto added = [&](const ShardRows& sh, int64_t j, bool first) {
+      const auto p = static_cast<size_t>(sh.positions[static_cast<size_t>(j)]);
+      const int64_t shared =
+          first || !sh.continues[static_cast<size_t>(j)]
+              ? 0
+              : s.lcp(static_cast<size_t>(sh.positions[static_cast<size_t>(j) - 1]), p);
+      return s.length(p) - shared;
+    };
+    std::vector<MicroBatchRange> ranges;
+    for (int64_t j = 0; j < per_shard; ++j) {
+      bool fits = !ranges.empty();
+      for (size_t k = 0; fits && k < shards.size(); ++k)
+        fits = round_up(kFn, tokens[k] + added(shards[k], j, false), round) <= cap;
+      if (!fits) {
+        ranges.push_back({j, j, 0});
+        std::fill(tokens.begin(), tokens.end(), 0);
+      }
+      MicroBatchRange& r = ranges.back();
+      for (size_t k = 0; k < shards.size(); ++k) {
+        tokens[k] += added(shards[k], j, r.start == j);
+        r.length = std::max(r.length, round_up(kFn, s.length(static_cast<size_t>(shards[k].positions[static_cast<size_t>(j)])), round));
+      }
+      r.end = j + 1;
+    }
+    if (o.pp_size > 1 && !ranges.empty()) {
+      if (round_up(kFn, static_cast<int64_t>(ranges.size()), o.pp_size) > per_shard)
+        throw_invalid(kFn, "cannot split " + std::to_string(ranges.size()) +
+                               " micro-batches into a multiple of pp_size=" + std::to_string(o.pp_size) +
+                               " with only " + std::to_string(per_shard) + " sequences per shard");
+      split_ranges_to_multiple(ranges, o.pp_size);
+    }
+    for (const MicroBatchRange& r : ranges)
+      for (const ShardRows& sh : shards) {
+        std::vector<int64_t> members(sh.positions.begin() + r.start, sh.positions.begin() + r.end);
+        std::sort(members.begin(), members.end());
+        plan.padded_tokens = checked_add(kFn, "the planned tokens", plan.padded_tokens,
+                                         round_up(kFn, s.cost(members).tokens, round));
+      }
+    plan.chunks.push_back(std::move(ranges));
+  }
+  plan.valid_tokens = checked_sum(kFn, "lengths (valid_tokens)", f.row_length);
+  return plan;
+}
+
+}  // namespace seqpack
