@@ -237,6 +237,30 @@ def group_codes(values: Any) -> List[int]:
         raise TypeError(f"group labels must be hashable (one per row): {exc}") from None
 
 
+def coupled_trees(forest: Any, group: int, cap: int, group_name: str, cap_name: str) -> None:
+    """Checks a forest whose rows a loss couples, ``group`` consecutive rows at a
+    time (DPO's chosen and rejected, a reward model's candidates): planned with
+    ``whole_trees=True`` each tree stays in one micro-batch, so each group's rows
+    must be one tree (share their prompt) and every tree must fit ``cap``."""
+    n = forest.num_rows
+    if n % group:
+        raise ValueError(f"the batch has {n} rows, not a multiple of {group_name}={group}")
+    tree = forest.tree_ids.reshape(-1, group)
+    split = np.flatnonzero((tree != tree[:, :1]).any(axis=1))
+    if split.size:
+        g = int(split[0])
+        raise ValueError(f"shared_prefix with {group_name}={group}: rows {g * group}..{g * group + group - 1} share "
+                         "no prefix (they are not one prefix tree: different first tokens or group ids), so no "
+                         "micro-batch plan can keep them together as a tree")
+    tokens = forest.subset_costs(forest.trees)[0]
+    if tokens.size and int(tokens.max()) > cap:
+        t = int(tokens.argmax())
+        raise ValueError(f"shared_prefix with {group_name}={group}: the prefix tree of rows "
+                         f"{forest.trees[t][:4].tolist()}{'...' if len(forest.trees[t]) > 4 else ''} holds "
+                         f"{int(tokens[t])} physical tokens, more than {cap_name}={cap}: rows the loss couples "
+                         "cannot be split over micro-batches")
+
+
 def padded_forest(cols: Mapping[str, Any], group_key: Optional[str], *, missing_group_ok: bool):
     """``(forest, group ids or None)``: the :class:`~seqpack.PrefixForest` of a batch's
     padded rows (``input_ids`` where ``attention_mask`` is set; left padding, right

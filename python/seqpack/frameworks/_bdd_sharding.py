@@ -66,9 +66,6 @@ def shard_packed(data: "BatchedDataDict", shards: int, batch_size: int, args: Ma
         raise BatchedDataDictError(f"sequence packing balance must be 'round_robin' or 'karmarkar_karp', "
                                    f"got {balance!r}")
     lens = _lengths(data.data, args["input_lengths_key"])
-    if args.get("shared_prefix", False) and args.get("force_group_size", 1) != 1:
-        raise BatchedDataDictError("shared_prefix keeps its trees (shared_prefix_group_key) whole instead of "
-                                   "force_group_size's groups of consecutive rows: give one of them")
     if args.get("shared_prefix", False):  # bins of prefix trees: physical tokens under the cap
         bins_per_chunk, loads_per_chunk = shared_prefix_bins(data.data, lens, shards, batch_size, args, pad_key)
     else:

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, List, Mapping, Optional, Sequence, Tuple
 import numpy as np
 
 from .._lengths import as_positive_int
-from ._batch import group_codes
+from ._batch import coupled_trees, group_codes
 from ..tensors.layout import round_up
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -111,7 +111,9 @@ def shared_prefix_bins(data: Mapping[str, Any], lengths: np.ndarray, shards: int
                        ) -> Tuple[List[List[List[int]]], List[List[int]]]:
     """Per global batch: its bins (chunk-local row indices, a multiple of ``shards``
     of them) planned on a forest of its rows, and each bin's physical tokens rounded
-    up to ``args[pad_key]`` (the pad multiple)."""
+    up to ``args[pad_key]`` (the pad multiple). Trees are split where that fills
+    bins, unless ``args["force_group_size"] > 1`` (rows the loss couples, NeMo-RL's
+    DPO pairs): then every tree stays whole, each group of rows in one tree."""
     from ..planning.balance import plan_micro_batches
     from ..planning.prefix_forest import PrefixForest
 
@@ -131,7 +133,12 @@ def shared_prefix_bins(data: Mapping[str, Any], lengths: np.ndarray, shards: int
         rows = range(c, min(c + batch_size, lengths.shape[0]))
         forest = PrefixForest.from_packed(flat[cu[c]: cu[rows.stop]], cu[c: rows.stop + 1] - cu[c],
                                           group_ids=_group_ids(data, group_key, rows))
-        plan = plan_micro_batches(forest.lengths, usable, min_num=shards, multiple_of=shards, forest=forest)
+        coupled = as_positive_int(args.get("force_group_size", 1) or 1, "force_group_size")
+        if coupled > 1:
+            coupled_trees(forest, coupled, usable, "force_group_size", "max_tokens_per_microbatch (rounded down to "
+                          f"{pad_key})")
+        plan = plan_micro_batches(forest.lengths, usable, min_num=shards, multiple_of=shards, forest=forest,
+                                  whole_trees=coupled > 1)
         bins_per_chunk.append([list(b) for b in plan.micro_batches])
         loads_per_chunk.append([int(round_up(t, multiple)) for t in plan.tokens])
     return bins_per_chunk, loads_per_chunk

@@ -40,7 +40,8 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Mapping, Optional, 
 
 import numpy as np
 
-from ._batch import (batch_size, dummy_row, is_data_proto, is_tensor, mask_lengths, padded_forest, proto_columns,
+from ._batch import (batch_size, coupled_trees, dummy_row, is_data_proto, is_tensor, mask_lengths, padded_forest,
+                     proto_columns,
                      proto_select, rows, select, select_all, step_plan_parts)
 from .._dist import active, agree_on_count, all_reduce_int, all_reduce_ints, checked_on_every_rank
 from .policy_forward import verl_tree_forward as tree_forward_micro_batch
@@ -145,13 +146,16 @@ def rearrange_micro_batches(
             micro-batch becomes a one-row dummy (one token, zero loss masks) with an
             empty entry in ``micro_bsz_idx``.
         shared_prefix: plan prefix trees (verl's ``actor.use_prefix_grouper``;
-            ``strict=True``, ``force_group_size=1``): the rows' trie from
-            ``input_ids`` and ``attention_mask`` (a :class:`~seqpack.PrefixForest`,
-            rows sharing only within one value of the ``group_key`` column - verl's
-            ``uid``, when the batch has it), the cap bounding each micro-batch's
-            *physical* tokens, a tree that fits whole in one micro-batch; lay each
-            micro-batch out with :func:`seqpack.pack_prefix_tree`. With ``step_plan`` the
-            plan decides the micro-batches (plan it with ``forest=``).
+            ``strict=True``): the rows' trie from ``input_ids`` and
+            ``attention_mask`` (a :class:`~seqpack.PrefixForest`, rows sharing only
+            within one value of the ``group_key`` column - verl's ``uid``, when the
+            batch has it), the cap bounding each micro-batch's *physical* tokens,
+            trees split where that fills micro-batches (per-token losses); with
+            ``force_group_size > 1`` (rows coupled by the loss) every tree stays
+            whole (``whole_trees``), each group of rows must be in one tree and
+            every tree must fit the cap. Lay each micro-batch out with
+            :func:`seqpack.pack_prefix_tree`. With ``step_plan`` the plan decides the
+            micro-batches (plan it with ``forest=``).
 
     Returns:
         ``(micro_batches, micro_bsz_idx)``: the sub-batches (rows ascending) and
@@ -322,10 +326,11 @@ def _plan_parts(views: Callable[[], Tuple[Mapping[str, Any], Mapping[str, Any]]]
     cap = 0  # max_token_len, checked inside the agreement (an invalid one on one rank stops every rank)
 
     def strict_plan(count: int) -> List[List[int]]:
-        plan = plan_micro_batches(box["units"], cap, min_num=count, multiple_of=box["multiple"],
-                                  attention_coeff=WORKLOAD_ATTENTION_COEFF,
+        forest = box.get("forest")
+        plan = plan_micro_batches(box["units"] if forest is None else forest.lengths, cap, min_num=count,
+                                  multiple_of=box["multiple"], attention_coeff=WORKLOAD_ATTENTION_COEFF,
                                   order="small_at_ends" if use_dynamic_bsz_balance else "heaviest_first",
-                                  forest=box.get("forest"))
+                                  forest=forest, whole_trees=forest is not None and box["group"] > 1)
         return [list(p) for p in plan.micro_batches]
 
     def verl_plan(count: int) -> List[List[int]]:
@@ -354,8 +359,10 @@ def _plan_parts(views: Callable[[], Tuple[Mapping[str, Any], Mapping[str, Any]]]
             raise ValueError(f"the batch has {len(lengths)} rows, not a multiple of force_group_size={group}")
         units = lengths.reshape(-1, group).sum(1) if group > 1 else lengths
         if shared_prefix:
-            box["forest"] = _forest(tensors, columns, group_key, mode, group)
-        if mode != "soft_cap" and group > 1 and units.size and units.max() > cap:  # verl < #7553 let it exceed
+            box["forest"] = _forest(tensors, columns, group_key, mode)
+            if group > 1:  # rows coupled by the loss: trees whole, each group in one
+                coupled_trees(box["forest"], group, cap, "force_group_size", "max_token_len")
+        elif mode != "soft_cap" and group > 1 and units.size and units.max() > cap:  # verl < #7553 let it exceed
             raise ValueError(f"{group} consecutive rows (force_group_size) hold {int(units.max())} tokens, more than "
                              f"max_token_len={cap}")
         if num_batches_divided_by is None or (mode != "verl" and not num_batches_divided_by):
@@ -392,18 +399,15 @@ def _plan_parts(views: Callable[[], Tuple[Mapping[str, Any], Mapping[str, Any]]]
     else:
         parts = result
     group = box["group"]
-    if group > 1:
+    if group > 1 and box.get("forest") is None:  # parts of groups; a forest's parts are rows
         parts = [[g * group + j for g in p for j in range(group)] for p in parts]
     return [[int(i) for i in p] for p in parts]
 
 
-def _forest(tensors: Mapping[str, Any], columns: Mapping[str, Any], group_key: Optional[str], mode: str,
-            group: int):
+def _forest(tensors: Mapping[str, Any], columns: Mapping[str, Any], group_key: Optional[str], mode: str):
     """The :class:`~seqpack.PrefixForest` of a batch's rows for ``shared_prefix``."""
     if mode != "strict":
         raise ValueError("shared_prefix plans prefix trees with seqpack's planner: it needs strict=True")
-    if group > 1:
-        raise ValueError("shared_prefix keeps trees whole instead of fixed groups of rows: it needs force_group_size=1")
     return padded_forest({**columns, **tensors}, group_key, missing_group_ok=True)[0]
 
 

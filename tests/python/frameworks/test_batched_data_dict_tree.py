@@ -120,21 +120,22 @@ def test_shared_prefix_shards_keep_the_rules(batch, multiple, shards, seed):
             tokens = physical([rows[i] for i in mine], [groups[i] for i in mine])
             assert length == -(-tokens // multiple) * multiple <= cap  # recomputed from the rows
         pos += shard.size
-    # A group that fits the cap is never split (its rows in one bin), unless the bins
-    # every rank needs (a multiple of the shards) outnumber the groups.
-    if sum(len(s.micro_batch_indices[0]) for s in out) > len(set(groups)):
-        return
+
+
+def test_dpo_pairs_with_shared_prefix_keep_their_trees_whole():
+    """force_group_size=2 with shared_prefix (NeMo-RL's DPO: chosen and rejected
+    consecutive, sharing their prompt): each pair's tree whole in one bin."""
+    data, rows, groups = grpo_data([40, 40, 40, 40], [[10, 10]] * 4)
+    args = packing_args(128, 1, shared_prefix_group_key="idx")
+    args["force_group_size"] = 2
+    out, order = data.shard_by_batch_size(2, allow_uneven_shards=True, sequence_packing_args=args)
+    assert sorted(order) == list(range(len(rows)))
     pos = 0
-    bin_of = {}
-    for s, shard in enumerate(out):
-        for b, (start, end) in enumerate(shard.micro_batch_indices[0]):
-            for i in order[pos + start: pos + end]:
-                bin_of[i] = (s, b)
+    for shard in out:
+        for start, end in shard.micro_batch_indices[0]:
+            mine = sorted(order[pos + start: pos + end])
+            assert len(mine) % 2 == 0 and all(mine[k] // 2 == mine[k + 1] // 2 for k in range(0, len(mine), 2))
         pos += shard.size
-    for g in set(groups):
-        members = [i for i in range(n) if groups[i] == g]
-        if -(-physical([rows[i] for i in members], [g] * len(members)) // multiple) * multiple <= cap:
-            assert len({bin_of[i] for i in members}) == 1, (g, members)
 
 
 def test_tree_iterator_and_the_loss_equal_the_rows_unshared():

@@ -70,11 +70,10 @@ def test_every_row_once_and_no_micro_batch_over_the_cap(shape, extra, balance, s
     for mb, p in zip(micro, parts):
         assert physical([rows[i] for i in p], [uids[i] for i in p]) <= cap
         assert torch.equal(mb["input_ids"], batch["input_ids"][p])
-    # a group whose tree fits the cap is never split (the count here is free: no minimum)
-    for g in set(uids):
-        members = [i for i, u in enumerate(uids) if u == g]
-        if physical([rows[i] for i in members], [g] * len(members)) <= cap:
-            assert sum(any(i in p for i in members) for p in parts) == 1
+    # trees are split only where that saves micro-batches: never more than keeping them whole
+    forest = seqpack.PrefixForest.from_padded(batch["input_ids"], batch["attention_mask"],
+                                              group_ids=[int(u.split("-")[1]) for u in uids])
+    assert len(parts) <= seqpack.plan_micro_batches(forest.lengths, cap, forest=forest, whole_trees=True).num_micro_batches
 
 
 def test_without_a_uid_column_rows_share_any_common_prefix():
@@ -84,9 +83,24 @@ def test_without_a_uid_column_rows_share_any_common_prefix():
     assert sorted(i for p in parts for i in p) == list(range(len(rows)))
 
 
+def test_rows_the_loss_couples_keep_their_trees_whole():
+    """force_group_size=2 (reward-model pairs sharing a prompt): every tree whole in
+    one micro-batch; a pair that is not one tree, or a tree over the cap, is named."""
+    batch, rows, uids = verl_batch([30, 30, 30, 30], [[10, 10]] * 4)  # 50 physical tokens a pair
+    _, parts = rearrange_micro_batches(batch, max_token_len=128, shared_prefix=True, force_group_size=2)
+    assert sorted(i for p in parts for i in p) == list(range(len(rows)))
+    for p in parts:
+        assert len(p) % 2 == 0 and all(p[k] // 2 == p[k + 1] // 2 for k in range(0, len(p), 2))
+        assert physical([rows[i] for i in p], [uids[i] for i in p]) <= 128
+    with pytest.raises(ValueError, match="more than max_token_len=40: rows the loss couples cannot be split"):
+        rearrange_micro_batches(batch, max_token_len=40, shared_prefix=True, force_group_size=2)
+    odd, _, _ = verl_batch([30, 30], [[10, 10, 10], [10]])  # rows 2 and 3 belong to different prompts
+    with pytest.raises(ValueError, match=r"rows 2..3 share no prefix"):
+        rearrange_micro_batches(odd, max_token_len=128, shared_prefix=True, force_group_size=2)
+
+
 @pytest.mark.parametrize("kwargs, match", [
     (dict(strict=False), "needs strict=True"),
-    (dict(force_group_size=2), "needs force_group_size=1"),
 ])
 def test_bad_combinations_are_named(kwargs, match):
     batch, _, _ = verl_batch([5, 5], [[2, 2], [3, 3]])
