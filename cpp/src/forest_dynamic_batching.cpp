@@ -2,6 +2,7 @@
 // trees, then one list of row ranges shared by every shard under a cap on physical
 // tokens.
 #include <algorithm>
+#include <limits>
 #include <numeric>
 #include <string>
 #include <utility>
@@ -76,6 +77,76 @@ std::vector<ShardRows> deal(const detail::ForestSubset& s, int64_t shards, int64
   return out;
 }
 
+
+// The tokens row j of a shard adds to a micro-batch (`first`: it opens one).
+int64_t added(const detail::ForestSubset& s, const ShardRows& sh, int64_t j, bool first) {
+  const auto p = static_cast<size_t>(sh.positions[static_cast<size_t>(j)]);
+  const bool shares = !first && sh.continues[static_cast<size_t>(j)];
+  return s.length(p) - (shares ? s.lcp(static_cast<size_t>(sh.positions[static_cast<size_t>(j) - 1]), p) : 0);
+}
+
+// Ranges [start, end) of the shards' rows, shared by all, each within the cap on every
+// shard: the fewest (greedy: each as long as it fits), then, among as many, the
+// fewest rounded physical tokens (dynamic programming over ranges no longer than the
+// greedy's longest, so cuts fall between trees where they can). The programme is
+// skipped when a range would pass kWidest rows (the greedy ranges stand).
+std::vector<MicroBatchRange> shared_ranges(const detail::ForestSubset& s, const std::vector<ShardRows>& shards,
+                                           int64_t n, int64_t cap, int64_t round) {
+  constexpr int64_t kWidest = 4096;
+  std::vector<int64_t> tokens(shards.size());
+  // Extends a range from `a` while it fits, calling visit(end, summed rounded tokens).
+  auto extend = [&](int64_t a, int64_t widest, auto&& visit) {
+    std::fill(tokens.begin(), tokens.end(), 0);
+    for (int64_t b = a; b < n && b - a < widest; ++b) {
+      int64_t total = 0;
+      for (size_t k = 0; k < shards.size(); ++k) {
+        const int64_t t = tokens[k] + added(s, shards[k], b, b == a);
+        if (b > a && round_up(kFn, t, round) > cap) return;
+        tokens[k] = t;
+        total += round_up(kFn, t, round);
+      }
+      visit(b + 1, total);
+    }
+  };
+  std::vector<int64_t> cuts{0};
+  int64_t widest = 0;
+  while (cuts.back() < n) {
+    int64_t end = cuts.back() + 1;
+    extend(cuts.back(), n, [&](int64_t b, int64_t) { end = b; });
+    widest = std::max(widest, end - cuts.back());
+    cuts.push_back(end);
+  }
+  if (widest <= kWidest) {
+    // best[j]: (ranges, tokens) of the best cover of rows [0, j); from[j]: its last start.
+    constexpr int64_t kNone = std::numeric_limits<int64_t>::max();
+    std::vector<std::pair<int64_t, int64_t>> best(static_cast<size_t>(n) + 1, {kNone, kNone});
+    std::vector<int64_t> from(static_cast<size_t>(n) + 1, -1);
+    best[0] = {0, 0};
+    for (int64_t a = 0; a < n; ++a) {
+      if (best[static_cast<size_t>(a)].first == kNone) continue;
+      const auto [count, used] = best[static_cast<size_t>(a)];
+      extend(a, widest, [&](int64_t b, int64_t total) {
+        const std::pair<int64_t, int64_t> cand{count + 1, used + total};
+        if (cand < best[static_cast<size_t>(b)]) best[static_cast<size_t>(b)] = cand, from[static_cast<size_t>(b)] = a;
+      });
+    }
+    cuts.clear();
+    for (int64_t j = n; j > 0; j = from[static_cast<size_t>(j)]) cuts.push_back(j);
+    cuts.push_back(0);
+    std::reverse(cuts.begin(), cuts.end());
+  }
+  std::vector<MicroBatchRange> ranges;
+  for (size_t i = 0; i + 1 < cuts.size(); ++i) {
+    MicroBatchRange r{cuts[i], cuts[i + 1], 0};
+    for (const ShardRows& sh : shards)
+      for (int64_t j = r.start; j < r.end; ++j)
+        r.length = std::max(r.length, round_up(kFn, s.length(static_cast<size_t>(sh.positions[static_cast<size_t>(j)])),
+                                               round));
+    ranges.push_back(r);
+  }
+  return ranges;
+}
+
 }  // namespace
 
 DynamicBatchingPlan plan_forest_dynamic_batching(const ForestView& f, const DynamicBatchingOptions& o) {
@@ -110,32 +181,7 @@ DynamicBatchingPlan plan_forest_dynamic_batching(const ForestView& f, const Dyna
     const std::vector<ShardRows> shards = deal(s, o.shards, per_shard);
     for (const ShardRows& sh : shards)
       for (int64_t p : sh.positions) plan.sorted_indices.push_back(s.row(static_cast<size_t>(p)));
-    // The fewest shared ranges: each grows while every shard's rows there fit.
-    std::vector<int64_t> tokens(static_cast<size_t>(o.shards), 0);
-    auto added = [&](const ShardRows& sh, int64_t j, bool first) {
-      const auto p = static_cast<size_t>(sh.positions[static_cast<size_t>(j)]);
-      const int64_t shared =
-          first || !sh.continues[static_cast<size_t>(j)]
-              ? 0
-              : s.lcp(static_cast<size_t>(sh.positions[static_cast<size_t>(j) - 1]), p);
-      return s.length(p) - shared;
-    };
-    std::vector<MicroBatchRange> ranges;
-    for (int64_t j = 0; j < per_shard; ++j) {
-      bool fits = !ranges.empty();
-      for (size_t k = 0; fits && k < shards.size(); ++k)
-        fits = round_up(kFn, tokens[k] + added(shards[k], j, false), round) <= cap;
-      if (!fits) {
-        ranges.push_back({j, j, 0});
-        std::fill(tokens.begin(), tokens.end(), 0);
-      }
-      MicroBatchRange& r = ranges.back();
-      for (size_t k = 0; k < shards.size(); ++k) {
-        tokens[k] += added(shards[k], j, r.start == j);
-        r.length = std::max(r.length, round_up(kFn, s.length(static_cast<size_t>(shards[k].positions[static_cast<size_t>(j)])), round));
-      }
-      r.end = j + 1;
-    }
+    std::vector<MicroBatchRange> ranges = shared_ranges(s, shards, per_shard, cap, round);
     if (o.pp_size > 1 && !ranges.empty()) {
       if (round_up(kFn, static_cast<int64_t>(ranges.size()), o.pp_size) > per_shard)
         throw_invalid(kFn, "cannot split " + std::to_string(ranges.size()) +
