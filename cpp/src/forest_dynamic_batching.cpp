@@ -124,7 +124,7 @@ std::vector<MicroBatchRange> shared_ranges(const detail::ForestSubset& s, const 
     best[0] = {0, 0};
     for (int64_t a = 0; a < n; ++a) {
       if (best[static_cast<size_t>(a)].first == kNone) continue;
-      const auto [count, used] = best[static_cast<size_t>(a)];
+      const int64_t count = best[static_cast<size_t>(a)].first, used = best[static_cast<size_t>(a)].second;
       extend(a, widest, [&](int64_t b, int64_t total) {
         const std::pair<int64_t, int64_t> cand{count + 1, used + total};
         if (cand < best[static_cast<size_t>(b)]) best[static_cast<size_t>(b)] = cand, from[static_cast<size_t>(b)] = a;

@@ -4,9 +4,16 @@
 // layout of each subset's own rows (prefix_forest.hpp): its physical tokens and the
 // sum of its position ids + 1; and that rows share a tree exactly when their first
 // tokens are one node. Then the planner's items under a random cap (a cap below the
-// longest row must throw).
+// longest row must throw), and the forest planners (forest_planning.hpp): every row
+// once, every micro-batch's physical tokens within the cap and recomputed, the count
+// admissible, never worse than AReaL's first-fit tries; the step and the dynamic
+// batching plans within the cap with equal counts.
+#include <numeric>
+#include <tuple>
+
 #include "fuzz.hpp"
 #include "seqpack/forest_items.hpp"
+#include "seqpack/forest_planning.hpp"
 #include "seqpack/prefix_forest.hpp"
 #include "seqpack/prefix_tree.hpp"
 
@@ -102,5 +109,74 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     forest_subset_costs(view, tree_rows, tree_offsets, tree_costs);
     for (int64_t tr = 0; tr < f.num_trees; ++tr)
       if (tree_costs[static_cast<size_t>(tr)].tokens <= cap) FUZZ_REQUIRE(parts[static_cast<size_t>(tr)] == 1);
+
+    // The planners under the same cap, with random counts.
+    auto costs_of = [&](const IndexGroups& g) {
+      std::vector<SubsetCost> c(g.size());
+      forest_subset_costs(view, g.indices, g.offsets, c);
+      return c;
+    };
+    ForestPlanOptions o;
+    o.max_tokens = cap;
+    o.min_num = in.in_range(1, 4);
+    o.multiple_of = in.in_range(1, 3);
+    o.attention_coeff = in.flag() ? 8 : 0;
+    o.small_at_ends = in.flag();
+    o.whole_trees = in.flag();
+    try {
+      const ForestMicroBatchPlan plan = plan_forest_micro_batches(view, o);
+      std::vector<int64_t> seen(static_cast<size_t>(n_rows), 0);
+      for (int64_t r : plan.groups.indices) ++seen[static_cast<size_t>(r)];
+      for (int64_t c : seen) FUZZ_REQUIRE(c == 1);
+      const auto k = static_cast<int64_t>(plan.groups.size());
+      FUZZ_REQUIRE(n_rows == 0 || (k >= o.min_num && k % o.multiple_of == 0 && k >= plan.lower_bound));
+      const std::vector<SubsetCost> c = costs_of(plan.groups);
+      int64_t total = 0;
+      for (size_t g = 0; g < c.size(); ++g) {
+        FUZZ_REQUIRE(c[g].tokens == plan.tokens[g] && c[g].pairs == plan.pairs[g] && c[g].tokens <= cap);
+        total += c[g].tokens;
+      }
+      FUZZ_REQUIRE(total >= plan.physical_tokens);
+      if (o.min_num == 1 && o.multiple_of == 1 && !o.whole_trees) {
+        std::vector<int64_t> all(static_cast<size_t>(n_rows));
+        std::iota(all.begin(), all.end(), int64_t{0});
+        const IndexGroups tries = first_fit_trie(view, cap, all);
+        int64_t trie_tokens = 0;
+        for (const SubsetCost& t : costs_of(tries)) trie_tokens += t.tokens;
+        FUZZ_REQUIRE(std::tuple(plan.groups.size(), total) <= std::tuple(tries.size(), trie_tokens));
+      }
+    } catch (const std::invalid_argument&) {
+      // more micro-batches than rows (min_num, multiple_of): the planner says so
+    }
+    if (n_rows > 0) {
+      StepOptions so;
+      so.dp_size = in.in_range(1, 3);
+      so.max_tokens = cap;
+      so.cost = {in.flag() ? 5.0 : 0.0, 1.0, in.flag() ? 0.1 : 0.0};
+      so.sync = in.flag() ? StepSync::Step : StepSync::MicroBatch;
+      so.mini_batches = in.in_range(1, std::min<int64_t>(2, n_rows));
+      const ForestStepPlan step = plan_forest_step(view, so, in.flag());
+      int64_t placed = 0;
+      for (const MiniBatchStep& mb : step.plan.mini_batches) {
+        FUZZ_REQUIRE(static_cast<int64_t>(mb.cells.size()) == so.dp_size * mb.num_micro_batches);
+        const std::vector<SubsetCost> c = costs_of(mb.cells);
+        for (size_t g = 0; g < c.size(); ++g) FUZZ_REQUIRE(c[g].tokens == mb.tokens[g] && c[g].tokens <= cap);
+        placed += static_cast<int64_t>(mb.cells.indices.size());
+      }
+      FUZZ_REQUIRE(placed == n_rows);
+      DynamicBatchingOptions d;
+      d.shards = n_rows % 2 == 0 ? 2 : 1;
+      d.max_tokens_per_microbatch = cap;
+      d.sequence_length_round = 1;
+      const DynamicBatchingPlan dyn = plan_forest_dynamic_batching(view, d);
+      FUZZ_REQUIRE(static_cast<int64_t>(dyn.sorted_indices.size()) == n_rows);
+      for (const MicroBatchRange& r : dyn.chunks.front())
+        for (int64_t sh = 0; sh < d.shards; ++sh) {
+          IndexGroups g;
+          const auto first = dyn.sorted_indices.begin() + sh * dyn.shard_chunk_size;
+          g.push_group(std::vector<int64_t>(first + r.start, first + r.end));
+          FUZZ_REQUIRE(costs_of(g).front().tokens <= cap);
+        }
+    }
   });
 }
