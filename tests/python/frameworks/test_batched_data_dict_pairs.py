@@ -79,7 +79,8 @@ def test_errors_are_named():
         data.shard_by_batch_size(1, dynamic_batching_args=dict(
             max_tokens_per_microbatch=64, sequence_length_round=1, input_key="input_ids",
             input_lengths_key="input_lengths", force_group_size=2))
-    with pytest.raises(BatchedDataDictError, match="give one of them"):
+    # shared_prefix with pairs: each pair must be one prefix tree (these pairs share no prompt)
+    with pytest.raises(ValueError, match=r"force_group_size=2: rows 0..1 share no prefix"):
         data.shard_by_batch_size(1, sequence_packing_args=args(64, shared_prefix=True))
 
 
