@@ -211,7 +211,7 @@ ForestStepPlan plan_forest_step(const ForestView& f, const StepOptions& o, bool 
       if (whole_trees && !trees_on_one_rank(s, cells, K)) continue;  // a large tree's parts on two ranks
       consider(cells, K, method);
     }
-    if (whole_trees) {
+    {  // a candidate either way, so the plan never loses to the whole_trees one
       auto [cells, K] = ranks_of_trees(s, o);
       consider(cells, K, "ranks_of_trees");
     }

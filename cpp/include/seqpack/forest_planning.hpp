@@ -80,10 +80,11 @@ struct ForestStepPlan {
 };
 
 // plan_step over a forest's rows (options.squares / mini_batch_sizes unused): each
-// mini-batch planned on the candidates whole trees (one rank per tree with
-// `whole_trees`), the micro-batches of plan_forest_micro_batches, AReaL's first-fit
-// tries and (without `whole_trees`) the rows themselves, every cell costed exactly;
-// the fastest predicted step kept.
+// mini-batch planned on the candidates whole trees, trees dealt to ranks by their work
+// then packed per rank with their trees whole, and (without `whole_trees`) the
+// micro-batches of plan_forest_micro_batches, AReaL's first-fit tries and the rows
+// themselves; every cell costed exactly, the fastest predicted step kept. With
+// `whole_trees` a whole-trees plan that puts a tree's parts on two ranks is dropped.
 ForestStepPlan plan_forest_step(const ForestView& forest, const StepOptions& options, bool whole_trees);
 
 // Dynamic batching over a forest (dynamic_batching.hpp's plan shape: every shard the

@@ -261,6 +261,9 @@ def test_step_plans_of_trees(batch, slack, dp_size, sync, mini_batches, cost, wh
                                 sync) for m, mb in enumerate(plain.assignment))
     assert plan.predicted_time <= plain_time * (1 + 1e-9)
     assert plan.predicted_time <= first_fit_trie_step(forest, dp_size, cap, cost, sync, mini_batches) * (1 + 1e-9)
+    whole = seqpack.plan_step(forest.lengths, dp_size, cap, cost=cost, sync=sync, mini_batches=mini_batches,
+                              forest=forest, whole_trees=True)
+    assert plan.predicted_time <= whole.predicted_time * (1 + 1e-9)
 
 
 def test_step_of_a_grpo_batch_keeps_groups_whole():
