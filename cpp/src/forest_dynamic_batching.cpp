@@ -174,10 +174,11 @@ DynamicBatchingPlan plan_forest_dynamic_batching(const ForestView& f, const Dyna
   const int64_t num_chunks = chunk == 0 ? 0 : n / chunk;
   const int64_t per_shard = chunk / o.shards;
   plan.shard_chunk_size = per_shard;
+  const detail::ForestSubset none(f, {}, cap, kFn);  // the forest's lcp index, shared by the chunks
   for (int64_t c = 0; c < num_chunks; ++c) {
     std::vector<int64_t> rows(static_cast<size_t>(chunk));
     std::iota(rows.begin(), rows.end(), c * chunk);
-    const detail::ForestSubset s(f, rows, cap, kFn);
+    const detail::ForestSubset s(none, rows, cap, kFn);
     const std::vector<ShardRows> shards = deal(s, o.shards, per_shard);
     for (const ShardRows& sh : shards)
       for (int64_t p : sh.positions) plan.sorted_indices.push_back(s.row(static_cast<size_t>(p)));

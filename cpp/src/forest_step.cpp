@@ -122,7 +122,7 @@ std::pair<ForestBins, int64_t> ranks_of_trees(const ForestSubset& s, const StepO
     // The rank's own subset: positions there map back through their rows.
     std::vector<int64_t> rows;
     for (int64_t p : rank_rows[r]) rows.push_back(s.row(static_cast<size_t>(p)));
-    const ForestSubset local(s.view(), rows, o.max_tokens, kFn);
+    const ForestSubset local(s, rows, o.max_tokens, kFn);
     std::vector<int64_t> position_of(local.size());
     for (size_t q = 0; q < local.size(); ++q)
       position_of[q] = s.position_of(local.row(q));
@@ -176,13 +176,14 @@ ForestStepPlan plan_forest_step(const ForestView& f, const StepOptions& o, bool 
     throw_invalid(kFn, "lengths: " + std::to_string(n) + " sequences cannot fill mini_batches=" +
                            std::to_string(o.mini_batches) + " mini-batches (each needs at least one)");
   ForestStepPlan out;
+  const ForestSubset none(f, {}, o.max_tokens, kFn);  // the forest's lcp index, shared by the mini-batches
   const int64_t base = n / o.mini_batches, extra = n % o.mini_batches;
   int64_t begin = 0;
   for (int64_t m = 0; m < o.mini_batches; ++m) {
     const int64_t end = begin + base + (m < extra ? 1 : 0);
     std::vector<int64_t> rows(static_cast<size_t>(end - begin));
     std::iota(rows.begin(), rows.end(), begin);
-    const ForestSubset s(f, rows, o.max_tokens, kFn);
+    const ForestSubset s(none, rows, o.max_tokens, kFn);
     std::vector<std::pair<ForestBins, const char*>> items;
     for (auto& [bins, method] : detail::packings(s, o.max_tokens, whole_trees, detail::positions_in_row_order(s))) {
       if (std::string(method) == "whole_trees") {  // the items themselves, not their bins

@@ -13,6 +13,7 @@
 // (forest_lcp.hpp: the lcp of two positions is the least adjacent lcp between them).
 #include <algorithm>
 #include <cstdint>
+#include <memory>
 #include <span>
 #include <string>
 #include <utility>
@@ -28,52 +29,30 @@ class ForestSubset {
   // `rows`: distinct ids in [0, R), each at most `max_tokens` long (checked, errors
   // name `fn`). `forest` is checked here and must outlive the subset.
   ForestSubset(const ForestView& forest, std::span<const int64_t> rows, int64_t max_tokens, const char* fn)
-      : forest_(forest), index_((check_forest(fn, forest), forest)) {
+      : forest_(forest), index_(std::make_shared<const ForestLcp>((check_forest(fn, forest), forest))) {
     check_positive(fn, "max_tokens", max_tokens);
-    const size_t n_rows = forest.row_length.size();
-    std::vector<char> chosen(n_rows, 0);
-    ranks_.reserve(rows.size());
-    for (int64_t r : rows) {
-      if (r < 0 || r >= static_cast<int64_t>(n_rows))
-        throw_invalid(fn, "rows: row id " + std::to_string(r) + " is outside [0, " + std::to_string(n_rows) + ")");
-      if (chosen[static_cast<size_t>(r)]) throw_invalid(fn, "rows: row id " + std::to_string(r) + " is repeated");
-      chosen[static_cast<size_t>(r)] = 1;
-      if (forest.row_length[static_cast<size_t>(r)] > max_tokens)
-        throw_invalid(fn, "row " + std::to_string(r) + " has " +
-                              std::to_string(forest.row_length[static_cast<size_t>(r)]) +
-                              " tokens, more than max_tokens = " + std::to_string(max_tokens) +
-                              " (no micro-batch can hold it)");
-      ranks_.push_back(index_.rank(r));
-    }
-    std::sort(ranks_.begin(), ranks_.end());
-    const size_t n = ranks_.size();
-    row_.resize(n);
-    lcp_.resize(n);
-    fresh_.assign(n + 1, 0);
-    pairs_.assign(n + 1, 0);
-    for (size_t p = 0; p < n; ++p) {
-      row_[p] = forest.row_order[static_cast<size_t>(ranks_[p])];
-      lcp_[p] = p == 0 ? 0 : index_.lcp(ranks_[p - 1], ranks_[p]);  // 0 across trees
-      if (p == 0 || tree(p) != tree(p - 1)) tree_starts_.push_back(static_cast<int64_t>(p));
-      const int64_t len = length(p);
-      fresh_[p + 1] = fresh_[p] + len - lcp_[p];
-      pairs_[p + 1] = pairs_[p] + ForestLcp::pairs(len) - ForestLcp::pairs(lcp_[p]);
-    }
-    tree_starts_.push_back(static_cast<int64_t>(n));
+    build(rows, max_tokens, fn);
+  }
+  // Another subset of the same forest (`rows` checked as above), sharing its lcp
+  // index: O(|rows| log |rows|), nothing proportional to the whole forest.
+  ForestSubset(const ForestSubset& of, std::span<const int64_t> rows, int64_t max_tokens, const char* fn)
+      : forest_(of.forest_), index_(of.index_) {
+    check_positive(fn, "max_tokens", max_tokens);
+    build(rows, max_tokens, fn);
   }
 
   size_t size() const { return row_.size(); }
   const ForestView& view() const { return forest_; }
   // The position of a row of the subset.
   int64_t position_of(int64_t row) const {
-    return std::lower_bound(ranks_.begin(), ranks_.end(), index_.rank(row)) - ranks_.begin();
+    return std::lower_bound(ranks_.begin(), ranks_.end(), index_->rank(row)) - ranks_.begin();
   }
   int64_t row(size_t p) const { return row_[p]; }
   int64_t length(size_t p) const { return forest_.row_length[static_cast<size_t>(row_[p])]; }
   int64_t tree(size_t p) const { return forest_.tree_of_row[static_cast<size_t>(row_[p])]; }
   int64_t lcp_prev(size_t p) const { return lcp_[p]; }
   // lcp of positions a < b (0 when their trees differ).
-  int64_t lcp(size_t a, size_t b) const { return index_.lcp(ranks_[a], ranks_[b]); }
+  int64_t lcp(size_t a, size_t b) const { return index_->lcp(ranks_[a], ranks_[b]); }
   // Trees as position ranges: tree t holds [starts[t], starts[t + 1]).
   const std::vector<int64_t>& tree_starts() const { return tree_starts_; }
   size_t num_trees() const { return tree_starts_.size() - 1; }
@@ -99,8 +78,42 @@ class ForestSubset {
   }
 
  private:
+  void build(std::span<const int64_t> rows, int64_t max_tokens, const char* fn) {
+    const auto n_rows = static_cast<int64_t>(forest_.row_length.size());
+    ranks_.reserve(rows.size());
+    for (int64_t r : rows) {
+      if (r < 0 || r >= n_rows)
+        throw_invalid(fn, "rows: row id " + std::to_string(r) + " is outside [0, " + std::to_string(n_rows) + ")");
+      const int64_t len = forest_.row_length[static_cast<size_t>(r)];
+      if (len > max_tokens)
+        throw_invalid(fn, "row " + std::to_string(r) + " has " + std::to_string(len) +
+                              " tokens, more than max_tokens = " + std::to_string(max_tokens) +
+                              " (no micro-batch can hold it)");
+      ranks_.push_back(index_->rank(r));
+    }
+    std::sort(ranks_.begin(), ranks_.end());
+    const size_t n = ranks_.size();
+    for (size_t p = 1; p < n; ++p)
+      if (ranks_[p] == ranks_[p - 1])
+        throw_invalid(fn, "rows: row id " + std::to_string(forest_.row_order[static_cast<size_t>(ranks_[p])]) +
+                              " is repeated");
+    row_.resize(n);
+    lcp_.resize(n);
+    fresh_.assign(n + 1, 0);
+    pairs_.assign(n + 1, 0);
+    for (size_t p = 0; p < n; ++p) {
+      row_[p] = forest_.row_order[static_cast<size_t>(ranks_[p])];
+      lcp_[p] = p == 0 ? 0 : index_->lcp(ranks_[p - 1], ranks_[p]);  // 0 across trees
+      if (p == 0 || tree(p) != tree(p - 1)) tree_starts_.push_back(static_cast<int64_t>(p));
+      const int64_t len = length(p);
+      fresh_[p + 1] = fresh_[p] + len - lcp_[p];
+      pairs_[p + 1] = pairs_[p] + ForestLcp::pairs(len) - ForestLcp::pairs(lcp_[p]);
+    }
+    tree_starts_.push_back(static_cast<int64_t>(n));
+  }
+
   const ForestView& forest_;
-  ForestLcp index_;
+  std::shared_ptr<const ForestLcp> index_;
   std::vector<int64_t> ranks_;        // [n] depth-first ranks in the whole forest, ascending
   std::vector<int64_t> row_;          // [n] row ids
   std::vector<int64_t> lcp_;          // [n] lcp with the previous position (0 at a tree's start)
