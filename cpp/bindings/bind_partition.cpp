@@ -1,6 +1,7 @@
 #include <optional>
 
 #include "convert.hpp"
+#include "step_args.hpp"
 #include "seqpack/microbatch.hpp"
 #include "seqpack/partition.hpp"
 #include "seqpack/step.hpp"
@@ -80,42 +81,16 @@ void init_partition(py::module_& m) {
         std::optional<LengthsArg> sq, sizes;
         if (!squares.is_none()) sq.emplace(squares, "squares");
         if (!mini_batch_sizes.is_none()) sizes.emplace(mini_batch_sizes, "mini_batch_sizes");
-        StepOptions o;
+        StepOptions o = step_options(dp_size, max_tokens, per_micro_batch, per_token, per_token_squared, sync,
+                                     mini_batches, min_micro_batches, multiple_of, seed);
         if (sq) o.squares = sq->view();
         if (sizes) o.mini_batch_sizes = sizes->view();
-        o.dp_size = dp_size;
-        o.max_tokens = max_tokens;
-        o.cost = StepCost{per_micro_batch, per_token, per_token_squared};
-        if (sync == "micro_batch") o.sync = StepSync::MicroBatch;
-        else if (sync == "step") o.sync = StepSync::Step;
-        else throw py::value_error("sync must be 'micro_batch' or 'step', got '" + sync + "'");
-        o.mini_batches = mini_batches;
-        o.min_micro_batches = min_micro_batches;
-        o.multiple_of = multiple_of;
-        o.seed = seed;
         StepPlan plan;
         {
           py::gil_scoped_release release;
           plan = plan_step(arg.view(), o);
         }
-        py::list minis;
-        for (MiniBatchStep& mb : plan.mini_batches) {
-          py::dict d;
-          d["begin"] = mb.begin;
-          d["end"] = mb.end;
-          d["num_micro_batches"] = mb.num_micro_batches;
-          d["cells"] = to_list(mb.cells);
-          d["costs"] = mb.costs;
-          d["tokens"] = mb.tokens;
-          d["predicted_time"] = mb.predicted_time;
-          d["lower_bound"] = mb.lower_bound;
-          minis.append(d);
-        }
-        py::dict out;
-        out["mini_batches"] = minis;
-        out["predicted_time"] = plan.predicted_time;
-        out["lower_bound"] = plan.lower_bound;
-        return out;
+        return step_plan_dict(plan);
       },
       py::arg("lengths"), py::arg("dp_size"), py::arg("max_tokens"), py::arg("per_micro_batch"), py::arg("per_token"),
       py::arg("per_token_squared"), py::arg("sync") = "micro_batch", py::arg("mini_batches") = 1,

@@ -5,6 +5,7 @@
 
 #include "convert.hpp"
 #include "forest_args.hpp"
+#include "step_args.hpp"
 #include "seqpack/forest_items.hpp"
 #include "seqpack/forest_planning.hpp"
 #include "seqpack/prefix_forest.hpp"
@@ -140,39 +141,14 @@ void init_prefix_forest(py::module_& m) {
          const std::string& sync, int64_t mini_batches, int64_t min_micro_batches, int64_t multiple_of,
          std::optional<uint64_t> seed, bool whole_trees) {
         const ForestArgs f(length, order, lcp, tree, num_trees);
-        StepOptions o;
-        o.dp_size = dp_size;
-        o.max_tokens = max_tokens;
-        o.cost = StepCost{per_micro_batch, per_token, per_token_squared};
-        if (sync == "micro_batch") o.sync = StepSync::MicroBatch;
-        else if (sync == "step") o.sync = StepSync::Step;
-        else throw py::value_error("sync must be 'micro_batch' or 'step', got '" + sync + "'");
-        o.mini_batches = mini_batches;
-        o.min_micro_batches = min_micro_batches;
-        o.multiple_of = multiple_of;
-        o.seed = seed;
+        const StepOptions o = step_options(dp_size, max_tokens, per_micro_batch, per_token, per_token_squared, sync,
+                                           mini_batches, min_micro_batches, multiple_of, seed);
         ForestStepPlan plan;
         {
           py::gil_scoped_release release;
           plan = plan_forest_step(f.view(), o, whole_trees);
         }
-        py::list minis;
-        for (MiniBatchStep& mb : plan.plan.mini_batches) {
-          py::dict d;
-          d["begin"] = mb.begin;
-          d["end"] = mb.end;
-          d["num_micro_batches"] = mb.num_micro_batches;
-          d["cells"] = to_list(mb.cells);
-          d["costs"] = mb.costs;
-          d["tokens"] = mb.tokens;
-          d["predicted_time"] = mb.predicted_time;
-          d["lower_bound"] = mb.lower_bound;
-          minis.append(d);
-        }
-        py::dict out;
-        out["mini_batches"] = minis;
-        out["predicted_time"] = plan.plan.predicted_time;
-        out["lower_bound"] = plan.plan.lower_bound;
+        py::dict out = step_plan_dict(plan.plan);
         out["planned_on"] = plan.planned_on;
         return out;
       },

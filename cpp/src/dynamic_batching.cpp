@@ -107,15 +107,13 @@ void split_ranges_to_multiple(std::vector<MicroBatchRange>& ranges, int64_t pp_s
   }
 }
 
-DynamicBatchingPlan plan_dynamic_batching(Lengths lengths, const DynamicBatchingOptions& o, DynamicBatchingRule rule) {
+int64_t dynamic_batching_chunk(const DynamicBatchingOptions& o, int64_t n) {
   check_positive(kFn, "shards", o.shards);
   check_positive(kFn, "max_tokens_per_microbatch", o.max_tokens_per_microbatch);
   check_positive(kFn, "sequence_length_round", o.sequence_length_round);
   check_positive(kFn, "pp_size", o.pp_size);
   if (o.batch_size < 0) throw_invalid(kFn, "batch_size must be >= 0 (0: the whole batch)");
   if (o.max_seqlen < 0) throw_invalid(kFn, "max_seqlen must be >= 0 (0: no clamp)");
-  check_non_negative_lengths(kFn, "lengths", lengths);
-  const auto n = static_cast<int64_t>(lengths.size());
   const int64_t chunk = o.batch_size == 0 ? n : o.batch_size;
   if (chunk > 0 && n % chunk != 0)
     throw_invalid(kFn, "the number of sequences (" + std::to_string(n) + ") must be a multiple of batch_size (" +
@@ -123,6 +121,13 @@ DynamicBatchingPlan plan_dynamic_batching(Lengths lengths, const DynamicBatching
   if (chunk % o.shards != 0)
     throw_invalid(kFn, "batch_size (" + std::to_string(chunk) + ") must be a multiple of shards (" +
                            std::to_string(o.shards) + ")");
+  return chunk;
+}
+
+DynamicBatchingPlan plan_dynamic_batching(Lengths lengths, const DynamicBatchingOptions& o, DynamicBatchingRule rule) {
+  const auto n = static_cast<int64_t>(lengths.size());
+  const int64_t chunk = dynamic_batching_chunk(o, n);
+  check_non_negative_lengths(kFn, "lengths", lengths);
   if (rule == DynamicBatchingRule::NemoRL && o.max_seqlen > 0)
     check_lengths_fit(kFn, "lengths", lengths, o.max_seqlen, "max_seqlen");
 

@@ -7,7 +7,7 @@
 #include <string>
 #include <utility>
 
-#include "forest_subset.hpp"
+#include "forest_packers.hpp"
 #include "seqpack/forest_planning.hpp"
 
 namespace seqpack {
@@ -26,15 +26,9 @@ struct ShardRows {
 // Trees to shards with `per_shard` rows each (see the header).
 std::vector<ShardRows> deal(const detail::ForestSubset& s, int64_t shards, int64_t per_shard) {
   const auto& starts = s.tree_starts();
-  std::vector<size_t> trees(s.num_trees());
-  std::iota(trees.begin(), trees.end(), size_t{0});
-  auto span_tokens = [&](size_t t) {
-    return s.run_tokens(static_cast<size_t>(starts[t]), static_cast<size_t>(starts[t + 1]));
-  };
-  std::stable_sort(trees.begin(), trees.end(), [&](size_t a, size_t b) { return span_tokens(a) > span_tokens(b); });
   std::vector<std::vector<std::pair<int64_t, int64_t>>> parts(static_cast<size_t>(shards));  // runs per shard
   std::vector<int64_t> free(static_cast<size_t>(shards), per_shard), load(static_cast<size_t>(shards), 0);
-  for (size_t t : trees) {
+  for (size_t t : detail::trees_by_size(s)) {
     int64_t begin = starts[t];
     const int64_t end = starts[t + 1];
     int64_t whole = -1;  // the least-loaded shard with room for the whole tree
@@ -151,19 +145,8 @@ std::vector<MicroBatchRange> shared_ranges(const detail::ForestSubset& s, const 
 
 DynamicBatchingPlan plan_forest_dynamic_batching(const ForestView& f, const DynamicBatchingOptions& o) {
   check_forest(kFn, f);
-  check_positive(kFn, "shards", o.shards);
-  check_positive(kFn, "max_tokens_per_microbatch", o.max_tokens_per_microbatch);
-  check_positive(kFn, "sequence_length_round", o.sequence_length_round);
-  check_positive(kFn, "pp_size", o.pp_size);
-  if (o.batch_size < 0) throw_invalid(kFn, "batch_size must be >= 0 (0: the whole batch)");
   const auto n = static_cast<int64_t>(f.row_length.size());
-  const int64_t chunk = o.batch_size == 0 ? n : o.batch_size;
-  if (chunk > 0 && n % chunk != 0)
-    throw_invalid(kFn, "the number of sequences (" + std::to_string(n) + ") must be a multiple of batch_size (" +
-                           std::to_string(chunk) + ")");
-  if (chunk % o.shards != 0)
-    throw_invalid(kFn, "batch_size (" + std::to_string(chunk) + ") must be a multiple of shards (" +
-                           std::to_string(o.shards) + ")");
+  const int64_t chunk = dynamic_batching_chunk(o, n);
   const int64_t cap = o.max_tokens_per_microbatch, round = o.sequence_length_round;
   for (int64_t r = 0; r < n; ++r)
     if (round_up(kFn, f.row_length[static_cast<size_t>(r)], round) > cap)

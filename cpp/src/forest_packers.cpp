@@ -57,9 +57,6 @@ ForestBins first_fit_rows(const ForestSubset& s, std::span<const int64_t> order,
   return bins;
 }
 
-namespace {
-
-// Tree indices by decreasing physical tokens, then index.
 std::vector<size_t> trees_by_size(const ForestSubset& s) {
   const auto& starts = s.tree_starts();
   std::vector<size_t> trees(s.num_trees());
@@ -70,8 +67,6 @@ std::vector<size_t> trees_by_size(const ForestSubset& s) {
   std::stable_sort(trees.begin(), trees.end(), [&](size_t a, size_t b) { return tokens(a) > tokens(b); });
   return trees;
 }
-
-}  // namespace
 
 std::vector<int64_t> largest_trees_first(const ForestSubset& s) {
   const auto& starts = s.tree_starts();

@@ -17,6 +17,9 @@ using ForestBins = std::vector<std::vector<int64_t>>;
 // adds (length minus its longest common prefix with a member) fit (AReaL's rule).
 ForestBins first_fit_rows(const ForestSubset& s, std::span<const int64_t> order, int64_t cap);
 
+// Tree indices (into tree_starts) by decreasing physical tokens, then index.
+std::vector<size_t> trees_by_size(const ForestSubset& s);
+
 // Positions tree by tree, trees by decreasing physical tokens (then position), in
 // depth-first order inside each: the order first_fit_rows takes for "first fit over
 // depth-first rows".

@@ -62,4 +62,9 @@ void split_ranges_to_multiple(std::vector<MicroBatchRange>& ranges, int64_t pp_s
 DynamicBatchingPlan plan_dynamic_batching(Lengths lengths, const DynamicBatchingOptions& options,
                                           DynamicBatchingRule rule);
 
+// The rows per chunk (batch_size, or all n rows) after checking the options as
+// plan_dynamic_batching does: counts positive, n a multiple of the chunk, the chunk
+// a multiple of the shards.
+int64_t dynamic_batching_chunk(const DynamicBatchingOptions& options, int64_t n);
+
 }  // namespace seqpack
