@@ -83,10 +83,11 @@ int64_t added(const detail::ForestSubset& s, const ShardRows& sh, int64_t j, boo
 // shard: the fewest (greedy: each as long as it fits), then, among as many, the
 // fewest rounded physical tokens (dynamic programming over ranges no longer than the
 // greedy's longest, so cuts fall between trees where they can). The programme is
-// skipped when a range would pass kWidest rows (the greedy ranges stand).
+// skipped when it would take more than kSteps row extensions (the greedy ranges
+// stand): rows x the longest range x shards.
 std::vector<MicroBatchRange> shared_ranges(const detail::ForestSubset& s, const std::vector<ShardRows>& shards,
                                            int64_t n, int64_t cap, int64_t round) {
-  constexpr int64_t kWidest = 4096;
+  constexpr int64_t kSteps = int64_t{1} << 26;
   std::vector<int64_t> tokens(shards.size());
   // Extends a range from `a` while it fits, calling visit(end, summed rounded tokens).
   auto extend = [&](int64_t a, int64_t widest, auto&& visit) {
@@ -110,7 +111,7 @@ std::vector<MicroBatchRange> shared_ranges(const detail::ForestSubset& s, const 
     widest = std::max(widest, end - cuts.back());
     cuts.push_back(end);
   }
-  if (widest <= kWidest) {
+  if (widest <= kSteps / std::max<int64_t>(1, n * static_cast<int64_t>(shards.size()))) {
     // best[j]: (ranges, tokens) of the best cover of rows [0, j); from[j]: its last start.
     constexpr int64_t kNone = std::numeric_limits<int64_t>::max();
     std::vector<std::pair<int64_t, int64_t>> best(static_cast<size_t>(n) + 1, {kNone, kNone});

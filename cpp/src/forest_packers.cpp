@@ -139,8 +139,17 @@ ForestBins whole_tree_bins(const ForestSubset& s, int64_t cap) {
   return bins;
 }
 
-void split_to_count(const ForestSubset& s, ForestBins& bins, size_t count) {
+void split_to_count(const ForestSubset& s, ForestBins& bins, size_t count, int64_t whole_cap) {
   for (auto& b : bins) std::sort(b.begin(), b.end());
+  // With whole_cap, a cut inside a tree that fits it is not allowed.
+  auto tree_fits = [&](int64_t p) {
+    const auto& starts = s.tree_starts();
+    const auto t = static_cast<size_t>(std::upper_bound(starts.begin(), starts.end(), p) - starts.begin() - 1);
+    return s.run_tokens(static_cast<size_t>(starts[t]), static_cast<size_t>(starts[t + 1])) <= whole_cap;
+  };
+  auto allowed = [&](int64_t a, int64_t b) {
+    return whole_cap <= 0 || s.tree(static_cast<size_t>(a)) != s.tree(static_cast<size_t>(b)) || !tree_fits(a);
+  };
   // Each micro-batch of >= 2 rows by its best cut: (-shared tokens, tokens, -index), the
   // cheapest cut first (between trees: free), then the heaviest micro-batch.
   std::priority_queue<std::tuple<int64_t, int64_t, int64_t>> cheapest;
@@ -159,11 +168,13 @@ void split_to_count(const ForestSubset& s, ForestBins& bins, size_t count) {
     for (size_t i = 0; i < m; ++i) left[i + 1] = left[i] + s.length(static_cast<size_t>(rows[i])) - shared[i];
     for (size_t i = m; i-- > 0;)
       right[i] = right[i + 1] + s.length(static_cast<size_t>(rows[i])) - (i + 1 < m ? shared[i + 1] : 0);
-    size_t cut = 1;  // the fewest shared tokens, then the most even halves
-    for (size_t i = 2; i < m; ++i)
-      if (shared[i] < shared[cut] ||
-          (shared[i] == shared[cut] && std::max(left[i], right[i]) < std::max(left[cut], right[cut])))
+    size_t cut = 0;  // the fewest shared tokens, then the most even halves, among the cuts allowed
+    for (size_t i = 1; i < m; ++i)
+      if (allowed(rows[i - 1], rows[i]) &&
+          (cut == 0 || shared[i] < shared[cut] ||
+           (shared[i] == shared[cut] && std::max(left[i], right[i]) < std::max(left[cut], right[cut]))))
         cut = i;
+    if (cut == 0) return;
     cut_at[b] = cut;
     cheapest.emplace(-shared[cut], left[m], -static_cast<int64_t>(b));
   };

@@ -38,7 +38,9 @@ ForestBins whole_tree_bins(const ForestSubset& s, int64_t cap);
 // Sorts each micro-batch, then cuts micro-batches of several rows until there are
 // `count`: each where its consecutive rows share the fewest tokens (then most
 // evenly), the cheapest such cut first (between two trees: free), then the
-// heaviest micro-batch. Stops early when every micro-batch is one row.
-void split_to_count(const ForestSubset& s, ForestBins& bins, size_t count);
+// heaviest micro-batch. With `whole_cap` > 0 a tree of at most `whole_cap` tokens is
+// never cut (only between trees, or inside a larger tree). Stops early when no cut is
+// left.
+void split_to_count(const ForestSubset& s, ForestBins& bins, size_t count, int64_t whole_cap = 0);
 
 }  // namespace seqpack::detail

@@ -78,7 +78,8 @@ std::optional<Packing> admissible(const ForestSubset& s, ForestBins bins, const 
   const size_t count = static_cast<size_t>(round_up(kFn, std::max<int64_t>(o.min_num, static_cast<int64_t>(bins.size())),
                                                     o.multiple_of));
   if (count > s.size()) return std::nullopt;
-  split_to_count(s, bins, count);  // sorts each micro-batch
+  split_to_count(s, bins, count, o.whole_trees ? o.max_tokens : 0);  // sorts each micro-batch
+  if (bins.size() < count) return std::nullopt;  // whole trees: not enough of them
   rebalance(s, bins, o);
   Packing p;
   p.method = method;
@@ -135,13 +136,18 @@ Packing best_packing(const ForestSubset& s, const ForestPlanOptions& o) {
     fewest = std::min(fewest, bins.size());
     if (auto p = admissible(s, std::move(bins), o, method); p && (!best || better(*p, *best))) best = std::move(p);
   }
+  const int64_t need = round_up(kFn, std::max<int64_t>(o.min_num, static_cast<int64_t>(fewest)), o.multiple_of);
+  if (!best && o.whole_trees && need <= n)
+    throw_invalid(kFn, "need at least " + std::to_string(need) + " micro-batches (min_num=" +
+                           std::to_string(o.min_num) + ", multiple_of=" + std::to_string(o.multiple_of) +
+                           ") but these " + std::to_string(n) + " rows form only " + std::to_string(s.num_trees()) +
+                           " trees, and whole_trees keeps each tree that fits in one micro-batch");
   if (!best)
-    throw_invalid(kFn, "need at least " + std::to_string(round_up(kFn, std::max<int64_t>(o.min_num, fewest),
-                                                                   o.multiple_of)) +
-                           " micro-batches (min_num=" + std::to_string(o.min_num) + ", multiple_of=" +
-                           std::to_string(o.multiple_of) + ", the fewest that hold these rows under max_tokens=" +
-                           std::to_string(o.max_tokens) + ": " + std::to_string(fewest) + ") but there are only " +
-                           std::to_string(n) + " sequences");
+    throw_invalid(kFn, "need at least " + std::to_string(need) + " micro-batches (min_num=" +
+                           std::to_string(o.min_num) + ", multiple_of=" + std::to_string(o.multiple_of) +
+                           ", the fewest that hold these rows under max_tokens=" + std::to_string(o.max_tokens) +
+                           ": " + std::to_string(fewest) + ") but there are only " + std::to_string(n) +
+                           " sequences");
   return *std::move(best);
 }
 
@@ -160,8 +166,8 @@ ForestMicroBatchPlan plan_forest_micro_batches(const ForestView& f, const Forest
   check_positive(detail::kFn, "multiple_of", o.multiple_of);
   ForestMicroBatchPlan plan;
   plan.physical_tokens = s.physical_tokens();
+  if (s.size() == 0) return plan;  // as plan_micro_batches: no micro-batch, a bound of 0
   plan.lower_bound = std::max(o.min_num, ceil_div(s.physical_tokens(), o.max_tokens));
-  if (s.size() == 0) return plan;
   detail::Packing best = detail::best_packing(s, o);
   std::vector<int64_t> work(best.bins.size());
   for (size_t b = 0; b < work.size(); ++b) work[b] = detail::workload(o, best.costs[b]);

@@ -80,11 +80,14 @@ struct ForestStepPlan {
 };
 
 // plan_step over a forest's rows (options.squares / mini_batch_sizes unused): each
-// mini-batch planned on the candidates whole trees, trees dealt to ranks by their work
-// then packed per rank with their trees whole, and (without `whole_trees`) the
-// micro-batches of plan_forest_micro_batches, AReaL's first-fit tries and the rows
-// themselves; every cell costed exactly, the fastest predicted step kept. With
-// `whole_trees` a whole-trees plan that puts a tree's parts on two ranks is dropped.
+// mini-batch planned by the step planner on several item sets: whole trees (a tree
+// over the cap in its fewest-duplication runs), and the micro-batches of the packings
+// above as they come out of them (split_trees, first_fit_rows, first_fit_trie: before
+// any count adjustment), and the rows themselves; plus trees dealt to ranks by their
+// work, then packed per rank with their trees whole. Every cell costed from its own
+// physical tokens and pairs, the fastest predicted step kept. With `whole_trees` only
+// whole trees (dropped when a tree over the cap lands on two ranks) and trees dealt
+// to ranks are candidates.
 ForestStepPlan plan_forest_step(const ForestView& forest, const StepOptions& options, bool whole_trees);
 
 // Dynamic batching over a forest (dynamic_batching.hpp's plan shape: every shard the

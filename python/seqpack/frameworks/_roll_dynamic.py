@@ -52,6 +52,9 @@ def dynamic_batching_shard(
     the ranks' rows, and the shared ranges keep every rank's micro-batch *physical*
     tokens (rounded up to ``sequence_length_round``) within the cap
     (:func:`~seqpack.plan_dynamic_batching` with ``forest=``); the counts stay equal.
+    Lay each micro-batch out as a tree (:class:`~seqpack.PrefixTreeBatch`, ROLL's
+    ``shared_prefix`` path): run padded, ``rows x micro_batch_lengths`` tokens would
+    pass the cap. ``rule`` is not used with a forest (a warning says so).
 
     Returns ``(batch, metrics)``: a DataProto of the input's class (its own
     ``select_idxs``) or a :class:`RollBatch`, whose ``meta_info`` (a copy of the
@@ -73,6 +76,9 @@ def dynamic_batching_shard(
     split_pp = pp if (pp > 1 and virtual_pipeline_model_parallel_size) or rule == "optimal" else 1
     per_rank = n // dp_size
     if forest is not None:
+        if rule != "roll":
+            warnings.warn(f"dynamic_batching_shard: rule={rule!r} is not used with forest= (the forest plan has the "
+                          "fewest micro-batches, then the fewest physical tokens)", stacklevel=3)
         if keep_dp_partition:
             raise ValueError("keep_dp_partition and forest cannot be combined: with a forest the plan deals the "
                              "trees to the ranks itself")

@@ -133,7 +133,8 @@ def shared_prefix_bins(data: Mapping[str, Any], lengths: np.ndarray, shards: int
         rows = range(c, min(c + batch_size, lengths.shape[0]))
         forest = PrefixForest.from_packed(flat[cu[c]: cu[rows.stop]], cu[c: rows.stop + 1] - cu[c],
                                           group_ids=_group_ids(data, group_key, rows))
-        coupled = as_positive_int(args.get("force_group_size", 1) or 1, "force_group_size")
+        group = args.get("force_group_size")
+        coupled = 1 if group is None else as_positive_int(group, "force_group_size")
         if coupled > 1:
             coupled_trees(forest, coupled, usable, "force_group_size", "max_tokens_per_microbatch (rounded down to "
                           f"{pad_key})")

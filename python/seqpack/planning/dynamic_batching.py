@@ -18,6 +18,7 @@ Example:
 from __future__ import annotations
 
 import html
+import warnings
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 
@@ -147,6 +148,9 @@ def plan_dynamic_batching(
     if forest is not None:
         from .forest_planning import checked_forest
 
+        if rule != "nemo_rl":
+            warnings.warn(f"plan_dynamic_batching: rule={rule!r} is not used with forest= (the forest plan has the "
+                          "fewest micro-batches, then the fewest physical tokens)", stacklevel=2)
         core_forest = checked_forest(forest, lengths)._core_args()
     shards = as_positive_int(shards, "shards")
     width = 0 if max_seqlen is None else as_positive_int(max_seqlen, "max_seqlen")

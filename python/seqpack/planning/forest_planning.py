@@ -68,9 +68,10 @@ def plan_forest_step(forest: Any, lengths: Any, dp_size: int, max_tokens: int, c
                      whole_trees: bool) -> Dict[str, Any]:
     """:func:`~seqpack.plan_step` with ``forest=``. Each mini-batch (the rows split
     as without a forest) is planned by the C++ step planner on several item sets:
-    whole trees (a larger tree in the parts that duplicate the fewest tokens), the
-    micro-batches of the best packing, AReaL's first-fit tries and, without
-    ``whole_trees``, the rows themselves; every cell is costed from its own physical
+    whole trees (a larger tree in the parts that duplicate the fewest tokens), trees
+    dealt to ranks by their work then packed per rank whole, and without
+    ``whole_trees`` the micro-batches of the split packings and of AReaL's first-fit
+    tries, and the rows themselves; every cell is costed from its own physical
     tokens and visible pairs and the fastest predicted step kept. ``lower_bound``:
     per mini-batch, its fewest micro-batches times ``per_micro_batch`` plus its
     trees' work (each node once) over the ranks. Returns the fields of the

@@ -62,8 +62,8 @@ class StepPlan:
             items the kept plan placed: ``"trees"`` (whole trees and the parts of
             larger ones), ``"split_trees"`` / ``"first_fit_rows"`` /
             ``"first_fit_trie"`` (the micro-batches of those packings),
-            ``"rows"`` (the plain plan), ``"ranks_of_trees"`` (``whole_trees``:
-            trees to ranks, then micro-batches per rank); comma-separated per
+            ``"rows"`` (the plain plan), ``"ranks_of_trees"`` (trees dealt to
+            ranks, then micro-batches per rank); comma-separated per
             mini-batch when they differ. And the batch's physical tokens over the
             sum of the micro-batches' (1.0 when no tree is cut). None without a
             forest.
@@ -260,12 +260,12 @@ def plan_step(
             ``forest.lengths``): plan prefix trees, one C++ call
             (:mod:`~seqpack.planning.forest_planning`). The cap bounds each
             micro-batch's physical tokens. Each mini-batch is planned on whole
-            trees (a larger tree split duplicating the fewest tokens), on the
-            micro-batches of ``plan_micro_batches(..., forest=)`` (trees split
-            where that fills capacity), on AReaL's first-fit tries and on the rows
-            themselves; every cell's cost comes from its own physical tokens and
-            visible attention pairs and the fastest predicted step is kept
-            (``planned_on`` names it). ``lower_bound`` is then a simpler proven
+            trees (a larger tree split duplicating the fewest tokens), on trees
+            dealt to ranks by their work, on the micro-batches of the packings of
+            ``plan_micro_batches(..., forest=)`` (trees split where that fills
+            capacity; AReaL's first-fit tries) and on the rows themselves; every
+            cell's cost comes from its own physical tokens and visible attention
+            pairs and the fastest predicted step is kept (``planned_on`` names it). ``lower_bound`` is then a simpler proven
             bound (the trees' work over the ranks plus the fewest micro-batches'
             overhead).
         whole_trees: with ``forest``, keep every tree that fits in one micro-batch

@@ -91,6 +91,20 @@ def test_first_fit_trie_of_a_subset_and_errors():
 
 
 # ---- plan_micro_batches(forest=...) ------------------------------------------------------
+def test_whole_trees_never_cuts_a_tree_that_fits():
+    """Two pair-trees asked for three micro-batches: without whole_trees a pair is cut
+    (per-token losses do not mind); with it the count is refused, by name."""
+    rows = [[1, 2, 3], [1, 2, 4], [5, 6, 7], [5, 6, 8]]
+    forest = PrefixForest.from_rows(rows)
+    plan = seqpack.plan_micro_batches(forest.lengths, 8, min_num=3, forest=forest)
+    assert plan.num_micro_batches == 3
+    with pytest.raises(ValueError, match="need at least 3 micro-batches .* these 4 rows form only 2 trees, and "
+                                         "whole_trees keeps each tree that fits in one micro-batch"):
+        seqpack.plan_micro_batches(forest.lengths, 8, min_num=3, forest=forest, whole_trees=True)
+    assert seqpack.plan_micro_batches(forest.lengths, 8, min_num=2, forest=forest,
+                                      whole_trees=True).micro_batches in ([[0, 1], [2, 3]], [[2, 3], [0, 1]])
+
+
 def test_the_worked_example_of_the_docs():
     """docs/planning.md: cap 16, four trees of a 1-token prompt and 5 responses of
     2 tokens (11 each). Whole trees need 4 micro-batches; split, 3 (the lower bound
@@ -119,11 +133,16 @@ def test_micro_batches_of_trees(batch, slack, min_num, multiple_of, coeff, order
     try:
         plan = seqpack.plan_micro_batches(forest.lengths, cap, whole_trees=whole_trees, **kwargs)
     except ValueError as e:  # more micro-batches needed than rows can fill: min_num, or what the rows need
-        # under the cap, rounded up to multiple_of (rows [1], [0 0], [0 1] under a cap of 2 need 3, so 4)
-        need = re.search(r"need at least (\d+) micro-batches .* there are only (\d+) sequences", str(e))
+        # under the cap, rounded up to multiple_of (rows [1], [0 0], [0 1] under a cap of 2 need 3, so 4); with
+        # whole_trees, more than the trees can fill without cutting one that fits
+        need = re.search(r"need at least (\d+) micro-batches .* (there are only (\d+) sequences|form only (\d+) "
+                         r"trees, and whole_trees)", str(e))
         assert need is not None, str(e)
-        assert int(need.group(2)) == len(rows) < int(need.group(1))
         assert int(need.group(1)) % multiple_of == 0 and int(need.group(1)) >= min_num
+        if need.group(3) is not None:
+            assert int(need.group(3)) == len(rows) < int(need.group(1))
+        else:
+            assert whole_trees and int(need.group(4)) == forest.num_trees < int(need.group(1)) <= len(rows)
         return
     placed = sorted(r for mb in plan.micro_batches for r in mb)
     assert placed == list(range(len(rows)))
@@ -134,17 +153,20 @@ def test_micro_batches_of_trees(batch, slack, min_num, multiple_of, coeff, order
     total = sum(plan.tokens)
     assert plan.sharing_kept == (1.0 if total == 0 else forest.num_physical_tokens / total)
     assert plan.physical_lower_bound == forest.num_physical_tokens <= total
-    assert plan.lower_bound == max(min_num, -(-forest.num_physical_tokens // cap))
-    assert plan.lower_bound <= plan.num_micro_batches or not rows
+    assert plan.lower_bound == (max(min_num, -(-forest.num_physical_tokens // cap)) if rows else 0)
+    assert plan.lower_bound <= plan.num_micro_batches
     where = {r: k for k, mb in enumerate(plan.micro_batches) for r in mb}
     if whole_trees:
-        halved = plan.num_micro_batches > forest.items(cap).num_items  # the count asked for more items than trees
         for members in forest.trees:
-            if forest.physical_tokens(members) <= cap and not halved:
+            if forest.physical_tokens(members) <= cap:
                 assert len({where[int(r)] for r in members}) == 1  # a tree that fits is never split
         return
-    whole = seqpack.plan_micro_batches(forest.lengths, cap, whole_trees=True, **kwargs)
-    assert (plan.num_micro_batches, total) <= (whole.num_micro_batches, sum(whole.tokens))
+    try:
+        whole = seqpack.plan_micro_batches(forest.lengths, cap, whole_trees=True, **kwargs)
+    except ValueError as e:  # the count needs a tree cut: only the plan without whole_trees may cut one
+        assert "whole_trees keeps each tree" in str(e)
+    else:
+        assert (plan.num_micro_batches, total) <= (whole.num_micro_batches, sum(whole.tokens))
     if min_num == multiple_of == 1:
         tries = first_fit_trie(forest, cap)
         assert (plan.num_micro_batches, total) <= (len(tries), int(forest.subset_costs(tries)[0].sum()))
