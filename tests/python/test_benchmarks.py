@@ -3,6 +3,7 @@ distillation and DPO benchmark
 scripts still run (``--quick``: tiny sizes, a smoke test; their numbers come from full runs recorded in
 benchmarks/RESULTS.md)."""
 
+import concurrent.futures
 import os
 import pathlib
 import subprocess
@@ -15,27 +16,46 @@ import seqpack
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.parametrize("script, title", [("bench_loss.py", "Packed SFT loss"), ("bench_train.py", "Training step"),
-                                           ("bench_boundary.py", "Small calls through the boundary"),
-                                           ("bench_thd.py", "THD pack / unpack on the CPU"),
-                                           ("bench_step.py", "Simulated step time"),
-                                           ("bench_trl.py", "TRL pack_dataset"),
-                                           ("bench_trl_grpo.py", "TRL GRPO log-probs"),
-                                           ("bench_automodel.py", "AutoModel pack_dataset"),
-                                           ("bench_prefix_tree.py", "Prefix-tree packing vs plain packing"),
-                                           ("bench_forest_planning.py", "Tree-aware planning"),
-                                           ("bench_tree_chain.py", "Chains of rows"),
-                                           ("bench_tree_step.py", "GRPO training step, plain packing vs prefix trees"),
-                                           ("bench_distillation.py", "Distillation loss input + mixed KL"),
-                                           ("bench_dpo.py", "DPO training step, padded vs packed pairs")])
-def test_quick_run_prints_its_table(script, title, tmp_path):
+SCRIPTS = [("bench_loss.py", "Packed SFT loss"), ("bench_train.py", "Training step"),
+           ("bench_boundary.py", "Small calls through the boundary"),
+           ("bench_thd.py", "THD pack / unpack on the CPU"),
+           ("bench_step.py", "Simulated step time"),
+           ("bench_trl.py", "TRL pack_dataset"),
+           ("bench_trl_grpo.py", "TRL GRPO log-probs"),
+           ("bench_automodel.py", "AutoModel pack_dataset"),
+           ("bench_prefix_tree.py", "Prefix-tree packing vs plain packing"),
+           ("bench_forest_planning.py", "Tree-aware planning"),
+           ("bench_tree_chain.py", "Chains of rows"),
+           ("bench_tree_step.py", "GRPO training step, plain packing vs prefix trees"),
+           ("bench_distillation.py", "Distillation loss input + mixed KL"),
+           ("bench_dpo.py", "DPO training step, padded vs packed pairs")]
+
+
+def _quick_run(script, tmp_dir):
     # The scripts import the same seqpack as this test (installed, or the source tree).
     here = str(pathlib.Path(seqpack.__file__).resolve().parents[1])
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([here, os.environ.get("PYTHONPATH", "")]))
-    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), "--quick", "--csv",
-                          str(tmp_path / "out.csv")], env=env, capture_output=True, text=True, timeout=600)
+    csv = pathlib.Path(tmp_dir) / f"{script}.csv"
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), "--quick", "--csv", str(csv)], env=env,
+                         capture_output=True, text=True, timeout=600)
+    return out, csv
+
+
+@pytest.fixture(scope="module")
+def quick_runs(request, tmp_path_factory):
+    """The selected scripts' quick runs, two at a time (each uses one core: torch
+    threads = 1, and much of a run is importing torch in children)."""
+    wanted = [s for s, _ in SCRIPTS if any(f"[{s}-" in item.nodeid for item in request.session.items)]
+    tmp_dir = tmp_path_factory.mktemp("bench")
+    with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
+        return dict(zip(wanted, pool.map(lambda s: _quick_run(s, tmp_dir), wanted)))
+
+
+@pytest.mark.parametrize("script, title", SCRIPTS)
+def test_quick_run_prints_its_table(script, title, quick_runs):
+    out, csv = quick_runs[script]
     assert out.returncode == 0, out.stderr[-2000:]
-    assert title in out.stdout and (tmp_path / "out.csv").stat().st_size > 0
+    assert title in out.stdout and csv.stat().st_size > 0
 
 
 def test_gpu_benchmark_imports_and_says_when_there_is_no_device(tmp_path):
