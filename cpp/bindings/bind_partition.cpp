@@ -4,6 +4,7 @@
 #include "step_args.hpp"
 #include "seqpack/microbatch.hpp"
 #include "seqpack/partition.hpp"
+#include "seqpack/cp_step.hpp"
 #include "seqpack/step.hpp"
 
 namespace seqpack::bindings {
@@ -96,6 +97,37 @@ void init_partition(py::module_& m) {
       py::arg("per_token_squared"), py::arg("sync") = "micro_batch", py::arg("mini_batches") = 1,
       py::arg("min_micro_batches") = 1, py::arg("multiple_of") = 1, py::arg("seed") = py::none(),
       py::arg("squares") = py::none(), py::arg("mini_batch_sizes") = py::none());
+  m.def(
+      "plan_cp_step",
+      [](py::handle lengths, int64_t dp_size, int64_t max_tokens, double per_micro_batch, double per_token,
+         double per_token_squared, double per_kv_token, double per_collective, const std::string& sync,
+         int64_t mini_batches, int64_t min_micro_batches, int64_t multiple_of, std::optional<uint64_t> seed,
+         int64_t cp_size, bool hybrid) {
+        LengthsArg arg(lengths, "lengths");
+        CpStepOptions o;
+        o.step = step_options(dp_size, max_tokens, per_micro_batch, per_token, per_token_squared, sync, mini_batches,
+                              min_micro_batches, multiple_of, seed);
+        o.cp_size = cp_size;
+        o.hybrid = hybrid;
+        o.cp = CpCost{per_kv_token, per_collective};
+        CpStepPlan plan;
+        {
+          py::gil_scoped_release release;
+          plan = plan_cp_step(arg.view(), o);
+        }
+        py::dict out = step_plan_dict(plan.plan);
+        out["degree"] = to_array(std::move(plan.degree));
+        out["first_rank"] = to_array(std::move(plan.first_rank));
+        out["kv_tokens"] = plan.kv_tokens;
+        out["least_kv_tokens"] = plan.least_kv_tokens;
+        out["hybrid"] = plan.hybrid;
+        return out;
+      },
+      py::arg("lengths"), py::arg("dp_size"), py::arg("max_tokens"), py::arg("per_micro_batch"), py::arg("per_token"),
+      py::arg("per_token_squared"), py::arg("per_kv_token"), py::arg("per_collective"), py::arg("sync"),
+      py::arg("mini_batches"), py::arg("min_micro_batches"), py::arg("multiple_of"), py::arg("seed"),
+      py::arg("cp_size"), py::arg("hybrid"),
+      "plan_step over dp_size x cp_size ranks with fixed or hybrid context parallelism (cp_step.hpp).");
 }
 
 }  // namespace seqpack::bindings

@@ -37,6 +37,7 @@ from .._lengths import as_lengths, as_positive_int, as_real, shown
 __all__ = ["CostModel"]
 
 _TERMS = ("per_micro_batch", "per_token", "per_token_squared")
+_CP_TERMS = ("per_kv_token", "per_collective")
 
 
 def _sums(micro_batches: Iterable[Any]) -> np.ndarray:
@@ -66,11 +67,16 @@ class CostModel:
     per_token: float = 1.0
     per_token_squared: float = 0.0
     r_squared: Optional[float] = field(default=None, compare=False)
+    # Context parallelism (plan_step with cp_size > 1): per token of K/V a rank
+    # gathers from the other ranks of its block, and per sharded sequence a rank
+    # holds in a micro-batch (the collectives' latency).
+    per_kv_token: float = 0.0
+    per_collective: float = 0.0
 
     def __post_init__(self) -> None:
         # Any number (NumPy scalars, 0-d arrays and tensors too) that is a finite
         # float64 >= 0; an int too large for a float64 is a ValueError naming it.
-        for name in _TERMS:
+        for name in _TERMS + _CP_TERMS:
             object.__setattr__(self, name, as_real(getattr(self, name), name, minimum=0))
         if all(getattr(self, name) == 0 for name in _TERMS):
             raise ValueError("a cost model needs at least one positive coefficient")
@@ -96,7 +102,8 @@ class CostModel:
                    num_key_value_heads: Optional[int] = None, intermediate_size: Optional[int] = None,
                    vocab_size: int = 0, *, head_dim: Optional[int] = None, gated_mlp: bool = True,
                    causal: bool = True, flops_per_second: Optional[float] = None,
-                   per_micro_batch: float = 0.0) -> "CostModel":
+                   per_micro_batch: float = 0.0, interconnect_bytes_per_second: Optional[float] = None,
+                   collective_latency: float = 0.0, bytes_per_element: int = 2) -> "CostModel":
         """Forward + backward FLOPs of a decoder-only transformer (Llama-shaped by
         default: grouped-query attention, gated MLP), per micro-batch.
 
@@ -107,6 +114,13 @@ class CostModel:
         backward pass is counted as twice the forward (x3 in total), as in the usual
         ``6·N`` FLOPs per token. ``flops_per_second`` turns FLOPs into seconds;
         ``per_micro_batch`` (in those units) adds a fixed cost per micro-batch.
+
+        Context parallelism (with ``flops_per_second``, so that every term is in
+        seconds): ``interconnect_bytes_per_second`` prices each token of K/V a rank
+        gathers, ``2·Hkv·d·bytes_per_element`` bytes per layer, three times (the
+        forward's all-gather, the backward's all-gather and reduce-scatter of
+        dK/dV); ``collective_latency`` (seconds) is paid three times per layer for
+        each sharded sequence a rank holds in a micro-batch.
 
         >>> m = CostModel.from_model(4096, 32, 32, 32, 11008, 32000)  # Llama-2-7B, 6.74e9 parameters
         >>> round(m.per_token / (6 * 6.74e9), 2), m.per_token_squared == 6 * 32 * 4096
@@ -136,7 +150,18 @@ class CostModel:
             if not math.isfinite(per_token):  # a subnormal rate: FLOPs / rate past float64
                 raise ValueError(f"flops_per_second is too small: this model's {3.0 * forward_per_token:.6g} FLOPs "
                                  f"per token take inf seconds at {shown(flops_per_second)} FLOP/s")
-        return cls(per_micro_batch, per_token, per_pair)
+        per_kv = per_collective = 0.0
+        if interconnect_bytes_per_second is not None or collective_latency:
+            if flops_per_second is None:
+                raise ValueError("interconnect_bytes_per_second and collective_latency need flops_per_second: the "
+                                 "cost model is then in seconds")
+            element = as_positive_int(bytes_per_element, "bytes_per_element")
+            if interconnect_bytes_per_second is not None:
+                bandwidth = as_real(interconnect_bytes_per_second, "interconnect_bytes_per_second", minimum=0,
+                                    minimum_inclusive=False)
+                per_kv = 3.0 * layers * 2 * kv * d * element / bandwidth
+            per_collective = 3.0 * layers * as_real(collective_latency, "collective_latency", minimum=0)
+        return cls(per_micro_batch, per_token, per_pair, per_kv_token=per_kv, per_collective=per_collective)
 
     @classmethod
     def fit(cls, micro_batch_lengths: Sequence[Any], seconds: Sequence[float]) -> "CostModel":
@@ -226,5 +251,6 @@ class CostModel:
 
     def __repr__(self) -> str:
         fit = "" if self.r_squared is None else f", r_squared={self.r_squared:.4f}"
+        cp = "".join(f", {name}={getattr(self, name):.6g}" for name in _CP_TERMS if getattr(self, name))
         return (f"CostModel(per_micro_batch={self.per_micro_batch:.6g}, per_token={self.per_token:.6g}, "
-                f"per_token_squared={self.per_token_squared:.6g}{fit})")
+                f"per_token_squared={self.per_token_squared:.6g}{cp}{fit})")

@@ -86,6 +86,19 @@ class StepPlan:
     # and the batch's physical tokens over the micro-batches' sum. None otherwise.
     planned_on: Optional[str] = None
     sharing_kept: Optional[float] = None
+    # Context parallelism: ranks are dp_rank * cp_size + cp_rank; per sequence its
+    # degree and the first rank of its block (read-only int64); the K/V tokens the
+    # ranks gather, and the least any degrees allow. None / 1 without CP.
+    cp_size: int = 1
+    cp_degree: Optional[np.ndarray] = field(default=None, repr=False, compare=False)
+    cp_first_rank: Optional[np.ndarray] = field(default=None, repr=False, compare=False)
+    kv_tokens: Optional[int] = None
+    least_kv_tokens: Optional[int] = None
+
+    @property
+    def num_ranks(self) -> int:
+        """``dp_size * cp_size``: the ranks ``assignment`` runs over."""
+        return self.dp_size * self.cp_size
 
     @property
     def gap(self) -> float:
@@ -103,8 +116,8 @@ class StepPlan:
     def rank(self, r: int) -> List[List[List[int]]]:
         """Rank ``r``'s micro-batches: ``[m][k]`` lists of sequence indices."""
         r = as_int64(r, "r")
-        if not 0 <= r < self.dp_size:
-            raise ValueError(f"r must be a rank in [0, {self.dp_size}), got {r!r}")
+        if not 0 <= r < self.num_ranks:
+            raise ValueError(f"r must be a rank in [0, {self.num_ranks}), got {r!r}")
         return [mb[r] for mb in self.assignment]
 
     def rank_rows(self, r: int, mini_batch: Optional[int] = None) -> List[int]:
@@ -184,7 +197,7 @@ class StepPlan:
     def metrics(self) -> Dict[str, float]:
         """Scalars for logging: predicted time, bound, gap, micro-batch counts,
         dummies, the fullest micro-batch and the spread of ranks' total cost."""
-        rank_totals = np.zeros(self.dp_size)
+        rank_totals = np.zeros(self.num_ranks)
         for mb in self.costs:
             for r, rank in enumerate(mb):
                 rank_totals[r] += sum(rank)
@@ -238,6 +251,8 @@ def plan_step(
     seed: Optional[int] = None,
     forest: Any = None,
     whole_trees: bool = False,
+    cp_size: int = 1,
+    hybrid_cp: bool = False,
 ) -> StepPlan:
     """Assign every sequence of a global batch to (mini-batch, rank, micro-batch)
     for the fastest step under ``cost``.
@@ -271,6 +286,19 @@ def plan_step(
         whole_trees: with ``forest``, keep every tree that fits in one micro-batch
             and every tree on one rank (losses that couple a tree's rows: DPO and
             other preference pairs).
+        cp_size: context-parallel ranks per data-parallel rank (a power of two):
+            the plan then runs over ``dp_size * cp_size`` ranks (``rank = dp_rank *
+            cp_size + cp_rank``), ``max_tokens`` caps each rank's tokens of a
+            micro-batch, and every sequence is sharded (zigzag, padded to a
+            multiple of 2·degree) over an aligned block of ``cp_degree[i]`` ranks of
+            one CP group, listed in the cell of each of them at the same
+            micro-batch. ``cost.per_kv_token`` / ``cost.per_collective`` price the
+            K/V each rank gathers. Without ``hybrid_cp`` every degree is
+            ``cp_size`` (fixed CP, today's layout).
+        hybrid_cp: each sequence at the smallest degree whose shard fits the cap
+            (the least K/V traffic), the fixed-CP placement kept instead when it
+            is predicted faster: never slower than fixed CP on the same cost model.
+            Megatron-LM's ``--hybrid-context-parallel``.
 
     Raises:
         ValueError: a sequence above ``max_tokens``, fewer sequences than
@@ -292,6 +320,15 @@ def plan_step(
     cost.check_finite(max_tokens)
     if whole_trees and forest is None:
         raise ValueError("whole_trees=True needs forest= (it keeps a PrefixForest's trees whole)")
+    cp_size = as_positive_int(cp_size, "cp_size")
+    if cp_size > 1:
+        if forest is not None:
+            raise ValueError("forest= with cp_size > 1 is not planned yet: plan the rows (cp_size) or the trees "
+                             "(forest=) on their own")
+        return _plan_cp_step(as_lengths(lengths, "lengths"), dp_size, max_tokens, cost, sync,
+                             as_positive_int(mini_batches, "mini_batches"),
+                             as_positive_int(min_micro_batches, "min_micro_batches"),
+                             as_positive_int(multiple_of, "multiple_of"), seed, cp_size, bool(hybrid_cp))
     if forest is not None:
         from .forest_planning import plan_forest_step
 
@@ -333,6 +370,25 @@ def plan_step(
         cost=cost,
         lengths=_read_only(lengths.astype(np.int64)),
     )
+
+
+def _plan_cp_step(lengths: np.ndarray, dp_size: int, max_tokens: int, cost: CostModel, sync: str, mini_batches: int,
+                  min_micro_batches: int, multiple_of: int, seed: Any, cp_size: int, hybrid: bool) -> StepPlan:
+    """:func:`plan_step` with ``cp_size > 1``: one call to the C++ CP planner."""
+    raw = _core.plan_cp_step(lengths, dp_size, max_tokens, cost.per_micro_batch, cost.per_token,
+                             cost.per_token_squared, cost.per_kv_token, cost.per_collective, sync, mini_batches,
+                             min_micro_batches, multiple_of, seed, cp_size, hybrid)
+    minis, ranks = raw["mini_batches"], dp_size * cp_size
+    return StepPlan(
+        assignment=[_nest(mb["cells"], ranks, mb["num_micro_batches"]) for mb in minis],
+        costs=[_nest(mb["costs"], ranks, mb["num_micro_batches"]) for mb in minis],
+        tokens=[_nest(mb["tokens"], ranks, mb["num_micro_batches"]) for mb in minis],
+        num_micro_batches=[mb["num_micro_batches"] for mb in minis],
+        mini_batch_ranges=[(mb["begin"], mb["end"]) for mb in minis],
+        predicted_time=raw["predicted_time"], lower_bound=raw["lower_bound"], dp_size=dp_size,
+        max_tokens=max_tokens, sync=sync, cost=cost, lengths=_read_only(lengths.astype(np.int64)),
+        cp_size=cp_size, cp_degree=_read_only(raw["degree"]), cp_first_rank=_read_only(raw["first_rank"]),
+        kv_tokens=raw["kv_tokens"], least_kv_tokens=raw["least_kv_tokens"])
 
 
 def _read_only(a: np.ndarray) -> np.ndarray:

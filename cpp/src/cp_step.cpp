@@ -1,0 +1,245 @@
+// Planning a step with fixed or hybrid context parallelism (cp_step.hpp): degrees
+// per sequence, then a greedy placement of aligned blocks over the D * C ranks and K
+// micro-batch steps, K grown from its bound until everything fits the cap.
+#include "seqpack/cp_step.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+#include <optional>
+#include <string>
+
+namespace seqpack {
+namespace {
+
+constexpr const char* kFn = "plan_step";
+
+struct Item {
+  int64_t id = 0, s = 0, d = 1, tokens = 0;
+  double work = 0.0;  // on each rank of its block, per_micro_batch excluded
+};
+
+double item_work(const CpStepOptions& o, int64_t s, int64_t d) {
+  const StepCost& c = o.step.cost;
+  const auto sd = static_cast<double>(s), dd = static_cast<double>(d);
+  double w = c.per_token * static_cast<double>(cp_local_tokens(s, d)) + c.per_token_squared * sd * sd / dd;
+  if (d > 1) w += o.cp.per_kv_token * sd * (dd - 1.0) / dd + o.cp.per_collective;
+  return w;
+}
+
+// The smallest power-of-two degree d <= C whose shard of s tokens fits the cap; 0 if none.
+int64_t smallest_degree(int64_t s, int64_t C, int64_t cap) {
+  for (int64_t d = 1; d <= C; d *= 2)
+    if (cp_local_tokens(s, d) <= cap) return d;
+  return 0;
+}
+
+struct Placement {
+  int64_t K = 0;
+  std::vector<std::vector<int64_t>> cells;  // [R * K] sequence ids
+  std::vector<double> load;                 // [R * K], per_micro_batch excluded
+  std::vector<int64_t> tokens;              // [R * K]
+  std::vector<int64_t> first_rank;          // per item (in the order given)
+};
+
+// Items heaviest first (work x degree), each to the aligned block and step that
+// raise the step's maximum the least (sync MicroBatch) or keep its ranks' totals the
+// lowest (Step), within the cap; none when some item finds no room.
+std::optional<Placement> place(const std::vector<Item>& items, const CpStepOptions& o, int64_t K) {
+  const int64_t C = o.cp_size, R = o.step.dp_size * C, cap = o.step.max_tokens;
+  Placement p;
+  p.K = K;
+  p.cells.assign(static_cast<size_t>(R * K), {});
+  p.load.assign(static_cast<size_t>(R * K), 0.0);
+  p.tokens.assign(static_cast<size_t>(R * K), 0);
+  p.first_rank.assign(items.size(), -1);
+  std::vector<double> step_max(static_cast<size_t>(K), 0.0), total(static_cast<size_t>(R), 0.0);
+  std::vector<size_t> order(items.size());
+  std::iota(order.begin(), order.end(), size_t{0});
+  std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) {
+    return items[a].work * static_cast<double>(items[a].d) > items[b].work * static_cast<double>(items[b].d);
+  });
+  for (size_t i : order) {
+    const Item& it = items[i];
+    double best_a = 0.0, best_b = 0.0;
+    int64_t best_rank = -1, best_k = -1;
+    for (int64_t first = 0; first < R; first += it.d) {
+      for (int64_t k = 0; k < K; ++k) {
+        double peak = 0.0, busiest = 0.0;
+        bool fits = true;
+        for (int64_t r = first; r < first + it.d && fits; ++r) {
+          const auto c = static_cast<size_t>(r * K + k);
+          fits = p.tokens[c] + it.tokens <= cap;
+          peak = std::max(peak, p.load[c] + it.work);
+          busiest = std::max(busiest, total[static_cast<size_t>(r)] + it.work);
+        }
+        if (!fits) continue;
+        // MicroBatch: how much the step's maximum grows, then the new peak; Step: the
+        // busiest rank's new total, then the peak.
+        const double a = o.step.sync == StepSync::MicroBatch ? std::max(0.0, peak - step_max[static_cast<size_t>(k)])
+                                                             : busiest;
+        const double b = peak;
+        if (best_rank < 0 || a < best_a || (a == best_a && b < best_b)) best_a = a, best_b = b, best_rank = first,
+                                                                         best_k = k;
+      }
+    }
+    if (best_rank < 0) return std::nullopt;
+    p.first_rank[i] = best_rank;
+    for (int64_t r = best_rank; r < best_rank + it.d; ++r) {
+      const auto c = static_cast<size_t>(r * K + best_k);
+      p.cells[c].push_back(it.id);
+      p.tokens[c] += it.tokens;
+      p.load[c] += it.work;
+      total[static_cast<size_t>(r)] += it.work;
+      step_max[static_cast<size_t>(best_k)] = std::max(step_max[static_cast<size_t>(best_k)], p.load[c]);
+    }
+  }
+  return p;
+}
+
+double time_of(const Placement& p, const CpStepOptions& o) {
+  std::vector<double> costs(p.load.size());
+  for (size_t c = 0; c < costs.size(); ++c) costs[c] = o.step.cost.per_micro_batch + p.load[c];
+  return step_time(costs, o.step.dp_size * o.cp_size, p.K, o.step.sync);
+}
+
+// The fastest placement over a few counts from the first that fits (found growing
+// K by a quarter from its bound: at K = n every item has a step of its own).
+std::optional<Placement> best_placement(const std::vector<Item>& items, const CpStepOptions& o, int64_t k_min) {
+  const auto n = static_cast<int64_t>(items.size());
+  const int64_t step = o.step.multiple_of, last = round_up(kFn, std::max<int64_t>(k_min, n), step);
+  std::optional<Placement> best;
+  double best_time = 0.0;
+  int64_t K = k_min;
+  for (; K <= last && !best; K = std::min(last + step, round_up(kFn, K + std::max<int64_t>(step, K / 4), step))) {
+    best = place(items, o, K);
+    if (best) best_time = time_of(*best, o);
+  }
+  for (int64_t extra = 0; best && extra < 2 && K <= last; ++extra, K += step) {
+    std::optional<Placement> p = place(items, o, K);
+    if (!p) continue;
+    const double t = time_of(*p, o);
+    if (t < best_time * (1 - 1e-12)) best = std::move(p), best_time = t;
+  }
+  return best;
+}
+
+}  // namespace
+
+int64_t cp_local_tokens(int64_t s, int64_t d) { return d <= 1 ? s : round_up("cp_local_tokens", s, 2 * d) / d; }
+
+CpStepPlan plan_cp_step(Lengths lengths, const CpStepOptions& o) {
+  check_step_options(o.step);
+  check_positive(kFn, "cp_size", o.cp_size);
+  if ((o.cp_size & (o.cp_size - 1)) != 0)
+    throw_invalid(kFn, "cp_size must be a power of two, got " + std::to_string(o.cp_size));
+  for (const auto& [name, v] : {std::pair{"cost.per_kv_token", o.cp.per_kv_token},
+                                std::pair{"cost.per_collective", o.cp.per_collective}})
+    if (!std::isfinite(v) || v < 0) throw_invalid(kFn, std::string(name) + " must be finite and >= 0");
+  check_non_negative_lengths(kFn, "lengths", lengths);
+  const auto n = static_cast<int64_t>(lengths.size());
+  if (n < o.step.mini_batches)
+    throw_invalid(kFn, "lengths: " + std::to_string(n) + " sequences cannot fill mini_batches=" +
+                           std::to_string(o.step.mini_batches) + " mini-batches (each needs at least one)");
+  const int64_t C = o.cp_size, R = o.step.dp_size * C, cap = o.step.max_tokens;
+  CpStepPlan plan;
+  std::vector<int64_t> least(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t s = lengths[static_cast<size_t>(i)];
+    least[static_cast<size_t>(i)] = smallest_degree(s, C, cap);
+    if (least[static_cast<size_t>(i)] == 0)
+      throw_invalid(kFn, "lengths[" + std::to_string(i) + "] = " + std::to_string(s) +
+                             ": even sharded over cp_size=" + std::to_string(C) + " ranks, a rank's part (" +
+                             std::to_string(cp_local_tokens(s, C)) + " tokens with the zigzag pad) exceeds "
+                             "max_tokens=" + std::to_string(cap));
+    plan.least_kv_tokens += s * (least[static_cast<size_t>(i)] - 1);
+  }
+  bool fixed_fits = true;
+  for (int64_t i = 0; i < n; ++i) fixed_fits = fixed_fits && cp_local_tokens(lengths[static_cast<size_t>(i)], C) <= cap;
+  if (!o.hybrid && !fixed_fits)
+    throw_invalid(kFn, "fixed CP pads every sequence to a multiple of 2 * cp_size = " + std::to_string(2 * C) +
+                           ": some rank's part then exceeds max_tokens=" + std::to_string(cap) +
+                           " (hybrid_cp=True shards short sequences less)");
+  plan.degree.assign(static_cast<size_t>(n), C);
+  plan.first_rank.assign(static_cast<size_t>(n), 0);
+  const int64_t base = n / o.step.mini_batches, extra = n % o.step.mini_batches;
+  bool any_hybrid = false;
+  int64_t begin = 0;
+  for (int64_t m = 0; m < o.step.mini_batches; ++m) {
+    const int64_t end = begin + base + (m < extra ? 1 : 0);
+    // The bound: the fewest steps the tokens need, and the work with every sequence at
+    // its smallest degree spread over every rank.
+    int64_t sum = 0;
+    double work = 0.0;
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t s = lengths[static_cast<size_t>(i)];
+      sum = checked_add(kFn, "the tokens of a mini-batch", sum, s);
+      const auto sd = static_cast<double>(s);
+      work += o.step.cost.per_token * sd + o.step.cost.per_token_squared * sd * sd +
+              o.cp.per_kv_token * sd * static_cast<double>(least[static_cast<size_t>(i)] - 1);
+    }
+    const int64_t k_min =
+        round_up(kFn, std::max(o.step.min_micro_batches, ceil_div(sum, checked_mul(kFn, "ranks x max_tokens", R, cap))),
+                 o.step.multiple_of);
+    // Candidates: every sequence at C (fixed); with hybrid each at its smallest degree,
+    // and each at the smallest degree whose shard is no heavier than a rank's mean load
+    // per micro-batch (a long sequence spread wider so that it does not set the step).
+    double mean_load = 0.0;
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t s = lengths[static_cast<size_t>(i)], d = least[static_cast<size_t>(i)];
+      mean_load += item_work(o, s, d) * static_cast<double>(d);
+    }
+    mean_load /= static_cast<double>(R * k_min);
+    std::optional<Placement> kept;
+    std::vector<Item> kept_items;
+    double kept_time = 0.0;
+    bool kept_hybrid = false;
+    for (const int rule : {0, 1, 2}) {  // 0: fixed, 1: smallest degrees, 2: spread to the mean load
+      if ((rule > 0 && !o.hybrid) || (rule == 0 && !fixed_fits)) continue;
+      std::vector<Item> items;
+      for (int64_t i = begin; i < end; ++i) {
+        const int64_t s = lengths[static_cast<size_t>(i)];
+        int64_t d = rule == 0 ? C : least[static_cast<size_t>(i)];
+        while (rule == 2 && d < C && item_work(o, s, d) > mean_load) d *= 2;
+        items.push_back({i, s, d, cp_local_tokens(s, d), item_work(o, s, d)});
+      }
+      const bool hybrid = rule > 0;
+      std::optional<Placement> p = best_placement(items, o, k_min);
+      if (!p) continue;
+      const double t = time_of(*p, o);
+      if (!kept || t < kept_time * (1 - 1e-12)) kept = std::move(p), kept_items = items, kept_time = t, kept_hybrid = hybrid;
+    }
+    if (!kept)
+      throw_invalid(kFn, "no placement of mini-batch " + std::to_string(m) + " keeps every rank's micro-batch within "
+                         "max_tokens=" + std::to_string(cap));
+    any_hybrid = any_hybrid || kept_hybrid;
+    MiniBatchStep mb;
+    mb.begin = begin;
+    mb.end = end;
+    mb.num_micro_batches = kept->K;
+    for (size_t c = 0; c < kept->cells.size(); ++c) {
+      std::vector<int64_t>& ids = kept->cells[c];
+      std::sort(ids.begin(), ids.end());
+      mb.cells.push_group(ids);
+      mb.costs.push_back(o.step.cost.per_micro_batch + kept->load[c]);
+      mb.tokens.push_back(kept->tokens[c]);
+    }
+    mb.predicted_time = kept_time;
+    mb.lower_bound = std::min(kept_time, static_cast<double>(k_min) * o.step.cost.per_micro_batch +
+                                             work / static_cast<double>(R));  // min: float rounding only
+    for (size_t j = 0; j < kept_items.size(); ++j) {
+      const Item& it = kept_items[j];
+      plan.degree[static_cast<size_t>(it.id)] = it.d;
+      plan.first_rank[static_cast<size_t>(it.id)] = kept->first_rank[j];
+      plan.kv_tokens += it.s * (it.d - 1);
+    }
+    plan.plan.predicted_time += mb.predicted_time;
+    plan.plan.lower_bound += mb.lower_bound;
+    plan.plan.mini_batches.push_back(std::move(mb));
+    begin = end;
+  }
+  plan.hybrid = any_hybrid;
+  return plan;
+}
+
+}  // namespace seqpack

@@ -1,0 +1,90 @@
+// Planning a step with context parallelism (cp_step.hpp): the zigzag share of a
+// sequence, a long tail where hybrid CP shards only the long sequence, and on random
+// lengths: placement on aligned blocks at one step, the cap per rank, equal counts,
+// hybrid never predicted slower than fixed.
+#include <algorithm>
+#include <random>
+#include <vector>
+
+#include "seqpack/cp_step.hpp"
+#include "test_helpers.hpp"
+
+namespace {
+
+using namespace seqpack;
+using seqpack_test::ThrowsInvalid;
+using Vec = std::vector<int64_t>;
+
+CpStepOptions options(int64_t dp, int64_t cp, int64_t cap, bool hybrid) {
+  CpStepOptions o;
+  o.step.dp_size = dp;
+  o.step.max_tokens = cap;
+  o.step.cost = {1e-3, 1e-4, 2e-9};
+  o.cp_size = cp;
+  o.hybrid = hybrid;
+  o.cp = {1e-6, 2e-3};
+  return o;
+}
+
+TEST(CpStep, LocalTokensCarryTheZigzagPad) {
+  EXPECT_EQ(cp_local_tokens(100, 1), 100);
+  EXPECT_EQ(cp_local_tokens(100, 2), 50);  // 100 = 4 chunks of 25
+  EXPECT_EQ(cp_local_tokens(101, 2), 52);  // padded to 104
+  EXPECT_EQ(cp_local_tokens(1, 8), 2);
+}
+
+TEST(CpStep, HybridShardsOnlyTheLongTail) {
+  Vec lengths{65536};
+  lengths.insert(lengths.end(), 40, 2000);
+  const CpStepPlan fixed = plan_cp_step(lengths, options(1, 8, 16384, false));
+  const CpStepPlan hybrid = plan_cp_step(lengths, options(1, 8, 16384, true));
+  EXPECT_TRUE(std::all_of(fixed.degree.begin(), fixed.degree.end(), [](int64_t d) { return d == 8; }));
+  EXPECT_TRUE(std::all_of(hybrid.degree.begin() + 1, hybrid.degree.end(), [](int64_t d) { return d == 1; }));
+  EXPECT_LT(hybrid.kv_tokens, fixed.kv_tokens);
+  EXPECT_LE(hybrid.plan.predicted_time, fixed.plan.predicted_time);
+  EXPECT_TRUE(ThrowsInvalid([&] { plan_cp_step(Vec{200000}, options(1, 8, 16384, true)); },
+                            {"even sharded over cp_size=8"}));
+  EXPECT_TRUE(ThrowsInvalid([&] { plan_cp_step(lengths, options(1, 6, 16384, true)); }, {"power of two"}));
+}
+
+TEST(CpStep, PlacementCapAndCounts) {
+  std::mt19937_64 rng(3);
+  for (int trial = 0; trial < 100; ++trial) {
+    const int64_t cp = int64_t{1} << (1 + rng() % 3), dp = 1 + static_cast<int64_t>(rng() % 2);
+    Vec lengths(1 + rng() % 20);
+    for (auto& s : lengths) s = static_cast<int64_t>(rng() % 400);
+    int64_t cap = 2;
+    for (int64_t s : lengths) cap = std::max(cap, cp_local_tokens(s, cp));
+    cap += static_cast<int64_t>(rng() % 100);
+    double times[2];
+    for (const bool hybrid : {false, true}) {
+      const CpStepPlan p = plan_cp_step(lengths, options(dp, cp, cap, hybrid));
+      const MiniBatchStep& mb = p.plan.mini_batches.front();
+      const int64_t K = mb.num_micro_batches, R = dp * cp;
+      ASSERT_EQ(static_cast<int64_t>(mb.cells.size()), R * K);
+      std::vector<Vec> where(lengths.size());  // (rank, step) cells of each sequence
+      for (int64_t c = 0; c < R * K; ++c) {
+        int64_t tokens = 0;
+        for (int64_t i : mb.cells.group(static_cast<size_t>(c))) {
+          tokens += cp_local_tokens(lengths[static_cast<size_t>(i)], p.degree[static_cast<size_t>(i)]);
+          where[static_cast<size_t>(i)].push_back(c);
+        }
+        ASSERT_EQ(tokens, mb.tokens[static_cast<size_t>(c)]);
+        ASSERT_LE(tokens, cap);
+      }
+      for (size_t i = 0; i < lengths.size(); ++i) {
+        const int64_t d = p.degree[i], first = p.first_rank[i];
+        ASSERT_EQ(static_cast<int64_t>(where[i].size()), d);
+        ASSERT_EQ(first % d, 0);
+        ASSERT_LE(first % cp + d, cp);
+        const int64_t k = where[i].front() % K;
+        for (int64_t j = 0; j < d; ++j) ASSERT_EQ(where[i][static_cast<size_t>(j)], (first + j) * K + k);
+      }
+      ASSERT_LE(mb.lower_bound, mb.predicted_time);
+      times[hybrid] = p.plan.predicted_time;
+    }
+    ASSERT_LE(times[1], times[0] * (1 + 1e-9));
+  }
+}
+
+}  // namespace

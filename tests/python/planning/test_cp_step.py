@@ -1,0 +1,126 @@
+"""plan_step with context parallelism (cp_size > 1): every sequence on an aligned
+block of its degree's ranks inside one CP group, at one micro-batch on all of them;
+each rank's tokens (the zigzag pad included) within the cap; equal counts; degrees
+powers of two, all cp_size without hybrid_cp, at least the smallest that fits with
+it; costs recomputed from the cost model; hybrid never predicted slower than fixed
+CP on the same model; the bound below the prediction."""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import seqpack
+from seqpack import CostModel
+
+
+def local_tokens(s, d):
+    return s if d == 1 else -(-s // (2 * d)) * 2
+
+
+COSTS = [CostModel.tokens(),
+         CostModel(per_micro_batch=50.0, per_token=1.0, per_token_squared=1e-3, per_kv_token=0.5, per_collective=20.0),
+         CostModel(per_micro_batch=0.0, per_token=1.0, per_token_squared=1e-2, per_kv_token=3.0)]
+
+
+def cell_cost(cost, cell, lengths, degree):
+    total = cost.per_micro_batch
+    for i in cell:
+        s, d = int(lengths[i]), int(degree[i])
+        total += cost.per_token * local_tokens(s, d) + cost.per_token_squared * s * s / d
+        if d > 1:
+            total += cost.per_kv_token * s * (d - 1) / d + cost.per_collective
+    return total
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.integers(0, 300), min_size=1, max_size=24), st.sampled_from([2, 4, 8]), st.integers(1, 2),
+       st.integers(0, 80), st.sampled_from(COSTS), st.sampled_from(["micro_batch", "step"]), st.integers(1, 2),
+       st.integers(1, 2))
+def test_cp_plans(lengths, cp, dp, slack, cost, sync, mini_batches, multiple_of):
+    cap = max(2, max(local_tokens(s, cp) for s in lengths) + slack)
+    if len(lengths) < mini_batches:
+        return
+    plans = {}
+    for hybrid in (False, True):
+        plan = seqpack.plan_step(lengths, dp, cap, cost=cost, sync=sync, mini_batches=mini_batches,
+                                 multiple_of=multiple_of, cp_size=cp, hybrid_cp=hybrid)
+        plans[hybrid] = plan
+        degree, first = plan.cp_degree, plan.cp_first_rank
+        assert plan.num_ranks == dp * cp and plan.cp_size == cp
+        assert set(degree.tolist()) <= {1, 2, 4, 8} and (degree <= cp).all()
+        if not hybrid:
+            assert (degree == cp).all()
+        for i, s in enumerate(lengths):
+            assert local_tokens(s, int(degree[i])) <= cap
+            smallest = next(d for d in (1, 2, 4, 8) if local_tokens(s, d) <= cap)
+            assert degree[i] >= smallest
+            assert first[i] % degree[i] == 0 and first[i] % cp + degree[i] <= cp  # aligned, inside one CP group
+        seen = {}
+        time = 0.0
+        for m, mb in enumerate(plan.assignment):
+            k_count = plan.num_micro_batches[m]
+            assert len(mb) == dp * cp and all(len(rank) == k_count for rank in mb)
+            grid = np.zeros((dp * cp, k_count))
+            for r, rank in enumerate(mb):
+                for k, cell in enumerate(rank):
+                    assert plan.tokens[m][r][k] == sum(local_tokens(lengths[i], int(degree[i])) for i in cell) <= cap
+                    assert plan.costs[m][r][k] == pytest.approx(cell_cost(cost, cell, lengths, degree))
+                    grid[r, k] = plan.costs[m][r][k]
+                    for i in cell:
+                        seen.setdefault(i, set()).add((m, r, k))
+            time += grid.max(axis=0).sum() if sync == "micro_batch" else grid.sum(axis=1).max()
+        for i in range(len(lengths)):
+            d, f = int(degree[i]), int(first[i])
+            assert {(r, k) for _, r, k in seen[i]} == {(r, next(iter(seen[i]))[2]) for r in range(f, f + d)}
+        assert plan.predicted_time == pytest.approx(time)
+        assert plan.lower_bound <= plan.predicted_time * (1 + 1e-12)
+        assert plan.kv_tokens == sum(s * (int(d) - 1) for s, d in zip(lengths, degree))
+        assert plan.least_kv_tokens <= plan.kv_tokens
+    assert plans[True].predicted_time <= plans[False].predicted_time * (1 + 1e-9)
+
+
+def test_a_long_tail_shards_only_its_long_sequences():
+    """One 64k sequence among 2k ones, CP 8, a cap of 16k per rank: hybrid shards the
+    long one (over 4 ranks would fit the cap, but its attention would then set the
+    step: 8) and runs the short ones whole; the K/V gathered is that sequence's alone,
+    and the step is faster than fixed CP."""
+    lengths = [65_536] + [2_000] * 40
+    cost = CostModel(per_micro_batch=1e-3, per_token=1e-4, per_token_squared=2e-9, per_kv_token=1e-6,
+                     per_collective=2e-3)
+    fixed = seqpack.plan_step(lengths, 1, 16_384, cost=cost, cp_size=8)
+    hybrid = seqpack.plan_step(lengths, 1, 16_384, cost=cost, cp_size=8, hybrid_cp=True)
+    assert hybrid.cp_degree.tolist() == [8] + [1] * 40
+    assert hybrid.least_kv_tokens == 65_536 * 3 and hybrid.kv_tokens == 65_536 * 7
+    assert fixed.kv_tokens == 65_536 * 7 + 2_000 * 7 * 40
+    assert hybrid.predicted_time < fixed.predicted_time
+
+
+def test_cost_model_from_a_model_prices_kv_traffic():
+    m = CostModel.from_model(4096, 32, 32, 8, 14336, flops_per_second=4e14, interconnect_bytes_per_second=4.5e11,
+                             collective_latency=2e-5)
+    assert m.per_kv_token == pytest.approx(3 * 32 * 2 * 8 * 128 * 2 / 4.5e11)
+    assert m.per_collective == pytest.approx(3 * 32 * 2e-5)
+    with pytest.raises(ValueError, match="need flops_per_second"):
+        CostModel.from_model(4096, 32, 32, interconnect_bytes_per_second=4.5e11)
+    with pytest.raises(ValueError, match="per_kv_token"):
+        CostModel(per_kv_token=-1.0)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(cp_size=3), "cp_size must be a power of two"),
+    (dict(cp_size=2, max_tokens=10), r"lengths\[0\] = 100: even sharded over cp_size=2 ranks"),
+    (dict(cp_size=2, forest=seqpack.PrefixForest.from_rows([[1] * 100, [2] * 7])), "not planned yet"),
+])
+def test_errors_name_the_rule(kwargs, match):
+    args = dict(max_tokens=64)
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=match):
+        seqpack.plan_step([100, 7], 1, **args)
+
+
+def test_fixed_cp_refuses_what_its_pad_cannot_hold():
+    # 1-token sequences padded to 2 x cp_size: fixed CP puts 2 tokens on a rank, over a cap of 1
+    with pytest.raises(ValueError, match="fixed CP pads every sequence"):
+        seqpack.plan_step([1, 1], 1, 1, cp_size=2)
+    assert seqpack.plan_step([1, 1], 1, 1, cp_size=2, hybrid_cp=True).cp_degree.tolist() == [1, 1]
