@@ -44,8 +44,10 @@ struct Placement {
 
 // Items heaviest first (work x degree), each to the aligned block and step that
 // raise the step's maximum the least (sync MicroBatch) or keep its ranks' totals the
-// lowest (Step), within the cap; none when some item finds no room.
-std::optional<Placement> place(const std::vector<Item>& items, const CpStepOptions& o, int64_t K) {
+// lowest (Step), within the cap; or, `tight`, items with the most tokens first, each
+// where it leaves the least room (best fit: packs a count that balancing misses).
+// None when some item finds no room.
+std::optional<Placement> place(const std::vector<Item>& items, const CpStepOptions& o, int64_t K, bool tight) {
   const int64_t C = o.cp_size, R = o.step.dp_size * C, cap = o.step.max_tokens;
   Placement p;
   p.K = K;
@@ -57,6 +59,7 @@ std::optional<Placement> place(const std::vector<Item>& items, const CpStepOptio
   std::vector<size_t> order(items.size());
   std::iota(order.begin(), order.end(), size_t{0});
   std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) {
+    if (tight) return items[a].tokens * items[a].d > items[b].tokens * items[b].d;
     return items[a].work * static_cast<double>(items[a].d) > items[b].work * static_cast<double>(items[b].d);
   });
   for (size_t i : order) {
@@ -66,18 +69,21 @@ std::optional<Placement> place(const std::vector<Item>& items, const CpStepOptio
     for (int64_t first = 0; first < R; first += it.d) {
       for (int64_t k = 0; k < K; ++k) {
         double peak = 0.0, busiest = 0.0;
+        int64_t room = cap;
         bool fits = true;
         for (int64_t r = first; r < first + it.d && fits; ++r) {
           const auto c = static_cast<size_t>(r * K + k);
           fits = p.tokens[c] + it.tokens <= cap;
+          room = std::min(room, cap - p.tokens[c] - it.tokens);
           peak = std::max(peak, p.load[c] + it.work);
           busiest = std::max(busiest, total[static_cast<size_t>(r)] + it.work);
         }
         if (!fits) continue;
-        // MicroBatch: how much the step's maximum grows, then the new peak; Step: the
-        // busiest rank's new total, then the peak.
-        const double a = o.step.sync == StepSync::MicroBatch ? std::max(0.0, peak - step_max[static_cast<size_t>(k)])
-                                                             : busiest;
+        // tight: the least room left, then the new peak. MicroBatch: how much the step's
+        // maximum grows, then the new peak; Step: the busiest rank's new total, then the peak.
+        const double a = tight ? static_cast<double>(room)
+                         : o.step.sync == StepSync::MicroBatch ? std::max(0.0, peak - step_max[static_cast<size_t>(k)])
+                                                               : busiest;
         const double b = peak;
         if (best_rank < 0 || a < best_a || (a == best_a && b < best_b)) best_a = a, best_b = b, best_rank = first,
                                                                          best_k = k;
@@ -111,16 +117,17 @@ std::optional<Placement> best_placement(const std::vector<Item>& items, const Cp
   std::optional<Placement> best;
   double best_time = 0.0;
   int64_t K = k_min;
-  for (; K <= last && !best; K = std::min(last + step, round_up(kFn, K + std::max<int64_t>(step, K / 4), step))) {
-    best = place(items, o, K);
-    if (best) best_time = time_of(*best, o);
-  }
-  for (int64_t extra = 0; best && extra < 2 && K <= last; ++extra, K += step) {
-    std::optional<Placement> p = place(items, o, K);
-    if (!p) continue;
-    const double t = time_of(*p, o);
-    if (t < best_time * (1 - 1e-12)) best = std::move(p), best_time = t;
-  }
+  auto consider = [&](int64_t k) {
+    for (const bool tight : {false, true}) {
+      std::optional<Placement> p = place(items, o, k, tight);
+      if (!p) continue;
+      const double t = time_of(*p, o);
+      if (!best || t < best_time * (1 - 1e-12)) best = std::move(p), best_time = t;
+    }
+  };
+  for (; K <= last && !best; K = std::min(last + step, round_up(kFn, K + std::max<int64_t>(step, K / 4), step)))
+    consider(K);
+  for (int64_t extra = 0; best && extra < 2 && K <= last; ++extra, K += step) consider(K);
   return best;
 }
 
@@ -190,25 +197,56 @@ CpStepPlan plan_cp_step(Lengths lengths, const CpStepOptions& o) {
       mean_load += item_work(o, s, d) * static_cast<double>(d);
     }
     mean_load /= static_cast<double>(R * k_min);
-    std::optional<Placement> kept;
-    std::vector<Item> kept_items;
-    double kept_time = 0.0;
-    bool kept_hybrid = false;
-    for (const int rule : {0, 1, 2}) {  // 0: fixed, 1: smallest degrees, 2: spread to the mean load
-      if ((rule > 0 && !o.hybrid) || (rule == 0 && !fixed_fits)) continue;
+    struct Candidate {
+      Placement placement;
       std::vector<Item> items;
+      double time = 0.0;
+      int64_t kv = 0;
+      bool hybrid = false;
+    };
+    std::vector<Candidate> candidates;
+    // Rules: 0 fixed; 1 smallest degrees; 2 spread to the mean load; 3 + j: no shard
+    // above cap / 2^(j+1) tokens (easier to pack, more traffic).
+    int64_t levels = 0;
+    while ((int64_t{2} << levels) <= C) ++levels;
+    for (int64_t rule = 0; rule < 3 + levels; ++rule) {
+      if ((rule > 0 && !o.hybrid) || (rule == 0 && !fixed_fits)) continue;
+      Candidate c;
       for (int64_t i = begin; i < end; ++i) {
         const int64_t s = lengths[static_cast<size_t>(i)];
         int64_t d = rule == 0 ? C : least[static_cast<size_t>(i)];
         while (rule == 2 && d < C && item_work(o, s, d) > mean_load) d *= 2;
-        items.push_back({i, s, d, cp_local_tokens(s, d), item_work(o, s, d)});
+        while (rule >= 3 && d < C && cp_local_tokens(s, d) > cap >> (rule - 2)) d *= 2;
+        c.items.push_back({i, s, d, cp_local_tokens(s, d), item_work(o, s, d)});
+        c.kv += s * (d - 1);
       }
-      const bool hybrid = rule > 0;
-      std::optional<Placement> p = best_placement(items, o, k_min);
+      std::optional<Placement> p = best_placement(c.items, o, k_min);
       if (!p) continue;
-      const double t = time_of(*p, o);
-      if (!kept || t < kept_time * (1 - 1e-12)) kept = std::move(p), kept_items = items, kept_time = t, kept_hybrid = hybrid;
+      c.time = time_of(*p, o);
+      c.placement = std::move(*p);
+      c.hybrid = rule > 0;
+      candidates.push_back(std::move(c));
     }
+    // The fastest; among the plans within kClose of it (and no slower than fixed CP),
+    // the one gathering the least K/V: predictions that close are within the model's
+    // error, the traffic is not.
+    constexpr double kClose = 0.005;
+    double fastest = 0.0, fixed_time = 0.0;
+    bool have_fixed = false;
+    for (const Candidate& c : candidates) {
+      fastest = &c == &candidates.front() ? c.time : std::min(fastest, c.time);
+      if (!c.hybrid) fixed_time = c.time, have_fixed = true;
+    }
+    const double limit = std::min(fastest * (1 + kClose), have_fixed ? fixed_time : fastest * (1 + kClose));
+    const Candidate* chosen = nullptr;
+    for (const Candidate& c : candidates)
+      if (c.time <= limit && (!chosen || c.kv < chosen->kv || (c.kv == chosen->kv && c.time < chosen->time)))
+        chosen = &c;
+    std::optional<Placement> kept;
+    std::vector<Item> kept_items;
+    double kept_time = 0.0;
+    bool kept_hybrid = false;
+    if (chosen) kept = chosen->placement, kept_items = chosen->items, kept_time = chosen->time, kept_hybrid = chosen->hybrid;
     if (!kept)
       throw_invalid(kFn, "no placement of mini-batch " + std::to_string(m) + " keeps every rank's micro-batch within "
                          "max_tokens=" + std::to_string(cap));

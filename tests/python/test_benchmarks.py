@@ -1,5 +1,5 @@
 """The loss, training-step, boundary, THD, step-planning, TRL, TRL GRPO, AutoModel, prefix-tree, forest-planning, tree-step,
-distillation and DPO benchmark
+distillation, DPO and CP-planning benchmark
 scripts still run (``--quick``: tiny sizes, a smoke test; their numbers come from full runs recorded in
 benchmarks/RESULTS.md)."""
 
@@ -28,7 +28,8 @@ SCRIPTS = [("bench_loss.py", "Packed SFT loss"), ("bench_train.py", "Training st
            ("bench_tree_chain.py", "Chains of rows"),
            ("bench_tree_step.py", "GRPO training step, plain packing vs prefix trees"),
            ("bench_distillation.py", "Distillation loss input + mixed KL"),
-           ("bench_dpo.py", "DPO training step, padded vs packed pairs")]
+           ("bench_dpo.py", "DPO training step, padded vs packed pairs"),
+           ("bench_cp_step.py", "Hybrid context parallelism")]
 
 
 def _quick_run(script, tmp_dir):
