@@ -234,6 +234,17 @@ class StepPlan:
                 + "".join(rows) + "</table>")
 
 
+def _cells(minis: Sequence[Dict[str, Any]], ranks: int) -> Dict[str, Any]:
+    """The StepPlan fields of the core's mini-batches (cells rank-major, ``ranks`` of them)."""
+    return dict(
+        assignment=[_nest(mb["cells"], ranks, mb["num_micro_batches"]) for mb in minis],
+        costs=[_nest(mb["costs"], ranks, mb["num_micro_batches"]) for mb in minis],
+        tokens=[_nest(mb["tokens"], ranks, mb["num_micro_batches"]) for mb in minis],
+        num_micro_batches=[mb["num_micro_batches"] for mb in minis],
+        mini_batch_ranges=[(mb["begin"], mb["end"]) for mb in minis],
+    )
+
+
 def _nest(values: Sequence[Any], dp_size: int, k: int) -> List[List[Any]]:
     return [list(values[r * k:(r + 1) * k]) for r in range(dp_size)]
 
@@ -355,13 +366,8 @@ def plan_step(
         multiple_of=as_positive_int(multiple_of, "multiple_of"),
         seed=seed,
     )
-    minis = raw["mini_batches"]
     return StepPlan(
-        assignment=[_nest(mb["cells"], dp_size, mb["num_micro_batches"]) for mb in minis],
-        costs=[_nest(mb["costs"], dp_size, mb["num_micro_batches"]) for mb in minis],
-        tokens=[_nest(mb["tokens"], dp_size, mb["num_micro_batches"]) for mb in minis],
-        num_micro_batches=[mb["num_micro_batches"] for mb in minis],
-        mini_batch_ranges=[(mb["begin"], mb["end"]) for mb in minis],
+        **_cells(raw["mini_batches"], dp_size),
         predicted_time=raw["predicted_time"],
         lower_bound=raw["lower_bound"],
         dp_size=dp_size,
@@ -378,13 +384,8 @@ def _plan_cp_step(lengths: np.ndarray, dp_size: int, max_tokens: int, cost: Cost
     raw = _core.plan_cp_step(lengths, dp_size, max_tokens, cost.per_micro_batch, cost.per_token,
                              cost.per_token_squared, cost.per_kv_token, cost.per_collective, sync, mini_batches,
                              min_micro_batches, multiple_of, seed, cp_size, hybrid)
-    minis, ranks = raw["mini_batches"], dp_size * cp_size
     return StepPlan(
-        assignment=[_nest(mb["cells"], ranks, mb["num_micro_batches"]) for mb in minis],
-        costs=[_nest(mb["costs"], ranks, mb["num_micro_batches"]) for mb in minis],
-        tokens=[_nest(mb["tokens"], ranks, mb["num_micro_batches"]) for mb in minis],
-        num_micro_batches=[mb["num_micro_batches"] for mb in minis],
-        mini_batch_ranges=[(mb["begin"], mb["end"]) for mb in minis],
+        **_cells(raw["mini_batches"], dp_size * cp_size),
         predicted_time=raw["predicted_time"], lower_bound=raw["lower_bound"], dp_size=dp_size,
         max_tokens=max_tokens, sync=sync, cost=cost, lengths=_read_only(lengths.astype(np.int64)),
         cp_size=cp_size, cp_degree=_read_only(raw["degree"]), cp_first_rank=_read_only(raw["first_rank"]),
