@@ -31,18 +31,11 @@ from _harness import CsvLog, announce, environment, format_table, measure  # noq
 import numpy as np  # noqa: E402
 
 import seqpack  # noqa: E402
+from seqpack.tools.report_cp import h100_cost_model, long_context_lengths  # noqa: E402
 
 TITLE = "Hybrid context parallelism: fixed vs hybrid CP, planned"
-COST = seqpack.CostModel.from_model(4096, 32, 32, 8, 14336, 128256, flops_per_second=4e14,
-                                    interconnect_bytes_per_second=4.5e11, collective_latency=2e-5,
-                                    per_micro_batch=2e-3)
+COST = h100_cost_model()
 COMPUTE = seqpack.CostModel(COST.per_micro_batch, COST.per_token, COST.per_token_squared)
-
-
-def long_tail(rng, n, longest):
-    lengths = np.minimum(longest, rng.lognormal(np.log(2048), 1.3, n).astype(np.int64) + 1)
-    lengths[0] = longest
-    return lengths
 
 
 def compute_time(plan, lengths):
@@ -71,7 +64,7 @@ def table(quick, log):
     n = 96 if quick else 512
     dp = 2
     for longest, cp, cap in cases:
-        lengths = long_tail(np.random.default_rng(longest + cap), n, longest)
+        lengths = long_context_lengths(n, longest, seed=longest + cap)
         plans = {}
         for name, hybrid in (("fixed", False), ("hybrid", True)):
             plans[name] = seqpack.plan_step(lengths, dp, cap, cost=COST, cp_size=cp, hybrid_cp=hybrid)

@@ -1,6 +1,7 @@
 """The ``seqpack`` command line: ``demo``, ``plan`` and ``bench``.
 
     seqpack demo                          # synthetic long-tail RL batch, all planners; a GRPO batch as prefix trees
+    seqpack demo --cp 8                   # also fixed vs hybrid context parallelism on a long-context batch
     seqpack plan --lengths lens.txt       # your lengths (one per line, or .npy)
     seqpack bench                         # planner speed on 1k..1M lengths
 """
@@ -112,6 +113,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     demo = sub.add_parser("demo", help="plan a built-in synthetic long-tail RL batch")
     demo.add_argument("-n", "--num-sequences", type=int, default=4096)
     demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--cp", type=int, default=1,
+                      help="also plan a long-context batch with fixed and hybrid context parallelism over this many "
+                           "CP ranks (a power of two; --capacity is then per rank)")
     _add_plan_args(demo)
     plan = sub.add_parser("plan", help="plan your own lengths")
     plan.add_argument("--lengths", required=True, help="text file (one length per line) or .npy")
@@ -125,7 +129,14 @@ def main(argv: Optional[List[str]] = None) -> int:
             from .report import synthetic_rl_lengths
 
             lengths = synthetic_rl_lengths(args.num_sequences, seed=args.seed, max_len=args.capacity)
-            return _run_report(lengths, args, trees=True)
+            code = _run_report(lengths, args, trees=True)
+            if args.cp > 1:
+                from .report_cp import cp_report, long_context_lengths
+
+                rep = cp_report(long_context_lengths(min(args.num_sequences, 512), args.cp * args.capacity, args.seed),
+                                capacity=args.capacity, dp_size=args.dp, cp_size=args.cp)
+                print(_tables_json(rep.tables) if args.json else "\n" + rep.format())
+            return code
         if args.command == "plan":
             return _run_report(load_lengths(args.lengths), args)
         return _bench(args)

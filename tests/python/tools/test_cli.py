@@ -107,3 +107,18 @@ def test_demo_json_is_one_array_and_small_capacities_work(capsys):
     titles = [t["title"] for t in json.loads(capsys.readouterr().out)]
     assert "A GRPO batch as prefix trees: plan_step plain vs with a PrefixForest" in titles
     assert titles[0] == "Data-parallel balance (tokens per rank)"
+
+
+def test_demo_with_context_parallelism(capsys):
+    """`seqpack demo --cp 4`: fixed vs hybrid CP on a long-context batch (issue 41):
+    hybrid gathers the least K/V its lengths allow here, and is predicted no slower."""
+    assert cli.main(["demo", "-n", "128", "--cp", "4", "--capacity", "4096", "--dp", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "Context parallelism: fixed vs hybrid CP (plan_step, cp_size=4)" in out
+    from seqpack.tools.report_cp import cp_report, long_context_lengths
+
+    rows = cp_report(long_context_lengths(128, 4 * 4096), 4096, 2, 4).tables[0].rows
+    fixed, hybrid = rows
+    assert fixed[1] == "4:128" and hybrid[2] <= fixed[2] and hybrid[5] <= fixed[5] * (1 + 1e-9)
+    assert cli.main(["demo", "-n", "64", "--cp", "3"]) == 2
+    assert "cp_size must be a power of two" in capsys.readouterr().err
