@@ -99,7 +99,7 @@ def _samples():
     from seqpack.tensors import prefix_tree, token_layout, tree_plans
     from seqpack.training import logprobs_tree
     from seqpack.testing import tiny_model
-    from seqpack.tools import report, report_trees
+    from seqpack.tools import report, report_cp, report_trees
     from seqpack.training import loss
 
     lengths = [46, 24, 55, 88, 11, 14, 73, 17]
@@ -180,6 +180,7 @@ def _samples():
         report.Report: _report,
         report_trees.TreeReport: lambda: report_trees.tree_report(
             *report_trees.grpo_rows(prompts=2, group=2, seed=0, max_len=4096), capacity=4096, dp_size=2),
+        report_cp.CpReport: lambda: report_cp.cp_report(report_cp.long_context_lengths(8, 2048), 1024, 1, 2),
         report.Table: lambda: report.Table("bins", ["a", "b"], [[1, report.Pct(0.5)], [2, report.Ms(3.0)]]),
         report.Pct: lambda: report.Pct(0.25),
         report.Ms: lambda: report.Ms(1.5),

@@ -21,6 +21,7 @@ from typing import List, Optional
 
 import numpy as np
 
+from .._equality import fields_equal
 from ..planning.cost import CostModel
 from ..planning.step import plan_step
 from ._table import Table
@@ -46,10 +47,18 @@ def long_context_lengths(n: int, longest: int, seed: int = 0) -> np.ndarray:
 
 @dataclass(eq=False)
 class CpReport:
+    """Tables of one :func:`cp_report` run."""
+
     tables: List[Table] = field(default_factory=list)
+
+    __eq__ = fields_equal
+    __hash__ = None  # mutable
 
     def format(self) -> str:
         return "\n\n".join(t.format() for t in self.tables)
+
+    def _repr_html_(self) -> str:
+        return "".join(t._repr_html_() for t in self.tables)
 
 
 def cp_report(lengths, capacity: int, dp_size: int, cp_size: int, cost: Optional[CostModel] = None) -> CpReport:
