@@ -19,19 +19,27 @@ struct Item {
   double work = 0.0;  // on each rank of its block, per_micro_batch excluded
 };
 
-double item_work(const CpStepOptions& o, int64_t s, int64_t d) {
+// Item i's work on each rank of its block at degree d.
+double item_work(const CpStepOptions& o, const CpItems& items, int64_t i, int64_t d) {
   const StepCost& c = o.step.cost;
-  const auto sd = static_cast<double>(s), dd = static_cast<double>(d);
-  double w = c.per_token * static_cast<double>(cp_local_tokens(s, d)) + c.per_token_squared * sd * sd / dd;
+  const auto sd = static_cast<double>(items.tokens[static_cast<size_t>(i)]), dd = static_cast<double>(d);
+  double w = c.per_token * static_cast<double>(items.local_at(i, d)) +
+             c.per_token_squared * static_cast<double>(items.squares[static_cast<size_t>(i)]) / dd;
   if (d > 1) w += o.cp.per_kv_token * sd * (dd - 1.0) / dd + o.cp.per_collective;
   return w;
 }
 
-// The smallest power-of-two degree d <= C whose shard of s tokens fits the cap; 0 if none.
-int64_t smallest_degree(int64_t s, int64_t C, int64_t cap) {
+// The smallest power-of-two degree d <= C whose shard of item i fits the cap; 0 if none.
+int64_t smallest_degree(const CpItems& items, int64_t i, int64_t C, int64_t cap) {
   for (int64_t d = 1; d <= C; d *= 2)
-    if (cp_local_tokens(s, d) <= cap) return d;
+    if (items.local_at(i, d) <= cap) return d;
   return 0;
+}
+
+int64_t log2_of(int64_t d) {
+  int64_t j = 0;
+  while ((int64_t{1} << j) < d) ++j;
+  return j;
 }
 
 struct Placement {
@@ -135,7 +143,32 @@ std::optional<Placement> best_placement(const std::vector<Item>& items, const Cp
 
 int64_t cp_local_tokens(int64_t s, int64_t d) { return d <= 1 ? s : round_up("cp_local_tokens", s, 2 * d) / d; }
 
+CpItems CpItems::of_lengths(Lengths lengths, int64_t cp_size) {
+  check_non_negative_lengths(kFn, "lengths", lengths);
+  check_positive(kFn, "cp_size", cp_size);
+  CpItems items;
+  items.levels = log2_of(cp_size) + 1;
+  items.tokens.assign(lengths.begin(), lengths.end());
+  items.squares.reserve(lengths.size());
+  items.local.reserve(lengths.size() * static_cast<size_t>(items.levels));
+  for (const int64_t s : lengths) {
+    items.squares.push_back(checked_mul(kFn, "a length squared", s, s));
+    for (int64_t j = 0; j < items.levels; ++j) items.local.push_back(cp_local_tokens(s, int64_t{1} << j));
+  }
+  return items;
+}
+
+int64_t CpItems::local_at(int64_t i, int64_t d) const {
+  return local[static_cast<size_t>(i * levels + log2_of(d))];
+}
+
 CpStepPlan plan_cp_step(Lengths lengths, const CpStepOptions& o) {
+  return plan_cp_step(CpItems::of_lengths(lengths, o.cp_size), o);
+}
+
+namespace {
+
+void check_items(const CpItems& items, const CpStepOptions& o) {
   check_step_options(o.step);
   check_positive(kFn, "cp_size", o.cp_size);
   if ((o.cp_size & (o.cp_size - 1)) != 0)
@@ -143,29 +176,54 @@ CpStepPlan plan_cp_step(Lengths lengths, const CpStepOptions& o) {
   for (const auto& [name, v] : {std::pair{"cost.per_kv_token", o.cp.per_kv_token},
                                 std::pair{"cost.per_collective", o.cp.per_collective}})
     if (!std::isfinite(v) || v < 0) throw_invalid(kFn, std::string(name) + " must be finite and >= 0");
-  check_non_negative_lengths(kFn, "lengths", lengths);
-  const auto n = static_cast<int64_t>(lengths.size());
-  if (n < o.step.mini_batches)
-    throw_invalid(kFn, "lengths: " + std::to_string(n) + " sequences cannot fill mini_batches=" +
+  const size_t n = items.tokens.size();
+  if (items.levels != log2_of(o.cp_size) + 1 || items.squares.size() != n ||
+      items.local.size() != n * static_cast<size_t>(items.levels))
+    throw_invalid(kFn, items.name + ": per item, its squares and its local tokens at each of the " +
+                           std::to_string(log2_of(o.cp_size) + 1) + " degrees up to cp_size=" +
+                           std::to_string(o.cp_size) + " are needed");
+  check_non_negative_lengths(kFn, items.name.c_str(), items.tokens);
+  check_non_negative_lengths(kFn, (items.name + " squares").c_str(), items.squares);
+  check_non_negative_lengths(kFn, (items.name + " local tokens").c_str(), items.local);
+  const auto count = static_cast<int64_t>(n);
+  if (count < o.step.mini_batches)
+    throw_invalid(kFn, items.name + ": " + std::to_string(count) + " items cannot fill mini_batches=" +
                            std::to_string(o.step.mini_batches) + " mini-batches (each needs at least one)");
+  if (!o.step.mini_batch_sizes.empty()) {
+    if (static_cast<int64_t>(o.step.mini_batch_sizes.size()) != o.step.mini_batches)
+      throw_invalid(kFn, "mini_batch_sizes: must hold mini_batches = " + std::to_string(o.step.mini_batches) +
+                             " sizes, got " + std::to_string(o.step.mini_batch_sizes.size()));
+    check_positive_lengths(kFn, "mini_batch_sizes", o.step.mini_batch_sizes);
+    if (checked_sum(kFn, "mini_batch_sizes", o.step.mini_batch_sizes) != count)
+      throw_invalid(kFn, "mini_batch_sizes: must sum to the number of items (" + std::to_string(count) + ")");
+  }
+}
+
+}  // namespace
+
+CpStepPlan plan_cp_step(const CpItems& items, const CpStepOptions& o) {
+  check_items(items, o);
+  const int64_t n = items.size();
   const int64_t C = o.cp_size, R = o.step.dp_size * C, cap = o.step.max_tokens;
   CpStepPlan plan;
   std::vector<int64_t> least(static_cast<size_t>(n));
   for (int64_t i = 0; i < n; ++i) {
-    const int64_t s = lengths[static_cast<size_t>(i)];
-    least[static_cast<size_t>(i)] = smallest_degree(s, C, cap);
+    const int64_t s = items.tokens[static_cast<size_t>(i)];
+    least[static_cast<size_t>(i)] = smallest_degree(items, i, C, cap);
     if (least[static_cast<size_t>(i)] == 0)
-      throw_invalid(kFn, "lengths[" + std::to_string(i) + "] = " + std::to_string(s) +
-                             ": even sharded over cp_size=" + std::to_string(C) + " ranks, a rank's part (" +
-                             std::to_string(cp_local_tokens(s, C)) + " tokens with the zigzag pad) exceeds "
-                             "max_tokens=" + std::to_string(cap));
+      throw_invalid(kFn, items.name + "[" + std::to_string(i) + "] = " + std::to_string(s) +
+                             " tokens: even sharded over cp_size=" + std::to_string(C) + " ranks, a rank's part (" +
+                             std::to_string(items.local_at(i, C)) + " tokens" +
+                             (items.name == "lengths" ? " with the zigzag pad" : "") + ") exceeds max_tokens=" +
+                             std::to_string(cap));
     plan.least_kv_tokens += s * (least[static_cast<size_t>(i)] - 1);
   }
   bool fixed_fits = true;
-  for (int64_t i = 0; i < n; ++i) fixed_fits = fixed_fits && cp_local_tokens(lengths[static_cast<size_t>(i)], C) <= cap;
+  for (int64_t i = 0; i < n; ++i) fixed_fits = fixed_fits && items.local_at(i, C) <= cap;
   if (!o.hybrid && !fixed_fits)
-    throw_invalid(kFn, "fixed CP pads every sequence to a multiple of 2 * cp_size = " + std::to_string(2 * C) +
-                           ": some rank's part then exceeds max_tokens=" + std::to_string(cap) +
+    throw_invalid(kFn, "fixed CP shards every sequence over cp_size=" + std::to_string(C) +
+                           " ranks (a row padded to a multiple of 2 * cp_size = " + std::to_string(2 * C) +
+                           "): some rank's part then exceeds max_tokens=" + std::to_string(cap) +
                            " (hybrid_cp=True shards short sequences less)");
   plan.degree.assign(static_cast<size_t>(n), C);
   plan.first_rank.assign(static_cast<size_t>(n), 0);
@@ -173,16 +231,18 @@ CpStepPlan plan_cp_step(Lengths lengths, const CpStepOptions& o) {
   bool any_hybrid = false;
   int64_t begin = 0;
   for (int64_t m = 0; m < o.step.mini_batches; ++m) {
-    const int64_t end = begin + base + (m < extra ? 1 : 0);
+    const int64_t end = begin + (o.step.mini_batch_sizes.empty() ? base + (m < extra ? 1 : 0)
+                                                                 : o.step.mini_batch_sizes[static_cast<size_t>(m)]);
     // The bound: the fewest steps the tokens need, and the work with every sequence at
     // its smallest degree spread over every rank.
     int64_t sum = 0;
     double work = 0.0;
     for (int64_t i = begin; i < end; ++i) {
-      const int64_t s = lengths[static_cast<size_t>(i)];
+      const int64_t s = items.tokens[static_cast<size_t>(i)];
       sum = checked_add(kFn, "the tokens of a mini-batch", sum, s);
       const auto sd = static_cast<double>(s);
-      work += o.step.cost.per_token * sd + o.step.cost.per_token_squared * sd * sd +
+      work += o.step.cost.per_token * sd +
+              o.step.cost.per_token_squared * static_cast<double>(items.squares[static_cast<size_t>(i)]) +
               o.cp.per_kv_token * sd * static_cast<double>(least[static_cast<size_t>(i)] - 1);
     }
     const int64_t k_min =
@@ -193,8 +253,8 @@ CpStepPlan plan_cp_step(Lengths lengths, const CpStepOptions& o) {
     // per micro-batch (a long sequence spread wider so that it does not set the step).
     double mean_load = 0.0;
     for (int64_t i = begin; i < end; ++i) {
-      const int64_t s = lengths[static_cast<size_t>(i)], d = least[static_cast<size_t>(i)];
-      mean_load += item_work(o, s, d) * static_cast<double>(d);
+      const int64_t d = least[static_cast<size_t>(i)];
+      mean_load += item_work(o, items, i, d) * static_cast<double>(d);
     }
     mean_load /= static_cast<double>(R * k_min);
     struct Candidate {
@@ -213,11 +273,11 @@ CpStepPlan plan_cp_step(Lengths lengths, const CpStepOptions& o) {
       if ((rule > 0 && !o.hybrid) || (rule == 0 && !fixed_fits)) continue;
       Candidate c;
       for (int64_t i = begin; i < end; ++i) {
-        const int64_t s = lengths[static_cast<size_t>(i)];
+        const int64_t s = items.tokens[static_cast<size_t>(i)];
         int64_t d = rule == 0 ? C : least[static_cast<size_t>(i)];
-        while (rule == 2 && d < C && item_work(o, s, d) > mean_load) d *= 2;
-        while (rule >= 3 && d < C && cp_local_tokens(s, d) > cap >> (rule - 2)) d *= 2;
-        c.items.push_back({i, s, d, cp_local_tokens(s, d), item_work(o, s, d)});
+        while (rule == 2 && d < C && item_work(o, items, i, d) > mean_load) d *= 2;
+        while (rule >= 3 && d < C && items.local_at(i, d) > cap >> (rule - 2)) d *= 2;
+        c.items.push_back({i, s, d, items.local_at(i, d), item_work(o, items, i, d)});
         c.kv += s * (d - 1);
       }
       std::optional<Placement> p = best_placement(c.items, o, k_min);

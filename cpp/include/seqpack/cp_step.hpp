@@ -29,6 +29,7 @@
 //   + per_kv_token * K/V tokens gathered + per_collective * (sharded sequences it holds)
 // and the step time is that of plan_step (StepSync) over all D * C ranks.
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "seqpack/common.hpp"
@@ -63,6 +64,24 @@ struct CpStepPlan {
 // A rank's tokens of a sequence of s tokens sharded at degree d.
 int64_t cp_local_tokens(int64_t s, int64_t d);
 
+// What the planner needs of each item it places (a plain sequence, or a prefix tree
+// cut by attention work): its tokens, its attention work in units of s * s (a row:
+// s * s; a tree: 2 * visible pairs - tokens), and the most tokens a rank of its block
+// holds at each degree 2^j, j = 0 .. log2(C).
+struct CpItems {
+  std::vector<int64_t> tokens;
+  std::vector<int64_t> squares;
+  std::vector<int64_t> local;    // [n * levels], item-major
+  int64_t levels = 1;            // log2(C) + 1
+  std::string name = "lengths";  // how errors name an item: name[i]
+
+  static CpItems of_lengths(Lengths lengths, int64_t cp_size);
+  int64_t size() const { return static_cast<int64_t>(tokens.size()); }
+  int64_t local_at(int64_t i, int64_t d) const;  // d a power of two <= C
+};
+
 CpStepPlan plan_cp_step(Lengths lengths, const CpStepOptions& options);
+// Items per mini-batch: options.step.mini_batch_sizes (in order), else split evenly.
+CpStepPlan plan_cp_step(const CpItems& items, const CpStepOptions& options);
 
 }  // namespace seqpack

@@ -333,13 +333,10 @@ def plan_step(
         raise ValueError("whole_trees=True needs forest= (it keeps a PrefixForest's trees whole)")
     cp_size = as_positive_int(cp_size, "cp_size")
     if cp_size > 1:
-        if forest is not None:
-            raise ValueError("forest= with cp_size > 1 is not planned yet: plan the rows (cp_size) or the trees "
-                             "(forest=) on their own")
-        return _plan_cp_step(as_lengths(lengths, "lengths"), dp_size, max_tokens, cost, sync,
-                             as_positive_int(mini_batches, "mini_batches"),
+        return _plan_cp_step(lengths, dp_size, max_tokens, cost, sync, as_positive_int(mini_batches, "mini_batches"),
                              as_positive_int(min_micro_batches, "min_micro_batches"),
-                             as_positive_int(multiple_of, "multiple_of"), seed, cp_size, bool(hybrid_cp))
+                             as_positive_int(multiple_of, "multiple_of"), seed, cp_size, bool(hybrid_cp), forest,
+                             whole_trees)
     if forest is not None:
         from .forest_planning import plan_forest_step
 
@@ -378,18 +375,35 @@ def plan_step(
     )
 
 
-def _plan_cp_step(lengths: np.ndarray, dp_size: int, max_tokens: int, cost: CostModel, sync: str, mini_batches: int,
-                  min_micro_batches: int, multiple_of: int, seed: Any, cp_size: int, hybrid: bool) -> StepPlan:
-    """:func:`plan_step` with ``cp_size > 1``: one call to the C++ CP planner."""
-    raw = _core.plan_cp_step(lengths, dp_size, max_tokens, cost.per_micro_batch, cost.per_token,
-                             cost.per_token_squared, cost.per_kv_token, cost.per_collective, sync, mini_batches,
-                             min_micro_batches, multiple_of, seed, cp_size, hybrid)
+def _plan_cp_step(lengths: Any, dp_size: int, max_tokens: int, cost: CostModel, sync: str, mini_batches: int,
+                  min_micro_batches: int, multiple_of: int, seed: Any, cp_size: int, hybrid: bool, forest: Any,
+                  whole_trees: bool) -> StepPlan:
+    """:func:`plan_step` with ``cp_size > 1``: one call to the C++ CP planner, on the
+    rows or (``forest``) on each mini-batch's trees, every tree whole."""
+    if forest is None:
+        lengths = as_lengths(lengths, "lengths")
+        raw = _core.plan_cp_step(lengths, dp_size, max_tokens, cost.per_micro_batch, cost.per_token,
+                                 cost.per_token_squared, cost.per_kv_token, cost.per_collective, sync, mini_batches,
+                                 min_micro_batches, multiple_of, seed, cp_size, hybrid)
+    else:
+        from .forest_cp import plan_forest_cp_step
+        from .forest_planning import checked_forest
+
+        lengths = checked_forest(forest, lengths).lengths
+        n = lengths.shape[0]
+        if n < mini_batches:
+            raise ValueError(f"lengths: {n} sequences cannot fill mini_batches={mini_batches} mini-batches "
+                             "(each needs at least one)")
+        bounds = np.cumsum([0] + [n // mini_batches + (m < n % mini_batches) for m in range(mini_batches)])
+        raw = plan_forest_cp_step(forest, lengths, dp_size, max_tokens, cost, sync, mini_batches, min_micro_batches,
+                                  multiple_of, seed, cp_size, hybrid, list(zip(bounds[:-1], bounds[1:])))
     return StepPlan(
         **_cells(raw["mini_batches"], dp_size * cp_size),
         predicted_time=raw["predicted_time"], lower_bound=raw["lower_bound"], dp_size=dp_size,
-        max_tokens=max_tokens, sync=sync, cost=cost, lengths=_read_only(lengths.astype(np.int64)),
+        max_tokens=max_tokens, sync=sync, cost=cost, lengths=_read_only(np.asarray(lengths).astype(np.int64)),
         cp_size=cp_size, cp_degree=_read_only(raw["degree"]), cp_first_rank=_read_only(raw["first_rank"]),
-        kv_tokens=raw["kv_tokens"], least_kv_tokens=raw["least_kv_tokens"])
+        kv_tokens=raw["kv_tokens"], least_kv_tokens=raw["least_kv_tokens"],
+        planned_on=None if forest is None else "trees")
 
 
 def _read_only(a: np.ndarray) -> np.ndarray:

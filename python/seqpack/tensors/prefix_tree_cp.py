@@ -63,8 +63,11 @@ def tree_cp_bounds(tree: "PrefixTreeBatch", cp_size: Any) -> np.ndarray:
     rank may hold no token: fewer tokens than ranks, or a token whose work spans a
     whole share (one row of 3 tokens over 3 ranks: ``[0, 2, 2, 3]``); the CP
     functions handle such a rank."""
-    cp = as_positive_int(cp_size, "cp_size")
-    work = tree_cp_work(tree)
+    return bounds_of_work(tree_cp_work(tree), as_positive_int(cp_size, "cp_size"))
+
+
+def bounds_of_work(work: np.ndarray, cp: int) -> np.ndarray:
+    """:func:`tree_cp_bounds` of tokens whose works are ``work`` (int64 ``[T]``)."""
     cum = np.cumsum(work)
     total = int(cum[-1]) if cum.shape[0] else 0
     # The token's middle, cum - work / 2, against r * total / cp, in integers: x2 and x cp.

@@ -109,8 +109,10 @@ def test_cost_model_from_a_model_prices_kv_traffic():
 
 @pytest.mark.parametrize("kwargs, match", [
     (dict(cp_size=3), "cp_size must be a power of two"),
-    (dict(cp_size=2, max_tokens=10), r"lengths\[0\] = 100: even sharded over cp_size=2 ranks"),
-    (dict(cp_size=2, forest=seqpack.PrefixForest.from_rows([[1] * 100, [2] * 7])), "not planned yet"),
+    (dict(cp_size=2, max_tokens=10), r"lengths\[0\] = 100 tokens: even sharded over cp_size=2 ranks"),
+    (dict(cp_size=2, max_tokens=10, forest=seqpack.PrefixForest.from_rows([[1] * 100, [2] * 7])),
+     r"trees\[0\] = 100 tokens: even sharded over cp_size=2 ranks, a rank's part \(71 tokens\)"),
+    (dict(cp_size=2, forest=seqpack.PrefixForest.from_rows([[1] * 100, [2] * 8])), "lengths must be the forest's"),
 ])
 def test_errors_name_the_rule(kwargs, match):
     args = dict(max_tokens=64)
@@ -121,6 +123,79 @@ def test_errors_name_the_rule(kwargs, match):
 
 def test_fixed_cp_refuses_what_its_pad_cannot_hold():
     # 1-token sequences padded to 2 x cp_size: fixed CP puts 2 tokens on a rank, over a cap of 1
-    with pytest.raises(ValueError, match="fixed CP pads every sequence"):
+    with pytest.raises(ValueError, match="fixed CP shards every sequence"):
         seqpack.plan_step([1, 1], 1, 1, cp_size=2)
     assert seqpack.plan_step([1, 1], 1, 1, cp_size=2, hybrid_cp=True).cp_degree.tolist() == [1, 1]
+
+
+def tree_shards(rows, d):
+    """A rank's tokens of each of the d ranges of the prefix tree of ``rows``."""
+    return np.diff(seqpack.tree_cp_bounds(seqpack.pack_prefix_tree(rows), d))
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 40), st.lists(st.integers(1, 30), min_size=1, max_size=5)),
+                min_size=1, max_size=8),
+       st.sampled_from([2, 4]), st.integers(1, 2), st.integers(0, 30), st.sampled_from(COSTS), st.integers(1, 2))
+def test_forest_cp_plans(groups, cp, dp, slack, cost, mini_batches):
+    # GRPO-like trees (a prompt and its responses); every tree whole on its block,
+    # each rank's ranges of tree_cp_bounds (as execution cuts them) within the cap.
+    rows, tok = [], 1
+    for prompt, answers in groups:
+        head = list(range(tok, tok + prompt))
+        tok += prompt
+        for a in answers:
+            rows.append(head + list(range(tok, tok + a)))
+            tok += a
+    if len(rows) < mini_batches:
+        return
+    forest = seqpack.PrefixForest.from_rows(rows)
+    trees = [t.tolist() for t in forest.trees]
+    cap = max(tree_shards([rows[i] for i in t], cp).max() for t in trees) + slack
+    plans = {}
+    for hybrid in (False, True):
+        plan = seqpack.plan_step(forest.lengths, dp, int(cap), cost=cost, mini_batches=mini_batches, forest=forest,
+                                 cp_size=cp, hybrid_cp=hybrid)
+        plans[hybrid] = plan
+        degree, first = plan.cp_degree, plan.cp_first_rank
+        for m, mb in enumerate(plan.assignment):
+            begin, end = plan.mini_batch_ranges[m]
+            assert len(mb) == dp * cp and all(len(rank) == plan.num_micro_batches[m] for rank in mb)
+            placed = {}
+            for r, rank in enumerate(mb):
+                for k, cell in enumerate(rank):
+                    tokens = 0
+                    for t in {int(forest.tree_ids[i]) for i in cell}:
+                        part = [i for i in cell if forest.tree_ids[i] == t]
+                        assert part == [i for i in trees[t] if begin <= i < end]  # the tree whole
+                        d, f = int(degree[part[0]]), int(first[part[0]])
+                        assert (degree[part] == d).all() and (first[part] == f).all()
+                        assert f % d == 0 and f % cp + d <= cp and f <= r < f + d
+                        tokens += int(tree_shards([rows[i] for i in part], d)[r - f])
+                        placed.setdefault(t, set()).add((r, k))
+                    assert tokens <= plan.tokens[m][r][k] <= cap  # planned: each tree at its longest range
+            for t, where in placed.items():
+                d, f = int(degree[trees[t][0]]), int(first[trees[t][0]])
+                assert {r for r, _ in where} == set(range(f, f + d)) and len({k for _, k in where}) == 1
+        assert {i for mb in plan.assignment for rank in mb for cell in rank for i in cell} == set(range(len(rows)))
+        assert plan.kv_tokens >= plan.least_kv_tokens
+        assert plan.lower_bound <= plan.predicted_time * (1 + 1e-12)
+    assert plans[True].predicted_time <= plans[False].predicted_time * (1 + 1e-9)
+
+
+def test_forest_depths_are_the_packed_trees_positions():
+    # The planner's view of a tree (depth-first positions from the forest alone) is
+    # the layout pack_prefix_tree builds, for any subset of a tree's rows.
+    from seqpack.planning.forest_cp import _depths
+
+    rng = np.random.default_rng(3)
+    for _ in range(30):
+        stem = rng.integers(1, 4, 6).tolist()
+        rows = [stem[: rng.integers(1, 7)] + rng.integers(1, 4, rng.integers(0, 5)).tolist() for _ in range(8)]
+        forest = seqpack.PrefixForest.from_rows(rows)
+        where = np.empty(forest.num_rows, dtype=np.int64)
+        where[forest.row_order] = np.arange(forest.num_rows)
+        for tree in forest.trees:
+            subset = np.sort(rng.choice(tree, size=rng.integers(1, len(tree) + 1), replace=False))
+            got = _depths(forest, where, subset)
+            assert got.tolist() == seqpack.pack_prefix_tree([rows[i] for i in subset]).position_ids.tolist()
