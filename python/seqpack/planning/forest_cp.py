@@ -36,7 +36,17 @@ from ..tensors.prefix_tree_cp import bounds_of_work
 from .forest_planning import checked_forest
 from .prefix_forest import PrefixForest
 
-__all__ = ["forest_cp_items", "plan_forest_cp_step"]
+__all__ = ["forest_cp_items", "forest_row_order", "plan_forest_cp_step"]
+
+
+def forest_row_order(forest: PrefixForest, rows: Any) -> np.ndarray:
+    """``rows`` (row ids) in the forest's depth-first order: packed in this order,
+    :func:`~seqpack.pack_prefix_tree` lays out the physical tokens as the planner
+    counted them (the order decides where :func:`~seqpack.tree_cp_bounds` cuts)."""
+    rows = np.asarray(rows, dtype=np.int64)
+    where = np.empty(forest.num_rows, dtype=np.int64)
+    where[forest.row_order] = np.arange(forest.num_rows, dtype=np.int64)
+    return rows[np.argsort(where[rows], kind="stable")]
 
 
 def _depths(forest: PrefixForest, where: np.ndarray, rows: np.ndarray) -> np.ndarray:

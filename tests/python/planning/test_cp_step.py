@@ -129,7 +129,8 @@ def test_fixed_cp_refuses_what_its_pad_cannot_hold():
 
 
 def tree_shards(rows, d):
-    """A rank's tokens of each of the d ranges of the prefix tree of ``rows``."""
+    """A rank's tokens of each of the d ranges of the prefix tree of ``rows`` (given in
+    the forest's depth-first order)."""
     return np.diff(seqpack.tree_cp_bounds(seqpack.pack_prefix_tree(rows), d))
 
 
@@ -138,6 +139,8 @@ def tree_shards(rows, d):
                 min_size=1, max_size=8),
        st.sampled_from([2, 4]), st.integers(1, 2), st.integers(0, 30), st.sampled_from(COSTS), st.integers(1, 2))
 def test_forest_cp_plans(groups, cp, dp, slack, cost, mini_batches):
+    from seqpack.planning.forest_cp import forest_row_order
+
     # GRPO-like trees (a prompt and its responses); every tree whole on its block,
     # each rank's ranges of tree_cp_bounds (as execution cuts them) within the cap.
     rows, tok = [], 1
@@ -151,7 +154,7 @@ def test_forest_cp_plans(groups, cp, dp, slack, cost, mini_batches):
         return
     forest = seqpack.PrefixForest.from_rows(rows)
     trees = [t.tolist() for t in forest.trees]
-    cap = max(tree_shards([rows[i] for i in t], cp).max() for t in trees) + slack
+    cap = max(tree_shards([rows[i] for i in forest_row_order(forest, t)], cp).max() for t in trees) + slack
     plans = {}
     for hybrid in (False, True):
         plan = seqpack.plan_step(forest.lengths, dp, int(cap), cost=cost, mini_batches=mini_batches, forest=forest,
@@ -171,11 +174,11 @@ def test_forest_cp_plans(groups, cp, dp, slack, cost, mini_batches):
                         d, f = int(degree[part[0]]), int(first[part[0]])
                         assert (degree[part] == d).all() and (first[part] == f).all()
                         assert f % d == 0 and f % cp + d <= cp and f <= r < f + d
-                        tokens += int(tree_shards([rows[i] for i in part], d)[r - f])
-                        placed.setdefault(t, set()).add((r, k))
+                        ordered = forest_row_order(forest, part)
+                        tokens += int(tree_shards([rows[i] for i in ordered], d)[r - f])
+                        placed.setdefault((t, d, f), set()).add((r, k))
                     assert tokens <= plan.tokens[m][r][k] <= cap  # planned: each tree at its longest range
-            for t, where in placed.items():
-                d, f = int(degree[trees[t][0]]), int(first[trees[t][0]])
+            for (t, d, f), where in placed.items():
                 assert {r for r, _ in where} == set(range(f, f + d)) and len({k for _, k in where}) == 1
         assert {i for mb in plan.assignment for rank in mb for cell in rank for i in cell} == set(range(len(rows)))
         assert plan.kv_tokens >= plan.least_kv_tokens
@@ -185,8 +188,9 @@ def test_forest_cp_plans(groups, cp, dp, slack, cost, mini_batches):
 
 def test_forest_depths_are_the_packed_trees_positions():
     # The planner's view of a tree (depth-first positions from the forest alone) is
-    # the layout pack_prefix_tree builds, for any subset of a tree's rows.
-    from seqpack.planning.forest_cp import _depths
+    # the layout pack_prefix_tree builds of any subset of a tree's rows given in the
+    # forest's depth-first order (forest_row_order), as hybrid CP packs them.
+    from seqpack.planning.forest_cp import _depths, forest_row_order
 
     rng = np.random.default_rng(3)
     for _ in range(30):
@@ -198,4 +202,6 @@ def test_forest_depths_are_the_packed_trees_positions():
         for tree in forest.trees:
             subset = np.sort(rng.choice(tree, size=rng.integers(1, len(tree) + 1), replace=False))
             got = _depths(forest, where, subset)
-            assert got.tolist() == seqpack.pack_prefix_tree([rows[i] for i in subset]).position_ids.tolist()
+            ordered = forest_row_order(forest, subset)
+            assert sorted(ordered.tolist()) == subset.tolist()
+            assert got.tolist() == seqpack.pack_prefix_tree([rows[i] for i in ordered]).position_ids.tolist()
