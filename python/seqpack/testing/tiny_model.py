@@ -202,11 +202,20 @@ def packed_loss(model: TinyCausalLM, batch: Any, global_valid_toks: float, cp_gr
     """The same loss on a :class:`seqpack.PackedBatch` with the fused log-probs
     (:func:`seqpack.packed_token_logprobs`). With CP each rank sums its own rows'
     log-probs (the full ids are all-gathered once for the targets), so the losses of
-    the CP ranks add up to the micro-batch's loss: no division by the CP size."""
+    the CP ranks add up to the micro-batch's loss: no division by the CP size. A
+    :class:`seqpack.HybridCpBatch` (hybrid CP) sums each part's log-probs at this
+    rank's positions, so the ranks' losses add up the same way."""
     from ..tensors.cp import gather_cp
+    from ..tensors.hybrid_cp import HybridCpBatch
     from ..training.logprobs import packed_token_logprobs
 
     logits = model.forward_packed(batch, cp_group, backend=backend)
+    if isinstance(batch, HybridCpBatch):  # each part's log-probs at this rank's positions
+        from ..training.attention_hybrid_cp import hybrid_cp_token_logprobs
+
+        # Started from the logits (an empty micro-batch, a dummy, still has a backward).
+        return -sum((lp.logprobs.sum() for lp in hybrid_cp_token_logprobs(logits, batch)),
+                    logits[:0].sum()) / global_valid_toks
     ids = batch["input_ids"]
     if batch.cp_size > 1:
         ids = gather_cp(ids, batch.cu_seqlens_padded, cp_group)

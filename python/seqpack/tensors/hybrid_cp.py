@@ -1,0 +1,344 @@
+"""A rank's micro-batch under hybrid context parallelism: the sequences it runs whole
+and, for each aligned block of ranks it shares a sharded sequence with, its part of
+them - built from a :func:`seqpack.plan_step` plan with ``cp_size`` (and
+``hybrid_cp=True``).
+
+One micro-batch step of a CP group of 4 ranks, and what rank 1 holds::
+
+    cp_rank        0        1        2        3
+    A  d = 4    [ A/4      A/4      A/4      A/4 ]      block (4, 0)
+    B  d = 2    [ B/2      B/2 ]                        block (2, 0)
+    C, D d = 1                       C        D
+    E    d = 1             E
+
+    rank 1:   part 0  whole    E         (plain THD or a prefix tree, no collective)
+              part 1  (2, 0)   B's zigzag chunks 1 and 2 of 4
+              part 2  (4, 0)   A's zigzag chunks 1 and 6 of 8
+    rows      [ E | B/2 | A/4 ]   one tensor; attention and log-probs per part
+
+A part holds the sequences of one kind and block: the whole ones (packed as
+:func:`~seqpack.pack_sequences` packs them, or with ``forest=`` one prefix tree of
+their trees), or the sharded ones of one block (zigzag, each padded to a multiple of
+``2 d``, :func:`~seqpack.pack_sequences` with ``cp_size=d``; with ``forest=`` each
+sharded tree is a part of its own, cut by :func:`~seqpack.tree_cp_bounds`). Parts
+come whole first, then by ``(degree, first cp_rank, first row)``: the same order on
+every rank, so collectives over the blocks' groups never wait on one another.
+
+:func:`pack_hybrid_cp` builds one micro-batch, with no communication;
+:func:`hybrid_cp_micro_batches` builds all of a rank's micro-batches of a mini-batch
+after one agreement over the ranks (the plan, the rows) and creates the blocks'
+process groups (:func:`~seqpack.hybrid_cp_groups`).
+
+    >>> import torch, seqpack
+    >>> plan = seqpack.plan_step([12, 3, 2], 1, 9, cp_size=2, hybrid_cp=True)
+    >>> plan.assignment      # one mini-batch; rank 0: [0, 1], rank 1: [0, 2]
+    [[[[0, 1]], [[0, 2]]]]
+    >>> ids = torch.arange(36).view(3, 12)
+    >>> mb = pack_hybrid_cp({"input_ids": ids}, [12, 3, 2], plan, rank=1, micro_batch=0)
+    >>> [(p.degree, p.rows) for p in mb.parts], mb.num_tokens    # 2 whole + 12 / 2 sharded
+    ([(1, (2,)), (2, (0,))], 8)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional, Sequence, Tuple
+
+import numpy as np
+
+from .._lengths import as_lengths, as_positive_int, type_name
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+__all__ = ["HybridCpBatch", "HybridCpPart", "hybrid_cp_micro_batches", "pack_hybrid_cp"]
+
+
+@dataclass(eq=False)
+class HybridCpPart:
+    """One part of a rank's hybrid micro-batch.
+
+    Attributes:
+        degree: the ranks its sequences are sharded over (1: run whole here).
+        first: the first cp_rank of its block (its group:
+            ``hybrid_cp_groups(...).block(dp_rank, degree, first)``).
+        cp_rank: this rank's index in the block (``0`` for a whole part).
+        rows: the plan's sequence ids, in the order laid out.
+        layout: a :class:`~seqpack.PackedBatch` (zigzag with ``cp_size=degree`` when
+            sharded) or a :class:`~seqpack.PrefixTreeBatch` (the whole tree; a
+            sharded rank holds its range of :func:`~seqpack.tree_cp_bounds`).
+        input_ids: a packed part's full packed ids ``[T]`` (before the zigzag cut;
+            the next-token targets), ``None`` for a tree (its own ids).
+        start / end: this part's rows of the micro-batch's tensors.
+    """
+
+    degree: int
+    first: int
+    cp_rank: int
+    rows: Tuple[int, ...]
+    layout: Any
+    input_ids: Optional["torch.Tensor"]
+    start: int
+    end: int
+
+    @property
+    def is_tree(self) -> bool:
+        from .prefix_tree import PrefixTreeBatch
+
+        return isinstance(self.layout, PrefixTreeBatch)
+
+    def packed_seq_params(self) -> Any:
+        """Megatron's ``PackedSeqParams`` of a packed part (its THD offsets before the
+        zigzag cut, as Transformer Engine's CP takes them)."""
+        if self.is_tree:
+            raise ValueError("a prefix-tree part has no PackedSeqParams (tree attention takes the tree itself)")
+        return self.layout.packed_seq_params()
+
+
+@dataclass(eq=False)
+class HybridCpBatch:
+    """A rank's micro-batch under hybrid CP: its :class:`HybridCpPart` s, their rows
+    concatenated in ``tensors`` (name -> ``[rows, ...]``; a tree part gives
+    ``input_ids`` only) and ``position_ids``. ``cp_size`` and ``cp_rank`` are the CP
+    group's and this rank's in it, ``dp_size`` / ``dp_rank`` its CP group's; a rank
+    with an empty cell (a dummy) holds no part and no row."""
+
+    parts: Tuple[HybridCpPart, ...]
+    tensors: Dict[str, "torch.Tensor"]
+    position_ids: "torch.Tensor"
+    dp_size: int
+    dp_rank: int
+    cp_size: int
+    cp_rank: int
+    mini_batch: int = 0
+    micro_batch: int = 0
+    _rows: Tuple[int, ...] = field(default=(), repr=False)
+
+    def __getitem__(self, key: str) -> "torch.Tensor":
+        return self.tensors[key]
+
+    def keys(self):
+        return self.tensors.keys()
+
+    @property
+    def rows(self) -> Tuple[int, ...]:
+        """The plan's sequence ids of every part, in the order of the parts."""
+        return self._rows
+
+    @property
+    def num_tokens(self) -> int:
+        """This rank's rows of the micro-batch (every part's)."""
+        return int(self.position_ids.shape[-1])
+
+    def packed_seq_params(self) -> List[Any]:
+        """Megatron's ``PackedSeqParams`` of each packed part, in order."""
+        return [p.packed_seq_params() for p in self.parts]
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, HybridCpBatch):
+            return NotImplemented
+        from .._equality import values_equal
+
+        mine = (self.dp_size, self.dp_rank, self.cp_size, self.cp_rank, self.mini_batch, self.micro_batch, self._rows)
+        theirs = (other.dp_size, other.dp_rank, other.cp_size, other.cp_rank, other.mini_batch, other.micro_batch,
+                  other._rows)
+        return mine == theirs and values_equal(self.tensors, other.tensors) and \
+            [(p.degree, p.first, p.cp_rank, p.rows, p.start, p.end) for p in self.parts] == \
+            [(p.degree, p.first, p.cp_rank, p.rows, p.start, p.end) for p in other.parts]
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+def _check_plan(plan: Any, rank: Any, mini_batch: Any) -> Tuple[int, int]:
+    from ..planning.step import StepPlan
+
+    if not isinstance(plan, StepPlan):
+        raise TypeError(f"plan must be a seqpack.StepPlan, got {type_name(plan)}")
+    if plan.cp_degree is None:
+        raise ValueError("plan has no CP degrees: plan it with plan_step(..., cp_size=C, hybrid_cp=True)")
+    m = as_positive_int(mini_batch, "mini_batch", allow_zero=True)
+    if m >= len(plan.assignment):
+        raise ValueError(f"mini_batch must be below the plan's {len(plan.assignment)} mini-batches, got {m}")
+    r = as_positive_int(rank, "rank", allow_zero=True)
+    if r >= plan.num_ranks:
+        raise ValueError(f"rank must be below dp_size x cp_size = {plan.num_ranks}, got {r}")
+    return r, m
+
+
+def _part_keys(plan: Any, cell: Sequence[int], forest: Any) -> List[Tuple[Tuple[int, int, int], List[int]]]:
+    """The cell's sequences grouped into parts, in the order every rank runs them:
+    whole first, then by (degree, first cp_rank, first row); a tree part's rows in
+    the forest's depth-first order."""
+    groups: Dict[Tuple[int, int, int], List[int]] = {}
+    C = plan.cp_size
+    for i in cell:
+        d = int(plan.cp_degree[i])
+        tree = int(forest.tree_ids[i]) if forest is not None and d > 1 else -1
+        key = (1, 0, -1) if d == 1 else (d, int(plan.cp_first_rank[i]) % C, tree)
+        groups.setdefault(key, []).append(int(i))
+    parts = []
+    for key in sorted(groups, key=lambda k: (k[0], k[1], min(groups[k]))):
+        rows = sorted(groups[key])
+        if forest is not None:  # tree by tree, each tree's rows depth-first (the planner's layout)
+            from ..planning.forest_cp import forest_row_order
+
+            trees = sorted({int(forest.tree_ids[i]) for i in rows})
+            rows = [int(i) for t in trees for i in forest_row_order(forest, [i for i in rows
+                                                                              if int(forest.tree_ids[i]) == t])]
+        parts.append((key, rows))
+    return parts
+
+
+def pack_hybrid_cp(tensors: Mapping[str, "torch.Tensor"], seq_lens: Any, plan: Any, *, rank: Any,
+                   micro_batch: Any, mini_batch: Any = 0, forest: Any = None, min_shared_tokens: Any = 1,
+                   row_index: Any = None, pad_values: Optional[Mapping[str, Any]] = None) -> HybridCpBatch:
+    """Rank ``rank``'s micro-batch ``micro_batch`` of mini-batch ``mini_batch`` of a
+    hybrid-CP ``plan`` (no communication; see the module docstring).
+
+    Args:
+        tensors: ``[B, S, ...]`` padded tensors (right-padded rows: ``seq_lens``
+            real tokens each), one row per sequence of the plan (or per entry of
+            ``row_index``). With ``forest`` only ``input_ids`` is laid out (a
+            prefix tree's rows are its token ids).
+        seq_lens: ``[B]`` real lengths.
+        plan: a :class:`~seqpack.StepPlan` with ``cp_size`` (``plan.cp_degree``).
+        rank: ``dp_rank * cp_size + cp_rank``.
+        forest: the :class:`~seqpack.PrefixForest` the plan was made on
+            (``plan_step(..., forest=)``): the parts are prefix trees.
+        min_shared_tokens: the forest's sharing rule, for the trees laid out.
+        row_index: where each of the plan's sequence ids sits in ``tensors``
+            (a mapping or an array; default: row ``i`` is sequence ``i``).
+        pad_values: per-name pad value of the packed tensors (default 0).
+    """
+    import torch
+
+    from .prefix_tree import pack_prefix_tree
+    from .thd import pack_sequences
+
+    r, m = _check_plan(plan, rank, mini_batch)
+    k_count = plan.num_micro_batches[m]
+    k = as_positive_int(micro_batch, "micro_batch", allow_zero=True)
+    if k >= k_count:
+        raise ValueError(f"micro_batch must be below mini-batch {m}'s {k_count} micro-batches, got {k}")
+    if not isinstance(tensors, Mapping) or not tensors:
+        raise TypeError(f"tensors must be a non-empty mapping of name -> [B, S, ...] tensor, got {type_name(tensors)}")
+    lens = as_lengths(seq_lens, "seq_lens")
+    if forest is not None and "input_ids" not in tensors:
+        raise ValueError("with forest= the parts are prefix trees of tensors['input_ids']: give input_ids")
+    C = plan.cp_size
+    cell = plan.assignment[m][r][k]
+    batch_rows = {int(t.shape[0]) if t.dim() >= 2 else -1 for t in tensors.values()}
+    width = min(int(t.shape[1]) if t.dim() >= 2 else 0 for t in tensors.values())
+    if batch_rows != {lens.shape[0]}:
+        raise ValueError(f"tensors must be [B, S, ...] with B = len(seq_lens) = {lens.shape[0]}, got "
+                         f"{ {n: tuple(t.shape) for n, t in tensors.items()} }")
+
+    def where(i: int) -> int:
+        at = int(i) if row_index is None else int(row_index[i])
+        if not 0 <= at < lens.shape[0]:
+            raise ValueError(f"sequence {i} of the plan is row {at}, outside the {lens.shape[0]} rows of tensors")
+        if plan.lengths is not None and int(lens[at]) != int(plan.lengths[i]):
+            raise ValueError(f"seq_lens[{at}] = {int(lens[at])}, but the plan was made with length "
+                             f"{int(plan.lengths[i])} for sequence {i}: build the micro-batches from the rows planned")
+        if int(lens[at]) > width:
+            raise ValueError(f"seq_lens[{at}] = {int(lens[at])} exceeds the tensors' width S = {width}")
+        return at
+
+    def rows_of(ids: Sequence[int]) -> Tuple[Dict[str, Any], np.ndarray]:
+        idx = [where(i) for i in ids]
+        return {n: t[idx] for n, t in tensors.items()}, lens[idx]
+
+    parts: List[HybridCpPart] = []
+    pieces: Dict[str, List[Any]] = {}
+    positions: List[Any] = []
+    start = 0
+    device = next(iter(tensors.values())).device
+    for (d, first, _), ids in _part_keys(plan, cell, forest):
+        j = r % C - first if d > 1 else 0
+        if forest is not None:
+            chosen, chosen_lens = rows_of(ids)
+            seqs = [chosen["input_ids"][q, : int(chosen_lens[q])] for q in range(len(ids))]
+            groups = [int(forest.tree_ids[i]) for i in ids]
+            tree = pack_prefix_tree(seqs, group_ids=groups, min_shared_tokens=min_shared_tokens)
+            lo, hi = (0, tree.num_tokens) if d == 1 else _tree_range(tree, d, j)
+            local_ids = torch.as_tensor(tree.input_ids[lo:hi], device=device)
+            pieces.setdefault("input_ids", []).append(local_ids)
+            positions.append(torch.as_tensor(tree.position_ids[lo:hi], device=device))
+            layout, full = tree, None
+        else:
+            chosen, chosen_lens = rows_of(ids)
+            layout = pack_sequences(chosen, seq_lens=chosen_lens, pad_multiple=1 if d == 1 else 2 * d,
+                                    pad_values=pad_values, cp_size=d, cp_rank=j)
+            full = layout["input_ids"] if d == 1 and "input_ids" in tensors else None
+            if d > 1 and "input_ids" in tensors:
+                full = pack_sequences({"input_ids": chosen["input_ids"]}, seq_lens=chosen_lens, pad_multiple=2 * d,
+                                      pad_values=pad_values)["input_ids"]
+            for n in tensors:
+                pieces.setdefault(n, []).append(layout[n])
+            positions.append(layout.position_ids)
+            lo, hi = 0, layout.num_tokens
+        parts.append(HybridCpPart(d, first, j, tuple(ids), layout, full, start, start + hi - lo))
+        start += hi - lo
+    names = ["input_ids"] if forest is not None else list(tensors)
+    out = {}
+    for n in names:
+        got = pieces.get(n)
+        if got:
+            out[n] = torch.cat(got) if len(got) > 1 else got[0]
+        else:  # an empty cell: no rows
+            t = tensors[n]
+            out[n] = t.new_empty((0,) + tuple(t.shape[2:]))
+    pos = torch.cat(positions) if len(positions) > 1 else positions[0] if positions else \
+        torch.zeros(0, dtype=torch.int64, device=device)
+    return HybridCpBatch(tuple(parts), out, pos, plan.dp_size, r // C, C, r % C, m, k,
+                         tuple(i for p in parts for i in p.rows))
+
+
+def _tree_range(tree: Any, d: int, j: int) -> Tuple[int, int]:
+    from .prefix_tree_cp import tree_cp_bounds
+
+    bounds = tree_cp_bounds(tree, d)
+    return int(bounds[j]), int(bounds[j + 1])
+
+
+def _plan_facts(plan: Any, m: int) -> Dict[str, Any]:
+    """What every rank's plan must share for the blocks' collectives to meet."""
+    lo, hi = plan.mini_batch_ranges[m]
+    return {"the plan's cells": [[list(c) for c in rank] for rank in plan.assignment[m]],
+            "the plan's CP degrees": np.asarray(plan.cp_degree[lo:hi], dtype=np.int64),
+            "the plan's CP blocks": np.asarray(plan.cp_first_rank[lo:hi], dtype=np.int64),
+            "the plan's dp_size and cp_size": (plan.dp_size, plan.cp_size)}
+
+
+def hybrid_cp_micro_batches(tensors: Mapping[str, "torch.Tensor"], seq_lens: Any, plan: Any, *,
+                            mini_batch: Any = 0, group: Any = None, forest: Any = None, min_shared_tokens: Any = 1,
+                            row_index: Any = None, pad_values: Optional[Mapping[str, Any]] = None,
+                            agree: bool = True) -> List[HybridCpBatch]:
+    """This rank's micro-batches of mini-batch ``mini_batch`` of ``plan`` (each a
+    :class:`HybridCpBatch`, the same count on every rank), its rank
+    ``dp_rank * cp_size + cp_rank`` read from ``group`` (default WORLD, of
+    ``dp_size * cp_size`` ranks). First, on every rank of ``group``: the blocks'
+    process groups (:func:`~seqpack.hybrid_cp_groups`, created once), then one
+    agreement - every rank's own checks (the plan, the rows, the lengths) and the
+    plan's cells, degrees and blocks compared - so a rank handed another plan, or
+    whose inputs fail, makes every rank raise before any collective over a block.
+    Arguments as :func:`pack_hybrid_cp`."""
+    import torch.distributed as dist
+
+    from .._dist import checked_on_every_rank
+    from .hybrid_cp_groups import hybrid_cp_groups
+
+    size, me = dist.get_world_size(group), dist.get_rank(group)
+
+    def local():
+        r, m = _check_plan(plan, me, mini_batch)
+        if plan.num_ranks != size:
+            raise ValueError(f"plan runs over dp_size x cp_size = {plan.num_ranks} ranks; the group has {size}")
+        return m, [pack_hybrid_cp(tensors, seq_lens, plan, rank=r, micro_batch=k, mini_batch=m, forest=forest,
+                                  min_shared_tokens=min_shared_tokens, row_index=row_index, pad_values=pad_values)
+                   for k in range(plan.num_micro_batches[m])]
+
+    m_batches = checked_on_every_rank(local, group, "hybrid_cp_micro_batches", agree and size > 1,
+                                      fingerprint=lambda got: _plan_facts(plan, got[0]))
+    hybrid_cp_groups(plan.dp_size, plan.cp_size, group)  # every rank, in one order, before any block's collective
+    return m_batches[1]
