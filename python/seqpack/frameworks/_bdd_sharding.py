@@ -124,6 +124,10 @@ def shard_by_plan(data: "BatchedDataDict", shards: int, batch_size: Optional[int
         _check(plan.mini_batch_ranges == expected,
                f"step_plan's mini-batches {plan.mini_batch_ranges} are not the global batches of "
                f"batch_size={batch_size}")
+    if plan.cp_size > 1:  # each DP shard: the rows of its CP group's ranks
+        from ._bdd_hybrid_cp import hybrid_shards
+
+        return hybrid_shards(data, shards, plan, shard_cls)
     rows: List[List[int]] = [plan.rank_rows(s) for s in range(shards)]
     out = []
     for s in range(shards):

@@ -51,6 +51,8 @@ import numpy as np
 
 from ._batch import dummy_row
 from ._bdd_gather import all_gather_rows
+from ._bdd_hybrid_cp import batch_of as hybrid_batch_of
+from ._bdd_hybrid_cp import hybrid_iterator
 from ._bdd_sharding import bin_assignment_spread, shard_by_plan, shard_dynamic, shard_packed
 from ._bdd_values import (COUPLED_MEDIA_KEYS, NATIVE_MEDIA_KEYS, BatchedDataDictError, DynamicBatchingArgs,
                           SequencePackingArgs, _check, _check_row_counts, _lengths, _media_memo, _positive, _row_mapped,
@@ -84,6 +86,7 @@ class BatchedDataDict(UserDict, Generic[DictT]):
     micro_batch_token_cap: Optional[int] = None
     micro_batch_trees: Optional[List[List[Any]]] = None
     micro_batch_tree_options: Optional[Dict[str, Any]] = None
+    hybrid_cp: Optional[Any] = None  # a shard of a hybrid-CP step plan (_bdd_hybrid_cp.HybridCpShard)
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -425,6 +428,9 @@ class BatchedDataDict(UserDict, Generic[DictT]):
             _check(type(batch_idx) is int and 0 <= batch_idx < count,
                    f"batch_idx must be an int in [0, {count}), got {batch_idx!r}")
 
+        if self.hybrid_cp is not None:
+            check_index(len(self.elem_counts_per_gb))
+            return hybrid_batch_of(self, batch_idx, SlicedDataDict)
         if self.elem_counts_per_gb is not None:
             _check(self.micro_batch_indices is not None,
                    "micro_batch_indices must be provided if sequence_packing is True")
@@ -558,6 +564,8 @@ class BatchedDataDict(UserDict, Generic[DictT]):
         sequence_parallel: bool = False,
         pp_size: int = 1,
         pad_values: Optional[Mapping[str, Union[int, float, bool]]] = None,
+        group: Any = None,
+        forest: Any = None,
     ) -> Iterator["PackedBatch"]:
         """Ready THD micro-batches (:class:`seqpack.PackedBatch`) of a packed global batch.
 
@@ -567,8 +575,24 @@ class BatchedDataDict(UserDict, Generic[DictT]):
         rank ``cp_rank``'s zigzag part with ``cp_size > 1``, and with ``pp_size > 1``
         every micro-batch padded to the largest one (``pad_packed_to``, a fixed
         pipeline buffer, as Megatron-Core needs).
+
+        A global batch of a hybrid-CP step plan (``shard_by_batch_size(D,
+        step_plan=plan_step(..., cp_size=C, hybrid_cp=True))``, then ``get_batch``)
+        yields rank ``cp_rank``'s :class:`seqpack.HybridCpBatch` micro-batches
+        instead (its whole rows and its parts of the sharded ones, each padded as
+        the plan counted; ``pad_multiple``, TP and PP do not apply), each with
+        ``.data`` (its rows, in ``.rows`` order) for
+        :class:`seqpack.training.loss_hybrid_cp.HybridCpLossWrapper`; every rank of
+        ``group`` (the DP x CP ranks, default WORLD) agrees on the plan first.
         """
         from ..tensors.thd import pack_sequences
+
+        if self.hybrid_cp is not None:
+            _check(pad_multiple is None and tp_size == 1 and pp_size == 1 and not sequence_parallel,
+                   "a hybrid-CP micro-batch pads as the plan counted: pad_multiple, tp_size, sequence_parallel and "
+                   "pp_size do not apply")
+            return hybrid_iterator(self, keys, cp_size=cp_size, cp_rank=cp_rank, input_lengths_key=input_lengths_key,
+                                   pad_values=pad_values, group=group, forest=forest, shard_cls=SlicedDataDict)
 
         indices, _ = self._one_plan()
         multiple = alignment(cp_size=cp_size, tp_size=tp_size, sequence_parallel=sequence_parallel) \

@@ -113,6 +113,9 @@ class HybridCpBatch:
     mini_batch: int = 0
     micro_batch: int = 0
     _rows: Tuple[int, ...] = field(default=(), repr=False)
+    # The micro-batch's rows of the data it was built from, in ``rows`` order, when an
+    # iterator attaches them (BatchedDataDict's: what the loss wrapper takes).
+    data: Any = field(default=None, repr=False)
 
     def __getitem__(self, key: str) -> "torch.Tensor":
         return self.tensors[key]
@@ -313,7 +316,7 @@ def _plan_facts(plan: Any, m: int) -> Dict[str, Any]:
 def hybrid_cp_micro_batches(tensors: Mapping[str, "torch.Tensor"], seq_lens: Any, plan: Any, *,
                             mini_batch: Any = 0, group: Any = None, forest: Any = None, min_shared_tokens: Any = 1,
                             row_index: Any = None, pad_values: Optional[Mapping[str, Any]] = None,
-                            agree: bool = True) -> List[HybridCpBatch]:
+                            rank: Any = None, agree: bool = True) -> List[HybridCpBatch]:
     """This rank's micro-batches of mini-batch ``mini_batch`` of ``plan`` (each a
     :class:`HybridCpBatch`, the same count on every rank), its rank
     ``dp_rank * cp_size + cp_rank`` read from ``group`` (default WORLD, of
@@ -322,7 +325,8 @@ def hybrid_cp_micro_batches(tensors: Mapping[str, "torch.Tensor"], seq_lens: Any
     agreement - every rank's own checks (the plan, the rows, the lengths) and the
     plan's cells, degrees and blocks compared - so a rank handed another plan, or
     whose inputs fail, makes every rank raise before any collective over a block.
-    Arguments as :func:`pack_hybrid_cp`."""
+    ``rank``, when given (a trainer that knows its DP and CP ranks), must be this
+    process's rank in ``group``. Other arguments as :func:`pack_hybrid_cp`."""
     import torch.distributed as dist
 
     from .._dist import checked_on_every_rank
@@ -331,6 +335,9 @@ def hybrid_cp_micro_batches(tensors: Mapping[str, "torch.Tensor"], seq_lens: Any
     size, me = dist.get_world_size(group), dist.get_rank(group)
 
     def local():
+        if rank is not None and as_positive_int(rank, "rank", allow_zero=True) != me:
+            raise ValueError(f"rank={rank} (dp_rank * cp_size + cp_rank) was given, but this process is rank {me} "
+                             "of the group: the blocks' groups follow the group's rank order")
         r, m = _check_plan(plan, me, mini_batch)
         if plan.num_ranks != size:
             raise ValueError(f"plan runs over dp_size x cp_size = {plan.num_ranks} ranks; the group has {size}")

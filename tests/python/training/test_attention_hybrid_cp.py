@@ -136,6 +136,48 @@ def step_matches_one_process(rank, world, dp, cp, cap, trees):
     return sorted(degrees)
 
 
+def nemo_rl_step_matches_one_process(rank, world, dp, cp, cap, trees, fused):
+    # NeMo-RL's flow: DP shards of a BatchedDataDict by the step plan, one global batch
+    # at a time, each CP rank's hybrid micro-batches and the loss wrapper on them.
+    from seqpack.testing.tiny_model import TinyCausalLM, TinyConfig
+    from seqpack.training.loss import NLLLoss
+    from seqpack.training.loss_hybrid_cp import HybridCpLossWrapper
+
+    torch.manual_seed(0)
+    model = TinyCausalLM(TinyConfig(vocab_size=97, hidden_size=16, num_layers=1, num_heads=4,
+                                    num_kv_heads=2)).double()
+    rows = grpo_rows() if trees else long_tail_rows()
+    ids, lengths = padded(rows)
+    mask = (torch.arange(ids.shape[1])[None] < lengths[:, None]).double()
+    tokens = float((lengths - 1).sum())
+    logits = model.forward_padded(ids, mask.long())
+    logp = torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None])[..., 0]
+    (-(logp * mask[:, 1:]).sum() / tokens).backward()
+    reference = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    n = len(rows)
+    forest = seqpack.PrefixForest.from_rows(rows) if trees else None
+    plan = seqpack.plan_step(lengths, dp, cap, cost=COST, mini_batches=2, cp_size=cp, hybrid_cp=True, forest=forest)
+    data = seqpack.BatchedDataDict(input_ids=ids, input_lengths=lengths, token_mask=mask,
+                                   sample_mask=torch.ones(n, dtype=torch.float64))
+    shards, _ = data.shard_by_batch_size(dp, step_plan=plan)
+    shard = shards[rank // cp]
+    count = 0
+    for gb in range(2):
+        batch = shard.get_batch(gb)
+        for mb in batch.make_packed_microbatch_iterator(["input_ids"], cp_size=cp, cp_rank=rank % cp, forest=forest):
+            wrapper = HybridCpLossWrapper(NLLLoss(), mb, fused=fused)
+            loss, metrics = wrapper(model.forward_packed(mb), mb.data, torch.tensor(float(n)), torch.tensor(tokens))
+            loss.backward()
+            count += 1
+    assert count == sum(plan.num_micro_batches)
+    for name, p in model.named_parameters():
+        grad = p.grad.clone()
+        dist.all_reduce(grad)
+        torch.testing.assert_close(grad, reference[name], rtol=1e-9, atol=1e-12, msg=name)
+    return count
+
+
 def another_plan_raises_everywhere(rank, world, trees):
     rows = grpo_rows() if trees else long_tail_rows()
     ids, lengths = padded(rows)
@@ -173,6 +215,12 @@ def pool():
 def test_hybrid_step_equals_one_process(pool, dp, cp, cap, trees):
     got = values_of(pool, step_matches_one_process, dp, cp, cap, trees, timeout_s=CASE_TIMEOUT_S)
     assert all(g == got[0] for g in got)
+
+
+@pytest.mark.parametrize("dp, cp, cap, trees, fused", [(2, 2, 32, False, False), (1, 4, 16, False, True),
+                                                        (1, 4, 30, True, False)])
+def test_nemo_rl_loss_wrapper_on_hybrid_micro_batches(pool, dp, cp, cap, trees, fused):
+    values_of(pool, nemo_rl_step_matches_one_process, dp, cp, cap, trees, fused, timeout_s=CASE_TIMEOUT_S)
 
 
 @pytest.mark.parametrize("trees", [False, True])
