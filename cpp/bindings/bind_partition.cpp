@@ -25,13 +25,15 @@ py::list run_partition(py::handle values, F&& f) {
 CpStepOptions cp_options(int64_t dp_size, int64_t max_tokens, double per_micro_batch, double per_token,
                          double per_token_squared, double per_kv_token, double per_collective, const std::string& sync,
                          int64_t mini_batches, int64_t min_micro_batches, int64_t multiple_of,
-                         std::optional<uint64_t> seed, int64_t cp_size, bool hybrid, Lengths mini_batch_sizes) {
+                         std::optional<uint64_t> seed, int64_t cp_size, bool hybrid, int64_t min_degree,
+                         Lengths mini_batch_sizes) {
   CpStepOptions o;
   o.step = step_options(dp_size, max_tokens, per_micro_batch, per_token, per_token_squared, sync, mini_batches,
                         min_micro_batches, multiple_of, seed);
   o.step.mini_batch_sizes = mini_batch_sizes;
   o.cp_size = cp_size;
   o.hybrid = hybrid;
+  o.min_degree = min_degree;
   o.cp = CpCost{per_kv_token, per_collective};
   return o;
 }
@@ -126,11 +128,11 @@ void init_partition(py::module_& m) {
       [](py::handle lengths, int64_t dp_size, int64_t max_tokens, double per_micro_batch, double per_token,
          double per_token_squared, double per_kv_token, double per_collective, const std::string& sync,
          int64_t mini_batches, int64_t min_micro_batches, int64_t multiple_of, std::optional<uint64_t> seed,
-         int64_t cp_size, bool hybrid) {
+         int64_t cp_size, bool hybrid, int64_t min_degree) {
         LengthsArg arg(lengths, "lengths");
         const CpStepOptions o = cp_options(dp_size, max_tokens, per_micro_batch, per_token, per_token_squared,
                                            per_kv_token, per_collective, sync, mini_batches, min_micro_batches,
-                                           multiple_of, seed, cp_size, hybrid, {});
+                                           multiple_of, seed, cp_size, hybrid, min_degree, {});
         CpStepPlan plan;
         {
           py::gil_scoped_release release;
@@ -141,7 +143,7 @@ void init_partition(py::module_& m) {
       py::arg("lengths"), py::arg("dp_size"), py::arg("max_tokens"), py::arg("per_micro_batch"), py::arg("per_token"),
       py::arg("per_token_squared"), py::arg("per_kv_token"), py::arg("per_collective"), py::arg("sync"),
       py::arg("mini_batches"), py::arg("min_micro_batches"), py::arg("multiple_of"), py::arg("seed"),
-      py::arg("cp_size"), py::arg("hybrid"),
+      py::arg("cp_size"), py::arg("hybrid"), py::arg("min_degree") = 1,
       "plan_step over dp_size x cp_size ranks with fixed or hybrid context parallelism (cp_step.hpp).");
   m.def(
       "plan_cp_items",
@@ -149,7 +151,7 @@ void init_partition(py::module_& m) {
          py::handle mini_batch_sizes, int64_t dp_size, int64_t max_tokens, double per_micro_batch, double per_token,
          double per_token_squared, double per_kv_token, double per_collective, const std::string& sync,
          int64_t min_micro_batches, int64_t multiple_of, std::optional<uint64_t> seed, int64_t cp_size,
-         bool hybrid) {
+         bool hybrid, int64_t min_degree) {
         LengthsArg t(tokens, "tokens"), q(squares, "squares"), l(local, "local"), sizes(mini_batch_sizes,
                                                                                          "mini_batch_sizes");
         CpItems items;
@@ -162,7 +164,7 @@ void init_partition(py::module_& m) {
         const auto count = static_cast<int64_t>(sizes.view().size());
         const CpStepOptions o = cp_options(dp_size, max_tokens, per_micro_batch, per_token, per_token_squared,
                                            per_kv_token, per_collective, sync, count, min_micro_batches, multiple_of,
-                                           seed, cp_size, hybrid, sizes.view());
+                                           seed, cp_size, hybrid, min_degree, sizes.view());
         CpStepPlan plan;
         {
           py::gil_scoped_release release;
@@ -174,6 +176,7 @@ void init_partition(py::module_& m) {
       py::arg("dp_size"), py::arg("max_tokens"), py::arg("per_micro_batch"), py::arg("per_token"),
       py::arg("per_token_squared"), py::arg("per_kv_token"), py::arg("per_collective"), py::arg("sync"),
       py::arg("min_micro_batches"), py::arg("multiple_of"), py::arg("seed"), py::arg("cp_size"), py::arg("hybrid"),
+      py::arg("min_degree") = 1,
       "plan_cp_step on items (prefix trees): tokens, work in s*s units and a rank's tokens at each degree "
       "(local, item-major, log2(cp_size) + 1 per item), mini-batches of mini_batch_sizes items in order.");
 }

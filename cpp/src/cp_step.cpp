@@ -30,8 +30,8 @@ double item_work(const CpStepOptions& o, const CpItems& items, int64_t i, int64_
 }
 
 // The smallest power-of-two degree d <= C whose shard of item i fits the cap; 0 if none.
-int64_t smallest_degree(const CpItems& items, int64_t i, int64_t C, int64_t cap) {
-  for (int64_t d = 1; d <= C; d *= 2)
+int64_t smallest_degree(const CpItems& items, int64_t i, int64_t C, int64_t cap, int64_t min_degree) {
+  for (int64_t d = min_degree; d <= C; d *= 2)
     if (items.local_at(i, d) <= cap) return d;
   return 0;
 }
@@ -173,6 +173,9 @@ void check_items(const CpItems& items, const CpStepOptions& o) {
   check_positive(kFn, "cp_size", o.cp_size);
   if ((o.cp_size & (o.cp_size - 1)) != 0)
     throw_invalid(kFn, "cp_size must be a power of two, got " + std::to_string(o.cp_size));
+  if (o.min_degree < 1 || o.min_degree > o.cp_size || (o.min_degree & (o.min_degree - 1)) != 0)
+    throw_invalid(kFn, "min_cp_degree must be a power of two in [1, cp_size=" + std::to_string(o.cp_size) +
+                           "], got " + std::to_string(o.min_degree));
   for (const auto& [name, v] : {std::pair{"cost.per_kv_token", o.cp.per_kv_token},
                                 std::pair{"cost.per_collective", o.cp.per_collective}})
     if (!std::isfinite(v) || v < 0) throw_invalid(kFn, std::string(name) + " must be finite and >= 0");
@@ -209,7 +212,7 @@ CpStepPlan plan_cp_step(const CpItems& items, const CpStepOptions& o) {
   std::vector<int64_t> least(static_cast<size_t>(n));
   for (int64_t i = 0; i < n; ++i) {
     const int64_t s = items.tokens[static_cast<size_t>(i)];
-    least[static_cast<size_t>(i)] = smallest_degree(items, i, C, cap);
+    least[static_cast<size_t>(i)] = smallest_degree(items, i, C, cap, o.hybrid ? o.min_degree : 1);
     if (least[static_cast<size_t>(i)] == 0)
       throw_invalid(kFn, items.name + "[" + std::to_string(i) + "] = " + std::to_string(s) +
                              " tokens: even sharded over cp_size=" + std::to_string(C) + " ranks, a rank's part (" +

@@ -46,6 +46,7 @@ struct CpStepOptions {
   StepOptions step;       // dp_size, max_tokens (per rank), cost, sync, counts, seed (squares: unused)
   int64_t cp_size = 1;    // C, a power of two
   bool hybrid = false;    // per-sequence degrees (else every sequence at C)
+  int64_t min_degree = 1; // hybrid: no sequence below this degree (Megatron's min_dynamic_context_parallel_size)
   CpCost cp;
 };
 

@@ -97,7 +97,7 @@ def forest_cp_items(forest: PrefixForest, ranges: List[Tuple[int, int]], cp_size
 
 def plan_forest_cp_step(forest: Any, lengths: Any, dp_size: int, max_tokens: int, cost: Any, sync: str,
                         mini_batches: int, min_micro_batches: int, multiple_of: int, seed: Any, cp_size: int,
-                        hybrid: bool, ranges: List[Tuple[int, int]]) -> Dict[str, Any]:
+                        hybrid: bool, ranges: List[Tuple[int, int]], min_degree: int = 1) -> Dict[str, Any]:
     """:func:`~seqpack.plan_step` with ``forest=`` and ``cp_size > 1`` over the
     mini-batch row ``ranges``: the core's plan of the trees, its cells, degrees and
     blocks given back per row."""
@@ -106,7 +106,7 @@ def plan_forest_cp_step(forest: Any, lengths: Any, dp_size: int, max_tokens: int
     raw = _core.plan_cp_items(tokens, squares, local.reshape(-1), "trees", np.asarray(sizes, dtype=np.int64),
                               dp_size, max_tokens, cost.per_micro_batch, cost.per_token, cost.per_token_squared,
                               cost.per_kv_token, cost.per_collective, sync, min_micro_batches, multiple_of, seed,
-                              cp_size, hybrid)
+                              cp_size, hybrid, min_degree)
     degree = np.empty(forest.num_rows, dtype=np.int64)
     first = np.empty(forest.num_rows, dtype=np.int64)
     for rows, d, f in zip(items, raw["degree"], raw["first_rank"]):

@@ -264,6 +264,7 @@ def plan_step(
     whole_trees: bool = False,
     cp_size: int = 1,
     hybrid_cp: bool = False,
+    min_cp_degree: int = 1,
 ) -> StepPlan:
     """Assign every sequence of a global batch to (mini-batch, rank, micro-batch)
     for the fastest step under ``cost``.
@@ -309,7 +310,13 @@ def plan_step(
         hybrid_cp: each sequence at the smallest degree whose shard fits the cap
             (the least K/V traffic), the fixed-CP placement kept instead when it
             is predicted faster: never slower than fixed CP on the same cost model.
-            Megatron-LM's ``--hybrid-context-parallel``.
+            Megatron-LM's ``--dynamic-context-parallel`` (``--hybrid-context-parallel``
+            when PR #2282 merged it). With ``forest=`` every tree of a mini-batch is
+            one item, sharded by :func:`~seqpack.tree_cp_bounds` ranges
+            (:mod:`~seqpack.planning.forest_cp`).
+        min_cp_degree: with ``hybrid_cp``, no sequence below this degree (a power
+            of two up to ``cp_size``; Megatron-LM's
+            ``--min-dynamic-context-parallel-size``).
 
     Raises:
         ValueError: a sequence above ``max_tokens``, fewer sequences than
@@ -332,11 +339,14 @@ def plan_step(
     if whole_trees and forest is None:
         raise ValueError("whole_trees=True needs forest= (it keeps a PrefixForest's trees whole)")
     cp_size = as_positive_int(cp_size, "cp_size")
+    min_cp_degree = as_positive_int(min_cp_degree, "min_cp_degree")
+    if min_cp_degree > 1 and not (hybrid_cp and cp_size > 1):
+        raise ValueError("min_cp_degree applies to hybrid CP: give it with cp_size > 1 and hybrid_cp=True")
     if cp_size > 1:
         return _plan_cp_step(lengths, dp_size, max_tokens, cost, sync, as_positive_int(mini_batches, "mini_batches"),
                              as_positive_int(min_micro_batches, "min_micro_batches"),
                              as_positive_int(multiple_of, "multiple_of"), seed, cp_size, bool(hybrid_cp), forest,
-                             whole_trees)
+                             min_cp_degree)  # every tree is whole with CP: whole_trees holds
     if forest is not None:
         from .forest_planning import plan_forest_step
 
@@ -377,14 +387,14 @@ def plan_step(
 
 def _plan_cp_step(lengths: Any, dp_size: int, max_tokens: int, cost: CostModel, sync: str, mini_batches: int,
                   min_micro_batches: int, multiple_of: int, seed: Any, cp_size: int, hybrid: bool, forest: Any,
-                  whole_trees: bool) -> StepPlan:
+                  min_degree: int) -> StepPlan:
     """:func:`plan_step` with ``cp_size > 1``: one call to the C++ CP planner, on the
     rows or (``forest``) on each mini-batch's trees, every tree whole."""
     if forest is None:
         lengths = as_lengths(lengths, "lengths")
         raw = _core.plan_cp_step(lengths, dp_size, max_tokens, cost.per_micro_batch, cost.per_token,
                                  cost.per_token_squared, cost.per_kv_token, cost.per_collective, sync, mini_batches,
-                                 min_micro_batches, multiple_of, seed, cp_size, hybrid)
+                                 min_micro_batches, multiple_of, seed, cp_size, hybrid, min_degree)
     else:
         from .forest_cp import plan_forest_cp_step
         from .forest_planning import checked_forest
@@ -396,7 +406,7 @@ def _plan_cp_step(lengths: Any, dp_size: int, max_tokens: int, cost: CostModel, 
                              "(each needs at least one)")
         bounds = np.cumsum([0] + [n // mini_batches + (m < n % mini_batches) for m in range(mini_batches)])
         raw = plan_forest_cp_step(forest, lengths, dp_size, max_tokens, cost, sync, mini_batches, min_micro_batches,
-                                  multiple_of, seed, cp_size, hybrid, list(zip(bounds[:-1], bounds[1:])))
+                                  multiple_of, seed, cp_size, hybrid, list(zip(bounds[:-1], bounds[1:])), min_degree)
     return StepPlan(
         **_cells(raw["mini_batches"], dp_size * cp_size),
         predicted_time=raw["predicted_time"], lower_bound=raw["lower_bound"], dp_size=dp_size,

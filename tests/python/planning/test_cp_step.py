@@ -205,3 +205,14 @@ def test_forest_depths_are_the_packed_trees_positions():
             ordered = forest_row_order(forest, subset)
             assert sorted(ordered.tolist()) == subset.tolist()
             assert got.tolist() == seqpack.pack_prefix_tree([rows[i] for i in ordered]).position_ids.tolist()
+
+
+def test_min_cp_degree_is_megatrons_smallest_dynamic_cp_group():
+    lengths = [100, 3, 2, 5, 7, 1]
+    free = seqpack.plan_step(lengths, 1, 60, cp_size=4, hybrid_cp=True)
+    floor = seqpack.plan_step(lengths, 1, 60, cp_size=4, hybrid_cp=True, min_cp_degree=2)
+    assert 1 in free.cp_degree.tolist() and (floor.cp_degree >= 2).all()
+    with pytest.raises(ValueError, match="min_cp_degree must be a power of two"):
+        seqpack.plan_step(lengths, 1, 60, cp_size=4, hybrid_cp=True, min_cp_degree=3)
+    with pytest.raises(ValueError, match="min_cp_degree applies to hybrid CP"):
+        seqpack.plan_step(lengths, 1, 60, cp_size=4, min_cp_degree=2)
