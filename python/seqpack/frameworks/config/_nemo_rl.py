@@ -9,10 +9,14 @@ from typing import Any, Mapping
 
 from ...planning.packing import PackingAlgorithm
 from ...tensors.layout import alignment, round_up
+from ._dynamic_cp import read_dynamic_cp
 from ._loader import Context, Reader
 from ._types import (MICROBATCH_ORDERS, ConfigError, DynamicBatchingConfig, ParallelConfig, SeqpackConfig,
                      SequencePackingConfig)
 
+# The keys seqpack reads in policy.megatron_cfg (besides dynamic CP's).
+NEMO_RL_MEGATRON_KEYS = ("enabled", "tensor_model_parallel_size", "context_parallel_size",
+                         "pipeline_model_parallel_size", "sequence_parallel")
 # The keys seqpack reads in the sections it owns.
 NEMO_RL_SEQUENCE_PACKING_KEYS = ("enabled", "train_mb_tokens", "logprob_mb_tokens", "algorithm",
                                  "sequence_length_round", "microbatch_order")
@@ -36,10 +40,11 @@ def load_nemo_rl(ctx: Context, data: Mapping[str, Any]) -> SeqpackConfig:
         parallel = ParallelConfig(tp=dtensor.int("tensor_parallel_size", 1), cp=dtensor.int("context_parallel_size", 1),
                                   sequence_parallel=dtensor.bool("sequence_parallel"), backend="dtensor")
     else:
+        cp = megatron.int("context_parallel_size", 1)
         parallel = ParallelConfig(
-            tp=megatron.int("tensor_model_parallel_size", 1), cp=megatron.int("context_parallel_size", 1),
+            tp=megatron.int("tensor_model_parallel_size", 1), cp=cp,
             pp=megatron.int("pipeline_model_parallel_size", 1), sequence_parallel=megatron.bool("sequence_parallel"),
-            backend="megatron")
+            backend="megatron", **read_dynamic_cp(megatron, cp, NEMO_RL_MEGATRON_KEYS))
     max_seqlen = policy.int("max_total_sequence_length")
 
     policy.no_lookalike(("sequence_packing", "dynamic_batching"))
@@ -58,6 +63,9 @@ def load_nemo_rl(ctx: Context, data: Mapping[str, Any]) -> SeqpackConfig:
     if parallel.cp > 1 and use_megatron and not sp_on:
         raise ConfigError("policy.megatron_cfg.context_parallel_size: context parallelism with Megatron-Core "
                           "needs policy.sequence_packing.enabled = true")
+    if parallel.dynamic_cp and parallel.pp > 1:
+        raise ConfigError("policy.megatron_cfg.dynamic_context_parallel: dynamic CP runs with one pipeline stage "
+                          f"(Megatron-LM's, as seqpack's), got pipeline_model_parallel_size = {parallel.pp}")
     if parallel.cp > 1 and use_dtensor and sp_on:
         raise ConfigError("policy.dtensor_cfg.context_parallel_size: the DTensor backend cannot pack sequences "
                           "with context parallelism; disable policy.sequence_packing")

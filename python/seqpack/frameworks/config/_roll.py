@@ -7,9 +7,14 @@ from __future__ import annotations
 from typing import Any, Mapping, Optional
 
 from ...tensors.layout import alignment, round_up
+from ._dynamic_cp import read_dynamic_cp
 from ._loader import Context, Reader
 from ._types import (ROLL_ALGORITHMS, ConfigError, ParallelConfig, RollDynamicBatchingConfig, RollPackingConfig,
                      SeqpackConfig)
+
+# The keys seqpack reads in strategy_args.strategy_config (besides dynamic CP's).
+ROLL_STRATEGY_KEYS = ("tensor_model_parallel_size", "context_parallel_size", "pipeline_model_parallel_size",
+                      "virtual_pipeline_model_parallel_size", "sequence_parallel")
 
 # StrategyArguments.strategy_name's default in the ROLL whose WorkerConfig turns packing
 # off for other strategies than Megatron's; older releases defaulted to deepspeed_train
@@ -41,10 +46,15 @@ def load_roll(ctx: Context, data: Mapping[str, Any], role: str) -> SeqpackConfig
         sc = strategy.section("strategy_config")
     else:
         sc = worker.section("strategy_args")  # {}: every size 1
+    cp = sc.int("context_parallel_size", 1)
     parallel = ParallelConfig(
-        tp=sc.int("tensor_model_parallel_size", 1), cp=sc.int("context_parallel_size", 1),
+        tp=sc.int("tensor_model_parallel_size", 1), cp=cp,
         pp=sc.int("pipeline_model_parallel_size", 1), vpp=sc.int("virtual_pipeline_model_parallel_size"),
-        sequence_parallel=sc.bool("sequence_parallel"), backend=strategy_name)
+        sequence_parallel=sc.bool("sequence_parallel"), backend=strategy_name,
+        **read_dynamic_cp(sc, cp, ROLL_STRATEGY_KEYS))
+    if parallel.dynamic_cp and parallel.pp > 1:
+        raise ConfigError(f"{sc.key('dynamic_context_parallel')}: dynamic CP runs with one pipeline stage "
+                          f"(Megatron-LM's, as seqpack's), got pipeline_model_parallel_size = {parallel.pp}")
     top = Reader(ctx, (), data)
     sequence_length = top.int("sequence_length")
     if sequence_length is None:

@@ -40,6 +40,11 @@ class ParallelConfig:
     # strategy_args); verl: actor.strategy (the SFT trainer: engine.strategy)
     backend: Optional[str] = "megatron"
     ulysses: int = 1  # verl: the actor's Ulysses sequence-parallel size (FSDP strategies)
+    # Megatron-LM's dynamic (hybrid) CP: dynamic_context_parallel,
+    # min_dynamic_context_parallel_size, max_seqlen_per_dp_cp_rank (config/_dynamic_cp.py).
+    dynamic_cp: bool = False
+    min_dynamic_cp: int = 1
+    max_seqlen_per_rank: Optional[int] = None
 
 
 @dataclass(frozen=True)
@@ -229,7 +234,7 @@ class SeqpackConfig:
                 backend.update(tensor_parallel_size=p.tp, context_parallel_size=p.cp)
             else:
                 backend.update(tensor_model_parallel_size=p.tp, context_parallel_size=p.cp,
-                               pipeline_model_parallel_size=p.pp)
+                               pipeline_model_parallel_size=p.pp, **_dynamic_cp_dict(p))
             policy: Dict[str, Any] = {
                 "megatron_cfg" if p.backend == "megatron" else "dtensor_cfg": backend,
                 "make_sequence_length_divisible_by": sp.sequence_length_pad_multiple,
@@ -250,7 +255,8 @@ class SeqpackConfig:
             return {"policy": policy}
         rp, rd = self.roll_packing, self.roll_dynamic_batching
         strategy_config = {"tensor_model_parallel_size": p.tp, "context_parallel_size": p.cp,
-                           "pipeline_model_parallel_size": p.pp, "sequence_parallel": p.sequence_parallel}
+                           "pipeline_model_parallel_size": p.pp, "sequence_parallel": p.sequence_parallel,
+                           **_dynamic_cp_dict(p)}
         if p.vpp is not None:
             strategy_config["virtual_pipeline_model_parallel_size"] = p.vpp
         worker: Dict[str, Any] = {
@@ -324,6 +330,40 @@ class SeqpackConfig:
         elif self.dynamic_batching.enabled:
             kwargs["dynamic_batching_args"] = self.dynamic_batching_args(phase)
         return kwargs
+
+    # Any schema ---------------------------------------------------------
+    def plan_step_kwargs(self, dp_size: int) -> Dict[str, Any]:
+        """Keyword arguments of :func:`seqpack.plan_step` for a training step with
+        this config's context parallelism: ``cp_size``, ``hybrid_cp`` (Megatron's
+        ``dynamic_context_parallel``), ``min_cp_degree`` and ``max_tokens``, a
+        rank's tokens per micro-batch: ``max_seqlen_per_dp_cp_rank`` when set, else
+        the framework's training cap (NeMo-RL's ``train_mb_tokens`` and ROLL's
+        ``max_packed_sequence_length_train``, which count a micro-batch before its
+        CP split, divided by the CP size; verl's ``ppo_max_token_len_per_gpu``)."""
+        try:
+            dp_size = as_int(dp_size, "dp_size")
+        except TypeError:
+            raise ConfigError(f"dp_size must be an integer >= 1, got {dp_size!r}") from None
+        if not 1 <= dp_size <= INT64_MAX:
+            raise ConfigError(f"dp_size must be an integer >= 1 (and fit in int64), got {dp_size!r}")
+        p = self.parallel
+        cap, where_ = p.max_seqlen_per_rank, "max_seqlen_per_dp_cp_rank"
+        if cap is None:
+            if self.schema == "nemo_rl":
+                cap, where_ = self.sequence_packing.train_mb_tokens, "policy.sequence_packing.train_mb_tokens"
+                cap = None if cap is None else cap // p.cp
+            elif self.schema == "roll":
+                cap, where_ = self.roll_packing.max_packed_sequence_length_train, \
+                    f"{self.role}.sequence_packing_args.max_packed_sequence_length_train"
+                cap = None if cap is None else cap // p.cp
+            else:
+                cap, where_ = self.verl.role("sft" if self.verl.trainer == "sft" else "actor").max_token_len_per_gpu, \
+                    "the actor's max_token_len_per_gpu"
+        if not cap:
+            raise ConfigError(f"{where_}: a rank's token cap is needed to plan the step (set "
+                              "max_seqlen_per_dp_cp_rank in the Megatron section, or the framework's cap)")
+        return {"dp_size": dp_size, "max_tokens": int(cap), "cp_size": p.cp, "hybrid_cp": p.dynamic_cp,
+                "min_cp_degree": p.min_dynamic_cp}
 
     # ROLL ---------------------------------------------------------------
     def _roll(self, what: str):
@@ -408,6 +448,12 @@ class SeqpackConfig:
         return {"k_partitions": dp_size, "equal_size": True}
 
 
+def _dynamic_cp_dict(p: ParallelConfig) -> Dict[str, Any]:
+    from ._dynamic_cp import dynamic_cp_keys
+
+    return dynamic_cp_keys(p.dynamic_cp, p.min_dynamic_cp, p.max_seqlen_per_rank)
+
+
 def _phase_tokens(section, phase: str, path: str) -> int:
     if phase not in PHASES:
         raise ConfigError(f"phase must be one of {PHASES}, got {phase!r}")
@@ -445,7 +491,8 @@ def _verl_to_dict(cfg: SeqpackConfig) -> Dict[str, Any]:
         actor["use_prefix_grouper"] = True
     if v.strategy == "megatron":
         actor["megatron"].update(tensor_model_parallel_size=p.tp, pipeline_model_parallel_size=p.pp,
-                                 virtual_pipeline_model_parallel_size=p.vpp, sequence_parallel=p.sequence_parallel)
+                                 virtual_pipeline_model_parallel_size=p.vpp, sequence_parallel=p.sequence_parallel,
+                                 **_dynamic_cp_dict(p))
     critic = sp({"strategy": v.critic_strategy, "enable": v.use_critic,
                  "ppo_mini_batch_size": v.critic_ppo_mini_batch_size,
                  "model": {"use_remove_padding": v.critic.use_remove_padding}, **keys(v.critic, "ppo_"),
@@ -470,7 +517,8 @@ def _verl_sft_to_dict(cfg: SeqpackConfig) -> Dict[str, Any]:
     engine: Dict[str, Any] = {"strategy": v.strategy}
     if v.strategy == "megatron":
         engine.update(tensor_model_parallel_size=p.tp, context_parallel_size=p.cp, pipeline_model_parallel_size=p.pp,
-                      virtual_pipeline_model_parallel_size=p.vpp, sequence_parallel=p.sequence_parallel)
+                      virtual_pipeline_model_parallel_size=p.vpp, sequence_parallel=p.sequence_parallel,
+                      **_dynamic_cp_dict(p))
     elif v.strategy == "torchtitan":
         engine.update(tensor_parallel_size=p.tp, context_parallel_size=p.cp)
     elif v.strategy == "veomni":

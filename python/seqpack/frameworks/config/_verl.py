@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping
 
+from ._dynamic_cp import DYNAMIC_CP_KEYS, read_dynamic_cp
 from ._loader import Context, Reader
 from ._types import ConfigError, ParallelConfig, SeqpackConfig, VerlConfig, VerlMicroBatching
 from ._verl_sft import is_sft, load_verl_sft  # noqa: F401  (is_sft: the schema detection's)
@@ -39,7 +40,7 @@ def _verl_sp(r: Reader, strategy: str, engine: str, default_ulysses: int, defaul
     copies it into the engine config), else the engine config's (``fsdp_config`` /
     the critic's ``fsdp``). Megatron: ``megatron.context_parallel_size``."""
     if strategy == "megatron":
-        meg = r.section("megatron").no_lookalike(VERL_MEGATRON_KEYS, what="key")
+        meg = r.section("megatron").no_lookalike(VERL_MEGATRON_KEYS, what="key", known=DYNAMIC_CP_KEYS)
         cp = meg.need("context_parallel_size", default_cp)
         return cp, meg
     top = r.need("ulysses_sequence_parallel_size", default_ulysses)
@@ -82,7 +83,11 @@ def load_verl(ctx: Context, data: Mapping[str, Any]) -> SeqpackConfig:
         parallel = ParallelConfig(tp=meg.need("tensor_model_parallel_size", 1), cp=actor_sp,
                                   pp=meg.need("pipeline_model_parallel_size", 1),
                                   vpp=meg.int("virtual_pipeline_model_parallel_size"),
-                                  sequence_parallel=meg.bool("sequence_parallel", True), backend=strategy)
+                                  sequence_parallel=meg.bool("sequence_parallel", True), backend=strategy,
+                                  **read_dynamic_cp(meg, actor_sp, VERL_MEGATRON_KEYS))
+        if parallel.dynamic_cp and parallel.pp > 1:
+            raise ConfigError(f"{meg.key('dynamic_context_parallel')}: dynamic CP runs with one pipeline stage "
+                              f"(Megatron-LM's, as seqpack's), got pipeline_model_parallel_size = {parallel.pp}")
     else:
         parallel = ParallelConfig(backend=strategy, ulysses=actor_sp)
     # ref's Ulysses size defaults to the actor's key (oc.select), not to the actor's engine config.

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
+from ._dynamic_cp import DYNAMIC_CP_KEYS, read_dynamic_cp
 from ._loader import Context, Reader
 from ._types import ConfigError, ParallelConfig, SeqpackConfig, VerlConfig, VerlMicroBatching
 
@@ -58,13 +59,14 @@ def load_verl_sft(ctx: Context, data: Mapping[str, Any]) -> SeqpackConfig:
     strategy = engine.text("strategy", VERL_SFT_ENGINE_TARGETS.get(str(target).rsplit(".", 1)[-1], "fsdp"))
     sp_key = VERL_SFT_ENGINE_SP_KEYS.get(strategy)
     if strategy == "megatron":
-        engine.no_lookalike(VERL_SFT_MEGATRON_KEYS + ("strategy",), what="key")
+        engine.no_lookalike(VERL_SFT_MEGATRON_KEYS + ("strategy",), what="key", known=DYNAMIC_CP_KEYS)
         sp, tp = engine.need("context_parallel_size", 1), engine.need("tensor_model_parallel_size", 1)
         # McoreEngineConfig turns sequence parallelism off with TP = 1.
         parallel = ParallelConfig(tp=tp, cp=sp, pp=engine.need("pipeline_model_parallel_size", 1),
                                   vpp=engine.int("virtual_pipeline_model_parallel_size"),
                                   sequence_parallel=engine.bool("sequence_parallel", True) and tp > 1,
-                                  backend=strategy)
+                                  backend=strategy,
+                                  **read_dynamic_cp(engine, sp, VERL_SFT_MEGATRON_KEYS + ("strategy", "_target_")))
     elif strategy == "torchtitan":
         engine.no_lookalike(("tensor_parallel_size", "context_parallel_size", "strategy"), what="key")
         sp = engine.need("tensor_parallel_size", 1)
