@@ -67,13 +67,14 @@ _export("tensors.prefix_tree", "PrefixTreeBatch", "PrefixTreeMetrics", "pack_pre
 _export("tensors.prefix_tree_cp", "tree_cp_bounds", "tree_cp_local_rows")
 _export("tensors.tree_plans", "prepare_tree")
 _export("tensors.hybrid_cp", "HybridCpBatch", "HybridCpPart", "pack_hybrid_cp", "hybrid_cp_micro_batches")
-_export("tensors.hybrid_cp_groups", "HybridCpGroups", "hybrid_cp_groups")
+_export("tensors.hybrid_cp_groups", "hybrid_cp_groups")
 # Training ops
 _export("training.logprobs", "TokenLogprobs", "packed_token_logprobs", "linear_token_logprobs")
 _export("training.logprobs_tree", "tree_token_logprobs", "tree_linear_token_logprobs")
 _export("training.logprobs_columns", "column_logprobs", "linear_column_logprobs")
 _export("training.loss", "SequencePackingLossWrapper", "prepare_loss_input", "NLLLoss", "ClippedPGLoss")
 _export("training.attention_hybrid_cp", "hybrid_cp_attention", "hybrid_cp_token_logprobs")
+_export("training.loss_hybrid_cp", "HybridCpLossWrapper")
 _export("training.attention", "varlen_attention", "cp_attention", "ulysses_attention", "attention_backends",
         "tree_attention", "tree_attention_backends", "tree_cp_attention")
 # Frameworks
@@ -97,7 +98,7 @@ __all__ = [
     "packed_token_logprobs", "linear_token_logprobs", "tree_token_logprobs", "tree_linear_token_logprobs",
     "column_logprobs", "linear_column_logprobs",
     "TokenLogprobs",
-    "SequencePackingLossWrapper",
+    "SequencePackingLossWrapper", "HybridCpLossWrapper",
     "prepare_loss_input",
     "varlen_attention", "cp_attention", "ulysses_attention", "tree_attention", "tree_attention_backends",
     "tree_cp_attention", "hybrid_cp_attention", "hybrid_cp_token_logprobs",
@@ -221,13 +222,14 @@ if TYPE_CHECKING:  # what the lazy attributes resolve to, for type checkers and 
     from .tensors.prefix_tree import PrefixTreeBatch, PrefixTreeMetrics, pack_prefix_tree
     from .tensors.prefix_tree_cp import tree_cp_bounds, tree_cp_local_rows
     from .tensors.hybrid_cp import HybridCpBatch, HybridCpPart, hybrid_cp_micro_batches, pack_hybrid_cp
-    from .tensors.hybrid_cp_groups import HybridCpGroups, hybrid_cp_groups
+    from .tensors.hybrid_cp_groups import hybrid_cp_groups
     from .tensors.tree_plans import prepare_tree
     from .tensors.thd import PackedBatch, PackedSeqParams, pack_sequences, pack_to_layout, unpack_sequences
     from .tensors.thd_static import StaticPackedBatch, pack_sequences_static
     from .training.attention import (attention_backends, cp_attention, tree_attention, tree_attention_backends,
                                      tree_cp_attention, ulysses_attention, varlen_attention)
     from .training.attention_hybrid_cp import hybrid_cp_attention, hybrid_cp_token_logprobs
+    from .training.loss_hybrid_cp import HybridCpLossWrapper
     from .training.logprobs import TokenLogprobs, packed_token_logprobs
     from .training.logprobs_columns import column_logprobs, linear_column_logprobs
     from .training.logprobs_tree import tree_linear_token_logprobs, tree_token_logprobs

@@ -96,11 +96,11 @@ def _report():
 def _samples():
     from seqpack.frameworks import batched_data_dict as bdd, config, hf, roll
     from seqpack.planning import packing
-    from seqpack.tensors import prefix_tree, token_layout, tree_plans
+    from seqpack.tensors import hybrid_cp, prefix_tree, token_layout, tree_plans
     from seqpack.training import logprobs_tree
     from seqpack.testing import tiny_model
     from seqpack.tools import report, report_cp, report_trees
-    from seqpack.training import loss
+    from seqpack.training import loss, loss_hybrid_cp
 
     lengths = [46, 24, 55, 88, 11, 14, 73, 17]
     tiny = tiny_model.TinyConfig(vocab_size=32, hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1)
@@ -181,6 +181,10 @@ def _samples():
         report_trees.TreeReport: lambda: report_trees.tree_report(
             *report_trees.grpo_rows(prompts=2, group=2, seed=0, max_len=4096), capacity=4096, dp_size=2),
         report_cp.CpReport: lambda: report_cp.cp_report(report_cp.long_context_lengths(8, 2048), 1024, 1, 2),
+        hybrid_cp.HybridCpBatch: _hybrid_micro_batch,
+        hybrid_cp.HybridCpPart: lambda: _hybrid_micro_batch().parts[1],
+        loss_hybrid_cp.HybridCpLossWrapper: lambda: loss_hybrid_cp.HybridCpLossWrapper(loss.NLLLoss(),
+                                                                                       _hybrid_micro_batch()),
         report.Table: lambda: report.Table("bins", ["a", "b"], [[1, report.Pct(0.5)], [2, report.Ms(3.0)]]),
         report.Pct: lambda: report.Pct(0.25),
         report.Ms: lambda: report.Ms(1.5),
@@ -205,6 +209,15 @@ def _planned_layout():
     layout = seqpack.PackedLayout.from_lengths([3, 5, 1], pad_multiple=4)
     layout.logical_index, layout.position_ids, layout.pad_index  # noqa: B018 (built and kept)
     return layout
+
+
+def _hybrid_micro_batch():
+    """Rank 0's hybrid-CP micro-batch: a row whole, a row sharded over 2 ranks."""
+    plan = seqpack.plan_step([12, 3, 2], 1, 9, cp_size=2, hybrid_cp=True)
+    ids = torch.arange(1, 37).view(3, 12)
+    mb = seqpack.pack_hybrid_cp({"input_ids": ids}, [12, 3, 2], plan, rank=0, micro_batch=0)
+    mb.data = {"input_ids": ids[list(mb.rows)]}
+    return mb
 
 
 def _metrics():

@@ -582,7 +582,7 @@ class BatchedDataDict(UserDict, Generic[DictT]):
         instead (its whole rows and its parts of the sharded ones, each padded as
         the plan counted; ``pad_multiple``, TP and PP do not apply), each with
         ``.data`` (its rows, in ``.rows`` order) for
-        :class:`seqpack.training.loss_hybrid_cp.HybridCpLossWrapper`; every rank of
+        :class:`seqpack.HybridCpLossWrapper`; every rank of
         ``group`` (the DP x CP ranks, default WORLD) agrees on the plan first.
         """
         from ..tensors.thd import pack_sequences

@@ -94,6 +94,18 @@ class HybridCpPart:
             raise ValueError("a prefix-tree part has no PackedSeqParams (tree attention takes the tree itself)")
         return self.layout.packed_seq_params()
 
+    def _key(self) -> tuple:
+        return (self.degree, self.first, self.cp_rank, self.rows, self.start, self.end, self.layout, self.input_ids)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, HybridCpPart):
+            return NotImplemented
+        from .._equality import values_equal
+
+        return values_equal(self._key(), other._key())
+
+    __hash__ = None  # type: ignore[assignment]
+
 
 @dataclass(eq=False)
 class HybridCpBatch:
@@ -142,12 +154,11 @@ class HybridCpBatch:
             return NotImplemented
         from .._equality import values_equal
 
-        mine = (self.dp_size, self.dp_rank, self.cp_size, self.cp_rank, self.mini_batch, self.micro_batch, self._rows)
-        theirs = (other.dp_size, other.dp_rank, other.cp_size, other.cp_rank, other.mini_batch, other.micro_batch,
-                  other._rows)
-        return mine == theirs and values_equal(self.tensors, other.tensors) and \
-            [(p.degree, p.first, p.cp_rank, p.rows, p.start, p.end) for p in self.parts] == \
-            [(p.degree, p.first, p.cp_rank, p.rows, p.start, p.end) for p in other.parts]
+        def key(b: "HybridCpBatch") -> tuple:
+            return (b.dp_size, b.dp_rank, b.cp_size, b.cp_rank, b.mini_batch, b.micro_batch, b._rows, b.parts,
+                    b.tensors, b.position_ids, b.data)
+
+        return values_equal(key(self), key(other))
 
     __hash__ = None  # type: ignore[assignment]
 
@@ -264,9 +275,9 @@ def pack_hybrid_cp(tensors: Mapping[str, "torch.Tensor"], seq_lens: Any, plan: A
             groups = [int(forest.tree_ids[i]) for i in ids]
             tree = pack_prefix_tree(seqs, group_ids=groups, min_shared_tokens=min_shared_tokens)
             lo, hi = (0, tree.num_tokens) if d == 1 else _tree_range(tree, d, j)
-            local_ids = torch.as_tensor(tree.input_ids[lo:hi], device=device)
+            local_ids = torch.tensor(tree.input_ids[lo:hi], device=device)  # a copy: the arrays are read-only
             pieces.setdefault("input_ids", []).append(local_ids)
-            positions.append(torch.as_tensor(tree.position_ids[lo:hi], device=device))
+            positions.append(torch.tensor(tree.position_ids[lo:hi], device=device))
             layout, full = tree, None
         else:
             chosen, chosen_lens = rows_of(ids)

@@ -27,7 +27,7 @@ from typing import Any, Dict, List, Tuple
 
 from .._lengths import as_positive_int
 
-__all__ = ["HybridCpGroups", "hybrid_cp_groups"]
+__all__ = ["hybrid_cp_groups"]  # its HybridCpGroups holds process groups: no data, no pickling
 
 
 class HybridCpGroups:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Dict, Mapping, Optional, Tuple
 
+from .._equality import ValueEquality
 from .._lengths import as_temperature, type_name
 
 __all__ = ["HybridCpLossWrapper"]
@@ -37,41 +38,50 @@ def _rows(data: Mapping[str, Any], start: int, end: int) -> Dict[str, Any]:
     return {k: v[start:end] for k, v in data.items()}
 
 
-class HybridCpLossWrapper:
+def _layout(part: Any) -> Any:
+    """What the wrapper takes as ``cu_seqlens_q``: a tree, or a packed part's layout."""
+    return part.layout if part.is_tree else part.layout.layout
+
+
+class HybridCpLossWrapper(ValueEquality):
     """:class:`~seqpack.SequencePackingLossWrapper` over every part of a hybrid-CP
-    micro-batch (see the module docstring).
+    micro-batch (see the module docstring). It holds the loss, the batch and the
+    options (it pickles and compares by them); each part's wrapper, with its
+    block's group from :func:`~seqpack.hybrid_cp_groups`, is built on the first
+    call in the process that runs it.
 
     Args:
         loss_fn: NeMo-RL's loss function (as the wrapper takes it).
         batch: this rank's :class:`~seqpack.HybridCpBatch`.
         fused / temperature / vocab_parallel_rank / vocab_parallel_group / agree:
             as :class:`~seqpack.SequencePackingLossWrapper`, for every part.
-        groups: the blocks' groups (default :func:`~seqpack.hybrid_cp_groups` of the
-            batch's sizes).
     """
 
     def __init__(self, loss_fn: Callable, batch: Any, *, fused: bool = False, temperature: float = 1.0,
-                 vocab_parallel_rank: Optional[int] = None, vocab_parallel_group: Any = None, groups: Any = None,
+                 vocab_parallel_rank: Optional[int] = None, vocab_parallel_group: Any = None,
                  agree: bool = True) -> None:
         from ..tensors.hybrid_cp import HybridCpBatch
         from .loss import SequencePackingLossWrapper
 
         if not isinstance(batch, HybridCpBatch):
             raise TypeError(f"batch must be a seqpack.HybridCpBatch, got {type_name(batch)}")
-        if groups is None and any(p.degree > 1 for p in batch.parts):
-            from ..tensors.hybrid_cp_groups import hybrid_cp_groups
+        self.loss_fn, self.batch = loss_fn, batch
+        self.options = dict(fused=bool(fused), temperature=as_temperature(temperature),
+                            vocab_parallel_rank=vocab_parallel_rank, vocab_parallel_group=vocab_parallel_group,
+                            agree=bool(agree))
+        for part in batch.parts:  # the wrapper's own checks of the loss and the layout, now
+            SequencePackingLossWrapper(loss_fn, cu_seqlens_q=_layout(part), **self.options)
 
-            groups = hybrid_cp_groups(batch.dp_size, batch.cp_size)
-        self.batch, self.loss_fn = batch, loss_fn
-        temperature = as_temperature(temperature)
-        self.parts = []
-        for part in batch.parts:
-            group = groups.block(batch.dp_rank, part.degree, part.first) if part.degree > 1 else None
-            layout = part.layout if part.is_tree else part.layout.layout
-            self.parts.append((part, SequencePackingLossWrapper(
-                loss_fn, cu_seqlens_q=layout, vocab_parallel_rank=vocab_parallel_rank,
-                vocab_parallel_group=vocab_parallel_group, context_parallel_group=group, fused=fused,
-                temperature=temperature, agree=agree)))
+    def _wrappers(self) -> list:
+        from ..tensors.hybrid_cp_groups import hybrid_cp_groups
+        from .loss import SequencePackingLossWrapper
+
+        b = self.batch
+        groups = hybrid_cp_groups(b.dp_size, b.cp_size) if any(p.degree > 1 for p in b.parts) else None
+        return [SequencePackingLossWrapper(
+            self.loss_fn, cu_seqlens_q=_layout(p), **self.options,
+            context_parallel_group=groups.block(b.dp_rank, p.degree, p.first) if p.degree > 1 else None)
+            for p in b.parts]
 
     def __call__(self, next_token_logits: Any, data: Mapping[str, Any], global_valid_seqs: Any,
                  global_valid_toks: Any, *, lm_head_weight: Any = None, lm_head_bias: Any = None
@@ -89,7 +99,7 @@ class HybridCpLossWrapper:
         total = logits[:0].sum()  # a rank with no part still has a backward (its dummy micro-batch)
         merged: Dict[str, float] = {}
         first = 0
-        for part, wrapper in self.parts:
+        for part, wrapper in zip(self.batch.parts, self._wrappers()):
             n = len(part.rows)
             loss, metrics = wrapper(logits[part.start:part.end], _rows(data, first, first + n), global_valid_seqs,
                                     global_valid_toks, lm_head_weight=lm_head_weight, lm_head_bias=lm_head_bias)

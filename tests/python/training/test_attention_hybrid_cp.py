@@ -7,8 +7,8 @@ On 4 gloo ranks (C = 4, D = 1; and C = 2, D = 2): a one-layer model's loss and
 weight gradients summed over the ranks equal the one-process padded step on the
 same rows, in fp64, with plain rows and with prefix trees (plans whose degrees mix
 1, 2 and 4); a rank handed another plan, or a bad input, makes every rank raise
-(never a hang). One process: the micro-batches lay out every token of the plan's
-cells exactly once across the ranks, each rank within the cap.
+(never a hang). The one-process layout properties are in
+tests/python/tensors/test_hybrid_cp.py.
 """
 
 import numpy as np
@@ -16,8 +16,6 @@ import pytest
 import torch
 import torch.distributed as dist
 from _gloo import started_pools, values_of
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 import seqpack
 from seqpack import CostModel
@@ -60,48 +58,6 @@ def make_plan(rows, dp, cp, cap, trees, seed=0):
                              seed=seed), None
 
 
-# ------------------------------------------------------------------ one process
-@settings(max_examples=30, deadline=None)
-@given(st.lists(st.integers(1, 40), min_size=1, max_size=12), st.sampled_from([2, 4]), st.integers(1, 2),
-       st.integers(0, 10))
-def test_micro_batches_lay_out_every_planned_token_once(lengths, cp, dp, slack):
-    cap = max(-(-s // (2 * cp)) * 2 for s in lengths) + slack
-    plan = seqpack.plan_step(lengths, dp, cap, cost=COST, cp_size=cp, hybrid_cp=True)
-    rows = [[1000 * i + t for t in range(n)] for i, n in enumerate(lengths)]
-    ids, lens = padded(rows)
-    seen = {}
-    for r in range(dp * cp):
-        for k in range(plan.num_micro_batches[0]):
-            mb = seqpack.pack_hybrid_cp({"input_ids": ids}, lens, plan, rank=r, micro_batch=k)
-            assert mb.num_tokens <= cap and mb.num_tokens == plan.tokens[0][r][k]
-            assert sorted(mb.rows) == sorted(plan.assignment[0][r][k])
-            keys = [(p.degree, p.first, min(p.rows)) for p in mb.parts]
-            assert keys == sorted(keys)  # whole first, then by degree and block
-            for p in mb.parts:
-                got = mb["input_ids"][p.start:p.end]
-                assert (mb.position_ids[p.start:p.end] == p.layout.position_ids).all()
-                for t in got.tolist():
-                    if t or not p.degree:  # 0: padding
-                        seen.setdefault(t, []).append((r, k))
-    for i, n in enumerate(lengths):
-        for t in range(1 if i == 0 else 0, n):  # token 0 of row 0 is id 0, read as padding
-            assert len(seen[1000 * i + t]) == 1, (i, t)
-
-
-def test_bad_inputs_name_the_rule():
-    plan = seqpack.plan_step([12, 3, 2], 1, 9, cp_size=2, hybrid_cp=True)
-    ids = torch.zeros(3, 12, dtype=torch.long)
-    with pytest.raises(ValueError, match="rank must be below dp_size x cp_size = 2"):
-        seqpack.pack_hybrid_cp({"input_ids": ids}, [12, 3, 2], plan, rank=2, micro_batch=0)
-    with pytest.raises(ValueError, match="micro_batch must be below"):
-        seqpack.pack_hybrid_cp({"input_ids": ids}, [12, 3, 2], plan, rank=0, micro_batch=1)
-    with pytest.raises(ValueError, match="no CP degrees"):
-        seqpack.pack_hybrid_cp({"input_ids": ids}, [12, 3, 2], seqpack.plan_step([12, 3, 2], 2, 12), rank=0,
-                               micro_batch=0)
-    with pytest.raises(TypeError, match="StepPlan"):
-        seqpack.pack_hybrid_cp({"input_ids": ids}, [12, 3, 2], [[0]], rank=0, micro_batch=0)
-
-
 # ------------------------------------------------------------------ gloo ranks
 def step_matches_one_process(rank, world, dp, cp, cap, trees):
     from seqpack.testing.tiny_model import TinyCausalLM, TinyConfig, packed_loss
@@ -141,7 +97,7 @@ def nemo_rl_step_matches_one_process(rank, world, dp, cp, cap, trees, fused):
     # at a time, each CP rank's hybrid micro-batches and the loss wrapper on them.
     from seqpack.testing.tiny_model import TinyCausalLM, TinyConfig
     from seqpack.training.loss import NLLLoss
-    from seqpack.training.loss_hybrid_cp import HybridCpLossWrapper
+    from seqpack import HybridCpLossWrapper
 
     torch.manual_seed(0)
     model = TinyCausalLM(TinyConfig(vocab_size=97, hidden_size=16, num_layers=1, num_heads=4,
