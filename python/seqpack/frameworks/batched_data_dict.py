@@ -52,7 +52,7 @@ import numpy as np
 from ._batch import dummy_row
 from ._bdd_gather import all_gather_rows
 from ._bdd_hybrid_cp import batch_of as hybrid_batch_of
-from ._bdd_hybrid_cp import hybrid_iterator
+from ._bdd_packed import packed_iterator
 from ._bdd_sharding import bin_assignment_spread, shard_by_plan, shard_dynamic, shard_packed
 from ._bdd_values import (COUPLED_MEDIA_KEYS, NATIVE_MEDIA_KEYS, BatchedDataDictError, DynamicBatchingArgs,
                           SequencePackingArgs, _check, _check_row_counts, _lengths, _media_memo, _positive, _row_mapped,
@@ -64,7 +64,6 @@ from ._batch import rows as _rows
 from ._batch import select as _select
 from .._equality import values_equal
 from .._lengths import as_int
-from ..tensors.layout import alignment, round_up
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -585,39 +584,10 @@ class BatchedDataDict(UserDict, Generic[DictT]):
         :class:`seqpack.HybridCpLossWrapper`; every rank of
         ``group`` (the DP x CP ranks, default WORLD) agrees on the plan first.
         """
-        from ..tensors.thd import pack_sequences
-
-        if self.hybrid_cp is not None:
-            _check(pad_multiple is None and tp_size == 1 and pp_size == 1 and not sequence_parallel,
-                   "a hybrid-CP micro-batch pads as the plan counted: pad_multiple, tp_size, sequence_parallel and "
-                   "pp_size do not apply")
-            return hybrid_iterator(self, keys, cp_size=cp_size, cp_rank=cp_rank, input_lengths_key=input_lengths_key,
-                                   pad_values=pad_values, group=group, forest=forest, shard_cls=SlicedDataDict)
-
-        indices, _ = self._one_plan()
-        multiple = alignment(cp_size=cp_size, tp_size=tp_size, sequence_parallel=sequence_parallel) \
-            if pad_multiple is None else _positive(pad_multiple, "pad_multiple")
-        pp_size = _positive(pp_size, "pp_size")
-        lens = _lengths(self.data, input_lengths_key)
-        if keys is None:
-            keys = [k for k, v in self.data.items() if _is_tensor(v) and v.dim() >= 2]
-        _check(len(keys) > 0, "no [B, S, ...] tensor to pack (give keys=)")
-        padded = round_up(lens, multiple)
-        pad_to = None
-        if pp_size > 1:
-            pad_to = max(int(padded[s:e].sum()) for s, e in indices) or None
-
-        def gen():
-            for start, end in indices:
-                if end > start:
-                    mb, mb_lens = {k: self.data[k][start:end] for k in keys}, lens[start:end]
-                else:  # a dummy: one token, zero loss masks
-                    dummy = self.dummy_microbatch(input_lengths_key)
-                    mb, mb_lens = {k: dummy[k] for k in keys}, np.ones(1, dtype=np.int64)
-                yield pack_sequences(mb, seq_lens=mb_lens, pad_multiple=multiple, pad_values=pad_values,
-                                     pad_packed_to=pad_to, cp_size=cp_size, cp_rank=cp_rank)
-
-        return gen()
+        return packed_iterator(self, keys, input_lengths_key=input_lengths_key, pad_multiple=pad_multiple,
+                               cp_size=cp_size, cp_rank=cp_rank, tp_size=tp_size, sequence_parallel=sequence_parallel,
+                               pp_size=pp_size, pad_values=pad_values, group=group, forest=forest,
+                               shard_cls=SlicedDataDict)
 
 
 class SlicedDataDict(BatchedDataDict):
