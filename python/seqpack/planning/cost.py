@@ -51,6 +51,29 @@ def _sums(micro_batches: Iterable[Any]) -> np.ndarray:
     return np.asarray(rows, dtype=np.float64).reshape(-1, 3)
 
 
+def _cp_sums(micro_batches: Sequence[Any], degrees: Sequence[Any]) -> np.ndarray:
+    """``[n, 5]`` float64 rows ``(1, Σ local tokens, Σ s²/d, Σ s(d-1)/d, sharded)``
+    of each micro-batch as one CP rank runs it: its sequences' lengths ``s`` and
+    degrees ``d`` (a rank's tokens of a sharded sequence are its zigzag share,
+    ``round_up(s, 2d) / d``)."""
+    if len(degrees) != len(micro_batches):
+        raise ValueError(f"cp_degrees has {len(degrees)} entries for {len(micro_batches)} micro-batches")
+    rows: List[List[float]] = []
+    for i, (mb, deg) in enumerate(zip(micro_batches, degrees)):
+        lens = as_lengths(mb, f"micro_batch_lengths[{i}]").astype(np.int64)
+        d = as_lengths(deg, f"cp_degrees[{i}]").astype(np.int64)
+        if d.shape != lens.shape:
+            raise ValueError(f"cp_degrees[{i}] must give one degree per sequence of micro_batch_lengths[{i}] "
+                             f"({lens.shape[0]}), got {d.shape[0]}")
+        if (lens < 0).any() or (d < 1).any() or (d & (d - 1)).any():
+            raise ValueError(f"micro_batch_lengths[{i}] must hold lengths >= 0 and cp_degrees[{i}] powers of two")
+        local = np.where(d > 1, -(-lens // (2 * d)) * 2, lens).astype(np.float64)
+        s, df = lens.astype(np.float64), d.astype(np.float64)
+        rows.append([1.0, float(local.sum()), float((s * s / df).sum()), float((s * (df - 1) / df).sum()),
+                     float((d > 1).sum())])
+    return np.asarray(rows, dtype=np.float64).reshape(-1, 5)
+
+
 @dataclass(frozen=True)
 class CostModel:
     """Predicted time (or work) of one micro-batch of sequence lengths ``s``:
@@ -164,17 +187,28 @@ class CostModel:
         return cls(per_micro_batch, per_token, per_pair, per_kv_token=per_kv, per_collective=per_collective)
 
     @classmethod
-    def fit(cls, micro_batch_lengths: Sequence[Any], seconds: Sequence[float]) -> "CostModel":
+    def fit(cls, micro_batch_lengths: Sequence[Any], seconds: Sequence[float],
+            cp_degrees: Optional[Sequence[Any]] = None) -> "CostModel":
         """Least-squares coefficients (all >= 0) from timed micro-batches: each
         ``micro_batch_lengths[i]`` (the sequence lengths of one micro-batch) took
         ``seconds[i]``. Use micro-batches of varied counts and lengths (a handful
         each of short, long, few, many), at least three. The result carries its
         ``r_squared`` on the samples.
 
-        Non-negativity is exact: every subset of the three terms is solved by
-        least squares and the best feasible one kept (7 small solves).
+        ``cp_degrees`` (context parallelism): ``cp_degrees[i]`` the degree of each
+        sequence of micro-batch ``i`` as one CP rank ran it (1: whole there; ``d``:
+        sharded over ``d`` ranks, this rank holding its zigzag share), its time that
+        rank's, collectives included. Then ``per_kv_token`` and ``per_collective``
+        are fitted too, with the cost :func:`~seqpack.plan_step` uses for a rank:
+        ``per_micro_batch + per_token·Σ local tokens + per_token_squared·Σ s²/d +
+        per_kv_token·Σ s(d−1)/d + per_collective·(sharded sequences)``. Time
+        micro-batches with and without sharded sequences, or the K/V terms cannot
+        be told from the others.
+
+        Non-negativity is exact: every subset of the terms is solved by least
+        squares and the best feasible one kept (7 small solves; 31 with CP).
         """
-        x = _sums(micro_batch_lengths)
+        x = _sums(micro_batch_lengths) if cp_degrees is None else _cp_sums(list(micro_batch_lengths), list(cp_degrees))
         y = np.asarray(seconds, dtype=np.float64).reshape(-1)
         if y.shape[0] != x.shape[0]:
             raise ValueError(f"seconds has {y.shape[0]} entries for {x.shape[0]} micro-batches")
@@ -182,27 +216,29 @@ class CostModel:
             raise ValueError(f"fit needs at least 3 timed micro-batches, got {x.shape[0]}")
         if not np.all(np.isfinite(y)) or (y < 0).any():
             raise ValueError("seconds must be finite and >= 0")
+        terms = x.shape[1]
         scale = np.maximum(np.abs(x).max(axis=0), 1.0)  # columns of similar size: a stable solve
         xs = x / scale
         best, best_err = None, math.inf
-        for k in range(1, 4):
-            for cols in itertools.combinations(range(3), k):
+        for k in range(1, terms + 1):
+            for cols in itertools.combinations(range(terms), k):
                 coef, *_ = np.linalg.lstsq(xs[:, cols], y, rcond=None)
                 if (coef < 0).any():
                     continue
                 err = float(np.sum((xs[:, cols] @ coef - y) ** 2))
                 if err < best_err * (1 - 1e-12):
-                    full = np.zeros(3)
+                    full = np.zeros(terms)
                     full[list(cols)] = coef
                     best, best_err = full / scale, err
-        if best is None or not (best > 0).any():
+        if best is None or not (best[:3] > 0).any():
             raise ValueError("no cost model with a positive coefficient fits these timings")
         total, energy = float(np.sum((y - y.mean()) ** 2)), float(np.sum(y * y))
         if total > 1e-24 * energy:
             r2 = 1.0 - best_err / total
         else:  # equal timings: explained exactly (an overhead alone) or not at all
             r2 = 1.0 if best_err <= 1e-12 * max(energy, 1e-300) else 0.0
-        return cls(float(best[0]), float(best[1]), float(best[2]), r_squared=r2)
+        cp = {} if terms == 3 else {"per_kv_token": float(best[3]), "per_collective": float(best[4])}
+        return cls(float(best[0]), float(best[1]), float(best[2]), r_squared=r2, **cp)
 
     # ---- evaluation ---------------------------------------------------------------
     def __call__(self, lengths: Any) -> float:

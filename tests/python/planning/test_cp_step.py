@@ -216,3 +216,28 @@ def test_min_cp_degree_is_megatrons_smallest_dynamic_cp_group():
         seqpack.plan_step(lengths, 1, 60, cp_size=4, hybrid_cp=True, min_cp_degree=3)
     with pytest.raises(ValueError, match="min_cp_degree applies to hybrid CP"):
         seqpack.plan_step(lengths, 1, 60, cp_size=4, min_cp_degree=2)
+
+
+def test_fit_recovers_cp_terms_from_timed_micro_batches():
+    # Timings made by a known model (the planner's per-rank cost) come back from fit.
+    truth = CostModel(per_micro_batch=3e-3, per_token=2e-6, per_token_squared=1e-10, per_kv_token=4e-7,
+                      per_collective=5e-4)
+    rng = np.random.default_rng(0)
+    lengths, degrees, seconds = [], [], []
+    for _ in range(40):
+        n = int(rng.integers(1, 6))
+        lens = rng.integers(100, 30000, n).tolist()
+        degs = [int(d) for d in rng.choice([1, 2, 4, 8], n)]
+        lengths.append(lens)
+        degrees.append(degs)
+        seconds.append(cell_cost(truth, range(n), lens, degs))
+    fitted = CostModel.fit(lengths, seconds, cp_degrees=degrees)
+    for name in ("per_micro_batch", "per_token", "per_token_squared", "per_kv_token", "per_collective"):
+        assert getattr(fitted, name) == pytest.approx(getattr(truth, name), rel=1e-6), name
+    assert fitted.r_squared == pytest.approx(1.0)
+    with pytest.raises(ValueError, match=r"cp_degrees\[0\] must give one degree per sequence"):
+        CostModel.fit([[5, 6]] * 3, [1.0] * 3, cp_degrees=[[1]] * 3)
+    with pytest.raises(ValueError, match="powers of two"):
+        CostModel.fit([[5]] * 3, [1.0] * 3, cp_degrees=[[3]] * 3)
+    with pytest.raises(ValueError, match="cp_degrees has 2 entries for 3"):
+        CostModel.fit([[5]] * 3, [1.0] * 3, cp_degrees=[[1]] * 2)
