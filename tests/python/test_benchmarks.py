@@ -29,7 +29,8 @@ SCRIPTS = [("bench_loss.py", "Packed SFT loss"), ("bench_train.py", "Training st
            ("bench_tree_step.py", "GRPO training step, plain packing vs prefix trees"),
            ("bench_distillation.py", "Distillation loss input + mixed KL"),
            ("bench_dpo.py", "DPO training step, padded vs packed pairs"),
-           ("bench_cp_step.py", "Hybrid context parallelism")]
+           ("bench_cp_step.py", "Hybrid context parallelism"),
+           ("bench_hybrid_cp.py", "Hybrid context parallelism, measured")]
 
 
 def _quick_run(script, tmp_dir):
