@@ -32,11 +32,10 @@ from typing import Any, Dict, List, Tuple
 import numpy as np
 
 from .. import _core
-from ..tensors.prefix_tree_cp import bounds_of_work
 from .forest_planning import checked_forest
 from .prefix_forest import PrefixForest
 
-__all__ = ["forest_cp_items", "forest_row_order", "plan_forest_cp_step"]
+__all__ = ["bounds_of_work", "forest_cp_items", "forest_row_order", "plan_forest_cp_step"]
 
 
 def forest_row_order(forest: PrefixForest, rows: Any) -> np.ndarray:
@@ -47,6 +46,18 @@ def forest_row_order(forest: PrefixForest, rows: Any) -> np.ndarray:
     where = np.empty(forest.num_rows, dtype=np.int64)
     where[forest.row_order] = np.arange(forest.num_rows, dtype=np.int64)
     return rows[np.argsort(where[rows], kind="stable")]
+
+
+def bounds_of_work(work: np.ndarray, cp: int) -> np.ndarray:
+    """:func:`~seqpack.tree_cp_bounds` of tokens whose works are ``work`` (int64
+    ``[T]``, the keys each token's query sees): ``cp + 1`` offsets, a token on the
+    rank whose equal share of the total holds the middle of its own work."""
+    cum = np.cumsum(work)
+    total = int(cum[-1]) if cum.shape[0] else 0
+    # The token's middle, cum - work / 2, against r * total / cp, in integers: x2 and x cp.
+    middle = cp * (2 * cum - work)
+    cuts = np.searchsorted(middle, 2 * total * np.arange(1, cp, dtype=np.int64), side="right")
+    return np.concatenate([[0], cuts, [work.shape[0]]]).astype(np.int64)
 
 
 def _depths(forest: PrefixForest, where: np.ndarray, rows: np.ndarray) -> np.ndarray:

@@ -83,9 +83,11 @@ class HybridCpPart:
 
     @property
     def is_tree(self) -> bool:
-        from .prefix_tree import PrefixTreeBatch
+        """Whether the part is a prefix tree (cut by ``tree_cp_bounds`` when sharded)
+        rather than rows back to back (zigzag)."""
+        from .layout_kinds import as_layout
 
-        return isinstance(self.layout, PrefixTreeBatch)
+        return as_layout(self.layout).select(rows=False, tree=True)
 
     def packed_seq_params(self) -> Any:
         """Megatron's ``PackedSeqParams`` of a packed part (its THD offsets before the

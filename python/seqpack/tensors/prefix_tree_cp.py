@@ -63,17 +63,9 @@ def tree_cp_bounds(tree: "PrefixTreeBatch", cp_size: Any) -> np.ndarray:
     rank may hold no token: fewer tokens than ranks, or a token whose work spans a
     whole share (one row of 3 tokens over 3 ranks: ``[0, 2, 2, 3]``); the CP
     functions handle such a rank."""
+    from ..planning.forest_cp import bounds_of_work  # the rule, where the planner counts with it too
+
     return bounds_of_work(tree_cp_work(tree), as_positive_int(cp_size, "cp_size"))
-
-
-def bounds_of_work(work: np.ndarray, cp: int) -> np.ndarray:
-    """:func:`tree_cp_bounds` of tokens whose works are ``work`` (int64 ``[T]``)."""
-    cum = np.cumsum(work)
-    total = int(cum[-1]) if cum.shape[0] else 0
-    # The token's middle, cum - work / 2, against r * total / cp, in integers: x2 and x cp.
-    middle = cp * (2 * cum - work)
-    cuts = np.searchsorted(middle, 2 * total * np.arange(1, cp, dtype=np.int64), side="right")
-    return np.concatenate([[0], cuts, [work.shape[0]]]).astype(np.int64)
 
 
 def _rank_range(tree: "PrefixTreeBatch", cp_size: Any, cp_rank: Any):

@@ -144,9 +144,15 @@ class TinyCausalLM(nn.Module):
 
     def forward_packed(self, batch: Any, cp_group: Any = None, backend: str = "auto") -> torch.Tensor:
         """Logits ``[rows, V]`` of a :class:`seqpack.PackedBatch` with ``input_ids``
-        (this rank's zigzag rows when the batch was built with ``cp_size > 1``)."""
+        (this rank's zigzag rows when the batch was built with ``cp_size > 1``), or
+        of a :class:`seqpack.HybridCpBatch` (:func:`seqpack.hybrid_cp_attention`)."""
         ids = batch["input_ids"]
-        if batch.cp_size > 1:
+        if hasattr(batch, "parts"):  # a hybrid-CP micro-batch: each part over its block's group
+            from ..training.attention_hybrid_cp import hybrid_cp_attention
+
+            def attend(q, k, v):
+                return hybrid_cp_attention(q, k, v, batch, backend=backend)
+        elif batch.cp_size > 1:
             def attend(q, k, v):
                 return cp_attention(q, k, v, batch, cp_group, backend=backend)
         else:

@@ -158,10 +158,9 @@ def cp_attention(
             :class:`~seqpack.PackedLayout` (its ``cu_seqlens_padded``, ``cp_size``
             and ``cp_rank`` are used), or any object with those three attributes;
             a :class:`~seqpack.PrefixTreeBatch` (cut in contiguous ranges, not
-            zigzag chunks) runs :func:`~seqpack.tree_cp_attention`; a
-            :class:`~seqpack.HybridCpBatch` (hybrid CP) runs
-            :func:`~seqpack.hybrid_cp_attention`, each part over its block's group
-            (``group`` is then not used).
+            zigzag chunks) runs :func:`~seqpack.tree_cp_attention`. (A hybrid-CP
+            micro-batch, each part over its own block:
+            :func:`~seqpack.hybrid_cp_attention`.)
         group: the CP process group (``torch.distributed``; default WORLD); its
             size and this rank's index must be the batch's ``cp_size``/``cp_rank``.
         agree: run the checks' all-reduce (default). It costs one small collective
@@ -180,15 +179,6 @@ def cp_attention(
     from .._dist import checked_on_every_rank
     from ..tensors.cp import gather_cp
 
-    from ..tensors.hybrid_cp import HybridCpBatch
-
-    if isinstance(packed_batch, HybridCpBatch):  # each part over its own block's group
-        if causal is not True:
-            raise ValueError("a hybrid-CP micro-batch runs causal attention: cp_attention takes causal=True with it")
-        from .attention_hybrid_cp import hybrid_cp_attention
-
-        return hybrid_cp_attention(q, k, v, packed_batch, softmax_scale=softmax_scale,
-                                   kv_heads_per_chunk=kv_heads_per_chunk, backend=backend, agree=agree)
     if causal is True and _cut_as_tree(packed_batch):
         from .attention_tree_cp import tree_cp_attention
 

@@ -49,14 +49,3 @@ def read_dynamic_cp(r: Reader, cp: int, known=()) -> Dict[str, Any]:
         r.ctx.note(f"{r.key(names['dynamic_context_parallel'])}: context_parallel_size is 1, so every sequence runs "
                    "whole; dynamic CP changes nothing")
     return {"dynamic_cp": on, "min_dynamic_cp": smallest if on else 1, "max_seqlen_per_rank": per_rank}
-
-
-def dynamic_cp_keys(dynamic_cp: bool, min_dynamic_cp: int, max_seqlen_per_rank: Optional[int]) -> Dict[str, Any]:
-    """The keys of :func:`read_dynamic_cp` back, for ``to_dict`` (none when off and unset)."""
-    out: Dict[str, Any] = {}
-    if dynamic_cp:
-        out["dynamic_context_parallel"] = True
-        out["min_dynamic_context_parallel_size"] = min_dynamic_cp
-    if max_seqlen_per_rank is not None:
-        out["max_seqlen_per_dp_cp_rank"] = max_seqlen_per_rank
-    return out

@@ -449,9 +449,15 @@ class SeqpackConfig:
 
 
 def _dynamic_cp_dict(p: ParallelConfig) -> Dict[str, Any]:
-    from ._dynamic_cp import dynamic_cp_keys
-
-    return dynamic_cp_keys(p.dynamic_cp, p.min_dynamic_cp, p.max_seqlen_per_rank)
+    """Megatron-LM's dynamic-CP keys of ``p`` back (none when off and unset), as
+    ``config/_dynamic_cp.py`` reads them."""
+    out: Dict[str, Any] = {}
+    if p.dynamic_cp:
+        out["dynamic_context_parallel"] = True
+        out["min_dynamic_context_parallel_size"] = p.min_dynamic_cp
+    if p.max_seqlen_per_rank is not None:
+        out["max_seqlen_per_dp_cp_rank"] = p.max_seqlen_per_rank
+    return out
 
 
 def _phase_tokens(section, phase: str, path: str) -> int:
