@@ -1,7 +1,7 @@
 // Planning a step with context parallelism (cp_step.hpp): the zigzag share of a
 // sequence, a long tail where hybrid CP shards only the long sequence, and on random
 // lengths: placement on aligned blocks at one step, the cap per rank, equal counts,
-// hybrid never predicted slower than fixed.
+// hybrid never predicted slower than fixed; items (trees) with their own shares.
 #include <algorithm>
 #include <random>
 #include <vector>
@@ -85,6 +85,40 @@ TEST(CpStep, PlacementCapAndCounts) {
     }
     ASSERT_LE(times[1], times[0] * (1 + 1e-9));
   }
+}
+
+}  // namespace
+
+namespace {
+
+TEST(CpStep, ItemsCarryTheirOwnShareAndWork) {
+  // Two items of 64 tokens whose ranks' shares are uneven (a tree cut by work): the
+  // cap is checked on the given share, not on tokens / d; mini-batches by sizes.
+  CpItems items;
+  items.levels = 3;  // degrees 1, 2, 4
+  items.tokens = {64, 64, 8};
+  items.squares = {4096, 2000, 64};
+  items.local = {64, 40, 22, 64, 36, 20, 8, 4, 2};
+  items.name = "trees";
+  CpStepOptions o = options(1, 4, 38, true);
+  o.step.mini_batches = 2;
+  const Vec sizes{2, 1};
+  o.step.mini_batch_sizes = sizes;
+  const CpStepPlan plan = plan_cp_step(items, o);
+  ASSERT_EQ(plan.plan.mini_batches.size(), 2u);
+  EXPECT_EQ(plan.plan.mini_batches[0].begin, 0);
+  EXPECT_EQ(plan.plan.mini_batches[1].begin, 2);
+  EXPECT_EQ(plan.degree[0], 4);  // 40 > 38 at degree 2
+  EXPECT_GE(plan.degree[1], 2);  // 36 fits at degree 2 (spread further when faster)
+  for (const int64_t t : plan.plan.mini_batches[0].tokens) EXPECT_LE(t, 38);
+  EXPECT_EQ(plan.least_kv_tokens, 64 * 3 + 64 * 1);
+  o.min_degree = 2;
+  EXPECT_GE(plan_cp_step(items, o).degree[2], 2);
+  o.min_degree = 3;
+  EXPECT_TRUE(ThrowsInvalid([&] { plan_cp_step(items, o); }, {"min_cp_degree must be a power of two"}));
+  o.min_degree = 1;
+  items.local.pop_back();
+  EXPECT_TRUE(ThrowsInvalid([&] { plan_cp_step(items, o); }, {"trees: per item, its squares and its local tokens"}));
 }
 
 }  // namespace
