@@ -218,3 +218,56 @@ def timed_runs(fn: Callable[[], Any], runs: int = 1) -> "tuple[Any, float, float
         fn()
         best = min(best, time.perf_counter() - t0)
     return out["result"], best, mem
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_gloo_ranks(worker: Callable[..., None], world: int, job: Any, timeout_s: float, what: str) -> Any:
+    """``worker(rank, world, port, job, results)`` on ``world`` spawned processes that
+    join one gloo group through a TCPStore kept in this process until they exit (as
+    tests/python/_gloo.py does). A rank puts ``("ok", payload)`` (rank 0) or
+    ``("error", traceback)`` on ``results``; returns the payload, or raises with the
+    errors (or a timeout)."""
+    import datetime
+    import queue
+
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
+
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    store = dist.TCPStore("127.0.0.1", port, world, is_master=True, wait_for_workers=False,  # noqa: F841
+                          timeout=datetime.timedelta(seconds=60))
+    procs = [ctx.Process(target=worker, args=(r, world, port, job, results)) for r in range(world)]
+    for p in procs:
+        p.start()
+    got, errors = None, []
+    try:
+        deadline = time.time() + timeout_s
+        while got is None and time.time() < deadline and (any(p.is_alive() for p in procs) or not results.empty()):
+            try:
+                kind, payload = results.get(timeout=1.0)
+            except queue.Empty:
+                continue
+            if kind == "ok":
+                got = payload
+            else:
+                errors.append(payload)
+                break
+        for p in procs:
+            p.join(30)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+    if got is None:
+        raise RuntimeError(f"{what} failed:\n" + ("\n".join(errors) or "no result (timeout)"))
+    return got

@@ -22,15 +22,13 @@ import argparse
 import datetime
 import math
 import os
-import queue as _queue
-import socket
 import statistics
 import sys
 import time
 import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _harness import CsvLog, announce, environment, format_table  # noqa: E402
+from _harness import CsvLog, announce, environment, format_table, run_gloo_ranks  # noqa: E402
 
 import numpy as np  # noqa: E402
 
@@ -56,13 +54,7 @@ def calibration(cap, quick):
     return items[:7] if quick else items
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def worker(rank, port, job, results):
+def worker(rank, world, port, job, results):
     import torch
     import torch.distributed as dist
 
@@ -157,9 +149,6 @@ def cp_cost(fit, lens, d):
 
 
 def main() -> int:
-    import torch.distributed as dist
-    import torch.multiprocessing as mp
-
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--repeat", type=int, default=5)
@@ -176,37 +165,8 @@ def main() -> int:
     print(f"batch: {n} sequences, {int(lengths.sum()):,} tokens, longest {longest}, median "
           f"{int(np.median(lengths))}; CP {CP}, DP 1, cap {cap} tokens per rank; tiny model {MODEL}; "
           f"{WORLD} gloo processes x 1 thread on {os.cpu_count()} cores", flush=True)
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = free_port()
-    store = dist.TCPStore("127.0.0.1", port, WORLD, is_master=True, wait_for_workers=False,  # noqa: F841
-                          timeout=datetime.timedelta(seconds=60))
     t0 = time.perf_counter()
-    procs = [ctx.Process(target=worker, args=(r, port, job, results)) for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    got, errors = None, []
-    try:
-        deadline = time.time() + (180 if args.quick else 1200)
-        while got is None and time.time() < deadline and (any(p.is_alive() for p in procs) or not results.empty()):
-            try:
-                kind, payload = results.get(timeout=1.0)
-            except _queue.Empty:
-                continue
-            if kind == "ok":
-                got = payload
-            else:
-                errors.append(payload)
-                break
-        for p in procs:
-            p.join(30)
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-    if got is None:
-        raise RuntimeError("the gloo step failed:\n" + ("\n".join(errors) or "no result (timeout)"))
+    got = run_gloo_ranks(worker, WORLD, job, 180 if args.quick else 1200, "the gloo step")
     fit = got["fit"]
     print(format_table(
         "Cost model fitted on this machine (one micro-batch on each of the 4 ranks in lock-step, forward + backward, "

@@ -36,15 +36,13 @@ import datetime
 import inspect
 import math
 import os
-import queue as _queue
-import socket
 import statistics
 import sys
 import time
 import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _harness import CsvLog, announce, environment, format_table  # noqa: E402
+from _harness import CsvLog, announce, environment, format_table, run_gloo_ranks  # noqa: E402
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -283,12 +281,6 @@ def calibration_set(cap, quick):
     return mbs[:6] if quick else mbs
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def real_worker(rank, world, port, job, results):
     torch.set_num_threads(1)
     import torch.distributed as dist
@@ -403,12 +395,8 @@ def real_worker(rank, world, port, job, results):
 
 
 def part2(args, log):
-    import torch.distributed as dist
-    import torch.multiprocessing as mp
-
     from seqpack.testing.pipelines import rl_long_tail
 
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     world = 2
     n, cap, repeat, calib_repeat = (16, 256, 1, 1) if args.quick else (args.real_n, 2048, 7, 5)
     # rl_long_tail (default max 16384) scaled down to the cap: same shape, shorter.
@@ -422,37 +410,7 @@ def part2(args, log):
           flush=True)
     t0 = time.perf_counter()
     load0 = os.getloadavg()[0]
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = free_port()
-    # The store lives in the parent until every rank has exited (as tests/python/test_distributed.py).
-    store = dist.TCPStore("127.0.0.1", port, world, is_master=True, wait_for_workers=False,  # noqa: F841
-                          timeout=datetime.timedelta(seconds=60))
-    procs = [ctx.Process(target=real_worker, args=(r, world, port, job, results)) for r in range(world)]
-    for p in procs:
-        p.start()
-    got = None
-    errors = []
-    try:
-        deadline = time.time() + (120 if args.quick else 600)
-        while got is None and time.time() < deadline and (any(p.is_alive() for p in procs) or not results.empty()):
-            try:
-                kind, payload = results.get(timeout=1.0)
-            except _queue.Empty:
-                continue
-            if kind == "ok":
-                got = payload
-            else:
-                errors.append(payload)
-                break
-        for p in procs:
-            p.join(30)
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-    if got is None:
-        raise RuntimeError("real step failed:\n" + ("\n".join(errors) or "no result (timeout)"))
+    got = run_gloo_ranks(real_worker, world, job, 120 if args.quick else 600, "real step")
     fit = got["fit"]
     print(format_table(
         f"Cost model fitted on this machine (one micro-batch: forward + backward + all-reduce of every gradient "
