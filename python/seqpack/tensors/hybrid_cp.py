@@ -260,9 +260,11 @@ def pack_hybrid_cp(tensors: Mapping[str, "torch.Tensor"], seq_lens: Any, plan: A
             raise ValueError(f"seq_lens[{at}] = {int(lens[at])} exceeds the tensors' width S = {width}")
         return at
 
+    names = ["input_ids"] if forest is not None else list(tensors)  # a tree lays out its ids alone
+
     def rows_of(ids: Sequence[int]) -> Tuple[Dict[str, Any], np.ndarray]:
         idx = [where(i) for i in ids]
-        return {n: t[idx] for n, t in tensors.items()}, lens[idx]
+        return {n: tensors[n][idx] for n in names}, lens[idx]
 
     parts: List[HybridCpPart] = []
     pieces: Dict[str, List[Any]] = {}
@@ -271,8 +273,8 @@ def pack_hybrid_cp(tensors: Mapping[str, "torch.Tensor"], seq_lens: Any, plan: A
     device = next(iter(tensors.values())).device
     for (d, first, _), ids in _part_keys(plan, cell, forest):
         j = r % C - first if d > 1 else 0
+        chosen, chosen_lens = rows_of(ids)
         if forest is not None:
-            chosen, chosen_lens = rows_of(ids)
             seqs = [chosen["input_ids"][q, : int(chosen_lens[q])] for q in range(len(ids))]
             groups = [int(forest.tree_ids[i]) for i in ids]
             tree = pack_prefix_tree(seqs, group_ids=groups, min_shared_tokens=min_shared_tokens)
@@ -282,20 +284,19 @@ def pack_hybrid_cp(tensors: Mapping[str, "torch.Tensor"], seq_lens: Any, plan: A
             positions.append(torch.tensor(tree.position_ids[lo:hi], device=device))
             layout, full = tree, None
         else:
-            chosen, chosen_lens = rows_of(ids)
             layout = pack_sequences(chosen, seq_lens=chosen_lens, pad_multiple=1 if d == 1 else 2 * d,
                                     pad_values=pad_values, cp_size=d, cp_rank=j)
-            full = layout["input_ids"] if d == 1 and "input_ids" in tensors else None
-            if d > 1 and "input_ids" in tensors:
-                full = pack_sequences({"input_ids": chosen["input_ids"]}, seq_lens=chosen_lens, pad_multiple=2 * d,
-                                      pad_values=pad_values)["input_ids"]
-            for n in tensors:
+            full = None  # the next-token targets: the part's ids before the zigzag cut
+            if "input_ids" in tensors:
+                full = layout["input_ids"] if d == 1 else pack_sequences(
+                    {"input_ids": chosen["input_ids"]}, seq_lens=chosen_lens, pad_multiple=2 * d,
+                    pad_values=pad_values)["input_ids"]
+            for n in names:
                 pieces.setdefault(n, []).append(layout[n])
             positions.append(layout.position_ids)
             lo, hi = 0, layout.num_tokens
         parts.append(HybridCpPart(d, first, j, tuple(ids), layout, full, start, start + hi - lo))
         start += hi - lo
-    names = ["input_ids"] if forest is not None else list(tensors)
     out = {}
     for n in names:
         got = pieces.get(n)
