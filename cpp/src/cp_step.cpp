@@ -117,6 +117,79 @@ double time_of(const Placement& p, const CpStepOptions& o) {
   return step_time(costs, o.step.dp_size * o.cp_size, p.K, o.step.sync);
 }
 
+// Levels (FSDP sync: a step costs its busiest rank): items tallest first (a rank's work
+// of it), each into the first micro-batch step where an aligned block of its ranks has
+// room under the step's height (set by its first, tallest item) and under the cap, the
+// least loaded such block; a new step otherwise. The steps of first-fit decreasing
+// height, as in strip packing: tall shares share a step, short ones fill the gaps under
+// it. Empty steps are added up to min_micro_batches and the multiple.
+Placement place_levels(const std::vector<Item>& items, const CpStepOptions& o) {
+  const int64_t C = o.cp_size, R = o.step.dp_size * C, cap = o.step.max_tokens;
+  std::vector<size_t> order(items.size());
+  std::iota(order.begin(), order.end(), size_t{0});
+  std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) { return items[a].work > items[b].work; });
+  struct Level {
+    double height = 0.0;
+    std::vector<double> load;
+    std::vector<int64_t> tokens;
+    std::vector<std::vector<int64_t>> cells;
+  };
+  std::vector<Level> levels;
+  std::vector<int64_t> first_rank(items.size(), -1);
+  for (size_t i : order) {
+    const Item& it = items[i];
+    int64_t at_level = -1, at_rank = -1;
+    for (size_t l = 0; l < levels.size() && at_level < 0; ++l) {
+      const Level& lv = levels[l];
+      double least = 0.0;
+      for (int64_t first = 0; first < R; first += it.d) {
+        double peak = 0.0;
+        bool fits = true;
+        for (int64_t r = first; r < first + it.d && fits; ++r) {
+          const auto c = static_cast<size_t>(r);
+          fits = lv.tokens[c] + it.tokens <= cap && lv.load[c] + it.work <= lv.height * (1 + 1e-12);
+          peak = std::max(peak, lv.load[c]);
+        }
+        if (fits && (at_rank < 0 || peak < least)) least = peak, at_rank = first;
+      }
+      if (at_rank >= 0) at_level = static_cast<int64_t>(l);
+    }
+    if (at_level < 0) {
+      Level lv;
+      lv.height = it.work;
+      lv.load.assign(static_cast<size_t>(R), 0.0);
+      lv.tokens.assign(static_cast<size_t>(R), 0);
+      lv.cells.assign(static_cast<size_t>(R), {});
+      levels.push_back(std::move(lv));
+      at_level = static_cast<int64_t>(levels.size()) - 1;
+      at_rank = 0;
+    }
+    Level& lv = levels[static_cast<size_t>(at_level)];
+    for (int64_t r = at_rank; r < at_rank + it.d; ++r) {
+      const auto c = static_cast<size_t>(r);
+      lv.load[c] += it.work;
+      lv.tokens[c] += it.tokens;
+      lv.cells[c].push_back(it.id);
+    }
+    first_rank[i] = at_rank;
+  }
+  Placement p;
+  p.K = round_up(kFn, std::max<int64_t>({static_cast<int64_t>(levels.size()), o.step.min_micro_batches, 1}),
+                 o.step.multiple_of);
+  p.cells.assign(static_cast<size_t>(R * p.K), {});
+  p.load.assign(static_cast<size_t>(R * p.K), 0.0);
+  p.tokens.assign(static_cast<size_t>(R * p.K), 0);
+  for (size_t l = 0; l < levels.size(); ++l)
+    for (int64_t r = 0; r < R; ++r) {
+      const auto c = static_cast<size_t>(r * p.K + static_cast<int64_t>(l));
+      p.cells[c] = std::move(levels[l].cells[static_cast<size_t>(r)]);
+      p.load[c] = levels[l].load[static_cast<size_t>(r)];
+      p.tokens[c] = levels[l].tokens[static_cast<size_t>(r)];
+    }
+  p.first_rank = std::move(first_rank);
+  return p;
+}
+
 // The fastest placement over a few counts from the first that fits (found growing
 // K by a quarter from its bound: at K = n every item has a step of its own).
 std::optional<Placement> best_placement(const std::vector<Item>& items, const CpStepOptions& o, int64_t k_min) {
@@ -136,6 +209,11 @@ std::optional<Placement> best_placement(const std::vector<Item>& items, const Cp
   for (; K <= last && !best; K = std::min(last + step, round_up(kFn, K + std::max<int64_t>(step, K / 4), step)))
     consider(K);
   for (int64_t extra = 0; best && extra < 2 && K <= last; ++extra, K += step) consider(K);
+  if (o.step.sync == StepSync::MicroBatch) {  // every item fits a step of its own: levels always place
+    Placement p = place_levels(items, o);
+    const double t = time_of(p, o);
+    if (!best || t < best_time * (1 - 1e-12)) best = std::move(p), best_time = t;
+  }
   return best;
 }
 
@@ -269,23 +347,30 @@ CpStepPlan plan_cp_step(const CpItems& items, const CpStepOptions& o) {
     };
     std::vector<Candidate> candidates;
     // Rules: 0 fixed; 1 smallest degrees; 2 spread to the mean load; 3 + j: no shard
-    // above cap / 2^(j+1) tokens (easier to pack, more traffic).
+    // above cap / 2^(j+1) tokens (easier to pack, more traffic); 3 + levels + j: no
+    // shard's work above the fixed plan's step / 2^(j+1) (only the sequences that would
+    // hold a step up spread; the rest keep the least traffic).
     int64_t levels = 0;
     while ((int64_t{2} << levels) <= C) ++levels;
-    for (int64_t rule = 0; rule < 3 + levels; ++rule) {
+    double step_budget = mean_load * static_cast<double>(k_min);  // fixed CP's step when it places
+    for (int64_t rule = 0; rule < 3 + 2 * levels + 1; ++rule) {
       if ((rule > 0 && !o.hybrid) || (rule == 0 && !fixed_fits)) continue;
+      const int64_t share = rule - 3 - levels;  // >= 0: a work budget per shard
+      const double budget = share >= 0 ? step_budget / static_cast<double>(int64_t{2} << share) : 0.0;
       Candidate c;
       for (int64_t i = begin; i < end; ++i) {
         const int64_t s = items.tokens[static_cast<size_t>(i)];
         int64_t d = rule == 0 ? C : least[static_cast<size_t>(i)];
         while (rule == 2 && d < C && item_work(o, items, i, d) > mean_load) d *= 2;
-        while (rule >= 3 && d < C && items.local_at(i, d) > cap >> (rule - 2)) d *= 2;
+        while (rule >= 3 && share < 0 && d < C && items.local_at(i, d) > cap >> (rule - 2)) d *= 2;
+        while (share >= 0 && d < C && item_work(o, items, i, d) > budget) d *= 2;
         c.items.push_back({i, s, d, items.local_at(i, d), item_work(o, items, i, d)});
         c.kv += s * (d - 1);
       }
       std::optional<Placement> p = best_placement(c.items, o, k_min);
       if (!p) continue;
       c.time = time_of(*p, o);
+      if (rule == 0) step_budget = c.time;
       c.placement = std::move(*p);
       c.hybrid = rule > 0;
       candidates.push_back(std::move(c));
