@@ -130,6 +130,18 @@ class HybridCpBatch:
     # The micro-batch's rows of the data it was built from, in ``rows`` order, when an
     # iterator attaches them (BatchedDataDict's: what the loss wrapper takes).
     data: Any = field(default=None, repr=False)
+    # The global ranks of the DP x CP group the blocks' groups were made in (empty:
+    # WORLD): where attention and the loss find them (tensors/hybrid_cp_groups.py).
+    group_ranks: Tuple[int, ...] = field(default=(), repr=False)
+
+    def block_group(self, part: HybridCpPart) -> Any:
+        """The process group of ``part``'s block (``None`` for a whole part)."""
+        if part.degree == 1:
+            return None
+        from .hybrid_cp_groups import cached_hybrid_cp_groups
+
+        return cached_hybrid_cp_groups(self.dp_size, self.cp_size, self.group_ranks).block(
+            self.dp_rank, part.degree, part.first)
 
     def __getitem__(self, key: str) -> "torch.Tensor":
         return self.tensors[key]
@@ -362,4 +374,7 @@ def hybrid_cp_micro_batches(tensors: Mapping[str, "torch.Tensor"], seq_lens: Any
     m_batches = checked_on_every_rank(local, group, "hybrid_cp_micro_batches", agree and size > 1,
                                       fingerprint=lambda got: _plan_facts(plan, got[0]))
     hybrid_cp_groups(plan.dp_size, plan.cp_size, group)  # every rank, in one order, before any block's collective
+    ranks = () if group is None else tuple(int(r) for r in dist.get_process_group_ranks(group))
+    for mb in m_batches[1]:
+        mb.group_ranks = ranks
     return m_batches[1]

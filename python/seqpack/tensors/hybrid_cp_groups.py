@@ -98,3 +98,18 @@ def hybrid_cp_groups(dp_size: Any, cp_size: Any, group: Any = None) -> HybridCpG
     if key not in _CACHE:
         _CACHE[key] = HybridCpGroups(dp, cp, group)
     return _CACHE[key]
+
+
+def cached_hybrid_cp_groups(dp_size: int, cp_size: int, ranks: Tuple[int, ...]) -> HybridCpGroups:
+    """The groups :func:`hybrid_cp_groups` created for ``dp_size`` x ``cp_size`` ranks of
+    the group whose ranks are ``ranks`` (empty: WORLD's, created now if need be, as
+    :func:`hybrid_cp_groups` does). Never creates a group for a named set of ranks
+    (creating is collective): a miss is an error saying what to call first."""
+    if not ranks:
+        return hybrid_cp_groups(dp_size, cp_size)
+    got = _CACHE.get((int(dp_size), int(cp_size), tuple(int(r) for r in ranks)))
+    if got is None:
+        raise RuntimeError(f"no hybrid-CP groups for dp_size={dp_size}, cp_size={cp_size} over ranks {list(ranks)} "
+                           "in this process: call hybrid_cp_groups(dp_size, cp_size, group) on every rank first "
+                           "(hybrid_cp_micro_batches does)")
+    return got

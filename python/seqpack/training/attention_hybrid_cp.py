@@ -41,14 +41,6 @@ def _checked(batch: Any, rows: int, what: str) -> Any:
     return batch
 
 
-def _groups(batch: Any, groups: Any) -> Any:
-    if groups is not None or not any(p.degree > 1 for p in batch.parts):
-        return groups
-    from ..tensors.hybrid_cp_groups import hybrid_cp_groups
-
-    return hybrid_cp_groups(batch.dp_size, batch.cp_size)
-
-
 def hybrid_cp_attention(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", batch: Any, *,
                         groups: Any = None, softmax_scale: Optional[float] = None,
                         kv_heads_per_chunk: Optional[int] = None, backend: str = "auto",
@@ -57,20 +49,20 @@ def hybrid_cp_attention(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor",
     micro-batch: a whole part with :func:`~seqpack.varlen_attention` (packed) or
     :func:`~seqpack.tree_attention` (a prefix tree), a sharded part with
     :func:`~seqpack.cp_attention` (zigzag; a tree: :func:`~seqpack.tree_cp_attention`)
-    over its block's group (``groups``: default :func:`~seqpack.hybrid_cp_groups`
-    of the batch's sizes). ``agree`` is each sharded part's own agreement (its
+    over its block's group (``groups``: default the groups
+    :func:`~seqpack.hybrid_cp_micro_batches` made, ``batch.block_group(part)``). ``agree`` is each sharded part's own agreement (its
     shapes, dtypes and offsets on every rank of its block)."""
     from .attention_cp import cp_attention
     from .attention_tree import tree_attention
     from .attention_varlen import varlen_attention
 
     batch = _checked(batch, int(q.shape[0]), "hybrid_cp_attention")
-    groups = _groups(batch, groups)
     outs = []
     for part in batch.parts:
         qs, ks, vs = q[part.start:part.end], k[part.start:part.end], v[part.start:part.end]
         if part.degree > 1:
-            group = groups.block(batch.dp_rank, part.degree, part.first)
+            group = batch.block_group(part) if groups is None else groups.block(batch.dp_rank, part.degree,
+                                                                                  part.first)
             outs.append(cp_attention(qs, ks, vs, part.layout, group, softmax_scale=softmax_scale,
                                      kv_heads_per_chunk=kv_heads_per_chunk, backend=backend, agree=agree))
         elif part.is_tree:

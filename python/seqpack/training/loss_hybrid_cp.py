@@ -47,8 +47,9 @@ class HybridCpLossWrapper(ValueEquality):
     """:class:`~seqpack.SequencePackingLossWrapper` over every part of a hybrid-CP
     micro-batch (see the module docstring). It holds the loss, the batch and the
     options (it pickles and compares by them); each part's wrapper, with its
-    block's group from :func:`~seqpack.hybrid_cp_groups`, is built on the first
-    call in the process that runs it.
+    block's group (``batch.block_group(part)``: the groups
+    :func:`~seqpack.hybrid_cp_micro_batches` made), is built when called, in the
+    process that runs it.
 
     Args:
         loss_fn: NeMo-RL's loss function (as the wrapper takes it).
@@ -73,15 +74,11 @@ class HybridCpLossWrapper(ValueEquality):
             SequencePackingLossWrapper(loss_fn, cu_seqlens_q=_layout(part), **self.options)
 
     def _wrappers(self) -> list:
-        from ..tensors.hybrid_cp_groups import hybrid_cp_groups
         from .loss import SequencePackingLossWrapper
 
-        b = self.batch
-        groups = hybrid_cp_groups(b.dp_size, b.cp_size) if any(p.degree > 1 for p in b.parts) else None
-        return [SequencePackingLossWrapper(
-            self.loss_fn, cu_seqlens_q=_layout(p), **self.options,
-            context_parallel_group=groups.block(b.dp_rank, p.degree, p.first) if p.degree > 1 else None)
-            for p in b.parts]
+        return [SequencePackingLossWrapper(self.loss_fn, cu_seqlens_q=_layout(p), **self.options,
+                                           context_parallel_group=self.batch.block_group(p))
+                for p in self.batch.parts]
 
     def __call__(self, next_token_logits: Any, data: Mapping[str, Any], global_valid_seqs: Any,
                  global_valid_toks: Any, *, lm_head_weight: Any = None, lm_head_bias: Any = None
