@@ -61,17 +61,37 @@ def item_compute(s, d):
     return COMPUTE.per_token * local + COMPUTE.per_token_squared * s * s / d
 
 
-def constrained_least_kv(lengths, cp, cap, budget):
-    """A lower bound on the K/V of any plan whose compute is within ``budget``: a
-    rank holding a sequence at degree ``d`` runs at least ``per_micro_batch +
-    item_compute(s, d)`` in one micro-batch, so every sequence needs at least the
-    smallest degree that fits the cap and keeps that under the budget."""
+def constrained_least_kv(lengths, cp, cap, budget, sync, ranks):
+    """A lower bound on the K/V of any plan whose compute is within ``budget``. A rank
+    holding a sequence at degree ``d`` runs at least ``h = per_micro_batch +
+    item_compute(s, d)`` in one micro-batch, so ``h`` is a floor on the step. With
+    FSDP's sync that micro-batch lasts at least ``h`` on every rank, and no other rank
+    does more than ``min(h, m)`` in it, ``m`` the most work ``cap`` tokens can carry
+    there (``per_micro_batch + per_token·cap + per_token_squared·cap·s'``: a share of
+    ``t`` tokens of a sequence of ``s'`` tokens costs ``t·s'`` pairs, ``s'`` the longest
+    other sequence); the rest of the work, all of it at its least (every token and pair
+    once, the fewest micro-batches' overhead), spreads over the ranks after it:
+    ``T >= h + (W - d·h - (R - d)·min(h, m)) / R``. Every sequence needs at least the
+    smallest degree that fits the cap and keeps its floor under the budget."""
+    c = COMPUTE
+    total = sum(c.per_token * int(s) + c.per_token_squared * int(s) ** 2 for s in lengths)
+    total += c.per_micro_batch * ranks * -(-int(np.sum(lengths)) // (ranks * cap))
+    top = sorted((int(x) for x in lengths), reverse=True)[:2] + [0, 0]
+
+    def floor(s, d):
+        h = c.per_micro_batch + item_compute(s, d)
+        if sync != "micro_batch":
+            return h
+        other = top[1] if s == top[0] else top[0]
+        m = c.per_micro_batch + c.per_token * cap + c.per_token_squared * cap * other
+        return h + max(0.0, total - d * h - (ranks - d) * min(h, m)) / ranks
+
     kv = 0
     for s in (int(x) for x in lengths):
         d = 1
         while d < cp and (-(-s // (2 * d)) * 2 if d > 1 else s) > cap:
             d *= 2
-        while d < cp and COMPUTE.per_micro_batch + item_compute(s, d) > budget:
+        while d < cp and floor(s, d) > budget:
             d *= 2
         kv += s * (d - 1)
     return kv
@@ -97,7 +117,7 @@ def table(quick, log, sync):
         least = hybrid.least_kv_tokens
         traffic = hybrid.kv_tokens / least if least else 1.0
         comp_f, comp_h = compute_time(fixed, lengths), compute_time(hybrid, lengths)
-        forced = constrained_least_kv(lengths, cp, cap, 1.03 * comp_f)
+        forced = constrained_least_kv(lengths, cp, cap, 1.03 * comp_f, sync, dp * cp)
         worst_traffic, worst_compute = max(worst_traffic, traffic), max(worst_compute, comp_h / comp_f)
         worst_forced = max(worst_forced, hybrid.kv_tokens / forced if forced else 1.0)
         degrees = np.bincount(hybrid.cp_degree, minlength=cp + 1)
@@ -118,7 +138,8 @@ def table(quick, log, sync):
         "DDP / Megatron: ranks meet once per step"
     note = (f"{n} sequences per batch, DP {dp}; K/V in millions of tokens gathered over all ranks; 'least': every "
             "sequence at its smallest degree; 'least at +3%': a lower bound on the K/V of any plan whose compute is "
-            "within 3% of fixed CP's (a sequence's share alone, in one micro-batch, must stay under that); steps in "
+            "within 3% of fixed CP's (a sequence's share alone, in one micro-batch, must stay under that; with FSDP "
+            "sync, with what the other ranks can absorb in that micro-batch); steps in "
             "seconds under the stated cost model; 'compute': hybrid's step with the CP terms zeroed over fixed's; "
             "degrees: hybrid's degree:count.")
     return format_table(f"Fixed vs hybrid CP (plan_step, cp_size), sync={sync!r} ({what})",

@@ -12,15 +12,18 @@
 //   seq D d=1                                 [ D ] [ E ]   (two on rank 6)
 //
 // Fixed CP (hybrid = false) gives every sequence d = C, today's layout (2C zigzag
-// chunks, padded to a multiple of 2C). Hybrid CP plans two sets of degrees: each
-// sequence at the smallest d whose shard fits the cap (the least K/V traffic), and
-// each raised until its shard is no heavier than a rank's mean load per micro-batch
-// (a long sequence spread wide enough not to set the step alone), and with no shard
-// above cap / 2, cap / 4, ... tokens (finer items pack and balance better, at more
-// traffic). Kept: among the plans predicted within 0.5% of the fastest, and no slower
-// than the fixed placement, the one that gathers the least K/V (predictions that
-// close are within the model's error, the traffic is not); so hybrid is never
-// predicted slower than fixed.
+// chunks, padded to a multiple of 2C). Hybrid CP plans several sets of degrees: each
+// sequence at the smallest d whose shard fits the cap (the least K/V traffic, at or
+// above min_degree); each raised until its shard is no heavier than a rank's mean load
+// per micro-batch; with no shard above cap / 2, cap / 4, ... tokens (finer items pack
+// and balance better, at more traffic); and with no shard's work above the fixed
+// plan's step / 2, / 4, ... (only the sequences that would hold a step up spread).
+// Each is placed greedily (balance, best fit) and, with FSDP sync, by levels (first-fit
+// decreasing height: tall shares share a micro-batch, short ones fill under them).
+// Kept: among the plans predicted within 1% of the fastest, and no slower than the
+// fixed placement, the one that gathers the least K/V (predictions that close are
+// within the model's error, the traffic is not); so hybrid is never predicted slower
+// than fixed.
 //
 // A rank's share of a sequence of s tokens at degree d > 1: round_up(s, 2d) / d
 // tokens (the zigzag pad), s * s / d attended pairs, and the K/V of (d - 1) / d of
