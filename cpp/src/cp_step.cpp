@@ -377,7 +377,7 @@ CpStepPlan plan_cp_step(const CpItems& items, const CpStepOptions& o) {
     }
     // The fastest; among the plans within kClose of it (and no slower than fixed CP),
     // the one gathering the least K/V: predictions that close are within the model's
-    // error (measured steps land within 5-13% of a fitted model's prediction,
+    // error (measured gloo steps land within about 20% of a fitted model's prediction,
     // benchmarks/bench_hybrid_cp.py), the traffic is not.
     constexpr double kClose = 0.01;
     double fastest = 0.0, fixed_time = 0.0;
