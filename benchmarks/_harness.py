@@ -135,6 +135,23 @@ def announce(env: Dict[str, str], torch_module: Any = None) -> Dict[str, str]:
     return env
 
 
+def start(doc: str, name: str, title: str, repeat: Optional[int] = None) -> "tuple[argparse.Namespace, CsvLog]":
+    """A planning benchmark's start: ``--quick`` and ``--csv`` (and ``--repeat`` when
+    given a default), the environment announced, its CSV log ``name``, its title
+    printed. Returns ``(args, log)``."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    if repeat is not None:
+        parser.add_argument("--repeat", type=int, default=repeat)
+    parser.add_argument("--csv")
+    args = parser.parse_args()
+    env = environment()
+    announce(env)
+    log = CsvLog(name, env, args.csv)
+    print(title)
+    return args, log
+
+
 def format_table(title: str, columns: List[str], rows: Iterable[List[Any]], note: str = "") -> str:
     try:
         from seqpack.tools.report import Table

@@ -24,12 +24,11 @@ per micro-batch; bf16 K/V.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _harness import CsvLog, announce, environment, format_table, measure  # noqa: E402
+from _harness import format_table, measure, start  # noqa: E402
 
 import numpy as np  # noqa: E402
 
@@ -151,14 +150,7 @@ def table(quick, log, sync):
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--csv")
-    args = parser.parse_args()
-    env = environment()
-    announce(env)
-    log = CsvLog("cp_step", env, args.csv)
-    print(TITLE)
+    args, log = start(__doc__, "cp_step", TITLE)
     print(f"cost model: {COST}")
     for sync in ("micro_batch", "step"):
         text, traffic, compute, forced = table(args.quick, log, sync)

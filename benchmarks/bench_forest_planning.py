@@ -32,13 +32,12 @@ tree): ``PrefixForest.from_rows``, ``plan_micro_batches(forest=)``,
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _harness import CsvLog, announce, environment, format_table, measure  # noqa: E402
+from _harness import format_table, measure, start  # noqa: E402
 
 import numpy as np  # noqa: E402
 
@@ -266,14 +265,7 @@ def timing_table(quick, log):
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--csv")
-    args = parser.parse_args()
-    env = environment()
-    announce(env)
-    log = CsvLog("forest_planning", env, args.csv)
-    print(TITLE)
+    args, log = start(__doc__, "forest_planning", TITLE)
     table, worst = packing_table(args.quick, log)
     print(table)
     print(f"\nslowest speed-up over AReaL's Python: {worst:.1f}x")

@@ -18,7 +18,6 @@ repeats, the plans run round-robin.
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import math
 import os
@@ -28,7 +27,7 @@ import time
 import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _harness import CsvLog, announce, environment, format_table, run_gloo_ranks  # noqa: E402
+from _harness import format_table, run_gloo_ranks, start  # noqa: E402
 
 import numpy as np  # noqa: E402
 
@@ -149,15 +148,7 @@ def cp_cost(fit, lens, d):
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--repeat", type=int, default=5)
-    parser.add_argument("--csv")
-    args = parser.parse_args()
-    env = environment()
-    announce(env)
-    log = CsvLog("hybrid_cp", env, args.csv)
-    print(TITLE)
+    args, log = start(__doc__, "hybrid_cp", TITLE, repeat=5)
     n, longest, cap = (12, 512, 160) if args.quick else (48, 4096, 1024)
     lengths = long_tail(n, longest, seed=7)
     job = {"lengths": lengths.tolist(), "cap": cap, "calibration": calibration(cap, args.quick),

@@ -43,9 +43,7 @@ def forest_row_order(forest: PrefixForest, rows: Any) -> np.ndarray:
     :func:`~seqpack.pack_prefix_tree` lays out the physical tokens as the planner
     counted them (the order decides where :func:`~seqpack.tree_cp_bounds` cuts)."""
     rows = np.asarray(rows, dtype=np.int64)
-    where = np.empty(forest.num_rows, dtype=np.int64)
-    where[forest.row_order] = np.arange(forest.num_rows, dtype=np.int64)
-    return rows[np.argsort(where[rows], kind="stable")]
+    return rows[np.argsort(forest.row_position[rows], kind="stable")]
 
 
 def bounds_of_work(work: np.ndarray, cp: int) -> np.ndarray:
@@ -60,12 +58,11 @@ def bounds_of_work(work: np.ndarray, cp: int) -> np.ndarray:
     return np.concatenate([[0], cuts, [work.shape[0]]]).astype(np.int64)
 
 
-def _depths(forest: PrefixForest, where: np.ndarray, rows: np.ndarray) -> np.ndarray:
+def _depths(forest: PrefixForest, rows: np.ndarray) -> np.ndarray:
     """Position ids of the prefix tree of ``rows`` (one tree's rows), in its
-    depth-first layout: each row in depth-first order (``where``: a row's place in
-    it) adds the depths from its common prefix with the previous one (the least
+    depth-first layout: each row in depth-first order adds the depths from its common prefix with the previous one (the least
     adjacent lcp between them) to its length."""
-    pos = np.sort(where[rows])
+    pos = np.sort(forest.row_position[rows])
     lengths = forest.lengths[forest.row_order[pos]]
     lcp = np.zeros(pos.shape[0], dtype=np.int64)
     if pos.shape[0] > 1:  # the least adjacent_lcp over (pos[i - 1], pos[i]]
@@ -83,8 +80,6 @@ def forest_cp_items(forest: PrefixForest, ranges: List[Tuple[int, int]], cp_size
     :func:`~seqpack.tree_cp_bounds` at each degree ``1, 2, 4 .. cp_size``
     (``[items, log2(cp_size) + 1]``); and the items per mini-batch."""
     degrees = [1 << j for j in range(int(cp_size).bit_length())]
-    where = np.empty(forest.num_rows, dtype=np.int64)
-    where[forest.row_order] = np.arange(forest.num_rows, dtype=np.int64)
     items: List[np.ndarray] = []
     tokens, squares, local, sizes = [], [], [], []
     for begin, end in ranges:
@@ -95,7 +90,7 @@ def forest_cp_items(forest: PrefixForest, ranges: List[Tuple[int, int]], cp_size
         groups = np.split(rows[order], cuts)
         groups.sort(key=lambda g: int(g[0]))
         for g in groups:
-            depth = _depths(forest, where, g)
+            depth = _depths(forest, g)
             work = depth + 1
             items.append(g)
             tokens.append(depth.shape[0])

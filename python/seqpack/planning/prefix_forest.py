@@ -64,7 +64,7 @@ class PrefixForest:
     :meth:`from_padded` or :meth:`from_packed`; holds read-only int64 NumPy arrays,
     compares by value, pickles and deep-copies through them (checked when rebuilt)."""
 
-    __slots__ = ("_arrays", "_num_trees", "_num_nodes", "_trees")
+    __slots__ = ("_arrays", "_num_trees", "_num_nodes", "_trees", "_position")
 
     def __init__(self, *, row_length: Any, row_order: Any, adjacent_lcp: Any, tree_of_row: Any, num_trees: Any,
                  num_nodes: Any) -> None:
@@ -77,7 +77,7 @@ class PrefixForest:
         trees = as_positive_int(num_trees, "num_trees", allow_zero=True)
         _core.check_prefix_forest(*(arrays[k] for k in _ARRAYS), trees)
         nodes = as_positive_int(num_nodes, "num_nodes", allow_zero=True)
-        self._arrays, self._num_trees, self._trees = arrays, trees, None
+        self._arrays, self._num_trees, self._trees, self._position = arrays, trees, None, None
         if nodes != int(self.subset_costs([np.arange(len(arrays["row_length"]))])[0][0]):
             raise ValueError(f"num_nodes = {nodes} is not the physical tokens of these rows")
         self._num_nodes = nodes
@@ -139,6 +139,16 @@ class PrefixForest:
             for a in self._trees:
                 a.flags.writeable = False
         return list(self._trees)
+
+    @property
+    def row_position(self) -> np.ndarray:
+        """Each row's place in :attr:`row_order` [R] (its inverse; read-only, built once)."""
+        if self._position is None:
+            position = np.empty(self.num_rows, dtype=np.int64)
+            position[self.row_order] = np.arange(self.num_rows, dtype=np.int64)
+            position.flags.writeable = False
+            self._position = position
+        return self._position
 
     # ---- costs --------------------------------------------------------------------
     def subset_costs(self, subsets: Iterable[Any]) -> Tuple[np.ndarray, np.ndarray]:

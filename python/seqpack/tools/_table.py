@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import html
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, List
 
 import numpy as np
+
+from .._equality import fields_equal
 
 
 @dataclass
@@ -33,6 +35,23 @@ class Table:
         )
         note = f"<p>{html.escape(self.note)}</p>" if self.note else ""
         return f"<b>{html.escape(self.title)}</b><table><tr>{head}</tr>{body}</table>{note}"
+
+
+@dataclass(eq=False)
+class Tables:
+    """A report's tables: printed as text (``format``) or HTML in Jupyter; equal by
+    value. Reports that add their own fields subclass it as dataclasses."""
+
+    tables: List[Table] = field(default_factory=list)
+
+    __eq__ = fields_equal
+    __hash__ = None  # mutable
+
+    def format(self) -> str:
+        return "\n\n".join(t.format() for t in self.tables)
+
+    def _repr_html_(self) -> str:
+        return "".join(t._repr_html_() for t in self.tables)
 
 
 class Pct(float):

@@ -16,15 +16,14 @@ Example:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import List, Optional
+from dataclasses import dataclass
+from typing import Optional
 
 import numpy as np
 
-from .._equality import fields_equal
 from ..planning.cost import CostModel
 from ..planning.step import plan_step
-from ._table import Table
+from ._table import Table, Tables
 
 
 def h100_cost_model() -> CostModel:
@@ -46,19 +45,8 @@ def long_context_lengths(n: int, longest: int, seed: int = 0) -> np.ndarray:
 
 
 @dataclass(eq=False)
-class CpReport:
+class CpReport(Tables):
     """Tables of one :func:`cp_report` run."""
-
-    tables: List[Table] = field(default_factory=list)
-
-    __eq__ = fields_equal
-    __hash__ = None  # mutable
-
-    def format(self) -> str:
-        return "\n\n".join(t.format() for t in self.tables)
-
-    def _repr_html_(self) -> str:
-        return "".join(t._repr_html_() for t in self.tables)
 
 
 def cp_report(lengths, capacity: int, dp_size: int, cp_size: int, cost: Optional[CostModel] = None) -> CpReport:

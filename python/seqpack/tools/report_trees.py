@@ -21,11 +21,10 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .._equality import fields_equal
 from ..planning.cost import CostModel
 from ..planning.prefix_forest import PrefixForest
 from ..planning.step import plan_step
-from ._table import Pct, Table
+from ._table import Pct, Table, Tables
 
 CAP_MULTIPLES = (1, 2, 4, 8, 16)  # caps of the sharing curve, in mean trees
 
@@ -50,22 +49,12 @@ def grpo_rows(prompts: int = 64, group: int = 8, seed: int = 0, max_len: int = 8
 
 
 @dataclass(eq=False)
-class TreeReport:
+class TreeReport(Tables):
     """Tables of one :func:`tree_report` run, and the sharing curve behind its figure."""
 
-    tables: List[Table] = field(default_factory=list)
     caps: List[int] = field(default_factory=list)
     sharing_kept: List[float] = field(default_factory=list)
     micro_batches: Dict[str, List[int]] = field(default_factory=dict)
-
-    __eq__ = fields_equal
-    __hash__ = None  # mutable
-
-    def format(self) -> str:
-        return "\n\n".join(t.format() for t in self.tables)
-
-    def _repr_html_(self) -> str:
-        return "".join(t._repr_html_() for t in self.tables)
 
     def plot(self, path: Optional[str] = None):
         """Sharing kept and micro-batches per rank against the cap (needs matplotlib)."""

@@ -197,11 +197,10 @@ def test_forest_depths_are_the_packed_trees_positions():
         stem = rng.integers(1, 4, 6).tolist()
         rows = [stem[: rng.integers(1, 7)] + rng.integers(1, 4, rng.integers(0, 5)).tolist() for _ in range(8)]
         forest = seqpack.PrefixForest.from_rows(rows)
-        where = np.empty(forest.num_rows, dtype=np.int64)
-        where[forest.row_order] = np.arange(forest.num_rows)
+        assert (forest.row_order[forest.row_position] == np.arange(forest.num_rows)).all()
         for tree in forest.trees:
             subset = np.sort(rng.choice(tree, size=rng.integers(1, len(tree) + 1), replace=False))
-            got = _depths(forest, where, subset)
+            got = _depths(forest, subset)
             ordered = forest_row_order(forest, subset)
             assert sorted(ordered.tolist()) == subset.tolist()
             assert got.tolist() == seqpack.pack_prefix_tree([rows[i] for i in ordered]).position_ids.tolist()
