@@ -57,6 +57,7 @@ _export("planning.metrics", "PackingMetrics", "dp_balance_metrics", "dynamic_bat
 _export("planning.cost", "CostModel")
 _export("planning.step", "StepPlan", "plan_step")
 _export("planning.prefix_forest", "PrefixForest")
+_export("planning.stream", "StreamPlanner", "StreamStep")
 # Packed tensors
 _export("tensors.layout", "PackedLayout", "alignment")
 _export("tensors.thd", "PackedBatch", "PackedSeqParams", "pack_sequences", "pack_to_layout", "unpack_sequences")
@@ -86,7 +87,7 @@ __all__ = [
     "get_packer", "PackingAlgorithm", "SequencePacker",
     "get_seqlen_balanced_partitions", "karmarkar_karp", "plan_micro_batches", "MicroBatchPlan",
     "plan_dynamic_batching", "DynamicBatchingPlan", "PackingMetrics", "CostModel", "plan_step", "StepPlan",
-    "PrefixForest",
+    "PrefixForest", "StreamPlanner", "StreamStep",
     # packed tensors
     "PackedLayout", "alignment", "PackedBatch", "PackedSeqParams", "pack_sequences", "pack_to_layout",
     "unpack_sequences",

@@ -93,6 +93,12 @@ def _report():
     return analyze([5, 9, 3, 12, 7, 1, 16, 2], capacity=16, dp_size=2, sequence_length_round=1)
 
 
+def _stream_planner():
+    planner = seqpack.StreamPlanner(2, 100, step_tokens=90, max_staleness=1, static_shapes=True)
+    planner.add([40, 30, 20, 50, 10], group_ids=["a", "a", "b", "b", "c"], version=[0, 0, 1, 1, 1], group_size=2)
+    return planner
+
+
 def _samples():
     from seqpack.frameworks import batched_data_dict as bdd, config, hf, roll
     from seqpack.planning import packing
@@ -114,6 +120,8 @@ def _samples():
         seqpack.PackingMetrics: lambda: _metrics(),
         seqpack.CostModel: lambda: seqpack.CostModel.verl(),
         seqpack.StepPlan: lambda: seqpack.plan_step(lengths, dp_size=2, max_tokens=128, mini_batches=2),
+        seqpack.StreamPlanner: _stream_planner,
+        seqpack.StreamStep: lambda: _stream_planner().next_step(1),
         # tensors
         seqpack.PackedLayout: lambda: seqpack.PackedLayout.from_lengths([3, 5, 1], pad_multiple=4, cp_size=2,
                                                                         cp_rank=1),

@@ -10,6 +10,8 @@
 - :mod:`~seqpack.planning.step`: :func:`plan_step`, ranks and micro-batches planned together.
 - :mod:`~seqpack.planning.prefix_forest`: :class:`PrefixForest`, what any subset of rows costs as a
   prefix tree.
+- :mod:`~seqpack.planning.step_shapes`: largest-first micro-batch order and static shape buckets.
+- :mod:`~seqpack.planning.stream`: :class:`StreamPlanner`, steps planned as asynchronous rollouts arrive.
 
 >>> from seqpack.planning import get_packer
 >>> get_packer("first_fit_decreasing", bin_capacity=10).pack([6, 5, 4, 3])
@@ -26,6 +28,7 @@ from .packing import (BestFitDecreasingPacker, ConcatenativePacker, FirstFitDecr
                       SequencePacker, adjust_bin_count, get_packer)
 from .prefix_forest import ForestItems, PrefixForest
 from .step import StepPlan, plan_step
+from .stream import StreamPlanner, StreamStep
 
 __all__ = [
     "BestFitDecreasingPacker", "ConcatenativePacker", "FirstFitDecreasingPacker", "FirstFitPacker",
@@ -35,4 +38,5 @@ __all__ = [
     "adjust_bin_count", "dp_balance_metrics", "dynamic_batching_metrics", "get_packer",
     "get_seqlen_balanced_partitions", "greedy_lpt_partition", "karmarkar_karp", "log_seqlen_unbalance",
     "plan_dynamic_batching", "plan_micro_batches", "plan_step", "sequence_workloads", "sorted_stride_partition", "StepPlan",
+    "StreamPlanner", "StreamStep",
 ]

@@ -34,6 +34,7 @@ import numpy as np
 from .. import _core
 from .._lengths import INT64_MAX, as_int64, as_lengths, as_positive_int
 from .cost import CostModel
+from .step_shapes import bucket_shapes, check_order, largest_first, shape_buckets
 
 __all__ = ["StepPlan", "plan_step"]
 
@@ -94,6 +95,12 @@ class StepPlan:
     cp_first_rank: Optional[np.ndarray] = field(default=None, repr=False, compare=False)
     kv_tokens: Optional[int] = None
     least_kv_tokens: Optional[int] = None
+    # Step shapes (planning/step_shapes.py): the order of each rank's micro-batches,
+    # and with static_shapes the bucket sizes and each cell's padded size (costs and
+    # predicted_time then include the padding).
+    micro_batch_order: str = "planned"
+    shape_buckets: Optional[Tuple[int, ...]] = None
+    padded_tokens: Optional[List[List[List[int]]]] = None
 
     @property
     def num_ranks(self) -> int:
@@ -108,6 +115,14 @@ class StepPlan:
     @property
     def num_sequences(self) -> int:
         return self.mini_batch_ranges[-1][1] if self.mini_batch_ranges else 0
+
+    @property
+    def padding_tokens(self) -> int:
+        """Tokens of static-shape padding over all cells (0 without ``static_shapes``)."""
+        if self.padded_tokens is None:
+            return 0
+        return sum(p - t for pm, tm in zip(self.padded_tokens, self.tokens) for pr, tr in zip(pm, tm)
+                   for p, t in zip(pr, tr))
 
     @property
     def num_dummies(self) -> int:
@@ -202,7 +217,7 @@ class StepPlan:
             for r, rank in enumerate(mb):
                 rank_totals[r] += sum(rank)
         fill = [t for mb in self.tokens for rank in mb for t in rank]
-        return {
+        out = {
             "predicted_time": self.predicted_time,
             "lower_bound": self.lower_bound,
             "gap": self.gap,
@@ -212,6 +227,9 @@ class StepPlan:
             "mean_fill": float(np.mean(fill)) / self.max_tokens if fill else 0.0,
             "rank_cost_max_over_mean": float(rank_totals.max() / rank_totals.mean()) if rank_totals.mean() > 0 else 1.0,
         }
+        if self.padded_tokens is not None:  # static shapes: the padding over the real tokens
+            out["padding"] = self.padding_tokens / sum(fill) if sum(fill) else 0.0
+        return out
 
     def _repr_html_(self) -> str:
         m = self.metrics
@@ -265,6 +283,8 @@ def plan_step(
     cp_size: int = 1,
     hybrid_cp: bool = False,
     min_cp_degree: int = 1,
+    micro_batch_order: str = "planned",
+    static_shapes: Any = None,
 ) -> StepPlan:
     """Assign every sequence of a global batch to (mini-batch, rank, micro-batch)
     for the fastest step under ``cost``.
@@ -317,6 +337,16 @@ def plan_step(
         min_cp_degree: with ``hybrid_cp``, no sequence below this degree (a power
             of two up to ``cp_size``; Megatron-LM's
             ``--min-dynamic-context-parallel-size``).
+        micro_batch_order: ``"planned"`` or ``"largest_first"``: every rank's
+            micro-batches of a mini-batch sorted by tokens, largest first, the
+            ranks still in lock-step (:func:`~seqpack.planning.step_shapes.largest_first`:
+            a flat allocator peak; never slower under ``sync="step"``, and under
+            ``"micro_batch"`` whenever cost follows tokens).
+        static_shapes: pad every micro-batch up to a bucket size, for CUDA graphs
+            and a stable allocator: ``True`` (a quarter, half, three quarters and
+            all of ``max_tokens``), a bucket count, or the sizes. ``padded_tokens`` holds each cell's size, costs and
+            ``predicted_time`` include the padding, ``padding_tokens`` and
+            ``metrics["padding"]`` report it.
 
     Raises:
         ValueError: a sequence above ``max_tokens``, fewer sequences than
@@ -325,6 +355,20 @@ def plan_step(
             step): the message names the coefficient, scale the model down.
         TypeError: ``cost`` is not a :class:`CostModel`.
     """
+    check_order(micro_batch_order)
+    buckets = None if static_shapes is None or static_shapes is False else \
+        shape_buckets(static_shapes, as_positive_int(max_tokens, "max_tokens"))
+    plan = _plan(lengths, dp_size, max_tokens, cost, sync, mini_batches, min_micro_batches, multiple_of, seed, forest,
+                 whole_trees, cp_size, hybrid_cp, min_cp_degree)
+    if micro_batch_order == "largest_first":
+        plan = largest_first(plan)
+    return plan if buckets is None else bucket_shapes(plan, buckets)
+
+
+def _plan(lengths: Any, dp_size: Any, max_tokens: Any, cost: Optional[CostModel], sync: str, mini_batches: Any,
+          min_micro_batches: Any, multiple_of: Any, seed: Any, forest: Any, whole_trees: bool, cp_size: Any,
+          hybrid_cp: bool, min_cp_degree: Any) -> StepPlan:
+    """:func:`plan_step` before its step shapes."""
     if cost is None:
         cost = CostModel.tokens()
     if not isinstance(cost, CostModel):

@@ -1,0 +1,298 @@
+"""StreamPlanner: the rules as properties over random arrival orders, versions and
+chunk sizes; pickling mid-stream; the comparison with next-fit in arrival order
+(torchtitan's batcher); errors."""
+
+from __future__ import annotations
+
+import copy
+import pickle
+from typing import Dict, List
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from seqpack import CostModel, StreamPlanner, StreamStep, plan_step
+from seqpack.testing.stream_reference import next_fit_rows, next_fit_step
+
+CAP = 256
+
+
+@st.composite
+def streams(draw):
+    """Groups of 1-4 rollouts with random lengths, arriving in a random order in
+    random chunks; each rollout's lag behind the trainer's version is 0-3."""
+    sizes = draw(st.lists(st.integers(1, 4), min_size=1, max_size=14))
+    items = [(g, draw(st.integers(1, CAP)), draw(st.integers(0, 3))) for g, s in enumerate(sizes) for _ in range(s)]
+    order = draw(st.permutations(range(len(items))))
+    chunks, at = [], 0
+    while at < len(order):
+        n = draw(st.integers(1, 6))
+        chunks.append([items[i] for i in order[at:at + n]])
+        at += n
+    return sizes, chunks
+
+
+def run(planner: StreamPlanner, sizes, chunks, *, pickle_at: int = -1):
+    """Feed ``chunks``; plan a step whenever ready (the trainer's version advances
+    per step); flush at the end. Returns the steps, what each item was, and the
+    planner pickled at chunk ``pickle_at`` with the steps planned before it."""
+    version, steps, info, saved = 0, [], {}, None
+    arrived: Dict[int, List[int]] = {}
+    done = set()
+    for c, chunk in enumerate(chunks):
+        if c == pickle_at:
+            saved = (pickle.dumps(planner), len(steps), version)
+        ids = planner.add([x[1] for x in chunk], group_ids=[x[0] for x in chunk],
+                          version=[max(0, version - x[2]) for x in chunk], group_size=[sizes[x[0]] for x in chunk])
+        for i, x in zip(ids.tolist(), chunk):
+            info[i] = dict(group=x[0], length=x[1], version=max(0, version - x[2]), arrived=c)
+            arrived.setdefault(x[0], []).append(i)
+        while planner.ready(version):
+            # the complete groups waiting: (oldest version, the chunk that completed it)
+            waiting = {g: (min(info[i]["version"] for i in ids_), max(info[i]["arrived"] for i in ids_))
+                       for g, ids_ in arrived.items() if len(ids_) == sizes[g] and g not in done}
+            step = planner.next_step(version)
+            fresh = {g: key for g, key in waiting.items() if g not in step.dropped_groups}
+            taken = [fresh[g] for g in step.groups]
+            left = [key for g, key in fresh.items() if g not in step.groups]
+            if left:  # oldest first: nothing left behind is older than what was taken
+                assert max(taken) <= min(left)
+            done.update(step.groups, step.dropped_groups)
+            steps.append(step)
+            version += 1
+    last = planner.flush(version, incomplete="drop")
+    if last is not None:
+        steps.append(last)
+    return steps, info, saved
+
+
+def check_step_plan(step: StreamStep, info, cap):
+    """The step is a plan_step plan of its items: every item once, the cap, equal counts."""
+    plan = step.plan
+    lens = [info[i]["length"] for i in step.item_ids.tolist()]
+    assert plan.lengths.tolist() == lens
+    flat = sorted(i for mb in step.assignment for rank in mb for cell in rank for i in cell)
+    assert flat == sorted(step.item_ids.tolist())
+    for mb in plan.tokens:
+        assert len({len(rank) for rank in mb}) == 1
+        assert all(t <= cap for rank in mb for t in rank)
+    again = plan_step(lens, plan.dp_size, cap, cost=plan.cost, sync=plan.sync,
+                      mini_batches=len(plan.assignment))
+    assert plan.predicted_time <= again.predicted_time * 1.02
+
+
+@settings(max_examples=80, deadline=None)
+@given(streams(), st.sampled_from([None, 0, 1, 2]), st.integers(1, 3), st.integers(1, 900),
+       st.sampled_from([CostModel.tokens(), CostModel(4.0, 1.0, 0.002)]))
+def test_stream_rules(stream, max_staleness, dp_size, step_tokens, cost):
+    sizes, chunks = stream
+    planner = StreamPlanner(dp_size, CAP, step_tokens=step_tokens, max_staleness=max_staleness, cost=cost)
+    steps, info, _ = run(planner, sizes, chunks)
+    landed = [i for s in steps for i in s.item_ids.tolist()]
+    dropped = [i for s in steps for i in s.dropped.tolist()] + planner.dropped.tolist()
+    # every item exactly once: in one step or dropped
+    assert sorted(landed + dropped) == sorted(info)
+    assert planner.pending == 0 and planner.pending_tokens == 0
+    group_of: Dict[int, List[int]] = {}
+    for i, x in info.items():
+        group_of.setdefault(x["group"], []).append(i)
+    step_of = {i: k for k, s in enumerate(steps) for i in s.item_ids.tolist()}
+    for g, ids in group_of.items():  # a group lands whole, in one step, or not at all
+        assert len({step_of.get(i, -1) for i in ids}) == 1
+    for k, step in enumerate(steps):
+        check_step_plan(step, info, CAP)
+        if k < len(steps) - 1 or step.num_tokens >= step_tokens:
+            assert step.num_tokens >= step_tokens
+            # whole groups, and no more than needed: without its last group the step is short
+            last = group_of[step.groups[-1]]
+            assert step.num_tokens - sum(info[i]["length"] for i in last) < step_tokens
+        if max_staleness is not None:  # nothing stale lands
+            assert all(step.version - info[i]["version"] <= max_staleness for i in step.item_ids.tolist())
+    if max_staleness is not None:  # a dropped group had a stale item when it was dropped
+        for k, step in enumerate(steps):
+            for g in set(step.dropped_groups):
+                assert min(info[i]["version"] for i in group_of[g]) < step.version - max_staleness
+    else:
+        assert not any(s.dropped_groups for s in steps[:-1])
+
+
+@settings(max_examples=40, deadline=None)
+@given(streams(), st.sampled_from([None, 1]), st.integers(1, 3), st.integers(1, 900), st.data())
+def test_pickle_mid_stream_resumes_to_the_same_steps(stream, max_staleness, dp_size, step_tokens, data):
+    sizes, chunks = stream
+    at = data.draw(st.integers(0, len(chunks) - 1))
+    kwargs = dict(step_tokens=step_tokens, max_staleness=max_staleness, micro_batch_order="largest_first")
+    steps, _, saved = run(StreamPlanner(dp_size, CAP, **kwargs), sizes, chunks, pickle_at=at)
+    blob, done, version = saved
+    resumed = pickle.loads(blob)
+    assert resumed == copy.deepcopy(resumed)
+    rest, _, _ = run_from(resumed, sizes, chunks[at:], version)
+    assert rest == steps[done:]
+
+
+def run_from(planner, sizes, chunks, version):
+    steps = []
+    for chunk in chunks:
+        planner.add([x[1] for x in chunk], group_ids=[x[0] for x in chunk],
+                    version=[max(0, version - x[2]) for x in chunk], group_size=[sizes[x[0]] for x in chunk])
+        while planner.ready(version):
+            steps.append(planner.next_step(version))
+            version += 1
+    last = planner.flush(version, incomplete="drop")
+    return steps + ([last] if last is not None else []), None, None
+
+
+def test_docstring_walkthrough_and_step_fields():
+    planner = StreamPlanner(dp_size=2, max_tokens=1000, step_tokens=1500, max_staleness=1)
+    assert planner.add([400, 300, 500], group_ids=[7, 7, 8], version=0, group_size=2).tolist() == [0, 1, 2]
+    assert not planner.ready(0) and planner.pending == 3 and planner.pending_tokens == 700
+    planner.add([600, 200], group_ids=np.array([8, 9]), version=np.array([0, 1]), group_size=np.int64(2))
+    step = planner.next_step(np.int64(1))
+    assert step.groups == [7, 8] and step.item_ids.tolist() == [0, 1, 2, 3]
+    assert sorted(i for mb in step.assignment for r in mb for c in r for i in c) == [0, 1, 2, 3]
+    assert step.num_tokens == 1800 and planner.pending == 1 and step.pending == 1
+    assert sorted(step.rank_items(0) + step.rank_items(1)) == [0, 1, 2, 3]
+    assert step.metrics["items"] == 4 and step.metrics["dropped"] == 0
+    assert step.predicted_time == plan_step([400, 300, 500, 600], 2, 1000).predicted_time
+    with pytest.raises(ValueError, match="current_version must not decrease"):
+        planner.ready(0)
+    # group 9 (version 1) goes stale at version 3; its late rollout is dropped on arrival
+    assert not planner.ready(3) and planner.pending == 0
+    planner.add([50], group_ids=9, version=1, group_size=2)
+    planner.add([900, 800], group_ids="new", version=3, group_size=2)
+    step = planner.next_step(3)
+    assert step.dropped.tolist() == [4, 5] and step.dropped_groups == [9] and step.groups == ["new"]
+
+
+def test_a_label_is_reused_after_its_group_lands():
+    planner = StreamPlanner(1, 100, step_tokens=10)
+    planner.add([10], group_ids="p", version=0, group_size=1)
+    assert planner.next_step(0).groups == ["p"]
+    planner.add([20], group_ids="p", version=1, group_size=1)
+    assert planner.next_step(1).item_ids.tolist() == [1]
+
+
+def test_flush_modes():
+    def make():
+        p = StreamPlanner(2, 100, step_tokens=1000)
+        p.add([30, 40, 50], group_ids=["a", "a", "b"], version=0, group_size=2)
+        return p
+    p = make()
+    step = p.flush(0)
+    assert step.groups == ["a"] and p.pending == 1  # "wait": b still open
+    assert p.flush(0) is None
+    p = make()
+    step = p.flush(0, incomplete="drop")
+    assert step.groups == ["a"] and step.dropped.tolist() == [2] and p.pending == 0
+    p = make()
+    step = p.flush(0, incomplete="keep")
+    assert step.groups == ["a", "b"] and step.item_ids.tolist() == [0, 1, 2] and p.pending == 0
+    with pytest.raises(ValueError, match="incomplete must be one of"):
+        p.flush(0, incomplete="all")
+    p = StreamPlanner(1, 100, step_tokens=10, mini_batches=3)
+    p.add([5, 6], group_ids=["x", "y"], version=0, group_size=1)
+    assert len(p.flush(0).plan.assignment) == 2  # a short last step: one mini-batch per item
+
+
+def test_errors_name_the_argument():
+    with pytest.raises(ValueError, match="step_tokens"):
+        StreamPlanner(2, 100, step_tokens=0)
+    with pytest.raises(ValueError, match="max_staleness"):
+        StreamPlanner(2, 100, step_tokens=10, max_staleness=-1)
+    with pytest.raises(ValueError, match="sync"):
+        StreamPlanner(2, 100, step_tokens=10, sync="async")
+    with pytest.raises(TypeError, match="cost"):
+        StreamPlanner(2, 100, step_tokens=10, cost="tokens")
+    with pytest.raises(ValueError, match="whole_trees"):
+        StreamPlanner(2, 100, step_tokens=10, whole_trees=True)
+    p = StreamPlanner(2, 100, step_tokens=10)
+    with pytest.raises(ValueError, match=r"lengths\[1\] = 101 cannot be planned"):
+        p.add([5, 101], group_ids=0, version=0, group_size=2)
+    with pytest.raises(ValueError, match=r"lengths\[0\] = 0"):
+        p.add([0], group_ids=0, version=0, group_size=2)
+    with pytest.raises(ValueError, match="more than its group_size=2"):
+        p.add([5, 6, 7], group_ids=0, version=0, group_size=2)
+    with pytest.raises(ValueError, match="group_ids must be one label or one per rollout"):
+        p.add([5, 6], group_ids=[0], version=0, group_size=2)
+    with pytest.raises(ValueError, match="version must be one value or one per rollout"):
+        p.add([5, 6], group_ids=0, version=[0], group_size=2)
+    with pytest.raises(TypeError, match="not hashable"):
+        p.add([5], group_ids=[[1]], version=0, group_size=2)
+    assert p.pending == 0 and p.num_items == 0  # nothing was added by a failed call
+    p.add([5], group_ids=0, version=0, group_size=2)
+    with pytest.raises(ValueError, match="was given group_size=2, now 3"):
+        p.add([5], group_ids=0, version=0, group_size=3)
+    with pytest.raises(ValueError, match="not ready"):
+        p.next_step(0)
+    with pytest.raises(ValueError, match="tokens is required with forest=True"):
+        StreamPlanner(2, 100, step_tokens=10, forest=True).add([5], group_ids=0, version=0, group_size=1)
+    with pytest.raises(ValueError, match="sharded over cp_size=2"):
+        StreamPlanner(1, 100, step_tokens=10, cp_size=2).add([300], group_ids=0, version=0, group_size=1)
+
+
+def test_forest_steps_plan_groups_as_trees():
+    rng = np.random.default_rng(0)
+    planner = StreamPlanner(2, 400, step_tokens=1500, forest=True, max_staleness=2)
+    rows_of = {}
+    version = 0
+    steps = []
+    for prompt in range(24):
+        head = rng.integers(1, 1000, int(rng.integers(50, 150))).tolist()
+        rows = [head + rng.integers(1, 1000, int(rng.integers(1, 120))).tolist() for _ in range(4)]
+        ids = planner.add(tokens=rows, group_ids=prompt, version=version, group_size=4)
+        rows_of.update(zip(ids.tolist(), rows))
+        while planner.ready(version):
+            steps.append(planner.next_step(version))
+            version += 1
+    assert steps
+    for step in steps:
+        plan = step.plan
+        assert plan.planned_on is not None and plan.sharing_kept is not None
+        logical = sum(len(rows_of[i]) for i in step.item_ids.tolist())
+        physical = sum(t for mb in plan.tokens for r in mb for t in r)
+        assert physical < logical  # the prompts are forwarded once per micro-batch, not per rollout
+        assert all(t <= 400 for mb in plan.tokens for r in mb for t in r)
+        flat = sorted(i for mb in step.assignment for r in mb for c in r for i in c)
+        assert flat == sorted(step.item_ids.tolist())
+
+
+def test_beats_next_fit_in_arrival_order_on_the_same_stream():
+    """Every step of a GRPO-like stream (8 rollouts a prompt, lognormal lengths,
+    long ones finishing last) against torchtitan's next-fit of the same items in
+    their arrival order."""
+    rng = np.random.default_rng(3)
+    cost = CostModel(2000.0, 1.0, 1.0 / 4096)
+    planner = StreamPlanner(4, 8192, step_tokens=64 * 1024, cost=cost, max_staleness=2)
+    arrival: List[int] = []
+    lengths: Dict[int, int] = {}
+    events = []
+    for prompt in range(160):
+        lens = np.minimum(rng.lognormal(7.0, 0.9, 8).astype(int) + 1, 8192)
+        start = prompt * 40.0
+        for x in lens:
+            events.append((start + x * (0.5 + rng.random()), prompt, int(x)))
+    events.sort()
+    ratios, version = [], 0
+    for t, prompt, x in events:
+        i = int(planner.add([x], group_ids=prompt, version=version, group_size=8)[0])
+        arrival.append(i)
+        lengths[i] = x
+        if planner.ready(version):
+            step = planner.next_step(version)
+            order = sorted(step.item_ids.tolist())  # arrival order = id order
+            _, baseline = next_fit_step([lengths[i] for i in order], 4, 8192, cost)
+            assert step.predicted_time <= baseline
+            ratios.append(baseline / step.predicted_time)
+            version += 1
+    assert len(ratios) >= 6
+    assert float(np.exp(np.mean(np.log(ratios)))) >= 1.15
+
+
+def test_next_fit_reference():
+    assert next_fit_rows([5, 4, 3, 6, 1], 9) == [[0, 1], [2, 3], [4]]
+    cells, t = next_fit_step([5, 4, 3, 6, 1], 2, 9, CostModel(1.0, 1.0, 0.0))
+    assert cells == [[[0, 1], [4]], [[2, 3], []]] and t == 10.0 + 2.0
+    with pytest.raises(ValueError, match="exceeds max_tokens"):
+        next_fit_rows([10], 9)
