@@ -1,5 +1,5 @@
 """The loss, training-step, boundary, THD, step-planning, TRL, TRL GRPO, AutoModel, prefix-tree, forest-planning, tree-step,
-distillation, DPO and CP-planning benchmark
+distillation, DPO, CP-planning and streaming benchmark
 scripts still run (``--quick``: tiny sizes, a smoke test; their numbers come from full runs recorded in
 benchmarks/RESULTS.md)."""
 
@@ -30,7 +30,8 @@ SCRIPTS = [("bench_loss.py", "Packed SFT loss"), ("bench_train.py", "Training st
            ("bench_distillation.py", "Distillation loss input + mixed KL"),
            ("bench_dpo.py", "DPO training step, padded vs packed pairs"),
            ("bench_cp_step.py", "Hybrid context parallelism"),
-           ("bench_hybrid_cp.py", "Hybrid context parallelism, measured")]
+           ("bench_hybrid_cp.py", "Hybrid context parallelism, measured"),
+           ("bench_stream.py", "Streaming packing for asynchronous RL")]
 
 
 def _quick_run(script, tmp_dir):

@@ -80,7 +80,8 @@ def test_extension_carries_ampere_and_hopper_machine_code():
 @pytest.mark.parametrize(
     "module",
     ["seqpack", "seqpack.planning", "seqpack.planning.packing", "seqpack.planning.balance", "seqpack.planning.metrics",
-     "seqpack.planning.dynamic_batching", "seqpack.planning.cost", "seqpack.planning.step", "seqpack.tensors.layout",
+     "seqpack.planning.dynamic_batching", "seqpack.planning.cost", "seqpack.planning.step", "seqpack.planning.step_shapes",
+     "seqpack.planning.stream", "seqpack.testing.rollout_stream", "seqpack.tensors.layout",
      "seqpack.tensors.thd", "seqpack.frameworks._batch", "seqpack.frameworks.verl", "seqpack.frameworks.automodel",
      "seqpack.testing.pipelines", "seqpack.testing.distributions",
      "seqpack.tensors.cp",

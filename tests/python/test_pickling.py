@@ -104,7 +104,7 @@ def _samples():
     from seqpack.planning import packing
     from seqpack.tensors import hybrid_cp, prefix_tree, token_layout, tree_plans
     from seqpack.training import logprobs_tree
-    from seqpack.testing import tiny_model
+    from seqpack.testing import rollout_stream, tiny_model
     from seqpack.tools import report, report_cp, report_trees
     from seqpack.training import loss, loss_hybrid_cp
 
@@ -122,6 +122,7 @@ def _samples():
         seqpack.StepPlan: lambda: seqpack.plan_step(lengths, dp_size=2, max_tokens=128, mini_batches=2),
         seqpack.StreamPlanner: _stream_planner,
         seqpack.StreamStep: lambda: _stream_planner().next_step(1),
+        rollout_stream.Rollout: lambda: rollout_stream.grpo_rollouts(2, 2, seed=1)[0],
         # tensors
         seqpack.PackedLayout: lambda: seqpack.PackedLayout.from_lengths([3, 5, 1], pad_multiple=4, cp_size=2,
                                                                         cp_rank=1),

@@ -25,6 +25,7 @@ plan on every rank for the same lengths and seed.
 
 from __future__ import annotations
 
+import dataclasses
 import html
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -343,10 +344,13 @@ def plan_step(
             a flat allocator peak; never slower under ``sync="step"``, and under
             ``"micro_batch"`` whenever cost follows tokens).
         static_shapes: pad every micro-batch up to a bucket size, for CUDA graphs
-            and a stable allocator: ``True`` (a quarter, half, three quarters and
-            all of ``max_tokens``), a bucket count, or the sizes. ``padded_tokens`` holds each cell's size, costs and
+            and a stable allocator: ``True`` (every eighth of ``max_tokens``), a
+            bucket count, or the sizes. ``padded_tokens`` holds each cell's size, costs and
             ``predicted_time`` include the padding, ``padding_tokens`` and
-            ``metrics["padding"]`` report it.
+            ``metrics["padding"]`` report it. On plain rows the step is also
+            planned under each smaller bucket that holds the longest sequence
+            (micro-batches that fill a smaller bucket can pad less) and the
+            fastest padded plan is kept.
 
     Raises:
         ValueError: a sequence above ``max_tokens``, fewer sequences than
@@ -358,11 +362,23 @@ def plan_step(
     check_order(micro_batch_order)
     buckets = None if static_shapes is None or static_shapes is False else \
         shape_buckets(static_shapes, as_positive_int(max_tokens, "max_tokens"))
-    plan = _plan(lengths, dp_size, max_tokens, cost, sync, mini_batches, min_micro_batches, multiple_of, seed, forest,
-                 whole_trees, cp_size, hybrid_cp, min_cp_degree)
-    if micro_batch_order == "largest_first":
-        plan = largest_first(plan)
-    return plan if buckets is None else bucket_shapes(plan, buckets)
+    def shaped(cap: int) -> StepPlan:
+        plan = _plan(lengths, dp_size, cap, cost, sync, mini_batches, min_micro_batches, multiple_of, seed, forest,
+                     whole_trees, cp_size, hybrid_cp, min_cp_degree)
+        if micro_batch_order == "largest_first":
+            plan = largest_first(plan)
+        return plan if buckets is None else bucket_shapes(plan, buckets)
+
+    plan = shaped(max_tokens)
+    if buckets is not None and forest is None and cp_size == 1 and plan.num_sequences:
+        # Micro-batches that fill a smaller bucket may pad less: plan under each bucket
+        # that holds the longest sequence and keep the fastest padded step.
+        longest, full = int(plan.lengths.max()), plan
+        for cap in (b for b in buckets if longest <= b < full.max_tokens):
+            other = shaped(cap)
+            if other.predicted_time < plan.predicted_time:  # the full cap's bound holds for both
+                plan = dataclasses.replace(other, max_tokens=full.max_tokens, lower_bound=full.lower_bound)
+    return plan
 
 
 def _plan(lengths: Any, dp_size: Any, max_tokens: Any, cost: Optional[CostModel], sync: str, mini_batches: Any,

@@ -56,18 +56,19 @@ def step_time(costs: Sequence[Sequence[Sequence[float]]], sync: str) -> float:
 
 
 def shape_buckets(spec: Any, max_tokens: int) -> Tuple[int, ...]:
-    """The bucket sizes of ``static_shapes=spec``: ``True`` (four: a quarter, half,
-    three quarters and all of ``max_tokens``), an int ``n`` (``n`` evenly spaced
-    sizes up to ``max_tokens``) or the sizes themselves (the largest at least
+    """The bucket sizes of ``static_shapes=spec``: ``True`` (eight: every eighth of
+    ``max_tokens``), an int ``n`` (``n`` evenly spaced sizes up to ``max_tokens``) or the sizes themselves (the largest at least
     ``max_tokens``), sorted, unique.
 
     >>> shape_buckets(True, 8192)
+    (1024, 2048, 3072, 4096, 5120, 6144, 7168, 8192)
+    >>> shape_buckets(4, 8192)
     (2048, 4096, 6144, 8192)
     >>> shape_buckets([4096, 1024, 4096], 4096)
     (1024, 4096)
     """
     if spec is True:
-        spec = 4
+        spec = 8
     if isinstance(spec, (bool, str, bytes)) or spec is None:
         raise TypeError(f"static_shapes must be True, a bucket count or a list of bucket sizes, got {spec!r}")
     if np.ndim(spec) == 0:
@@ -134,9 +135,9 @@ def bucket_shapes(plan: Any, buckets: Tuple[int, ...]) -> Any:
     per_token_squared·p²``) and ``predicted_time`` recomputed.
 
     >>> from seqpack import plan_step
-    >>> plan = bucket_shapes(plan_step([700, 300, 500], dp_size=1, max_tokens=1000), (500, 1000))
+    >>> plan = bucket_shapes(plan_step([700, 300, 500, 200], dp_size=1, max_tokens=1000), (500, 1000))
     >>> plan.tokens, plan.padded_tokens, plan.padding_tokens
-    ([[[1000, 500]]], [[[1000, 500]]], 0)
+    ([[[900, 800]]], [[[1000, 1000]]], 300)
     """
     sizes = np.asarray(buckets, dtype=np.int64)
     cost = plan.cost

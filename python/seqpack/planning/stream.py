@@ -33,7 +33,7 @@ step is a :func:`~seqpack.plan_step` plan of its items, with its guarantees.
     [3, 4]
     >>> step = planner.next_step(current_version=1)
     >>> step.groups, step.assignment, planner.pending
-    ([7, 8], [[[[0, 2]], [[1, 3]]]], 1)
+    ([7, 8], [[[[1, 3]], [[0, 2]]]], 1)
 
 The planner pickles (checkpoint it with the trainer's state and resume to the same
 steps) and deep-copies. Importing this module does not import torch.
@@ -143,22 +143,18 @@ class StreamStep:
 
 
 class _Group:
-    """One group's items as they arrive (and, with a forest, their token rows)."""
+    """One group's items as they arrive (Python ints: cheaper than small arrays) and,
+    with a forest, their token rows."""
 
-    __slots__ = ("label", "size", "ids", "lengths", "versions", "rows", "count", "doomed")
+    __slots__ = ("label", "size", "count", "doomed", "ids", "lengths", "tokens", "oldest", "rows")
 
     def __init__(self, label: Hashable, size: int) -> None:
         self.label, self.size, self.count, self.doomed = label, size, 0, False
-        self.ids: List[np.ndarray] = []
-        self.lengths: List[np.ndarray] = []
-        self.versions: List[np.ndarray] = []
+        self.ids: List[int] = []
+        self.lengths: List[int] = []
+        self.tokens = 0
+        self.oldest: Optional[int] = None  # the lowest version among its items
         self.rows: List[Any] = []
-
-    def oldest(self) -> int:
-        return min(int(v.min()) for v in self.versions)
-
-    def arrays(self) -> Tuple[np.ndarray, np.ndarray]:
-        return np.concatenate(self.ids), np.concatenate(self.lengths)
 
     def __getstate__(self):
         return {name: getattr(self, name) for name in self.__slots__}
@@ -287,42 +283,45 @@ class StreamPlanner(ValueEquality):
         members: Dict[Hashable, List[int]] = {}
         for i, label in enumerate(labels):
             members.setdefault(label, []).append(i)
+        lens_, versions_, sizes_ = lens.tolist(), versions.tolist(), sizes.tolist()
         # Check every group before changing anything.
         for label, idx in members.items():
-            size = int(sizes[idx[0]])
-            if (sizes[idx] != size).any():
-                raise ValueError(f"group_size differs within group {label!r} ({sorted(set(sizes[idx].tolist()))})")
+            size = sizes_[idx[0]]
+            if any(sizes_[i] != size for i in idx):
+                raise ValueError(f"group_size differs within group {label!r} ({sorted({sizes_[i] for i in idx})})")
             g = self._open.get(label)
             if g is not None and g.size != size:
                 raise ValueError(f"group {label!r} was given group_size={g.size}, now {size}")
             have = 0 if g is None else g.count
             if have + len(idx) > size:
                 raise ValueError(f"group {label!r} gets {have + len(idx)} rollouts, more than its group_size={size}")
-        ids = np.arange(self._next_id, self._next_id + n, dtype=np.int64)
+        first = self._next_id
         self._next_id += n
         for label, idx in members.items():
             g = self._open.get(label)
             if g is None:
-                g = self._open[label] = _Group(label, int(sizes[idx[0]]))
-            at = np.asarray(idx, dtype=np.int64)
-            g.count += at.size
+                g = self._open[label] = _Group(label, sizes_[idx[0]])
+            g.count += len(idx)
             if g.doomed:  # its group is already stale: dropped on arrival
-                self._dropped.append(ids[at])
+                self._dropped.append(np.asarray(idx, dtype=np.int64) + first)
             else:
-                g.ids.append(ids[at])
-                g.lengths.append(lens[at])
-                g.versions.append(versions[at])
+                g.ids.extend(first + i for i in idx)
+                got = [lens_[i] for i in idx]
+                g.lengths.extend(got)
+                g.tokens += sum(got)
+                oldest = min(versions_[i] for i in idx)
+                g.oldest = oldest if g.oldest is None else min(g.oldest, oldest)
                 if rows is not None:
                     g.rows.extend(rows[i] for i in idx)
-                self._pending += at.size
+                self._pending += len(idx)
             if g.count == g.size:
                 del self._open[label]
                 if not g.doomed:
                     self._completed += 1
                     self._complete[self._completed] = g
-                    heapq.heappush(self._heap, (g.oldest(), self._completed))
-                    self._complete_tokens += int(sum(int(x.sum()) for x in g.lengths))
-        return ids
+                    heapq.heappush(self._heap, (g.oldest, self._completed))
+                    self._complete_tokens += g.tokens
+        return np.arange(first, first + n, dtype=np.int64)
 
     def _check_lengths(self, lens: np.ndarray) -> None:
         if lens.min() < 1:
@@ -400,19 +399,18 @@ class StreamPlanner(ValueEquality):
             _, seq = heapq.heappop(self._heap)
             g = self._complete.pop(seq)
             self._drop(g)
-            self._complete_tokens -= int(sum(int(x.sum()) for x in g.lengths))
+            self._complete_tokens -= g.tokens
         for g in list(self._open.values()):
-            if not g.doomed and g.versions and g.oldest() < oldest_fresh:
+            if not g.doomed and g.oldest is not None and g.oldest < oldest_fresh:
                 self._drop(g)
                 g.doomed = True
-                g.ids, g.lengths, g.versions, g.rows = [], [], [], []
+                g.ids, g.lengths, g.rows, g.tokens = [], [], [], 0
         return v
 
     def _drop(self, g: _Group) -> None:
-        ids = np.concatenate(g.ids)
-        self._dropped.append(ids)
+        self._dropped.append(np.asarray(g.ids, dtype=np.int64))
         self._dropped_groups.append(g.label)
-        self._pending -= ids.size
+        self._pending -= len(g.ids)
 
     def ready(self, current_version: Any) -> bool:
         """Whether complete groups fresh at ``current_version`` hold at least
@@ -442,7 +440,7 @@ class StreamPlanner(ValueEquality):
             _, seq = heapq.heappop(self._heap)
             g = self._complete.pop(seq)
             taken.append(g)
-            tokens += int(sum(int(x.sum()) for x in g.lengths))
+            tokens += g.tokens
         return self._plan(taken, v, start)
 
     def flush(self, current_version: Any, *, incomplete: str = "wait") -> Optional[StreamStep]:
@@ -469,14 +467,14 @@ class StreamPlanner(ValueEquality):
                     self._drop(g)
                 else:
                     taken.append(g)
-                    self._complete_tokens += int(sum(int(x.sum()) for x in g.lengths))
+                    self._complete_tokens += g.tokens
         if not taken:
             return None
         return self._plan(taken, v, start)
 
     def _plan(self, taken: List[_Group], version: int, start: float) -> StreamStep:
-        ids = np.concatenate([x for g in taken for x in g.ids])
-        lens = np.concatenate([x for g in taken for x in g.lengths])
+        ids = np.fromiter((i for g in taken for i in g.ids), dtype=np.int64)
+        lens = np.fromiter((x for g in taken for x in g.lengths), dtype=np.int64)
         self._complete_tokens -= int(lens.sum())
         self._pending -= ids.size
         kwargs = dict(self._plan_kwargs)
@@ -485,7 +483,7 @@ class StreamPlanner(ValueEquality):
         if self.forest:
             from .prefix_forest import PrefixForest
 
-            labels = np.repeat(np.arange(len(taken)), [sum(x.size for x in g.ids) for g in taken])
+            labels = np.repeat(np.arange(len(taken)), [len(g.ids) for g in taken])
             kwargs["forest"] = PrefixForest.from_rows([r for g in taken for r in g.rows], group_ids=labels)
         plan = plan_step(lens, **kwargs)
         ids.flags.writeable = False

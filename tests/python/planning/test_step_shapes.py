@@ -66,7 +66,8 @@ def test_largest_first_with_a_forest_keeps_the_forest_plan():
 
 
 def test_shape_buckets():
-    assert shape_buckets(True, 8192) == (2048, 4096, 6144, 8192)
+    assert shape_buckets(True, 8192) == tuple(range(1024, 8193, 1024))
+    assert shape_buckets(4, 8192) == (2048, 4096, 6144, 8192)
     assert shape_buckets(3, 10) == (4, 7, 10)
     assert shape_buckets(np.int64(1), 10) == (10,)
     assert shape_buckets([512, 4096, 512], 4096) == (512, 4096)
@@ -91,21 +92,27 @@ def test_static_shapes_pad_each_cell_to_its_smallest_bucket(lengths, dp_size, co
     base = plan_step(lengths, dp_size, 300, cost=cost, sync=sync, micro_batch_order=order)
     plan = plan_step(lengths, dp_size, 300, cost=cost, sync=sync, micro_batch_order=order, static_shapes=spec)
     buckets = shape_buckets(spec, 300)
-    assert plan.shape_buckets == buckets and plan.assignment == base.assignment
+    assert plan.shape_buckets == buckets and plan.max_tokens == 300 and plan.lower_bound == base.lower_bound
+    assert sorted(i for mb in plan.assignment for rank in mb for cell in rank for i in cell) == list(range(len(lengths)))
     pad = 0
     for m, mb in enumerate(plan.padded_tokens):
+        assert len({len(rank) for rank in mb}) == 1
         for r, rank in enumerate(mb):
             for k, size in enumerate(rank):
+                cell = [lengths[i] for i in plan.assignment[m][r][k]]
                 tokens = plan.tokens[m][r][k]
+                assert tokens == sum(cell) <= 300
                 assert size in buckets and size >= tokens
                 assert all(b < tokens for b in buckets if b < size)  # the smallest bucket that holds it
                 p = size - tokens
                 pad += p
                 extra = cost.per_token * p + cost.per_token_squared * p * p
-                assert plan.costs[m][r][k] == pytest.approx(base.costs[m][r][k] + extra, rel=1e-12)
+                assert plan.costs[m][r][k] == pytest.approx(cost(cell) + extra, rel=1e-9)
     assert plan.padding_tokens == pad
     assert plan.metrics["padding"] == pytest.approx(pad / sum(lengths))
-    assert plan.predicted_time >= base.predicted_time * (1 - 1e-12)
+    # never slower than padding the plan under the full cap
+    assert plan.predicted_time <= bucket_shapes(base, buckets).predicted_time * (1 + 1e-12)
+    assert plan.predicted_time >= base.predicted_time * (1 - 1e-12) or plan.assignment != base.assignment
     assert plan.predicted_time == pytest.approx(sum(step_time(c, sync) for c in plan.costs), rel=1e-12)
     assert pickle.loads(pickle.dumps(plan)) == plan
 
