@@ -183,10 +183,10 @@ def load(source: Union[str, os.PathLike, Mapping[str, Any]], *, schema: Optional
 
 def _detect(data: Mapping[str, Any], role: str) -> str:
     """The schema of a config by its top-level keys: ``policy`` -> NeMo-RL,
-    ``actor_rollout_ref`` -> verl, verl's SFT trainer keys (:func:`_verl.is_sft`) ->
-    verl, anything else ROLL."""
+    ``actor_rollout_ref`` or ``async_training`` -> verl, verl's SFT trainer keys
+    (:func:`_verl.is_sft`) -> verl, anything else ROLL."""
     if "policy" in data:
         return "nemo_rl"
-    if "actor_rollout_ref" in data or (role not in data and _verl.is_sft(data)):
+    if "actor_rollout_ref" in data or "async_training" in data or (role not in data and _verl.is_sft(data)):
         return "verl"
     return "roll"

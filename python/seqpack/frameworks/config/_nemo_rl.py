@@ -9,6 +9,7 @@ from typing import Any, Mapping
 
 from ...planning.packing import PackingAlgorithm
 from ...tensors.layout import alignment, round_up
+from ._async import read_nemo_rl_async
 from ._dynamic_cp import read_dynamic_cp
 from ._loader import Context, Reader
 from ._types import (MICROBATCH_ORDERS, ConfigError, DynamicBatchingConfig, ParallelConfig, SeqpackConfig,
@@ -127,6 +128,7 @@ def load_nemo_rl(ctx: Context, data: Mapping[str, Any]) -> SeqpackConfig:
                           "a longer sequence stops seqpack's dynamic batching ('exceeds max_tokens_per_microbatch')")
     dynamic_batching = DynamicBatchingConfig(enabled=db_on, train_mb_tokens=train, logprob_mb_tokens=logprob,
                                              sequence_length_round=round_to)
+    stream = read_nemo_rl_async(Reader(ctx, (), data), sequence_packing.microbatch_order)
     return SeqpackConfig(schema="nemo_rl", parallel=parallel, max_seqlen=max_seqlen,
                          global_batch_size=policy.int("train_global_batch_size"),
-                         sequence_packing=sequence_packing, dynamic_batching=dynamic_batching)
+                         sequence_packing=sequence_packing, dynamic_batching=dynamic_batching, stream=stream)

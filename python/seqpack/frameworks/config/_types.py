@@ -193,6 +193,33 @@ class VerlConfig:
 
 
 @dataclass(frozen=True)
+class StreamConfig:
+    """Asynchronous training's step planning (:class:`~seqpack.StreamPlanner`), read
+    where the framework configures its asynchronous mode (config/_async.py).
+
+    Attributes:
+        path: the section the keys live in (``grpo.async_grpo``, ``async_training``).
+        enabled: the framework's asynchronous mode is on.
+        max_staleness: versions a rollout may lag (NeMo-RL's
+            ``max_trajectory_age_steps``; AReaL's ``max_head_offpolicyness``, the
+            name seqpack reads in verl's section); ``None``: never dropped.
+        step_tokens: a step's token budget (seqpack's ``step_tokens``).
+        group_size: rollouts per prompt (NeMo-RL's ``num_generations_per_prompt``,
+            verl's ``rollout.n``).
+        micro_batch_order: ``"planned"`` or ``"largest_first"``.
+        static_shapes: ``None``, ``True``, a bucket count or the bucket sizes.
+    """
+
+    path: str
+    enabled: bool = False
+    max_staleness: Optional[int] = None
+    step_tokens: Optional[int] = None
+    group_size: Optional[int] = None
+    micro_batch_order: str = "planned"
+    static_shapes: Any = None
+
+
+@dataclass(frozen=True)
 class SeqpackConfig:
     """A validated configuration (one schema's sections are set, the others' are ``None``).
 
@@ -218,12 +245,21 @@ class SeqpackConfig:
     roll_dynamic_batching: Optional[RollDynamicBatchingConfig] = None
     role: Optional[str] = None
     verl: Optional[VerlConfig] = None
+    stream: Optional[StreamConfig] = None
     raw: Dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     def to_dict(self) -> Dict[str, Any]:
         """This config in its framework's schema (normalised: defaults filled in,
         NeMo-RL's pad multiple as ``make_sequence_length_divisible_by``);
         ``load(cfg.to_dict()) == cfg``."""
+        from ._async import stream_to_dict
+
+        out = self._to_dict()
+        if self.stream is not None:
+            stream_to_dict(self.stream, out)
+        return out
+
+    def _to_dict(self) -> Dict[str, Any]:
         p = self.parallel
         if self.schema == "verl":
             return _verl_to_dict(self)
@@ -364,6 +400,21 @@ class SeqpackConfig:
                               "max_seqlen_per_dp_cp_rank in the Megatron section, or the framework's cap)")
         return {"dp_size": dp_size, "max_tokens": int(cap), "cp_size": p.cp, "hybrid_cp": p.dynamic_cp,
                 "min_cp_degree": p.min_dynamic_cp}
+
+    def stream_planner_kwargs(self, dp_size: int) -> Dict[str, Any]:
+        """Keyword arguments of :class:`seqpack.StreamPlanner` for this config's
+        asynchronous mode: :meth:`plan_step_kwargs` plus ``step_tokens``,
+        ``max_staleness``, ``micro_batch_order`` and ``static_shapes``."""
+        st = self.stream
+        if st is None or not st.enabled:
+            where_ = {"nemo_rl": "grpo.async_grpo.enabled", "verl": "async_training"}.get(self.schema, "the config")
+            raise ConfigError(f"{where_}: asynchronous training is not configured; the stream planner plans its steps")
+        if st.step_tokens is None:
+            raise ConfigError(f"{st.path}.step_tokens: required to plan streamed steps (a step's token budget)")
+        out = self.plan_step_kwargs(dp_size)
+        out.update(step_tokens=st.step_tokens, max_staleness=st.max_staleness,
+                   micro_batch_order=st.micro_batch_order, static_shapes=st.static_shapes)
+        return out
 
     # ROLL ---------------------------------------------------------------
     def _roll(self, what: str):

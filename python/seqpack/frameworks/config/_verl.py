@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping
 
+from ._async import read_verl_async
 from ._dynamic_cp import DYNAMIC_CP_KEYS, read_dynamic_cp
 from ._loader import Context, Reader
 from ._types import ConfigError, ParallelConfig, SeqpackConfig, VerlConfig, VerlMicroBatching
@@ -14,7 +15,7 @@ from ._verl_sft import is_sft, load_verl_sft  # noqa: F401  (is_sft: the schema 
 
 # The keys seqpack reads in each verl section (a key close to one of them is a typo,
 # named with a did-you-mean), and verl's own keys that are close to one.
-VERL_TOP_SECTIONS = ("actor_rollout_ref", "critic", "data", "trainer", "algorithm")
+VERL_TOP_SECTIONS = ("actor_rollout_ref", "critic", "data", "trainer", "algorithm", "async_training")
 VERL_ARR_SECTIONS = ("actor", "ref", "rollout", "model")
 VERL_MICRO_KEYS = ("ppo_mini_batch_size", "ppo_micro_batch_size", "ppo_micro_batch_size_per_gpu", "use_dynamic_bsz",
                    "ppo_max_token_len_per_gpu", "ulysses_sequence_parallel_size", "strategy")
@@ -176,4 +177,4 @@ def load_verl(ctx: Context, data: Mapping[str, Any]) -> SeqpackConfig:
                       max_prompt_length=prompt, max_response_length=response)
     return SeqpackConfig(schema="verl", parallel=parallel, max_seqlen=longest,
                          global_batch_size=train_batch_size * rollout_n,
-                         verl=verl)
+                         verl=verl, stream=read_verl_async(top, rollout_n))
