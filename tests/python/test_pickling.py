@@ -173,6 +173,7 @@ def _samples():
         config.RollPackingConfig: lambda: _config("roll_sequence_packing.yaml").roll_packing,
         config.RollDynamicBatchingConfig: lambda: _config("roll_dynamic_batching.yaml").roll_dynamic_batching,
         config.VerlConfig: lambda: _config("verl_ppo.yaml").verl,
+        config.StreamConfig: lambda: _config("nemo_rl_async_grpo.yaml").stream,
         config.VerlMicroBatching: lambda: _config("verl_ppo.yaml").verl.actor,
         config.ConfigError: lambda: config.ConfigError("policy.sequence_packing.enabled must be a bool"),
         hf.PackingCollator: lambda: hf.PackingCollator(pad_to_multiple_of=4),

@@ -82,7 +82,7 @@ from ._roll import ROLL_DEFAULT_STRATEGY, ROLL_SEQUENCE_PACKING_KEYS
 from ._types import (MAX_DEPTH, MICROBATCH_ORDERS, PHASES, ROLL_ALGORITHMS, SCHEMAS, VERL_ROLES, VERL_SFT_ROLES,
                      ConfigError,
                      DynamicBatchingConfig, ParallelConfig, RollDynamicBatchingConfig, RollPackingConfig,
-                     SeqpackConfig, SequencePackingConfig, VerlConfig, VerlMicroBatching)
+                     SeqpackConfig, SequencePackingConfig, StreamConfig, VerlConfig, VerlMicroBatching)
 from ._verl import (VERL_ACTOR_KEYS, VERL_ARR_SECTIONS, VERL_CRITIC_KEYS, VERL_DATA_KEYS,
                     VERL_DEFAULT_CRITIC_MAX_TOKEN_LEN, VERL_DEFAULT_MAX_TOKEN_LEN, VERL_KNOWN_NEIGHBOURS,
                     VERL_LOG_PROB_KEYS, VERL_MEGATRON_KEYS, VERL_MICRO_KEYS, VERL_REF_KEYS, VERL_ROLLOUT_KEYS,
@@ -97,6 +97,7 @@ __all__ = [
     "RollPackingConfig",
     "SeqpackConfig",
     "SequencePackingConfig",
+    "StreamConfig",
     "VerlConfig",
     "VerlMicroBatching",
     "load",
@@ -105,7 +106,7 @@ __all__ = [
 # The public classes keep the module path they had before the package was split, so
 # pickles and reprs name ``seqpack.frameworks.config.X`` whichever module defines X.
 for _cls in (ConfigError, DynamicBatchingConfig, ParallelConfig, RollDynamicBatchingConfig, RollPackingConfig,
-             SeqpackConfig, SequencePackingConfig, VerlConfig, VerlMicroBatching):
+             SeqpackConfig, SequencePackingConfig, StreamConfig, VerlConfig, VerlMicroBatching):
     _cls.__module__ = __name__
 del _cls
 

@@ -25,11 +25,12 @@ nothing by it; ``max_head_offpolicyness`` (AReaL's key for the lag) does.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Dict, Optional
+from typing import Any, Optional
 
 from ..._lengths import as_int
 from ._loader import Reader
-from ._types import MICROBATCH_ORDERS, ConfigError, StreamConfig
+from ._stream_types import StreamConfig
+from ._types import MICROBATCH_ORDERS, ConfigError
 
 SEQPACK_KEYS = ("step_tokens", "static_shapes")
 NEMO_RL_ASYNC_KEYS = ("enabled", "max_trajectory_age_steps") + SEQPACK_KEYS
@@ -99,22 +100,3 @@ def read_verl_async(top: Reader, rollout_n: int) -> Optional[StreamConfig]:
     return StreamConfig(path=r.path, enabled=True, max_staleness=r.int("max_head_offpolicyness", minimum=0),
                         step_tokens=r.int("step_tokens"), group_size=rollout_n, micro_batch_order=_ORDER[order],
                         static_shapes=_static_shapes(r))
-
-
-def stream_to_dict(st: StreamConfig, out: Dict[str, Any]) -> None:
-    """Write ``st`` back into ``out`` (a config in its framework's schema)."""
-    shapes = list(st.static_shapes) if isinstance(st.static_shapes, tuple) else st.static_shapes
-    extra = {k: v for k, v in (("step_tokens", st.step_tokens), ("static_shapes", shapes)) if v is not None}
-    if st.path == "grpo.async_grpo":
-        section = {"enabled": st.enabled, **extra}
-        if st.max_staleness is not None:
-            section["max_trajectory_age_steps"] = st.max_staleness
-        grpo = out.setdefault("grpo", {})
-        grpo["async_grpo"] = section
-        if st.group_size is not None:
-            grpo["num_generations_per_prompt"] = st.group_size
-        return
-    section = {"microbatch_order": "largest_first" if st.micro_batch_order == "largest_first" else "packer", **extra}
-    if st.max_staleness is not None:
-        section["max_head_offpolicyness"] = st.max_staleness
-    out["async_training"] = section

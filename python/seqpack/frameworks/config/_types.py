@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, Optional, Tuple
 
 from ..._lengths import INT64_MAX, as_int
+from ._stream_types import StreamConfig, _stream_to_dict
 
 MAX_DEPTH = 100  # nesting levels of a config; real ones have fewer than 10
 MICROBATCH_ORDERS = ("packer", "largest_first")
@@ -193,33 +194,6 @@ class VerlConfig:
 
 
 @dataclass(frozen=True)
-class StreamConfig:
-    """Asynchronous training's step planning (:class:`~seqpack.StreamPlanner`), read
-    where the framework configures its asynchronous mode (config/_async.py).
-
-    Attributes:
-        path: the section the keys live in (``grpo.async_grpo``, ``async_training``).
-        enabled: the framework's asynchronous mode is on.
-        max_staleness: versions a rollout may lag (NeMo-RL's
-            ``max_trajectory_age_steps``; AReaL's ``max_head_offpolicyness``, the
-            name seqpack reads in verl's section); ``None``: never dropped.
-        step_tokens: a step's token budget (seqpack's ``step_tokens``).
-        group_size: rollouts per prompt (NeMo-RL's ``num_generations_per_prompt``,
-            verl's ``rollout.n``).
-        micro_batch_order: ``"planned"`` or ``"largest_first"``.
-        static_shapes: ``None``, ``True``, a bucket count or the bucket sizes.
-    """
-
-    path: str
-    enabled: bool = False
-    max_staleness: Optional[int] = None
-    step_tokens: Optional[int] = None
-    group_size: Optional[int] = None
-    micro_batch_order: str = "planned"
-    static_shapes: Any = None
-
-
-@dataclass(frozen=True)
 class SeqpackConfig:
     """A validated configuration (one schema's sections are set, the others' are ``None``).
 
@@ -252,11 +226,9 @@ class SeqpackConfig:
         """This config in its framework's schema (normalised: defaults filled in,
         NeMo-RL's pad multiple as ``make_sequence_length_divisible_by``);
         ``load(cfg.to_dict()) == cfg``."""
-        from ._async import stream_to_dict
-
         out = self._to_dict()
         if self.stream is not None:
-            stream_to_dict(self.stream, out)
+            _stream_to_dict(self.stream, out)
         return out
 
     def _to_dict(self) -> Dict[str, Any]:
