@@ -12,7 +12,8 @@
 #              then seqpack.build_info() must report CUDA objects and a device
 #   ctest      the GoogleTest suite of build/gpu
 #   gpu-tests  every pytest test marked gpu -> gpu_tests.xml (JUnit)
-#   bench      the GPU benchmark benchmarks/bench_gpu.py -> gpu.csv
+#   bench      the GPU benchmarks benchmarks/bench_gpu.py -> gpu.csv and
+#              benchmarks/bench_stream_memory.py -> stream_memory.csv
 #   sanitizer  compute-sanitizer memcheck / racecheck / synccheck / initcheck over a
 #              small subset of the GPU tests (last: the slowest step)
 # A failing step does not stop the later ones (a failed build skips what needs it);
@@ -236,6 +237,14 @@ else
     record "bench-gpu" "ok" "$OUT/gpu.csv"
   else
     record "bench-gpu" "FAILED" "exit $RC; see $OUT/bench_gpu.log"
+  fi
+  # bench_stream_memory.py: max_memory_reserved over 20 streamed steps, planned vs
+  # largest first vs static buckets (issue 42).
+  run_logged "$OUT/bench_stream_memory.log" bench benchmarks/bench_stream_memory.py "$OUT/stream_memory.csv"
+  if [ "$RC" = 0 ]; then
+    record "bench-stream-memory" "ok" "$OUT/stream_memory.csv"
+  else
+    record "bench-stream-memory" "FAILED" "exit $RC; see $OUT/bench_stream_memory.log"
   fi
 fi
 

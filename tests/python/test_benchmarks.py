@@ -31,7 +31,8 @@ SCRIPTS = [("bench_loss.py", "Packed SFT loss"), ("bench_train.py", "Training st
            ("bench_dpo.py", "DPO training step, padded vs packed pairs"),
            ("bench_cp_step.py", "Hybrid context parallelism"),
            ("bench_hybrid_cp.py", "Hybrid context parallelism, measured"),
-           ("bench_stream.py", "Streaming packing for asynchronous RL")]
+           ("bench_stream.py", "Streaming packing for asynchronous RL"),
+           ("bench_stream_memory.py", "Step shapes and the CUDA caching allocator")]
 
 
 def _quick_run(script, tmp_dir):

@@ -13,6 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import seqpack
 from seqpack import CostModel, StreamPlanner, StreamStep, plan_step
 from seqpack.testing.stream_reference import next_fit_rows, next_fit_step
 
@@ -296,3 +297,38 @@ def test_next_fit_reference():
     assert cells == [[[0, 1], [4]], [[2, 3], []]] and t == 10.0 + 2.0
     with pytest.raises(ValueError, match="exceeds max_tokens"):
         next_fit_rows([10], 9)
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 4), st.integers(0, 40)), min_size=1, max_size=8), st.integers(1, 2),
+       st.integers(20, 300), st.data())
+def test_forest_stream_rules(groups, dp_size, step_tokens, data):
+    """forest=True: each group's rows share a prompt; steps are plan_step(forest=) plans
+    of their groups' rows, physical tokens under the cap, every item once."""
+    rows, labels = [], []
+    for g, (size, prompt) in enumerate(groups):
+        head = [1000 + g] * prompt
+        for _ in range(size):
+            rows.append(head + data.draw(st.lists(st.integers(1, 9), min_size=1, max_size=30)))
+            labels.append(g)
+    order = data.draw(st.permutations(range(len(rows))))
+    planner = StreamPlanner(dp_size, 80, step_tokens=step_tokens, forest=True)
+    steps, given_rows, label_of = [], {}, {}
+    for i in order:
+        item = int(planner.add(tokens=[rows[i]], group_ids=labels[i], version=0,
+                               group_size=groups[labels[i]][0])[0])
+        given_rows[item], label_of[item] = rows[i], labels[i]
+        while planner.ready(0):
+            steps.append(planner.next_step(0))
+    last = planner.flush(0)
+    steps += [last] if last is not None else []
+    landed = sorted(i for s in steps for i in s.item_ids.tolist())
+    assert landed == sorted(given_rows)
+    for step in steps:
+        ids = step.item_ids.tolist()
+        forest = seqpack.PrefixForest.from_rows([given_rows[i] for i in ids],
+                                                group_ids=[step.groups.index(label_of[i]) for i in ids])
+        again = plan_step(forest.lengths, dp_size, 80, forest=forest)
+        assert step.predicted_time == again.predicted_time and step.plan.tokens == again.tokens
+        assert all(t <= 80 for mb in step.tokens for r in mb for t in r)
+
