@@ -243,8 +243,10 @@ class StreamPlanner(ValueEquality):
             lengths: each rollout's tokens (list, NumPy or tensor); with
                 ``forest=True`` give ``tokens`` instead (or both, checked).
             group_ids: each rollout's group (a hashable label: the prompt's id),
-                or one label for all of them. A group's label may be used again
-                once the group has landed or been dropped.
+                or one label for all of them. A label may be used again once its
+                group has landed or been dropped whole (a group dropped while
+                incomplete keeps its label until its last rollout arrives: those
+                rollouts are dropped as they come).
             version: the policy version that generated each rollout (an int for
                 all, or one per rollout).
             group_size: rollouts per group (an int, or one per rollout); a group is
