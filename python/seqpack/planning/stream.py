@@ -41,14 +41,16 @@ steps) and deep-copies. Importing this module does not import torch.
 
 from __future__ import annotations
 
+import functools
 import heapq
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, Hashable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .._equality import ValueEquality, values_equal
+from .._equality import values_equal
 from .._lengths import as_int, as_lengths, as_positive_int, type_name
 from .cost import CostModel
 from .step import StepPlan, plan_step
@@ -171,7 +173,17 @@ class _Group:
     __hash__ = None  # type: ignore[assignment]
 
 
-class StreamPlanner(ValueEquality):
+def _locked(method):
+    """Run ``method`` under the planner's lock: rollouts may arrive on one thread
+    while the trainer plans on another."""
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        with self._lock:
+            return method(self, *args, **kwargs)
+    return run
+
+
+class StreamPlanner:
     """Plan training steps from a stream of finished rollouts (see the module
     docstring for the rules).
 
@@ -193,6 +205,10 @@ class StreamPlanner(ValueEquality):
     Raises:
         ValueError / TypeError: a bad argument, named (the ``plan_step`` ones are
             checked here, not at the first step).
+
+    Thread-safe: :meth:`add` may run on a thread that receives rollouts while another
+    calls :meth:`ready` / :meth:`next_step` (one lock; planning holds it, and
+    ``plan_step`` itself runs in C++ without the GIL).
     """
 
     def __init__(self, dp_size: int, max_tokens: int, *, step_tokens: int, max_staleness: Optional[int] = None,
@@ -230,11 +246,29 @@ class StreamPlanner(ValueEquality):
         self._dropped: List[np.ndarray] = []
         self._dropped_groups: List[Hashable] = []
         self._version: Optional[int] = None
+        self._lock = threading.RLock()
+
+    def __getstate__(self) -> Dict[str, Any]:
+        state = dict(vars(self))
+        del state["_lock"]
+        return state
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        vars(self).update(state)
+        self._lock = threading.RLock()
+
+    def __eq__(self, other: object) -> Any:
+        if type(other) is not type(self):
+            return NotImplemented
+        return values_equal(self.__getstate__(), other.__getstate__())
+
+    __hash__ = None  # type: ignore[assignment]
 
     def _probe_kwargs(self) -> Dict[str, Any]:
         return {k: v for k, v in self._plan_kwargs.items() if k != "whole_trees"}
 
     # ---- arrivals -----------------------------------------------------------------
+    @_locked
     def add(self, lengths: Any = None, *, group_ids: Any, version: Any, group_size: Any,
             tokens: Any = None) -> np.ndarray:
         """Take finished rollouts; return their item ids (int64, increasing).
@@ -414,6 +448,7 @@ class StreamPlanner(ValueEquality):
         self._dropped_groups.append(g.label)
         self._pending -= len(g.ids)
 
+    @_locked
     def ready(self, current_version: Any) -> bool:
         """Whether complete groups fresh at ``current_version`` hold at least
         ``step_tokens`` tokens (stale groups are dropped now; the next step reports
@@ -422,6 +457,7 @@ class StreamPlanner(ValueEquality):
         return self._complete_tokens >= self.step_tokens
 
     # ---- planning -----------------------------------------------------------------
+    @_locked
     def next_step(self, current_version: Any) -> StreamStep:
         """Plan the next step at ``current_version``: drop stale groups, take
         complete fresh groups oldest first until they hold ``step_tokens`` tokens,
@@ -445,6 +481,7 @@ class StreamPlanner(ValueEquality):
             tokens += g.tokens
         return self._plan(taken, v, start)
 
+    @_locked
     def flush(self, current_version: Any, *, incomplete: str = "wait") -> Optional[StreamStep]:
         """Plan every complete fresh group in one last step, whatever its tokens
         (``None`` when there is none; dropped ids then wait for the next step).

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import pickle
+import threading
 from typing import Dict, List
 
 import numpy as np
@@ -165,6 +166,33 @@ def test_docstring_walkthrough_and_step_fields():
     planner.add([900, 800], group_ids="new", version=3, group_size=2)
     step = planner.next_step(3)
     assert step.dropped.tolist() == [4, 5] and step.dropped_groups == [9] and step.groups == ["new"]
+
+
+def test_rollouts_arrive_on_another_thread():
+    planner = StreamPlanner(2, 512, step_tokens=2000, max_staleness=3)
+    rng = np.random.default_rng(0)
+    chunks = [(rng.integers(1, 512, 4).tolist(), g) for g in range(300)]
+    version = {"now": 0}
+    done = threading.Event()
+
+    def receiver():
+        for lens, g in chunks:
+            planner.add(lens, group_ids=g, version=max(0, version["now"] - int(rng.integers(0, 5))), group_size=4)
+        done.set()
+
+    thread = threading.Thread(target=receiver)
+    thread.start()
+    steps = []
+    while not done.is_set() or planner.ready(version["now"]):
+        if planner.ready(version["now"]):
+            steps.append(planner.next_step(version["now"]))
+            version["now"] += 1
+    thread.join()
+    last = planner.flush(version["now"], incomplete="drop")
+    steps += [last] if last is not None else []
+    seen = [i for s in steps for i in s.item_ids.tolist() + s.dropped.tolist()] + planner.dropped.tolist()
+    assert sorted(seen) == list(range(1200)) and planner.pending == 0
+    assert pickle.loads(pickle.dumps(planner)) == planner
 
 
 def test_a_label_is_reused_after_its_group_lands():
@@ -332,3 +360,18 @@ def test_forest_stream_rules(groups, dp_size, step_tokens, data):
         assert step.predicted_time == again.predicted_time and step.plan.tokens == again.tokens
         assert all(t <= 80 for mb in step.tokens for r in mb for t in r)
 
+
+
+def test_context_parallel_steps():
+    """cp_size / hybrid_cp pass through: each step is the CP plan of its items."""
+    cost = CostModel(1e-3, 1e-4, 2e-9, per_kv_token=1e-6, per_collective=2e-3)
+    for hybrid in (False, True):
+        planner = StreamPlanner(2, 4096, step_tokens=20000, cp_size=4, hybrid_cp=hybrid, cost=cost)
+        planner.add([15000, 900, 700, 1200], group_ids=0, version=0, group_size=4)
+        planner.add([3000, 800, 5000, 600], group_ids=1, version=0, group_size=4)
+        step = planner.next_step(0)
+        again = plan_step(step.plan.lengths, 2, 4096, cost=cost, cp_size=4, hybrid_cp=hybrid)
+        assert step.plan.num_ranks == 8 and step.predicted_time == again.predicted_time
+        assert step.plan.kv_tokens == again.kv_tokens
+        assert sorted({i for mb in step.assignment for r in mb for c in r for i in c}) == list(range(8))
+    assert hybrid and sorted(set(step.plan.cp_degree.tolist())) != [4]
