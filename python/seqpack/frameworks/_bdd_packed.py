@@ -49,15 +49,26 @@ def packed_iterator(data: "BatchedDataDict", keys: Optional[Sequence[str]], *, i
     pad_to = None
     if pp_size > 1:
         pad_to = max(int(padded[s:e].sum()) for s, e in indices) or None
+    static = data.micro_batch_static_lengths[0] if data.micro_batch_static_lengths is not None else None
+    if static is not None:  # a step plan's static shapes: each micro-batch to its bucket
+        _check(pp_size == 1 or len(set(static)) == 1, "static shapes with pp_size > 1 need one bucket size for "
+               "every micro-batch (the pipeline's buffer)")
+        over = [k for k, (s, e) in enumerate(indices) if int(padded[s:e].sum()) > static[k]]
+        if over:
+            k = over[0]
+            _check(False, f"micro-batch {k} packs to {int(padded[indices[k][0]:indices[k][1]].sum())} tokens after "
+                   f"padding each sequence to a multiple of {multiple}, more than its static shape ({static[k]}): "
+                   "plan on the padded lengths")
 
     def gen():
-        for start, end in indices:
+        for k, (start, end) in enumerate(indices):
             if end > start:
                 mb, mb_lens = {k: data.data[k][start:end] for k in keys}, lens[start:end]
             else:  # a dummy: one token, zero loss masks
                 dummy = data.dummy_microbatch(input_lengths_key)
                 mb, mb_lens = {k: dummy[k] for k in keys}, np.ones(1, dtype=np.int64)
             yield pack_sequences(mb, seq_lens=mb_lens, pad_multiple=multiple, pad_values=pad_values,
-                                 pad_packed_to=pad_to, cp_size=cp_size, cp_rank=cp_rank)
+                                 pad_packed_to=pad_to if static is None else static[k], cp_size=cp_size,
+                                 cp_rank=cp_rank)
 
     return gen()

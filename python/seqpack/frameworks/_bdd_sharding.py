@@ -141,6 +141,8 @@ def shard_by_plan(data: "BatchedDataDict", shards: int, batch_size: Optional[int
             shard.micro_batch_indices.append(bounds)
             shard.micro_batch_lengths.append(list(plan.tokens[m][s]))
             shard.elem_counts_per_gb.append(start)
+        if plan.padded_tokens is not None:  # static_shapes: the packed iterator pads to these
+            shard.micro_batch_static_lengths = [list(mb[s]) for mb in plan.padded_tokens]
         shard.micro_batch_token_cap = int(plan.max_tokens)
         out.append(shard)
     return out, [i for r in rows for i in r]

@@ -95,6 +95,9 @@ class BatchedDataDict(UserDict, Generic[DictT]):
         # The token cap the micro-batches were planned under (set by sequence packing
         # and step plans): a tree micro-batch may pad up to it.
         self.micro_batch_token_cap: Optional[int] = None
+        # A step plan with static_shapes: each micro-batch's padded size, per global
+        # batch (the packed iterator pads each micro-batch to it).
+        self.micro_batch_static_lengths: Optional[List[List[int]]] = None
         # With sequence packing's shared_prefix: each micro-batch's prefix tree, built
         # (with its host plans) when the shards were, per global batch; and the options
         # they were built with. The iterators then build no trie.
@@ -440,6 +443,8 @@ class BatchedDataDict(UserDict, Generic[DictT]):
             out.micro_batch_lengths = [self.micro_batch_lengths[batch_idx]]
             out.elem_counts_per_gb = [self.elem_counts_per_gb[batch_idx]]
             out.micro_batch_token_cap = self.micro_batch_token_cap
+            if self.micro_batch_static_lengths is not None:
+                out.micro_batch_static_lengths = [self.micro_batch_static_lengths[batch_idx]]
             if self.micro_batch_trees is not None:
                 out.micro_batch_trees = [self.micro_batch_trees[batch_idx]]
                 out.micro_batch_tree_options = self.micro_batch_tree_options

@@ -12,6 +12,7 @@ import seqpack
 from seqpack import BatchedDataDict, CostModel, plan_step
 from seqpack.frameworks import roll
 from seqpack.frameworks._batch import dummy_row
+from seqpack.frameworks.batched_data_dict import BatchedDataDictError
 from seqpack.verl import get_reverse_idx, rearrange_micro_batches
 
 # 2 global batches of 5 rows at dp 2: 5 rows cannot fill 2 ranks x 3 micro-batches,
@@ -110,3 +111,25 @@ def test_dummy_row_needs_a_row_and_keeps_shapes():
     with pytest.raises(ValueError, match="mb has no rows"):
         dummy_row({"attention_mask": np.zeros((0, 3))}, name="mb")
     assert seqpack.StepPlan is type(plan_step([1], 1, 1))
+
+
+def test_static_shapes_reach_the_packed_micro_batches():
+    """A plan with static_shapes: each shard's packed micro-batches come out at their
+    bucket sizes (dummies too); a pad multiple that would overflow a bucket is named."""
+    lengths = [1800, 400, 950, 1200, 600, 2000, 700, 300, 5, 64, 900]
+    plan = seqpack.plan_step(lengths, 2, 2048, static_shapes=[512, 1024, 2048])
+    data = BatchedDataDict(input_ids=torch.randint(0, 100, (len(lengths), 2100)),
+                           input_lengths=torch.tensor(lengths))
+    shards, _ = data.shard_by_batch_size(shards=2, step_plan=plan)
+    for r, shard in enumerate(shards):
+        batch = shard.get_batch(0)
+        assert batch.micro_batch_static_lengths == [plan.padded_tokens[0][r]]
+        packed = list(batch.make_packed_microbatch_iterator())
+        assert [mb["input_ids"].shape[0] for mb in packed] == plan.padded_tokens[0][r]
+        for mb, cell in zip(packed, plan.assignment[0][r]):  # the real tokens are intact
+            assert mb.layout.cu_seqlens[len(cell)] == sum(lengths[i] for i in cell) or not cell
+    with pytest.raises(BatchedDataDictError, match="more than its static shape"):
+        list(shards[1].get_batch(0).make_packed_microbatch_iterator(pad_multiple=256))
+    plain = seqpack.plan_step(lengths, 2, 2048)
+    shards, _ = data.shard_by_batch_size(shards=2, step_plan=plain)
+    assert shards[0].get_batch(0).micro_batch_static_lengths is None
