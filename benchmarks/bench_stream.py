@@ -93,7 +93,8 @@ def stream_table(quick, log):
          "plan ms"], rows,
         note="predicted under the cost model; next-fit: the same items in arrival order, rows dealt to ranks in "
              "turn; 'vs plan_step': seqpack's step over plan_step on the same items; largest-first on the same plan, "
-             f"8 buckets: static_shapes=True ({list(buckets)}) on the same items; 'gap': the step over its proven lower bound; "
+             f"8 buckets: static_shapes=True ({list(buckets)}) on the same items; 'gap': the step over its proven "
+             "lower bound; "
              "the last row is flush()'s partial step.")
     spread = format_table(
         "Predicted step time across steps (coefficient of variation, full steps)",

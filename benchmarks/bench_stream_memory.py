@@ -1,8 +1,9 @@
 """Step shapes and the CUDA caching allocator (issue 42, item 3): the memory a
 trainer reserves over 20 streamed steps whose micro-batches change shape, when
 each rank runs its micro-batches in planned order, largest first, or padded to
-static shape buckets (and, for reference, the planned ones shuffled). GPU only; on a machine without CUDA it prints the shapes it
-would run and says it measured nothing.
+static shape buckets (and, for reference, the planned ones shuffled). GPU only;
+on a machine without CUDA it prints the shapes it would run and says it measured
+nothing.
 
 Steps come from ``StreamPlanner`` (DP 8, cap 16,384 tokens, steps of at least 768k
 tokens; rank 0's micro-batches run) over a simulated asynchronous GRPO stream (``seqpack.testing.rollout_stream``;
@@ -95,7 +96,8 @@ def main() -> int:
     print(TITLE)
     count = 4 if args.quick else 20
     shapes = [[format_table(f"{order}: micro-batch tokens (padded) of the first steps", ["step", "micro-batches"],
-                            [[i, " ".join(str(p) for _, p in cells)] for i, cells in enumerate(steps(order, count)[:3])])]
+                            [[i, " ".join(str(p) for _, p in cells)]
+                             for i, cells in enumerate(steps(order, count)[:3])])]
               for order in ORDERS]
     for (text,) in shapes:
         print(text)

@@ -57,8 +57,8 @@ def step_time(costs: Sequence[Sequence[Sequence[float]]], sync: str) -> float:
 
 def shape_buckets(spec: Any, max_tokens: int) -> Tuple[int, ...]:
     """The bucket sizes of ``static_shapes=spec``: ``True`` (eight: every eighth of
-    ``max_tokens``), an int ``n`` (``n`` evenly spaced sizes up to ``max_tokens``) or the sizes themselves (the largest at least
-    ``max_tokens``), sorted, unique.
+    ``max_tokens``), an int ``n`` (``n`` evenly spaced sizes up to ``max_tokens``) or
+    the sizes themselves (the largest at least ``max_tokens``), sorted, unique.
 
     >>> shape_buckets(True, 8192)
     (1024, 2048, 3072, 4096, 5120, 6144, 7168, 8192)
@@ -102,7 +102,7 @@ def largest_first(plan: Any) -> Any:
     >>> plan.predicted_time, largest_first(plan).predicted_time   # [800] costs more than [500, 500]
     (4080.0, 4160.0)
     """
-    group = getattr(plan, "cp_size", 1)
+    group = plan.cp_size
     fields = {"assignment": [], "costs": [], "tokens": []}
     padded = [] if plan.padded_tokens is not None else None
     for m, cells in enumerate(plan.assignment):

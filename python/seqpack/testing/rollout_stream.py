@@ -59,7 +59,8 @@ def grpo_rollouts(num_prompts: int, group_size: int = 8, *, median: float = 1500
         launched = p / prompts_per_second
         lengths = np.minimum(max_length, rng.lognormal(np.log(median), sigma, group_size).astype(np.int64) + 1)
         for x in lengths.tolist():
-            out.append(Rollout(p, group_size, int(x), launched, launched + x / tokens_per_second * (0.75 + 0.5 * rng.random())))
+            took = x / tokens_per_second * (0.75 + 0.5 * rng.random())
+            out.append(Rollout(p, group_size, int(x), launched, launched + took))
     out.sort(key=lambda r: (r.finished, r.prompt))
     return out
 
