@@ -53,6 +53,7 @@ import numpy as np
 from .._equality import values_equal
 from .._lengths import as_int, as_lengths, as_positive_int, type_name
 from .cost import CostModel
+from .group_planning import group_members
 from .step import StepPlan, plan_step
 from .step_shapes import check_order
 
@@ -316,9 +317,7 @@ class StreamPlanner:
         versions = self._per_item(version, n, "version", as_int)
         sizes = self._per_item(group_size, n, "group_size", lambda v, name: as_positive_int(v, name))
         labels = self._labels(group_ids, n)
-        members: Dict[Hashable, List[int]] = {}
-        for i, label in enumerate(labels):
-            members.setdefault(label, []).append(i)
+        members = {labels[int(m[0])]: m.tolist() for m in group_members(labels, n)}
         lens_, versions_, sizes_ = lens.tolist(), versions.tolist(), sizes.tolist()
         # Check every group before changing anything.
         for label, idx in members.items():
@@ -383,22 +382,14 @@ class StreamPlanner:
 
     @staticmethod
     def _labels(group_ids: Any, n: int) -> List[Hashable]:
-        if hasattr(group_ids, "tolist") and np.ndim(group_ids) > 0:
+        """One label per rollout (a single label broadcast to all of them)."""
+        if hasattr(group_ids, "tolist"):  # arrays and tensors; a 0-d one is one label
             group_ids = group_ids.tolist()
-        elif hasattr(group_ids, "tolist"):  # a 0-d array or tensor: one label for all
-            group_ids = group_ids.tolist()
-        if isinstance(group_ids, (list, tuple)):
-            if len(group_ids) != n:
-                raise ValueError(f"group_ids must be one label or one per rollout ({n}), got {len(group_ids)}")
-            labels = list(group_ids)
-        else:
-            labels = [group_ids] * n
-        for i, label in enumerate(labels):
-            try:
-                hash(label)
-            except TypeError:
-                raise TypeError(f"group_ids[{i}] = {label!r} is not hashable: group labels must be") from None
-        return labels
+        if not isinstance(group_ids, (list, tuple)):
+            return [group_ids] * n
+        if len(group_ids) != n:
+            raise ValueError(f"group_ids must be one label or one per rollout ({n}), got {len(group_ids)}")
+        return list(group_ids)
 
     # ---- state --------------------------------------------------------------------
     @property
