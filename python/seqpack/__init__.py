@@ -1,18 +1,22 @@
 """seqpack: balance, pack and shard variable-length sequences for LLM training.
 
-The package has five layers; each imports only the layers above it in this list
-(``tests/python/test_layers.py`` enforces it)::
+The package is the C++ core's extension and six layers on it; each imports only the
+layers above it in this list, every import statement counted
+(``tests/python/test_layers.py`` enforces it; docs/architecture.md lists every module)::
 
     seqpack._core        the C++/CUDA extension (no Python inside the core)
     seqpack.planning     which sequences go together: packers, DP/micro-batch balance,
-                         dynamic batching, metrics. Lists in, lists out; never imports torch.
-    seqpack.tensors      the packed (THD) layout: PackedLayout, pack/unpack, context
-                         parallelism, dataset packing
-    seqpack.training     ops a trainer calls: packed log-probs, the loss wrapper, varlen and tree attention
-    seqpack.frameworks   drop-ins for NeMo-RL (BatchedDataDict), ROLL, verl, HF and their
-                         YAML configs; adapters never import each other
+                         step plans, dynamic batching, metrics. Lengths in, indices out;
+                         never imports torch.
+    seqpack.tensors      the layouts of packed tokens (rows, prefix trees, hybrid-CP parts)
+                         and their context-parallel cut; pack/unpack, dataset packing
+    seqpack.training     what a trainer's step calls on any layout: attention, token
+                         log-probs, the loss wrapper (one table picks the implementation)
+    seqpack.frameworks   drop-ins for NeMo-RL (BatchedDataDict), ROLL, verl, NeMo AutoModel,
+                         HF transformers, TRL and their YAML configs; adapters never import
+                         each other
+    seqpack.testing      reference planners, the frameworks' step plans, a tiny model (oracles)
     seqpack.tools        report, plots, the ``seqpack`` command line
-    seqpack.testing      reference implementations and a tiny model (oracles for tests)
 
 The most used names are here at the top:
 
@@ -21,6 +25,12 @@ The most used names are here at the top:
     [[3, 4], [0, 1, 2]]
     >>> seqpack.get_seqlen_balanced_partitions([5, 3, 8, 1, 9, 2], k_partitions=2, equal_size=True)
     [[1, 4, 5], [0, 2, 3]]
+
+One operation per concept: ``seqpack.attention(q, k, v, layout)``,
+``seqpack.token_logprobs(logits, layout, ...)`` and ``SequencePackingLossWrapper`` take
+any layout (rows, a prefix tree, a CP cut of either from ``seqpack.shard_layout``, a
+hybrid-CP micro-batch). The names of 0.1's per-kind functions still resolve, with a
+``DeprecationWarning`` naming the new call (``_DEPRECATED``, docs/migration.md).
 
 Everything is imported on first use, so ``import seqpack`` never imports torch;
 the planning functions accept lists, NumPy arrays and 1-D torch tensors alike.
@@ -34,7 +44,8 @@ import importlib
 import importlib.abc
 import importlib.util
 import sys
-from typing import TYPE_CHECKING, Any, Dict, List
+import warnings
+from typing import TYPE_CHECKING, Any, Dict, List, Tuple
 
 from ._version import __version__
 
@@ -56,58 +67,91 @@ _export("planning.dynamic_batching", "DynamicBatchingPlan", "plan_dynamic_batchi
 _export("planning.metrics", "PackingMetrics", "dp_balance_metrics", "dynamic_batching_metrics")
 _export("planning.cost", "CostModel")
 _export("planning.step", "StepPlan", "plan_step")
+_export("planning.step_options", "StepOptions")
 _export("planning.prefix_forest", "PrefixForest")
 _export("planning.stream", "StreamPlanner", "StreamStep")
-# Packed tensors
+# Packed tensors: one layout (rows or a tree), its CP cut, what builds it
+_export("tensors.token_layout", "TokenLayout")
 _export("tensors.layout", "PackedLayout", "alignment")
+_export("tensors.sharded_layout", "shard_layout")
 _export("tensors.thd", "PackedBatch", "PackedSeqParams", "pack_sequences", "pack_to_layout", "unpack_sequences")
 _export("tensors.thd_static", "StaticPackedBatch", "pack_sequences_static")
-_export("tensors.cp", "cp_partition_indices", "cp_restore_order")
 _export("tensors.dataset", "PackedDataset", "collate_packs", "pack_dataset")
 _export("tensors.prefix_tree", "PrefixTreeBatch", "PrefixTreeMetrics", "pack_prefix_tree")
-_export("tensors.prefix_tree_cp", "tree_cp_bounds", "tree_cp_local_rows")
 _export("tensors.tree_plans", "prepare_tree")
-_export("tensors.hybrid_cp", "HybridCpBatch", "HybridCpPart", "pack_hybrid_cp", "hybrid_cp_micro_batches")
+_export("tensors.hybrid_cp", "HybridCpBatch", "pack_hybrid_cp", "hybrid_cp_micro_batches")
 _export("tensors.hybrid_cp_groups", "hybrid_cp_groups")
-# Training ops
-_export("training.logprobs", "TokenLogprobs", "packed_token_logprobs", "linear_token_logprobs")
-_export("training.logprobs_tree", "tree_token_logprobs", "tree_linear_token_logprobs")
+# Training ops: one per concept, on any layout
+_export("training.ops", "attention", "token_logprobs", "varlen_attention")
+_export("training.logprobs", "TokenLogprobs")
 _export("training.logprobs_columns", "column_logprobs", "linear_column_logprobs")
 _export("training.loss", "SequencePackingLossWrapper", "prepare_loss_input", "NLLLoss", "ClippedPGLoss")
-_export("training.attention_hybrid_cp", "hybrid_cp_attention", "hybrid_cp_token_logprobs")
-_export("training.loss_hybrid_cp", "HybridCpLossWrapper")
-_export("training.attention", "varlen_attention", "cp_attention", "ulysses_attention", "attention_backends",
-        "tree_attention", "tree_attention_backends", "tree_cp_attention")
+_export("training.attention_varlen", "attention_backends")
 # Frameworks
-_export("frameworks.batched_data_dict", "BatchedDataDict", "DynamicBatchingArgs", "SequencePackingArgs",
+_export("frameworks.nemo_rl", "BatchedDataDict", "DynamicBatchingArgs", "SequencePackingArgs",
         "SlicedDataDict")
 
+# The public names: every top-level name is here or a deprecated alias below
+# (tests/python/test_api.py compares this list with a checked-in copy).
 __all__ = [
     # planning
-    "get_packer", "PackingAlgorithm", "SequencePacker",
-    "get_seqlen_balanced_partitions", "karmarkar_karp", "plan_micro_batches", "MicroBatchPlan",
-    "plan_dynamic_batching", "DynamicBatchingPlan", "PackingMetrics", "CostModel", "plan_step", "StepPlan",
-    "PrefixForest", "StreamPlanner", "StreamStep",
+    "get_packer", "PackingAlgorithm", "SequencePacker", "adjust_bin_count",
+    "get_seqlen_balanced_partitions", "karmarkar_karp", "greedy_lpt_partition", "sorted_stride_partition",
+    "log_seqlen_unbalance", "plan_micro_batches", "MicroBatchPlan", "sequence_workloads",
+    "plan_dynamic_batching", "DynamicBatchingPlan", "PackingMetrics", "dp_balance_metrics",
+    "dynamic_batching_metrics", "CostModel", "plan_step", "StepPlan", "StepOptions", "PrefixForest", "StreamPlanner", "StreamStep",
     # packed tensors
-    "PackedLayout", "alignment", "PackedBatch", "PackedSeqParams", "pack_sequences", "pack_to_layout",
-    "unpack_sequences",
-    "StaticPackedBatch", "pack_sequences_static", "cp_partition_indices", "cp_restore_order",
-    "collate_packs", "pack_dataset", "pack_prefix_tree", "PrefixTreeBatch", "PrefixTreeMetrics",
-    "tree_cp_bounds", "tree_cp_local_rows", "prepare_tree",
-    "HybridCpBatch", "HybridCpPart", "pack_hybrid_cp", "hybrid_cp_micro_batches", "hybrid_cp_groups",
+    "TokenLayout", "PackedLayout", "alignment", "shard_layout", "PackedBatch", "PackedSeqParams", "pack_sequences",
+    "pack_to_layout", "unpack_sequences", "StaticPackedBatch", "pack_sequences_static",
+    "PackedDataset", "collate_packs", "pack_dataset", "pack_prefix_tree", "PrefixTreeBatch", "PrefixTreeMetrics",
+    "prepare_tree", "HybridCpBatch", "pack_hybrid_cp", "hybrid_cp_micro_batches", "hybrid_cp_groups",
     # training
-    "packed_token_logprobs", "linear_token_logprobs", "tree_token_logprobs", "tree_linear_token_logprobs",
+    "attention", "varlen_attention", "attention_backends", "token_logprobs", "TokenLogprobs",
     "column_logprobs", "linear_column_logprobs",
-    "TokenLogprobs",
-    "SequencePackingLossWrapper", "HybridCpLossWrapper",
-    "prepare_loss_input",
-    "varlen_attention", "cp_attention", "ulysses_attention", "tree_attention", "tree_attention_backends",
-    "tree_cp_attention", "hybrid_cp_attention", "hybrid_cp_token_logprobs",
+    "SequencePackingLossWrapper", "prepare_loss_input", "NLLLoss", "ClippedPGLoss",
     # frameworks
-    "BatchedDataDict",
+    "BatchedDataDict", "DynamicBatchingArgs", "SequencePackingArgs", "SlicedDataDict",
     # support
     "build_info",
 ]
+
+# Names of seqpack 0.1 kept for one release: name -> (module, attribute, the call
+# that replaces it). ``seqpack.<name>`` still works and warns (DeprecationWarning);
+# none is in __all__. docs/migration.md has the table.
+_DEPRECATED: Dict[str, Tuple[str, str, str]] = {
+    "packed_token_logprobs": ("training.logprobs", "packed_token_logprobs",
+                              "seqpack.token_logprobs(logits, layout, input_ids)"),
+    "linear_token_logprobs": ("training.logprobs", "linear_token_logprobs",
+                              "seqpack.token_logprobs(hidden, layout, input_ids, weight=weight)"),
+    "tree_token_logprobs": ("training.logprobs_tree", "tree_token_logprobs", "seqpack.token_logprobs(logits, tree)"),
+    "tree_linear_token_logprobs": ("training.logprobs_tree", "tree_linear_token_logprobs",
+                                   "seqpack.token_logprobs(hidden, tree, weight=weight)"),
+    "hybrid_cp_token_logprobs": ("training.deprecated", "hybrid_cp_token_logprobs",
+                                 "seqpack.token_logprobs(logits, micro_batch) (the parts back to back)"),
+    "tree_attention": ("training.deprecated", "tree_attention", "seqpack.attention(q, k, v, tree)"),
+    "cp_attention": ("training.deprecated", "cp_attention", "seqpack.attention(q, k, v, layout, group=group)"),
+    "tree_cp_attention": ("training.attention_tree_cp", "tree_cp_attention",
+                          "seqpack.attention(q, k, v, seqpack.shard_layout(tree, cp_size, cp_rank), group=group)"),
+    "ulysses_attention": ("training.deprecated", "ulysses_attention",
+                          "seqpack.attention(q, k, v, seqpack.shard_layout(layout, size, rank, scheme='ulysses'), "
+                          "group=group)"),
+    "hybrid_cp_attention": ("training.deprecated", "hybrid_cp_attention", "seqpack.attention(q, k, v, micro_batch)"),
+    "HybridCpLossWrapper": ("training.deprecated", "HybridCpLossWrapper",
+                            "seqpack.SequencePackingLossWrapper(loss_fn, cu_seqlens_q=micro_batch)"),
+    "HybridCpPart": ("tensors.hybrid_cp", "HybridCpPart", "micro_batch.parts[i] (its cut_layout for the ops)"),
+    "tree_attention_backends": ("training.attention_tree", "tree_attention_backends",
+                                "seqpack.training.attention_tree.tree_attention_backends()"),
+    "tree_cp_bounds": ("tensors.prefix_tree_cp", "tree_cp_bounds",
+                       "seqpack.shard_layout(tree, cp_size, cp_rank).bounds"),
+    "tree_cp_local_rows": ("tensors.prefix_tree_cp", "tree_cp_local_rows",
+                           "seqpack.shard_layout(tree, cp_size, cp_rank).local_rows(full)"),
+    "cp_partition_indices": ("tensors.cp", "cp_partition_indices",
+                             "seqpack.shard_layout(layout, cp_size, cp_rank).local_rows(full) (or "
+                             "seqpack.tensors.cp.cp_partition_indices)"),
+    "cp_restore_order": ("tensors.cp", "cp_restore_order",
+                         "seqpack.shard_layout(layout, cp_size, cp_rank).gather(local, group) (or "
+                         "seqpack.tensors.cp.cp_restore_order)"),
+}
 
 _SUBPACKAGES = ("planning", "tensors", "training", "frameworks", "tools", "testing")
 
@@ -122,7 +166,6 @@ _MOVED: Dict[str, str] = {
     "dataset": "tensors.dataset",
     "logprobs": "training.logprobs",
     "loss": "training.loss",
-    "attention": "training.attention",
     "batched_data_dict": "frameworks.batched_data_dict",
     "roll": "frameworks.roll",
     "verl": "frameworks.verl",
@@ -167,6 +210,11 @@ if not any(isinstance(f, _MovedModuleFinder) for f in sys.meta_path):
 
 
 def __getattr__(name: str) -> Any:
+    if name in _DEPRECATED:  # warns on every access (not cached), so each use site hears it
+        module, attr, instead = _DEPRECATED[name]
+        warnings.warn(f"seqpack.{name} is deprecated and goes in the next release: use {instead} "
+                      "(docs/migration.md)", DeprecationWarning, stacklevel=2)
+        return getattr(importlib.import_module(f"{__name__}.{module}"), attr)
     if name in _EXPORTS:
         value = getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
     elif name in _SUBPACKAGES or name in _MOVED:
@@ -207,8 +255,7 @@ def build_info() -> Dict[str, Any]:
 if TYPE_CHECKING:  # what the lazy attributes resolve to, for type checkers and IDEs
     from . import frameworks, planning, tensors, testing, tools, training
     from .frameworks import config, roll, verl
-    from .frameworks.batched_data_dict import (BatchedDataDict, DynamicBatchingArgs, SequencePackingArgs,
-                                               SlicedDataDict)
+    from .frameworks.nemo_rl import BatchedDataDict, DynamicBatchingArgs, SequencePackingArgs, SlicedDataDict
     from .planning.balance import (MicroBatchPlan, get_seqlen_balanced_partitions, greedy_lpt_partition,
                                    karmarkar_karp, log_seqlen_unbalance, plan_micro_batches, sequence_workloads,
                                    sorted_stride_partition)
@@ -217,21 +264,21 @@ if TYPE_CHECKING:  # what the lazy attributes resolve to, for type checkers and 
     from .planning.metrics import PackingMetrics, dp_balance_metrics, dynamic_batching_metrics
     from .planning.packing import PackingAlgorithm, SequencePacker, adjust_bin_count, get_packer
     from .planning.prefix_forest import PrefixForest
-    from .tensors.cp import cp_partition_indices, cp_restore_order
+    from .planning.step import StepPlan, plan_step
+    from .planning.step_options import StepOptions
+    from .planning.stream import StreamPlanner, StreamStep
     from .tensors.dataset import PackedDataset, collate_packs, pack_dataset
+    from .tensors.hybrid_cp import HybridCpBatch, hybrid_cp_micro_batches, pack_hybrid_cp
+    from .tensors.hybrid_cp_groups import hybrid_cp_groups
     from .tensors.layout import PackedLayout, alignment
     from .tensors.prefix_tree import PrefixTreeBatch, PrefixTreeMetrics, pack_prefix_tree
-    from .tensors.prefix_tree_cp import tree_cp_bounds, tree_cp_local_rows
-    from .tensors.hybrid_cp import HybridCpBatch, HybridCpPart, hybrid_cp_micro_batches, pack_hybrid_cp
-    from .tensors.hybrid_cp_groups import hybrid_cp_groups
-    from .tensors.tree_plans import prepare_tree
+    from .tensors.sharded_layout import shard_layout
     from .tensors.thd import PackedBatch, PackedSeqParams, pack_sequences, pack_to_layout, unpack_sequences
     from .tensors.thd_static import StaticPackedBatch, pack_sequences_static
-    from .training.attention import (attention_backends, cp_attention, tree_attention, tree_attention_backends,
-                                     tree_cp_attention, ulysses_attention, varlen_attention)
-    from .training.attention_hybrid_cp import hybrid_cp_attention, hybrid_cp_token_logprobs
-    from .training.loss_hybrid_cp import HybridCpLossWrapper
-    from .training.logprobs import TokenLogprobs, packed_token_logprobs
+    from .tensors.token_layout import TokenLayout
+    from .tensors.tree_plans import prepare_tree
+    from .training.attention_varlen import attention_backends
+    from .training.logprobs import TokenLogprobs
     from .training.logprobs_columns import column_logprobs, linear_column_logprobs
-    from .training.logprobs_tree import tree_linear_token_logprobs, tree_token_logprobs
     from .training.loss import ClippedPGLoss, NLLLoss, SequencePackingLossWrapper, prepare_loss_input
+    from .training.ops import attention, token_logprobs, varlen_attention

@@ -72,7 +72,7 @@ def _zigzag(flip, bad):
 
 
 def _cp_attention(rank, flip, bad):
-    from seqpack.attention import cp_attention
+    from seqpack.training.attention import cp_attention
     from seqpack.cp import cp_local_rows
 
     cu_p = _zigzag(flip, bad)
@@ -89,7 +89,7 @@ def _cp_attention(rank, flip, bad):
 
 
 def _ulysses_attention(rank, flip, bad):
-    from seqpack.attention import ulysses_attention
+    from seqpack.training.attention import ulysses_attention
     from seqpack.tensors._ulysses import slice_rows
 
     cu_p = np.array([0, 2, 9] if bad and flip == "offsets" else [0, 5, 9], dtype=np.int64)

@@ -169,7 +169,7 @@ def check_cp_attention(rank, world):
     import numpy as np
 
     from seqpack import varlen_attention
-    from seqpack.attention import cp_attention
+    from seqpack.training.attention import cp_attention
     from seqpack.cp import cp_local_rows
 
     lengths = [1, 13, 2 * world, 5, 31]
@@ -308,7 +308,7 @@ def check_cp_attention_failing_rank(rank, world):
     import numpy as np
 
     from seqpack import varlen_attention
-    from seqpack.attention import cp_attention
+    from seqpack.training.attention import cp_attention
     from seqpack.cp import cp_local_rows
 
     multiple = 2 * world

@@ -89,7 +89,7 @@ def _cp_attention(rank, world, case, bad):
     from types import SimpleNamespace
 
     from seqpack import varlen_attention
-    from seqpack.attention import cp_attention
+    from seqpack.training.attention import cp_attention
     from seqpack.cp import cp_local_rows
 
     multiple = 2 * world

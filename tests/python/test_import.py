@@ -83,7 +83,7 @@ def test_extension_carries_ampere_and_hopper_machine_code():
      "seqpack.planning.dynamic_batching", "seqpack.planning.cost", "seqpack.planning.step", "seqpack.planning.step_shapes",
      "seqpack.planning.stream", "seqpack.testing.rollout_stream", "seqpack.tensors.layout",
      "seqpack.tensors.thd", "seqpack.frameworks._batch", "seqpack.frameworks.verl", "seqpack.frameworks.automodel",
-     "seqpack.testing.pipelines", "seqpack.testing.distributions",
+     "seqpack.testing.pipelines", "seqpack.testing.step_simulator", "seqpack.testing.distributions",
      "seqpack.tensors.cp",
      "seqpack.tensors.dataset", "seqpack.tensors.prefix_tree", "seqpack.training.logprobs", "seqpack.training.loss",
      "seqpack.training.logprobs_tree",

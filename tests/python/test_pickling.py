@@ -94,18 +94,20 @@ def _report():
 
 
 def _stream_planner():
-    planner = seqpack.StreamPlanner(2, 100, step_tokens=90, max_staleness=1, static_shapes=True)
+    planner = seqpack.StreamPlanner(2, 100, step_tokens=90, max_staleness=1,
+                                    options=seqpack.planning.StepOptions(static_shapes=True))
     planner.add([40, 30, 20, 50, 10], group_ids=["a", "a", "b", "b", "c"], version=[0, 0, 1, 1, 1], group_size=2)
     return planner
 
 
 def _samples():
-    from seqpack.frameworks import batched_data_dict as bdd, config, hf, roll
+    from seqpack.frameworks import batched_data_dict as bdd, config, hf, nemo_rl, roll
     from seqpack.planning import packing
-    from seqpack.tensors import hybrid_cp, prefix_tree, token_layout, tree_plans
+    from seqpack.tensors import hybrid_cp, packed_tensors, prefix_tree, token_layout, tree_plans
     from seqpack.training import logprobs_tree
     from seqpack.testing import rollout_stream, tiny_model
     from seqpack.tools import report, report_cp, report_trees
+    from seqpack.tensors import cp_cut, sharded_layout
     from seqpack.training import loss, loss_hybrid_cp
 
     lengths = [46, 24, 55, 88, 11, 14, 73, 17]
@@ -120,6 +122,8 @@ def _samples():
         seqpack.PackingMetrics: lambda: _metrics(),
         seqpack.CostModel: lambda: seqpack.CostModel.verl(),
         seqpack.StepPlan: lambda: seqpack.plan_step(lengths, dp_size=2, max_tokens=128, mini_batches=2),
+        seqpack.planning.StepOptions: lambda: seqpack.planning.StepOptions(cost=seqpack.CostModel.verl(), cp_size=2,
+                                                                           static_shapes=[64, 128]),
         seqpack.StreamPlanner: _stream_planner,
         seqpack.StreamStep: lambda: _stream_planner().next_step(1),
         rollout_stream.Rollout: lambda: rollout_stream.grpo_rollouts(2, 2, seed=1)[0],
@@ -130,6 +134,9 @@ def _samples():
         seqpack.PackedBatch: _batch,
         seqpack.StaticPackedBatch: lambda: seqpack.pack_sequences_static(torch.arange(16).view(2, 8), [3, 8],
                                                                          max_tokens=16, max_seqs=4),
+        packed_tensors.NamedPackedTensors: lambda: packed_tensors.NamedPackedTensors(
+            {"input_ids": torch.arange(8)}, torch.tensor([0, 3, 8], dtype=torch.int32),
+            torch.tensor([0, 4, 8], dtype=torch.int32), 5, 4, torch.tensor([3, 5])),
         seqpack.PackedDataset: lambda: seqpack.pack_dataset([[1, 2, 3], [4, 5, 6, 7, 8], [9]], pack_size=8),
         prefix_tree.PrefixTreeMetrics: lambda: seqpack.pack_prefix_tree([[1, 2], [1, 3]]).metrics(),
         seqpack.PrefixForest: lambda: seqpack.PrefixForest.from_rows([[5, 6, 7], [5, 6, 8], [5], []],
@@ -166,6 +173,8 @@ def _samples():
         bdd.SequencePackingArgs: lambda: bdd.SequencePackingArgs(
             max_tokens_per_microbatch=64, input_key="input_ids", input_lengths_key="input_lengths",
             algorithm="first_fit_decreasing", sequence_length_pad_multiple=1),
+        nemo_rl.ShardRecord: lambda: nemo_rl.ShardRecord(dict(_bdd(bdd.SlicedDataDict)), micro_batch_token_cap=8),
+        nemo_rl.StepShard: lambda: nemo_rl.StepShard(seqpack.plan_step([3, 2, 1], 1, 8), 0, (0, 1, 2), 0),
         config.SeqpackConfig: lambda: _config("nemo_rl_sequence_packing.yaml"),
         config.ParallelConfig: lambda: _config("nemo_rl_sequence_packing.yaml").parallel,
         config.SequencePackingConfig: lambda: _config("nemo_rl_sequence_packing.yaml").sequence_packing,
@@ -193,8 +202,11 @@ def _samples():
         report_cp.CpReport: lambda: report_cp.cp_report(report_cp.long_context_lengths(8, 2048), 1024, 1, 2),
         hybrid_cp.HybridCpBatch: _hybrid_micro_batch,
         hybrid_cp.HybridCpPart: lambda: _hybrid_micro_batch().parts[1],
-        loss_hybrid_cp.HybridCpLossWrapper: lambda: loss_hybrid_cp.HybridCpLossWrapper(loss.NLLLoss(),
-                                                                                       _hybrid_micro_batch()),
+        cp_cut.CpCut: lambda: cp_cut.CpCut("zigzag", 2, 1),
+        loss_hybrid_cp.PartsLoss: lambda: loss_hybrid_cp.PartsLoss(_hybrid_micro_batch(), loss.SequencePackingLossWrapper(
+            loss.NLLLoss(), cu_seqlens_q=_hybrid_micro_batch())),
+        sharded_layout.ShardedLayout: lambda: seqpack.shard_layout(prefix_tree.pack_prefix_tree(
+            [[1, 2, 3, 4, 5], [1, 2, 3, 6]]), 2, 1),
         report.Table: lambda: report.Table("bins", ["a", "b"], [[1, report.Pct(0.5)], [2, report.Ms(3.0)]]),
         report.Pct: lambda: report.Pct(0.25),
         report.Ms: lambda: report.Ms(1.5),
@@ -256,6 +268,14 @@ def same(a, b) -> bool:
     if isinstance(a, BaseException):
         return a.args == b.args
     return bool(a == b) and not bool(a != b)
+
+
+def test_the_loss_wrapper_of_a_hybrid_micro_batch_pickles():
+    from seqpack.training.loss import NLLLoss
+
+    wrapper = seqpack.SequencePackingLossWrapper(NLLLoss(), cu_seqlens_q=_hybrid_micro_batch())
+    for back in (pickle.loads(pickle.dumps(wrapper)), copy.deepcopy(wrapper)):
+        assert same(back, wrapper) and back.parts is not None
 
 
 def test_every_public_class_has_a_sample():

@@ -1,8 +1,9 @@
 """Drop-ins for training frameworks, each in its own module (imported on demand;
 adapters never import one another):
 
-- :mod:`~seqpack.frameworks.batched_data_dict`: NeMo-RL's ``BatchedDataDict``
-  (also ``seqpack.BatchedDataDict``).
+- :mod:`~seqpack.frameworks.nemo_rl`: NeMo-RL's ``BatchedDataDict`` (also
+  ``seqpack.BatchedDataDict``), its sharding and iterators as functions over a shard
+  record (:mod:`~seqpack.frameworks.batched_data_dict` is the old path).
 - :mod:`~seqpack.frameworks.roll`: ROLL's dynamic batching and sequence packing
   (also ``seqpack.roll``).
 - :mod:`~seqpack.frameworks.verl`: verl's seqlen-balancing helpers (also ``seqpack.verl``).
@@ -17,4 +18,5 @@ adapters never import one another):
 
 from .._lazy import submodules
 
-__getattr__ = submodules(__name__, ("automodel", "batched_data_dict", "config", "hf", "roll", "trl", "verl"))
+__getattr__ = submodules(__name__, ("automodel", "batched_data_dict", "config", "hf", "nemo_rl", "roll", "trl",
+                                                "verl"))

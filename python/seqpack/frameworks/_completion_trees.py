@@ -91,7 +91,7 @@ def completion_logprobs(model: Any, input_ids: Any, attention_mask: Any, complet
     from a transformers causal LM run once on their prefix tree: ``model(input_ids
     [1, T], position_ids [1, T] (depths), prefix_tree=tree, logits_to_keep=rows)``
     through whatever wraps it (FSDP, DDP, PEFT), its LM head applied only at the
-    ``rows`` that predict a completion token, then :func:`seqpack.tree_token_logprobs`
+    ``rows`` that predict a completion token, then :func:`seqpack.token_logprobs`
     on those rows (``temperature`` divides the logits first). 0 where a completion
     column is padding. The model must run a tree implementation
     (:func:`seqpack.frameworks.hf_tree.use_tree_attention`).

@@ -23,7 +23,7 @@ concatenated; see ``docs/vlm.md``.
     >>> model(**batch).loss                                       # doctest: +SKIP
 
 Prefix trees (``docs/prefix_tree.md``, :mod:`seqpack.frameworks.hf_tree`, its names
-here too): ``register_tree()`` adds ``"seqpack_tree"``, :func:`seqpack.tree_attention`
+here too): ``register_tree()`` adds ``"seqpack_tree"``, :func:`seqpack.attention`
 when ``model(**tree_kwargs(tree))`` passes the tree down to every attention call and
 the model's usual attention (SDPA) for every other call.
 """

@@ -3,7 +3,7 @@ life of a model (also ``seqpack.integrations.hf``).
 
 :func:`register_tree` registers ``"seqpack_tree"`` with transformers. A call that
 passes a tree (``model(**tree_kwargs(tree))``, which hands ``prefix_tree=tree`` down
-to every attention call) runs :func:`seqpack.tree_attention`; any other call -
+to every attention call) runs :func:`seqpack.attention`; any other call -
 ``model.generate`` with its KV cache, a padded batch, an evaluation - runs the
 model's usual attention (``fallback``: SDPA unless told otherwise, or eager) with
 the mask transformers builds for it. So a trainer needs no switching:
@@ -85,7 +85,7 @@ def tree_attention_forward(module, query, key, value, attention_mask, dropout: f
     """transformers' attention-function contract over a prefix tree: ``query``
     ``[1, Hq, T, D]``, ``key``/``value`` ``[1, Hk, T, D]`` at the tree's physical
     tokens (``T = prefix_tree.num_tokens``); returns ``([1, T, Hq, D], None)`` from
-    :func:`seqpack.tree_attention` - each token attends to its ancestors and itself.
+    :func:`seqpack.attention` - each token attends to its ancestors and itself.
 
     The tree arrives as the ``prefix_tree`` keyword argument, which transformers
     forwards from ``model(...)`` to every attention call (:func:`tree_kwargs` builds
@@ -251,7 +251,7 @@ def tree_kwargs(tree: Any, device: Any = None) -> Dict[str, Any]:
     RoPE sees what each row alone would) and ``prefix_tree`` (read by the attention).
     The logits ``[1, T, V]`` are per physical token: take each row's with
     ``logits[0, tree.logical_index]`` or its log-probs with
-    :func:`seqpack.tree_token_logprobs` (not ``labels=``: the shifted loss of
+    :func:`seqpack.token_logprobs` (not ``labels=``: the shifted loss of
     transformers would read the DFS order as one sequence)."""
     from ..tensors.layout_kinds import as_tree
 

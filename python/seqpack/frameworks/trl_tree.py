@@ -9,7 +9,7 @@ become a :class:`~seqpack.PrefixTreeBatch` (each shared prefix once: a prompt on
 per group, and once for the batch where prompts repeat), the model runs on the
 tree through the attention :func:`seqpack.integrations.hf.use_tree_attention`
 switches it to, and the head scores only the completion tokens
-(:func:`seqpack.tree_linear_token_logprobs` with ``scored``)::
+(:func:`seqpack.token_logprobs` with ``weight`` and ``scored``)::
 
     TRL: B rows x (P + C) tokens         the tree: P + G*C tokens per group
     [pad pad p p p | c c c pad]          p p p -+- c c c

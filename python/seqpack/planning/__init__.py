@@ -8,6 +8,7 @@
 - :mod:`~seqpack.planning.metrics`: packing, balance and padding metrics.
 - :mod:`~seqpack.planning.cost`: :class:`CostModel`, what a micro-batch costs.
 - :mod:`~seqpack.planning.step`: :func:`plan_step`, ranks and micro-batches planned together.
+- :mod:`~seqpack.planning.step_options`: :class:`StepOptions`, a step plan's options as one object.
 - :mod:`~seqpack.planning.prefix_forest`: :class:`PrefixForest`, what any subset of rows costs as a
   prefix tree.
 - :mod:`~seqpack.planning.step_shapes`: largest-first micro-batch order and static shape buckets.
@@ -28,6 +29,7 @@ from .packing import (BestFitDecreasingPacker, ConcatenativePacker, FirstFitDecr
                       SequencePacker, adjust_bin_count, get_packer)
 from .prefix_forest import ForestItems, PrefixForest
 from .step import StepPlan, plan_step
+from .step_options import StepOptions
 from .stream import StreamPlanner, StreamStep
 
 __all__ = [
@@ -37,6 +39,7 @@ __all__ = [
     "PrefixForest", "SequencePacker",
     "adjust_bin_count", "dp_balance_metrics", "dynamic_batching_metrics", "get_packer",
     "get_seqlen_balanced_partitions", "greedy_lpt_partition", "karmarkar_karp", "log_seqlen_unbalance",
-    "plan_dynamic_batching", "plan_micro_batches", "plan_step", "sequence_workloads", "sorted_stride_partition", "StepPlan",
+    "plan_dynamic_batching", "plan_micro_batches", "plan_step", "sequence_workloads", "sorted_stride_partition",
+    "StepOptions", "StepPlan",
     "StreamPlanner", "StreamStep",
 ]

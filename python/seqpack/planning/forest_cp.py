@@ -3,7 +3,7 @@
 Each mini-batch's rows of one tree form one item, planned whole at a CP degree ``d``
 (a power of two dividing ``C``) on an aligned block of ``d`` ranks, as a plain row is
 (:mod:`seqpack.planning.step`, ``cpp/include/seqpack/cp_step.hpp``). A sharded tree
-is cut as :func:`~seqpack.tree_cp_bounds` cuts it: contiguous ranges of its physical
+is cut as :func:`seqpack.shard_layout` cuts a tree: contiguous ranges of its physical
 tokens in depth-first order, balanced by attention work, so a rank's tokens of it
 are the longest of its ``d`` ranges, not ``T / d``::
 
@@ -41,14 +41,15 @@ __all__ = ["bounds_of_work", "forest_cp_items", "forest_row_order", "plan_forest
 def forest_row_order(forest: PrefixForest, rows: Any) -> np.ndarray:
     """``rows`` (row ids) in the forest's depth-first order: packed in this order,
     :func:`~seqpack.pack_prefix_tree` lays out the physical tokens as the planner
-    counted them (the order decides where :func:`~seqpack.tree_cp_bounds` cuts)."""
+    counted them (the order decides where :func:`seqpack.shard_layout` cuts the tree)."""
     rows = np.asarray(rows, dtype=np.int64)
     return rows[np.argsort(forest.row_position[rows], kind="stable")]
 
 
 def bounds_of_work(work: np.ndarray, cp: int) -> np.ndarray:
-    """:func:`~seqpack.tree_cp_bounds` of tokens whose works are ``work`` (int64
-    ``[T]``, the keys each token's query sees): ``cp + 1`` offsets, a token on the
+    """The ``bounds`` of a tree's cut (:func:`seqpack.shard_layout`,
+    :func:`~seqpack.tensors.prefix_tree_cp.tree_cp_bounds`) of tokens whose works
+    are ``work`` (int64 ``[T]``, the keys each token's query sees): ``cp + 1`` offsets, a token on the
     rank whose equal share of the total holds the middle of its own work."""
     cum = np.cumsum(work)
     total = int(cum[-1]) if cum.shape[0] else 0
@@ -77,7 +78,7 @@ def forest_cp_items(forest: PrefixForest, ranges: List[Tuple[int, int]], cp_size
     """The items of ``plan_step(forest=, cp_size=)``: per mini-batch row range, the
     rows of each tree there (ascending), and per item its physical tokens, its work
     in ``s²`` units (``2 pairs - tokens``) and its longest range of
-    :func:`~seqpack.tree_cp_bounds` at each degree ``1, 2, 4 .. cp_size``
+    the ``bounds`` of :func:`seqpack.shard_layout` at each degree ``1, 2, 4 .. cp_size``
     (``[items, log2(cp_size) + 1]``); and the items per mini-batch."""
     degrees = [1 << j for j in range(int(cp_size).bit_length())]
     items: List[np.ndarray] = []

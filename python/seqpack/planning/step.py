@@ -13,7 +13,10 @@ into micro-batches). What the step costs depends on how the ranks synchronise:
 once; no micro-batch above ``max_tokens``; in each mini-batch the same number of
 micro-batches on every rank (so no collective is needed to agree on it); dummies
 (empty micro-batches, still run for the collectives) only where needed; the same
-plan on every rank for the same lengths and seed.
+plan on every rank for the same lengths and seed. Its options (cost model, sync,
+mini-batches, context parallelism, order, shapes) are one
+:class:`~seqpack.StepOptions` (``options=``, shared with
+:class:`~seqpack.StreamPlanner` and the configs) or the same fields as keywords.
 
     >>> from seqpack.planning.step import plan_step
     >>> plan = plan_step([3000, 500, 500, 2500, 1000, 400], dp_size=2, max_tokens=4000)
@@ -35,11 +38,11 @@ import numpy as np
 from .. import _core
 from .._lengths import INT64_MAX, as_int64, as_lengths, as_positive_int
 from .cost import CostModel
-from .step_shapes import bucket_shapes, check_order, largest_first, shape_buckets
+from .prefix_forest import PrefixForest
+from .step_options import StepOptions, with_keywords
+from .step_shapes import bucket_shapes, largest_first, shape_buckets
 
 __all__ = ["StepPlan", "plan_step"]
-
-_SYNC = ("micro_batch", "step")
 
 
 @dataclass(frozen=True)
@@ -69,6 +72,10 @@ class StepPlan:
             mini-batch when they differ. And the batch's physical tokens over the
             sum of the micro-batches' (1.0 when no tree is cut). None without a
             forest.
+        forest / whole_trees: the :class:`~seqpack.PrefixForest` the plan was made
+            on (row ``i`` is sequence ``i``; None without one) and whether every
+            tree was kept whole (``StepOptions.whole_trees``): what a shard of this
+            plan needs to lay its micro-batches out as the planned trees.
     """
 
     assignment: List[List[List[List[int]]]]
@@ -102,6 +109,10 @@ class StepPlan:
     micro_batch_order: str = "planned"
     shape_buckets: Optional[Tuple[int, ...]] = None
     padded_tokens: Optional[List[List[List[int]]]] = None
+    # Planned on prefix trees: the PrefixForest (its row i is sequence i; not compared:
+    # the cells already say what was planned) and whether its trees were kept whole.
+    forest: Optional[PrefixForest] = field(default=None, repr=False, compare=False)
+    whole_trees: bool = False
 
     @property
     def num_ranks(self) -> int:
@@ -273,13 +284,14 @@ def plan_step(
     dp_size: int,
     max_tokens: int,
     *,
+    options: Optional[StepOptions] = None,
+    forest: Any = None,
     cost: Optional[CostModel] = None,
     sync: str = "micro_batch",
     mini_batches: int = 1,
     min_micro_batches: int = 1,
     multiple_of: int = 1,
     seed: Optional[int] = None,
-    forest: Any = None,
     whole_trees: bool = False,
     cp_size: int = 1,
     hybrid_cp: bool = False,
@@ -288,89 +300,66 @@ def plan_step(
     static_shapes: Any = None,
 ) -> StepPlan:
     """Assign every sequence of a global batch to (mini-batch, rank, micro-batch)
-    for the fastest step under ``cost``.
+    for the fastest step under the options' cost model.
 
     Args:
         lengths: tokens per sequence of the global batch (list, NumPy or tensor).
         dp_size: data-parallel ranks.
-        max_tokens: hard cap on each micro-batch's token sum.
-        cost: what a micro-batch costs (default :meth:`CostModel.tokens`).
-        sync: ``"micro_batch"`` (FSDP / ZeRO-3, minimises ``Σ_k max_r``) or
-            ``"step"`` (DDP / Megatron, minimises ``max_r Σ_k``).
-        mini_batches: optimizer steps in this global batch; the batch is split into
-            contiguous near-equal parts (as ``numpy.array_split``) planned in turn.
-        min_micro_batches: at least this many micro-batches per rank and mini-batch.
-        multiple_of: the count per rank is a multiple of this (pipeline parallelism).
-        seed: breaks ties among equal lengths (``None``: by index). The plan is a
-            function of the inputs and the seed only, so every rank computes it
-            alone and all agree.
-        forest: a :class:`~seqpack.PrefixForest` of the same rows (``lengths`` must be
-            ``forest.lengths``): plan prefix trees, one C++ call
-            (:mod:`~seqpack.planning.forest_planning`). The cap bounds each
-            micro-batch's physical tokens. Each mini-batch is planned on whole
-            trees (a larger tree split duplicating the fewest tokens), on trees
-            dealt to ranks by their work, on the micro-batches of the packings of
-            ``plan_micro_batches(..., forest=)`` (trees split where that fills
-            capacity; AReaL's first-fit tries) and on the rows themselves; every
-            cell's cost comes from its own physical tokens and visible attention
-            pairs and the fastest predicted step is kept (``planned_on`` names it). ``lower_bound`` is then a simpler proven
+        max_tokens: hard cap on each micro-batch's token sum (with ``cp_size > 1``,
+            on each rank's tokens of a micro-batch).
+        options: a :class:`~seqpack.StepOptions`: the cost model, sync, mini-batches,
+            context parallelism, order and shapes (each documented there).
+        forest: the :class:`~seqpack.PrefixForest` of the same rows (``lengths``
+            must be ``forest.lengths``): plan prefix trees (``shared_prefix``),
+            one C++ call (:mod:`~seqpack.planning.forest_planning`). The cap
+            bounds each micro-batch's physical tokens. Each mini-batch is planned
+            on whole trees (a larger tree split duplicating the fewest tokens), on
+            trees dealt to ranks by their work, on the micro-batches of the
+            packings of ``plan_micro_batches(..., forest=)`` (trees split where
+            that fills capacity; AReaL's first-fit tries) and on the rows
+            themselves; every cell's cost comes from its own physical tokens and
+            visible attention pairs and the fastest predicted step is kept
+            (``planned_on`` names it). ``lower_bound`` is then a simpler proven
             bound (the trees' work over the ranks plus the fewest micro-batches'
-            overhead).
-        whole_trees: with ``forest``, keep every tree that fits in one micro-batch
-            and every tree on one rank (losses that couple a tree's rows: DPO and
-            other preference pairs).
-        cp_size: context-parallel ranks per data-parallel rank (a power of two):
-            the plan then runs over ``dp_size * cp_size`` ranks (``rank = dp_rank *
-            cp_size + cp_rank``), ``max_tokens`` caps each rank's tokens of a
-            micro-batch, and every sequence is sharded (zigzag, padded to a
-            multiple of 2·degree) over an aligned block of ``cp_degree[i]`` ranks of
-            one CP group, listed in the cell of each of them at the same
-            micro-batch. ``cost.per_kv_token`` / ``cost.per_collective`` price the
-            K/V each rank gathers. Without ``hybrid_cp`` every degree is
-            ``cp_size`` (fixed CP, today's layout).
-        hybrid_cp: each sequence at the smallest degree whose shard fits the cap
-            (the least K/V traffic), the fixed-CP placement kept instead when it
-            is predicted faster: never slower than fixed CP on the same cost model.
-            Megatron-LM's ``--dynamic-context-parallel`` (``--hybrid-context-parallel``
-            when PR #2282 merged it). With ``forest=`` every tree of a mini-batch is
-            one item, sharded by :func:`~seqpack.tree_cp_bounds` ranges
-            (:mod:`~seqpack.planning.forest_cp`).
-        min_cp_degree: with ``hybrid_cp``, no sequence below this degree (a power
-            of two up to ``cp_size``; Megatron-LM's
-            ``--min-dynamic-context-parallel-size``).
-        micro_batch_order: ``"planned"`` or ``"largest_first"``: every rank's
-            micro-batches of a mini-batch sorted by tokens, largest first, the
-            ranks still in lock-step (:func:`~seqpack.planning.step_shapes.largest_first`:
-            a flat allocator peak; never slower under ``sync="step"``, and under
-            ``"micro_batch"`` whenever cost follows tokens).
-        static_shapes: pad every micro-batch up to a bucket size, for CUDA graphs
-            and a stable allocator: ``True`` (every eighth of ``max_tokens``), a
-            bucket count, or the sizes. ``padded_tokens`` holds each cell's size, costs and
-            ``predicted_time`` include the padding, ``padding_tokens`` and
-            ``metrics["padding"]`` report it. On plain rows the step is also
-            planned under each smaller bucket that holds the longest sequence
-            (micro-batches that fill a smaller bucket can pad less) and the
-            fastest padded plan is kept.
+            overhead). The plan keeps the forest (:attr:`StepPlan.forest`).
+        cost, sync, mini_batches, min_micro_batches, multiple_of, seed,
+        whole_trees, cp_size, hybrid_cp, min_cp_degree, micro_batch_order,
+        static_shapes: the :class:`~seqpack.StepOptions` fields one by one. With
+            ``options``, a keyword left at its default takes the options' value, one
+            the options leave at their default is filled in, and one that differs
+            from a value the options set is a ``ValueError``.
+
+    With ``static_shapes`` on plain rows the step is also planned under each
+    smaller bucket that holds the longest sequence (micro-batches that fill a
+    smaller bucket can pad less) and the fastest padded plan kept.
 
     Raises:
         ValueError: a sequence above ``max_tokens``, fewer sequences than
-            ``mini_batches``, a bad ``sync`` or a non-positive count; a cost that
-            overflows float64 (a micro-batch of ``max_tokens`` tokens, or the whole
-            step): the message names the coefficient, scale the model down.
-        TypeError: ``cost`` is not a :class:`CostModel`.
+            ``mini_batches``, a bad option (named), ``shared_prefix`` without
+            ``forest``; a cost that overflows float64 (a micro-batch of
+            ``max_tokens`` tokens, or the whole step): the message names the
+            coefficient, scale the model down.
+        TypeError: ``cost`` is not a :class:`CostModel`, ``options`` not a
+            :class:`~seqpack.StepOptions`.
     """
-    check_order(micro_batch_order)
-    buckets = None if static_shapes is None or static_shapes is False else \
-        shape_buckets(static_shapes, as_positive_int(max_tokens, "max_tokens"))
+    opts = with_keywords(options, dict(
+        cost=cost, sync=sync, mini_batches=mini_batches, min_micro_batches=min_micro_batches, multiple_of=multiple_of,
+        seed=seed, shared_prefix=forest is not None, whole_trees=whole_trees, cp_size=cp_size, hybrid_cp=hybrid_cp,
+        min_cp_degree=min_cp_degree, micro_batch_order=micro_batch_order, static_shapes=static_shapes), "plan_step")
+    if opts.shared_prefix and forest is None:
+        raise ValueError("shared_prefix=True plans prefix trees: plan_step needs forest=, the PrefixForest of the "
+                         "lengths' rows (a StreamPlanner builds each step's forest itself)")
+    buckets = None if opts.static_shapes is None else \
+        shape_buckets(opts.static_shapes, as_positive_int(max_tokens, "max_tokens"))
+
     def shaped(cap: int) -> StepPlan:
-        plan = _plan(lengths, dp_size, cap, cost, sync, mini_batches, min_micro_batches, multiple_of, seed, forest,
-                     whole_trees, cp_size, hybrid_cp, min_cp_degree)
-        if micro_batch_order == "largest_first":
+        plan = _plan(lengths, dp_size, cap, opts, forest)
+        if opts.micro_batch_order == "largest_first":
             plan = largest_first(plan)
         return plan if buckets is None else bucket_shapes(plan, buckets)
 
     plan = shaped(max_tokens)
-    if buckets is not None and forest is None and cp_size == 1 and plan.num_sequences:
+    if buckets is not None and forest is None and opts.cp_size == 1 and plan.num_sequences:
         # Micro-batches that fill a smaller bucket may pad less: plan under each bucket
         # that holds the longest sequence and keep the fastest padded step.
         longest, full = int(plan.lengths.max()), plan
@@ -381,39 +370,19 @@ def plan_step(
     return plan
 
 
-def _plan(lengths: Any, dp_size: Any, max_tokens: Any, cost: Optional[CostModel], sync: str, mini_batches: Any,
-          min_micro_batches: Any, multiple_of: Any, seed: Any, forest: Any, whole_trees: bool, cp_size: Any,
-          hybrid_cp: bool, min_cp_degree: Any) -> StepPlan:
+def _plan(lengths: Any, dp_size: Any, max_tokens: Any, opts: StepOptions, forest: Any) -> StepPlan:
     """:func:`plan_step` before its step shapes."""
-    if cost is None:
-        cost = CostModel.tokens()
-    if not isinstance(cost, CostModel):
-        raise TypeError(f"cost must be a seqpack.CostModel, got {type(cost).__name__}")
-    if sync not in _SYNC:
-        raise ValueError(f"sync must be 'micro_batch' (FSDP / ZeRO-3) or 'step' (DDP / Megatron), got {sync!r}")
-    if seed is not None:
-        seed = as_positive_int(seed, "seed", allow_zero=True, maximum=2**64 - 1)  # a uint64 in the core
     dp_size = as_positive_int(dp_size, "dp_size")
     max_tokens = as_positive_int(max_tokens, "max_tokens")
+    cost, sync = opts.cost, opts.sync
     cost.check_finite(max_tokens)
-    if whole_trees and forest is None:
-        raise ValueError("whole_trees=True needs forest= (it keeps a PrefixForest's trees whole)")
-    cp_size = as_positive_int(cp_size, "cp_size")
-    min_cp_degree = as_positive_int(min_cp_degree, "min_cp_degree")
-    if min_cp_degree > 1 and not (hybrid_cp and cp_size > 1):
-        raise ValueError("min_cp_degree applies to hybrid CP: give it with cp_size > 1 and hybrid_cp=True")
-    if cp_size > 1:
-        return _plan_cp_step(lengths, dp_size, max_tokens, cost, sync, as_positive_int(mini_batches, "mini_batches"),
-                             as_positive_int(min_micro_batches, "min_micro_batches"),
-                             as_positive_int(multiple_of, "multiple_of"), seed, cp_size, bool(hybrid_cp), forest,
-                             min_cp_degree)  # every tree is whole with CP: whole_trees holds
+    if opts.cp_size > 1:
+        return _plan_cp_step(lengths, dp_size, max_tokens, opts, forest)  # every tree is whole with CP
     if forest is not None:
         from .forest_planning import plan_forest_step
 
-        got = plan_forest_step(forest, lengths, dp_size, max_tokens, cost, sync,
-                               as_positive_int(mini_batches, "mini_batches"),
-                               as_positive_int(min_micro_batches, "min_micro_batches"),
-                               as_positive_int(multiple_of, "multiple_of"), seed, whole_trees)
+        got = plan_forest_step(forest, lengths, dp_size, max_tokens, cost, sync, opts.mini_batches,
+                               opts.min_micro_batches, opts.multiple_of, opts.seed, opts.whole_trees)
         ks = got["num_micro_batches"]
         return StepPlan(
             assignment=[_nest(c, dp_size, k) for c, k in zip(got["cells"], ks)],
@@ -422,16 +391,14 @@ def _plan(lengths: Any, dp_size: Any, max_tokens: Any, cost: Optional[CostModel]
             num_micro_batches=ks, mini_batch_ranges=got["mini_batch_ranges"],
             predicted_time=got["predicted_time"], lower_bound=got["lower_bound"], dp_size=dp_size,
             max_tokens=max_tokens, sync=sync, cost=cost, lengths=_read_only(forest.lengths.astype(np.int64)),
-            planned_on=got["planned_on"], sharing_kept=got["sharing_kept"])
+            planned_on=got["planned_on"], sharing_kept=got["sharing_kept"], forest=forest,
+            whole_trees=opts.whole_trees)
     lengths = as_lengths(lengths, "lengths")
     raw = _core.plan_step(
         lengths, dp_size, max_tokens,
         cost.per_micro_batch, cost.per_token, cost.per_token_squared,
-        sync=sync,
-        mini_batches=as_positive_int(mini_batches, "mini_batches"),
-        min_micro_batches=as_positive_int(min_micro_batches, "min_micro_batches"),
-        multiple_of=as_positive_int(multiple_of, "multiple_of"),
-        seed=seed,
+        sync=sync, mini_batches=opts.mini_batches, min_micro_batches=opts.min_micro_batches,
+        multiple_of=opts.multiple_of, seed=opts.seed,
     )
     return StepPlan(
         **_cells(raw["mini_batches"], dp_size),
@@ -445,16 +412,17 @@ def _plan(lengths: Any, dp_size: Any, max_tokens: Any, cost: Optional[CostModel]
     )
 
 
-def _plan_cp_step(lengths: Any, dp_size: int, max_tokens: int, cost: CostModel, sync: str, mini_batches: int,
-                  min_micro_batches: int, multiple_of: int, seed: Any, cp_size: int, hybrid: bool, forest: Any,
-                  min_degree: int) -> StepPlan:
+def _plan_cp_step(lengths: Any, dp_size: int, max_tokens: int, opts: StepOptions, forest: Any) -> StepPlan:
     """:func:`plan_step` with ``cp_size > 1``: one call to the C++ CP planner, on the
     rows or (``forest``) on each mini-batch's trees, every tree whole."""
+    cost, cp_size, mini_batches = opts.cost, opts.cp_size, opts.mini_batches
+    shared = (cost, opts.sync, mini_batches, opts.min_micro_batches, opts.multiple_of, opts.seed, cp_size,
+              opts.hybrid_cp)
     if forest is None:
         lengths = as_lengths(lengths, "lengths")
         raw = _core.plan_cp_step(lengths, dp_size, max_tokens, cost.per_micro_batch, cost.per_token,
-                                 cost.per_token_squared, cost.per_kv_token, cost.per_collective, sync, mini_batches,
-                                 min_micro_batches, multiple_of, seed, cp_size, hybrid, min_degree)
+                                 cost.per_token_squared, cost.per_kv_token, cost.per_collective, *shared[1:],
+                                 opts.min_cp_degree)
     else:
         from .forest_cp import plan_forest_cp_step
         from .forest_planning import checked_forest
@@ -465,15 +433,15 @@ def _plan_cp_step(lengths: Any, dp_size: int, max_tokens: int, cost: CostModel, 
             raise ValueError(f"lengths: {n} sequences cannot fill mini_batches={mini_batches} mini-batches "
                              "(each needs at least one)")
         bounds = np.cumsum([0] + [n // mini_batches + (m < n % mini_batches) for m in range(mini_batches)])
-        raw = plan_forest_cp_step(forest, lengths, dp_size, max_tokens, cost, sync, mini_batches, min_micro_batches,
-                                  multiple_of, seed, cp_size, hybrid, list(zip(bounds[:-1], bounds[1:])), min_degree)
+        raw = plan_forest_cp_step(forest, lengths, dp_size, max_tokens, *shared, list(zip(bounds[:-1], bounds[1:])),
+                                  opts.min_cp_degree)
     return StepPlan(
         **_cells(raw["mini_batches"], dp_size * cp_size),
         predicted_time=raw["predicted_time"], lower_bound=raw["lower_bound"], dp_size=dp_size,
-        max_tokens=max_tokens, sync=sync, cost=cost, lengths=_read_only(np.asarray(lengths).astype(np.int64)),
+        max_tokens=max_tokens, sync=opts.sync, cost=cost, lengths=_read_only(np.asarray(lengths).astype(np.int64)),
         cp_size=cp_size, cp_degree=_read_only(raw["degree"]), cp_first_rank=_read_only(raw["first_rank"]),
         kv_tokens=raw["kv_tokens"], least_kv_tokens=raw["least_kv_tokens"],
-        planned_on=None if forest is None else "trees")
+        planned_on=None if forest is None else "trees", forest=forest, whole_trees=opts.whole_trees)
 
 
 def _read_only(a: np.ndarray) -> np.ndarray:

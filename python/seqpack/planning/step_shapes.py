@@ -37,7 +37,7 @@ Importing this module does not import torch.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -55,6 +55,31 @@ def step_time(costs: Sequence[Sequence[Sequence[float]]], sync: str) -> float:
     return float(table.max(axis=0).sum() if sync == "micro_batch" else table.sum(axis=1).max())
 
 
+def static_shapes_spec(spec: Any) -> Optional[Union[int, Tuple[int, ...]]]:
+    """``static_shapes`` checked without a cap: ``None`` (off; also ``False``), a
+    bucket count (``True`` is eight) or the bucket sizes (sorted, unique, each
+    >= 1). Whether the largest size holds a full micro-batch is checked against
+    ``max_tokens`` by :func:`shape_buckets`.
+
+    >>> static_shapes_spec(True), static_shapes_spec(np.int64(4)), static_shapes_spec([4096, 1024, 4096])
+    (8, 4, (1024, 4096))
+    """
+    if spec is None or spec is False or (isinstance(spec, np.bool_) and not spec):
+        return None
+    if spec is True or (isinstance(spec, np.bool_) and spec):
+        return 8
+    if isinstance(spec, (str, bytes)):
+        raise TypeError(f"static_shapes must be True, a bucket count or a list of bucket sizes, got {spec!r}")
+    if np.ndim(spec) == 0:
+        return as_positive_int(spec, "static_shapes")
+    sizes = as_lengths(spec, "static_shapes").tolist()
+    if not sizes:
+        raise ValueError("static_shapes must hold at least one bucket size")
+    if min(sizes) <= 0:
+        raise ValueError(f"static_shapes must hold sizes >= 1, got {min(sizes)}")
+    return tuple(sorted({int(s) for s in sizes}))
+
+
 def shape_buckets(spec: Any, max_tokens: int) -> Tuple[int, ...]:
     """The bucket sizes of ``static_shapes=spec``: ``True`` (eight: every eighth of
     ``max_tokens``), an int ``n`` (``n`` evenly spaced sizes up to ``max_tokens``) or
@@ -67,25 +92,17 @@ def shape_buckets(spec: Any, max_tokens: int) -> Tuple[int, ...]:
     >>> shape_buckets([4096, 1024, 4096], 4096)
     (1024, 4096)
     """
-    if spec is True:
-        spec = 8
-    if isinstance(spec, (bool, str, bytes)) or spec is None:
+    if spec is None or spec is False:
         raise TypeError(f"static_shapes must be True, a bucket count or a list of bucket sizes, got {spec!r}")
-    if np.ndim(spec) == 0:
-        n = as_positive_int(spec, "static_shapes")
-        if n > max_tokens:
-            raise ValueError(f"static_shapes = {n} buckets is more than max_tokens = {max_tokens} sizes")
-        sizes = [-(-max_tokens * (i + 1) // n) for i in range(n)]
-    else:
-        sizes = as_lengths(spec, "static_shapes").tolist()
-        if not sizes:
-            raise ValueError("static_shapes must hold at least one bucket size")
-        if min(sizes) <= 0:
-            raise ValueError(f"static_shapes must hold sizes >= 1, got {min(sizes)}")
-        if max(sizes) < max_tokens:
-            raise ValueError(f"static_shapes: the largest bucket ({max(sizes)}) must hold a full micro-batch "
-                             f"(max_tokens = {max_tokens})")
-    return tuple(sorted({int(s) for s in sizes}))
+    spec = static_shapes_spec(spec)
+    if isinstance(spec, int):
+        if spec > max_tokens:
+            raise ValueError(f"static_shapes = {spec} buckets is more than max_tokens = {max_tokens} sizes")
+        return tuple(sorted({-(-max_tokens * (i + 1) // spec) for i in range(spec)}))
+    if spec[-1] < max_tokens:
+        raise ValueError(f"static_shapes: the largest bucket ({spec[-1]}) must hold a full micro-batch "
+                         f"(max_tokens = {max_tokens})")
+    return spec
 
 
 def largest_first(plan: Any) -> Any:

@@ -41,21 +41,22 @@ steps) and deep-copies. Importing this module does not import torch.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import heapq
 import threading
 import time
+import warnings
 from dataclasses import dataclass, field
-from typing import Any, Dict, Hashable, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Hashable, List, Optional, Tuple
 
 import numpy as np
 
 from .._equality import values_equal
-from .._lengths import as_int, as_lengths, as_positive_int, type_name
-from .cost import CostModel
+from .._lengths import as_int, as_lengths, as_positive_int
 from .group_planning import group_members
 from .step import StepPlan, plan_step
-from .step_shapes import check_order
+from .step_options import StepOptions, stream_options
 
 __all__ = ["StreamPlanner", "StreamStep"]
 
@@ -69,7 +70,10 @@ class StreamStep:
 
     Attributes:
         plan: the :func:`~seqpack.plan_step` plan over the step's positions
-            ``0 .. num_items - 1`` (``item_ids[p]`` is position ``p``'s item).
+            ``0 .. num_items - 1`` (``item_ids[p]`` is position ``p``'s item); with
+            ``shared_prefix`` it keeps the step's forest (``plan.forest``, whose
+            row ``p`` is position ``p``'s rollout), so a shard of the step lays
+            out the planned trees.
         item_ids: the step's items (read-only int64), group by group in the order
             they were taken, each group's items ascending.
         groups: the labels of the groups the step holds, in that order.
@@ -196,47 +200,40 @@ class StreamPlanner:
         max_staleness: drop a group when any of its items was generated more than
             this many versions before the current one (``None``: never; NeMo-RL's
             ``max_trajectory_age_steps``, AReaL's ``max_head_offpolicyness``).
-        cost, sync, mini_batches, min_micro_batches, multiple_of, seed,
-        whole_trees, cp_size, hybrid_cp, min_cp_degree, micro_batch_order,
-        static_shapes: passed to :func:`~seqpack.plan_step` for every step.
-        forest: plan every step's groups as prefix trees (a
+        options: a :class:`~seqpack.StepOptions`: :func:`~seqpack.plan_step`'s
+            options for every step (the cost model, sync, mini-batches, context
+            parallelism, order, shapes), checked here, not at the first step.
+        shared_prefix: plan every step's groups as prefix trees (a
             :class:`~seqpack.PrefixForest` of the step's rows, one tree per
-            group's shared prefix): :meth:`add` then takes the rows' ``tokens``.
+            group's shared prefix; ``options.shared_prefix`` says the same):
+            :meth:`add` then takes the rows' ``tokens``, and each step's plan
+            keeps its forest (``step.plan.forest``, row ``p`` = position ``p``).
+
+    The keywords ``cost=``, ``sync=``, ... (each :class:`~seqpack.StepOptions`
+    field) and ``forest=True`` keep working for one release, with a
+    ``DeprecationWarning`` naming the new call.
 
     Raises:
-        ValueError / TypeError: a bad argument, named (the ``plan_step`` ones are
-            checked here, not at the first step).
+        ValueError / TypeError: a bad argument, named.
 
     Thread-safe: :meth:`add` may run on a thread that receives rollouts while another
     calls :meth:`ready` / :meth:`next_step` (one lock; planning holds it, and
     ``plan_step`` itself runs in C++ without the GIL).
+
+    >>> from seqpack.planning import CostModel, StepOptions
+    >>> planner = StreamPlanner(2, 4096, step_tokens=8192, options=StepOptions(cost=CostModel.verl(), cp_size=2))
+    >>> planner.options
+    StepOptions(cost=CostModel(per_micro_batch=0, per_token=24576, per_token_squared=1), cp_size=2)
     """
 
     def __init__(self, dp_size: int, max_tokens: int, *, step_tokens: int, max_staleness: Optional[int] = None,
-                 cost: Optional[CostModel] = None, sync: str = "micro_batch", mini_batches: int = 1,
-                 min_micro_batches: int = 1, multiple_of: int = 1, seed: Optional[int] = None, forest: bool = False,
-                 whole_trees: bool = False, cp_size: int = 1, hybrid_cp: bool = False, min_cp_degree: int = 1,
-                 micro_batch_order: str = "planned", static_shapes: Any = None) -> None:
+                 options: Optional[StepOptions] = None, shared_prefix: bool = False, **deprecated: Any) -> None:
         self.step_tokens = as_positive_int(step_tokens, "step_tokens")
         self.max_staleness = None if max_staleness is None else \
             as_positive_int(max_staleness, "max_staleness", allow_zero=True)
-        if not isinstance(forest, (bool, np.bool_)):
-            raise TypeError(f"forest must be True or False (a stream builds each step's forest itself), "
-                            f"got {type_name(forest)}")
-        self.forest = bool(forest)
-        if whole_trees and not self.forest:
-            raise ValueError("whole_trees=True needs forest=True (it keeps each step's trees whole)")
-        check_order(micro_batch_order)
-        self._plan_kwargs = dict(dp_size=dp_size, max_tokens=max_tokens, cost=cost, sync=sync,
-                                 mini_batches=mini_batches, min_micro_batches=min_micro_batches,
-                                 multiple_of=multiple_of, seed=seed, cp_size=cp_size, hybrid_cp=hybrid_cp,
-                                 min_cp_degree=min_cp_degree, micro_batch_order=micro_batch_order,
-                                 static_shapes=static_shapes)
-        if self.forest:
-            self._plan_kwargs["whole_trees"] = bool(whole_trees)
-        self.mini_batches = as_positive_int(mini_batches, "mini_batches")
-        probe = plan_step([1] * self.mini_batches, **self._probe_kwargs())  # every plan_step argument checked now
-        self.dp_size, self.max_tokens, self.cost = probe.dp_size, probe.max_tokens, probe.cost
+        self.options = stream_options(options, shared_prefix, deprecated)
+        probe = plan_step([1] * self.options.mini_batches, dp_size, max_tokens, options=self._rows_options())
+        self.dp_size, self.max_tokens = probe.dp_size, probe.max_tokens  # checked now, not at the first step
         self._next_id = 0
         self._open: Dict[Hashable, _Group] = {}     # groups still receiving items (and doomed ones)
         self._heap: List[Tuple[int, int]] = []      # complete groups: (oldest version, completion order)
@@ -249,12 +246,32 @@ class StreamPlanner:
         self._version: Optional[int] = None
         self._lock = threading.RLock()
 
+    shared_prefix = property(lambda self: self.options.shared_prefix,
+                             doc="Each step's groups are planned as prefix trees (``add`` takes ``tokens``).")
+    cost = property(lambda self: self.options.cost, doc="The steps' cost model.")
+    mini_batches = property(lambda self: self.options.mini_batches, doc="Mini-batches per step.")
+
+    @property
+    def forest(self) -> bool:
+        """Deprecated: :attr:`shared_prefix`."""
+        warnings.warn("StreamPlanner.forest is deprecated: use StreamPlanner.shared_prefix", DeprecationWarning,
+                      stacklevel=2)
+        return self.shared_prefix
+
+    def _rows_options(self, **changes: Any) -> StepOptions:
+        """The options of a plan of rows only (the probes that check arguments and lengths)."""
+        return dataclasses.replace(self.options, shared_prefix=False, whole_trees=False, **changes)
+
     def __getstate__(self) -> Dict[str, Any]:
         state = dict(vars(self))
         del state["_lock"]
         return state
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
+        if "options" not in state:  # a checkpoint from before StepOptions: its plan_step keywords
+            kwargs = {k: v for k, v in state.pop("_plan_kwargs").items() if k not in ("dp_size", "max_tokens")}
+            state["options"] = StepOptions(**kwargs, shared_prefix=state.pop("forest", False))
+            state.pop("mini_batches", None), state.pop("cost", None)
         vars(self).update(state)
         self._lock = threading.RLock()
 
@@ -265,9 +282,6 @@ class StreamPlanner:
 
     __hash__ = None  # type: ignore[assignment]
 
-    def _probe_kwargs(self) -> Dict[str, Any]:
-        return {k: v for k, v in self._plan_kwargs.items() if k != "whole_trees"}
-
     # ---- arrivals -----------------------------------------------------------------
     @_locked
     def add(self, lengths: Any = None, *, group_ids: Any, version: Any, group_size: Any,
@@ -276,7 +290,7 @@ class StreamPlanner:
 
         Args:
             lengths: each rollout's tokens (list, NumPy or tensor); with
-                ``forest=True`` give ``tokens`` instead (or both, checked).
+                ``shared_prefix=True`` give ``tokens`` instead (or both, checked).
             group_ids: each rollout's group (a hashable label: the prompt's id),
                 or one label for all of them. A label may be used again once its
                 group has landed or been dropped whole (a group dropped while
@@ -286,7 +300,7 @@ class StreamPlanner:
                 all, or one per rollout).
             group_size: rollouts per group (an int, or one per rollout); a group is
                 complete when that many have arrived.
-            tokens: with ``forest=True``, each rollout's token ids (a list of 1-D
+            tokens: with ``shared_prefix=True``, each rollout's token ids (a list of 1-D
                 sequences); its shared prefixes are forwarded once.
 
         Raises:
@@ -295,10 +309,10 @@ class StreamPlanner:
                 group size that changes, mismatched counts; nothing is added then.
         """
         rows = None
-        if self.forest:
+        if self.shared_prefix:
             if tokens is None:
-                raise ValueError("tokens is required with forest=True: each rollout's token ids (the prefix trees "
-                                 "are built from them)")
+                raise ValueError("tokens is required with shared_prefix=True: each rollout's token ids (the prefix "
+                                 "trees are built from them)")
             rows = [np.asarray(as_lengths(t, f"tokens[{i}]"), dtype=np.int64) for i, t in enumerate(tokens)]
             from_rows = np.asarray([r.shape[0] for r in rows], dtype=np.int64)
             if lengths is not None and not np.array_equal(as_lengths(lengths, "lengths").astype(np.int64), from_rows):
@@ -306,7 +320,7 @@ class StreamPlanner:
             lens = from_rows
         else:
             if tokens is not None:
-                raise ValueError("tokens is for forest=True; give lengths alone")
+                raise ValueError("tokens is for shared_prefix=True; give lengths alone")
             if lengths is None:
                 raise ValueError("lengths is required")
             lens = as_lengths(lengths, "lengths").astype(np.int64)
@@ -363,9 +377,8 @@ class StreamPlanner:
             i = int(np.argmin(lens))
             raise ValueError(f"lengths[{i}] = {int(lens[i])}: a rollout holds at least one token")
         i = int(np.argmax(lens))
-        kwargs = dict(self._probe_kwargs(), mini_batches=1)
         try:
-            plan_step([int(lens[i])], **kwargs)
+            plan_step([int(lens[i])], self.dp_size, self.max_tokens, options=self._rows_options(mini_batches=1))
         except ValueError as exc:
             raise ValueError(f"lengths[{i}] = {int(lens[i])} cannot be planned: "
                              f"{str(exc).split('] ', 1)[-1]}") from None
@@ -507,15 +520,15 @@ class StreamPlanner:
         lens = np.fromiter((x for g in taken for x in g.lengths), dtype=np.int64)
         self._complete_tokens -= int(lens.sum())
         self._pending -= ids.size
-        kwargs = dict(self._plan_kwargs)
-        if lens.shape[0] < self.mini_batches:  # a short last step: as many mini-batches as it has items
-            kwargs["mini_batches"] = int(lens.shape[0])
-        if self.forest:
+        options, forest = self.options, None
+        if lens.shape[0] < options.mini_batches:  # a short last step: as many mini-batches as it has items
+            options = dataclasses.replace(options, mini_batches=int(lens.shape[0]))
+        if self.shared_prefix:  # row p of the step's forest is the step's position p
             from .prefix_forest import PrefixForest
 
             labels = np.repeat(np.arange(len(taken)), [len(g.ids) for g in taken])
-            kwargs["forest"] = PrefixForest.from_rows([r for g in taken for r in g.rows], group_ids=labels)
-        plan = plan_step(lens, **kwargs)
+            forest = PrefixForest.from_rows([r for g in taken for r in g.rows], group_ids=labels)
+        plan = plan_step(lens, self.dp_size, self.max_tokens, options=options, forest=forest)
         ids.flags.writeable = False
         dropped = self.dropped
         dropped.flags.writeable = False
@@ -527,5 +540,5 @@ class StreamPlanner:
 
     def __repr__(self) -> str:
         return (f"StreamPlanner(dp_size={self.dp_size}, max_tokens={self.max_tokens}, step_tokens={self.step_tokens}, "
-                f"max_staleness={self.max_staleness}, forest={self.forest}: {self._pending} pending items, "
-                f"{len(self._heap)} complete groups ({self._complete_tokens} tokens), {len(self._open)} open)")
+                f"max_staleness={self.max_staleness}, shared_prefix={self.shared_prefix}: {self._pending} pending "
+                f"items, {len(self._heap)} complete groups ({self._complete_tokens} tokens), {len(self._open)} open)")

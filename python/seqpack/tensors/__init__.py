@@ -6,7 +6,9 @@
 - :mod:`~seqpack.tensors.layout`: :class:`PackedLayout` (cu_seqlens, alignment, CP) and
   the one alignment rule.
 - :mod:`~seqpack.tensors.thd`: pack/unpack between padded ``[B, S, ...]`` and packed
-  ``[T, ...]`` tensors; :mod:`~seqpack.tensors.thd_static` the static-shape pack.
+  ``[T, ...]`` tensors; :mod:`~seqpack.tensors.thd_static` the static-shape pack; both
+  read the padded batch by :mod:`~seqpack.tensors.padded_batch`'s rules and return
+  :mod:`~seqpack.tensors.packed_tensors` (named THD tensors and their offsets).
 - :mod:`~seqpack.tensors.tree_plans`: the host plans a prefix tree carries.
 - :mod:`~seqpack.tensors.cp`: context-parallel sharding (the 2·CP zigzag chunks).
 - :mod:`~seqpack.tensors.dataset`: packing a tokenized dataset offline for SFT.

@@ -8,9 +8,13 @@ keeps chunks ``r`` and ``2 * cp_size - 1 - r``::
     rank 0  0 1               6 7    8 9                   14 15
     rank 1        2 3   4 5                10 11   12 13
 
-    >>> import seqpack
-    >>> seqpack.cp_partition_indices([0, 8, 16], cp_size=2, cp_rank=0).tolist()
+    >>> from seqpack.tensors.cp import cp_partition_indices
+    >>> cp_partition_indices([0, 8, 16], cp_size=2, cp_rank=0).tolist()
     [0, 1, 6, 7, 8, 9, 14, 15]
+
+These are Transformer Engine's index maps; the cut of a layout for one rank,
+:func:`seqpack.shard_layout`, applies them (``local_rows(full)``, ``gather(local,
+group)``).
 """
 
 from __future__ import annotations
@@ -42,10 +46,11 @@ def cp_restore_order(cu_seqlens_padded: Any, cp_size: int) -> np.ndarray:
     """Index map that restores sequence order after an all-gather of every rank's
     local THD (rank-major): ``gathered[order]`` is the full THD.
 
-    >>> import numpy as np, seqpack
+    >>> import numpy as np
+    >>> from seqpack.tensors.cp import cp_partition_indices, cp_restore_order
     >>> cu = [0, 8, 16]
-    >>> gathered = np.concatenate([seqpack.cp_partition_indices(cu, 2, r) for r in range(2)])
-    >>> gathered[seqpack.cp_restore_order(cu, 2)].tolist() == list(range(16))
+    >>> gathered = np.concatenate([cp_partition_indices(cu, 2, r) for r in range(2)])
+    >>> gathered[cp_restore_order(cu, 2)].tolist() == list(range(16))
     True
     """
     return _core.cp_restore_order(host_offsets(cu_seqlens_padded, "cu_seqlens_padded"),

@@ -277,7 +277,7 @@ def collate_packs(packs: Sequence[Mapping[str, Any]], cp_size: int = 1, cp_rank:
     """
     import torch
 
-    from .thd import _batch_from_plan
+    from .thd import batch_from_plan
 
     if not packs:
         raise ValueError("packs must not be empty")
@@ -296,7 +296,7 @@ def collate_packs(packs: Sequence[Mapping[str, Any]], cp_size: int = 1, cp_rank:
     # The packs are the full THD already; the plan (for positions, the CP rows and
     # unpacking) reads the sequences from right-padded rows of width max_seqlen.
     plan = _core.thd_plan_for_layout(layout._core_layout, layout.max_seqlen, layout.cp_rank)
-    batch = _batch_from_plan(plan, layout, torch.device("cpu"))
+    batch = batch_from_plan(plan, layout, torch.device("cpu"))
     rows = None if layout.cp_size == 1 else _core.cp_partition_indices(layout.cu_seqlens_padded, layout.cp_size,
                                                                        layout.cp_rank)
     for key, stream in streams.items():

@@ -20,7 +20,8 @@ A part holds the sequences of one kind and block: the whole ones (packed as
 :func:`~seqpack.pack_sequences` packs them, or with ``forest=`` one prefix tree of
 their trees), or the sharded ones of one block (zigzag, each padded to a multiple of
 ``2 d``, :func:`~seqpack.pack_sequences` with ``cp_size=d``; with ``forest=`` each
-sharded tree is a part of its own, cut by :func:`~seqpack.tree_cp_bounds`). Parts
+sharded tree is a part of its own, cut in ranges as :func:`~seqpack.shard_layout`
+cuts a tree). Parts
 come whole first, then by ``(degree, first cp_rank, first row)``: the same order on
 every rank, so collectives over the blocks' groups never wait on one another.
 
@@ -42,11 +43,12 @@ process groups (:func:`~seqpack.hybrid_cp_groups`).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, ClassVar, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
 from .._lengths import as_lengths, as_positive_int, type_name
+from .cp_cut import CpCut
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -66,7 +68,8 @@ class HybridCpPart:
         rows: the plan's sequence ids, in the order laid out.
         layout: a :class:`~seqpack.PackedBatch` (zigzag with ``cp_size=degree`` when
             sharded) or a :class:`~seqpack.PrefixTreeBatch` (the whole tree; a
-            sharded rank holds its range of :func:`~seqpack.tree_cp_bounds`).
+            sharded rank holds one range of it: :attr:`cut_layout`, the tree's
+            ranges cut by :func:`~seqpack.shard_layout`).
         input_ids: a packed part's full packed ids ``[T]`` (before the zigzag cut;
             the next-token targets), ``None`` for a tree (its own ids).
         start / end: this part's rows of the micro-batch's tensors.
@@ -82,18 +85,21 @@ class HybridCpPart:
     end: int
 
     @property
-    def is_tree(self) -> bool:
-        """Whether the part is a prefix tree (cut by ``tree_cp_bounds`` when sharded)
-        rather than rows back to back (zigzag)."""
+    def cut_layout(self) -> Any:
+        """The part's layout carrying this rank's cut (:class:`~seqpack.TokenLayout`):
+        whole, zigzag rows (``cp_size = degree``) or a tree's range of the block: what
+        :func:`seqpack.attention` and :func:`seqpack.token_logprobs` take for it."""
         from .layout_kinds import as_layout
+        from .sharded_layout import shard_layout
 
-        return as_layout(self.layout).select(rows=False, tree=True)
+        layout = as_layout(self.layout)
+        return layout if self.degree == 1 or not layout.cut.is_whole else shard_layout(layout, self.degree,
+                                                                                          self.cp_rank)
 
     def packed_seq_params(self) -> Any:
         """Megatron's ``PackedSeqParams`` of a packed part (its THD offsets before the
-        zigzag cut, as Transformer Engine's CP takes them)."""
-        if self.is_tree:
-            raise ValueError("a prefix-tree part has no PackedSeqParams (tree attention takes the tree itself)")
+        zigzag cut, as Transformer Engine's CP takes them); a tree sharing tokens has
+        none (``TypeError``)."""
         return self.layout.packed_seq_params()
 
     def _key(self) -> tuple:
@@ -134,6 +140,15 @@ class HybridCpBatch:
     # WORLD): where attention and the loss find them (tensors/hybrid_cp_groups.py).
     group_ranks: Tuple[int, ...] = field(default=(), repr=False)
 
+    # Its layout kind (a composite of parts, each a layout with its cut): the key of
+    # the dispatch table (seqpack.training.dispatch), with ``cut``.
+    composite_kind: ClassVar[str] = "parts"
+
+    @property
+    def cut(self) -> CpCut:
+        """A composite cut: each part carries its own (``part.cut_layout``)."""
+        return CpCut("composite", self.cp_size, self.cp_rank)
+
     def block_group(self, part: HybridCpPart) -> Any:
         """The process group of ``part``'s block (``None`` for a whole part)."""
         if part.degree == 1:
@@ -142,6 +157,11 @@ class HybridCpBatch:
 
         return cached_hybrid_cp_groups(self.dp_size, self.cp_size, self.group_ranks).block(
             self.dp_rank, part.degree, part.first)
+
+    def next_token_targets(self, key: str = "input_ids", group: Any = None) -> None:
+        """None: each part carries its own targets (a packed part its full ids, a tree
+        its tokens), what :func:`seqpack.token_logprobs` reads."""
+        return None
 
     def __getitem__(self, key: str) -> "torch.Tensor":
         return self.tensors[key]

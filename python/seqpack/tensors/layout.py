@@ -196,8 +196,9 @@ class PackedLayout(TokenLayout):
     :meth:`from_offsets` (both validate), held by every :class:`seqpack.PackedBatch`
     (:func:`seqpack.pack_sequences`, :func:`seqpack.collate_packs`, and through them
     ``BatchedDataDict``'s micro-batches and the HF ``PackingCollator``). Taken in
-    place of offsets by :func:`seqpack.packed_token_logprobs`,
-    :class:`seqpack.SequencePackingLossWrapper` and :func:`seqpack.cp_attention`.
+    place of offsets by :func:`seqpack.attention`, :func:`seqpack.token_logprobs`
+    and :class:`seqpack.SequencePackingLossWrapper` (with ``cp_size > 1``: its zigzag
+    cut; :func:`seqpack.shard_layout` cuts a whole one).
 
     Attributes:
         cu_seqlens: ``[B + 1]`` int32 NumPy (read-only): cumulative real lengths.

@@ -10,7 +10,9 @@ segments):
   ``cu_seqlens_padded``) as a :class:`~seqpack.PackedLayout`;
 - :func:`is_layout`: a layout (not offsets that could become one);
 - :func:`as_tree`, :func:`as_packed_layout`: the argument, when of that kind, else a
-  ``TypeError`` naming it.
+  ``TypeError`` naming it;
+- :func:`layout_kind`: what the dispatch table (:mod:`seqpack.training.dispatch`)
+  keys an implementation by, with the layout's cut.
 
 Outside this module and :mod:`~seqpack.tensors.token_layout`, no code branches on a
 layout's class (a test reads the source). Importing it does not import torch.
@@ -28,9 +30,15 @@ import numpy as np
 from .._lengths import _is_torch_tensor, type_name
 from .layout import PackedLayout, host_offsets
 from .prefix_tree import PrefixTreeBatch
+from .cp_cut import CpCut
 from .token_layout import TokenLayout
 
-__all__ = ["as_layout", "as_packed_layout", "as_tree", "is_layout"]
+__all__ = ["LAYOUT_KINDS", "as_layout", "as_packed_layout", "as_tree", "is_composite", "is_layout", "layout_cut", "layout_kind"]
+
+# "rows": rows back to back; "tree": a prefix tree whose rows share tokens;
+# "flat_tree": a tree whose rows share nothing (plain packing's kernels run it, its
+# results stay in its logical order); "parts": a composite of layouts (hybrid CP).
+LAYOUT_KINDS = ("rows", "tree", "flat_tree", "parts")
 
 
 def as_layout(value: Any, name: str = "layout", cu_seqlens_padded: Any = None) -> TokenLayout:
@@ -82,3 +90,46 @@ def as_packed_layout(value: Any, name: str = "layout") -> Any:
 def is_layout(value: Any) -> bool:
     """True for a :class:`TokenLayout` (not for offsets that could become one)."""
     return isinstance(value, TokenLayout)
+
+
+def layout_kind(value: Any) -> str:
+    """The kind of ``value``'s whole layout (one of :data:`LAYOUT_KINDS`): with its
+    cut (``value.cut.kind``) the key of :mod:`seqpack.training.dispatch`'s table.
+
+    >>> layout_kind([0, 3, 5]), layout_kind(PrefixTreeBatch.from_rows([[1, 2], [1, 3]]))
+    ('rows', 'tree')
+    """
+    composite = _composite_kind(value)
+    if composite is not None:
+        return composite
+    if _plain_offsets(value):  # rows' offsets, read where they are (device offsets stay there: no host sync)
+        return "rows"
+    layout = as_layout(value).whole
+    if isinstance(layout, PrefixTreeBatch):
+        return "tree" if layout.shares_tokens else "flat_tree"
+    if isinstance(layout, PackedLayout):
+        return "rows"
+    raise TypeError(f"no layout kind for {type_name(layout)}: a TokenLayout is a PackedLayout, a PrefixTreeBatch "
+                    "or a cut of one (seqpack.shard_layout)")
+
+
+def layout_cut(value: Any) -> Any:
+    """The :class:`~seqpack.tensors.cp_cut.CpCut` of ``value`` (a composite's own)."""
+    if _composite_kind(value) is not None:
+        return value.cut
+    return CpCut.whole() if _plain_offsets(value) else as_layout(value).cut
+
+
+def _plain_offsets(value: Any) -> bool:
+    """Offsets (flash-attn's ``cu_seqlens``), not a layout nor a batch holding one."""
+    return not isinstance(getattr(value, "layout", value), TokenLayout) and _offsets_like(value)
+
+
+def is_composite(value: Any) -> bool:
+    """True for a composite of layouts (a hybrid-CP micro-batch)."""
+    return _composite_kind(value) is not None
+
+
+def _composite_kind(value: Any) -> Any:
+    """A composite's kind (a hybrid-CP micro-batch: ``"parts"``), else None."""
+    return getattr(type(value), "composite_kind", None)

@@ -18,12 +18,13 @@ A token goes to the rank whose equal share of the work holds the middle of its o
 :func:`tree_cp_bounds` gives the cut (``cp_size + 1`` offsets),
 :func:`tree_cp_local_rows` a rank's rows of a full ``[T, ...]`` tensor and
 :func:`gather_tree_cp` every rank's rows back as ``[T, ...]`` (an all-gather whose
-backward is a reduce-scatter). :func:`seqpack.tree_cp_attention` runs each rank's
-queries against the gathered keys and values.
+backward is a reduce-scatter). A user cuts a tree with :func:`seqpack.shard_layout`
+(its ``bounds``, ``local_rows`` and ``gather`` are these), and :func:`seqpack.attention`
+on the cut runs each rank's queries against the gathered keys and values.
 
     >>> import seqpack
     >>> tree = seqpack.pack_prefix_tree([[1, 2, 3, 4, 5, 6, 7], [1, 2, 3, 4, 8, 9, 10]])
-    >>> seqpack.tree_cp_bounds(tree, 2).tolist()
+    >>> seqpack.shard_layout(tree, 2, 0).bounds.tolist()   # tree_cp_bounds(tree, 2)
     [0, 6, 10]
 
 Importing this module does not import torch.

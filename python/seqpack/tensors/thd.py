@@ -15,7 +15,9 @@ padded batch. The plan (a :class:`~seqpack.PackedLayout` and the runs that fill 
 is computed once on the host from the mask or the lengths; the tensors reach C++ as
 DLPack, checked there against the plan, and the copies run in C++ (CPU:
 multi-threaded, GIL released; CUDA: one kernel launch per tensor on the current
-stream).
+stream). What a padded batch must be is :mod:`seqpack.tensors.padded_batch`'s; the
+result, a :class:`PackedBatch`, is named packed tensors
+(:mod:`seqpack.tensors.packed_tensors`) with the plan that unpacks them.
 
 Position tensors with leading dimensions (M-RoPE's ``[3, B, S]`` temporal / height /
 width ids of Qwen2-VL-style models, or any ``[..., B, S]``) pack per sequence like
@@ -35,16 +37,17 @@ every leading index, and ``unpack`` restores ``[..., B, S]``. See ``docs/vlm.md`
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Collection, Dict, FrozenSet, List, Mapping, Optional, Union
 
 import numpy as np
 
 from .. import _core
-from .._equality import values_equal
-from .._lengths import as_int64, as_lengths, as_positive_int, type_name
-from .layout import PackedLayout, PackedSeqParams, alignment, host_offsets, megatron_packed_seq_params
+from .._lengths import as_lengths, as_positive_int
+from .layout import PackedLayout, PackedSeqParams, alignment, host_offsets
 from .layout_kinds import as_packed_layout
+from .packed_tensors import NamedPackedTensors
+from .padded_batch import POSITION_KEYS, check_device, host_mask, named_tensors, pad_fills, rows_first, token_dim
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -53,50 +56,18 @@ __all__ = ["PackedBatch", "PackedSeqParams", "alignment", "pack_sequences", "pac
            "unpack_sequences"]  # PackedSeqParams, alignment: from .layout; static shapes: .thd_static
 
 
-def _torch():
-    import torch
-
-    return torch
-
-
-def _check_device(t: "torch.Tensor", name: str) -> None:
-    """``t`` must be a CPU or CUDA tensor (a ``TypeError`` for anything but a tensor,
-    a ``ValueError`` on the meta device). CPU and CUDA tensors move; on CUDA without
-    seqpack's kernels (a build without nvcc, a driver its runtime cannot use) a
-    PyTorch path runs, with one warning."""
-    from ._device import check_tensor
-
-    check_tensor(t, name)
-    if t.device.type not in ("cpu", "cuda"):
-        raise ValueError(f"{name} is on {t.device}; seqpack moves CPU and CUDA tensors")
-
-
 def _plan_runs(plan) -> tuple:
     """The plan's pack and unpack runs as CPU int64 tensors (the torch ops' inputs)."""
-    torch = _torch()
+    import torch
+
     return tuple(torch.from_numpy(np.asarray(a)) for a in
                  (plan.pack_copies, plan.pack_fills, plan.unpack_copies, plan.unpack_fills))
 
 
-def _host_mask(attention_mask: "torch.Tensor", batch: int, width: int) -> np.ndarray:
-    """``attention_mask`` as a C-contiguous uint8 host array (non-zero: a real token)
-    for the C++ planner, read in its own dtype: a bool or 8-bit mask is viewed, not
-    converted (``mask != 0`` on a bool tensor promotes it to int64, 8 bytes a token);
-    a wider one is compared with 0 on its device (one byte a token) before the copy."""
-    torch = _torch()
-    from ._device import check_tensor
-
-    check_tensor(attention_mask, "attention_mask")
-    if tuple(attention_mask.shape) != (batch, width):
-        raise ValueError(f"attention_mask must be [B, S] = [{batch}, {width}], got {tuple(attention_mask.shape)}")
-    mask = attention_mask.detach()
-    if mask.dtype not in (torch.bool, torch.uint8, torch.int8):
-        mask = mask != 0
-    return mask.cpu().contiguous().view(torch.uint8).numpy()
-
-
 def _position_ids(plan, device) -> "torch.Tensor":
-    torch = _torch()
+    """The plan's position ids on ``device`` (seqpack's kernel on CUDA, one pinned copy without it)."""
+    import torch
+
     out = torch.empty(plan.local_rows, dtype=torch.int64, device=device)
     from ._device import cuda_kernels, dlpack, host_to_device
 
@@ -113,127 +84,8 @@ def _position_ids(plan, device) -> "torch.Tensor":
     return out
 
 
-# Names of the position tensors that may carry leading dimensions ([3, B, S] M-RoPE ids).
-POSITION_KEYS = ("position_ids",)
-
-
-def _position_names(position_keys: Any) -> FrozenSet[str]:
-    """``position_keys`` (one name, a collection of names, or None) as a frozenset."""
-    if position_keys is None:
-        return frozenset()
-    if isinstance(position_keys, str):
-        return frozenset((position_keys,))
-    try:
-        names = frozenset(position_keys)
-    except TypeError:
-        raise TypeError(f"position_keys must be a name or a collection of names, got {type_name(position_keys)}") \
-            from None
-    if not all(isinstance(n, str) for n in names):
-        raise TypeError(f"position_keys must hold tensor names (str), got {sorted(map(repr, names))}")
-    return names
-
-
-def _leading_names(named: Mapping[str, "torch.Tensor"], position_keys: Any) -> FrozenSet[str]:
-    """The tensors read as ``[..., B, S]``: position tensors of three or more dimensions."""
-    keys = _position_names(position_keys)
-    return frozenset(name for name, t in named.items() if name in keys and t.dim() >= 3)
-
-
-def _batch_dims(named: Mapping[str, "torch.Tensor"], leading: FrozenSet[str]) -> tuple:
-    """``(B, S)`` of the batch: the first ``[B, S, ...]`` tensor's first two dimensions,
-    else (position tensors only) the last two of the first ``[..., B, S]`` one."""
-    for name, t in named.items():
-        if name not in leading:
-            if t.dim() < 2:
-                raise ValueError(f"tensors[{name!r}] must be [B, S, ...], got shape {tuple(t.shape)}")
-            return int(t.shape[0]), int(t.shape[1])
-    first = next(iter(named.values()))
-    return int(first.shape[-2]), int(first.shape[-1])
-
-
-def _check_batch_shape(name: str, t: "torch.Tensor", leading: FrozenSet[str], batch: int, width: int) -> None:
-    if name in leading:
-        if tuple(t.shape[-2:]) != (batch, width):
-            raise ValueError(
-                f"tensors[{name!r}] has shape {tuple(t.shape)}; a position tensor of 3 or more dimensions must be "
-                f"[..., B, S] = [..., {batch}, {width}] (M-RoPE's [3, B, S]; a [B, 3, S] one is .transpose(0, 1))")
-    elif t.dim() < 2 or tuple(t.shape[:2]) != (batch, width):
-        raise ValueError(
-            f"tensors[{name!r}] has shape {tuple(t.shape)}; every tensor must start with [B, S] = [{batch}, {width}]"
-        )
-
-
-def _rows_first(t: "torch.Tensor") -> "torch.Tensor":
-    """``[..., B, S]`` as a ``[B, S, ...]`` view (the row move's input; contiguous, and
-    so not copied by it, when the tensor was a ``[B, S, ...]`` one moved)."""
-    return t.movedim((-2, -1), (0, 1))
-
-
-def _token_dim(x: "torch.Tensor", rows: int, dim: Any) -> int:
-    """The dimension of ``x`` that holds the ``rows`` packed tokens: 0 (``[T, ...]``)
-    or -1 (``[..., T]``, e.g. packed M-RoPE ids ``[3, T]``). ``dim=None``: 0 when
-    ``x`` has ``rows`` rows, else -1 when its last dimension has ``rows`` entries."""
-    if dim is None:
-        if x.dim() >= 1 and x.shape[0] == rows:
-            return 0
-        if x.dim() >= 2 and x.shape[-1] == rows:
-            return -1
-        raise ValueError(f"x must have {rows} rows (the packed length), or {rows} entries in its last dimension "
-                         f"([..., T] such as M-RoPE position ids), got shape {tuple(x.shape)}")
-    dim = as_int64(dim, "dim")
-    if x.dim() < 1 or dim not in (0, -1, x.dim() - 1):
-        raise ValueError(f"dim must be None, 0 ([T, ...]) or -1 ([..., T]) for x of shape {tuple(x.shape)}, "
-                         f"got {dim!r}")
-    token = 0 if dim == 0 else -1
-    if x.shape[token] != rows:
-        raise ValueError(f"x must have {rows} rows (the packed length) in dimension {token}, got shape "
-                         f"{tuple(x.shape)}")
-    return token
-
-
 @dataclass(eq=False)
-class _NamedPackedTensors:
-    """The fields, access by name, equality and Megatron-Core view shared by
-    :class:`PackedBatch` and :class:`StaticPackedBatch`."""
-
-    tensors: Dict[str, "torch.Tensor"]
-    cu_seqlens: "torch.Tensor"
-    cu_seqlens_padded: "torch.Tensor"
-    max_seqlen: int
-    max_seqlen_padded: int
-    seq_lens: "torch.Tensor"
-
-    def __getitem__(self, name: str) -> "torch.Tensor":
-        return self.tensors[name]
-
-    def __eq__(self, other: object) -> bool:
-        """Same type, layout and sizes, and every tensor equal (dtype, shape,
-        device, values): what a pickled or deep-copied batch compares as. Caches
-        (position ids, run tensors) are not compared; they follow from the rest."""
-        if type(other) is not type(self):
-            return NotImplemented
-        names = [f.name for f in fields(self) if not f.name.startswith("_")]
-        return self._shape_key() == other._shape_key() and all(
-            values_equal(getattr(self, n), getattr(other, n)) for n in names)
-
-    __hash__ = None  # mutable: holds tensors
-
-    def _shape_key(self) -> tuple:
-        return ()
-
-    def __contains__(self, name: str) -> bool:
-        return name in self.tensors
-
-    def packed_seq_params(self):
-        """Megatron-Core ``PackedSeqParams`` (``qkv_format="thd"``; real
-        ``cu_seqlens_q/kv``, padded ``cu_seqlens_q/kv_padded``, padded max lengths).
-        A real ``megatron.core.packed_seq_params.PackedSeqParams`` when megatron-core
-        is importable, else :class:`PackedSeqParams` with the same fields."""
-        return megatron_packed_seq_params(self.cu_seqlens, self.cu_seqlens_padded, self.max_seqlen_padded)
-
-
-@dataclass(eq=False)
-class PackedBatch(_NamedPackedTensors):
+class PackedBatch(NamedPackedTensors):
     """The result of :func:`pack_sequences`.
 
     Attributes:
@@ -326,6 +178,8 @@ class PackedBatch(_NamedPackedTensors):
             raise ValueError("hf_kwargs describe a full THD batch; got cp_size > 1")
         position_ids = self.position_ids.unsqueeze(0)
         if mrope_position_ids is not None:
+            import torch
+
             from ._device import check_tensor
 
             check_tensor(mrope_position_ids, "mrope_position_ids")
@@ -334,7 +188,7 @@ class PackedBatch(_NamedPackedTensors):
                 raise ValueError(f"mrope_position_ids must be this batch's packed M-RoPE ids [3, T] (or [4, T] with "
                                  f"the text row) with T = {self.num_tokens}, got shape {rows}")
             mrope = mrope_position_ids.to(device=position_ids.device, dtype=position_ids.dtype)
-            position_ids = (mrope if rows[0] == 4 else _torch().cat([position_ids, mrope])).unsqueeze(1)
+            position_ids = (mrope if rows[0] == 4 else torch.cat([position_ids, mrope])).unsqueeze(1)
         return dict(position_ids=position_ids, cu_seq_lens_q=self.cu_seqlens_padded,
                     cu_seq_lens_k=self.cu_seqlens_padded, max_length_q=self.max_seqlen_padded,
                     max_length_k=self.max_seqlen_padded)
@@ -350,8 +204,8 @@ class PackedBatch(_NamedPackedTensors):
         rows, else -1 when its last dimension has ``T`` entries (give ``dim=-1`` where
         both could hold, e.g. ``[3, T]`` with ``T = 3``).
         """
-        _check_device(x, "x")
-        if _token_dim(x, self.num_tokens, dim) != 0:  # [..., T]: the row move on a [T, ...] view
+        check_device(x, "x")
+        if token_dim(x, self.num_tokens, dim) != 0:  # [..., T]: the row move on a [T, ...] view
             return self.unpack(x.movedim(-1, 0), fill, dim=0).movedim((0, 1), (-2, -1))
         if x.dim() < 1 or x.shape[0] != self.num_tokens:
             raise ValueError(f"x must have {self.num_tokens} rows (the packed length), got shape {tuple(x.shape)}")
@@ -359,10 +213,29 @@ class PackedBatch(_NamedPackedTensors):
 
         return _ops.unpack_rows(x, self._plan, self._runs, _ops.check_fill(fill, x.dtype, "fill"), self._num_threads)
 
+    def next_token_targets(self, key: str = "input_ids", group: Any = None) -> "torch.Tensor":
+        """The full packed ids ``[T]`` that :func:`seqpack.token_logprobs` reads as
+        next-token targets: the batch's ``tensors[key]``, all-gathered over the CP
+        ``group`` when the batch holds one rank's zigzag rows.
+
+        >>> import torch, seqpack
+        >>> b = seqpack.pack_sequences({"input_ids": torch.tensor([[1, 2, 3]])}, seq_lens=[3])
+        >>> b.next_token_targets().tolist()
+        [1, 2, 3]
+        """
+        if key not in self.tensors:
+            raise ValueError(f"key names no tensor of this batch: {key!r} (it holds {sorted(self.tensors)})")
+        if self.cp_size == 1:
+            return self.tensors[key]
+        from .cp import gather_cp
+
+        return gather_cp(self.tensors[key], self.cu_seqlens_padded, group)
+
     def ulysses_slice(self, x: Union["torch.Tensor", str], rank: int, world: int,
                       fill: Union[int, float, bool] = 0) -> "torch.Tensor":
         """Rank ``rank``'s contiguous rows of the packed stream for Ulysses sequence
-        parallelism over ``world`` ranks (:func:`seqpack.ulysses_attention`): the
+        parallelism over ``world`` ranks (:func:`seqpack.attention` on
+        ``seqpack.shard_layout(batch, world, rank, scheme="ulysses")``): the
         ``T`` rows padded at the end to a multiple of ``world``, rows
         ``[rank * n, (rank + 1) * n)`` with ``n = ceil(T / world)``; padding rows
         get ``fill``. ``x`` is a ``[T, ...]`` tensor of this layout or the name of one
@@ -412,65 +285,19 @@ class PackedBatch(_NamedPackedTensors):
         return _ulysses.gather_rows(local, self.num_tokens, group, agree, precheck=full_stream)
 
 
-def _as_named(tensors) -> Dict[str, "torch.Tensor"]:
-    """``tensors`` as a dict of names to tensors (one tensor is ``"input"``), each
-    checked by :func:`seqpack.tensors._device.check_tensor`."""
-    torch = _torch()
-    from ._device import check_tensor
-
-    if isinstance(tensors, torch.Tensor):
-        named = {"input": tensors}
-    elif isinstance(tensors, Mapping) or (callable(getattr(tensors, "keys", None)) and hasattr(tensors, "__getitem__")):
-        named = {name: tensors[name] for name in tensors.keys()}  # a dict, BatchedDataDict, TensorDict
-    else:
-        raise TypeError(f"tensors must be a torch.Tensor or a mapping of names to torch.Tensor, got "
-                        f"{type_name(tensors)}")
-    if not named:
-        raise ValueError("tensors must hold at least one tensor")
-    for name, t in named.items():
-        check_tensor(t, f"tensors[{name!r}]")
-    return named
-
-
-def _named_tensors(tensors, position_keys: Any = POSITION_KEYS) -> tuple:
-    """``(dict of tensors, B, S, leading)``: every tensor a CPU/CUDA ``[B, S, ...]`` on
-    one device, but the position tensors (names in ``position_keys``) of three or more
-    dimensions, which are ``[..., B, S]`` (``leading``: their names)."""
-    named = _as_named(tensors)
-    leading = _leading_names(named, position_keys)
-    first_name, first = next(iter(named.items()))
-    batch, width = _batch_dims(named, leading)
-    for name, t in named.items():
-        _check_batch_shape(name, t, leading, batch, width)
-        _check_device(t, f"tensors[{name!r}]")
-        if t.device != first.device:
-            raise ValueError(f"tensors[{name!r}] is on {t.device}, tensors[{first_name!r}] on {first.device}")
-    return named, batch, width, leading
-
-
 def _pack_named(result: "PackedBatch", named: Dict[str, "torch.Tensor"], pad_values, pad_value,
                 num_threads: int, leading: FrozenSet[str] = frozenset()) -> "PackedBatch":
     from . import _ops
 
-    pad_values = dict(pad_values or {})
-    unknown = set(pad_values) - set(named)
-    if unknown:
-        raise ValueError(f"pad_values names tensors that were not given: {sorted(unknown)}")
+    fills = pad_fills(named, pad_values, pad_value)
     for name, t in named.items():
-        value, arg = _pad_of(name, pad_values, pad_value)
-        fill = _ops.check_fill(value, t.dtype, arg)
+        fill = fills[name]
         if name in leading:  # [..., B, S]: one row move of its [B, S, ...] view, the result [..., T]
-            result.tensors[name] = _ops.pack_rows(_rows_first(t), result._plan, result._runs, fill,
+            result.tensors[name] = _ops.pack_rows(rows_first(t), result._plan, result._runs, fill,
                                                   num_threads).movedim(0, -1)
         else:
             result.tensors[name] = _ops.pack_rows(t, result._plan, result._runs, fill, num_threads)
     return result
-
-
-def _pad_of(name: str, pad_values: Dict[str, Any], pad_value: Any) -> tuple:
-    """``(value, argument name)`` of tensor ``name``'s pad, for the messages of
-    :func:`seqpack.tensors._ops.check_fill`."""
-    return (pad_values[name], f"pad_values[{name!r}]") if name in pad_values else (pad_value, "pad_value")
 
 
 def pack_sequences(
@@ -519,14 +346,14 @@ def pack_sequences(
     >>> b["position_ids"].shape, b.unpack(b["position_ids"]).shape
     (torch.Size([3, 6]), torch.Size([3, 2, 4]))
     """
-    named, batch, width, leading = _named_tensors(tensors, position_keys)
+    named, batch, width, leading = named_tensors(tensors, position_keys)
     num_threads = as_positive_int(num_threads, "num_threads", allow_zero=True)
     if (attention_mask is None) == (seq_lens is None):
         raise ValueError("give exactly one of attention_mask and seq_lens")
     mask = None
     lens = None
     if attention_mask is not None:
-        mask = _host_mask(attention_mask, batch, width)
+        mask = host_mask(attention_mask, batch, width)
     else:
         lens = as_lengths(seq_lens, "seq_lens")
         if lens.shape[0] != batch:
@@ -541,7 +368,7 @@ def pack_sequences(
     )
     layout = PackedLayout._from_core(plan.layout, pad_multiple, int(plan.cp_rank))
     device = next(iter(named.values())).device
-    return _pack_named(_batch_from_plan(plan, layout, device, num_threads), named, pad_values, pad_value, num_threads,
+    return _pack_named(batch_from_plan(plan, layout, device, num_threads), named, pad_values, pad_value, num_threads,
                        leading)
 
 
@@ -565,18 +392,18 @@ def pack_to_layout(
     >>> seqpack.pack_to_layout(torch.tensor([[5, 6, 0], [7, 8, 9]]), layout)["input"].tolist()
     [5, 6, 0, 7, 8, 9, 0, 0]
     """
-    named, batch, width, leading = _named_tensors(tensors, position_keys)
+    named, batch, width, leading = named_tensors(tensors, position_keys)
     num_threads = as_positive_int(num_threads, "num_threads", allow_zero=True)
     as_packed_layout(layout)
     if batch != layout.num_sequences:
         raise ValueError(f"the tensors hold {batch} rows; the layout has {layout.num_sequences} sequences")
     plan = _core.thd_plan_for_layout(layout._core_layout, width, layout.cp_rank)
     device = next(iter(named.values())).device
-    return _pack_named(_batch_from_plan(plan, layout, device, num_threads), named, pad_values, pad_value, num_threads,
+    return _pack_named(batch_from_plan(plan, layout, device, num_threads), named, pad_values, pad_value, num_threads,
                        leading)
 
 
-def _batch_from_plan(plan, layout: PackedLayout, device, num_threads: int = 0) -> "PackedBatch":
+def batch_from_plan(plan, layout: PackedLayout, device, num_threads: int = 0) -> "PackedBatch":
     """A :class:`PackedBatch` (no tensors yet) of ``plan`` and its ``layout``, the
     offsets on ``device``."""
     from ._device import host_to_device

@@ -7,8 +7,9 @@ data's device, so one captured graph serves every batch::
     cu_seqlens         [0, 3, 8, 8, 8]               entries past B repeat the last value
     cu_seqlens_padded  [0, 3, 12, 12, 12]
 
-The planned (host-shaped) pack is :mod:`seqpack.tensors.thd`; both share its named
-tensors and checks.
+The planned (host-shaped) pack is :mod:`seqpack.tensors.thd`; both read the padded
+batch by :mod:`seqpack.tensors.padded_batch`'s rules and return named packed tensors
+(:mod:`seqpack.tensors.packed_tensors`).
 
 Importing this module does not import torch.
 """
@@ -21,8 +22,9 @@ from typing import TYPE_CHECKING, Any, Collection, Dict, Mapping, Optional, Unio
 import numpy as np
 
 from .._lengths import as_lengths, as_positive_int
-from .thd import (POSITION_KEYS, _as_named, _batch_dims, _check_batch_shape, _leading_names, _NamedPackedTensors,
-                  _pad_of, _rows_first, _token_dim, _torch)
+from .packed_tensors import NamedPackedTensors
+from .padded_batch import (POSITION_KEYS, as_named, batch_dims, check_batch_shape, leading_names, pad_fills, rows_first,
+                           token_dim)
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -31,7 +33,7 @@ __all__ = ["StaticPackedBatch", "pack_sequences_static"]
 
 
 @dataclass(eq=False)
-class StaticPackedBatch(_NamedPackedTensors):
+class StaticPackedBatch(NamedPackedTensors):
     """The result of :func:`pack_sequences_static`: every shape fixed by the
     capacities, every piece of metadata a tensor on the data's device.
 
@@ -76,12 +78,13 @@ class StaticPackedBatch(_NamedPackedTensors):
         without a row (padding, other CP ranks' chunks) get ``fill``. PyTorch ops
         (one scatter), differentiable. ``[..., num_tokens]`` (packed M-RoPE ids) back
         to ``[..., B, S]``; ``dim`` as in :meth:`PackedBatch.unpack`."""
-        torch = _torch()
+        import torch
+
         from ._device import check_tensor
         from ._ops import check_fill
 
         check_tensor(x, "x")
-        if _token_dim(x, self.num_tokens, dim) != 0:  # [..., T]: the scatter of its [T, ...] view
+        if token_dim(x, self.num_tokens, dim) != 0:  # [..., T]: the scatter of its [T, ...] view
             return self.unpack(x.movedim(-1, 0), fill, dim=0).movedim((0, 1), (-2, -1))
         batch, width = self.seq_lens.shape[0], self.max_seqlen
         if x.dim() < 1 or x.shape[0] != self.num_tokens:
@@ -143,19 +146,19 @@ def pack_sequences_static(
     >>> torch.equal(p.unpack(p["input"]), ids)
     True
     """
-    torch = _torch()
+    import torch
+
     from ._device import check_tensor
-    from ._ops import check_fill
     from .cp import cp_row_positions
 
-    named = _as_named(tensors)
-    leading = _leading_names(named, position_keys)
+    named = as_named(tensors)
+    leading = leading_names(named, position_keys)
     first = next(iter(named.values()))
     if first.dim() < 2:
         raise ValueError(f"tensors must be [B, S, ...], got shape {tuple(first.shape)}")
-    (batch, width), device = _batch_dims(named, leading), first.device
+    (batch, width), device = batch_dims(named, leading), first.device
     for name, t in named.items():
-        _check_batch_shape(name, t, leading, batch, width)
+        check_batch_shape(name, t, leading, batch, width)
         if t.device != device:
             raise ValueError(f"tensors[{name!r}] is {tuple(t.shape)} on {t.device}; every tensor must be "
                              f"[B, S, ...] = [{batch}, {width}, ...] on {device}")
@@ -171,14 +174,7 @@ def pack_sequences_static(
     if cp > 1 and (multiple % (2 * cp) or capacity % (2 * cp)):
         raise ValueError(f"with cp_size = {cp}, pad_multiple ({multiple}) and max_tokens ({capacity}) must be "
                          f"multiples of 2 * cp_size = {2 * cp}")
-    pad_values = dict(pad_values or {})
-    unknown = set(pad_values) - set(named)
-    if unknown:
-        raise ValueError(f"pad_values names tensors that were not given: {sorted(unknown)}")
-    fills = {}
-    for name, t in named.items():
-        value, arg = _pad_of(name, pad_values, pad_value)
-        fills[name] = check_fill(value, t.dtype, arg)
+    fills = pad_fills(named, pad_values, pad_value)
     if isinstance(seq_lens, torch.Tensor):
         check_tensor(seq_lens, "seq_lens")
     if isinstance(seq_lens, torch.Tensor) and (seq_lens.device != torch.device("cpu") or
@@ -224,7 +220,7 @@ def pack_sequences_static(
     packed = {}
     for name, t in named.items():
         if name in leading:  # [..., B, S]: gathered as its [B, S, ...] view, the result [..., rows]
-            t = _rows_first(t)
+            t = rows_first(t)
         trailing = t.shape[2:]
         fill = torch.full((), fills[name], dtype=t.dtype, device=device)
         if batch * width == 0:

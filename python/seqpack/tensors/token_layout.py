@@ -24,7 +24,7 @@ A packed batch is the layout of rows that share nothing. Every layout owns:
   (the physical rows no logical token reads);
 - the context-parallel cut: ``cp_size`` / ``cp_rank`` of the rows it was laid out
   for (a tree is whole: it is cut into contiguous ranges when sharded, see
-  :func:`seqpack.tree_cp_bounds`);
+  :func:`seqpack.shard_layout`);
 - the host plans derived from it (attention segments, log-prob targets, CP plans):
   :meth:`TokenLayout.host_plan` builds each once and keeps it on the object, it
   pickles with the layout (and is checked when rebuilt), and device copies are
@@ -63,6 +63,7 @@ from typing import Any, Callable, Dict, Optional, Tuple, TypeVar
 import numpy as np
 
 from .._lengths import _is_torch_tensor, type_name
+from .cp_cut import CpCut
 
 __all__ = ["TokenLayout"]
 
@@ -125,6 +126,19 @@ class TokenLayout(abc.ABC):
 
     # ---- derived, the same for every layout -------------------------------------------
     @property
+    def cut(self) -> CpCut:
+        """How the physical tokens are cut across context-parallel ranks
+        (:class:`~seqpack.tensors.cp_cut.CpCut`): rows laid out for ``cp_size > 1``
+        are cut in zigzag chunks; :func:`seqpack.shard_layout` gives any other cut."""
+        return CpCut.of("zigzag", self.cp_size, self.cp_rank)
+
+    @property
+    def whole(self) -> "TokenLayout":
+        """The layout this one's cut is of: itself, unless :func:`seqpack.shard_layout`
+        made it."""
+        return self
+
+    @property
     def seq_lens(self) -> np.ndarray:
         """``[R]`` logical length of each row."""
         return np.diff(np.asarray(self.cu_seqlens, dtype=np.int64))
@@ -144,16 +158,22 @@ class TokenLayout(abc.ABC):
         """True when some physical token is read by more than one logical token."""
         return self.num_logical_tokens != self.num_tokens - self.num_pad_tokens
 
+    def require_rows(self, op: str) -> Any:
+        """:meth:`rows`, or a ``TypeError`` saying that ``op`` needs rows that share
+        no token (this layout is a prefix tree whose rows share some)."""
+        rows = self.rows()
+        if rows is None:
+            raise TypeError(f"this prefix tree's rows share tokens: {op} takes rows that share nothing; run the tree "
+                            "with seqpack.attention / seqpack.token_logprobs")
+        return rows
+
     def packed_seq_params(self, device: Any = "cpu") -> Any:
         """Megatron-Core's ``PackedSeqParams`` (THD) of the rows, when no token is
         shared (:meth:`rows`); a tree that shares tokens has none (Transformer
         Engine's THD attention masks rows, not trees: use
-        :func:`seqpack.tree_attention`)."""
-        rows = self.rows()
-        if rows is None:
-            raise TypeError("this prefix tree's rows share tokens: Megatron's THD PackedSeqParams cannot describe its "
-                            "attention (each token over its ancestors); run it with seqpack.tree_attention")
-        return rows.packed_seq_params(device)
+        :func:`seqpack.attention`)."""
+        return self.require_rows("Megatron's THD PackedSeqParams (each token over its ancestors is no row mask)"
+                                 ).packed_seq_params(device)
 
     # ---- host plans ------------------------------------------------------------------------
     def host_plan(self, key: Any, build: Callable[[Any], T]) -> T:

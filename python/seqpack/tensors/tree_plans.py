@@ -93,7 +93,8 @@ EXPAND_BELOW = 1.02
 
 
 class TreeAttentionPlan:
-    """The host plan of :func:`~seqpack.tree_attention` (int64 NumPy arrays, ints).
+    """The host plan of tree attention (:func:`seqpack.attention` on a prefix tree;
+    int64 NumPy arrays, ints).
 
     Attributes:
         segment_offsets / segment_parent: the attention segments.
@@ -376,7 +377,7 @@ def prepare_tree(tree: PrefixTreeBatch, *, attention: bool = True, targets: bool
     ['attention', 'targets']
     """
     _tree(tree)
-    if attention and tree.rows() is None:  # rows sharing nothing run plain packing: no attention plan
+    if attention and tree.shares_tokens:  # rows sharing nothing run plain packing: no attention plan
         attention_plan(tree)
     if targets:
         tree_targets(tree)

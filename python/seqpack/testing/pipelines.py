@@ -4,9 +4,10 @@ Each ``*_pipeline`` function takes the sequence lengths of one global batch and
 returns an *assignment*: ``assignment[m][r][k]`` is the list of global sequence
 indices in mini-batch ``m`` (one optimizer step), data-parallel rank ``r``,
 micro-batch ``k``; an empty list is a dummy micro-batch (a rank that runs the
-collectives with no data). :func:`simulate` turns an assignment into a simulated
-step time under a :class:`~seqpack.planning.cost.CostModel`, so a benchmark can
-compare the frameworks' plans with seqpack's on the same lengths.
+collectives with no data). :func:`~seqpack.testing.step_simulator.simulate` (here
+too) turns an assignment into a simulated step time under a
+:class:`~seqpack.planning.cost.CostModel`, so a benchmark can compare the
+frameworks' plans with seqpack's on the same lengths.
 
 Conventions shared by every pipeline:
 
@@ -43,15 +44,13 @@ from ..planning.balance import get_seqlen_balanced_partitions, plan_micro_batche
 from ..planning.cost import CostModel
 from ..planning.packing import get_packer
 from .distributions import DISTRIBUTIONS, reasoning_tail, rl_long_tail, sft, trl_6092
+from .step_simulator import Assignment, Cells, simulate
 
 __all__ = [
     "DISTRIBUTIONS", "PIPELINES", "nemo_rl_pipeline", "reasoning_tail", "rl_long_tail", "roll_pipeline",
     "seqpack_two_step_pipeline", "sft", "simulate", "slime_pipeline", "trl_6092", "trl_async_grpo_pipeline",
     "verl_pipeline",
 ]
-
-Cells = List[List[int]]  # one rank's micro-batches in one mini-batch
-Assignment = List[List[Cells]]  # [mini-batch][rank][micro-batch] -> sequence indices
 
 _VERL_COST = CostModel.verl()
 
@@ -535,74 +534,3 @@ PIPELINES: Dict[str, Callable[..., Assignment]] = {
     "trl_async_grpo": trl_async_grpo_pipeline,
     "seqpack_two_step": seqpack_two_step_pipeline,
 }
-
-
-# --------------------------------------------------------------------------- simulation
-
-
-def simulate(assignment: Assignment, lengths: Any, cost: CostModel, sync: str = "micro_batch",
-             max_tokens: Optional[int] = None) -> Dict[str, Any]:
-    """Simulated step time of an assignment under a cost model.
-
-    A cell (one rank's micro-batch) costs ``cost(lengths of its sequences)``; an
-    empty cell costs ``per_micro_batch``. ``sync="micro_batch"``: the ranks wait for
-    each other after every micro-batch (FSDP/ZeRO-3 collectives, PP), the step takes
-    ``Σ_m Σ_k max_r cost``; ``sync="step"``: only at the optimizer step (DDP-style
-    gradient accumulation), ``Σ_m max_r Σ_k cost``. Ranks of a mini-batch with fewer
-    micro-batches than the others are padded with empty cells (``unequal_counts``).
-
-    Returns:
-        dict with ``time``, ``unequal_counts`` (bool), ``num_micro_batches`` (per
-        mini-batch, the largest rank's count), ``cap_violations`` (cells holding
-        more than ``max_tokens`` tokens; ``None`` without ``max_tokens``),
-        ``max_cell_tokens``, ``cells`` (cells simulated, padding included) and
-        ``padded_cells``.
-
-    Example:
-        >>> cost = CostModel(per_micro_batch=1, per_token=1, per_token_squared=0)
-        >>> out = simulate([[[[0], [1]], [[2]]]], [3, 4, 5], cost, max_tokens=4)
-        >>> out["time"], out["unequal_counts"], out["cap_violations"]
-        (11.0, True, 1)
-    """
-    if sync not in ("micro_batch", "step"):
-        raise ValueError(f"sync must be 'micro_batch' or 'step', got {sync!r}")
-    arr = as_lengths(lengths, "lengths").astype(np.int64, copy=False)
-    cap = None if max_tokens is None else as_positive_int(max_tokens, "max_tokens")
-    c0, c1, c2 = float(cost.per_micro_batch), float(cost.per_token), float(cost.per_token_squared)
-    time = 0.0
-    unequal = False
-    counts_per_mb: List[int] = []
-    cells = padded = violations = max_tok = 0
-    for m, mini_batch in enumerate(assignment):
-        counts = [len(rank) for rank in mini_batch]
-        k = max(counts, default=0)
-        counts_per_mb.append(k)
-        if k == 0:
-            continue
-        unequal = unequal or min(counts) != k
-        table = np.full((len(mini_batch), k), c0, dtype=np.float64)
-        for r, rank in enumerate(mini_batch):
-            for j, cell in enumerate(rank):
-                if not len(cell):
-                    continue
-                idx = np.asarray(cell, dtype=np.int64)
-                if int(idx.min()) < 0 or int(idx.max()) >= arr.size:
-                    raise ValueError(f"assignment[{m}][{r}][{j}] holds an index outside the {arr.size} lengths")
-                seq = arr[idx]
-                tokens = int(seq.sum())
-                table[r, j] = c0 + c1 * tokens + c2 * float(np.dot(seq, seq))
-                max_tok = max(max_tok, tokens)
-                if cap is not None and tokens > cap:
-                    violations += 1
-        cells += table.size
-        padded += table.size - sum(counts)
-        time += float(table.max(axis=0).sum()) if sync == "micro_batch" else float(table.sum(axis=1).max())
-    return {
-        "time": time,
-        "unequal_counts": unequal,
-        "num_micro_batches": counts_per_mb,
-        "cap_violations": None if cap is None else violations,
-        "max_cell_tokens": max_tok,
-        "cells": cells,
-        "padded_cells": padded,
-    }

@@ -8,13 +8,12 @@ compute
 
 - ``forward_padded(input_ids [B, S], attention_mask [B, S])`` -> logits ``[B, S, V]``:
   PyTorch SDPA with a causal + key-padding mask, what a trainer without packing runs;
-- ``forward_packed(batch)`` -> logits ``[T, V]`` for a :class:`seqpack.PackedBatch`
-  holding ``input_ids``: :func:`seqpack.varlen_attention` over the THD rows, or,
-  for a batch built with ``cp_size > 1``, :func:`seqpack.cp_attention` over
-  ``cp_group`` on this rank's zigzag rows;
-- ``forward_tree(tree)`` -> logits ``[T, V]`` at the physical tokens of a
-  :class:`seqpack.PrefixTreeBatch` (shared prefixes forwarded once): RoPE at
-  ``tree.position_ids`` (each token's depth), :func:`seqpack.tree_attention`.
+- ``forward(input_ids, layout)`` -> logits ``[rows, V]`` of any layout (rows, a
+  prefix tree with its shared prefixes forwarded once, a CP cut of either, a
+  hybrid-CP micro-batch): RoPE at the layout's position ids and
+  :func:`seqpack.attention` in every layer; :func:`loss` is the one packed loss
+  (:func:`seqpack.token_logprobs`). ``forward_packed(batch)``, ``forward_tree(tree)``
+  and ``packed_loss`` / ``tree_loss`` are the same for a batch's own tensors.
 
 >>> import torch, seqpack
 >>> from seqpack.testing.tiny_model import TinyCausalLM, TinyConfig
@@ -32,7 +31,8 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from ..training.attention import cp_attention, varlen_attention
+from ..tensors.layout_kinds import as_layout
+from ..training.ops import attention, token_logprobs
 
 
 @dataclass
@@ -142,56 +142,40 @@ class TinyCausalLM(nn.Module):
             x = block(x, positions, attend)
         return self.lm_head(self.norm(x))
 
-    def forward_packed(self, batch: Any, cp_group: Any = None, backend: str = "auto") -> torch.Tensor:
-        """Logits ``[rows, V]`` of a :class:`seqpack.PackedBatch` with ``input_ids``
-        (this rank's zigzag rows when the batch was built with ``cp_size > 1``), or
-        of a :class:`seqpack.HybridCpBatch` (:func:`seqpack.hybrid_cp_attention`)."""
-        ids = batch["input_ids"]
-        if hasattr(batch, "parts"):  # a hybrid-CP micro-batch: each part over its block's group
-            from ..training.attention_hybrid_cp import hybrid_cp_attention
-
-            def attend(q, k, v):
-                return hybrid_cp_attention(q, k, v, batch, backend=backend)
-        elif batch.cp_size > 1:
-            def attend(q, k, v):
-                return cp_attention(q, k, v, batch, cp_group, backend=backend)
-        else:
-            cu, longest = batch.cu_seqlens_padded, batch.max_seqlen_padded
-
-            def attend(q, k, v):
-                return varlen_attention(q, k, v, cu, cu, longest, longest, backend=backend)
-
-        x = self.embed(ids)
-        for block in self.blocks:
-            x = block(x, batch.position_ids, attend)
-        return self.lm_head(self.norm(x))
-
-    def forward_tree(self, tree: Any, backend: str = "auto") -> torch.Tensor:
-        """Logits ``[T, V]`` at the physical tokens of a :class:`seqpack.PrefixTreeBatch`
-        (``tree.num_tokens`` rows, pad tokens included); ``logits[tree.logical_index]``
-        are the rows' logits, each as the row run alone would give them."""
-        from ..tensors.layout_kinds import as_tree
-
-        tree = as_tree(tree)
-        return self.forward_layout(torch.tensor(tree.input_ids, device=self.embed.weight.device), tree, backend)
-
-    def forward_layout(self, input_ids: torch.Tensor, layout: Any, backend: str = "auto") -> torch.Tensor:
-        """Logits ``[T, V]`` of the physical tokens ``input_ids`` [T] of any layout
-        (a :class:`seqpack.PrefixTreeBatch`, a :class:`seqpack.PackedLayout` of rows
-        that share nothing), each attention layer :func:`seqpack.tree_attention`."""
-        from ..tensors.layout_kinds import as_layout
-        from ..training.attention_tree import tree_attention
-
-        layout = as_layout(layout)
-        positions = torch.tensor(layout.position_ids, device=input_ids.device)  # a copy: the arrays are read-only
+    def forward(self, input_ids: torch.Tensor, layout: Any, *, position_ids: Any = None, group: Any = None,
+                backend: str = "auto") -> torch.Tensor:
+        """Logits ``[rows, V]`` of this rank's physical tokens ``input_ids [rows]`` of any
+        layout (rows, a prefix tree, a cut of either, a hybrid-CP micro-batch): RoPE at
+        ``position_ids`` (default the layout's, for a whole layout) and
+        :func:`seqpack.attention` in every layer (``group``: a cut layout's CP group)."""
+        if position_ids is None:
+            position_ids = torch.tensor(as_layout(layout).position_ids, device=input_ids.device)  # a copy
 
         def attend(q, k, v):
-            return tree_attention(q, k, v, layout, backend=backend)
+            return attention(q, k, v, layout, group=group, backend=backend)
 
         x = self.embed(input_ids)
         for block in self.blocks:
-            x = block(x, positions, attend)
+            x = block(x, position_ids, attend)
         return self.lm_head(self.norm(x))
+
+    def forward_packed(self, batch: Any, cp_group: Any = None, backend: str = "auto") -> torch.Tensor:
+        """:meth:`forward` of a :class:`seqpack.PackedBatch` or hybrid-CP micro-batch
+        holding ``input_ids`` (this rank's rows) and ``position_ids``."""
+        return self.forward(batch["input_ids"], batch, position_ids=batch.position_ids, group=cp_group,
+                            backend=backend)
+
+    def forward_tree(self, tree: Any, backend: str = "auto") -> torch.Tensor:
+        """:meth:`forward` of a :class:`seqpack.PrefixTreeBatch`'s own ids (``[T, V]``,
+        pad tokens included; ``logits[tree.logical_index]`` are the rows')."""
+        from ..tensors.layout_kinds import as_tree
+
+        tree = as_tree(tree)
+        return self.forward(torch.tensor(tree.input_ids, device=self.embed.weight.device), tree, backend=backend)
+
+    def forward_layout(self, input_ids: torch.Tensor, layout: Any, backend: str = "auto") -> torch.Tensor:
+        """:meth:`forward` of the physical tokens ``input_ids [T]`` of a whole layout."""
+        return self.forward(input_ids, layout, backend=backend)
 
 
 def padded_loss(model: TinyCausalLM, input_ids: torch.Tensor, attention_mask: torch.Tensor,
@@ -203,38 +187,28 @@ def padded_loss(model: TinyCausalLM, input_ids: torch.Tensor, attention_mask: to
     return -(logp * attention_mask[:, 1:]).sum() / global_valid_toks
 
 
+def loss(model: TinyCausalLM, input_ids: torch.Tensor, layout: Any, global_valid_toks: float, *,
+         targets: Any = None, position_ids: Any = None, group: Any = None, backend: str = "auto") -> torch.Tensor:
+    """The same loss on any layout: ``-sum log p(next token) / global_valid_toks`` from
+    :meth:`TinyCausalLM.forward`'s logits through :func:`seqpack.token_logprobs`
+    (``targets``: rows' full packed ids; a tree and a hybrid micro-batch carry theirs).
+    Each rank sums the log-probs it computes, so the losses of a cut layout's ranks
+    add up to the batch's loss: no division by the CP size."""
+    logits = model.forward(input_ids, layout, position_ids=position_ids, group=group, backend=backend)
+    # Started from the logits (an empty micro-batch, a dummy, still has a backward).
+    return -(token_logprobs(logits, layout, targets).logprobs.sum() + logits[:0].sum()) / global_valid_toks
+
+
 def packed_loss(model: TinyCausalLM, batch: Any, global_valid_toks: float, cp_group: Any = None,
                 backend: str = "auto") -> torch.Tensor:
-    """The same loss on a :class:`seqpack.PackedBatch` with the fused log-probs
-    (:func:`seqpack.packed_token_logprobs`). With CP each rank sums its own rows'
-    log-probs (the full ids are all-gathered once for the targets), so the losses of
-    the CP ranks add up to the micro-batch's loss: no division by the CP size. A
-    :class:`seqpack.HybridCpBatch` (hybrid CP) sums each part's log-probs at this
-    rank's positions, so the ranks' losses add up the same way."""
-    from ..tensors.cp import gather_cp
-    from ..tensors.hybrid_cp import HybridCpBatch
-    from ..training.logprobs import packed_token_logprobs
-
-    logits = model.forward_packed(batch, cp_group, backend=backend)
-    if isinstance(batch, HybridCpBatch):  # each part's log-probs at this rank's positions
-        from ..training.attention_hybrid_cp import hybrid_cp_token_logprobs
-
-        # Started from the logits (an empty micro-batch, a dummy, still has a backward).
-        return -sum((lp.logprobs.sum() for lp in hybrid_cp_token_logprobs(logits, batch)),
-                    logits[:0].sum()) / global_valid_toks
-    ids = batch["input_ids"]
-    if batch.cp_size > 1:
-        ids = gather_cp(ids, batch.cu_seqlens_padded, cp_group)
-    logp = packed_token_logprobs(logits, ids, batch.cu_seqlens, batch.cu_seqlens_padded, cp_size=batch.cp_size,
-                                 cp_rank=batch.cp_rank).logprobs
-    return -logp.sum() / global_valid_toks
+    """:func:`loss` of a :class:`seqpack.PackedBatch` (CP: the full ids all-gathered
+    once for the targets) or a hybrid-CP micro-batch."""
+    return loss(model, batch["input_ids"], batch, global_valid_toks, targets=batch.next_token_targets(group=cp_group),
+                position_ids=batch.position_ids, group=cp_group, backend=backend)
 
 
 def tree_loss(model: TinyCausalLM, tree: Any, global_valid_toks: float, backend: str = "auto") -> torch.Tensor:
-    """The same loss on a :class:`seqpack.PrefixTreeBatch`: every row's next-token
-    log-probs from the tree's logits (:func:`seqpack.tree_token_logprobs`), summed
-    over the logical tokens, so it equals the loss of the rows run alone."""
-    from ..training.logprobs_tree import tree_token_logprobs
-
-    logp = tree_token_logprobs(model.forward_tree(tree, backend=backend), tree).logprobs
-    return -logp.sum() / global_valid_toks
+    """:func:`loss` of a :class:`seqpack.PrefixTreeBatch` (its own ids): it equals the
+    loss of the rows run alone."""
+    return loss(model, torch.tensor(tree.input_ids, device=model.embed.weight.device), tree, global_valid_toks,
+                backend=backend)

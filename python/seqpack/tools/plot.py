@@ -1,11 +1,36 @@
-"""Matplotlib figures for plans (optional: ``pip install seqpack[plot]``)."""
+"""Matplotlib figures for plans (optional: ``pip install seqpack[plot]``).
+
+The figures read the data of a report, described here by what they read
+(:class:`ReportData`, :class:`SharingData`), so the reports import this module and
+this module imports no report.
+"""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Dict, List, Optional, Protocol, Sequence
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .report import Report
+    import numpy as np
+
+__all__ = ["plot_report", "plot_sharing"]  # ReportData, SharingData: what they read, for type checkers
+
+
+class ReportData(Protocol):
+    """What :func:`plot_report` draws: a :class:`~seqpack.tools.report.Report`'s data."""
+
+    lengths: "np.ndarray"
+    capacity: int
+    rank_loads: Dict[str, List[int]]
+    bin_loads: Dict[str, List[int]]
+    computed_tokens: Dict[str, int]
+
+
+class SharingData(Protocol):
+    """What :func:`plot_sharing` draws: a :class:`~seqpack.tools.report_trees.TreeReport`'s data."""
+
+    caps: Sequence[int]
+    sharing_kept: Sequence[float]
+    micro_batches: Dict[str, List[int]]
 
 
 def _pyplot():
@@ -16,7 +41,7 @@ def _pyplot():
     return plt
 
 
-def plot_report(report: "Report", path: Optional[str] = None):
+def plot_report(report: ReportData, path: Optional[str] = None):
     """Length histogram, tokens per DP rank (before / after balancing), per-bin fill
     of each packer, and the tokens computed with and without padding.
 
@@ -68,7 +93,7 @@ def plot_report(report: "Report", path: Optional[str] = None):
     return fig
 
 
-def plot_sharing(report, path: Optional[str] = None):
+def plot_sharing(report: SharingData, path: Optional[str] = None):
     """A :class:`~seqpack.tools.report_trees.TreeReport`'s sharing kept and
     micro-batches per rank (plain vs trees) against the cap.
 

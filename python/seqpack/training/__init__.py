@@ -1,5 +1,9 @@
 """Training ops on packed sequences: what a trainer's step calls.
 
+- :mod:`~seqpack.training.ops`: ``attention`` (``seqpack.attention``; this package's
+  ``attention`` is the module of its implementations) and :func:`token_logprobs` on any layout (the
+  implementation each layout kind and cut runs: :mod:`~seqpack.training.dispatch`), and
+  :func:`varlen_attention`, flash-attn's raw form.
 - :mod:`~seqpack.training.logprobs`: fused next-token log-probs (and entropy) on packed logits.
 - :mod:`~seqpack.training.logprobs_tree`: the same on prefix-tree logits (``tree_token_logprobs``,
   ``tree_linear_token_logprobs`` with the LM head fused).
@@ -11,14 +15,12 @@
 Importing this package does not import torch; the ops do, when called.
 """
 
-from .attention import (attention_backends, cp_attention, tree_attention, tree_attention_backends, ulysses_attention,
-                        varlen_attention)
-from .logprobs import TokenLogprobs, packed_token_logprobs
-from .logprobs_tree import tree_linear_token_logprobs, tree_token_logprobs
+from .attention import attention_backends
+from .logprobs import TokenLogprobs
 from .loss import ClippedPGLoss, NLLLoss, SequencePackingLossWrapper, prepare_loss_input
+from .ops import token_logprobs, varlen_attention
 
 __all__ = [
     "ClippedPGLoss", "NLLLoss", "SequencePackingLossWrapper", "TokenLogprobs", "attention_backends",
-    "cp_attention", "packed_token_logprobs", "prepare_loss_input", "tree_attention", "tree_attention_backends",
-    "tree_linear_token_logprobs", "tree_token_logprobs", "ulysses_attention", "varlen_attention",
+    "prepare_loss_input", "token_logprobs", "varlen_attention",
 ]

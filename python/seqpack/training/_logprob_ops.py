@@ -1,4 +1,5 @@
-"""The torch operators behind :func:`seqpack.packed_token_logprobs`.
+"""The torch operators behind :func:`seqpack.token_logprobs` on rows
+(:func:`~seqpack.training.logprobs.packed_token_logprobs`).
 
 ``seqpack::logprob_stats`` (per-row max, sum of exponentials, target logit,
 entropy sum) and ``seqpack::logprob_grad`` (the gradient written straight into a

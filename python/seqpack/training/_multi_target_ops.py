@@ -1,6 +1,7 @@
 """Several targets per row from one log-sum-exp: the torch operators behind
-:func:`seqpack.tree_token_logprobs` (a prefix tree's branch point predicts each of
-its children) and its LM-head-fused form.
+:func:`seqpack.token_logprobs` on a prefix tree (a branch point predicts each of
+its children; :func:`~seqpack.training.logprobs_tree.tree_token_logprobs`) and its
+LM-head-fused form.
 
 Each row ``r`` has a *primary* target ``targets[r]`` (or -1) and *extra* targets
 ``extra_ids[extra_offsets[r]:extra_offsets[r + 1]]`` (global ids, < 0 for none)::

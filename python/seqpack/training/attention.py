@@ -1,4 +1,5 @@
-"""Attention over packed (THD) sequences, one import for all three forms:
+"""Attention over packed (THD) sequences: :func:`attention` takes any layout (see
+:mod:`~seqpack.training.ops`); the implementations it dispatches to are here too:
 
 - :func:`varlen_attention` (:mod:`~seqpack.training.attention_varlen`): the whole
   packed batch on one device, flash-attention's ``cu_seqlens`` convention, and its
@@ -21,11 +22,11 @@
     >>> from seqpack.training.attention import varlen_attention   # doctest: +SKIP
 """
 
-from .attention_cp import cp_attention
-from .attention_tree import tree_attention, tree_attention_backends
+from .attention_tree import tree_attention_backends
 from .attention_tree_cp import tree_cp_attention
-from .attention_ulysses import ulysses_attention
-from .attention_varlen import BACKENDS, MAX_SCORE_ELEMENTS, attention_backends, varlen_attention
+from .deprecated import cp_attention, tree_attention, ulysses_attention
+from .attention_varlen import BACKENDS, MAX_SCORE_ELEMENTS, attention_backends
+from .ops import attention, varlen_attention
 
-__all__ = ["BACKENDS", "MAX_SCORE_ELEMENTS", "attention_backends", "cp_attention", "tree_attention",
+__all__ = ["BACKENDS", "MAX_SCORE_ELEMENTS", "attention", "attention_backends", "cp_attention", "tree_attention",
            "tree_attention_backends", "tree_cp_attention", "ulysses_attention", "varlen_attention"]

@@ -53,28 +53,20 @@ def _cp_plan(cu_padded: np.ndarray, cp: int, rank: int, causal: bool) -> Dict[st
                 k_index=k_index.astype(np.int64), max_q=int(q_lens.max(initial=0)), max_k=int(k_lens.max(initial=0)))
 
 
-def _cut_as_tree(packed_batch: Any) -> bool:
-    """Whether the layout of ``packed_batch`` is cut for CP as a tree (contiguous
-    ranges balanced by attention work) rather than in zigzag chunks of rows."""
-    layout = getattr(packed_batch, "layout", packed_batch)
-    return is_layout(layout) and layout.select(rows=False, tree=True)
-
-
 def _cp_checks(q, k, v, packed_batch, size: int, me: int, causal: bool, softmax_scale, kv_heads_per_chunk,
                backend: str) -> Dict[str, Any]:
     """Every check of :func:`cp_attention` whose outcome can differ between ranks
     (the batch's offsets, CP size and rank, this rank's q/k/v, the arguments), run
     before its first collective and inside the agreement; returns what the call
     needs."""
-    if _cut_as_tree(packed_batch):  # here only when not causal: a tree goes to tree_cp_attention otherwise
-        raise ValueError("a prefix tree's attention is causal (each token over its ancestors and itself): "
-                         "cp_attention takes causal=True with a tree")
     try:
         layout = getattr(packed_batch, "layout", None)  # a PackedBatch's host offsets; else one copy
         cu = layout.cu_seqlens_padded if layout is not None else packed_batch.cu_seqlens_padded
         cp, rank = int(packed_batch.cp_size), int(packed_batch.cp_rank)
     except AttributeError as exc:
-        raise TypeError(f"packed_batch must have cu_seqlens_padded, cp_size and cp_rank: {exc}") from None
+        raise TypeError(f"packed_batch must be rows back to back with cu_seqlens_padded, cp_size and cp_rank (a "
+                        f"PackedBatch or PackedLayout; a prefix tree's attention is causal: seqpack.attention on "
+                        f"seqpack.shard_layout(tree, ...)): {exc}") from None
     if size != cp or me != rank:
         raise ValueError(f"group has size {size} and this rank is {me} in it; "
                          f"packed_batch was built for cp_size={cp}, cp_rank={rank}")
@@ -157,10 +149,7 @@ def cp_attention(
         packed_batch: the layout of these rows: a :class:`seqpack.PackedBatch` or
             :class:`~seqpack.PackedLayout` (its ``cu_seqlens_padded``, ``cp_size``
             and ``cp_rank`` are used), or any object with those three attributes;
-            a :class:`~seqpack.PrefixTreeBatch` (cut in contiguous ranges, not
-            zigzag chunks) runs :func:`~seqpack.tree_cp_attention`. (A hybrid-CP
-            micro-batch, each part over its own block:
-            :func:`~seqpack.hybrid_cp_attention`.)
+            any other layout runs through :func:`seqpack.attention`.
         group: the CP process group (``torch.distributed``; default WORLD); its
             size and this rank's index must be the batch's ``cp_size``/``cp_rank``.
         agree: run the checks' all-reduce (default). It costs one small collective
@@ -179,12 +168,6 @@ def cp_attention(
     from .._dist import checked_on_every_rank
     from ..tensors.cp import gather_cp
 
-    if causal is True and _cut_as_tree(packed_batch):
-        from .attention_tree_cp import tree_cp_attention
-
-        return tree_cp_attention(q, k, v, getattr(packed_batch, "layout", packed_batch), group,
-                                 softmax_scale=softmax_scale, kv_heads_per_chunk=kv_heads_per_chunk, backend=backend,
-                                 agree=agree)
     q, k, v = inputs.follow_autocast(q, k, v)  # the gathers move the autocast dtype, as varlen_attention computes in it
     size, me = dist.get_world_size(group), dist.get_rank(group)
     if size < 1 or me < 0:

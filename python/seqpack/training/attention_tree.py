@@ -73,7 +73,7 @@ returns the log-sum-exp (flash-attn's), which is not wired in yet.
     >>> import torch, seqpack
     >>> tree = seqpack.pack_prefix_tree([[1, 2, 3], [1, 2, 4]])     # physical: 1 2 3 4
     >>> q, k, v = torch.randn(3, 4, 2, 8, dtype=torch.float64).unbind(0)
-    >>> out = seqpack.tree_attention(q, k, v, tree)
+    >>> out = seqpack.attention(q, k, v, tree)
     >>> row = tree.logical_index[3:].tolist()                         # row 1 = physical 0 1 3
     >>> alone = torch.nn.functional.scaled_dot_product_attention(
     ...     *(t[row].transpose(0, 1) for t in (q, k, v)), is_causal=True).transpose(0, 1)
@@ -92,7 +92,7 @@ from ..tensors.layout_kinds import as_layout
 from ..tensors.tree_plans import attention_plan
 from . import attention_inputs as inputs
 from .attention_tree_cascade import cascade_available, tree_cascade_attention
-from .attention_varlen import MAX_SCORE_ELEMENTS, varlen_attention
+from .attention_varlen import BACKENDS, MAX_SCORE_ELEMENTS, varlen_attention
 from .varlen_backends import why_unavailable
 
 if TYPE_CHECKING:
@@ -137,8 +137,8 @@ def tree_attention_backends() -> Dict[str, str]:
     """Every backend of :func:`tree_attention` and whether it can run here
     (``"available"`` or the reason it cannot).
 
-    >>> import seqpack
-    >>> seqpack.tree_attention_backends()["sdpa"]
+    >>> from seqpack.training.attention_tree import tree_attention_backends
+    >>> tree_attention_backends()["sdpa"]
     'available'
     """
     return {name: (_why_tree_unavailable(name) or "available") for name in TREE_BACKENDS}
@@ -177,25 +177,9 @@ def tree_attention(
     Under ``torch.autocast`` (for q's device type) q, k and v are cast to the
     autocast dtype first, as SDPA's are; outside autocast they must share dtype.
     """
-    layout = as_layout(tree, "tree")
-    if layout.cp_size != 1:
-        raise ValueError(f"tree is laid out for cp_size = {layout.cp_size} (this rank's zigzag rows): use "
-                         "seqpack.cp_attention with the CP group")
-    q, k, v = inputs.follow_autocast(q, k, v)
-    inputs.check_qkv(q, k, v, None, True)
-    t = layout.num_tokens
-    if q.shape[0] != t or k.shape[0] != t:
-        raise ValueError(f"q, k and v must have one row per physical token of tree (tree.num_tokens = {t}), got "
-                         f"q {tuple(q.shape)} and k/v {tuple(k.shape)}")
-    scale = inputs.softmax_scale(softmax_scale, q)
-    name = pick_tree_backend(backend, q, k, v)
-    if t == 0:  # [0, Hq, Dv], still attached to v's graph
+    layout, q, k, v, scale, name = _prepared(q, k, v, tree, softmax_scale, backend)
+    if layout.num_tokens == 0:  # [0, Hq, Dv], still attached to v's graph
         return v[:0].repeat_interleave(q.shape[1] // k.shape[1], 1)
-    rows = layout.rows()
-    if rows is not None:  # nothing shared: plain packing's kernels, no tree plan
-        cu, longest = rows.cu_seqlens_padded, rows.max_seqlen_padded
-        return varlen_attention(q, k, v, cu, cu, longest, longest, causal=True, softmax_scale=scale,
-                                backend=_ROWS_BACKEND.get(name, "auto"))
     if name == "reference":
         return _reference(q, k, v, layout, scale)
     if name == "flex":
@@ -203,6 +187,49 @@ def tree_attention(
     if name == "varlen":
         return _varlen(q, k, v, layout, scale)
     return _sdpa(q, k, v, layout, scale)
+
+
+def flat_tree_attention(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", tree: "PrefixTreeBatch", *,
+                        softmax_scale: Any = None, backend: str = "auto") -> "torch.Tensor":
+    """:func:`tree_attention` of a tree whose rows share nothing: plain packing's
+    kernels (one :func:`varlen_attention` call on its rows), no tree plan."""
+    layout, q, k, v, scale, name = _prepared(q, k, v, tree, softmax_scale, backend)
+    if layout.num_tokens == 0:
+        return v[:0].repeat_interleave(q.shape[1] // k.shape[1], 1)
+    rows = layout.rows()
+    cu, longest = rows.cu_seqlens_padded, rows.max_seqlen_padded
+    return varlen_attention(q, k, v, cu, cu, longest, longest, causal=True, softmax_scale=scale,
+                            backend=_ROWS_BACKEND.get(name, "auto"))
+
+
+def _prepared(q, k, v, tree: Any, softmax_scale: Any, backend: Any) -> tuple:
+    """The checks every tree attention runs: (layout, q, k, v after autocast, scale,
+    backend name)."""
+    layout = as_layout(tree, "tree")
+    if layout.cp_size != 1:
+        raise ValueError(f"tree is laid out for cp_size = {layout.cp_size} (this rank's zigzag rows): cut it with "
+                         "seqpack.shard_layout and run seqpack.attention with the CP group")
+    q, k, v = inputs.follow_autocast(q, k, v)
+    inputs.check_qkv(q, k, v, None, True)
+    t = layout.num_tokens
+    if q.shape[0] != t or k.shape[0] != t:
+        raise ValueError(f"q, k and v must have one row per physical token of tree (tree.num_tokens = {t}), got "
+                         f"q {tuple(q.shape)} and k/v {tuple(k.shape)}")
+    return layout, q, k, v, inputs.softmax_scale(softmax_scale, q), pick_tree_backend(backend, q, k, v)
+
+
+def rows_backend(backend: Any) -> str:
+    """The :func:`~seqpack.varlen_attention` backend that runs rows sharing nothing
+    for ``backend``: a varlen backend as it is, a tree backend as its rows' form
+    (``"reference"`` and ``"flex"`` themselves, the others ``"auto"``)."""
+    if not isinstance(backend, str):
+        raise TypeError(f"backend must be a string, got {type(backend).__name__}")
+    if backend == "auto" or backend in BACKENDS:
+        return backend
+    if backend in TREE_BACKENDS:
+        return _ROWS_BACKEND.get(backend, "auto")
+    raise ValueError(f"backend must be 'auto', one of varlen_attention's {BACKENDS} or one of tree attention's "
+                     f"{TREE_BACKENDS}, got {backend!r}")
 
 
 def pick_tree_backend(backend: Any, q, k, v) -> str:

@@ -1,5 +1,6 @@
 """Tree attention with each shared prefix read once (cascade attention, as in
-Hydragen): the CPU path of :func:`~seqpack.tree_attention`'s ``sdpa`` backend.
+Hydragen): the CPU path of :func:`~seqpack.training.attention_tree.tree_attention`'s
+``sdpa`` backend (:func:`seqpack.attention` on a prefix tree).
 
 A query of an attention segment sees its ancestors (the prefix, fully) and its own
 segment (causally). The two parts are computed apart and merged by their

@@ -4,7 +4,7 @@ Each CP rank holds a contiguous range of the tree's physical tokens, cut by
 :func:`~seqpack.tensors.prefix_tree_cp.tree_cp_bounds` so that the ranks' attention
 work (visible pairs) is even. K and V are all-gathered over the CP group; each
 local query attends to its ancestors and itself, as in
-:func:`~seqpack.tree_attention`'s varlen backend: every tree segment the rank's
+:func:`~seqpack.training.attention_tree.tree_attention`'s varlen backend: every tree segment the rank's
 range meets is one sequence of :func:`~seqpack.varlen_attention`, its queries
 the rank's rows of the segment and its keys the segment's path from the root up
 to the last of those rows, causal with the diagonal aligned bottom-right::
@@ -16,10 +16,13 @@ to the last of those rows, causal with the diagonal aligned bottom-right::
 
 dK and dV are reduce-scattered back by the gather's backward.
 
-    >>> out = tree_cp_attention(q, k, v, tree, cp_group)   # doctest: +SKIP
+A user runs it as :func:`seqpack.attention` on the tree's cut for this rank::
 
-Ulysses over a tree is :func:`~seqpack.ulysses_attention` given the tree: each rank
-then attends over the whole tree for its heads.
+    >>> layout = seqpack.shard_layout(tree, cp_size, cp_rank)             # doctest: +SKIP
+    >>> out = seqpack.attention(q, k, v, layout, group=cp_group)          # doctest: +SKIP
+
+Ulysses over a tree is :func:`seqpack.attention` on a ``scheme="ulysses"`` cut of
+the tree: each rank then attends over the whole tree for its heads.
 """
 
 from __future__ import annotations
@@ -90,17 +93,18 @@ def tree_cp_attention(
     backend: str = "auto",
     agree: bool = True,
 ) -> "torch.Tensor":
-    """Context-parallel :func:`~seqpack.tree_attention` on this rank's rows of a
-    prefix tree.
+    """Context-parallel :func:`~seqpack.training.attention_tree.tree_attention` on
+    this rank's rows of a prefix tree (what :func:`seqpack.attention` runs on a
+    tree's ranges cut, :func:`seqpack.shard_layout`).
 
     Every CP rank holds rows ``[bounds[r], bounds[r + 1])`` of the tree's physical
-    layout (:func:`~seqpack.tree_cp_bounds`, :func:`~seqpack.tree_cp_local_rows`)
+    layout (the ``bounds`` and ``local_rows`` of ``seqpack.shard_layout(tree, cp_size, r)``)
     of q, k and v. K and V are all-gathered over ``group`` and each local query
     attends to its ancestors and itself through :func:`~seqpack.varlen_attention`
     (``backend``: one of its backends). The result equals
     ``tree_attention(q_full, k_full, v_full, tree)``'s rows of this rank, and the
     gradients its rows of the full gradients. ``kv_heads_per_chunk`` bounds memory
-    as in :func:`~seqpack.cp_attention`.
+    as in :func:`~seqpack.training.attention_cp.cp_attention`.
 
     Before the first gather every rank runs its checks (the tree, q/k/v shapes and
     dtypes, this rank's row count, the arguments and backend), then one all-reduce

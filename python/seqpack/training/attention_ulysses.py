@@ -10,12 +10,17 @@ them back::
 
 KV heads are replicated up to the group size when there are fewer (GQA). A prefix
 tree (:class:`~seqpack.PrefixTreeBatch`) works the same way: the stream is its
-physical layout, and every rank runs :func:`~seqpack.tree_attention` over the
-whole tree for its heads. See docs/ulysses.md.
+physical layout, and every rank runs
+:func:`~seqpack.training.attention_tree.tree_attention` over the whole tree for its
+heads. See docs/ulysses.md.
 
-Example::
+Causal attention is :func:`seqpack.attention` on a Ulysses cut of the layout (this
+module's :func:`tree_ulysses_attention` or :func:`ulysses_attention` runs it);
+non-causal and windowed attention call :func:`ulysses_attention` itself::
 
-    >>> out = ulysses_attention(q, k, v, packed_batch, sp_group)   # doctest: +SKIP
+    >>> layout = seqpack.shard_layout(packed_batch, world, rank, scheme="ulysses")  # doctest: +SKIP
+    >>> out = seqpack.attention(q, k, v, layout, group=sp_group)                    # doctest: +SKIP
+    >>> out = ulysses_attention(q, k, v, packed_batch, sp_group, window_size=(w, 0))  # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from typing import TYPE_CHECKING, Any, Dict, Optional, Sequence
 import numpy as np
 
 from ..tensors.layout import host_offsets
+from ..tensors.layout_kinds import as_tree
 from .attention_tree import tree_attention
 from . import attention_inputs as inputs
 from .attention_varlen import varlen_attention
@@ -34,7 +40,7 @@ from .varlen_backends import pick_backend
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["ulysses_attention"]
+__all__ = ["tree_ulysses_attention", "ulysses_attention"]
 
 
 def _repeat_kv(x, rep: int):
@@ -95,11 +101,8 @@ def _ulysses_checks(q, k, v, packed_batch, size: int, me: int, causal: bool, sof
     from ..tensors.layout_kinds import is_layout
 
     layout = getattr(packed_batch, "layout", packed_batch)  # a PackedBatch's layout
-    if is_layout(layout):
-        rows = layout.rows()  # a tree with nothing shared: plain packing's rows
-        if rows is None:
-            return _tree_checks(q, k, v, layout, size, causal, softmax_scale, window_size, backend)
-        layout = rows
+    if is_layout(layout):  # a tree with nothing shared: plain packing's rows
+        layout = layout.require_rows("ulysses_attention (a tree whose rows share tokens: tree_ulysses_attention)")
     try:
         cu = layout.cu_seqlens_padded
     except AttributeError as exc:
@@ -142,7 +145,7 @@ def _check_rows_and_heads(q, k, total: int, size: int) -> int:
 
 def _tree_checks(q, k, v, tree, size: int, causal: bool, softmax_scale, window_size, backend: str) -> Dict[str, Any]:
     """:func:`_ulysses_checks` for a prefix tree: the stream is the tree's physical
-    layout and every rank runs :func:`~seqpack.tree_attention` over it for its heads."""
+    layout and every rank runs :func:`~seqpack.training.attention_tree.tree_attention` over it for its heads."""
     from .attention_tree import TREE_BACKENDS, pick_tree_backend
 
     if causal is not True or tuple(window_size if window_size is not None else (-1, -1)) != (-1, -1):
@@ -227,7 +230,7 @@ def ulysses_attention(
             (``cp_size=1``) or a :class:`seqpack.PackedLayout`; its
             ``cu_seqlens_padded`` are used. Or a :class:`seqpack.PrefixTreeBatch`:
             the stream is its physical layout and every rank runs
-            :func:`~seqpack.tree_attention` over it for its heads (``causal=True``,
+            :func:`~seqpack.training.attention_tree.tree_attention` over it for its heads (``causal=True``,
             no window; ``backend`` is then tree_attention's).
         group: the SP process group (``torch.distributed``; default WORLD).
             NCCL and gloo (CPU) both run ``all_to_all_single``.
@@ -250,6 +253,35 @@ def ulysses_attention(
     checked = checked_on_every_rank(
         lambda: _ulysses_checks(q, k, v, packed_batch, size, me, causal, softmax_scale, window_size, backend),
         group, "ulysses_attention", agree and size > 1, fingerprint=lambda c: _ulysses_fingerprint(c, q, k, v))
+    return _exchanged(q, k, v, group, size, checked, causal, window_size, backend)
+
+
+def tree_ulysses_attention(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", tree: Any, group: Any = None, *,
+                           softmax_scale: Optional[float] = None, backend: str = "auto",
+                           agree: bool = True) -> "torch.Tensor":
+    """:func:`ulysses_attention` of a prefix tree: the stream is the tree's physical
+    layout and every rank runs :func:`~seqpack.training.attention_tree.tree_attention`
+    over the whole tree for its heads (``backend`` is tree attention's)."""
+    import torch.distributed as dist
+
+    from .._dist import checked_on_every_rank
+
+    q, k, v = inputs.follow_autocast(q, k, v)
+    size, me = dist.get_world_size(group), dist.get_rank(group)
+    if size < 1 or me < 0:
+        raise ValueError(f"this process is not in the SP group (size {size}, rank {me}); it cannot take part in "
+                         "ulysses_attention's all-to-alls over it")
+    checked = checked_on_every_rank(
+        lambda: _tree_checks(q, k, v, as_tree(tree), size, True, softmax_scale, (-1, -1), backend),
+        group, "ulysses_attention", agree and size > 1, fingerprint=lambda c: _ulysses_fingerprint(c, q, k, v))
+    return _exchanged(q, k, v, group, size, checked, True, (-1, -1), backend)
+
+
+def _exchanged(q, k, v, group, size: int, checked: Dict[str, Any], causal: bool, window_size, backend: str):
+    """The two all-to-alls around the attention of the whole stream (rows or a
+    tree) for this rank's heads, once every rank agreed on ``checked``."""
+    import torch
+
     total, n, longest, rep = checked["total"], checked["n"], checked["longest"], checked["rep"]
     cu = checked["cu_p"]
 

@@ -109,7 +109,7 @@ def varlen_attention(
             nothing as ``cu_seqlens_q`` alone (a :class:`~seqpack.PackedLayout`,
             ``PackedBatch``, or a :class:`~seqpack.PrefixTreeBatch` with nothing
             shared; causal, no window), run on its padded offsets; a tree that
-            shares is refused (:func:`~seqpack.tree_attention` takes every layout).
+            shares is refused (:func:`seqpack.attention` takes every layout).
         max_seqlen_q / max_seqlen_k: the longest query / key sequence (not given
             with a layout).
         causal: bottom-right aligned causal mask per sequence.
@@ -132,23 +132,7 @@ def varlen_attention(
     float32 q/k, after rotary embeddings, and a bfloat16 v): the attention runs in,
     and returns, that dtype. Outside autocast they must share their dtype.
     """
-    layout = getattr(cu_seqlens_q, "layout", cu_seqlens_q)  # a PackedBatch's layout
-    if is_layout(layout):
-        if cu_seqlens_k is not None or max_seqlen_q is not None or max_seqlen_k is not None:
-            raise ValueError("a layout as cu_seqlens_q carries the keys' offsets and the longest sequence: give no "
-                             "cu_seqlens_k, max_seqlen_q or max_seqlen_k with it")
-        if causal is not True or tuple(window_size if window_size is not None else (-1, -1)) != (-1, -1):
-            raise ValueError(f"a layout's attention is causal over each row: give causal=True and no window, got "
-                             f"causal={causal!r}, window_size={window_size!r}")
-        rows = layout.rows()
-        if rows is None:
-            raise TypeError("cu_seqlens_q is a prefix tree whose rows share tokens: its attention is "
-                            "seqpack.tree_attention (which takes any layout)")
-        if rows.cp_size != 1:
-            raise ValueError(f"the layout is cut for cp_size = {rows.cp_size}: use seqpack.cp_attention")
-        cu_seqlens_q = cu_seqlens_k = rows.cu_seqlens_padded
-        max_seqlen_q = max_seqlen_k = rows.max_seqlen_padded
-    elif cu_seqlens_k is None or max_seqlen_q is None or max_seqlen_k is None:
+    if cu_seqlens_k is None or max_seqlen_q is None or max_seqlen_k is None:
         raise TypeError("varlen_attention needs cu_seqlens_k, max_seqlen_q and max_seqlen_k with offsets as "
                         "cu_seqlens_q (or a layout as cu_seqlens_q alone)")
     q, k, v = inputs.follow_autocast(q, k, v)

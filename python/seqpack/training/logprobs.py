@@ -16,7 +16,8 @@ slice start: the per-row max and sums are combined with two all-reduces.
     >>> import torch, seqpack
     >>> logits = torch.zeros(6, 4)                        # uniform over 4 tokens
     >>> ids = torch.tensor([1, 2, 3, 0, 1, 0])
-    >>> out = seqpack.packed_token_logprobs(logits, ids, cu_seqlens=[0, 3, 5], cu_seqlens_padded=[0, 4, 6])
+    >>> layout = seqpack.PackedLayout.from_offsets([0, 3, 5], [0, 4, 6])   # cu_seqlens, cu_seqlens_padded
+    >>> out = seqpack.token_logprobs(logits, layout, ids)
     >>> out.logprobs.tolist(), out.entropy
     ([-1.3862943649291992, -1.3862943649291992, 0.0, 0.0, -1.3862943649291992, 0.0], None)
 
@@ -159,11 +160,7 @@ def _rows_layout(cu_seqlens: Any) -> Any:
     layout = getattr(cu_seqlens, "layout", cu_seqlens)
     if not is_layout(layout):
         return cu_seqlens
-    rows = layout.rows()
-    if rows is None:
-        raise TypeError("cu_seqlens is a prefix tree whose rows share tokens (a shared token has one target per "
-                        "child): use seqpack.tree_token_logprobs or seqpack.tree_linear_token_logprobs")
-    return rows
+    return layout.require_rows("packed log-probs (a shared token has one target per child)")
 
 
 def _sized(layout: PackedLayout, rows: int, ids_len: int) -> PackedLayout:
@@ -396,7 +393,8 @@ def linear_token_logprobs(
     >>> import torch, seqpack
     >>> hidden, head = torch.zeros(6, 8), torch.zeros(4, 8)      # uniform over 4 tokens
     >>> ids = torch.tensor([1, 2, 3, 0, 1, 0])
-    >>> seqpack.linear_token_logprobs(hidden, head, ids, [0, 3, 5], [0, 4, 6]).logprobs.tolist()
+    >>> layout = seqpack.PackedLayout.from_offsets([0, 3, 5], [0, 4, 6])
+    >>> seqpack.token_logprobs(hidden, layout, ids, weight=head).logprobs.tolist()
     [-1.3862943649291992, -1.3862943649291992, 0.0, 0.0, -1.3862943649291992, 0.0]
     """
     run = _agreed(lambda: linear_plan(hidden, weight, input_ids, cu_seqlens, cu_seqlens_padded, bias, cp_size,

@@ -7,7 +7,7 @@ with the LM head fused in, never a ``[T, V]`` log-softmax::
     row 0  ........   [17,  4, 903]    ->   [lp(17), lp(4), lp(903)]     one log-sum-exp for row 0
     row 1  ........   [ 2, -1,  -1]    ->   [lp(2),  0,     0     ]     -1: no column
 
-It runs on the same kernels as :func:`~seqpack.tree_token_logprobs` (the columns
+It runs on the same kernels as :func:`seqpack.token_logprobs` on a tree (the columns
 are each row's extra targets in the ``seqpack::multi_token_logprobs`` operators);
 the backward writes each row's gradient once, every column included. Rows are whatever the caller lays out (a
 packed stream's next-token rows, say); a negative column gives log-prob 0 and no
@@ -106,7 +106,7 @@ def linear_column_logprobs(hidden: "torch.Tensor", weight: "torch.Tensor", colum
                            vocab_start: Any = None) -> TokenLogprobs:
     """:func:`column_logprobs` of ``hidden @ weight.T + bias`` without the ``[T, V]``
     logits: the LM head fused in, a chunk of rows at a time (as
-    :func:`~seqpack.linear_token_logprobs`); each extra column's logit is one dot
+    :func:`seqpack.token_logprobs` with ``weight``); each extra column's logit is one dot
     product.
 
     Args:

@@ -126,7 +126,7 @@ def vocab_parallel_linear_column_logprobs(hidden: "torch.Tensor", weight: "torch
     head's vocabulary split over ``group``: ``hidden`` ``[T, H]`` (the same on every
     rank), ``weight`` ``[V_local, H]`` this rank's slice (``bias`` ``[V_local]``),
     ``columns`` int64 ``[T, k]`` global ids. The logits exist a tile at a time (the
-    anchor's log-prob, :func:`seqpack.linear_token_logprobs`'s vocabulary-parallel
+    anchor's log-prob, :func:`~seqpack.training.logprobs.linear_token_logprobs`'s vocabulary-parallel
     op); the hidden states' gradient is summed over the group. ``subset``: the
     log-softmax over each row's k columns only (distillation without
     ``zero_outside_topk``): no log-sum-exp over the vocabulary is taken, only the k

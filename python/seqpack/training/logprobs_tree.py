@@ -26,7 +26,7 @@ value of its (physical token, target) pair. The entropy belongs to the physical
 token (it does not depend on the target), so every logical token with a target
 reads its physical token's.
 
-The result is exactly :func:`~seqpack.packed_token_logprobs` on the rows packed back
+The result is exactly :func:`seqpack.token_logprobs` on the rows packed back
 to back (logits ``logits[tree.logical_index]``, offsets ``tree.cu_seqlens``): 0 at
 each row's last token, at a target id < 0 ("no target") and, for the entropy too,
 wherever there is no target; the gradient is that of the plain path summed onto
@@ -36,17 +36,18 @@ the physical tokens (each shared logit row receives every row's contribution).
     >>> tree = seqpack.pack_prefix_tree([[5, 6, 7], [5, 6, 8, 9]])
     >>> logits = torch.zeros(tree.num_tokens, 10)            # uniform over 10 tokens
     >>> logits[1, 8] = 1.0                                   # after "5 6", 8 is likelier than 7
-    >>> out = seqpack.tree_token_logprobs(logits, tree)
+    >>> out = seqpack.token_logprobs(logits, tree)
     >>> [round(x, 4) for x in out.logprobs.tolist()]
     [-2.3026, -2.4612, 0.0, -2.3026, -1.4612, -2.3026, 0.0]
 
 :func:`tree_linear_token_logprobs` is the same with the LM head fused in (``hidden``
 ``[T, H]`` and the head's ``weight``, never a ``[T, V]`` tensor), as
-:func:`~seqpack.linear_token_logprobs` is for packed rows. Vocabulary
+:func:`~seqpack.training.logprobs.linear_token_logprobs` is for packed rows (a
+user calls both as :func:`seqpack.token_logprobs` with ``weight``). Vocabulary
 (tensor) parallelism is not here: the logits (or the head) hold the whole
 vocabulary ``[0, V)``. Context parallelism is (``cp_size``, ``cp_rank``): a rank's
-logits are its rows of :func:`~seqpack.tree_cp_bounds`, and it gets the log-probs of
-the logical tokens those rows predict.
+logits are its rows of the tree's ranges cut (:func:`seqpack.shard_layout`), and it
+gets the log-probs of the logical tokens those rows predict.
 Importing this module does not import torch.
 """
 
@@ -79,7 +80,7 @@ def tree_token_logprobs(logits: "torch.Tensor", tree: PrefixTreeBatch, *, temper
             physical token of ``tree`` (``T = tree.num_tokens``; the rows of pad
             tokens are ignored and get no gradient), the whole vocabulary ``[0, V)``.
         tree: the :class:`~seqpack.PrefixTreeBatch` the logits were computed on
-            (one whose rows share nothing runs :func:`~seqpack.packed_token_logprobs`
+            (one whose rows share nothing runs :func:`~seqpack.training.logprobs.packed_token_logprobs`
             on its :meth:`~seqpack.PrefixTreeBatch.rows`: no targets plan). Its token ids (pad tokens aside) must be ``< V``; an id < 0 as a target
             means "no target": log-prob 0, entropy 0, no gradient.
         temperature: logits are divided by it first (positive, finite; a Python,
@@ -87,8 +88,9 @@ def tree_token_logprobs(logits: "torch.Tensor", tree: PrefixTreeBatch, *, temper
         return_entropy: also compute each logical token's entropy.
         num_threads: CPU threads of the kernels (0: seqpack's default).
         cp_size, cp_rank: context parallelism over the tree
-            (:func:`~seqpack.tree_cp_attention`): ``logits`` then holds this rank's
-            rows ``[bounds[r], bounds[r + 1])`` of :func:`~seqpack.tree_cp_bounds`,
+            (``seqpack.shard_layout(tree, cp_size, cp_rank)``, what
+            :func:`seqpack.token_logprobs` takes): ``logits`` then holds this rank's
+            rows ``[bounds[r], bounds[r + 1])`` of that cut's ``bounds``,
             and only the logical tokens those rows predict get values (0 elsewhere):
             the ranks' results sum to the whole tree's.
         scored: ``[N]`` bool (NumPy, a list or a tensor) - only these logical tokens'
@@ -128,13 +130,6 @@ def tree_token_logprobs(logits: "torch.Tensor", tree: PrefixTreeBatch, *, temper
         return _logical(out, plan, entropy)
     _check_rows(logits, "logits", rows, tree)
     _check_tree_ids(tree, vocab)
-    plain = _plain_rows(tree, cp_size)
-    if plain is not None:  # nothing shared: plain packing's kernel on the rows, no targets plan
-        from .logprobs import packed_token_logprobs
-
-        out = packed_token_logprobs(logits, _on_device(tree, "input_ids", logits.device), plain, temperature=temp,
-                                    return_entropy=entropy, num_threads=num_threads)
-        return _rows_logical(out, tree)
     plan, (primary, offsets, ids) = _device_plan(tree, logits.device, rows)
     if logits.stride(1) != 1:
         logits = logits.contiguous()
@@ -151,7 +146,7 @@ def tree_linear_token_logprobs(hidden: "torch.Tensor", weight: "torch.Tensor", t
     """:func:`tree_token_logprobs` of ``hidden @ weight.T + bias`` without ever holding
     the ``[T, V]`` logits: the LM head fused in, a chunk of ``chunk_tokens`` physical
     tokens at a time, forward and backward (the chunks of
-    :func:`~seqpack.linear_token_logprobs`). A branch point's extra targets read their
+    :func:`~seqpack.training.logprobs.linear_token_logprobs`). A branch point's extra targets read their
     logits as ``hidden[p] . weight[id] (+ bias[id])``: one dot product each.
 
     Args:
@@ -172,7 +167,7 @@ def tree_linear_token_logprobs(hidden: "torch.Tensor", weight: "torch.Tensor", t
     >>> import torch, seqpack
     >>> tree = seqpack.pack_prefix_tree([[1, 2, 3], [1, 2, 0]])
     >>> hidden, head = torch.zeros(tree.num_tokens, 8), torch.zeros(4, 8)   # uniform over 4 tokens
-    >>> [round(x, 4) for x in seqpack.tree_linear_token_logprobs(hidden, head, tree).logprobs.tolist()]
+    >>> [round(x, 4) for x in seqpack.token_logprobs(hidden, tree, weight=head).logprobs.tolist()]
     [-1.3863, -1.3863, 0.0, -1.3863, -1.3863, 0.0]
     """
     torch = _torch()
@@ -194,18 +189,35 @@ def tree_linear_token_logprobs(hidden: "torch.Tensor", weight: "torch.Tensor", t
         out = torch.ops.seqpack.linear_multi_token_logprobs(hidden.index_select(0, sel), weight, bias, primary,
                                                             offsets, ids, temp, entropy, threads, chunk)
         return _logical(out, plan, entropy)
-    plain = _plain_rows(tree, cp_size)
-    if plain is not None:  # nothing shared: plain packing's fused head on the rows, no targets plan
-        from .logprobs import linear_token_logprobs
-
-        out = linear_token_logprobs(hidden, weight, _on_device(tree, "input_ids", hidden.device), plain, bias=bias,
-                                    temperature=temp, return_entropy=entropy, chunk_tokens=chunk_tokens,
-                                    num_threads=threads)
-        return _rows_logical(out, tree)
     plan, (primary, offsets, ids) = _device_plan(tree, hidden.device, rows)
     out = torch.ops.seqpack.linear_multi_token_logprobs(hidden, weight, bias, primary, offsets, ids, temp, entropy,
                                                         threads, chunk)
     return _logical(out, plan, entropy)
+
+
+def rows_token_logprobs(x: "torch.Tensor", tree: PrefixTreeBatch, *, weight: Optional["torch.Tensor"] = None,
+                        bias: Optional["torch.Tensor"] = None, temperature: Any = 1.0, return_entropy: bool = False,
+                        chunk_tokens: Optional[int] = None, num_threads: int = 0) -> TokenLogprobs:
+    """:func:`tree_token_logprobs` (``weight`` given: :func:`tree_linear_token_logprobs`,
+    ``x`` the hidden states) of a tree whose rows share nothing: plain packing's
+    kernel on its :meth:`~seqpack.PrefixTreeBatch.rows`, no targets plan, the result
+    in the tree's logical layout."""
+    from .logprobs import check_head, check_logits, linear_token_logprobs, packed_token_logprobs
+
+    if weight is None:
+        check_logits(x)
+        vocab = int(x.shape[1])
+    else:
+        check_head(x, weight, bias)
+        vocab = int(weight.shape[0])
+    _check_rows(x, "logits" if weight is None else "hidden", (0, tree.num_tokens), tree)
+    _check_tree_ids(tree, vocab)
+    ids = _on_device(tree, "input_ids", x.device)
+    options = dict(temperature=as_temperature(temperature), return_entropy=bool(return_entropy),
+                   num_threads=num_threads)
+    out = packed_token_logprobs(x, ids, tree.rows(), **options) if weight is None else \
+        linear_token_logprobs(x, weight, ids, tree.rows(), bias=bias, chunk_tokens=chunk_tokens, **options)
+    return _rows_logical(out, tree)
 
 
 def _torch():
@@ -216,11 +228,6 @@ def _torch():
 
 def _check_tree(tree: Any) -> None:
     as_tree(tree)
-
-
-def _plain_rows(tree: PrefixTreeBatch, cp_size: Any) -> Any:
-    """The tree's plain rows when it shares nothing and is not cut for CP, else None."""
-    return tree.rows() if as_positive_int(cp_size, "cp_size") == 1 else None
 
 
 def _on_device(tree: PrefixTreeBatch, name: str, device) -> "torch.Tensor":

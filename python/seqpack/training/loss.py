@@ -29,7 +29,9 @@ from ..tensors.layout_kinds import is_layout
 from ..tensors.thd import pack_to_layout
 from . import distillation, nemo_rl_loss, preference_loss, value_loss, vocab_parallel
 from .distillation import DISTILLATION_DEFAULTS, DistillationLoss, distillation_loss_input, distillation_topk_logprobs
+from .dispatch import loss_route
 from .logprobs import linear_plan, packed_plan
+from .loss_hybrid_cp import PartsLoss
 from .loss_tree import check_tree_logits, tree_loss_plan
 from .nemo_rl_loss import (MAX_KEYS, MIN_KEYS, PG_DEFAULTS, ClippedPGLoss, LossConfigError, LossType,
                            MetricNormalization, NLLLoss, _host_cu, calculate_kl, clipped_pg_loss, masked_mean,
@@ -110,11 +112,11 @@ def prepare_loss_input(logits, data, loss_fn=None, vocab_parallel_rank=None, voc
     "H_all"}`` instead (:mod:`seqpack.training.distillation`). With ``lm_head_weight`` (``[V, H]``, this
     rank's vocabulary slice under TP; ``lm_head_bias`` optional) ``logits`` holds the
     final hidden states ``[..., H]`` instead, and the logits are never materialised
-    (:func:`seqpack.linear_token_logprobs`).
+    (:func:`seqpack.token_logprobs` with ``weight``).
 
     ``agree`` (default): with a TP or CP group, every check runs before the first
     collective, inside one agreement over both groups (see
-    :func:`seqpack.packed_token_logprobs`), so a rank whose inputs fail or differ
+    :func:`seqpack.token_logprobs`), so a rank whose inputs fail or differ
     (shapes, dtypes, ``requires_grad``) makes every rank raise."""
     import torch
 
@@ -182,11 +184,13 @@ class SequencePackingLossWrapper(ValueEquality):
             :func:`seqpack.tensors.layout.check_offsets`, read to the host once), or a
             :class:`~seqpack.PackedLayout` as ``cu_seqlens_q``. Or a
             :class:`~seqpack.PrefixTreeBatch` as ``cu_seqlens_q``: the logits are then
-            the tree's physical tokens (a CP rank's rows of
-            :func:`~seqpack.tree_cp_bounds` with a CP group), the log-probs those of
+            the tree's physical tokens (with a CP group, a rank's rows of the tree's
+            ranges cut, as :func:`seqpack.shard_layout` cuts it), the log-probs those of
             every row's tokens, computed in one pass (as ``fused=True``; a log-prob
             loss, no ``prepare_fn``), and the loss equals the rows' packed without
-            sharing (:mod:`seqpack.training.loss_tree`).
+            sharing (:mod:`seqpack.training.loss_tree`). Or a hybrid-CP micro-batch
+            (:func:`seqpack.hybrid_cp_micro_batches`): each part runs with its block's
+            group and its loss counts ``1 / degree`` (:mod:`~seqpack.training.loss_hybrid_cp`).
         vocab_parallel_rank / vocab_parallel_group / context_parallel_group: TP and CP.
         fused: compute every sequence's log-probs in one pass over the packed
             logits, one CP all-gather per call, and call ``loss_fn`` once on the whole
@@ -201,7 +205,7 @@ class SequencePackingLossWrapper(ValueEquality):
     global_valid_seqs, global_valid_toks, lm_head_weight=W, lm_head_bias=b)``: the
     final hidden states ``[T, H]`` and the LM head ``[V, H]`` (this rank's slice
     under TP), whose logits are never materialised
-    (:func:`seqpack.linear_token_logprobs`).
+    (:func:`seqpack.token_logprobs` with ``weight``).
 
     Per sequence ``i`` (``fused=False``) the logits rows ``[cu_p[i] // cp,
     cu_p[i + 1] // cp)`` and the data row trimmed to ``cu[i + 1] - cu[i]`` columns go
@@ -223,16 +227,29 @@ class SequencePackingLossWrapper(ValueEquality):
                  temperature: float = 1.0, agree: bool = True):
         if cu_seqlens_q is None:
             raise ValueError("cu_seqlens_q is required")
+        self.loss_fn, self.prepare_fn, self.fused, self.agree = loss_fn, prepare_fn, fused, bool(agree)
+        self.temperature = as_temperature(temperature)
+        self.vocab_parallel_rank, self.vocab_parallel_group = vocab_parallel_rank, vocab_parallel_group
+        self.context_parallel_group = context_parallel_group
+        # Rows back to back run the loss per sequence; a tree's logits are its physical
+        # tokens, whose log-probs are every row's at once (loss_tree); a hybrid-CP
+        # micro-batch runs each part with its block's group (loss_hybrid_cp).
+        route = loss_route(cu_seqlens_q)
+        self.parts = cu_seqlens_q if route == "parts" else None
+        if self.parts is not None:
+            if prepare_fn is not None or cu_seqlens_q_padded is not None or context_parallel_group is not None:
+                raise ValueError("a hybrid-CP micro-batch as cu_seqlens_q carries each part's layout and finds its "
+                                 "block's group itself: give no prepare_fn, cu_seqlens_q_padded or "
+                                 "context_parallel_group")
+            self.tree, self.cu, self.cu_padded = None, None, None
+            PartsLoss(self.parts, self)  # each part's checks, now
+            return
         given = getattr(cu_seqlens_q, "layout", cu_seqlens_q)  # a PackedBatch's layout
         layout = given if is_layout(given) else PackedLayout.from_offsets(
             _host_cu(cu_seqlens_q, "cu_seqlens_q"),
             None if cu_seqlens_q_padded is None else _host_cu(cu_seqlens_q_padded, "cu_seqlens_q_padded"))
-        # Rows back to back run the loss per sequence; a tree's logits are its physical
-        # tokens, whose log-probs are every row's at once (loss_tree).
-        self.tree = layout.select(rows=None, tree=layout)
+        self.tree = layout if route == "tree" else None
         _check_packable(loss_fn, fused or self.tree is not None)  # a tree: one call too
-        self.loss_fn, self.prepare_fn, self.fused, self.agree = loss_fn, prepare_fn, fused, bool(agree)
-        self.temperature = as_temperature(temperature)
         if self.tree is not None:
             if cu_seqlens_q_padded is not None:
                 raise ValueError("cu_seqlens_q_padded does not apply to a prefix tree (its layout has no per-row padding)")
@@ -245,8 +262,6 @@ class SequencePackingLossWrapper(ValueEquality):
             raise ValueError("give cu_seqlens_q_padded only with plain offsets: a layout as cu_seqlens_q carries its own")
         self.cu = layout.cu_seqlens.astype(np.int64)
         self.cu_padded = layout.cu_seqlens_padded.astype(np.int64)
-        self.vocab_parallel_rank, self.vocab_parallel_group = vocab_parallel_rank, vocab_parallel_group
-        self.context_parallel_group = context_parallel_group
         if not fused and self.tree is None and not getattr(loss_fn, "splits_per_sequence", True):
             raise ValueError(f"{type(loss_fn).__name__} does not split over sequences (e.g. VAPO's "
                              "positive_example_nll_weight divides by the micro-batch's own token count): use fused=True")
@@ -255,6 +270,13 @@ class SequencePackingLossWrapper(ValueEquality):
         if fused and not _computes_input(loss_fn):
             raise ValueError("fused=True computes the loss's input itself: it needs a log-prob or distillation loss "
                              f"(loss_fn.input_type 'logprob' or 'distillation', not {_input_type(loss_fn)!r})")
+
+    def for_part(self, layout: Any, group: Any) -> "SequencePackingLossWrapper":
+        """This wrapper's loss and options over one part of a hybrid-CP micro-batch:
+        the part's ``layout`` and its block's CP ``group``."""
+        return SequencePackingLossWrapper(self.loss_fn, cu_seqlens_q=layout, vocab_parallel_rank=self.vocab_parallel_rank,
+                                          vocab_parallel_group=self.vocab_parallel_group, context_parallel_group=group,
+                                          fused=self.fused, temperature=self.temperature, agree=self.agree)
 
     def _check(self, logits, data) -> Tuple[Any, int]:
         from ..tensors._device import check_tensor
@@ -283,6 +305,10 @@ class SequencePackingLossWrapper(ValueEquality):
 
     def __call__(self, next_token_logits, data, global_valid_seqs, global_valid_toks, *, lm_head_weight=None,
                  lm_head_bias=None):
+        if self.parts is not None:
+            return PartsLoss(self.parts, self)(next_token_logits, data, global_valid_seqs,
+                                                             global_valid_toks, lm_head_weight=lm_head_weight,
+                                                             lm_head_bias=lm_head_bias)
         def local():  # every check that can differ between ranks, before the first collective
             cp, batch = self._check(next_token_logits, data)
             if self.tree is not None:

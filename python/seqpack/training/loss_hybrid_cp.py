@@ -1,4 +1,5 @@
-"""NeMo-RL's loss wrapper over a hybrid-CP micro-batch (:class:`~seqpack.HybridCpBatch`).
+"""NeMo-RL's loss wrapper over a hybrid-CP micro-batch (:class:`~seqpack.HybridCpBatch`):
+what :class:`~seqpack.SequencePackingLossWrapper` runs when its layout is one.
 
 Each part runs :class:`~seqpack.SequencePackingLossWrapper` on its own rows of the
 logits and data: a whole part with no CP group, a sharded part with its block's
@@ -13,7 +14,7 @@ Summed over the DP x CP ranks (the gradients' all-reduce), every sequence counts
 once, normalised by ``global_valid_toks`` / ``global_valid_seqs`` as without CP:
 unlike fixed CP, do not divide the loss by the CP size.
 
-    >>> wrapper = HybridCpLossWrapper(NLLLoss(), micro_batch)            # doctest: +SKIP
+    >>> wrapper = SequencePackingLossWrapper(NLLLoss(), cu_seqlens_q=micro_batch)  # doctest: +SKIP
     >>> loss, metrics = wrapper(logits, data, global_valid_seqs, global_valid_toks)  # doctest: +SKIP
 
 ``data`` holds the micro-batch's sequences ``[B, S]`` in ``micro_batch.rows``
@@ -24,12 +25,12 @@ micro-batch).
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Mapping, Optional, Tuple
+from typing import Any, Dict, Mapping, Tuple
 
 from .._equality import ValueEquality
-from .._lengths import as_temperature, type_name
+from ..tensors.layout_kinds import as_layout
 
-__all__ = ["HybridCpLossWrapper"]
+__all__ = ["PartsLoss"]
 
 _EXTREMES = ("_min", "_max")
 
@@ -38,65 +39,36 @@ def _rows(data: Mapping[str, Any], start: int, end: int) -> Dict[str, Any]:
     return {k: v[start:end] for k, v in data.items()}
 
 
-def _layout(part: Any) -> Any:
-    """What the wrapper takes as ``cu_seqlens_q``: a tree, or a packed part's layout."""
-    return part.layout if part.is_tree else part.layout.layout
+class PartsLoss(ValueEquality):
+    """Runs a loss per part of ``batch``: ``wrapper.for_part(layout, group)`` builds
+    the loss wrapper of one part (its layout, its block's group:
+    ``batch.block_group(part)``, made where it runs, so the object pickles without
+    process groups)."""
 
-
-class HybridCpLossWrapper(ValueEquality):
-    """:class:`~seqpack.SequencePackingLossWrapper` over every part of a hybrid-CP
-    micro-batch (see the module docstring). It holds the loss, the batch and the
-    options (it pickles and compares by them); each part's wrapper, with its
-    block's group (``batch.block_group(part)``: the groups
-    :func:`~seqpack.hybrid_cp_micro_batches` made), is built when called, in the
-    process that runs it.
-
-    Args:
-        loss_fn: NeMo-RL's loss function (as the wrapper takes it).
-        batch: this rank's :class:`~seqpack.HybridCpBatch`.
-        fused / temperature / vocab_parallel_rank / vocab_parallel_group / agree:
-            as :class:`~seqpack.SequencePackingLossWrapper`, for every part.
-    """
-
-    def __init__(self, loss_fn: Callable, batch: Any, *, fused: bool = False, temperature: float = 1.0,
-                 vocab_parallel_rank: Optional[int] = None, vocab_parallel_group: Any = None,
-                 agree: bool = True) -> None:
-        from ..tensors.hybrid_cp import HybridCpBatch
-        from .loss import SequencePackingLossWrapper
-
-        if not isinstance(batch, HybridCpBatch):
-            raise TypeError(f"batch must be a seqpack.HybridCpBatch, got {type_name(batch)}")
-        self.loss_fn, self.batch = loss_fn, batch
-        self.options = dict(fused=bool(fused), temperature=as_temperature(temperature),
-                            vocab_parallel_rank=vocab_parallel_rank, vocab_parallel_group=vocab_parallel_group,
-                            agree=bool(agree))
-        for part in batch.parts:  # the wrapper's own checks of the loss and the layout, now
-            SequencePackingLossWrapper(loss_fn, cu_seqlens_q=_layout(part), **self.options)
-
-    def _wrappers(self) -> list:
-        from .loss import SequencePackingLossWrapper
-
-        return [SequencePackingLossWrapper(self.loss_fn, cu_seqlens_q=_layout(p), **self.options,
-                                           context_parallel_group=self.batch.block_group(p))
-                for p in self.batch.parts]
+    def __init__(self, batch: Any, wrapper: Any) -> None:
+        self.batch, self.wrapper = batch, wrapper
+        for part in batch.parts:  # each part's wrapper checks the loss and its layout, now
+            wrapper.for_part(as_layout(part.layout), None)
 
     def __call__(self, next_token_logits: Any, data: Mapping[str, Any], global_valid_seqs: Any,
                  global_valid_toks: Any, *, lm_head_weight: Any = None, lm_head_bias: Any = None
                  ) -> Tuple[Any, Dict[str, float]]:
+        batch = self.batch
         rows = next_token_logits.shape[-2] if next_token_logits.dim() == 3 else next_token_logits.shape[0]
-        if rows != self.batch.num_tokens:
+        if rows != batch.num_tokens:
             raise ValueError(f"next_token_logits has {rows} rows; the hybrid micro-batch holds "
-                             f"{self.batch.num_tokens} on this rank")
+                             f"{batch.num_tokens} on this rank")
         sizes = {k: (v.shape[0] if hasattr(v, "shape") else len(v)) for k, v in data.items()}
-        wrong = {k: n for k, n in sizes.items() if n != len(self.batch.rows)}
+        wrong = {k: n for k, n in sizes.items() if n != len(batch.rows)}
         if wrong:
-            raise ValueError(f"data must hold the micro-batch's {len(self.batch.rows)} sequences (in "
+            raise ValueError(f"data must hold the micro-batch's {len(batch.rows)} sequences (in "
                              f"micro_batch.rows order); got rows {wrong}")
         logits = next_token_logits[0] if next_token_logits.dim() == 3 else next_token_logits
         total = logits[:0].sum()  # a rank with no part still has a backward (its dummy micro-batch)
         merged: Dict[str, float] = {}
         first = 0
-        for part, wrapper in zip(self.batch.parts, self._wrappers()):
+        for part in batch.parts:
+            wrapper = self.wrapper.for_part(as_layout(part.layout), batch.block_group(part))
             n = len(part.rows)
             loss, metrics = wrapper(logits[part.start:part.end], _rows(data, first, first + n), global_valid_seqs,
                                     global_valid_toks, lm_head_weight=lm_head_weight, lm_head_bias=lm_head_bias)

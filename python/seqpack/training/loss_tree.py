@@ -4,15 +4,15 @@ given a :class:`~seqpack.PrefixTreeBatch` in place of ``cu_seqlens_q``.
 The model ran on the tree's physical tokens; the loss is NeMo-RL's, on the
 micro-batch's rows. One pass turns the physical logits (or hidden states and the
 LM head) into every logical token's next-token log-prob
-(:func:`~seqpack.tree_token_logprobs`), unpacks them to ``[B, S - 1]`` in the rows'
+(:func:`seqpack.token_logprobs`), unpacks them to ``[B, S - 1]`` in the rows'
 order and calls the loss once, so loss and gradients are those of the rows packed
 without sharing::
 
-    physical logits [T, V]  --tree_token_logprobs-->  logical [N]  --unpack-->  [B, S - 1]  --> loss_fn
-    (shared prefixes once)                            (rows back to back)       (NeMo-RL's)
+    physical logits [T, V]  --token_logprobs-->  logical [N]  --unpack-->  [B, S - 1]  --> loss_fn
+    (shared prefixes once)                       (rows back to back)       (NeMo-RL's)
 
-With a context-parallel group, each rank holds its rows of
-:func:`~seqpack.tree_cp_bounds` and gets the log-probs of the logical tokens they
+With a context-parallel group, each rank holds its rows of the tree's ranges cut
+(:func:`seqpack.shard_layout`) and gets the log-probs of the logical tokens they
 predict; one all-reduce sums them (its backward sums the gradients too), so every
 rank computes the same loss: divide it by the CP size, NeMo-RL's convention, as for
 the zigzag path's all-gather.

@@ -313,5 +313,6 @@ def test_shards_carry_their_trees_built_once_with_their_plans(monkeypatch):
         for tmb, p in zip(tmbs, padded):
             assert p.tree.num_tokens % 8 == 0 and p.tree.num_tokens - p.tree.num_pad_tokens == tmb.tree.num_tokens
         built.clear()
-        assert all(not isinstance(mb, TreeMicroBatch)
-                   for mb in batch.make_microbatch_iterator_for_packable_sequences(shared_prefix=False))
+        # Issue 50: a tree plan cannot run as rows (its bins may pass the cap as rows).
+        with pytest.raises(ValueError, match=r"shared_prefix=False\) contradicts the shard's plan"):
+            batch.make_microbatch_iterator_for_packable_sequences(shared_prefix=False)

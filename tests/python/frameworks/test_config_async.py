@@ -41,11 +41,14 @@ def test_nemo_rl_async_grpo():
     assert (st.path, st.enabled, st.max_staleness, st.step_tokens, st.group_size, st.micro_batch_order,
             st.static_shapes) == ("grpo.async_grpo", True, 2, 1 << 20, 8, "largest_first", 8)
     kwargs = cfg.stream_planner_kwargs(8)
-    assert kwargs == {"dp_size": 8, "max_tokens": 16384, "cp_size": 1, "hybrid_cp": False, "min_cp_degree": 1,
-                      "step_tokens": 1 << 20, "max_staleness": 2, "micro_batch_order": "largest_first",
-                      "static_shapes": 8}
-    planner = seqpack.StreamPlanner(**kwargs)
-    assert planner.max_staleness == 2 and planner.step_tokens == 1 << 20
+    options = seqpack.StepOptions(micro_batch_order="largest_first", static_shapes=8)
+    assert kwargs == {"dp_size": 8, "max_tokens": 16384, "step_tokens": 1 << 20, "max_staleness": 2,
+                      "options": options}
+    assert cfg.step_options() == options and cfg.plan_step_kwargs(8)["options"] == options  # one object, shared
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the config's keywords are the current spelling
+        planner = seqpack.StreamPlanner(**kwargs)
+    assert planner.max_staleness == 2 and planner.step_tokens == 1 << 20 and planner.options == options
     assert load(cfg.to_dict()) == cfg
     off = load(nemo_rl(enabled=False, max_trajectory_age_steps="x"))  # a switched-off section only warns
     assert off.stream.enabled is False
@@ -61,7 +64,8 @@ def test_verl_async_training():
     assert (st.path, st.enabled, st.max_staleness, st.step_tokens, st.group_size, st.micro_batch_order,
             st.static_shapes) == ("async_training", True, 1, 1 << 19, 8, "largest_first", (4096, 16384))
     kwargs = cfg.stream_planner_kwargs(4)
-    assert kwargs["max_tokens"] == 16384 and kwargs["static_shapes"] == (4096, 16384)
+    assert kwargs["max_tokens"] == 16384 and kwargs["options"].static_shapes == (4096, 16384)
+    assert kwargs["options"].micro_batch_order == "largest_first"
     seqpack.StreamPlanner(**kwargs)
     assert load(cfg.to_dict()) == cfg
     assert load({"actor_rollout_ref": {}}).stream is None

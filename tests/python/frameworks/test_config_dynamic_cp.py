@@ -51,14 +51,15 @@ def test_each_schema_reads_megatrons_keys(make, path, cp, cap):
     assert (cfg.parallel.dynamic_cp, cfg.parallel.min_dynamic_cp, cfg.parallel.cp) == (True, 2, cp)
     assert load(cfg.to_dict()) == cfg
     kwargs = cfg.plan_step_kwargs(2)
-    assert kwargs == {"dp_size": 2, "max_tokens": cap, "cp_size": cp, "hybrid_cp": True, "min_cp_degree": 2}
+    options = seqpack.StepOptions(cp_size=cp, hybrid_cp=True, min_cp_degree=2)
+    assert kwargs == {"dp_size": 2, "max_tokens": cap, "options": options} and cfg.step_options() == options
     lengths = [cap * cp // 2, 700, 9000, 300, 12000, 50, 4000, 2200]
     plan = seqpack.plan_step(lengths, **kwargs)
     assert plan.cp_size == cp and (plan.cp_degree >= 2).all()
     per_rank = load(make(dynamic_context_parallel=True, max_seqlen_per_dp_cp_rank=4096))
     assert per_rank.plan_step_kwargs(1)["max_tokens"] == 4096 and load(per_rank.to_dict()) == per_rank
     off = load(make())
-    assert off.parallel.dynamic_cp is False and off.plan_step_kwargs(1)["hybrid_cp"] is False
+    assert off.parallel.dynamic_cp is False and off.plan_step_kwargs(1)["options"].hybrid_cp is False
 
 
 @pytest.mark.parametrize("make, path, cp, cap", SCHEMAS)

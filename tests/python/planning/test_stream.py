@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import seqpack
-from seqpack import CostModel, StreamPlanner, StreamStep, plan_step
+from seqpack import CostModel, StepOptions, StreamPlanner, StreamStep, plan_step
 from seqpack.testing.stream_reference import next_fit_rows, next_fit_step
 
 CAP = 256
@@ -90,7 +90,8 @@ def check_step_plan(step: StreamStep, info, cap):
        st.sampled_from([CostModel.tokens(), CostModel(4.0, 1.0, 0.002)]))
 def test_stream_rules(stream, max_staleness, dp_size, step_tokens, cost):
     sizes, chunks = stream
-    planner = StreamPlanner(dp_size, CAP, step_tokens=step_tokens, max_staleness=max_staleness, cost=cost)
+    planner = StreamPlanner(dp_size, CAP, step_tokens=step_tokens, max_staleness=max_staleness,
+                            options=StepOptions(cost=cost))
     steps, info, _ = run(planner, sizes, chunks)
     landed = [i for s in steps for i in s.item_ids.tolist()]
     dropped = [i for s in steps for i in s.dropped.tolist()] + planner.dropped.tolist()
@@ -125,7 +126,8 @@ def test_stream_rules(stream, max_staleness, dp_size, step_tokens, cost):
 def test_pickle_mid_stream_resumes_to_the_same_steps(stream, max_staleness, dp_size, step_tokens, data):
     sizes, chunks = stream
     at = data.draw(st.integers(0, len(chunks) - 1))
-    kwargs = dict(step_tokens=step_tokens, max_staleness=max_staleness, micro_batch_order="largest_first")
+    kwargs = dict(step_tokens=step_tokens, max_staleness=max_staleness,
+                  options=StepOptions(micro_batch_order="largest_first"))
     steps, _, saved = run(StreamPlanner(dp_size, CAP, **kwargs), sizes, chunks, pickle_at=at)
     blob, done, version = saved
     resumed = pickle.loads(blob)
@@ -220,7 +222,7 @@ def test_flush_modes():
     assert step.groups == ["a", "b"] and step.item_ids.tolist() == [0, 1, 2] and p.pending == 0
     with pytest.raises(ValueError, match="incomplete must be one of"):
         p.flush(0, incomplete="all")
-    p = StreamPlanner(1, 100, step_tokens=10, mini_batches=3)
+    p = StreamPlanner(1, 100, step_tokens=10, options=StepOptions(mini_batches=3))
     p.add([5, 6], group_ids=["x", "y"], version=0, group_size=1)
     assert len(p.flush(0).plan.assignment) == 2  # a short last step: one mini-batch per item
 
@@ -231,11 +233,15 @@ def test_errors_name_the_argument():
     with pytest.raises(ValueError, match="max_staleness"):
         StreamPlanner(2, 100, step_tokens=10, max_staleness=-1)
     with pytest.raises(ValueError, match="sync"):
-        StreamPlanner(2, 100, step_tokens=10, sync="async")
+        StreamPlanner(2, 100, step_tokens=10, options=StepOptions(sync="async"))
     with pytest.raises(TypeError, match="cost"):
-        StreamPlanner(2, 100, step_tokens=10, cost="tokens")
-    with pytest.raises(ValueError, match="whole_trees"):
-        StreamPlanner(2, 100, step_tokens=10, whole_trees=True)
+        StreamPlanner(2, 100, step_tokens=10, options=StepOptions(cost="tokens"))
+    with pytest.raises(ValueError, match="whole_trees=True needs shared_prefix=True"):
+        StreamPlanner(2, 100, step_tokens=10, options=StepOptions(whole_trees=True))
+    with pytest.raises(TypeError, match="options must be a seqpack.StepOptions, got dict"):
+        StreamPlanner(2, 100, step_tokens=10, options={"cp_size": 2})
+    with pytest.raises(TypeError, match="unexpected keyword argument 'cpsize'"):
+        StreamPlanner(2, 100, step_tokens=10, cpsize=2)
     p = StreamPlanner(2, 100, step_tokens=10)
     with pytest.raises(ValueError, match=r"lengths\[1\] = 101 cannot be planned"):
         p.add([5, 101], group_ids=0, version=0, group_size=2)
@@ -255,15 +261,16 @@ def test_errors_name_the_argument():
         p.add([5], group_ids=0, version=0, group_size=3)
     with pytest.raises(ValueError, match="not ready"):
         p.next_step(0)
-    with pytest.raises(ValueError, match="tokens is required with forest=True"):
-        StreamPlanner(2, 100, step_tokens=10, forest=True).add([5], group_ids=0, version=0, group_size=1)
+    with pytest.raises(ValueError, match="tokens is required with shared_prefix=True"):
+        StreamPlanner(2, 100, step_tokens=10, shared_prefix=True).add([5], group_ids=0, version=0, group_size=1)
     with pytest.raises(ValueError, match="sharded over cp_size=2"):
-        StreamPlanner(1, 100, step_tokens=10, cp_size=2).add([300], group_ids=0, version=0, group_size=1)
+        StreamPlanner(1, 100, step_tokens=10, options=StepOptions(cp_size=2)).add([300], group_ids=0, version=0,
+                                                                                    group_size=1)
 
 
 def test_forest_steps_plan_groups_as_trees():
     rng = np.random.default_rng(0)
-    planner = StreamPlanner(2, 400, step_tokens=1500, forest=True, max_staleness=2)
+    planner = StreamPlanner(2, 400, step_tokens=1500, shared_prefix=True, max_staleness=2)
     rows_of = {}
     version = 0
     steps = []
@@ -293,7 +300,7 @@ def test_beats_next_fit_in_arrival_order_on_the_same_stream():
     their arrival order."""
     rng = np.random.default_rng(3)
     cost = CostModel(2000.0, 1.0, 1.0 / 4096)
-    planner = StreamPlanner(4, 8192, step_tokens=64 * 1024, cost=cost, max_staleness=2)
+    planner = StreamPlanner(4, 8192, step_tokens=64 * 1024, options=StepOptions(cost=cost), max_staleness=2)
     arrival: List[int] = []
     lengths: Dict[int, int] = {}
     events = []
@@ -331,7 +338,7 @@ def test_next_fit_reference():
 @given(st.lists(st.tuples(st.integers(1, 4), st.integers(0, 40)), min_size=1, max_size=8), st.integers(1, 2),
        st.integers(20, 300), st.data())
 def test_forest_stream_rules(groups, dp_size, step_tokens, data):
-    """forest=True: each group's rows share a prompt; steps are plan_step(forest=) plans
+    """shared_prefix=True: each group's rows share a prompt; steps are plan_step(forest=) plans
     of their groups' rows, physical tokens under the cap, every item once."""
     rows, labels = [], []
     for g, (size, prompt) in enumerate(groups):
@@ -340,7 +347,7 @@ def test_forest_stream_rules(groups, dp_size, step_tokens, data):
             rows.append(head + data.draw(st.lists(st.integers(1, 9), min_size=1, max_size=30)))
             labels.append(g)
     order = data.draw(st.permutations(range(len(rows))))
-    planner = StreamPlanner(dp_size, 80, step_tokens=step_tokens, forest=True)
+    planner = StreamPlanner(dp_size, 80, step_tokens=step_tokens, shared_prefix=True)
     steps, given_rows, label_of = [], {}, {}
     for i in order:
         item = int(planner.add(tokens=[rows[i]], group_ids=labels[i], version=0,
@@ -358,6 +365,7 @@ def test_forest_stream_rules(groups, dp_size, step_tokens, data):
                                                 group_ids=[step.groups.index(label_of[i]) for i in ids])
         again = plan_step(forest.lengths, dp_size, 80, forest=forest)
         assert step.predicted_time == again.predicted_time and step.plan.tokens == again.tokens
+        assert step.plan.forest == forest  # the step's forest: row p is position p's rollout
         assert all(t <= 80 for mb in step.tokens for r in mb for t in r)
 
 
@@ -366,7 +374,8 @@ def test_context_parallel_steps():
     """cp_size / hybrid_cp pass through: each step is the CP plan of its items."""
     cost = CostModel(1e-3, 1e-4, 2e-9, per_kv_token=1e-6, per_collective=2e-3)
     for hybrid in (False, True):
-        planner = StreamPlanner(2, 4096, step_tokens=20000, cp_size=4, hybrid_cp=hybrid, cost=cost)
+        options = StepOptions(cp_size=4, hybrid_cp=hybrid, cost=cost)
+        planner = StreamPlanner(2, 4096, step_tokens=20000, options=options)
         planner.add([15000, 900, 700, 1200], group_ids=0, version=0, group_size=4)
         planner.add([3000, 800, 5000, 600], group_ids=1, version=0, group_size=4)
         step = planner.next_step(0)
@@ -375,3 +384,85 @@ def test_context_parallel_steps():
         assert step.plan.kv_tokens == again.kv_tokens
         assert sorted({i for mb in step.assignment for r in mb for c in r for i in c}) == list(range(8))
     assert hybrid and sorted(set(step.plan.cp_degree.tolist())) != [4]
+
+
+def test_at_most_ten_parameters():
+    """StreamPlanner takes plan_step's options as one object, not a copied signature."""
+    import inspect
+
+    params = inspect.signature(StreamPlanner).parameters
+    assert len(params) <= 10, list(params)
+    assert "options" in params and "shared_prefix" in params and "forest" not in params
+
+
+OLD_KEYWORDS = [("cost", CostModel.verl()), ("sync", "step"), ("mini_batches", 2), ("min_micro_batches", 2),
+                ("multiple_of", 2), ("seed", 3), ("cp_size", 2), ("hybrid_cp", True),
+                ("micro_batch_order", "largest_first"), ("static_shapes", 4)]
+
+
+@pytest.mark.parametrize("name, value", OLD_KEYWORDS, ids=[n for n, _ in OLD_KEYWORDS])
+def test_each_old_keyword_warns_and_still_works(name, value):
+    with pytest.warns(DeprecationWarning, match=rf"StreamPlanner\({name}=...\) is deprecated: .*"
+                                                 rf"options=seqpack.StepOptions\({name}=...\)"):
+        old = StreamPlanner(2, 1000, step_tokens=100, **{name: value})
+    new = StreamPlanner(2, 1000, step_tokens=100, options=StepOptions(**{name: value}))
+    assert old.options == new.options == StepOptions(**{name: value})
+    for p in (old, new):
+        p.add([300, 200, 400, 100], group_ids=[0, 0, 1, 1], version=0, group_size=2)
+    assert old.next_step(0) == new.next_step(0)
+
+
+def test_old_keywords_together_warn_once_naming_them_all():
+    with pytest.warns(DeprecationWarning, match=r"StreamPlanner\(cp_size=..., hybrid_cp=..., min_cp_degree=...\) is "
+                                                 r"deprecated: .*StepOptions\(cp_size=..., hybrid_cp=..., "):
+        old = StreamPlanner(1, 1000, step_tokens=100, cp_size=4, hybrid_cp=True, min_cp_degree=2)
+    assert old.options == StepOptions(cp_size=4, hybrid_cp=True, min_cp_degree=2)
+
+
+def test_old_tree_keywords_warn_and_still_work():
+    with pytest.warns(DeprecationWarning, match=r"StreamPlanner\(forest=True\) is deprecated: use "
+                                                 r"StreamPlanner\(shared_prefix=True\)"):
+        old = StreamPlanner(2, 100, step_tokens=10, forest=True)
+    with pytest.warns(DeprecationWarning, match=r"StreamPlanner\(whole_trees=...\) is deprecated"):
+        whole = StreamPlanner(2, 100, step_tokens=10, shared_prefix=True, whole_trees=True)
+    assert old.shared_prefix and old.options == StepOptions(shared_prefix=True)
+    assert whole.options == StepOptions(shared_prefix=True, whole_trees=True)
+    with pytest.warns(DeprecationWarning, match=r"StreamPlanner.forest is deprecated: use StreamPlanner.shared_prefix"):
+        assert old.forest is True
+    with pytest.raises(TypeError, match="forest must be True or False .*StreamPlanner\\(shared_prefix=True\\)"):
+        StreamPlanner(2, 100, step_tokens=10, forest=seqpack.PrefixForest.from_rows([[1, 2]]))
+    with pytest.raises(ValueError, match=r"StreamPlanner: cp_size=4 and options.cp_size=2 disagree"):
+        with pytest.warns(DeprecationWarning):
+            StreamPlanner(2, 100, step_tokens=10, options=StepOptions(cp_size=2), cp_size=4)
+
+
+def test_shared_prefix_from_options_or_the_switch():
+    rows = [[7, 7, 7, 1], [7, 7, 7, 2, 3], [9, 9, 4]]
+    steps = []
+    for planner in (StreamPlanner(2, 100, step_tokens=10, shared_prefix=True),
+                    StreamPlanner(2, 100, step_tokens=10, options=StepOptions(shared_prefix=True))):
+        planner.add(tokens=rows, group_ids=[0, 0, 1], version=0, group_size=[2, 2, 1])
+        steps.append(planner.next_step(0))
+    assert steps[0] == steps[1]
+    step = steps[0]
+    forest = step.plan.forest  # row p: the rollout at the step's position p
+    assert forest is not None and forest.lengths.tolist() == [len(rows[i]) for i in step.item_ids.tolist()]
+    assert forest == seqpack.PrefixForest.from_rows([rows[i] for i in step.item_ids.tolist()], group_ids=[0, 0, 1])
+    restored = pickle.loads(pickle.dumps(step))
+    assert restored == step and restored.plan.forest == forest
+
+
+def test_a_checkpoint_from_before_step_options_resumes():
+    """A planner pickled when it kept plan_step's keywords (and ``forest``) loads with
+    the same options."""
+    planner = StreamPlanner(2, 100, step_tokens=50, shared_prefix=True, options=StepOptions(seed=3, mini_batches=2))
+    planner.add(tokens=[[1, 2, 3], [1, 2, 4]], group_ids=0, version=0, group_size=2)
+    old = planner.__getstate__()
+    options = old.pop("options")
+    old.update(forest=True, mini_batches=2, cost=options.cost, _plan_kwargs=dict(
+        dp_size=2, max_tokens=100, cost=options.cost, sync="micro_batch", mini_batches=2, min_micro_batches=1,
+        multiple_of=1, seed=3, cp_size=1, hybrid_cp=False, min_cp_degree=1, micro_batch_order="planned",
+        static_shapes=None, whole_trees=False))
+    resumed = StreamPlanner.__new__(StreamPlanner)
+    resumed.__setstate__(old)
+    assert resumed == planner and resumed.options == options

@@ -80,7 +80,7 @@ def test_tree_parts_cut_each_tree_across_its_block():
             mb = seqpack.pack_hybrid_cp({"input_ids": ids}, lens, plan, rank=r, micro_batch=k, forest=forest)
             assert mb.num_tokens <= plan.tokens[0][r][k] <= 30
             for p in mb.parts:
-                assert p.is_tree and p.input_ids is None
+                assert isinstance(p.layout, seqpack.PrefixTreeBatch) and p.input_ids is None
                 if p.degree > 1:
                     assert len({int(forest.tree_ids[i]) for i in p.rows}) == 1
                     held.setdefault(p.rows, []).append(mb["input_ids"][p.start:p.end])

@@ -103,7 +103,7 @@ def test_tree_attention_of_any_layout_equals_the_rows_alone(forest, opts, pad_mu
     grads = torch.autograd.grad(want.pow(2).sum(), logical) if want.numel() else None
     for layout in (tree, packed):
         physical = [layout.to_physical(x.detach()).requires_grad_(True) for x in logical]
-        got = layout.to_logical(seqpack.tree_attention(*physical, layout, backend=backend))
+        got = layout.to_logical(seqpack.attention(*physical, layout, backend=backend))
         torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-10)
         if grads is not None:
             got.pow(2).sum().backward()
@@ -119,24 +119,25 @@ def _sum_to_physical(g, layout):
 def test_rows_that_share_nothing_run_plain_packing_kernels(monkeypatch):
     """A PackedLayout, and a tree with nothing shared, reach varlen_attention once
     with the rows' offsets and build no tree plan; a tree that shares does not."""
-    from seqpack.training import attention_tree
+    from seqpack.training import attention_tree, attention_varlen
 
     calls = []
-    real = attention_tree.varlen_attention
-    monkeypatch.setattr(attention_tree, "varlen_attention", lambda *a, **kw: calls.append(a[3]) or real(*a, **kw))
+    real = attention_varlen.varlen_attention
+    for module in (attention_tree, attention_varlen):
+        monkeypatch.setattr(module, "varlen_attention", lambda *a, **kw: calls.append(a[3]) or real(*a, **kw))
     packed = seqpack.PackedLayout.from_lengths([3, 5, 1], pad_multiple=4)
     q, k, v = _qkv(packed.num_tokens)
-    seqpack.tree_attention(q, k, v, packed)
+    seqpack.attention(q, k, v, packed)
     assert [c.tolist() for c in calls] == [[0, 4, 12, 16]]
     tree = seqpack.pack_prefix_tree([[1, 2, 3], [4, 5]], pad_to_multiple_of=4)
     calls.clear()
     q, k, v = _qkv(tree.num_tokens)
-    seqpack.tree_attention(q, k, v, tree, backend="sdpa")
+    seqpack.attention(q, k, v, tree, backend="sdpa")
     assert [c.tolist() for c in calls] == [[0, 3, 5, 6, 7, 8]] and "attention" not in tree.planned()
     shared = seqpack.pack_prefix_tree([[1, 2, 3], [1, 2, 4]])
     calls.clear()
     q, k, v = _qkv(shared.num_tokens)
-    seqpack.tree_attention(q, k, v, shared, backend="sdpa")
+    seqpack.attention(q, k, v, shared, backend="sdpa")
     assert calls == [] and "attention" in shared.planned()
 
 
@@ -158,14 +159,14 @@ def test_log_probs_take_a_tree_that_shares_nothing_as_its_rows():
     tree = seqpack.pack_prefix_tree([[1, 2, 3], [4, 5]], pad_to_multiple_of=4)
     logits = torch.randn(tree.num_tokens, 8, dtype=torch.float64)
     ids = torch.tensor(tree.input_ids)
-    got = seqpack.packed_token_logprobs(logits, ids, tree).logprobs
-    want = seqpack.packed_token_logprobs(logits, ids, tree.rows()).logprobs
-    torch.testing.assert_close(got, want, rtol=0, atol=0)
-    by_tree = seqpack.tree_token_logprobs(logits, tree).logprobs
+    got = seqpack.token_logprobs(logits, tree.rows(), ids).logprobs
+    by_tree = seqpack.token_logprobs(logits, tree).logprobs
     torch.testing.assert_close(tree.to_logical(got), by_tree, rtol=1e-12, atol=1e-12)
     shared = seqpack.pack_prefix_tree([[1, 2, 3], [1, 2, 4]])
-    with pytest.raises(TypeError, match="tree_token_logprobs"):
-        seqpack.packed_token_logprobs(torch.randn(shared.num_tokens, 8), torch.tensor(shared.input_ids), shared)
+    from seqpack.training.logprobs import packed_token_logprobs
+
+    with pytest.raises(TypeError, match="share tokens.*seqpack.token_logprobs"):
+        packed_token_logprobs(torch.randn(shared.num_tokens, 8), torch.tensor(shared.input_ids), shared)
 
 
 def test_the_loss_wrapper_takes_a_packed_batch_as_its_layout():
@@ -241,11 +242,12 @@ def test_varlen_attention_takes_a_layout_of_rows_alone():
     torch.testing.assert_close(seqpack.varlen_attention(q, k, v, batch.layout), want, rtol=0, atol=0)
     tree = seqpack.pack_prefix_tree([[1, 2, 3], [4, 5]])
     q, k, v = _qkv(tree.num_tokens)
-    torch.testing.assert_close(seqpack.varlen_attention(q, k, v, tree), seqpack.tree_attention(q, k, v, tree),
+    torch.testing.assert_close(seqpack.varlen_attention(q, k, v, tree), seqpack.attention(q, k, v, tree),
                                rtol=0, atol=0)
     shared = seqpack.pack_prefix_tree([[1, 2, 3], [1, 2, 4]])
-    with pytest.raises(TypeError, match="tree_attention"):
-        seqpack.varlen_attention(*_qkv(shared.num_tokens), shared)
+    q2, k2, v2 = _qkv(shared.num_tokens)  # a layout as cu_seqlens_q: seqpack.attention on it
+    torch.testing.assert_close(seqpack.varlen_attention(q2, k2, v2, shared), seqpack.attention(q2, k2, v2, shared),
+                               rtol=0, atol=0)
     with pytest.raises(ValueError, match="give no cu_seqlens_k"):
         seqpack.varlen_attention(q, k, v, tree, [0, 3, 5])
     with pytest.raises(ValueError, match="causal=True and no window"):
@@ -261,7 +263,7 @@ def test_megatron_params_of_any_layout_whose_rows_share_nothing():
     params = tree.packed_seq_params()
     assert params.qkv_format == "thd" and params.cu_seqlens_q_padded.tolist() == [0, 3, 5, 6, 7, 8]
     assert params.cu_seqlens_q.tolist() == [0, 3, 5, 5, 5, 5]
-    with pytest.raises(TypeError, match="tree_attention"):
+    with pytest.raises(TypeError, match="share tokens.*seqpack.attention"):
         seqpack.pack_prefix_tree([[1, 2, 3], [1, 2, 4]]).packed_seq_params()
 
 
@@ -275,9 +277,9 @@ def test_tree_log_probs_of_rows_that_share_nothing_run_the_packed_kernels(fused)
     hidden = torch.randn(tree.num_tokens, 8, generator=g, dtype=torch.float64, requires_grad=True)
     head = torch.randn(7, 8, generator=g, dtype=torch.float64)
     if fused:
-        got = seqpack.tree_linear_token_logprobs(hidden, head, tree, return_entropy=True)
+        got = seqpack.token_logprobs(hidden, tree, weight=head, return_entropy=True)
     else:
-        got = seqpack.tree_token_logprobs(hidden @ head.T, tree, return_entropy=True)
+        got = seqpack.token_logprobs(hidden @ head.T, tree, return_entropy=True)
     assert "targets" not in tree.planned()
     flat = torch.tensor([t for r in rows for t in r])
     cu = np.cumsum([0] + [len(r) for r in rows])

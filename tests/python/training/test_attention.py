@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import seqpack
-from seqpack import attention as att
+from seqpack.training import attention as att
 from seqpack.training import attention_cp as cp_att
 from seqpack.training import attention_varlen
 

@@ -2,8 +2,10 @@
 cast to the autocast dtype (transformers hands an attention function float32 q/k
 after the rotary embedding and a bfloat16 v), the result comes back in that dtype
 and gradients reach every input in its own dtype; outside autocast mismatched
-dtypes still raise, naming the rule. ``cp_attention`` and ``ulysses_attention``
-follow autocast the same way (one-process gloo group)."""
+dtypes still raise, naming the rule. The zigzag CP and Ulysses implementations
+(``seqpack.training.attention_cp.cp_attention``,
+``seqpack.training.attention_ulysses.ulysses_attention``) follow autocast the same
+way (one-process gloo group)."""
 
 import pytest
 import torch
@@ -11,7 +13,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import seqpack
-from seqpack import cp_attention, ulysses_attention, varlen_attention
+from seqpack import varlen_attention
+from seqpack.training.attention_cp import cp_attention
+from seqpack.training.attention_ulysses import ulysses_attention
 
 CU = [0, 3, 4, 9]
 

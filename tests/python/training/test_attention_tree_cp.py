@@ -1,14 +1,15 @@
-"""Context parallelism over a prefix tree (issue 29, item 3): ``tree_cp_attention``
-(contiguous ranges balanced by work, K/V all-gathered) and ``ulysses_attention``
-given a tree.
+"""Context parallelism over a prefix tree (issue 29, item 3): ``seqpack.attention``
+on a tree's cut for one rank, ``seqpack.shard_layout(tree, cp, rank)`` (contiguous
+ranges balanced by work, K/V all-gathered) or ``shard_layout(..., scheme="ulysses")``;
+the implementations' agreement (``training.attention_tree_cp.tree_cp_attention``).
 
 One process: each rank's varlen plan, run on the full K/V, gives its rows of
-``tree_attention`` (hypothesis, every CP size). On 2 and 3 gloo ranks (one
+``seqpack.attention`` on the tree (hypothesis, every CP size). On 2 and 3 gloo ranks (one
 RankPool per world size for the module): every rank's rows of the output and of
 the q/k/v gradients equal the single-process tree attention in fp64 (GQA, pad
 tokens, one KV head per gather, ranks without tokens), the same for Ulysses, a
-one-layer model's training step on CP ranks (tree_cp_attention and the tree
-log-probs of each rank's rows) gives the one-process loss and weight gradients, so
+one-layer model's training step on CP ranks (attention and the tree log-probs
+of each rank's rows) gives the one-process loss and weight gradients, so
 does SequencePackingLossWrapper given the tree and the CP group, and one rank's bad
 input makes every rank raise (never a hang).
 """
@@ -22,8 +23,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import seqpack
-from seqpack import tree_attention, tree_cp_attention, tree_cp_bounds, tree_cp_local_rows, ulysses_attention
+from seqpack.tensors.prefix_tree_cp import tree_cp_bounds
 from seqpack.tensors.tree_plans import tree_cp_plan
+from seqpack.training.attention_cp import cp_attention
+from seqpack.training.attention_tree_cp import tree_cp_attention
+from seqpack.training.attention_ulysses import ulysses_attention
 
 CASE_TIMEOUT_S = 60
 WORLDS = (2, 3)
@@ -65,8 +69,8 @@ def trees(draw):
 @given(trees(), st.integers(1, 5))
 def test_every_rank_plan_gives_its_rows_of_tree_attention(tree, cp):
     q, k, v = _qkv(tree.num_tokens)
-    full = tree_attention(q, k, v, tree, backend="reference")
-    bounds = tree_cp_bounds(tree, cp)
+    full = seqpack.attention(q, k, v, tree, backend="reference")
+    bounds = tree_cp_bounds(tree, cp)  # the plan's own bounds (cp = 1 included)
     parts = []
     for rank in range(cp):
         plan = tree_cp_plan(tree, bounds, rank)
@@ -80,41 +84,41 @@ def test_every_rank_plan_gives_its_rows_of_tree_attention(tree, cp):
 
 # ------------------------------------------------------------------ gloo ranks
 def case_tree_cp(rank, world, seed):
-    """tree_cp_attention's rows and gradients equal tree_attention's (fp64): all
-    heads at once and one KV head per gather; GQA; pads; a second call with
-    agree=False."""
+    """attention on this rank's cut: its rows and gradients equal the whole tree's
+    (fp64): all heads at once and one KV head per gather; GQA; pads; a second call
+    with agree=False."""
     tree = _grpo_tree(seed)
+    cut = seqpack.shard_layout(tree, world, rank)
     full = _qkv(tree.num_tokens, seed=seed)
     w = torch.randn(tree.num_tokens, 4, 8, generator=torch.Generator().manual_seed(seed + 7), dtype=torch.float64)
     leaves = [t.clone().requires_grad_() for t in full]
-    ref = tree_attention(*leaves, tree, backend="reference")
+    ref = seqpack.attention(*leaves, tree, backend="reference")
     (ref * w).sum().backward()
-    local_w = tree_cp_local_rows(w, tree, world, rank)
+    local_w = cut.local_rows(w)
     for heads, agree in ((None, True), (1, True), (None, False)):
-        local = [tree_cp_local_rows(t, tree, world, rank).clone().requires_grad_() for t in full]
-        out = tree_cp_attention(*local, tree, kv_heads_per_chunk=heads, agree=agree)
-        torch.testing.assert_close(out, tree_cp_local_rows(ref.detach(), tree, world, rank), rtol=1e-10, atol=1e-12)
+        local = [cut.local_rows(t).clone().requires_grad_() for t in full]
+        out = seqpack.attention(*local, cut, group=dist.group.WORLD, kv_heads_per_chunk=heads, agree=agree)
+        torch.testing.assert_close(out, cut.local_rows(ref.detach()), rtol=1e-10, atol=1e-12)
         (out * local_w).sum().backward()
         for mine, leaf in zip(local, leaves):
-            torch.testing.assert_close(mine.grad, tree_cp_local_rows(leaf.grad, tree, world, rank), rtol=1e-10,
-                                       atol=1e-12)
+            torch.testing.assert_close(mine.grad, cut.local_rows(leaf.grad), rtol=1e-10, atol=1e-12)
     return True
 
 
 def case_tree_cp_tiny(rank, world):
     """Fewer tokens than ranks: the ranks without tokens still join the gathers."""
     tree = seqpack.pack_prefix_tree([[3, 4]])
+    cut = seqpack.shard_layout(tree, world, rank)
     full = _qkv(tree.num_tokens, hq=2, hk=1)
     leaves = [t.clone().requires_grad_() for t in full]
-    ref = tree_attention(*leaves, tree, backend="reference")
+    ref = seqpack.attention(*leaves, tree, backend="reference")
     ref.sum().backward()
-    local = [tree_cp_local_rows(t, tree, world, rank).clone().requires_grad_() for t in full]
-    out = tree_cp_attention(*local, tree)
-    torch.testing.assert_close(out, tree_cp_local_rows(ref.detach(), tree, world, rank), rtol=1e-10, atol=1e-12)
+    local = [cut.local_rows(t).clone().requires_grad_() for t in full]
+    out = seqpack.attention(*local, cut, group=dist.group.WORLD)
+    torch.testing.assert_close(out, cut.local_rows(ref.detach()), rtol=1e-10, atol=1e-12)
     out.sum().backward()
     for mine, leaf in zip(local, leaves):
-        torch.testing.assert_close(mine.grad, tree_cp_local_rows(leaf.grad, tree, world, rank), rtol=1e-10,
-                                   atol=1e-12)
+        torch.testing.assert_close(mine.grad, cut.local_rows(leaf.grad), rtol=1e-10, atol=1e-12)
     return True
 
 
@@ -124,7 +128,7 @@ def case_gather_tree_cp(rank, world):
 
     tree = _grpo_tree(3)
     full = torch.arange(tree.num_tokens * 3, dtype=torch.float64).view(-1, 3)
-    local = tree_cp_local_rows(full, tree, world, rank).clone().requires_grad_()
+    local = seqpack.shard_layout(tree, world, rank).local_rows(full).clone().requires_grad_()
     gathered = gather_tree_cp(local, tree, dist.group.WORLD)
     assert torch.equal(gathered, full)
     (gathered * (rank + 1)).sum().backward()  # every rank's loss: the sum over ranks is world (world + 1) / 2
@@ -133,7 +137,8 @@ def case_gather_tree_cp(rank, world):
 
 
 def case_ulysses_tree(rank, world):
-    """ulysses_attention given the tree equals tree_attention (rows and gradients)."""
+    """attention on the tree's Ulysses cut equals the whole tree's (rows and
+    gradients); a window (the implementation's argument) is refused for a tree."""
     from seqpack.tensors._ulysses import local_rows
 
     tree = _grpo_tree(5)
@@ -142,7 +147,7 @@ def case_ulysses_tree(rank, world):
     hq = 2 * world
     full = _qkv(t, hq=hq, hk=world, seed=5)
     leaves = [x.clone().requires_grad_() for x in full]
-    ref = tree_attention(*leaves, tree, backend="reference")
+    ref = seqpack.attention(*leaves, tree, backend="reference")
     w = torch.randn(t, hq, 8, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
     (ref * w).sum().backward()
 
@@ -151,15 +156,15 @@ def case_ulysses_tree(rank, world):
         return padded[rank * n: (rank + 1) * n]
 
     local = [mine(x).clone().requires_grad_() for x in full]
-    out = ulysses_attention(*local, tree)
+    out = seqpack.attention(*local, seqpack.shard_layout(tree, world, rank, scheme="ulysses"), group=dist.group.WORLD)
     torch.testing.assert_close(out, mine(ref.detach()), rtol=1e-10, atol=1e-12)
     (out * mine(w)).sum().backward()
     for got, leaf in zip(local, leaves):
         torch.testing.assert_close(got.grad, mine(leaf.grad), rtol=1e-10, atol=1e-12)
     try:
         ulysses_attention(*local, tree, window_size=(4, 0))
-    except ValueError as exc:
-        assert "window_size=(-1, -1) with a tree" in str(exc)
+    except TypeError as exc:  # a window is rows' attention; a tree's is causal over its ancestors
+        assert "rows share tokens" in str(exc)
     else:
         raise AssertionError("a window must be refused with a tree")
     return True
@@ -172,7 +177,8 @@ def case_failing_rank(rank, world):
     tree = _grpo_tree(1)
     other = _grpo_tree(2)
     full = _qkv(tree.num_tokens)
-    q, k, v = (tree_cp_local_rows(t, tree, world, rank) for t in full)
+    cut = seqpack.shard_layout(tree, world, rank)
+    q, k, v = (cut.local_rows(t) for t in full)
     last = world - 1
     cases = [(last, (torch.cat([q, q[:1]]), k, v), tree, "must hold this rank's"),
              (0, (q, k[..., :3], v), tree, "same head dim"),
@@ -188,39 +194,42 @@ def case_failing_rank(rank, world):
             raise AssertionError(f"every rank must raise (rank {bad}: {error})")
     # Another tree on the last rank: its own checks pass, the fingerprint does not.
     mine_tree = other if rank == last else tree
-    mine = [tree_cp_local_rows(t, mine_tree, world, rank) for t in _qkv(mine_tree.num_tokens)]
+    mine = [seqpack.shard_layout(mine_tree, world, rank).local_rows(t) for t in _qkv(mine_tree.num_tokens)]
     try:
         tree_cp_attention(*mine, mine_tree)
     except ValueError as exc:
         assert "disagree on the tree's segments" in str(exc), str(exc)
     else:
         raise AssertionError("ranks with different trees must raise")
-    try:  # a tree's attention is causal: non-causal CP refuses it on every rank
-        seqpack.cp_attention(q, k, v, tree, causal=False)
-    except ValueError as exc:
+    try:  # a tree's attention is causal: non-causal (zigzag) CP refuses it on every rank
+        cp_attention(q, k, v, tree, causal=False)
+    except (TypeError, ValueError) as exc:
         assert "a prefix tree's attention is causal" in str(exc), str(exc)
     else:
         raise AssertionError("cp_attention(causal=False) must refuse a tree")
-    ref = tree_cp_local_rows(tree_attention(*full, tree, backend="reference"), tree, world, rank)
+    ref = cut.local_rows(seqpack.attention(*full, tree, backend="reference"))
     torch.testing.assert_close(tree_cp_attention(q, k, v, tree), ref, rtol=1e-10, atol=1e-12)
-    # cp_attention takes any layout: a tree runs tree_cp_attention (its contiguous cut)
-    torch.testing.assert_close(seqpack.cp_attention(q, k, v, tree), ref, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(seqpack.attention(q, k, v, cut, group=dist.group.WORLD), ref, rtol=1e-10, atol=1e-12)
+    # The deprecated seqpack.cp_attention still takes a whole tree (it runs its contiguous cut).
+    with pytest.warns(DeprecationWarning, match=r"seqpack\.cp_attention is deprecated"):
+        old_cp_attention = seqpack.cp_attention
+    torch.testing.assert_close(old_cp_attention(q, k, v, tree), ref, rtol=1e-10, atol=1e-12)
     return True
 
 
-def _tiny_model_loss(params, ids, positions, tree, attend, **cp):
+def _tiny_model_loss(params, ids, positions, layout, attend):
     """One layer: embedding + position embedding, q/k/v, attention over the tree, the
     output projection, the LM head; loss = -sum of the logical tokens' log-probs."""
     emb, pos, wqkv, wo, head = params
     x = emb[ids] + pos[positions]
     q, k, v = (x @ wqkv).view(x.shape[0], 3, 4, 4).unbind(1)
     x = x + attend(q, k, v).reshape(x.shape[0], -1) @ wo
-    return -seqpack.tree_linear_token_logprobs(x, head, tree, **cp).logprobs.sum()
+    return -seqpack.token_logprobs(x, layout, weight=head).logprobs.sum()
 
 
 def case_train_step(rank, world):
-    """A training step on CP ranks (their rows, tree_cp_attention, tree log-probs of
-    their rows, the losses and weight gradients summed over the group) equals the
+    """A training step on CP ranks (their rows of the tree's cut, attention and
+    log-probs on it, the losses and weight gradients summed over the group) equals the
     one-process step on the whole tree (fp64)."""
     tree = _grpo_tree(6)
     g = torch.Generator().manual_seed(6)
@@ -228,12 +237,12 @@ def case_train_step(rank, world):
               for shape in ((100, 16), (40, 16), (16, 48), (16, 16), (100, 16))]
     ids, positions = torch.from_numpy(tree.input_ids % 100), torch.from_numpy(tree.position_ids)
     whole = [p.clone().requires_grad_() for p in params]
-    ref = _tiny_model_loss(whole, ids, positions, tree, lambda q, k, v: tree_attention(q, k, v, tree))
+    ref = _tiny_model_loss(whole, ids, positions, tree, lambda q, k, v: seqpack.attention(q, k, v, tree))
     ref.backward()
     mine = [p.clone().requires_grad_() for p in params]
-    local = lambda x: tree_cp_local_rows(x, tree, world, rank)  # noqa: E731
-    loss = _tiny_model_loss(mine, local(ids), local(positions), tree,
-                            lambda q, k, v: tree_cp_attention(q, k, v, tree), cp_size=world, cp_rank=rank)
+    cut = seqpack.shard_layout(tree, world, rank)
+    loss = _tiny_model_loss(mine, cut.local_rows(ids), cut.local_rows(positions), cut,
+                            lambda q, k, v: seqpack.attention(q, k, v, cut, group=dist.group.WORLD))
     loss.backward()
     total = loss.detach().clone()
     dist.all_reduce(total)
@@ -258,13 +267,13 @@ def case_loss_wrapper(rank, world):
         whole = physical.clone().requires_grad_()
         ref, _ = SequencePackingLossWrapper(loss_fn, cu_seqlens_q=tree)(whole, data, gvs, gvt)
         ref.backward()
-        local = tree_cp_local_rows(physical, tree, world, rank).clone().requires_grad_()
+        local = seqpack.shard_layout(tree, world, rank).local_rows(physical).clone().requires_grad_()
         wrapper = SequencePackingLossWrapper(loss_fn, cu_seqlens_q=tree, context_parallel_group=dist.group.WORLD)
         loss, _ = wrapper(local, data, gvs, gvt)
         torch.testing.assert_close(loss, ref.detach(), rtol=1e-12, atol=1e-12)
         (loss / world).backward()
-        torch.testing.assert_close(local.grad, tree_cp_local_rows(whole.grad, tree, world, rank), rtol=1e-10,
-                                   atol=1e-12)
+        torch.testing.assert_close(local.grad, seqpack.shard_layout(tree, world, rank).local_rows(whole.grad),
+                                   rtol=1e-10, atol=1e-12)
     try:  # the last rank gives the whole tree's logits: every rank raises, none waits in the all-reduce
         wrapper(physical if rank == world - 1 else local.detach(), data, gvs, gvt)
     except ValueError as exc:

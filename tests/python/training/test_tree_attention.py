@@ -90,7 +90,7 @@ def test_every_backend_equals_dense_mask_and_rows_alone(tree, seed, heads, dv):
     v = torch.randn(tree.num_tokens, hk, dv, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
     want = dense(q, k, v, tree)
     for backend in ["reference", "sdpa", "varlen"]:
-        got = seqpack.tree_attention(q, k, v, tree, backend=backend)
+        got = seqpack.attention(q, k, v, tree, backend=backend)
         assert got.shape == (tree.num_tokens, hq, dv) and got.dtype == torch.float64
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12, msg=backend)
         # Every row through a shared token gives it the same output: the row's own.
@@ -106,7 +106,7 @@ def test_every_backend_equals_dense_mask_and_rows_alone(tree, seed, heads, dv):
 def test_flex_forward_equals_rows_alone(tree, seed):
     # Few examples: eager FlexAttention on the CPU costs ~0.1 s a call.
     q, k, v = _qkv(tree.num_tokens, seed=seed)
-    got = seqpack.tree_attention(q, k, v, tree, backend="flex")
+    got = seqpack.attention(q, k, v, tree, backend="flex")
     torch.testing.assert_close(got, dense(q, k, v, tree), rtol=1e-12, atol=1e-12)
     for idx, alone in rows_alone(q, k, v, tree):
         torch.testing.assert_close(got[idx], alone, rtol=1e-12, atol=1e-12)
@@ -120,7 +120,7 @@ def test_sdpa_and_varlen_gradients_equal_reference(tree, seed, scale):
     up = torch.randn(q.shape, generator=g, dtype=torch.float64)
     grads = {}
     for backend in ["reference", "sdpa", "varlen"]:
-        out = seqpack.tree_attention(q, k, v, tree, softmax_scale=scale, backend=backend)
+        out = seqpack.attention(q, k, v, tree, softmax_scale=scale, backend=backend)
         grads[backend] = torch.autograd.grad(out, (q, k, v), up, allow_unused=True)
     if tree.num_tokens == 0:
         return
@@ -134,7 +134,7 @@ def test_gradcheck_sdpa_on_a_branching_tree():
                                     pad_to_multiple_of=4)
     q, k, v = _qkv(tree.num_tokens, hq=2, hk=1, d=3, grad=True)
     for backend in ("sdpa", "varlen"):
-        assert torch.autograd.gradcheck(lambda *x: seqpack.tree_attention(*x, tree, backend=backend), (q, k, v))
+        assert torch.autograd.gradcheck(lambda *x: seqpack.attention(*x, tree, backend=backend), (q, k, v))
 
 
 def test_docstring_tree_and_scalars():
@@ -143,9 +143,9 @@ def test_docstring_tree_and_scalars():
     tree = seqpack.pack_prefix_tree([[5, 6, 7], [5, 6, 8, 9], [5, 6], [5]], group_ids=[0, 0, 0, 1])
     assert tree.segment_offsets.tolist() == [0, 2, 3, 5, 6]
     q, k, v = _qkv(tree.num_tokens, hq=2, hk=2)
-    out = seqpack.tree_attention(q, k, v, tree, softmax_scale=0.5, backend="sdpa")
+    out = seqpack.attention(q, k, v, tree, softmax_scale=0.5, backend="sdpa")
     for s in (np.float32(0.5), np.int64(1) / 2, torch.tensor(0.5)):
-        torch.testing.assert_close(seqpack.tree_attention(q, k, v, tree, softmax_scale=s, backend="sdpa"), out)
+        torch.testing.assert_close(seqpack.attention(q, k, v, tree, softmax_scale=s, backend="sdpa"), out)
     torch.testing.assert_close(out, dense(q, k, v, tree, scale=0.5))
     torch.testing.assert_close(out[5], v[5])  # row "5" alone, in another group
 
@@ -168,10 +168,10 @@ def test_empty_tree_and_auto():
     tree = seqpack.pack_prefix_tree([[], []])
     q, k, v = _qkv(0)
     for backend in ["auto"] + CPU_BACKENDS:
-        assert seqpack.tree_attention(q, k, v, tree, backend=backend).shape == (0, 4, 8)
+        assert seqpack.attention(q, k, v, tree, backend=backend).shape == (0, 4, 8)
     tree = seqpack.pack_prefix_tree([[1, 2], [1, 3]])
     q, k, v = _qkv(tree.num_tokens, grad=True)
-    out = seqpack.tree_attention(q, k, v, tree)  # auto on the CPU: sdpa, with gradients
+    out = seqpack.attention(q, k, v, tree)  # auto on the CPU: sdpa, with gradients
     out.sum().backward()
     assert q.grad is not None and k.grad is not None and v.grad is not None
 
@@ -188,41 +188,41 @@ def test_autocast_casts_mixed_dtypes_and_outside_it_they_raise():
     v = v.to(torch.bfloat16).requires_grad_()
     q.requires_grad_()
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        out = seqpack.tree_attention(q, k, v, tree, backend="sdpa")
-        ref = seqpack.tree_attention(q, k, v, tree, backend="reference")
+        out = seqpack.attention(q, k, v, tree, backend="sdpa")
+        ref = seqpack.attention(q, k, v, tree, backend="reference")
     assert out.dtype == ref.dtype == torch.bfloat16
     cast = [x.detach().to(torch.bfloat16) for x in (q, k, v)]
-    torch.testing.assert_close(out, seqpack.tree_attention(*cast, tree, backend="sdpa"), rtol=0, atol=0)
+    torch.testing.assert_close(out, seqpack.attention(*cast, tree, backend="sdpa"), rtol=0, atol=0)
     torch.testing.assert_close(out.float(), dense(q, k, v, tree).float(), rtol=3e-2, atol=3e-2)
     out.float().sum().backward()
     assert q.grad.dtype == torch.float32 and v.grad.dtype == torch.bfloat16
     with pytest.raises(ValueError, match="share dtype"):
-        seqpack.tree_attention(q, k, v, tree)
+        seqpack.attention(q, k, v, tree)
 
 
 def test_bad_inputs_name_the_argument_and_rule():
     tree = seqpack.pack_prefix_tree([[1, 2, 3], [1, 2, 4]])
     q, k, v = _qkv(tree.num_tokens)
     with pytest.raises(ValueError, match=r"tree.num_tokens = 4"):
-        seqpack.tree_attention(q[:3], k[:3], v[:3], tree)
+        seqpack.attention(q[:3], k[:3], v[:3], tree)
     with pytest.raises(ValueError, match=r"tree.num_tokens = 4"):
-        seqpack.tree_attention(q, k[:3], v[:3], tree)
+        seqpack.attention(q, k[:3], v[:3], tree)
     with pytest.raises(ValueError, match=r"q must be a \[T, H, D\] tensor"):
-        seqpack.tree_attention(q[:, 0], k, v, tree)
+        seqpack.attention(q[:, 0], k, v, tree)
     with pytest.raises(TypeError, match=r"\bq\b"):
-        seqpack.tree_attention(q.numpy(), k, v, tree)
-    with pytest.raises(TypeError, match="tree must be a layout"):
-        seqpack.tree_attention(q, k, v, [[1, 2, 3], [1, 2, 4]])
+        seqpack.attention(q.numpy(), k, v, tree)
+    with pytest.raises(TypeError, match="layout must be a layout"):
+        seqpack.attention(q, k, v, [[1, 2, 3], [1, 2, 4]])
     with pytest.raises(ValueError, match="backend must be 'auto' or one of"):
-        seqpack.tree_attention(q, k, v, tree, backend="flash")
+        seqpack.attention(q, k, v, tree, backend="flash")
     with pytest.raises(TypeError, match="backend must be a string"):
-        seqpack.tree_attention(q, k, v, tree, backend=None)
+        seqpack.attention(q, k, v, tree, backend=None)
     with pytest.raises(ValueError, match=r"multiple of k/v heads"):
-        seqpack.tree_attention(q, k[:, :1].repeat(1, 3, 1), v[:, :1].repeat(1, 3, 1), tree)
+        seqpack.attention(q, k[:, :1].repeat(1, 3, 1), v[:, :1].repeat(1, 3, 1), tree)
     with pytest.raises(TypeError, match="softmax_scale"):
-        seqpack.tree_attention(q, k, v, tree, softmax_scale="big")
+        seqpack.attention(q, k, v, tree, softmax_scale="big")
     with pytest.raises(ValueError, match="no backward on the CPU"):
-        seqpack.tree_attention(q, k, v.requires_grad_(), tree, backend="flex")
+        seqpack.attention(q, k, v.requires_grad_(), tree, backend="flex")
 
 
 def test_reference_refuses_large_inputs(monkeypatch):
@@ -230,10 +230,10 @@ def test_reference_refuses_large_inputs(monkeypatch):
     q, k, v = _qkv(tree.num_tokens)
     monkeypatch.setattr(attention_tree, "MAX_REFERENCE_SCORES", 4 * 4 * 4 - 1)
     with pytest.raises(ValueError, match="MAX_REFERENCE_SCORES"):
-        seqpack.tree_attention(q, k, v, tree, backend="reference")
+        seqpack.attention(q, k, v, tree, backend="reference")
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # sdpa is not limited by it
-        seqpack.tree_attention(q, k, v, tree, backend="sdpa")
+        seqpack.attention(q, k, v, tree, backend="sdpa")
 
 
 def test_wide_fan_and_deep_chain():
@@ -243,7 +243,7 @@ def test_wide_fan_and_deep_chain():
     tree = seqpack.pack_prefix_tree(fan + chain, group_ids=[0] * len(fan) + [1] * len(chain))
     q, k, v = _qkv(tree.num_tokens, hq=2, hk=1, d=4)
     for backend in ("sdpa", "varlen"):
-        out = seqpack.tree_attention(q, k, v, tree, backend=backend)
+        out = seqpack.attention(q, k, v, tree, backend=backend)
         for idx, alone in rows_alone(q, k, v, tree):
             torch.testing.assert_close(out[idx], alone, rtol=1e-12, atol=1e-12)
 
@@ -253,7 +253,7 @@ def test_wide_fan_and_deep_chain():
 def test_low_precision_close_to_reference(dtype, tol, backend):
     tree = seqpack.pack_prefix_tree([[1, 2, 3, 4], [1, 2, 5], [1, 2, 5, 6, 7], [9]], pad_to_multiple_of=8)
     q, k, v = _qkv(tree.num_tokens, dtype=dtype)
-    out = seqpack.tree_attention(q, k, v, tree, backend=backend)
+    out = seqpack.attention(q, k, v, tree, backend=backend)
     assert out.dtype == dtype
     torch.testing.assert_close(out.double(), dense(q, k, v, tree), rtol=tol, atol=tol)
 
@@ -273,9 +273,9 @@ def test_cuda_backends_with_gradients(backend, dtype, tol):
     tree = seqpack.pack_prefix_tree(rows, pad_to_multiple_of=8)
     q, k, v = (x.cuda().to(dtype).requires_grad_() for x in _qkv(tree.num_tokens, hq=4, hk=2, d=64))
     up = torch.randn_like(q)
-    got = seqpack.tree_attention(q, k, v, tree, backend=backend)
+    got = seqpack.attention(q, k, v, tree, backend=backend)
     exact = [x.detach().double().requires_grad_() for x in (q, k, v)]
-    want = seqpack.tree_attention(*exact, tree, backend="reference")
+    want = seqpack.attention(*exact, tree, backend="reference")
     assert got.dtype == dtype
     torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol)
     for a, b in zip(torch.autograd.grad(got, (q, k, v), up), torch.autograd.grad(want, exact, up.double())):
@@ -290,7 +290,7 @@ def test_plan_is_built_once_per_tree():
     other = seqpack.pack_prefix_tree(rows[::-1])  # a different tree: its own plan
     q, k, v = _qkv(tree.num_tokens)
     for t in (tree, other, tree):
-        torch.testing.assert_close(seqpack.tree_attention(q, k, v, t, backend="sdpa"), dense(q, k, v, t))
+        torch.testing.assert_close(seqpack.attention(q, k, v, t, backend="sdpa"), dense(q, k, v, t))
 
 
 # ---- issue 38: rows that share nothing run plain packing; chains cost their longest row
@@ -308,7 +308,7 @@ def test_rows_that_share_nothing_run_plain_packings_kernels(monkeypatch):
 
     monkeypatch.setattr(attention_tree, "varlen_attention", spy)
     for backend in ("sdpa", "varlen", "auto"):
-        out = seqpack.tree_attention(q, k, v, tree, backend=backend)
+        out = seqpack.attention(q, k, v, tree, backend=backend)
         torch.testing.assert_close(out, dense(q, k, v, tree))
     rows = [0, 3, 5, 9, 10, 11, 12]  # the three rows, then the pads as one-token sequences
     assert calls == [(True, rows, rows)] * 3
@@ -321,7 +321,7 @@ def test_a_shared_prefix_does_not_take_the_plain_path(monkeypatch):
     monkeypatch.setattr(attention_tree, "_plain", lambda *a: pytest.fail("a tree with sharing ran the plain path"))
     q, k, v = _qkv(tree.num_tokens)
     for backend in ("sdpa", "varlen"):
-        torch.testing.assert_close(seqpack.tree_attention(q, k, v, tree, backend=backend), dense(q, k, v, tree))
+        torch.testing.assert_close(seqpack.attention(q, k, v, tree, backend=backend), dense(q, k, v, tree))
 
 
 _CHAIN_SCRIPT = r"""
@@ -335,7 +335,7 @@ assert tree.num_tokens == n
 q, k, v = (torch.randn(n, 2, 16, requires_grad=True) for _ in range(3))
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 start = time.perf_counter()
-seqpack.tree_attention(q, k, v, tree, backend=backend).sum().backward()
+seqpack.attention(q, k, v, tree, backend=backend).sum().backward()
 print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024, time.perf_counter() - start)
 """
 
@@ -377,9 +377,9 @@ def test_the_cpu_sdpa_backend_reads_each_shared_prefix_once(monkeypatch):
     for dtype, tol in ((torch.float64, 1e-10), (torch.float32, 1e-5), (torch.bfloat16, 3e-2)):
         q, k, v = (x.to(dtype).requires_grad_() for x in _qkv(tree.num_tokens))
         up = torch.randn(tree.num_tokens, 4, 8, dtype=torch.float64)
-        got = seqpack.tree_attention(q, k, v, tree, backend="sdpa")
+        got = seqpack.attention(q, k, v, tree, backend="sdpa")
         exact = [x.detach().double().requires_grad_() for x in (q, k, v)]
-        want = seqpack.tree_attention(*exact, tree, backend="reference")
+        want = seqpack.attention(*exact, tree, backend="reference")
         torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol)
         for a, b in zip(torch.autograd.grad(got, (q, k, v), up.to(dtype)), torch.autograd.grad(want, exact, up)):
             torch.testing.assert_close(a.double(), b, rtol=tol, atol=tol)
@@ -397,7 +397,7 @@ def test_a_tree_that_shares_little_runs_as_its_rows(backend, pad):
     tree = seqpack.pack_prefix_tree(rows, pad_to_multiple_of=pad)
     assert attention_plan(tree).expand
     q, k, v = _qkv(tree.num_tokens, grad=True)
-    out = seqpack.tree_attention(q, k, v, tree, backend=backend)
+    out = seqpack.attention(q, k, v, tree, backend=backend)
     want = dense(q, k, v, tree)
     torch.testing.assert_close(out, want, rtol=1e-10, atol=1e-12)
     for got, ref in zip(torch.autograd.grad(out.pow(2).sum(), (q, k, v)),

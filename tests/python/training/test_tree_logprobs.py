@@ -1,4 +1,4 @@
-"""tree_token_logprobs: equal to packed_token_logprobs on the rows packed plainly
+"""tree_token_logprobs: equal to seqpack.token_logprobs on the rows packed plainly
 (values, entropy, gradients summed onto the physical tokens), the host plan
 (tree_targets), reduced precision, scalar temperatures, masked logits, errors."""
 
@@ -9,8 +9,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import seqpack
-from seqpack import pack_prefix_tree, packed_token_logprobs
-from seqpack.training.logprobs_tree import tree_targets, tree_token_logprobs
+from seqpack import pack_prefix_tree
+from seqpack.tensors.prefix_tree_cp import tree_cp_bounds
+from seqpack.training.logprobs_tree import tree_linear_token_logprobs, tree_targets, tree_token_logprobs
 
 VOCAB = 5
 
@@ -37,10 +38,10 @@ def forests(draw, max_rows=8):
 
 
 def plain(rows, tree, logits, **kwargs):
-    """packed_token_logprobs on the rows packed back to back, with the logits each
-    logical token reads (logits[logical_index])."""
+    """seqpack.token_logprobs on the rows packed back to back (their offsets as the
+    layout), with the logits each logical token reads (logits[logical_index])."""
     ids = torch.tensor([t for row in rows for t in row], dtype=torch.int64)
-    return packed_token_logprobs(logits[torch.tensor(tree.logical_index)], ids, tree.cu_seqlens, **kwargs)
+    return seqpack.token_logprobs(logits[torch.tensor(tree.logical_index)], tree.cu_seqlens, ids, **kwargs)
 
 
 def random_logits(tree, seed, dtype=torch.float64, requires_grad=False):
@@ -215,9 +216,10 @@ def test_masked_logits_and_empty_trees():
 
 
 def test_lazy_exports():
-    assert seqpack.tree_token_logprobs is tree_token_logprobs
-    assert seqpack.training.tree_token_logprobs is tree_token_logprobs
-    assert "tree_token_logprobs" in seqpack.__all__ and "tree_token_logprobs" in seqpack.training.__all__
+    """The old name is a deprecated alias of the implementation; the one operation is token_logprobs."""
+    with pytest.warns(DeprecationWarning, match=r"seqpack\.token_logprobs\(logits, tree\)"):
+        assert seqpack.tree_token_logprobs is tree_token_logprobs
+    assert "tree_token_logprobs" not in seqpack.__all__ and "token_logprobs" in seqpack.__all__
 
 
 TREE = pack_prefix_tree([[1, 2, 3], [1, 2, 4]], pad_to_multiple_of=8, pad_token_id=99)  # T = 8
@@ -273,7 +275,7 @@ def fused_and_unfused(tree, inputs, g_lp, g_ent, **kwargs):
         chunk = kwargs.pop("chunk_tokens", None) if not fused else kwargs.get("chunk_tokens")
         extra = {k: v for k, v in kwargs.items() if k != "chunk_tokens"}
         if fused:
-            out = seqpack.tree_linear_token_logprobs(hidden, weight, tree, bias=bias, chunk_tokens=chunk, **extra)
+            out = tree_linear_token_logprobs(hidden, weight, tree, bias=bias, chunk_tokens=chunk, **extra)
         else:
             out = tree_token_logprobs(torch.nn.functional.linear(hidden, weight, bias), tree, **extra)
         loss = (out.logprobs * g_lp).sum() + ((out.entropy * g_ent).sum() if out.entropy is not None else 0)
@@ -318,7 +320,7 @@ def test_fused_head_worked_example():
     predicts 3 and 0 from one log-sum-exp."""
     tree = pack_prefix_tree([[1, 2, 3], [1, 2, 0]])
     hidden, head = torch.zeros(tree.num_tokens, 8), torch.zeros(4, 8)
-    out = seqpack.tree_linear_token_logprobs(hidden, head, tree, return_entropy=True)
+    out = seqpack.token_logprobs(hidden, tree, weight=head, return_entropy=True)
     assert out.logprobs.tolist() == pytest.approx([-np.log(4)] * 2 + [0.0] + [-np.log(4)] * 2 + [0.0])
     assert out.entropy.tolist() == pytest.approx([np.log(4)] * 2 + [0.0] + [np.log(4)] * 2 + [0.0])
 
@@ -336,7 +338,7 @@ def test_fused_head_worked_example():
 ])
 def test_fused_head_bad_inputs_raise(args, kwargs, error, match):
     with pytest.raises(error, match=match):
-        seqpack.tree_linear_token_logprobs(*args, TREE, **kwargs)
+        tree_linear_token_logprobs(*args, TREE, **kwargs)
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
@@ -350,7 +352,7 @@ def test_fused_head_chunks_of_rows_with_branch_points(dtype, chunk):
     gen = torch.Generator().manual_seed(chunk)
     hidden = torch.randn(tree.num_tokens, 6, generator=gen, dtype=torch.float64).to(dtype).requires_grad_(True)
     weight = torch.randn(4, 6, generator=gen, dtype=torch.float64).to(dtype).requires_grad_(True)
-    fused = seqpack.tree_linear_token_logprobs(hidden, weight, tree, chunk_tokens=chunk, return_entropy=True)
+    fused = tree_linear_token_logprobs(hidden, weight, tree, chunk_tokens=chunk, return_entropy=True)
     got = torch.autograd.grad(fused.logprobs.sum() + fused.entropy.sum(), (hidden, weight))
     plain = tree_token_logprobs(hidden @ weight.T, tree, return_entropy=True)
     want = torch.autograd.grad(plain.logprobs.sum() + plain.entropy.sum(), (hidden, weight))
@@ -374,14 +376,13 @@ def test_cp_ranks_sum_to_the_whole_tree(case, cp, fused, seed):
 
     def run(x, weight, bias, **cp):
         if fused:
-            return seqpack.tree_linear_token_logprobs(x, weight, tree, bias=bias, chunk_tokens=2, return_entropy=True,
-                                                      **cp)
+            return tree_linear_token_logprobs(x, weight, tree, bias=bias, chunk_tokens=2, return_entropy=True, **cp)
         return tree_token_logprobs(torch.nn.functional.linear(x, weight, bias), tree, return_entropy=True, **cp)
 
     whole = [t.detach().requires_grad_(True) for t in inputs]
     ref = run(*whole)
     ((ref.logprobs * g_lp).sum() + (ref.entropy * g_ent).sum()).backward()
-    bounds = seqpack.tree_cp_bounds(tree, cp)
+    bounds = tree_cp_bounds(tree, cp)
     total_lp, total_ent = torch.zeros_like(ref.logprobs), torch.zeros_like(ref.entropy)
     weight_grad = torch.zeros_like(whole[1])
     for rank in range(cp):
@@ -401,7 +402,7 @@ def test_cp_ranks_sum_to_the_whole_tree(case, cp, fused, seed):
 
 def test_cp_rows_must_be_the_rank_share():
     tree = pack_prefix_tree([[1, 2, 3, 4], [1, 2, 3, 0]])
-    bounds = seqpack.tree_cp_bounds(tree, 2)
+    bounds = seqpack.shard_layout(tree, 2, 0).bounds
     logits = torch.zeros(tree.num_tokens, VOCAB)
     with pytest.raises(ValueError, match=r"must hold this CP rank's \d+ rows of the tree"):
         tree_token_logprobs(logits, tree, cp_size=2, cp_rank=1)

@@ -1,5 +1,7 @@
-"""Ulysses sequence parallelism (issue 18): ``seqpack.ulysses_attention`` and
-``PackedBatch.ulysses_slice`` / ``ulysses_gather``.
+"""Ulysses sequence parallelism (issue 18): ``seqpack.attention`` on a Ulysses cut
+(``seqpack.shard_layout(batch, world, rank, scheme="ulysses")``), the implementation
+``seqpack.training.attention_ulysses.ulysses_attention`` (non-causal and windowed
+rows, the agreement) and ``PackedBatch.ulysses_slice`` / ``ulysses_gather``.
 
 On 2 and 4 gloo ranks (one _gloo.RankPool per world size for the module, started
 together): every rank's rows of the output and of the q/k/v gradients equal the
@@ -21,8 +23,8 @@ import torch.distributed as dist
 from _gloo import started_pools, values_of
 
 import seqpack
-from seqpack import ulysses_attention, varlen_attention
-from seqpack.training.attention_ulysses import _repeat_kv
+from seqpack import varlen_attention
+from seqpack.training.attention_ulysses import _repeat_kv, ulysses_attention
 
 CASE_TIMEOUT_S = 30
 WORLDS = (2, 4)
@@ -131,7 +133,11 @@ def case_attention(rank, world):
                                causal=causal, window_size=window)
         (ref * weight).sum().backward()
         local = [batch.ulysses_slice(t, rank, world, fill=float("nan")).detach().requires_grad_() for t in full]
-        out = ulysses_attention(*local, batch, dist.group.WORLD, causal=causal, window_size=window)
+        if causal and window == (-1, -1):  # the one operation on the batch's Ulysses cut
+            cut = seqpack.shard_layout(batch, world, rank, scheme="ulysses")
+            out = seqpack.attention(*local, cut, group=dist.group.WORLD)
+        else:  # non-causal or windowed rows: the implementation
+            out = ulysses_attention(*local, batch, dist.group.WORLD, causal=causal, window_size=window)
         assert out.shape == (math.ceil(batch.num_tokens / world), hq, dv)
         torch.testing.assert_close(out, batch.ulysses_slice(ref.detach(), rank, world), rtol=1e-10, atol=1e-12,
                                    msg=lambda m: f"config {i}: {m}")
@@ -220,7 +226,7 @@ def _labels(batch):
 def case_train_dp_ulysses(rank, world, steps):
     """DP 2 x Ulysses 2: each DP rank packs its half of the sequences into one
     stream, each SP rank runs its contiguous slice through the tiny model (embedding,
-    MLPs and LM head on its rows, ulysses_attention in every block) and sums its
+    MLPs and LM head on its rows, attention on its Ulysses cut in every block) and sums its
     rows' loss; the gradients all-reduced over the 4 ranks equal one process's
     padded step, for a few SGD steps."""
     from seqpack.testing.tiny_model import TinyCausalLM, TinyConfig
@@ -245,8 +251,10 @@ def case_train_dp_ulysses(rank, world, steps):
     positions = batch.ulysses_slice("position_ids", sp, 2)
     labels = batch.ulysses_slice(_labels(batch), sp, 2, fill=-100)
 
+    cut = seqpack.shard_layout(batch, 2, sp, scheme="ulysses")
+
     def attend(q, k, v):
-        return ulysses_attention(q, k, v, batch, sp_groups[dp])
+        return seqpack.attention(q, k, v, cut, group=sp_groups[dp])
 
     lr = 0.5
     for step in range(steps):

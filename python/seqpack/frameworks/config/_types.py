@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, Optional, Tuple
 
 from ..._lengths import INT64_MAX, as_int
 from ._stream_types import StreamConfig, _stream_to_dict
+
+if TYPE_CHECKING:
+    from ...planning.step_options import StepOptions
 
 MAX_DEPTH = 100  # nesting levels of a config; real ones have fewer than 10
 MICROBATCH_ORDERS = ("packer", "largest_first")
@@ -340,14 +343,30 @@ class SeqpackConfig:
         return kwargs
 
     # Any schema ---------------------------------------------------------
+    def step_options(self) -> "StepOptions":
+        """The :class:`seqpack.StepOptions` every step of this config is planned
+        with: its context parallelism (``cp_size``, ``hybrid_cp`` from Megatron's
+        ``dynamic_context_parallel``, ``min_cp_degree``) and, with asynchronous
+        training on, the stream section's ``micro_batch_order`` and
+        ``static_shapes``. :meth:`plan_step_kwargs` and :meth:`stream_planner_kwargs`
+        both pass it as ``options``."""
+        from ...planning.step_options import StepOptions
+
+        p, st = self.parallel, self.stream
+        order = {} if st is None or not st.enabled else dict(micro_batch_order=st.micro_batch_order,
+                                                             static_shapes=st.static_shapes)
+        try:
+            return StepOptions(cp_size=p.cp, hybrid_cp=p.dynamic_cp, min_cp_degree=p.min_dynamic_cp, **order)
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"the config's step options: {exc}") from None
+
     def plan_step_kwargs(self, dp_size: int) -> Dict[str, Any]:
-        """Keyword arguments of :func:`seqpack.plan_step` for a training step with
-        this config's context parallelism: ``cp_size``, ``hybrid_cp`` (Megatron's
-        ``dynamic_context_parallel``), ``min_cp_degree`` and ``max_tokens``, a
-        rank's tokens per micro-batch: ``max_seqlen_per_dp_cp_rank`` when set, else
-        the framework's training cap (NeMo-RL's ``train_mb_tokens`` and ROLL's
-        ``max_packed_sequence_length_train``, which count a micro-batch before its
-        CP split, divided by the CP size; verl's ``ppo_max_token_len_per_gpu``)."""
+        """Keyword arguments of :func:`seqpack.plan_step` for a training step of this
+        config: ``dp_size``, ``max_tokens`` (a rank's tokens per micro-batch:
+        ``max_seqlen_per_dp_cp_rank`` when set, else the framework's training cap,
+        NeMo-RL's ``train_mb_tokens`` and ROLL's ``max_packed_sequence_length_train``
+        (which count a micro-batch before its CP split) divided by the CP size,
+        verl's ``ppo_max_token_len_per_gpu``) and ``options``, :meth:`step_options`."""
         try:
             dp_size = as_int(dp_size, "dp_size")
         except TypeError:
@@ -370,23 +389,19 @@ class SeqpackConfig:
         if not cap:
             raise ConfigError(f"{where_}: a rank's token cap is needed to plan the step (set "
                               "max_seqlen_per_dp_cp_rank in the Megatron section, or the framework's cap)")
-        return {"dp_size": dp_size, "max_tokens": int(cap), "cp_size": p.cp, "hybrid_cp": p.dynamic_cp,
-                "min_cp_degree": p.min_dynamic_cp}
+        return {"dp_size": dp_size, "max_tokens": int(cap), "options": self.step_options()}
 
     def stream_planner_kwargs(self, dp_size: int) -> Dict[str, Any]:
         """Keyword arguments of :class:`seqpack.StreamPlanner` for this config's
-        asynchronous mode: :meth:`plan_step_kwargs` plus ``step_tokens``,
-        ``max_staleness``, ``micro_batch_order`` and ``static_shapes``."""
+        asynchronous mode: :meth:`plan_step_kwargs` (the same ``options``) plus
+        ``step_tokens`` and ``max_staleness``."""
         st = self.stream
         if st is None or not st.enabled:
             where_ = {"nemo_rl": "grpo.async_grpo.enabled", "verl": "async_training"}.get(self.schema, "the config")
             raise ConfigError(f"{where_}: asynchronous training is not configured; the stream planner plans its steps")
         if st.step_tokens is None:
             raise ConfigError(f"{st.path}.step_tokens: required to plan streamed steps (a step's token budget)")
-        out = self.plan_step_kwargs(dp_size)
-        out.update(step_tokens=st.step_tokens, max_staleness=st.max_staleness,
-                   micro_batch_order=st.micro_batch_order, static_shapes=st.static_shapes)
-        return out
+        return {**self.plan_step_kwargs(dp_size), "step_tokens": st.step_tokens, "max_staleness": st.max_staleness}
 
     # ROLL ---------------------------------------------------------------
     def _roll(self, what: str):

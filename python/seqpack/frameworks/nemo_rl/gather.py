@@ -1,35 +1,36 @@
 """``BatchedDataDict.all_gather``: every rank's rows over a ``torch.distributed``
-group, the ranks' gathers agreed on first. Imports torch when called.
+group, the ranks' gathers agreed on first. Imports torch when called::
+
+    all_gather_rows({"x": torch.arange(rank + 1)})   # on 2 ranks: {"x": tensor([0, 0, 1])}
 """
 
 from __future__ import annotations
 
 import pickle
-from typing import TYPE_CHECKING, Any, Dict, List
+from typing import Any, Dict, List, Mapping
 
-from ._bdd_values import _is_tensor
+from .._batch import is_tensor
 
-if TYPE_CHECKING:  # pragma: no cover
-    from .batched_data_dict import BatchedDataDict
+__all__ = ["all_gather_rows"]
 
 
-def all_gather_rows(data: "BatchedDataDict", group: Any = None) -> "BatchedDataDict":
+def all_gather_rows(data: Mapping[str, Any], group: Any = None) -> Dict[str, Any]:
     """Every rank's rows of ``data``, concatenated in rank order (see
     :meth:`~seqpack.BatchedDataDict.all_gather`)."""
     import torch.distributed as dist
 
     import torch
 
-    from .._dist import checked_on_every_rank
+    from ..._dist import checked_on_every_rank
 
     world = dist.get_world_size(group)
-    items = list(data.data.items())
+    items = list(data.items())
     payloads: Dict[Any, bytes] = {}
 
     def local() -> List[tuple]:  # what each key's gathers exchange
         kinds = []
         for key, v in items:
-            if _is_tensor(v):
+            if is_tensor(v):
                 if v.dim() < 1:
                     raise ValueError(f"BatchedDataDict.all_gather: {key!r} is a 0-d tensor; every tensor value "
                                      "needs a row dimension to gather")
@@ -48,9 +49,9 @@ def all_gather_rows(data: "BatchedDataDict", group: Any = None) -> "BatchedDataD
         "which values are tensors and which lists": [k[1] for k in kinds],
         "each tensor's shape past its rows": [k[2] for k in kinds],
         "each tensor's dtype": [k[3] for k in kinds]})
-    out = type(data)()
+    out: Dict[str, Any] = {}
     for key, v in items:
-        if _is_tensor(v):
+        if is_tensor(v):
             count = torch.tensor([v.shape[0]], dtype=torch.int64, device=v.device)
             counts = [torch.zeros_like(count) for _ in range(world)]
             dist.all_gather(counts, count, group=group)
