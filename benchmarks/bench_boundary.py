@@ -5,8 +5,8 @@ Two tables, both from one run on the CPU:
    ``torch.utils.dlpack.to_dlpack`` (what seqpack passes) and ``Tensor.__dlpack__``
    with its device query (what the binding does for any other object).
 2. Small calls where a fixed cost would show: the extension's log-prob row kernel on
-   one row, ``pack_sequences`` / ``unpack`` of a tiny batch, ``packed_token_logprobs``
-   forward and forward+backward. Run the script once per build to compare builds
+   one row, ``pack_sequences`` / ``unpack`` of a tiny batch, ``seqpack.token_logprobs``
+   on packed rows (its dispatch included) forward and forward+backward. Run the script once per build to compare builds
    (e.g. ``PYTHONPATH=<older install> python benchmarks/bench_boundary.py``); the
    build is named in the environment line.
 """
@@ -54,14 +54,14 @@ def small_calls(n: int):
     logits = torch.randn(64, 128)
     tokens = torch.randint(0, 128, (64,))
     cu = [0, 20, 41, 64]
-    rows.append(["packed_token_logprobs [64, 128] fwd",
-                 per_call_us(lambda: seqpack.packed_token_logprobs(logits, tokens, cu), n)])
+    rows.append(["token_logprobs [64, 128] fwd",
+                 per_call_us(lambda: seqpack.token_logprobs(logits, cu, tokens), n)])
     leaf = logits.clone().requires_grad_()
 
     def fwd_bwd():
-        seqpack.packed_token_logprobs(leaf, tokens, cu).logprobs.sum().backward()
+        seqpack.token_logprobs(leaf, cu, tokens).logprobs.sum().backward()
 
-    rows.append(["packed_token_logprobs [64, 128] fwd+bwd", per_call_us(fwd_bwd, max(n // 4, 1))])
+    rows.append(["token_logprobs [64, 128] fwd+bwd", per_call_us(fwd_bwd, max(n // 4, 1))])
     kernel = getattr(seqpack._core, "logprob_row_stats")
     one, target, out = torch.randn(1, 8), torch.zeros(1, dtype=torch.int64), torch.zeros(4, 1)
     try:  # the DLPack signature (this build)

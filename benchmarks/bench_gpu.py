@@ -8,10 +8,11 @@ Baselines:
           same logits; its extra peak memory from ``torch.cuda.max_memory_allocated``;
   NeMo-RL (distillation) the top-k input by log_softmax + gather over the whole
           vocabulary (bench_distillation.py), against seqpack's column log-probs;
-  linear  (LM head fused) F.linear + log_softmax + gather, against linear_token_logprobs;
+  linear  (LM head fused) F.linear + log_softmax + gather, against
+          seqpack.token_logprobs(..., weight=);
   plain   (prefix trees) bench_prefix_tree.py's model on GRPO rows packed back to
-          back (varlen_attention, packed_token_logprobs), against the same rows as a
-          prefix tree (tree_attention per backend, tree_token_logprobs), bf16.
+          back (varlen_attention, token_logprobs), against the same rows as a
+          prefix tree (seqpack.attention per tree backend, token_logprobs), bf16.
 Bandwidth of the fused log-probs counts the bytes that must move: the logits read
 once forward, read once and the gradient written once backward.
 Also checked: no host synchronisation on the hot paths
@@ -128,7 +129,7 @@ def bench_logprobs(cases, log, repeat):
 
         def fused():
             x = logits.detach().requires_grad_()
-            lp, ent = seqpack.packed_token_logprobs(x, ids, cu, return_entropy=entropy)
+            lp, ent = seqpack.token_logprobs(x, cu, ids, return_entropy=entropy)
             (lp.sum() + (ent.sum() if entropy else 0)).backward()
 
         def unfused():
@@ -237,7 +238,7 @@ def bench_distillation(log, repeat, quick):
 
 
 def bench_linear_head(log, repeat, quick):
-    """Issue 30 item 7 on the device: linear_token_logprobs (LM head fused, tile
+    """Issue 30 item 7 on the device: token_logprobs with weight= (LM head fused, tile
     workspaces) against F.linear + log_softmax + gather, bf16 head, extra peak memory
     of each of 4 runs; seqpack at its default chunk and at larger ``chunk_tokens``."""
     from bench_loss import linear_case, run_linear
@@ -269,7 +270,7 @@ def bench_linear_head(log, repeat, quick):
         del h, w
         torch.cuda.empty_cache()
     return format_table(
-        "LM head fused (linear_token_logprobs) forward+backward on the GPU vs F.linear + log_softmax + gather",
+        "LM head fused (token_logprobs, weight=) forward+backward on the GPU vs F.linear + log_softmax + gather",
         ["case", "seqpack", "seqpack ms", "torch ms", "seqpack / torch", "seqpack extra MiB", "torch extra MiB",
          "memory ratio", "seqpack MiB per run", "loss rel diff"], rows,
         note="CUDA events, best of the runs; extra MiB = max_memory_allocated rise minus the hidden and head "
@@ -290,7 +291,7 @@ def check_sync_free_and_graph(log):
     try:
         packed = seqpack.pack_sequences(x, seq_lens=lens, pad_multiple=4)
         packed.unpack(packed["input"])
-        lp, ent = seqpack.packed_token_logprobs(logits, ids, cu, return_entropy=True)
+        lp, ent = seqpack.token_logprobs(logits, cu, ids, return_entropy=True)
         (lp.sum() + ent.sum()).backward()
         verdict = "no host synchronisation"
     except RuntimeError as e:
@@ -305,11 +306,16 @@ def check_sync_free_and_graph(log):
     static_ids = torch.randint(0, 4096, (16, 256), device="cuda")
     static_lens = torch.randint(1, 257, (16,), device="cuda")
 
+    # Device offsets with their padded form, nothing read back: the implementation's
+    # signature (seqpack.token_logprobs takes no cu_seqlens_padded; a PackedLayout reads
+    # its offsets on the host).
+    from seqpack.training.logprobs import packed_token_logprobs
+
     def step():
         p = seqpack.pack_sequences_static({"input_ids": static_ids}, static_lens, max_tokens=16 * 256,
                                           pad_multiple=8)
-        out = seqpack.packed_token_logprobs(head(emb(p["input_ids"])), p["input_ids"], p.cu_seqlens,
-                                            p.cu_seqlens_padded, return_entropy=True)
+        out = packed_token_logprobs(head(emb(p["input_ids"])), p["input_ids"], p.cu_seqlens, p.cu_seqlens_padded,
+                                    return_entropy=True)
         return -out.logprobs.sum() - 0.01 * out.entropy.sum()
 
     side = torch.cuda.Stream()
@@ -356,7 +362,9 @@ def bench_prefix_trees(log, repeat, quick):
     vocab = 32000
     model = Model(vocab=vocab, **dims).to("cuda", torch.bfloat16)
     model.inv_freq = model.inv_freq.cuda()
-    backends = [b for b in ("varlen", "sdpa") if seqpack.tree_attention_backends()[b] == "available"]
+    from seqpack.training.attention_tree import tree_attention_backends
+
+    backends = [b for b in ("varlen", "sdpa") if tree_attention_backends()[b] == "available"]
     plain_backend = next((b for b in ("flash_attn", "torch_varlen") if seqpack.attention_backends()[b] == "available"),
                          "reference")
     rows_out = []
@@ -406,8 +414,8 @@ def bench_prefix_trees(log, repeat, quick):
          "plain extra MiB", "tree extra MiB", "loss rel diff", "grad max rel diff"], rows_out,
         note=f"Model: {dims['layers']} layers, hidden {dims['hidden']}, {dims['heads']} heads x {dims['head_dim']}, "
              f"SwiGLU {dims['ffn']}, vocab {vocab}, bf16 weights. plain: varlen_attention (auto: {plain_backend}) + "
-             "packed_token_logprobs; tree: pack_prefix_tree on the host (timed: a per-batch cost) + tree_attention + "
-             "tree_token_logprobs. CUDA events, best of the runs; extra MiB = max_memory_allocated rise of one step. "
+             "token_logprobs; tree: pack_prefix_tree on the host (timed: a per-batch cost) + attention on the tree "
+             "+ token_logprobs. CUDA events, best of the runs; extra MiB = max_memory_allocated rise of one step. "
              "Differences are bf16 rounding of two summation orders (relative, max over weights).")
 
 

@@ -3,7 +3,7 @@ processes (one CP group of 4, DP 1) on a long-tailed batch, fixed CP (every
 sequence zigzag-cut over the 4 ranks) against hybrid CP (each over the fewest ranks
 its length needs), both planned by ``plan_step`` on one cost model fitted on this
 machine, both run by the same code (``hybrid_cp_micro_batches``, the tiny model's
-forward and backward with ``cp_attention`` per part).
+forward and backward with ``seqpack.attention`` on each part's cut).
 
 The cost model is ``CostModel.fit(..., cp_degrees=)`` on micro-batches timed in
 lock-step on the 4 ranks: plain rows whole on each rank, and rows sharded at

@@ -13,8 +13,8 @@ minus the [T, V] gradient that every method must return. PyTorch and the fused p
 run again in a child process with THP_MEM_ALLOC_ENABLE=1 (PyTorch's huge-page
 allocation for large CPU tensors), where PyTorch pays fewer first-touch page faults.
 
-A second table: the LM head fused in (``seqpack.linear_token_logprobs``: hidden
-states [T, H] and the head [V, H] in, never the [T, V] logits) vs ``F.linear`` +
+A second table: the LM head fused in (``seqpack.token_logprobs(hidden, layout, ids,
+weight=head)``: hidden states [T, H] and the head [V, H] in, never the [T, V] logits) vs ``F.linear`` +
 ``log_softmax`` + gather, forward + backward to the hidden states and the head.
 
     python benchmarks/bench_loss.py            # full run
@@ -162,7 +162,7 @@ def cases(quick, max_logits_gib=1.23, only=None):
     return [c for c in out if only is None or only in c[0]]
 
 
-# ---- the LM head fused in: linear_token_logprobs vs F.linear + log_softmax + gather
+# ---- the LM head fused in: token_logprobs(weight=) vs F.linear + log_softmax + gather
 
 
 def linear_case(tokens, hidden, vocab, seed=0):
@@ -189,7 +189,7 @@ def run_linear(method, h, w, ids, cu, targets, mask, chunk_tokens=None):
         # a bf16 head's logits upcast, as trainers do (no name: nothing keeps them past log_softmax)
         lp = torch.log_softmax(torch.nn.functional.linear(h, w).float(), -1).gather(-1, targets[:, None])[:, 0] * mask
     else:
-        lp = seqpack.linear_token_logprobs(h, w, ids, cu, chunk_tokens=chunk_tokens).logprobs
+        lp = seqpack.token_logprobs(h, cu, ids, weight=w, chunk_tokens=chunk_tokens).logprobs
     loss = -lp.sum() / mask.sum()
     loss.backward()
     return loss.detach(), h.grad, w.grad
@@ -258,7 +258,7 @@ def bench_linear(quick, log, runs=3, only=None):
         print(f"  linear {name}: done", flush=True)
     print(format_table(
         "LM head + log-probs, forward + backward, CPU fp32: F.linear + log_softmax + gather vs "
-        "seqpack.linear_token_logprobs (default tiles: ~2^24 logits, one workspace each for the logits and their "
+        "seqpack.token_logprobs(weight=) (default tiles: ~2^24 logits, one workspace each for the logits and their "
         "gradient)",
         ["T", "H", "V", "[T, V] fp32 MiB", "torch s", "fused s", "fused / torch", "torch extra MiB (runs)",
          "fused extra MiB (runs)", "worst fused / best torch"], rows,

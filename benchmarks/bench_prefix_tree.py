@@ -2,10 +2,10 @@
 process, the same small model and weights, forward + backward of one batch.
 
   plain   the rows concatenated (THD), position ids restart per row,
-          seqpack.varlen_attention (causal per row) and seqpack.packed_token_logprobs;
+          seqpack.varlen_attention (causal per row) and seqpack.token_logprobs;
   tree    seqpack.pack_prefix_tree (one group per prompt / episode): the shared
-          prefixes laid out once, position ids = depth, seqpack.tree_attention
-          (backend "sdpa") and seqpack.tree_token_logprobs (logical layout).
+          prefixes laid out once, position ids = depth, seqpack.attention on the
+          tree (backend "sdpa") and seqpack.token_logprobs (logical layout).
 Both steps compute loss = -sum of every logical token's next-token log-prob; the
 two losses (and every weight's gradient) are checked to agree before any time is
 reported. The tree is built where a batch is built (a collate function:
@@ -148,7 +148,7 @@ def plain_step(model, rows, device="cpu", attention=True):
         return seqpack.varlen_attention(q, k, v, cu, cu, longest, longest, causal=True)
 
     logits = model(ids, positions, attend)
-    loss = -seqpack.packed_token_logprobs(logits, ids, cu).logprobs.sum()
+    loss = -seqpack.token_logprobs(logits, cu, ids).logprobs.sum()
     loss.backward()
     return loss.detach()
 
@@ -164,10 +164,10 @@ def tree_step(model, tree, device="cpu", backend="sdpa"):
     ids, positions = torch.tensor(tree.input_ids, device=device), torch.tensor(tree.position_ids, device=device)
 
     def attend(q, k, v):
-        return seqpack.tree_attention(q, k, v, tree, backend=backend)
+        return seqpack.attention(q, k, v, tree, backend=backend)
 
     logits = model(ids, positions, attend)
-    loss = -seqpack.tree_token_logprobs(logits, tree).logprobs.sum()
+    loss = -seqpack.token_logprobs(logits, tree).logprobs.sum()
     loss.backward()
     return loss.detach()
 
@@ -334,7 +334,7 @@ def main() -> int:
         note="CPU fp32, torch threads = %d, timings taken on a shared 2-core VM (the sides alternate, best of %d "
              "each after a warm-up). Model %r: %d layers, hidden %d, %d heads x %d, SwiGLU %d, vocab %d; loss = -sum "
              "of the logical tokens' log-probs, fwd+bwd. plain: rows concatenated, varlen_attention, "
-             "packed_token_logprobs. tree: tree_attention (sdpa) + tree_token_logprobs on a tree built where the "
+             "token_logprobs. tree: attention on the tree (sdpa) + token_logprobs on a tree built where the "
              "batch is built (pack_prefix_tree + prepare_tree: 'prepare ms', host, not in the step). work bound = "
              "(per-token work x tokens + per-pair work x visible pairs), rows / tree, with the model's multiply-adds; "
              "of bound = speed-up / work bound. attn share: 1 - (the plain step with v in attention's place) / "

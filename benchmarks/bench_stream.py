@@ -54,7 +54,8 @@ def cv(values):
 def stream_table(quick, log):
     rollouts = grpo_rollouts(96 if quick else 1024, 8, median=1500, sigma=1.0, max_length=CAP,
                              prompts_per_second=8.0, tokens_per_second=1000.0, seed=42)
-    planner = seqpack.StreamPlanner(DP, CAP, step_tokens=STEP_TOKENS, max_staleness=STALENESS, cost=COST)
+    planner = seqpack.StreamPlanner(DP, CAP, step_tokens=STEP_TOKENS, max_staleness=STALENESS,
+                                    options=seqpack.StepOptions(cost=COST))
     buckets = shape_buckets(True, CAP)  # what the planner's static_shapes=True gives (8)
     rows, record = [], []
 
@@ -131,7 +132,7 @@ def amortised_table(quick, log):
     t0 = time.perf_counter()
     whole = seqpack.plan_step(lengths, DP, CAP, cost=COST)
     one = time.perf_counter() - t0
-    planner = seqpack.StreamPlanner(DP, CAP, step_tokens=step_tokens, cost=COST)
+    planner = seqpack.StreamPlanner(DP, CAP, step_tokens=step_tokens, options=seqpack.StepOptions(cost=COST))
     groups = np.arange(n) // 8
     t0 = time.perf_counter()
     steps, predicted = 0, 0.0

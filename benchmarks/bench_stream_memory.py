@@ -44,7 +44,7 @@ def steps(order: str, count: int):
     """Rank 0's micro-batches in the first ``count`` streamed steps: (lengths, padded
     size) each."""
     rollouts = grpo_rollouts(count * 80, 8, median=1500, sigma=1.0, max_length=CAP, prompts_per_second=64.0, seed=5)
-    planner = seqpack.StreamPlanner(DP, CAP, step_tokens=STEP_TOKENS, **ORDERS[order])
+    planner = seqpack.StreamPlanner(DP, CAP, step_tokens=STEP_TOKENS, options=seqpack.StepOptions(**ORDERS[order]))
     rng = np.random.default_rng(1)
     out = []
     for step in run_stream(planner, rollouts, flush=False)[:count]:

@@ -3,7 +3,7 @@
 Three tables, CPU, one process per measurement where memory is read:
 
   chains        multi-turn rollouts logged one row per turn: a chain of rows, each a
-                prefix of the next. tree_attention (sdpa and varlen backends) forward +
+                prefix of the next. seqpack.attention (sdpa and varlen backends) forward +
                 backward on the chain's tree against the longest row alone through
                 varlen_attention: peak RSS rise (each in a fresh child process) and time.
                 Attention segments break at branch points only, so the chain is one
@@ -11,7 +11,7 @@ Three tables, CPU, one process per measurement where memory is read:
   nothing shared  a tree whose rows share nothing against plain packing, forward +
                 backward of an attention-dominated model (2 layers, hidden 128, 4 heads):
                 the tree runs plain packing's kernels.
-  tree attention  tree_attention alone (CPU: the cascade path, each shared prefix read
+  tree attention  seqpack.attention on a tree alone (CPU: the cascade path, each shared prefix read
                 once) against varlen_attention on the rows, on GRPO batches, forward and
                 forward + backward, next to the visible-pairs ratio (the work bound's
                 speed-up) and the segment-gather path it replaced (cascade off).
@@ -61,7 +61,7 @@ def chain_step(kind: str, tokens: int, turns: int, backend: str):
 
     def step():
         if tree is not None:
-            out = seqpack.tree_attention(q, k, v, tree, backend=backend)
+            out = seqpack.attention(q, k, v, tree, backend=backend)
         else:
             out = seqpack.varlen_attention(q, k, v, cu, cu, tokens, tokens, causal=True)
         out.sum().backward()
@@ -82,8 +82,8 @@ def child(spec: str) -> int:
 
 def tree_step(model, tree):
     ids, positions = torch.tensor(tree.input_ids), torch.tensor(tree.position_ids)
-    logits = model(ids, positions, lambda q, k, v: seqpack.tree_attention(q, k, v, tree))
-    (-seqpack.tree_token_logprobs(logits, tree).logprobs.sum()).backward()
+    logits = model(ids, positions, lambda q, k, v: seqpack.attention(q, k, v, tree))
+    (-seqpack.token_logprobs(logits, tree).logprobs.sum()).backward()
     model.zero_grad(set_to_none=True)
 
 
@@ -136,8 +136,8 @@ def main() -> int:
                        ["rows", "tokens", "plain ms", "tree ms", "tree speed vs plain"],
                        [[len(rows), int(lens.sum()), t_plain * 1e3, t_tree * 1e3, t_plain / t_tree]],
                        note="Target >= 0.97x. Both step times exclude building the batch; the two sides "
-                            "alternate, best of %d each. The tree reads its log-probs with tree_token_logprobs, "
-                            "plain packing with packed_token_logprobs; attention is the same call." % (repeat * 3)))
+                            "alternate, best of %d each. Both read their log-probs with token_logprobs (the tree's "
+                            "layout, the rows' offsets); attention is the same call." % (repeat * 3)))
 
     # ---- tree attention alone ---------------------------------------------------------------
     from seqpack.tensors.tree_plans import attention_plan
@@ -172,7 +172,7 @@ def main() -> int:
                 if not cascade:
                     attention_tree.cascade_available = lambda *a: False
                 try:
-                    out = seqpack.tree_attention(qt, kt, vt, tree_g, backend="sdpa")
+                    out = seqpack.attention(qt, kt, vt, tree_g, backend="sdpa")
                     if backward:
                         out.sum().backward()
                 finally:
@@ -189,7 +189,7 @@ def main() -> int:
             for side, value in (("plain", t_plain), ("tree cascade", t_tree), ("tree segment gathers", t_old)):
                 log.add(f"{name} {kind}", side, "seconds_min", value)
     print()
-    print(format_table("tree_attention alone vs varlen_attention on the rows (CPU)",
+    print(format_table("Tree attention alone vs varlen_attention on the rows (CPU)",
                        ["batch", "pass", "pairs ratio", "plain ms", "tree ms", "speed-up", "of pairs ratio",
                         "speed-up before"], att_rows,
                        note=f"{HEADS} heads x {HEAD_DIM}, fp32, 1 thread; the three sides alternate, best of "

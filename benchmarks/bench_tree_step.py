@@ -4,10 +4,10 @@ of every micro-batch of the step (gradients accumulated), one process, the model
 of bench_prefix_tree.py.
 
   plain   plan_step(lengths, dp_size=1, max_tokens=cap): micro-batches of rows,
-          each packed back to back (varlen_attention, packed_token_logprobs);
+          each packed back to back (varlen_attention, token_logprobs);
   trees   PrefixForest.from_rows + plan_step(..., forest=forest): micro-batches of
           whole trees (their physical tokens under the cap), each laid out by
-          pack_prefix_tree (tree_attention sdpa, tree_token_logprobs).
+          pack_prefix_tree (attention on the tree, sdpa; token_logprobs).
 Both steps sum the same loss (-sum of every logical token's next-token log-prob)
 over their micro-batches; the losses and every weight's accumulated gradient are
 checked to agree before anything is timed. Each step's time includes its planning

@@ -90,7 +90,7 @@ def logprob_case(trainer, trl_model, tree_model, g: int, prompt: int, completion
     from trl.trainer.grpo_trainer import GRPOTrainer
 
     from seqpack.frameworks._completion_trees import completion_tree
-    from seqpack.frameworks.trl_tree import METHOD
+    from seqpack.frameworks.trl.tree import METHOD
 
     patched = GRPOTrainer.__dict__[METHOD]
     original = patched._seqpack_original

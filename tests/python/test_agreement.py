@@ -153,9 +153,9 @@ def _packed_logprobs(rank, flip, bad):
     if bad and flip == "dtype":
         logits = logits.double()
     with _autocast(flip, bad):
-        return seqpack.packed_token_logprobs(_grad(logits, flip, bad), ids, cu, cu_p,
-                                             vocab_parallel_group=dist.group.WORLD,
-                                             vocab_start=rank * (VOCAB // WORLD)).logprobs
+        return seqpack.token_logprobs(_grad(logits, flip, bad), seqpack.PackedLayout.from_offsets(cu, cu_p), ids,
+                                      vocab_parallel_group=dist.group.WORLD,
+                                      vocab_start=rank * (VOCAB // WORLD)).logprobs
 
 
 def _linear_logprobs(rank, flip, bad):
@@ -168,9 +168,9 @@ def _linear_logprobs(rank, flip, bad):
     if bad and flip == "dtype":
         hidden, weight = hidden.double(), weight.double()
     with _autocast(flip, bad):
-        return seqpack.linear_token_logprobs(_grad(hidden, flip, bad), weight, ids, cu, cu_p,
-                                             vocab_parallel_group=dist.group.WORLD,
-                                             vocab_start=rank * (VOCAB // WORLD)).logprobs
+        return seqpack.token_logprobs(_grad(hidden, flip, bad), seqpack.PackedLayout.from_offsets(cu, cu_p), ids,
+                                      weight=weight, vocab_parallel_group=dist.group.WORLD,
+                                      vocab_start=rank * (VOCAB // WORLD)).logprobs
 
 
 def _loss_data(lengths, width):

@@ -162,7 +162,7 @@ def test_public_ops_still_reach_the_kernels():
     # The Python layer passes tensors (not addresses): an end-to-end call works.
     logits = torch.randn(6, 5)
     ids = torch.tensor([1, 2, 3, 0, 4, 1])
-    lp = seqpack.packed_token_logprobs(logits, ids, [0, 3, 6]).logprobs
+    lp = seqpack.token_logprobs(logits, [0, 3, 6], ids).logprobs
     ref = torch.log_softmax(logits, 1)
     assert torch.allclose(lp[0], ref[0, 2]) and lp[2] == 0
 

@@ -84,7 +84,7 @@ def _loss_helpers(*names):
 def check_loss_context_parallel(rank, world):
     # Every rank holds its zigzag rows of the packed logits; the loss (same on every
     # rank) / cp backwards into exactly the unpacked gradient of those rows.
-    from seqpack import cp_partition_indices
+    from seqpack.tensors.cp import cp_partition_indices
     from seqpack.loss import ClippedPGLoss, SequencePackingLossWrapper
     PG_CFG, make_batch, unpacked_loss = _loss_helpers("PG_CFG", "make_batch", "unpacked_loss")
 
@@ -134,9 +134,9 @@ def check_loss_vocab_parallel(rank, world):
 
 
 def check_linear_vocab_parallel(rank, world):
-    """linear_token_logprobs with the LM head's vocabulary split over the ranks:
-    log-probs, entropies and every gradient equal the single-rank computation."""
-    from seqpack import linear_token_logprobs
+    """token_logprobs with the LM head (weight=) and its vocabulary split over the
+    ranks: log-probs, entropies and every gradient equal the single-rank computation."""
+    import seqpack
 
     g = torch.Generator().manual_seed(3)
     cu, width, hidden = [0, 7, 11, 21], 12, 6
@@ -146,12 +146,12 @@ def check_linear_vocab_parallel(rank, world):
     b = torch.randn(vocab, generator=g)
     ids = torch.randint(0, vocab, (21,), generator=g)
     leaves = [t.clone().requires_grad_() for t in (h, w, b)]
-    full = linear_token_logprobs(*leaves[:2], ids, cu, bias=leaves[2], return_entropy=True)
+    full = seqpack.token_logprobs(leaves[0], cu, ids, weight=leaves[1], bias=leaves[2], return_entropy=True)
     (full.logprobs.sum() + 0.5 * full.entropy.sum()).backward()
     cols = slice(rank * width, (rank + 1) * width)
     mine = [h.clone().requires_grad_(), w[cols].clone().requires_grad_(), b[cols].clone().requires_grad_()]
-    out = linear_token_logprobs(*mine[:2], ids, cu, bias=mine[2], return_entropy=True, chunk_tokens=5,
-                                vocab_parallel_group=dist.group.WORLD, vocab_start=rank * width)
+    out = seqpack.token_logprobs(mine[0], cu, ids, weight=mine[1], bias=mine[2], return_entropy=True, chunk_tokens=5,
+                                 vocab_parallel_group=dist.group.WORLD, vocab_start=rank * width)
     torch.testing.assert_close(out.logprobs, full.logprobs, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(out.entropy, full.entropy, rtol=1e-5, atol=1e-6)
     (out.logprobs.sum() + 0.5 * out.entropy.sum()).backward()

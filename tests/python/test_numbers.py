@@ -122,10 +122,10 @@ def _metrics_time(v):
 
 # (argument name, call taking the number, a valid value exact in float32, None allowed)
 REAL_ARGS = [
-    ("temperature", lambda v: seqpack.packed_token_logprobs(RAND_LOGITS, PACKED_IDS, [0, 2, 5], temperature=v,
-                                                            return_entropy=True), 0.5, False),
-    ("temperature", lambda v: seqpack.linear_token_logprobs(HIDDEN, WEIGHT, PACKED_IDS, [0, 2, 5],
-                                                            temperature=v), 0.75, False),
+    ("temperature", lambda v: seqpack.token_logprobs(RAND_LOGITS, [0, 2, 5], PACKED_IDS, temperature=v,
+                                                     return_entropy=True), 0.5, False),
+    ("temperature", lambda v: seqpack.token_logprobs(HIDDEN, [0, 2, 5], PACKED_IDS, weight=WEIGHT,
+                                                     temperature=v), 0.75, False),
     ("temperature", lambda v: seqpack.SequencePackingLossWrapper(seqpack.NLLLoss(), cu_seqlens_q=[0, 2, 5],
                                                                  temperature=v).temperature, 2.0, False),
     ("per_micro_batch", lambda v: CostModel(v, 1.0, 0.5), 3.0, False),
@@ -185,8 +185,8 @@ def test_bad_real_numbers_are_refused_by_name(name, call, good, none_ok, bad, ki
 def test_temperature_is_a_normal_float32_and_the_message_shows_it(bad):
     # 1e-320 became 0 in float32 and was refused inside C++, with no value; 1e-40
     # (a float32 subnormal) passed and gave an infinite 1 / temperature.
-    for call in (lambda: seqpack.packed_token_logprobs(LOGITS, PACKED_IDS, [0, 2, 5], temperature=bad),
-                 lambda: seqpack.linear_token_logprobs(HIDDEN, WEIGHT, PACKED_IDS, [0, 2, 5], temperature=bad),
+    for call in (lambda: seqpack.token_logprobs(LOGITS, [0, 2, 5], PACKED_IDS, temperature=bad),
+                 lambda: seqpack.token_logprobs(HIDDEN, [0, 2, 5], PACKED_IDS, weight=WEIGHT, temperature=bad),
                  lambda: seqpack.SequencePackingLossWrapper(seqpack.NLLLoss(), cu_seqlens_q=[0, 2, 5],
                                                             temperature=bad)):
         with pytest.raises(ValueError, match=r"^temperature must be a positive finite number in \[1.1754944e-38, "

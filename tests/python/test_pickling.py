@@ -69,7 +69,7 @@ def _cp_batch():
 def _token_logprobs():
     torch.manual_seed(0)
     logits = torch.randn(8, 11, dtype=torch.float64)
-    return seqpack.packed_token_logprobs(logits, torch.randint(0, 11, (8,)), [0, 3, 8], return_entropy=True)
+    return seqpack.token_logprobs(logits, [0, 3, 8], torch.randint(0, 11, (8,)), return_entropy=True)
 
 
 def _bdd(cls):
@@ -338,7 +338,7 @@ def test_layout_never_aliases_the_tensors_it_hands_out():
     b = _batch()
     logits = torch.randn(b.num_tokens, 40, dtype=torch.float64)
     ids = torch.randint(0, 40, (b.num_tokens,))
-    before = seqpack.packed_token_logprobs(logits, ids, b.layout).logprobs
+    before = seqpack.token_logprobs(logits, b.layout, ids).logprobs
     b.cu_seqlens += 1
     b.cu_seqlens_padded[1] = 0
     handed = b.layout.offsets_on("cpu")
@@ -346,7 +346,7 @@ def test_layout_never_aliases_the_tensors_it_hands_out():
     b.layout.packed_seq_params().cu_seqlens_q.fill_(7)
     assert b.layout.cu_seqlens.tolist() == [0, 3, 11, 16]
     assert b.layout.offsets_on("cpu")[0].tolist() == [0, 3, 11, 16]
-    assert torch.equal(seqpack.packed_token_logprobs(logits, ids, b.layout).logprobs, before)
+    assert torch.equal(seqpack.token_logprobs(logits, b.layout, ids).logprobs, before)
     with pytest.raises(ValueError):
         b.layout.cu_seqlens[0] = 1
 

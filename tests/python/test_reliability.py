@@ -74,8 +74,8 @@ def test_huge_bin_counts_are_refused():
         seqpack.get_packer("first_fit_decreasing", 100, bin_count_multiple=2**62 + 1).pack([1, 2, 3])
 
 
-@pytest.mark.parametrize("call", [lambda: seqpack.cp_restore_order([0, 8], 2**63 - 1),
-                                  lambda: seqpack.cp_partition_indices([0, 8], 2**63 - 1, 0)],
+@pytest.mark.parametrize("call", [lambda: seqpack.tensors.cp.cp_restore_order([0, 8], 2**63 - 1),
+                                  lambda: seqpack.tensors.cp.cp_partition_indices([0, 8], 2**63 - 1, 0)],
                          ids=["cp_restore_order", "cp_partition_indices"])
 def test_cp_size_whose_double_overflows_is_refused(call):
     # 2 * cp_size wrapped: cp_restore_order ran 2^63 iterations, cp_partition_indices returned [].

@@ -17,8 +17,9 @@ from seqpack import BatchedDataDict
 from seqpack.frameworks import roll
 from seqpack.frameworks.config import load
 from seqpack.planning.packing import adjust_bin_count
+from seqpack.tensors.cp import cp_partition_indices, cp_restore_order
 from seqpack.tensors.layout import PackedLayout, alignment
-from seqpack.training.logprobs import next_token_sources, next_token_targets
+from seqpack.training.logprobs import next_token_sources, next_token_targets, packed_token_logprobs
 
 IDS = torch.zeros(2, 4, dtype=torch.long)
 LOGITS = torch.zeros(5, 4)
@@ -71,9 +72,9 @@ INT_ARGS = [
     ("cp_rank", lambda v: PackedLayout.from_offsets([0, 4], cp_size=2, cp_rank=v), ()),
     ("cp_size", lambda v: alignment(cp_size=v), ()),
     ("tp_size", lambda v: alignment(tp_size=v), ()),
-    ("cp_size", lambda v: seqpack.cp_partition_indices([0, 4, 8], v, 0), ()),
-    ("cp_rank", lambda v: seqpack.cp_partition_indices([0, 4, 8], 2, v), ()),
-    ("cp_size", lambda v: seqpack.cp_restore_order([0, 4, 8], v), ()),
+    ("cp_size", lambda v: cp_partition_indices([0, 4, 8], v, 0), ()),
+    ("cp_rank", lambda v: cp_partition_indices([0, 4, 8], 2, v), ()),
+    ("cp_size", lambda v: cp_restore_order([0, 4, 8], v), ()),
     ("pack_size", lambda v: seqpack.pack_dataset([[1, 2]], pack_size=v), ()),
     ("max_packs", lambda v: seqpack.pack_dataset([[1, 2]], pack_size=4, max_packs=v), (None,)),
     ("padding_idx", lambda v: seqpack.pack_dataset([[1, 2, 3]], pack_size=4, padding_idx=v), (-1,)),
@@ -82,14 +83,15 @@ INT_ARGS = [
     ("max_tokens", lambda v: seqpack.pack_sequences_static(IDS, [2, 3], max_tokens=v), ()),
     ("max_seqs", lambda v: seqpack.pack_sequences_static(IDS, [2, 3], max_tokens=8, max_seqs=v), (None,)),
     ("cp_rank", lambda v: seqpack.pack_sequences_static(IDS, [2, 3], max_tokens=8, cp_rank=v), ()),
-    ("cp_size", lambda v: seqpack.packed_token_logprobs(LOGITS, PACKED_IDS, [0, 2, 5], cp_size=v), ()),
-    ("cp_rank", lambda v: seqpack.packed_token_logprobs(LOGITS, PACKED_IDS, [0, 2, 5], cp_rank=v), ()),
-    ("vocab_start", lambda v: seqpack.packed_token_logprobs(LOGITS, PACKED_IDS, [0, 2, 5], vocab_start=v), ()),
-    ("num_threads", lambda v: seqpack.packed_token_logprobs(LOGITS, PACKED_IDS, [0, 2, 5], num_threads=v), ()),
-    ("chunk_tokens", lambda v: seqpack.linear_token_logprobs(torch.zeros(5, 2), torch.zeros(4, 2), PACKED_IDS,
-                                                             [0, 2, 5], chunk_tokens=v), (None,)),
-    ("num_threads", lambda v: seqpack.linear_token_logprobs(torch.zeros(5, 2), torch.zeros(4, 2), PACKED_IDS,
-                                                            [0, 2, 5], num_threads=v), ()),
+    # the implementation's split arguments (the op takes a layout carrying its cut)
+    ("cp_size", lambda v: packed_token_logprobs(LOGITS, PACKED_IDS, [0, 2, 5], cp_size=v), ()),
+    ("cp_rank", lambda v: packed_token_logprobs(LOGITS, PACKED_IDS, [0, 2, 5], cp_rank=v), ()),
+    ("vocab_start", lambda v: seqpack.token_logprobs(LOGITS, [0, 2, 5], PACKED_IDS, vocab_start=v), ()),
+    ("num_threads", lambda v: seqpack.token_logprobs(LOGITS, [0, 2, 5], PACKED_IDS, num_threads=v), ()),
+    ("chunk_tokens", lambda v: seqpack.token_logprobs(torch.zeros(5, 2), [0, 2, 5], PACKED_IDS,
+                                                      weight=torch.zeros(4, 2), chunk_tokens=v), (None,)),
+    ("num_threads", lambda v: seqpack.token_logprobs(torch.zeros(5, 2), [0, 2, 5], PACKED_IDS,
+                                                     weight=torch.zeros(4, 2), num_threads=v), ()),
     ("cp_rank", lambda v: next_token_sources([0, 4, 8], cp_size=2, cp_rank=v), ()),
 ]
 BAD_INTS = [(2.0, TypeError), (None, TypeError), ("2", TypeError), (True, TypeError), (2**63, ValueError),
@@ -152,15 +154,15 @@ META_CALLS = [
     ("tensors\\['input'\\]", lambda: seqpack.pack_sequences_static(_meta(IDS), [2, 3], max_tokens=8)),
     ("seq_lens", lambda: seqpack.pack_sequences_static(IDS, _meta(torch.tensor([2, 3])), max_tokens=8)),
     ("x", lambda: seqpack.unpack_sequences(_meta(torch.zeros(5)), [0, 2, 5])),
-    ("cu_seqlens_padded", lambda: seqpack.cp_partition_indices(_meta(torch.tensor([0, 4, 8])), 2, 0)),
+    ("cu_seqlens_padded", lambda: cp_partition_indices(_meta(torch.tensor([0, 4, 8])), 2, 0)),
     ("cu_seqlens", lambda: PackedLayout.from_offsets(_meta(torch.tensor([0, 4, 8])))),
     ("seq_lens", lambda: PackedLayout.from_lengths(_meta(torch.tensor([4, 4])))),
     ("seqlen_list", lambda: seqpack.karmarkar_karp(_meta(torch.tensor([4, 4])), 2, False)),
-    ("logits", lambda: seqpack.packed_token_logprobs(_meta(LOGITS), PACKED_IDS, [0, 2, 5])),
-    ("input_ids", lambda: seqpack.packed_token_logprobs(LOGITS, _meta(PACKED_IDS), [0, 2, 5])),
-    ("cu_seqlens", lambda: seqpack.packed_token_logprobs(LOGITS, PACKED_IDS, _meta(torch.tensor([0, 2, 5])))),
-    ("hidden", lambda: seqpack.linear_token_logprobs(_meta(torch.zeros(5, 2)), torch.zeros(4, 2), PACKED_IDS,
-                                                     [0, 2, 5])),
+    ("logits", lambda: seqpack.token_logprobs(_meta(LOGITS), [0, 2, 5], PACKED_IDS)),
+    ("input_ids", lambda: seqpack.token_logprobs(LOGITS, [0, 2, 5], _meta(PACKED_IDS))),
+    ("cu_seqlens", lambda: seqpack.token_logprobs(LOGITS, _meta(torch.tensor([0, 2, 5])), PACKED_IDS)),
+    ("hidden", lambda: seqpack.token_logprobs(_meta(torch.zeros(5, 2)), [0, 2, 5], PACKED_IDS,
+                                              weight=torch.zeros(4, 2))),
     ("input_ids", lambda: next_token_targets(_meta(PACKED_IDS), torch.tensor([0, 2, 5]), torch.tensor([0, 2, 5]), 5)),
 ]
 
@@ -183,15 +185,15 @@ NOT_TENSOR_CALLS = [
     ("tensors", "numpy.ndarray", lambda: seqpack.pack_to_layout(np.zeros((2, 4)),
                                                                 PackedLayout.from_offsets([0, 2, 5]))),
     ("x", "numpy.ndarray", lambda: seqpack.unpack_sequences(np.zeros(5), [0, 2, 5])),
-    ("logits", "numpy.ndarray", lambda: seqpack.packed_token_logprobs(np.zeros((5, 4)), PACKED_IDS, [0, 2, 5])),
-    ("input_ids", "NoneType", lambda: seqpack.packed_token_logprobs(LOGITS, None, [0, 2, 5])),
-    ("input_ids", "numpy.ndarray", lambda: seqpack.packed_token_logprobs(LOGITS, PACKED_IDS.numpy(), [0, 2, 5])),
-    ("hidden", "numpy.ndarray", lambda: seqpack.linear_token_logprobs(np.zeros((5, 2)), torch.zeros(4, 2),
-                                                                      PACKED_IDS, [0, 2, 5])),
-    ("weight", "numpy.ndarray", lambda: seqpack.linear_token_logprobs(torch.zeros(5, 2), np.zeros((4, 2)),
-                                                                      PACKED_IDS, [0, 2, 5])),
-    ("bias", "numpy.ndarray", lambda: seqpack.linear_token_logprobs(torch.zeros(5, 2), torch.zeros(4, 2),
-                                                                    PACKED_IDS, [0, 2, 5], bias=np.zeros(4))),
+    ("logits", "numpy.ndarray", lambda: seqpack.token_logprobs(np.zeros((5, 4)), [0, 2, 5], PACKED_IDS)),
+    ("input_ids", "NoneType", lambda: packed_token_logprobs(LOGITS, None, [0, 2, 5])),  # the op: ids required
+    ("input_ids", "numpy.ndarray", lambda: seqpack.token_logprobs(LOGITS, [0, 2, 5], PACKED_IDS.numpy())),
+    ("hidden", "numpy.ndarray", lambda: seqpack.token_logprobs(np.zeros((5, 2)), [0, 2, 5], PACKED_IDS,
+                                                               weight=torch.zeros(4, 2))),
+    ("weight", "numpy.ndarray", lambda: seqpack.token_logprobs(torch.zeros(5, 2), [0, 2, 5], PACKED_IDS,
+                                                               weight=np.zeros((4, 2)))),
+    ("bias", "numpy.ndarray", lambda: seqpack.token_logprobs(torch.zeros(5, 2), [0, 2, 5], PACKED_IDS,
+                                                             weight=torch.zeros(4, 2), bias=np.zeros(4))),
     ("input_ids", "numpy.ndarray", lambda: next_token_targets(np.zeros(5), torch.tensor([0, 2, 5]),
                                                               torch.tensor([0, 2, 5]), 5)),
 ]

@@ -11,6 +11,8 @@
   :mod:`~seqpack.tensors.packed_tensors` (named THD tensors and their offsets).
 - :mod:`~seqpack.tensors.tree_plans`: the host plans a prefix tree carries.
 - :mod:`~seqpack.tensors.cp`: context-parallel sharding (the 2·CP zigzag chunks).
+- :mod:`~seqpack.tensors.sharded_layout`: :func:`~seqpack.shard_layout`, any layout cut for
+  one CP rank (zigzag rows, a tree's ranges, Ulysses slices): what the training ops take.
 - :mod:`~seqpack.tensors.dataset`: packing a tokenized dataset offline for SFT.
 - :mod:`~seqpack.tensors.prefix_tree`: prefix-tree packing (shared prefixes laid out once).
 - :mod:`~seqpack.tensors.prefix_tree_cp`: a prefix tree's CP shards (contiguous, balanced

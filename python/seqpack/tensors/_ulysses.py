@@ -8,8 +8,9 @@ stream. The stream's ``T`` rows are padded at the end to a multiple of ``world``
                                   rank 0  rank 1  rank 2  rank 3
 
 The tail rows belong to no sequence: Ulysses attention (:func:`seqpack.attention` on
-a ``scheme="ulysses"`` cut, :func:`seqpack.shard_layout`) gives them 0, their position ids count ``0, 1, ...`` (verl's ``ulysses_pad_and_slice_inputs``:
-a sequence of their own for code that finds sequences from position resets).
+a ``scheme="ulysses"`` cut, :func:`seqpack.shard_layout`) gives them 0, their
+position ids count ``0, 1, ...`` (verl's ``ulysses_pad_and_slice_inputs``: a
+sequence of their own for code that finds sequences from position resets).
 Imported with the tensor API (torch); :class:`seqpack.PackedBatch` exposes it as
 ``ulysses_slice`` / ``ulysses_gather``.
 """

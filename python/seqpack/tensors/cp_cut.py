@@ -65,12 +65,12 @@ class CpCut:
     @classmethod
     def whole(cls) -> "CpCut":
         """No cut: every rank holds every token."""
-        return cls()
+        return _WHOLE
 
     @classmethod
     def of(cls, kind: str, size: Any, rank: Any) -> "CpCut":
         """``kind`` over ``size`` ranks, or :meth:`whole` when ``size`` is 1."""
-        return cls() if as_positive_int(size, "cp_size") == 1 else cls(kind, size, rank)
+        return _WHOLE if size == 1 else cls(kind, size, rank)
 
     @property
     def is_whole(self) -> bool:
@@ -83,3 +83,6 @@ class CpCut:
 
     def __repr__(self) -> str:
         return "CpCut.whole()" if self.is_whole else f"CpCut({self.kind!r}, size={self.size}, rank={self.rank})"
+
+
+_WHOLE = CpCut()  # immutable: one object serves every whole layout

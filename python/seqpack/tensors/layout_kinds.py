@@ -105,8 +105,8 @@ def layout_kind(value: Any) -> str:
     if _plain_offsets(value):  # rows' offsets, read where they are (device offsets stay there: no host sync)
         return "rows"
     layout = as_layout(value).whole
-    if isinstance(layout, PrefixTreeBatch):
-        return "tree" if layout.shares_tokens else "flat_tree"
+    if isinstance(layout, PrefixTreeBatch):  # kept by the tree: read once per layer otherwise
+        return layout.host_plan("layout_kind", lambda t: "tree" if t.shares_tokens else "flat_tree")
     if isinstance(layout, PackedLayout):
         return "rows"
     raise TypeError(f"no layout kind for {type_name(layout)}: a TokenLayout is a PackedLayout, a PrefixTreeBatch "

@@ -240,16 +240,10 @@ def ulysses_attention(
     Returns:
         ``[n, Hq, Dv]``, this rank's rows of the attention output.
     """
-    import torch.distributed as dist
-
     from .._dist import checked_on_every_rank
 
-    import torch
     q, k, v = inputs.follow_autocast(q, k, v)  # the all-to-alls move the autocast dtype, as varlen_attention computes in it
-    size, me = dist.get_world_size(group), dist.get_rank(group)
-    if size < 1 or me < 0:
-        raise ValueError(f"this process is not in the SP group (size {size}, rank {me}); it cannot take part in "
-                         "ulysses_attention's all-to-alls over it")
+    size, me = _sp_size_and_rank(group)
     checked = checked_on_every_rank(
         lambda: _ulysses_checks(q, k, v, packed_batch, size, me, causal, softmax_scale, window_size, backend),
         group, "ulysses_attention", agree and size > 1, fingerprint=lambda c: _ulysses_fingerprint(c, q, k, v))
@@ -262,19 +256,26 @@ def tree_ulysses_attention(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tenso
     """:func:`ulysses_attention` of a prefix tree: the stream is the tree's physical
     layout and every rank runs :func:`~seqpack.training.attention_tree.tree_attention`
     over the whole tree for its heads (``backend`` is tree attention's)."""
-    import torch.distributed as dist
-
     from .._dist import checked_on_every_rank
 
     q, k, v = inputs.follow_autocast(q, k, v)
-    size, me = dist.get_world_size(group), dist.get_rank(group)
-    if size < 1 or me < 0:
-        raise ValueError(f"this process is not in the SP group (size {size}, rank {me}); it cannot take part in "
-                         "ulysses_attention's all-to-alls over it")
+    size, me = _sp_size_and_rank(group)
     checked = checked_on_every_rank(
         lambda: _tree_checks(q, k, v, as_tree(tree), size, True, softmax_scale, (-1, -1), backend),
         group, "ulysses_attention", agree and size > 1, fingerprint=lambda c: _ulysses_fingerprint(c, q, k, v))
     return _exchanged(q, k, v, group, size, checked, True, (-1, -1), backend)
+
+
+def _sp_size_and_rank(group: Any) -> tuple:
+    """The SP group's size and this process's rank in it (a process outside it
+    cannot take part in the all-to-alls: refused at once)."""
+    import torch.distributed as dist
+
+    size, me = dist.get_world_size(group), dist.get_rank(group)
+    if size < 1 or me < 0:
+        raise ValueError(f"this process is not in the SP group (size {size}, rank {me}); it cannot take part in "
+                         "ulysses_attention's all-to-alls over it")
+    return size, me
 
 
 def _exchanged(q, k, v, group, size: int, checked: Dict[str, Any], causal: bool, window_size, backend: str):

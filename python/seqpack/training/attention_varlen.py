@@ -49,7 +49,6 @@ import numpy as np
 
 from .._lengths import as_positive_int
 from ..tensors.layout import check_offsets
-from ..tensors.layout_kinds import is_layout
 from . import attention_inputs as inputs
 from .varlen_backends import BACKENDS, attention_backends  # noqa: F401  (varlen_attention's, re-exported)
 from .varlen_backends import flash_attn_varlen_func, pick_backend, torch_varlen_attn, torch_varlen_params

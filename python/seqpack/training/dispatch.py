@@ -31,8 +31,6 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, Tuple
 from ..tensors.layout_kinds import as_layout, is_composite, is_layout, layout_cut, layout_kind
 
 if TYPE_CHECKING:  # pragma: no cover
-    import torch
-
     from .logprobs import TokenLogprobs
 
 __all__ = ["ATTENTION", "LOSS_ROUTE", "TOKEN_LOGPROBS", "dispatch_key", "loss_route", "lookup", "parts_token_logprobs"]

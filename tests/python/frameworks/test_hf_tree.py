@@ -106,7 +106,7 @@ def check_nll_and_gradients(kind, name, rtol):
     ref = tiny(kind, "eager" if kind == "gemma2" else "sdpa", seed=1)  # sdpa: fp64 throughout (eager's softmax is fp32)
     ref.load_state_dict(model.state_dict())
 
-    loss = -seqpack.tree_token_logprobs(model(**hf.tree_kwargs(tree)).logits[0], tree).logprobs.sum()
+    loss = -seqpack.token_logprobs(model(**hf.tree_kwargs(tree)).logits[0], tree).logprobs.sum()
     loss.backward()
     expected = sum(nll(alone(ref, row), row) for row in ROWS)
     expected.backward()
@@ -208,7 +208,7 @@ def test_gradient_checkpointing_recomputes_on_the_tree(name):
         model = tiny("llama", name, seed=2).train()
         if checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        (-seqpack.tree_token_logprobs(model(**hf.tree_kwargs(tree)).logits[0], tree).logprobs.sum()).backward()
+        (-seqpack.token_logprobs(model(**hf.tree_kwargs(tree)).logits[0], tree).logprobs.sum()).backward()
         grads.append([p.grad for p in model.parameters()])
     for a, b in zip(*grads):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)

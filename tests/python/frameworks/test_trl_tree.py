@@ -28,7 +28,7 @@ datasets = pytest.importorskip("datasets")
 from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer  # noqa: E402
 
 import seqpack.frameworks.trl as seqpack_trl  # noqa: E402
-from seqpack.frameworks import trl_tree  # noqa: E402
+from seqpack.frameworks.trl import tree as trl_tree  # noqa: E402
 from seqpack.frameworks._completion_trees import completion_tree  # noqa: E402
 from test_hf_tree import fp64_norms  # noqa: E402,F401  (the fixture)
 from test_trl_patch import VOCAB, tokenizer  # noqa: E402

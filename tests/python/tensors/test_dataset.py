@@ -119,7 +119,7 @@ def test_collate_packs_cp_and_full():
     for r in range(2):
         local = collate_packs(packs, cp_size=2, cp_rank=r)
         assert local.layout.cp_rank == r and local.num_tokens == 12
-        index = torch.from_numpy(seqpack.cp_partition_indices(full.cu_seqlens_padded, 2, r))
+        index = torch.from_numpy(seqpack.tensors.cp.cp_partition_indices(full.cu_seqlens_padded, 2, r))
         for key in ("input_ids", "labels"):
             assert torch.equal(local[key], full[key][index])
         assert torch.equal(local.position_ids, full.position_ids[index])

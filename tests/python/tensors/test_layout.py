@@ -71,16 +71,19 @@ def test_one_offsets_rule_for_every_form():
 
 def test_packed_batch_holds_its_layout_and_layouts_are_accepted_in_place_of_offsets():
     torch = pytest.importorskip("torch")
+    from seqpack.training.logprobs import packed_token_logprobs  # the offsets form, under the op
+
     ids = torch.tensor([[5, 6, 0, 0], [7, 8, 9, 0]])
     batch = seqpack.pack_sequences(ids, seq_lens=[2, 3], pad_multiple=2)
     assert batch.layout.cu_seqlens_padded.tolist() == batch.cu_seqlens_padded.tolist() == [0, 2, 6]
     params = batch.layout.packed_seq_params()
     assert params.qkv_format == "thd" and params.max_seqlen_q == 4
     logits = torch.randn(6, 11)
-    by_layout = seqpack.packed_token_logprobs(logits, batch["input"], batch.layout).logprobs
-    by_offsets = seqpack.packed_token_logprobs(logits, batch["input"], batch.cu_seqlens, batch.cu_seqlens_padded)
-    assert torch.equal(by_layout, by_offsets.logprobs)
+    by_layout = seqpack.token_logprobs(logits, batch.layout, batch["input"]).logprobs
+    by_batch = seqpack.token_logprobs(logits, batch, batch["input"]).logprobs
+    by_offsets = packed_token_logprobs(logits, batch["input"], batch.cu_seqlens, batch.cu_seqlens_padded)
+    assert torch.equal(by_layout, by_offsets.logprobs) and torch.equal(by_batch, by_layout)
     with pytest.raises(ValueError, match="logits has 5 rows; the packed layout has 6"):
-        seqpack.packed_token_logprobs(logits[:5], batch["input"], batch.layout)
+        seqpack.token_logprobs(logits[:5], batch.layout, batch["input"])
     wrapper = seqpack.SequencePackingLossWrapper(seqpack.NLLLoss(), None, batch.layout)
     assert wrapper.cu_padded.tolist() == [0, 2, 6]

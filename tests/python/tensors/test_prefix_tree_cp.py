@@ -1,6 +1,8 @@
 """A prefix tree's CP shards (issue 29, item 3): ``tree_cp_bounds`` cuts the DFS
 layout into contiguous ranges of even attention work, ``tree_cp_local_rows`` takes
-a rank's rows; the gather itself runs on gloo ranks in
+a rank's rows (``seqpack.shard_layout(tree, cp, rank)``'s ``bounds`` and
+``local_rows``; the functions of ``seqpack.tensors.prefix_tree_cp`` here, ``cp = 1``
+included); the gather itself runs on gloo ranks in
 training/test_attention_tree_cp.py."""
 
 import numpy as np
@@ -10,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import seqpack
-from seqpack.tensors.prefix_tree_cp import rank_major_order, tree_cp_work
+from seqpack.tensors.prefix_tree_cp import rank_major_order, tree_cp_bounds, tree_cp_local_rows, tree_cp_work
 
 
 def _grpo(prompt, responses):
@@ -20,17 +22,17 @@ def _grpo(prompt, responses):
 def test_the_docstring_example_cuts_by_work_not_tokens():
     tree = seqpack.pack_prefix_tree([[1, 2, 3, 4, 5, 6, 7], [1, 2, 3, 4, 8, 9, 10]])
     assert tree_cp_work(tree).tolist() == [1, 2, 3, 4, 5, 6, 7, 5, 6, 7]
-    assert seqpack.tree_cp_bounds(tree, 2).tolist() == [0, 6, 10]  # work 21 / 25 (by tokens: 15 / 31)
-    assert seqpack.tree_cp_bounds(tree, 3).tolist() == [0, 5, 8, 10]  # work 15 / 18 / 13
-    assert seqpack.tree_cp_bounds(tree, 1).tolist() == [0, 10]
+    assert tree_cp_bounds(tree, 2).tolist() == [0, 6, 10]  # work 21 / 25 (by tokens: 15 / 31)
+    assert tree_cp_bounds(tree, 3).tolist() == [0, 5, 8, 10]  # work 15 / 18 / 13
+    assert tree_cp_bounds(tree, 1).tolist() == [0, 10]
 
 
 def test_more_ranks_than_tokens_leaves_some_empty():
     tree = seqpack.pack_prefix_tree([[7]])
-    bounds = seqpack.tree_cp_bounds(tree, 3)
+    bounds = tree_cp_bounds(tree, 3)
     assert bounds[0] == 0 and bounds[-1] == 1 and np.all(np.diff(bounds) >= 0)
     empty = seqpack.pack_prefix_tree([])
-    assert seqpack.tree_cp_bounds(empty, 2).tolist() == [0, 0, 0]
+    assert tree_cp_bounds(empty, 2).tolist() == [0, 0, 0]
 
 
 @st.composite
@@ -49,7 +51,7 @@ def trees(draw):
 @settings(max_examples=60, deadline=None)
 @given(trees(), st.integers(1, 7))
 def test_bounds_cover_the_tree_with_even_work(tree, cp):
-    bounds = seqpack.tree_cp_bounds(tree, cp)
+    bounds = tree_cp_bounds(tree, cp)
     work = tree_cp_work(tree)
     assert bounds.shape == (cp + 1,) and bounds[0] == 0 and bounds[-1] == tree.num_tokens
     assert np.all(np.diff(bounds) >= 0)
@@ -72,11 +74,14 @@ def test_bounds_cover_the_tree_with_even_work(tree, cp):
 def test_local_rows_are_the_rank_ranges():
     tree = seqpack.pack_prefix_tree(_grpo(6, [3, 4, 2]), pad_to_multiple_of=4)
     full = torch.arange(tree.num_tokens * 2).view(-1, 2)
-    bounds = seqpack.tree_cp_bounds(tree, 3)
-    parts = [seqpack.tree_cp_local_rows(full, tree, 3, r) for r in range(3)]
+    bounds = tree_cp_bounds(tree, 3)
+    parts = [tree_cp_local_rows(full, tree, 3, r) for r in range(3)]
     assert torch.equal(torch.cat(parts), full)
     assert all(p.shape[0] == bounds[r + 1] - bounds[r] for r, p in enumerate(parts))
-    assert np.array_equal(seqpack.tree_cp_local_rows(full.numpy(), tree, 3, 1), parts[1].numpy())
+    assert np.array_equal(tree_cp_local_rows(full.numpy(), tree, 3, 1), parts[1].numpy())
+    for r in range(3):  # the cut a user takes: seqpack.shard_layout
+        cut = seqpack.shard_layout(tree, 3, r)
+        assert np.array_equal(cut.bounds, bounds) and torch.equal(cut.local_rows(full), parts[r])
 
 
 @pytest.mark.parametrize("args, error, match", [
@@ -92,13 +97,13 @@ def test_bad_arguments_are_named(args, error, match):
     call = dict(full=torch.zeros(tree.num_tokens), tree=tree, cp_size=2, cp_rank=0)
     call.update(args)
     with pytest.raises(error, match=match):
-        seqpack.tree_cp_local_rows(call["full"], call["tree"], call["cp_size"], call["cp_rank"])
+        tree_cp_local_rows(call["full"], call["tree"], call["cp_size"], call["cp_rank"])
 
 
 def test_numpy_and_tensor_scalars_are_accepted():
     tree = seqpack.pack_prefix_tree(_grpo(5, [3, 3]))
-    expected = seqpack.tree_cp_bounds(tree, 2).tolist()
-    assert seqpack.tree_cp_bounds(tree, np.int64(2)).tolist() == expected
-    assert seqpack.tree_cp_bounds(tree, torch.tensor(2)).tolist() == expected
+    expected = tree_cp_bounds(tree, 2).tolist()
+    assert tree_cp_bounds(tree, np.int64(2)).tolist() == expected
+    assert tree_cp_bounds(tree, torch.tensor(2)).tolist() == expected
     full = torch.zeros(tree.num_tokens)
-    assert seqpack.tree_cp_local_rows(full, tree, np.int32(2), torch.tensor(1)).shape[0] == expected[2] - expected[1]
+    assert tree_cp_local_rows(full, tree, np.int32(2), torch.tensor(1)).shape[0] == expected[2] - expected[1]

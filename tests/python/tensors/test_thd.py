@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 import seqpack
 from seqpack import alignment, pack_sequences
+from seqpack.tensors.cp import cp_partition_indices, cp_restore_order
 
 from conftest import round_up
 
@@ -175,7 +176,7 @@ def test_matches_reference_and_round_trips(case, seed):
         gathered.append(local["x"])
     # The ranks' pieces, reordered, are exactly the full packed stream.
     if cp > 1 and total:
-        stream = torch.cat(gathered)[torch.from_numpy(seqpack.cp_restore_order(full.cu_seqlens_padded, cp))]
+        stream = torch.cat(gathered)[torch.from_numpy(cp_restore_order(full.cu_seqlens_padded, cp))]
         assert torch.equal(stream, full["x"])
     # Round trip on the real tokens.
     back = full.unpack(full["x"], fill=pad_value)
@@ -305,22 +306,22 @@ def test_offsets_take_int32_and_int64_and_refuse_the_rest():
 
     for cu in ([0, 8], np.array([0, 8]), np.array([0, 8], np.int32), torch.tensor([0, 8]),
                torch.tensor([0, 8], dtype=torch.int32)):
-        assert seqpack.cp_partition_indices(cu, 2, 0).tolist() == [0, 1, 6, 7]
+        assert cp_partition_indices(cu, 2, 0).tolist() == [0, 1, 6, 7]
         assert [v.tolist() for v in seqpack.unpack_sequences(torch.arange(8), cu)] == [list(range(8))]
     with pytest.raises(TypeError, match="cu_seqlens_padded must hold integers, got float64"):
-        seqpack.cp_partition_indices(np.array([0.0, 8.0]), 2, 0)
+        cp_partition_indices(np.array([0.0, 8.0]), 2, 0)
     with pytest.raises(TypeError, match="cu_seqlens_padded must be a 1-D int32 or int64 tensor"):
         seqpack.unpack_sequences(torch.zeros(8), torch.tensor([0.0, 8.0]))
     with pytest.raises(ValueError, match="cu_seqlens_padded ends at 4294967296; offsets must fit in int32"):
-        seqpack.cp_partition_indices([0, 2**32], 1, 0)
+        cp_partition_indices([0, 2**32], 1, 0)
 
 
 def test_cp_indices_errors():
     with pytest.raises(ValueError, match="2 \\* cp_size"):
-        seqpack.cp_partition_indices([0, 6], 2, 0)
+        cp_partition_indices([0, 6], 2, 0)
     with pytest.raises(ValueError, match="never decrease"):
-        seqpack.cp_partition_indices([0, 8, 4], 1, 0)
-    assert seqpack.cp_partition_indices([0, 8, 16], 2, 1).tolist() == [2, 3, 4, 5, 10, 11, 12, 13]
+        cp_partition_indices([0, 8, 4], 1, 0)
+    assert cp_partition_indices([0, 8, 16], 2, 1).tolist() == [2, 3, 4, 5, 10, 11, 12, 13]
 
 
 # ---------------------------------------------------------------- torch.library ops

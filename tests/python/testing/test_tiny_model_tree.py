@@ -98,7 +98,7 @@ def test_tree_logits_equal_rows_alone(case):
 def test_tree_logprobs_equal_packed_path(case):
     """tree_token_logprobs on the tree's logits equals the plain packed path: the
     non-empty rows packed back to back (THD, varlen attention, pad_multiple 4)
-    through packed_token_logprobs; empty rows have no logical tokens in either."""
+    through token_logprobs; empty rows have no logical tokens in either."""
     rows, tree = case
     kept = [r for r in rows if r]
     if not kept:
@@ -109,10 +109,9 @@ def test_tree_logprobs_equal_packed_path(case):
     for i, r in enumerate(kept):
         ids[i, :len(r)] = torch.tensor(r)
     with torch.no_grad():
-        out = seqpack.tree_token_logprobs(m.forward_tree(tree), tree, return_entropy=True)
+        out = seqpack.token_logprobs(m.forward_tree(tree), tree, return_entropy=True)
         batch = seqpack.pack_sequences({"input_ids": ids}, seq_lens=[len(r) for r in kept], pad_multiple=4)
-        ref = seqpack.packed_token_logprobs(m.forward_packed(batch), batch["input_ids"], batch.cu_seqlens,
-                                            batch.cu_seqlens_padded, return_entropy=True)
+        ref = seqpack.token_logprobs(m.forward_packed(batch), batch, batch["input_ids"], return_entropy=True)
     real = torch.cat([torch.arange(int(p), int(p) + len(r)) for p, r in zip(batch.cu_seqlens_padded, kept)])
     torch.testing.assert_close(out.logprobs, ref.logprobs[real], rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(out.entropy, ref.entropy[real], rtol=1e-10, atol=1e-12)
@@ -129,7 +128,7 @@ def test_tree_loss_and_gradients_equal_rows_alone(loss_fn, case, seed):
     seqs = float(data["sample_mask"].sum().clamp(min=1))
 
     m = model(2)
-    logical = seqpack.tree_token_logprobs(m.forward_tree(tree), tree).logprobs
+    logical = seqpack.token_logprobs(m.forward_tree(tree), tree).logprobs
     loss, _ = loss_fn(padded_logprobs(logical, tree.cu_seqlens, width), data, seqs, toks)
     loss.backward()
     tree_grads = grads(m)

@@ -97,7 +97,6 @@ def nemo_rl_step_matches_one_process(rank, world, dp, cp, cap, trees, fused):
     # at a time, each CP rank's hybrid micro-batches and the loss wrapper on them.
     from seqpack.testing.tiny_model import TinyCausalLM, TinyConfig
     from seqpack.training.loss import NLLLoss
-    from seqpack import HybridCpLossWrapper
 
     torch.manual_seed(0)
     model = TinyCausalLM(TinyConfig(vocab_size=97, hidden_size=16, num_layers=1, num_heads=4,
@@ -122,7 +121,7 @@ def nemo_rl_step_matches_one_process(rank, world, dp, cp, cap, trees, fused):
     for gb in range(2):
         batch = shard.get_batch(gb)
         for mb in batch.make_packed_microbatch_iterator(["input_ids"], cp_size=cp, cp_rank=rank % cp, forest=forest):
-            wrapper = HybridCpLossWrapper(NLLLoss(), mb, fused=fused)
+            wrapper = seqpack.SequencePackingLossWrapper(NLLLoss(), cu_seqlens_q=mb, fused=fused)
             loss, metrics = wrapper(model.forward_packed(mb), mb.data, torch.tensor(float(n)), torch.tensor(tokens))
             loss.backward()
             count += 1

@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import seqpack
+from seqpack.tensors.cp import cp_partition_indices
 from seqpack.training import _logprob_ops as ops
 from seqpack.training.logprobs import linear_token_logprobs, next_token_sources
 
@@ -67,7 +68,8 @@ def test_every_chunk_size_gives_the_same_result(chunk):
     h, w, b = (t.requires_grad_() for t in head(int(cu_p[-1]), 12, 50, seed=3))
     ids = torch.randint(0, 50, (int(cu_p[-1]),), generator=torch.Generator().manual_seed(2))
     out = linear_token_logprobs(h, w, ids, cu, cu_p, bias=b, return_entropy=True, chunk_tokens=chunk)
-    full = seqpack.packed_token_logprobs(F.linear(h, w, b), ids, cu, cu_p, return_entropy=True)
+    full = seqpack.token_logprobs(F.linear(h, w, b), seqpack.PackedLayout.from_offsets(cu, cu_p), ids,
+                                  return_entropy=True)
     torch.testing.assert_close(out.logprobs, full.logprobs, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(out.entropy, full.entropy, rtol=1e-6, atol=1e-6)
     ga = torch.autograd.grad(out.logprobs.sum() + out.entropy.sum(), (h, w, b))
@@ -85,7 +87,7 @@ def test_cp_ranks_hold_their_rows(cp):
     ids = torch.randint(0, 30, (total,), generator=torch.Generator().manual_seed(4))
     full = linear_token_logprobs(h, w, ids, cu, cu_p, bias=b, return_entropy=True)
     for rank in range(cp):
-        rows = torch.from_numpy(seqpack.cp_partition_indices(cu_p, cp, rank))
+        rows = torch.from_numpy(cp_partition_indices(cu_p, cp, rank))
         local = linear_token_logprobs(h[rows], w, ids, cu, cu_p, bias=b, cp_size=cp, cp_rank=rank,
                                       return_entropy=True, chunk_tokens=5)
         torch.testing.assert_close(local.logprobs, full.logprobs[rows])
@@ -167,7 +169,8 @@ def test_fewer_rows_than_vocabulary_tiles_the_vocabulary(monkeypatch):
     grads = torch.autograd.grad(out.logprobs.sum() + out.entropy.sum(), (h, w, b))
     assert set(shapes) == {(16, 18), (16, 10)} and len(shapes) == 12  # 3 x 100 logits: 18 columns, twice
     monkeypatch.setattr(ops, "_tile_logits", real)
-    full = seqpack.packed_token_logprobs(F.linear(h, w, b), ids, cu, cu_p, return_entropy=True)
+    full = seqpack.token_logprobs(F.linear(h, w, b), seqpack.PackedLayout.from_offsets(cu, cu_p), ids,
+                                  return_entropy=True)
     torch.testing.assert_close(out.logprobs, full.logprobs)
     torch.testing.assert_close(out.entropy, full.entropy)
     for a, c in zip(grads, torch.autograd.grad(full.logprobs.sum() + full.entropy.sum(), (h, w, b))):

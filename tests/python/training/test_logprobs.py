@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import seqpack
+from seqpack.tensors.cp import cp_partition_indices
 from seqpack.training import _logprob_ops as lpmod
 from seqpack.logprobs import next_token_sources, packed_token_logprobs
 
@@ -77,7 +78,7 @@ def test_cp_ranks_equal_the_padded_computation(cp):
     ((lr * w).sum() + (er * w2).sum()).backward()
     grad_sum = torch.zeros_like(logits)
     for rank in range(cp):
-        rows = torch.from_numpy(seqpack.cp_partition_indices(cu_p, cp, rank))
+        rows = torch.from_numpy(cp_partition_indices(cu_p, cp, rank))
         local = logits[rows].clone().requires_grad_()
         lp, ent = packed_token_logprobs(local, ids, cu, cu_p, cp_size=cp, cp_rank=rank, return_entropy=True,
                                         temperature=0.9)
@@ -190,7 +191,7 @@ def test_errors():
 
 def test_docs_worked_example():
     # docs/losses.md: lengths [5, 3] padded to [8, 4], CP = 2.
-    assert seqpack.cp_partition_indices([0, 8, 12], 2, 0).tolist() == [0, 1, 6, 7, 8, 11]
+    assert cp_partition_indices([0, 8, 12], 2, 0).tolist() == [0, 1, 6, 7, 8, 11]
     assert next_token_sources([0, 5, 8], [0, 8, 12], cp_size=2, cp_rank=0).tolist() == [1, 2, -1, -1, 9, -1]
     assert next_token_sources([0, 5, 8], [0, 8, 12], cp_size=2, cp_rank=1).tolist() == [3, 4, -1, -1, 10, -1]
 
@@ -353,7 +354,7 @@ def test_host_ids_outside_a_shifted_vocabulary_are_refused_on_both_sides(fn):
     def call(ids):
         if fn == "packed":
             return packed_token_logprobs(logits, ids, [0, 5], vocab_start=10).logprobs
-        return seqpack.linear_token_logprobs(hidden, weight, ids, [0, 5], vocab_start=10).logprobs
+        return seqpack.token_logprobs(hidden, [0, 5], ids, weight=weight, vocab_start=10).logprobs
 
     good = torch.tensor([12, 11, 13, -100, 10])  # -100: no target
     lp = call(good)
@@ -454,7 +455,7 @@ def test_next_token_targets_against_the_cp_index_map(lengths, cp, extra, data):
     cu_p[-1] += extra * 2 * cp  # padding on the last sequence
     rank = data.draw(st.integers(0, cp - 1))
     total = int(cu_p[-1])
-    positions = seqpack.cp_partition_indices(cu_p, cp, rank) if cp > 1 else np.arange(total)
+    positions = cp_partition_indices(cu_p, cp, rank) if cp > 1 else np.arange(total)
     expected = []
     for p in positions:
         i = max(k for k in range(len(lengths)) if cu_p[k] <= p and cu_p[k + 1] > p)
@@ -551,7 +552,7 @@ def test_static_cp_ranks_add_up_to_the_full_log_probs():
     for rank in range(2):
         local = seqpack.pack_sequences_static(ids, lens, max_tokens=32, pad_multiple=4, cp_size=2, cp_rank=rank)
         assert torch.equal(local["input"], full["input"][full.position_ids.new_tensor(
-            seqpack.cp_partition_indices(full.cu_seqlens_padded.numpy(), 2, rank))])
+            cp_partition_indices(full.cu_seqlens_padded.numpy(), 2, rank))])
         lp, ent = packed_token_logprobs(table[local["input"]], full["input"], local.cu_seqlens,
                                         local.cu_seqlens_padded, cp_size=2, cp_rank=rank, return_entropy=True)
         total_lp, total_ent = total_lp + lp.sum(), total_ent + ent.sum()

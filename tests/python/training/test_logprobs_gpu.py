@@ -14,6 +14,7 @@ import torch
 
 import seqpack
 from seqpack.logprobs import packed_token_logprobs
+from seqpack.tensors.cp import cp_partition_indices
 
 pytestmark = pytest.mark.gpu
 
@@ -33,7 +34,7 @@ def test_cuda_matches_cpu(dtype, vocab, cp):
     total = int(cu_p[-1])
     ids = torch.randint(0, vocab, (total,), generator=g)
     full = (torch.randn(total, vocab, generator=g) * 3).to(dtype)
-    rows = torch.from_numpy(seqpack.cp_partition_indices(cu_p, cp, cp - 1)) if cp > 1 else torch.arange(total)
+    rows = torch.from_numpy(cp_partition_indices(cu_p, cp, cp - 1)) if cp > 1 else torch.arange(total)
     local = full[rows]
     w = torch.randn(local.shape[0], generator=g)
     results = []
@@ -364,7 +365,7 @@ def test_device_ids_outside_a_shifted_vocabulary_give_nan_on_both_sides(fn):
     if fn == "packed":
         lp = packed_token_logprobs(hidden @ weight.T, ids, [0, 6], vocab_start=10).logprobs
     else:
-        lp = seqpack.linear_token_logprobs(hidden, weight, ids, [0, 6], vocab_start=10).logprobs
+        lp = seqpack.token_logprobs(hidden, [0, 6], ids, weight=weight, vocab_start=10).logprobs
     lp = lp.cpu()
     assert torch.isfinite(lp[[0, 2]]).all() and lp[4] == 0 and lp[5] == 0, lp
     assert torch.isnan(lp[[1, 3]]).all(), lp  # targets 3 (below vocab_start) and 14 (past its end)

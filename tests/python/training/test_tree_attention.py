@@ -177,7 +177,7 @@ def test_empty_tree_and_auto():
 
 
 def test_backends_report():
-    report = seqpack.tree_attention_backends()
+    report = attention_tree.tree_attention_backends()
     assert set(report) == set(attention_tree.TREE_BACKENDS)
     assert report["sdpa"] == report["varlen"] == report["reference"] == "available"
 
@@ -267,8 +267,8 @@ def test_cuda_backends_with_gradients(backend, dtype, tol):
     segments; every backend against the fp64 reference, values and gradients."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
-    if backend != "auto" and seqpack.tree_attention_backends()[backend] != "available":
-        pytest.skip(seqpack.tree_attention_backends()[backend])
+    if backend != "auto" and attention_tree.tree_attention_backends()[backend] != "available":
+        pytest.skip(attention_tree.tree_attention_backends()[backend])
     rows = [[1, 2, 3, 4], [1, 2, 5], [1, 2, 5, 6, 7], [9]] * 3 + [list(range(200)) + [g, 7, 8] for g in range(8)]
     tree = seqpack.pack_prefix_tree(rows, pad_to_multiple_of=8)
     q, k, v = (x.cuda().to(dtype).requires_grad_() for x in _qkv(tree.num_tokens, hq=4, hk=2, d=64))

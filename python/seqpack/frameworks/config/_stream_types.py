@@ -34,7 +34,7 @@ class StreamConfig:
     static_shapes: Any = None
 
 
-def _stream_to_dict(st: StreamConfig, out: Dict[str, Any]) -> None:
+def stream_to_dict(st: StreamConfig, out: Dict[str, Any]) -> None:
     """Write ``st`` back into ``out`` (a config in its framework's schema), as
     config/_async.py reads it."""
     shapes = list(st.static_shapes) if isinstance(st.static_shapes, tuple) else st.static_shapes

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Dict, Optional, Tuple
 
 from ..._lengths import INT64_MAX, as_int
-from ._stream_types import StreamConfig, _stream_to_dict
+from ._stream_types import StreamConfig, stream_to_dict
 
 if TYPE_CHECKING:
     from ...planning.step_options import StepOptions
@@ -231,7 +231,7 @@ class SeqpackConfig:
         ``load(cfg.to_dict()) == cfg``."""
         out = self._to_dict()
         if self.stream is not None:
-            _stream_to_dict(self.stream, out)
+            stream_to_dict(self.stream, out)
         return out
 
     def _to_dict(self) -> Dict[str, Any]:

@@ -42,7 +42,7 @@ import warnings
 import weakref
 from typing import Any, Dict, List, Optional, Tuple
 
-from ._completion_trees import completion_tree, to_completions
+from .._completion_trees import completion_tree, to_completions
 
 __all__ = ["patch_trainers", "unpatch_trainers", "patched_trainer_names"]
 
@@ -88,8 +88,8 @@ def _tree_forward(self, *args: Any, seqpack_tree: Any = None, labels: Any = None
         return self._seqpack_trl_forward(*args, **kwargs)
     import torch
 
-    from ..tensors.prefix_tree import HF_TREE_KWARG
-    from ..training.logprobs_tree import tree_linear_token_logprobs
+    from ...tensors.prefix_tree import HF_TREE_KWARG
+    from ...training.logprobs_tree import tree_linear_token_logprobs
 
     tree, scored, entropy = seqpack_tree
     head = _head_of(self)
@@ -127,7 +127,7 @@ def _install(model: Any) -> None:
     ``generate`` reads (``logits_to_keep``, the kwargs it validates)."""
     import functools
 
-    from .hf_tree import use_tree_attention
+    from ..hf_tree import use_tree_attention
 
     if _installed(model):
         return
@@ -145,7 +145,7 @@ def _install(model: Any) -> None:
 
 
 def _uninstall(model: Any) -> None:
-    from .hf_tree import restore_attention
+    from ..hf_tree import restore_attention
 
     if _installed(model):
         model.forward = model._seqpack_trl_forward

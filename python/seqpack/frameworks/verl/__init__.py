@@ -40,17 +40,17 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Mapping, Optional, 
 
 import numpy as np
 
-from ._batch import (batch_size, coupled_trees, dummy_row, is_data_proto, is_tensor, mask_lengths, padded_forest,
+from .._batch import (batch_size, coupled_trees, dummy_row, is_data_proto, is_tensor, mask_lengths, padded_forest,
                      proto_columns,
                      proto_select, rows, select, select_all, step_plan_parts)
-from .._dist import active, agree_on_count, all_reduce_int, all_reduce_ints, checked_on_every_rank
-from .policy_forward import verl_tree_forward as tree_forward_micro_batch
-from .._lengths import as_lengths, as_positive_int
-from ..planning.balance import (WORKLOAD_ATTENTION_COEFF, get_seqlen_balanced_partitions, plan_micro_batches,
+from ..._dist import active, agree_on_count, all_reduce_int, all_reduce_ints, checked_on_every_rank
+from ..policy_forward import verl_tree_forward as tree_forward_micro_batch
+from ..._lengths import as_lengths, as_positive_int
+from ...planning.balance import (WORKLOAD_ATTENTION_COEFF, get_seqlen_balanced_partitions, plan_micro_batches,
                                 sequence_workloads)
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ..planning.step import StepPlan
+    from ...planning.step import StepPlan
 
 __all__ = ["ceildiv", "get_group_balanced_partitions", "get_reverse_idx", "get_seqlen_balanced_partitions",
            "prepare_dynamic_batch", "rearrange_micro_batches", "restore_dynamic_batch", "roundup_divisible",

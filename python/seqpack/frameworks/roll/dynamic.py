@@ -8,21 +8,21 @@ from __future__ import annotations
 
 import copy
 
-from .. import _core
+from ... import _core
 import warnings
 from numbers import Integral
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ._batch import batch_size, host_mask, is_data_proto, is_tensor, mask_lengths, proto_select, proto_slice, select_all
-from .._lengths import as_positive_int
-from ..planning.dynamic_batching import plan_dynamic_batching
-from ..planning.metrics import dynamic_batching_metrics
-from ._roll_common import RollBatch, _columns, _int_like, _meta, _roll_errors
+from .._batch import batch_size, host_mask, is_data_proto, is_tensor, mask_lengths, proto_select, proto_slice, select_all
+from ..._lengths import as_positive_int
+from ...planning.dynamic_batching import plan_dynamic_batching
+from ...planning.metrics import dynamic_batching_metrics
+from .common import RollBatch, batch_columns, int_like, roll_meta, roll_errors
 
 
-@_roll_errors
+@roll_errors
 def dynamic_batching_shard(
     origin_batch: Any,
     dp_size: int,
@@ -65,7 +65,7 @@ def dynamic_batching_shard(
     pp = _pp_size(pipeline_model_parallel_size)
     if rule not in ("roll", "optimal"):
         raise ValueError(f"rule must be 'roll' or 'optimal', got {rule!r}")
-    cols = _columns(origin_batch)
+    cols = batch_columns(origin_batch)
     lengths = mask_lengths(cols, "origin_batch")
     n = batch_size(cols, "origin_batch")
     _check_right_padded(host_mask(cols, "origin_batch"), lengths)
@@ -101,7 +101,7 @@ def dynamic_batching_shard(
         order = plan.sorted_indices
         padded_tokens = plan.padded_tokens
     ranges, widths_per_mb = (plan.micro_batch_indices[0], plan.micro_batch_lengths[0]) if per_rank else ([], [])
-    meta = copy.deepcopy(_meta(origin_batch))
+    meta = copy.deepcopy(roll_meta(origin_batch))
     meta.update(global_micro_batch_indices=ranges, global_micro_batch_lengths=widths_per_mb,
                 micro_batch_indices=copy.deepcopy(ranges), micro_batch_lengths=list(widths_per_mb),
                 num_micro_batchs=len(ranges))
@@ -169,7 +169,7 @@ def _rows(data: Any, name: str) -> int:
     return batch_size(data, name) if len(data) else 0
 
 
-@_roll_errors
+@roll_errors
 def make_mini_batch_iter_for_dynamic_batching(
     data: Any,
     epochs: int,
@@ -189,7 +189,7 @@ def make_mini_batch_iter_for_dynamic_batching(
     ``mini_batch_size`` and ``num_micro_batchs``; ``data.meta_info`` is untouched.
     The layout is checked when called (ROLL: at the first ``next()``).
     """
-    meta = _meta(data)
+    meta = roll_meta(data)
     ranges = [list(r) for r in meta.get("global_micro_batch_indices", [])]
     lengths = list(meta.get("global_micro_batch_lengths", []))
     ga_steps = as_positive_int(ga_steps, "ga_steps")
@@ -200,7 +200,7 @@ def make_mini_batch_iter_for_dynamic_batching(
     pp = _pp_size(pipeline_model_parallel_size)
     groups: List[Tuple[List[List[int]], List[int]]] = []
     if keep_mini_batch:
-        mini_batch_size = _int_like(mini_batch_size)
+        mini_batch_size = int_like(mini_batch_size)
         if type(mini_batch_size) is not int or mini_batch_size <= 0 or rows % mini_batch_size:
             raise ValueError(f"keep_mini_batch needs a mini_batch_size > 0 dividing the {rows} rows, "
                              f"got {mini_batch_size!r}")
@@ -245,15 +245,15 @@ def _narrow(key: str, v: Any, width: int, ndim: int, length: int) -> Any:
     return v
 
 
-@_roll_errors
+@roll_errors
 def make_micro_batch_iter_for_dynamic_batching(mini_batch: Any) -> Iterator[Any]:
     """The micro-batches of a mini-batch, each cut to its padded length (columns of
     tensors as wide as ``input_ids``, or one less, and ``position_ids``; right-padded
     data). A DataProto's micro-batches are its own ``slice``s with their ``batch``
     tensors cut (non-tensor values whole), as ROLL does."""
-    meta = _meta(mini_batch)
+    meta = roll_meta(mini_batch)
     proto = is_data_proto(mini_batch)
-    ids = _columns(mini_batch)["input_ids"]
+    ids = batch_columns(mini_batch)["input_ids"]
     width = ids.shape[-1]
     ndim = ids.dim()
 

@@ -13,10 +13,10 @@ import types
 from typing import Any, Callable, Dict, Iterator, Mapping, MutableMapping, Optional
 
 
-from ._batch import batch_size, is_data_proto, proto_columns
-from .._dist import active
-from .._equality import values_equal
-from .._lengths import as_int
+from .._batch import batch_size, is_data_proto, proto_columns
+from ..._dist import active
+from ..._equality import values_equal
+from ..._lengths import as_int
 
 
 class RollBatch(dict):
@@ -53,7 +53,7 @@ class RollError(ValueError, AssertionError):
     tests) catching either keeps working."""
 
 
-def _int_like(value: Any) -> Any:
+def int_like(value: Any) -> Any:
     """An integer given as a Python or NumPy integer or a 0-d integer array or tensor,
     as ``int``; anything else (a bool, a float, None) unchanged, for the caller's
     check to refuse by name."""
@@ -76,7 +76,7 @@ def _guarded(gen: Iterator[Any]) -> Iterator[Any]:
         raise _as_roll_error(exc) from None
 
 
-def _roll_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
+def roll_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
     """Plain ``ValueError``s of ``fn`` (and of the generator it returns) become
     :class:`RollError` with the same message; other errors pass unchanged."""
 
@@ -93,23 +93,23 @@ def _roll_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
-def _meta(batch: Any) -> Dict[str, Any]:
+def roll_meta(batch: Any) -> Dict[str, Any]:
     return getattr(batch, "meta_info", None) or {}
 
 
-def _columns(batch: Any) -> Mapping[str, Any]:
+def batch_columns(batch: Any) -> Mapping[str, Any]:
     """The batch's values by name: a DataProto's tensors and non-tensor arrays, or the mapping itself."""
     return proto_columns(batch) if is_data_proto(batch) else batch
 
 
-def _write_meta(batch: Any, **values: Any) -> None:
+def write_meta(batch: Any, **values: Any) -> None:
     """Keys ROLL writes on its input's ``meta_info`` (a DataProto's, a RollBatch's)."""
     meta = getattr(batch, "meta_info", None)
     if isinstance(meta, MutableMapping):
         meta.update(values)
 
 
-def _agrees(dp_group: Any) -> bool:
+def ranks_agree(dp_group: Any) -> bool:
     """Whether the micro-batch count is agreed over a process group. ROLL agrees only
     when ``torch.distributed`` is initialised, so a stand-in ``dp_group`` (ROLL's
     tests pass a bare object) is ignored without one. Initialised, ``dp_group=None``

@@ -25,7 +25,7 @@ A pack of ``packed_sequence_size=12`` tokens from rows of 3 and 4 tokens with
 ([1, 2, 3, -100, 4, -100, 6, 7, -100, -100, -100, -100], [3, 4], [4, 8])
 
 The rows are read (from Arrow buffers, a list of dicts, or any iterable of dicts) by
-:mod:`seqpack.frameworks._automodel_rows`; this module holds the packing rule, the
+:mod:`seqpack.frameworks.automodel._rows`; this module holds the packing rule, the
 packs built from the rows' buffers, and the collate function.
 
 Where it differs from AutoModel on purpose (a ``ValueError`` where AutoModel fails or
@@ -42,10 +42,10 @@ from typing import Any, Dict, Iterable, List, Mapping, Optional, Tuple
 
 import numpy as np
 
-from .. import _core
-from .._lengths import as_int, as_int64, as_positive_int, type_name
-from .._memory import fresh_array
-from ._automodel_rows import CROSS_ENTROPY_IGNORE_IDX, ArrowRows, ListRows, StreamRows
+from ... import _core
+from ..._lengths import as_int, as_int64, as_positive_int, type_name
+from ..._memory import fresh_array
+from ._rows import CROSS_ENTROPY_IGNORE_IDX, ArrowRows, ListRows, StreamRows
 
 __all__ = ["pack_dataset", "packed_sequence_thd_collater", "CROSS_ENTROPY_IGNORE_IDX"]
 

@@ -36,8 +36,8 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 import numpy as np
 
-from .._lengths import as_int64, as_positive_int, as_real
-from .hf_tree import (TREE_KWARG, TREE_NAME, register_tree, restore_attention, tree_attention_forward,  # noqa: F401
+from ..._lengths import as_int64, as_positive_int, as_real
+from ..hf_tree import (TREE_KWARG, TREE_NAME, register_tree, restore_attention, tree_attention_forward,  # noqa: F401
                       tree_kwargs, tree_name, use_tree_attention)
 
 NAME = "seqpack"
@@ -61,7 +61,7 @@ def attention_forward(module, query, key, value, attention_mask, dropout: float 
     autocast dtype and the output comes back in it (:func:`seqpack.varlen_attention`)."""
     import torch
 
-    from ..training.attention import varlen_attention
+    from ...training.attention import varlen_attention
 
     if as_real(dropout, "dropout", minimum=0, maximum=1) and module.training:
         raise ValueError("seqpack attention has no attention dropout; set the model's attention_dropout to 0")

@@ -36,9 +36,9 @@ from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple
 
 import numpy as np
 
-from .. import _core
-from .._memory import fresh_array
-from .._lengths import as_int64, as_positive_int, type_name
+from ... import _core
+from ..._memory import fresh_array
+from ..._lengths import as_int64, as_positive_int, type_name
 
 __all__ = ["pack_dataset", "STRATEGIES", "patch", "unpatch", "patched", "trl_pack_dataset"]
 
@@ -514,7 +514,7 @@ def patch(shared_prefix: bool = False) -> List[str]:
 
     ``shared_prefix=True`` also puts prefix trees under TRL's ``GRPOTrainer`` and
     ``RLOOTrainer``: their log-probs (policy, old policy, reference model) are
-    computed with each shared prompt forwarded once (:mod:`seqpack.frameworks.trl_tree`;
+    computed with each shared prompt forwarded once (:mod:`seqpack.frameworks.trl.tree`;
     docs/trl.md). ``patch()`` without it leaves an earlier ``shared_prefix`` patch on.
 
     Returns the ``module.pack_dataset`` names that are seqpack's now (the same list
@@ -538,7 +538,7 @@ def patch(shared_prefix: bool = False) -> List[str]:
             replaced.append(f"{name}.pack_dataset")
     _TRL_ORIGINAL["pack_dataset"] = original
     if shared_prefix:
-        from .trl_tree import patch_trainers, patched_trainer_names
+        from .tree import patch_trainers, patched_trainer_names
 
         before = set(patched_trainer_names())
         replaced += [name for name in patch_trainers() if name not in before]
@@ -558,11 +558,11 @@ def patched_names() -> List[str]:
 
 
 def _trees() -> Any:
-    """:mod:`seqpack.frameworks.trl_tree` when loaded (only a ``shared_prefix`` patch
+    """:mod:`seqpack.frameworks.trl.tree` when loaded (only a ``shared_prefix`` patch
     loads it: nothing of it to report or restore otherwise), else None."""
     import sys
 
-    return sys.modules.get("seqpack.frameworks.trl_tree")
+    return sys.modules.get("seqpack.frameworks.trl.tree")
 
 
 def unpatch() -> List[str]:

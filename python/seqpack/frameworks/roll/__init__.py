@@ -41,19 +41,19 @@ from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Mapping, Optional, 
 
 import numpy as np
 
-from ._batch import batch_size, is_data_proto, is_tensor, mask_lengths, select_all
-from .._equality import ValueEquality
-from .._lengths import as_positive_int
-from ..tensors.layout import alignment
-from ..planning.balance import WORKLOAD_ATTENTION_COEFF, get_seqlen_balanced_partitions, sequence_workloads
-from ..planning.metrics import dp_balance_metrics
-from ._roll_common import RollBatch, RollError, _columns, _int_like
-from ._roll_dynamic import (dynamic_batching_shard, make_micro_batch_iter_for_dynamic_batching,
+from .._batch import batch_size, is_data_proto, is_tensor, mask_lengths, select_all
+from ..._equality import ValueEquality
+from ..._lengths import as_positive_int
+from ...tensors.layout import alignment
+from ...planning.balance import WORKLOAD_ATTENTION_COEFF, get_seqlen_balanced_partitions, sequence_workloads
+from ...planning.metrics import dp_balance_metrics
+from .common import RollBatch, RollError, batch_columns, int_like
+from .dynamic import (dynamic_batching_shard, make_micro_batch_iter_for_dynamic_batching,
                             make_mini_batch_iter_for_dynamic_batching)
-from ._roll_packing import _phase_value, _roll_pad_factor, _sequence_packing, calculate_workload
+from .packing import phase_value, pad_factor, pack_sequences_of, calculate_workload
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ..planning.step import StepPlan
+    from ...planning.step import StepPlan
 
 __all__ = [
     "LoadBalancePacker",
@@ -91,14 +91,14 @@ def batch_balance(batch: Any, dp_size: int, minibatch_size: int,
     ``balanced_min/max`` and ``mean`` in tokens.
     """
     dp_size = as_positive_int(dp_size, "dp_size")
-    cols = _columns(batch)
+    cols = batch_columns(batch)
     lengths = mask_lengths(cols)
     n = batch_size(cols)
     if n % dp_size:
         raise ValueError(f"the batch has {n} rows, not a multiple of dp_size={dp_size}")
     work = sequence_workloads(lengths, ROLL_ATTENTION_COEFF)
     if keep_minibatch:
-        minibatch_size = _int_like(minibatch_size)
+        minibatch_size = int_like(minibatch_size)
         if type(minibatch_size) is not int or minibatch_size <= 0 or n % minibatch_size or minibatch_size % dp_size:
             raise ValueError(f"keep_minibatch needs a minibatch_size > 0 dividing the batch ({n} rows) and "
                              f"divisible by dp_size={dp_size}, got {minibatch_size!r}")
@@ -232,7 +232,7 @@ def make_micro_batch_iter_for_sequence_packing(
             min_num_micro_batches=min_num_micro_batches, pad_multiple=pad_multiple, step_plan=step_plan,
             dp_rank=dp_rank, mini_batch_index=mini_batch_index, strict=strict, shared_prefix=shared_prefix,
             group_key=group_key)
-    return _sequence_packing(
+    return pack_sequences_of(
         mini_batch, algorithm="load_balance" if algorithm is None else algorithm, cap=max_packed_sequence_length,
         min_num=1 if min_num_micro_batches is None else min_num_micro_batches, pad_multiple=pad_multiple,
         pad_rule=lambda cp, tp: alignment(cp, tp, rule="roll"), tp_size=tp_size, cp_size=cp_size, vp_size=vp_size,
@@ -304,7 +304,7 @@ class SequencePackingPacker(ValueEquality):
 
     def get_pad_factor(self, cp_size: int, tp_size: int) -> int:
         """ROLL's pad multiple: ``lcm(16, 2·CP·TP)`` with CP, ``lcm(16, TP)`` without."""
-        return _roll_pad_factor(cp_size, tp_size)
+        return pad_factor(cp_size, tp_size)
 
     calculate_workload = staticmethod(calculate_workload)
 
@@ -321,11 +321,11 @@ class SequencePackingPacker(ValueEquality):
     ) -> Iterator[Any]:
         """ROLL's signature; see :func:`make_micro_batch_iter_for_sequence_packing`
         (the keywords after ``pp_size`` are seqpack's and override the config)."""
-        cap = (_phase_value(self.config, is_train, "max_packed_sequence_length")
+        cap = (phase_value(self.config, is_train, "max_packed_sequence_length")
                if max_packed_sequence_length is None else max_packed_sequence_length)
-        min_num = (_phase_value(self.config, is_train, "min_num_micro_batches", 1)
+        min_num = (phase_value(self.config, is_train, "min_num_micro_batches", 1)
                    if min_num_micro_batches is None else min_num_micro_batches)
-        return _sequence_packing(
+        return pack_sequences_of(
             mini_batch, algorithm=self.algorithm, cap=cap, min_num=min_num, pad_multiple=pad_multiple,
             pad_rule=self.get_pad_factor, tp_size=tp_size, cp_size=cp_size, vp_size=vp_size,
             pp_size=1 if pp_size is None else pp_size, is_train=is_train, dp_group=dp_group,

@@ -19,9 +19,9 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import numpy as np
 
-from .. import _core
-from .._lengths import host_array, type_name
-from ..tensors.dataset import loss_mask_zeros
+from ... import _core
+from ..._lengths import host_array, type_name
+from ...tensors.dataset import loss_mask_zeros
 
 __all__ = ["ArrowRows", "CROSS_ENTROPY_IGNORE_IDX", "ListRows", "StreamRows"]
 

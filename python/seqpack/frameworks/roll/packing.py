@@ -13,14 +13,14 @@ from typing import Any, Callable, Dict, Iterator, List, Mapping, MutableMapping,
 
 import numpy as np
 
-from ._batch import (batch_size, dummy_row, is_data_proto, mask_lengths, padded_forest, proto_select, select_all,
+from .._batch import (batch_size, dummy_row, is_data_proto, mask_lengths, padded_forest, proto_select, select_all,
                      step_plan_parts)
-from .._dist import agree_on_count, checked_on_every_rank
-from .._lengths import as_positive_int
-from ..tensors.layout import alignment, round_up
-from ..planning.balance import (WORKLOAD_ATTENTION_COEFF, MicroBatchPlan, get_seqlen_balanced_partitions,
+from ..._dist import agree_on_count, checked_on_every_rank
+from ..._lengths import as_positive_int
+from ...tensors.layout import alignment, round_up
+from ...planning.balance import (WORKLOAD_ATTENTION_COEFF, MicroBatchPlan, get_seqlen_balanced_partitions,
                                plan_micro_batches)
-from ._roll_common import RollBatch, _agrees, _columns, _int_like, _write_meta
+from .common import RollBatch, ranks_agree, batch_columns, int_like, write_meta
 
 
 def calculate_workload(seqlen: Any) -> Any:
@@ -33,13 +33,13 @@ def calculate_workload(seqlen: Any) -> Any:
     return WORKLOAD_ATTENTION_COEFF * seqlen + seqlen * seqlen
 
 
-def _roll_pad_factor(cp_size: Any, tp_size: Any) -> int:
+def pad_factor(cp_size: Any, tp_size: Any) -> int:
     """ROLL's ``get_pad_factor`` (its packer's and its Megatron strategy's):
     ``lcm(16, 2·CP·TP)`` with CP, ``lcm(16, TP)`` without."""
     return math.lcm(16, alignment(cp_size, tp_size, rule="roll"))
 
 
-def _phase_value(config: Any, is_train: bool, name: str, default: Any = None) -> Any:
+def phase_value(config: Any, is_train: bool, name: str, default: Any = None) -> Any:
     """``config.<name>_train`` / ``_forward`` (ROLL's fields), else ``config.<name>``."""
     value = getattr(config, f"{name}_{'train' if is_train else 'forward'}", None)
     if value is None:
@@ -69,13 +69,13 @@ def _phase_metrics(cols: Mapping[str, Any], parts: Sequence[Sequence[int]], phas
                                  phase)
 
 
-def _sequence_packing(mini_batch: Any, *, algorithm: Any, cap: Any, min_num: Any, pad_multiple: Any,
+def pack_sequences_of(mini_batch: Any, *, algorithm: Any, cap: Any, min_num: Any, pad_multiple: Any,
                       pad_rule: Callable[[int, int], int], tp_size: Any, cp_size: Any, vp_size: Any, pp_size: Any,
                       is_train: bool, dp_group: Any, micro_batch_size: Any, step_plan: Any, dp_rank: Any,
                       mini_batch_index: Any, strict: bool = True, shared_prefix: bool = False,
                       group_key: Optional[str] = None) -> Iterator[Any]:
     phase = "train" if is_train else "forward"
-    cols = _columns(mini_batch)
+    cols = batch_columns(mini_batch)
     meta = getattr(mini_batch, "meta_info", None)
     if not isinstance(meta, MutableMapping):
         meta = {}
@@ -84,19 +84,19 @@ def _sequence_packing(mini_batch: Any, *, algorithm: Any, cap: Any, min_num: Any
     if algorithm == "none":
         n = batch_size(cols, "mini_batch")
         if strict:
-            micro_batch_size = _int_like(micro_batch_size)
+            micro_batch_size = int_like(micro_batch_size)
             if type(micro_batch_size) is not int or micro_batch_size <= 0 or n % micro_batch_size:
                 raise ValueError(f"algorithm 'none' needs a micro_batch_size > 0 dividing the {n} rows, "
                                  f"got {micro_batch_size!r}")
             parts = [list(range(s, s + micro_batch_size)) for s in range(0, n, micro_batch_size)]
         else:  # ROLL: rows // micro_batch_size chunks, np.array_split's sizes
-            micro_batch_size = _int_like(micro_batch_size)
+            micro_batch_size = int_like(micro_batch_size)
             if type(micro_batch_size) is not int or not 0 < micro_batch_size <= n:
                 raise ValueError(f"algorithm 'none' needs a micro_batch_size in [1, {n}] (the rows), "
                                  f"got {micro_batch_size!r}")
             parts = [p.tolist() for p in np.array_split(np.arange(n), n // micro_batch_size)]
         metrics = _phase_metrics(cols, parts, phase)
-        _write_meta(mini_batch, partition_indices_list=[], num_micro_batchs=len(parts),
+        write_meta(mini_batch, partition_indices_list=[], num_micro_batchs=len(parts),
                     sequence_packing_metrics=dict(metrics))
         return _yield_parts(mini_batch, cols, meta, parts, n, metrics, reorder=False)
     if step_plan is not None:
@@ -104,14 +104,14 @@ def _sequence_packing(mini_batch: Any, *, algorithm: Any, cap: Any, min_num: Any
         cap = None if cap is None else as_positive_int(cap, "max_packed_sequence_length")
         parts = step_plan_parts(step_plan, dp_rank, mini_batch_index, n, cap, "max_packed_sequence_length")
         metrics = {**step_plan.metrics, **_phase_metrics(cols, parts, phase)}
-        _write_meta(mini_batch, partition_indices_list=[list(p) for p in parts],
+        write_meta(mini_batch, partition_indices_list=[list(p) for p in parts],
                     sequence_packing_metrics=dict(metrics))
         trees = None
         if shared_prefix:  # the plan decides (plan it with forest=); each micro-batch still gets its tree
             groups = padded_forest(cols, group_key, missing_group_ok=False)[1]
             trees = _tree_maker(groups, _pad_of(pad_rule, pad_multiple, tp_size, cp_size))
         return _yield_parts(mini_batch, cols, meta, parts, n, metrics, reorder=True, trees=trees)
-    agree = _agrees(dp_group)
+    agree = ranks_agree(dp_group)
     box: Dict[str, Any] = {}
 
     def plan_with(count: int) -> MicroBatchPlan:
@@ -171,7 +171,7 @@ def _sequence_packing(mini_batch: Any, *, algorithm: Any, cap: Any, min_num: Any
     if shared_prefix:
         metrics["padding_tokens"] = int(sum(round_up(t, box["pad"]) - t for t in plan.tokens))
         metrics["sharing_kept"] = plan.sharing_kept
-    _write_meta(mini_batch, partition_indices_list=[list(p) for p in plan.micro_batches],
+    write_meta(mini_batch, partition_indices_list=[list(p) for p in plan.micro_batches],
                 sequence_packing_metrics=dict(metrics))
     trees = _tree_maker(box["groups"], box["pad"]) if shared_prefix else None
     return _yield_parts(mini_batch, cols, meta, plan.micro_batches, n, metrics, reorder=True, trees=trees)
@@ -203,7 +203,7 @@ def _tree_maker(groups: Optional[List[int]], multiple: int) -> Callable[[Mapping
     micro-batch (its own columns: a dummy's one row too), padded to ``multiple``;
     ``part`` (its rows in the mini-batch) picks their groups."""
     def tree(mb_cols: Mapping[str, Any], part: Sequence[int]):
-        from ..tensors.prefix_tree import PrefixTreeBatch
+        from ...tensors.prefix_tree import PrefixTreeBatch
 
         ids = None if groups is None or not part else [groups[i] for i in part]
         return PrefixTreeBatch.from_padded(mb_cols["input_ids"], mb_cols["attention_mask"], group_ids=ids,
@@ -259,7 +259,7 @@ def _yield_parts(batch: Any, cols: Mapping[str, Any], meta: Dict[str, Any], part
                                 partition_indices_list=[list(p) for p in parts] if reorder else [],
                                 mini_batch_size=n, is_padding_batch=not part, sequence_packing_metrics=dict(metrics))
             if trees is not None:
-                mb.meta_info["prefix_tree"] = trees(_columns(mb), part)
+                mb.meta_info["prefix_tree"] = trees(batch_columns(mb), part)
             yield mb
 
     return gen()
