@@ -14,6 +14,9 @@ import seqpack
 ROOT = pathlib.Path(seqpack.__file__).resolve().parent
 DOC = pathlib.Path(__file__).resolve().parents[2] / "docs" / "architecture.md"
 MAX_LINES = 600
+# Written by the build (scikit-build-core's generate), not kept in git: listed, present
+# in an installed package, absent from an editable checkout's source tree.
+GENERATED = {"_version.py"}
 
 
 def _sources() -> List[pathlib.Path]:
@@ -40,8 +43,8 @@ def test_every_module_is_listed_in_the_architecture_doc():
 def test_every_listed_module_exists():
     section = DOC.read_text().partition("\n## Every module\n")[2]
     rows = re.findall(r"^\| `([^`\n]+)` \|", section, re.M)  # each table row's first cell
-    assert len(rows) >= len(_sources())
-    stale = [row for row in rows if not (ROOT / row).exists()]
+    assert len(rows) >= len([p for p in _sources() if p.name not in GENERATED])
+    stale = [row for row in rows if not (ROOT / row).exists() and row not in GENERATED]
     assert not stale, f"docs/architecture.md, 'Every module', lists modules that do not exist: {stale}"
 
 
