@@ -14,8 +14,10 @@ segments):
 - :func:`layout_kind`: what the dispatch table (:mod:`seqpack.training.dispatch`)
   keys an implementation by, with the layout's cut.
 
-Outside this module and :mod:`~seqpack.tensors.token_layout`, no code branches on a
-layout's class (a test reads the source). Importing it does not import torch.
+Outside the layout modules (this one, :mod:`~seqpack.tensors.token_layout`,
+:mod:`~seqpack.tensors.cp_cut`, :mod:`~seqpack.tensors.sharded_layout`) and the
+dispatch table (:mod:`seqpack.training.dispatch`), no code branches on a layout's
+kind (``tests/python/training/test_dispatch.py`` reads the source).
 
     >>> as_layout([0, 3, 5], cu_seqlens_padded=[0, 4, 6]).cu_seqlens_padded.tolist()
     [0, 4, 6]

@@ -22,22 +22,19 @@ A packed batch is the layout of rows that share nothing. Every layout owns:
 - the logical order: ``cu_seqlens`` [R + 1] (the rows' logical offsets) and
   ``logical_index`` [N] (the physical row of each logical token); ``pad_index``
   (the physical rows no logical token reads);
-- the context-parallel cut: ``cp_size`` / ``cp_rank`` of the rows it was laid out
-  for (a tree is whole: it is cut into contiguous ranges when sharded, see
-  :func:`seqpack.shard_layout`);
+- the context-parallel cut: :attr:`TokenLayout.cut` (a
+  :class:`~seqpack.tensors.cp_cut.CpCut`: whole, or zigzag for rows laid out with
+  ``cp_size > 1``; any other cut, a tree's contiguous ranges or Ulysses slices, from
+  :func:`seqpack.shard_layout`) and :attr:`TokenLayout.whole`, the layout it cuts;
 - the host plans derived from it (attention segments, log-prob targets, CP plans):
   :meth:`TokenLayout.host_plan` builds each once and keeps it on the object, it
   pickles with the layout (and is checked when rebuilt), and device copies are
   made once per device.
 
-Consumers take a layout through one argument and never branch on its kind:
-
-- :meth:`TokenLayout.rows` is the plain packing of the same physical tokens when no
-  token is shared (``None`` otherwise), so a tree whose rows share nothing runs
-  plain packing's kernels, with no tree plan;
-- :meth:`TokenLayout.select` picks between two implementations where the kinds
-  truly differ (context parallelism: zigzag chunks of rows, contiguous ranges of a
-  tree).
+Consumers take a layout through one argument and never branch on its kind: which
+implementation runs a (kind, cut) is one table, :mod:`seqpack.training.dispatch`
+(a tree whose rows share nothing runs plain packing's kernels on
+:meth:`TokenLayout.rows`, with no tree plan).
 
 :func:`seqpack.tensors.layout_kinds.as_layout` turns what seqpack accepts in place
 of a layout (a :class:`~seqpack.PackedBatch`, flash-attn style ``cu_seqlens``
