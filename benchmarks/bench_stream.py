@@ -34,7 +34,7 @@ from _harness import format_table, start  # noqa: E402
 import numpy as np  # noqa: E402
 
 import seqpack  # noqa: E402
-from seqpack.planning.step_shapes import largest_first, shape_buckets  # noqa: E402
+from seqpack.planning.step_shapes import shape_buckets  # noqa: E402
 from seqpack.testing.rollout_stream import grpo_rollouts, run_stream  # noqa: E402
 from seqpack.testing.stream_reference import next_fit_step  # noqa: E402
 from seqpack.tools.report_cp import h100_cost_model  # noqa: E402
@@ -63,7 +63,7 @@ def stream_table(quick, log):
         lens = [lengths[i] for i in sorted(step.item_ids.tolist())]  # arrival order: ids increase
         _, nf = next_fit_step(lens, DP, CAP, COST)
         again = seqpack.plan_step([lengths[i] for i in step.item_ids.tolist()], DP, CAP, cost=COST)
-        lf = largest_first(step.plan)
+        lf = seqpack.plan_step(step.plan.lengths, DP, CAP, cost=COST, micro_batch_order="largest_first")
         t = step.predicted_time
         shaped = {n: seqpack.plan_step(step.plan.lengths, DP, CAP, cost=COST, static_shapes=n) for n in BUCKETS}
         bucketed = shaped[8]
@@ -93,7 +93,8 @@ def stream_table(quick, log):
          "largest-first / planned", "8 buckets / planned", "bucket padding", "gap", "dropped", "pending",
          "plan ms"], rows,
         note="predicted under the cost model; next-fit: the same items in arrival order, rows dealt to ranks in "
-             "turn; 'vs plan_step': seqpack's step over plan_step on the same items; largest-first on the same plan, "
+             "turn; 'vs plan_step': seqpack's step over plan_step on the same items; largest-first: plan_step on "
+             "the same items, "
              f"8 buckets: static_shapes=True ({list(buckets)}) on the same items; 'gap': the step over its proven "
              "lower bound; "
              "the last row is flush()'s partial step.")

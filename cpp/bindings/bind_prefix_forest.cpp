@@ -5,7 +5,6 @@
 
 #include "convert.hpp"
 #include "forest_args.hpp"
-#include "step_args.hpp"
 #include "seqpack/forest_items.hpp"
 #include "seqpack/forest_planning.hpp"
 #include "seqpack/prefix_forest.hpp"
@@ -134,29 +133,6 @@ void init_prefix_forest(py::module_& m) {
       py::arg("row_length"), py::arg("row_order"), py::arg("adjacent_lcp"), py::arg("tree_of_row"),
       py::arg("num_trees"), py::arg("max_tokens"), py::arg("rows"),
       "AReaL's trie packing: rows in the given order, each to the first micro-batch where the tokens it adds fit.");
-  m.def(
-      "plan_forest_step",
-      [](py::handle length, py::handle order, py::handle lcp, py::handle tree, int64_t num_trees, int64_t dp_size,
-         int64_t max_tokens, double per_micro_batch, double per_token, double per_token_squared,
-         const std::string& sync, int64_t mini_batches, int64_t min_micro_batches, int64_t multiple_of,
-         std::optional<uint64_t> seed, bool whole_trees) {
-        const ForestArgs f(length, order, lcp, tree, num_trees);
-        const StepOptions o = step_options(dp_size, max_tokens, per_micro_batch, per_token, per_token_squared, sync,
-                                           mini_batches, min_micro_batches, multiple_of, seed);
-        ForestStepPlan plan;
-        {
-          py::gil_scoped_release release;
-          plan = plan_forest_step(f.view(), o, whole_trees);
-        }
-        py::dict out = step_plan_dict(plan.plan);
-        out["planned_on"] = plan.planned_on;
-        return out;
-      },
-      py::arg("row_length"), py::arg("row_order"), py::arg("adjacent_lcp"), py::arg("tree_of_row"),
-      py::arg("num_trees"), py::arg("dp_size"), py::arg("max_tokens"), py::arg("per_micro_batch"),
-      py::arg("per_token"), py::arg("per_token_squared"), py::arg("sync"), py::arg("mini_batches"),
-      py::arg("min_micro_batches"), py::arg("multiple_of"), py::arg("seed"), py::arg("whole_trees"),
-      "plan_step over a forest's rows: the fastest of several item sets per mini-batch, costed exactly.");
 }
 
 }  // namespace seqpack::bindings

@@ -18,6 +18,7 @@ namespace py = pybind11;
 namespace seqpack::bindings {
 void init_packing(py::module_& m);
 void init_partition(py::module_& m);
+void init_step(py::module_& m);
 void init_dynamic_batching(py::module_& m);
 void init_metrics(py::module_& m);
 void init_thd(py::module_& m);
@@ -31,6 +32,7 @@ PYBIND11_MODULE(_core, m) {
   m.doc() = "seqpack C++ core (planning, THD plans); use the seqpack package, not this module.";
   seqpack::bindings::init_packing(m);
   seqpack::bindings::init_partition(m);
+  seqpack::bindings::init_step(m);
   seqpack::bindings::init_dynamic_batching(m);
   seqpack::bindings::init_metrics(m);
   seqpack::bindings::init_thd(m);

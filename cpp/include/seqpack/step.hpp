@@ -62,6 +62,7 @@ struct MiniBatchStep {
   IndexGroups cells;               // dp_size·K groups, rank-major: cell r·K + k
   std::vector<double> costs;       // cost of each cell, same order
   std::vector<int64_t> tokens;     // token sum of each cell
+  std::vector<int64_t> padded;     // static shapes (step_shapes.hpp): each cell's padded size; else empty
   double predicted_time = 0.0;
   double lower_bound = 0.0;
 };

@@ -11,7 +11,7 @@
 - :mod:`~seqpack.planning.step_options`: :class:`StepOptions`, a step plan's options as one object.
 - :mod:`~seqpack.planning.prefix_forest`: :class:`PrefixForest`, what any subset of rows costs as a
   prefix tree.
-- :mod:`~seqpack.planning.step_shapes`: largest-first micro-batch order and static shape buckets.
+- :mod:`~seqpack.planning.step_shapes`: the options of the largest-first micro-batch order and of static shape buckets (planned and costed in the core).
 - :mod:`~seqpack.planning.stream`: :class:`StreamPlanner`, steps planned as asynchronous rollouts arrive.
 
 >>> from seqpack.planning import get_packer

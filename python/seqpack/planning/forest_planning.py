@@ -34,7 +34,7 @@ from .._lengths import as_positive_int, type_name
 from ._token_rows import int_array
 from .prefix_forest import PrefixForest
 
-__all__ = ["checked_forest", "first_fit_trie", "plan_forest_micro_batches", "plan_forest_step"]
+__all__ = ["checked_forest", "first_fit_trie", "plan_forest_micro_batches"]
 
 
 def checked_forest(forest: Any, lengths: Any) -> PrefixForest:
@@ -61,36 +61,6 @@ def plan_forest_micro_batches(forest: Any, lengths: Any, max_tokens: int, min_nu
                 max_tokens=max_tokens, lower_bound=raw["lower_bound"], method=raw["method"], order=order,
                 sharing_kept=1.0 if total == 0 else raw["physical_tokens"] / total,
                 physical_lower_bound=raw["physical_tokens"])
-
-
-def plan_forest_step(forest: Any, lengths: Any, dp_size: int, max_tokens: int, cost: Any, sync: str,
-                     mini_batches: int, min_micro_batches: int, multiple_of: int, seed: Any,
-                     whole_trees: bool) -> Dict[str, Any]:
-    """:func:`~seqpack.plan_step` with ``forest=``. Each mini-batch (the rows split
-    as without a forest) is planned by the C++ step planner on several item sets:
-    whole trees (a larger tree in the parts that duplicate the fewest tokens), trees
-    dealt to ranks by their work then packed per rank whole, and without
-    ``whole_trees`` the micro-batches of the split packings and of AReaL's first-fit
-    tries, and the rows themselves; every cell is costed from its own physical
-    tokens and visible pairs and the fastest predicted step kept. ``lower_bound``:
-    per mini-batch, its fewest micro-batches times ``per_micro_batch`` plus its
-    trees' work (each node once) over the ranks. Returns the fields of the
-    :class:`~seqpack.StepPlan`, each mini-batch's cells, costs and tokens flat
-    (rank-major)."""
-    forest = checked_forest(forest, lengths)
-    raw = _core.plan_forest_step(*forest._core_args(), dp_size, max_tokens, cost.per_micro_batch, cost.per_token,
-                                 cost.per_token_squared, sync, mini_batches, min_micro_batches, multiple_of, seed,
-                                 bool(whole_trees))
-    minis = raw["mini_batches"]
-    used = sum(sum(mb["tokens"]) for mb in minis)
-    names = raw["planned_on"]
-    return dict(
-        cells=[mb["cells"] for mb in minis], costs=[mb["costs"] for mb in minis],
-        tokens=[mb["tokens"] for mb in minis], num_micro_batches=[mb["num_micro_batches"] for mb in minis],
-        mini_batch_ranges=[(mb["begin"], mb["end"]) for mb in minis], predicted_time=raw["predicted_time"],
-        lower_bound=raw["lower_bound"], planned_on=names[0] if len(set(names)) == 1 else ",".join(names),
-        sharing_kept=1.0 if used == 0 else forest.num_physical_tokens / used,
-    )
 
 
 def first_fit_trie(forest: Any, max_tokens: Any, row_indices: Any = None) -> List[List[int]]:

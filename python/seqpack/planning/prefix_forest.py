@@ -150,6 +150,18 @@ class PrefixForest:
             self._position = position
         return self._position
 
+    def depth_first(self, row_indices: Any) -> np.ndarray:
+        """``row_indices`` (row ids) in the forest's depth-first order: packed in this
+        order, :func:`~seqpack.pack_prefix_tree` lays out the physical tokens as the
+        planners count them (the order also decides where :func:`seqpack.shard_layout`
+        cuts a tree).
+
+        >>> PrefixForest.from_rows([[5, 6, 7], [5, 6, 8, 9], [5, 6]]).depth_first([0, 1, 2]).tolist()
+        [2, 0, 1]
+        """
+        rows = self._row_ids(row_indices, "row_indices")
+        return rows[np.argsort(self.row_position[rows], kind="stable")]
+
     # ---- costs --------------------------------------------------------------------
     def subset_costs(self, subsets: Iterable[Any]) -> Tuple[np.ndarray, np.ndarray]:
         """(physical tokens [K], visible pairs [K]) of each subset of rows (row ids;

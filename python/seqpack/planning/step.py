@@ -28,7 +28,6 @@ mini-batches, context parallelism, order, shapes) are one
 
 from __future__ import annotations
 
-import dataclasses
 import html
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -40,7 +39,7 @@ from .._lengths import INT64_MAX, as_int64, as_lengths, as_positive_int
 from .cost import CostModel
 from .prefix_forest import PrefixForest
 from .step_options import StepOptions, with_keywords
-from .step_shapes import bucket_shapes, largest_first, shape_buckets
+from .step_shapes import shape_buckets
 
 __all__ = ["StepPlan", "plan_step"]
 
@@ -103,7 +102,7 @@ class StepPlan:
     cp_first_rank: Optional[np.ndarray] = field(default=None, repr=False, compare=False)
     kv_tokens: Optional[int] = None
     least_kv_tokens: Optional[int] = None
-    # Step shapes (planning/step_shapes.py): the order of each rank's micro-batches,
+    # Step shapes (planning/step_shapes.py, planned in the core): the order of each rank's micro-batches,
     # and with static_shapes the bucket sizes and each cell's padded size (costs and
     # predicted_time then include the padding).
     micro_batch_order: str = "planned"
@@ -349,99 +348,48 @@ def plan_step(
     if opts.shared_prefix and forest is None:
         raise ValueError("shared_prefix=True plans prefix trees: plan_step needs forest=, the PrefixForest of the "
                          "lengths' rows (a StreamPlanner builds each step's forest itself)")
-    buckets = None if opts.static_shapes is None else \
-        shape_buckets(opts.static_shapes, as_positive_int(max_tokens, "max_tokens"))
-
-    def shaped(cap: int) -> StepPlan:
-        plan = _plan(lengths, dp_size, cap, opts, forest)
-        if opts.micro_batch_order == "largest_first":
-            plan = largest_first(plan)
-        return plan if buckets is None else bucket_shapes(plan, buckets)
-
-    plan = shaped(max_tokens)
-    if buckets is not None and forest is None and opts.cp_size == 1 and plan.num_sequences:
-        # Micro-batches that fill a smaller bucket may pad less: plan under each bucket
-        # that holds the longest sequence and keep the fastest padded step.
-        longest, full = int(plan.lengths.max()), plan
-        for cap in (b for b in buckets if longest <= b < full.max_tokens):
-            other = shaped(cap)
-            if other.predicted_time < plan.predicted_time:  # the full cap's bound holds for both
-                plan = dataclasses.replace(other, max_tokens=full.max_tokens, lower_bound=full.lower_bound)
-    return plan
-
-
-def _plan(lengths: Any, dp_size: Any, max_tokens: Any, opts: StepOptions, forest: Any) -> StepPlan:
-    """:func:`plan_step` before its step shapes."""
     dp_size = as_positive_int(dp_size, "dp_size")
     max_tokens = as_positive_int(max_tokens, "max_tokens")
-    cost, sync = opts.cost, opts.sync
+    cost = opts.cost
     cost.check_finite(max_tokens)
-    if opts.cp_size > 1:
-        return _plan_cp_step(lengths, dp_size, max_tokens, opts, forest)  # every tree is whole with CP
+    buckets = None if opts.static_shapes is None else shape_buckets(opts.static_shapes, max_tokens)
     if forest is not None:
-        from .forest_planning import plan_forest_step
-
-        got = plan_forest_step(forest, lengths, dp_size, max_tokens, cost, sync, opts.mini_batches,
-                               opts.min_micro_batches, opts.multiple_of, opts.seed, opts.whole_trees)
-        ks = got["num_micro_batches"]
-        return StepPlan(
-            assignment=[_nest(c, dp_size, k) for c, k in zip(got["cells"], ks)],
-            costs=[_nest(c, dp_size, k) for c, k in zip(got["costs"], ks)],
-            tokens=[_nest(t, dp_size, k) for t, k in zip(got["tokens"], ks)],
-            num_micro_batches=ks, mini_batch_ranges=got["mini_batch_ranges"],
-            predicted_time=got["predicted_time"], lower_bound=got["lower_bound"], dp_size=dp_size,
-            max_tokens=max_tokens, sync=sync, cost=cost, lengths=_read_only(forest.lengths.astype(np.int64)),
-            planned_on=got["planned_on"], sharing_kept=got["sharing_kept"], forest=forest,
-            whole_trees=opts.whole_trees)
-    lengths = as_lengths(lengths, "lengths")
-    raw = _core.plan_step(
-        lengths, dp_size, max_tokens,
-        cost.per_micro_batch, cost.per_token, cost.per_token_squared,
-        sync=sync, mini_batches=opts.mini_batches, min_micro_batches=opts.min_micro_batches,
-        multiple_of=opts.multiple_of, seed=opts.seed,
-    )
-    return StepPlan(
-        **_cells(raw["mini_batches"], dp_size),
-        predicted_time=raw["predicted_time"],
-        lower_bound=raw["lower_bound"],
-        dp_size=dp_size,
-        max_tokens=max_tokens,
-        sync=sync,
-        cost=cost,
-        lengths=_read_only(lengths.astype(np.int64)),
-    )
-
-
-def _plan_cp_step(lengths: Any, dp_size: int, max_tokens: int, opts: StepOptions, forest: Any) -> StepPlan:
-    """:func:`plan_step` with ``cp_size > 1``: one call to the C++ CP planner, on the
-    rows or (``forest``) on each mini-batch's trees, every tree whole."""
-    cost, cp_size, mini_batches = opts.cost, opts.cp_size, opts.mini_batches
-    shared = (cost, opts.sync, mini_batches, opts.min_micro_batches, opts.multiple_of, opts.seed, cp_size,
-              opts.hybrid_cp)
-    if forest is None:
-        lengths = as_lengths(lengths, "lengths")
-        raw = _core.plan_cp_step(lengths, dp_size, max_tokens, cost.per_micro_batch, cost.per_token,
-                                 cost.per_token_squared, cost.per_kv_token, cost.per_collective, *shared[1:],
-                                 opts.min_cp_degree)
-    else:
-        from .forest_cp import plan_forest_cp_step
         from .forest_planning import checked_forest
 
-        lengths = checked_forest(forest, lengths).lengths
-        n = lengths.shape[0]
-        if n < mini_batches:
-            raise ValueError(f"lengths: {n} sequences cannot fill mini_batches={mini_batches} mini-batches "
-                             "(each needs at least one)")
-        bounds = np.cumsum([0] + [n // mini_batches + (m < n % mini_batches) for m in range(mini_batches)])
-        raw = plan_forest_cp_step(forest, lengths, dp_size, max_tokens, *shared, list(zip(bounds[:-1], bounds[1:])),
-                                  opts.min_cp_degree)
+        forest = checked_forest(forest, lengths)
+        lengths = forest.lengths
+    else:
+        lengths = as_lengths(lengths, "lengths")
+    # One core call: the planner the options name, its costs, the order and the shapes (step_planner.hpp).
+    raw = _core.plan_step(
+        lengths, dp_size, max_tokens, cost.per_micro_batch, cost.per_token, cost.per_token_squared,
+        sync=opts.sync, mini_batches=opts.mini_batches, min_micro_batches=opts.min_micro_batches,
+        multiple_of=opts.multiple_of, seed=opts.seed, forest=None if forest is None else forest._core_args(),
+        whole_trees=opts.whole_trees, per_kv_token=cost.per_kv_token, per_collective=cost.per_collective,
+        cp_size=opts.cp_size, hybrid=opts.hybrid_cp, min_degree=opts.min_cp_degree,
+        micro_batch_order=opts.micro_batch_order, buckets=buckets)
+    ranks = dp_size * opts.cp_size
+    minis = raw["mini_batches"]
+    fields: Dict[str, Any] = {}
+    if opts.cp_size > 1:
+        fields.update(cp_size=opts.cp_size, cp_degree=_read_only(raw["degree"]),
+                      cp_first_rank=_read_only(raw["first_rank"]), kv_tokens=raw["kv_tokens"],
+                      least_kv_tokens=raw["least_kv_tokens"])
+    if forest is not None:
+        names = raw["planned_on"]
+        used = sum(sum(mb["tokens"]) for mb in minis)
+        fields.update(planned_on=names[0] if len(set(names)) == 1 else ",".join(names), forest=forest,
+                      whole_trees=opts.whole_trees,
+                      sharing_kept=None if opts.cp_size > 1 else
+                      1.0 if used == 0 else forest.num_physical_tokens / used)
+    if buckets is not None:
+        fields.update(shape_buckets=buckets, padded_tokens=[_nest(mb["padded"], ranks, mb["num_micro_batches"])
+                                                           for mb in minis])
     return StepPlan(
-        **_cells(raw["mini_batches"], dp_size * cp_size),
-        predicted_time=raw["predicted_time"], lower_bound=raw["lower_bound"], dp_size=dp_size,
-        max_tokens=max_tokens, sync=opts.sync, cost=cost, lengths=_read_only(np.asarray(lengths).astype(np.int64)),
-        cp_size=cp_size, cp_degree=_read_only(raw["degree"]), cp_first_rank=_read_only(raw["first_rank"]),
-        kv_tokens=raw["kv_tokens"], least_kv_tokens=raw["least_kv_tokens"],
-        planned_on=None if forest is None else "trees", forest=forest, whole_trees=opts.whole_trees)
+        **_cells(minis, ranks), predicted_time=raw["predicted_time"], lower_bound=raw["lower_bound"],
+        dp_size=dp_size, max_tokens=max_tokens, sync=opts.sync, cost=cost,
+        lengths=_read_only(np.asarray(lengths).astype(np.int64)), micro_batch_order=opts.micro_batch_order,
+        **fields)
 
 
 def _read_only(a: np.ndarray) -> np.ndarray:

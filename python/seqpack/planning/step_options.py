@@ -80,7 +80,7 @@ class StepOptions:
             K/V each rank gathers. Without ``hybrid_cp`` every degree is
             ``cp_size``. With ``shared_prefix`` every tree of a mini-batch is one
             item, cut into ranges balanced by attention work
-            (:mod:`~seqpack.planning.forest_cp`).
+            (in the core: ``cpp/include/seqpack/forest_cp.hpp``).
         hybrid_cp: each sequence at the smallest degree whose shard fits the cap
             (the least K/V traffic), the fixed-CP placement kept instead when it
             is predicted faster: never slower than fixed CP on the same cost model.
@@ -91,7 +91,7 @@ class StepOptions:
             ``--min-dynamic-context-parallel-size``).
         micro_batch_order: ``"planned"`` or ``"largest_first"``: every rank's
             micro-batches of a mini-batch sorted by tokens, largest first, the
-            ranks still in lock-step (:func:`~seqpack.planning.step_shapes.largest_first`:
+            ranks still in lock-step (:mod:`~seqpack.planning.step_shapes`:
             a flat allocator peak; never slower under ``sync="step"``, and under
             ``"micro_batch"`` whenever cost follows tokens).
         static_shapes: pad every micro-batch up to a bucket size, for CUDA graphs

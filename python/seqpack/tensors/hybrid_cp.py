@@ -228,11 +228,9 @@ def _part_keys(plan: Any, cell: Sequence[int], forest: Any) -> List[Tuple[Tuple[
     for key in sorted(groups, key=lambda k: (k[0], k[1], min(groups[k]))):
         rows = sorted(groups[key])
         if forest is not None:  # tree by tree, each tree's rows depth-first (the planner's layout)
-            from ..planning.forest_cp import forest_row_order
-
             trees = sorted({int(forest.tree_ids[i]) for i in rows})
-            rows = [int(i) for t in trees for i in forest_row_order(forest, [i for i in rows
-                                                                              if int(forest.tree_ids[i]) == t])]
+            rows = [int(i) for t in trees for i in forest.depth_first([i for i in rows
+                                                                        if int(forest.tree_ids[i]) == t])]
         parts.append((key, rows))
     return parts
 

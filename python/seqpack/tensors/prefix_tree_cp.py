@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from .. import _core
 from .._lengths import as_positive_int
 from .layout_kinds import as_tree
 
@@ -64,9 +65,8 @@ def tree_cp_bounds(tree: "PrefixTreeBatch", cp_size: Any) -> np.ndarray:
     rank may hold no token: fewer tokens than ranks, or a token whose work spans a
     whole share (one row of 3 tokens over 3 ranks: ``[0, 2, 2, 3]``); the CP
     functions handle such a rank."""
-    from ..planning.forest_cp import bounds_of_work  # the rule, where the planner counts with it too
-
-    return bounds_of_work(tree_cp_work(tree), as_positive_int(cp_size, "cp_size"))
+    # The core's rule (forest_cp.hpp), the one the planner counts a rank's tokens with.
+    return _core.cp_work_bounds(tree_cp_work(tree), as_positive_int(cp_size, "cp_size"))
 
 
 def _rank_range(tree: "PrefixTreeBatch", cp_size: Any, cp_rank: Any):

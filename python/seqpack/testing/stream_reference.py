@@ -19,7 +19,15 @@ from typing import List, Sequence, Tuple
 import numpy as np
 
 from ..planning.cost import CostModel
-from ..planning.step_shapes import step_time
+
+
+def step_time(costs: Sequence[Sequence[float]], sync: str) -> float:
+    """The time of cells ``costs[r][k]`` under ``sync`` (the planner's rule, written
+    again for the reference): ``Σ_k max_r`` or ``max_r Σ_k``."""
+    if not costs or not costs[0]:
+        return 0.0
+    table = np.asarray(costs, dtype=np.float64)
+    return float(table.max(axis=0).sum() if sync == "micro_batch" else table.sum(axis=1).max())
 
 
 def next_fit_rows(lengths: Sequence[int], max_tokens: int) -> List[List[int]]:

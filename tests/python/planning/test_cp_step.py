@@ -140,8 +140,6 @@ def tree_shards(rows, d):
                 min_size=1, max_size=8),
        st.sampled_from([2, 4]), st.integers(1, 2), st.integers(0, 30), st.sampled_from(COSTS), st.integers(1, 2))
 def test_forest_cp_plans(groups, cp, dp, slack, cost, mini_batches):
-    from seqpack.planning.forest_cp import forest_row_order
-
     # GRPO-like trees (a prompt and its responses); every tree whole on its block,
     # each rank's ranges of tree_cp_bounds (as execution cuts them) within the cap.
     rows, tok = [], 1
@@ -155,7 +153,7 @@ def test_forest_cp_plans(groups, cp, dp, slack, cost, mini_batches):
         return
     forest = seqpack.PrefixForest.from_rows(rows)
     trees = [t.tolist() for t in forest.trees]
-    cap = max(tree_shards([rows[i] for i in forest_row_order(forest, t)], cp).max() for t in trees) + slack
+    cap = max(tree_shards([rows[i] for i in forest.depth_first(t)], cp).max() for t in trees) + slack
     plans = {}
     for hybrid in (False, True):
         plan = seqpack.plan_step(forest.lengths, dp, int(cap), cost=cost, mini_batches=mini_batches, forest=forest,
@@ -175,7 +173,7 @@ def test_forest_cp_plans(groups, cp, dp, slack, cost, mini_batches):
                         d, f = int(degree[part[0]]), int(first[part[0]])
                         assert (degree[part] == d).all() and (first[part] == f).all()
                         assert f % d == 0 and f % cp + d <= cp and f <= r < f + d
-                        ordered = forest_row_order(forest, part)
+                        ordered = forest.depth_first(part)
                         tokens += int(tree_shards([rows[i] for i in ordered], d)[r - f])
                         placed.setdefault((t, d, f), set()).add((r, k))
                     assert tokens <= plan.tokens[m][r][k] <= cap  # planned: each tree at its longest range
@@ -187,24 +185,65 @@ def test_forest_cp_plans(groups, cp, dp, slack, cost, mini_batches):
     assert plans[True].predicted_time <= plans[False].predicted_time * (1 + 1e-9)
 
 
-def test_forest_depths_are_the_packed_trees_positions():
-    # The planner's view of a tree (depth-first positions from the forest alone) is
-    # the layout pack_prefix_tree builds of any subset of a tree's rows given in the
-    # forest's depth-first order (forest_row_order), as hybrid CP packs them.
-    from seqpack.planning.forest_cp import _depths, forest_row_order
+def reference_work_bounds(work, cp):
+    """The cut of tree_cp_bounds written again: rank r's range ends after the tokens
+    whose middle of work (the work before it plus half its own) is at most r / cp of
+    the total (in integers: doubled, times cp)."""
+    total, middles, cum = sum(work), [], 0
+    for w in work:
+        middles.append(cp * (2 * cum + w))
+        cum += w
+    return [0] + [sum(m <= 2 * total * r for m in middles) for r in range(1, cp)] + [len(work)]
 
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 50), max_size=40), st.integers(1, 9))
+def test_cp_work_bounds_match_the_rule(work, cp):
+    assert seqpack._core.cp_work_bounds(np.asarray(work, dtype=np.int64), cp).tolist() == \
+        reference_work_bounds(work, cp)
+
+
+def test_cp_work_bounds_refuse_what_overflows():
+    with pytest.raises(ValueError, match="overflows int64"):
+        seqpack._core.cp_work_bounds(np.asarray([2**61, 2**61], dtype=np.int64), 4)
+    with pytest.raises(ValueError, match="work: must be >= 0"):
+        seqpack._core.cp_work_bounds(np.asarray([3, -1], dtype=np.int64), 2)
+
+
+def test_forest_cp_items_are_the_packed_trees():
+    # The planner's view of a tree (its items from the forest alone, in C++) is the
+    # layout pack_prefix_tree builds of the mini-batch's rows of that tree given in the
+    # forest's depth-first order, as hybrid CP packs them: its tokens, its work
+    # (2 pairs - tokens) and the longest range of its cut at each degree.
     rng = np.random.default_rng(3)
-    for _ in range(30):
+    for _ in range(40):
         stem = rng.integers(1, 4, 6).tolist()
         rows = [stem[: rng.integers(1, 7)] + rng.integers(1, 4, rng.integers(0, 5)).tolist() for _ in range(8)]
+        rows += [rng.integers(5, 8, rng.integers(1, 6)).tolist() for _ in range(4)]
+        rng.shuffle(rows)
         forest = seqpack.PrefixForest.from_rows(rows)
         assert (forest.row_order[forest.row_position] == np.arange(forest.num_rows)).all()
-        for tree in forest.trees:
-            subset = np.sort(rng.choice(tree, size=rng.integers(1, len(tree) + 1), replace=False))
-            got = _depths(forest, subset)
-            ordered = forest_row_order(forest, subset)
-            assert sorted(ordered.tolist()) == subset.tolist()
-            assert got.tolist() == seqpack.pack_prefix_tree([rows[i] for i in ordered]).position_ids.tolist()
+        cuts = np.sort(rng.choice(np.arange(1, len(rows)), size=rng.integers(0, 4), replace=False))
+        sizes = np.diff(np.concatenate([[0], cuts, [len(rows)]]))
+        got = seqpack._core.forest_cp_items(*forest._core_args(), sizes, 8)
+        expected, begin = [], 0
+        for size in sizes:
+            ids = range(begin, begin + int(size))
+            trees = {}
+            for i in ids:
+                trees.setdefault(int(forest.tree_ids[i]), []).append(i)
+            expected += sorted(trees.values())
+            begin += int(size)
+        assert got["rows"] == expected
+        assert got["mini_batch_sizes"].sum() == len(expected)
+        for k, item in enumerate(expected):
+            ordered = forest.depth_first(item)
+            assert sorted(ordered.tolist()) == item
+            packed = seqpack.pack_prefix_tree([rows[i] for i in ordered])
+            work = packed.position_ids.astype(np.int64) + 1
+            assert got["tokens"][k] == work.shape[0] and got["squares"][k] == 2 * work.sum() - work.shape[0]
+            assert got["local"][k].tolist() == [max(np.diff(reference_work_bounds(work.tolist(), d)), default=0)
+                                                for d in (1, 2, 4, 8)]
 
 
 def test_min_cp_degree_is_megatrons_smallest_dynamic_cp_group():
