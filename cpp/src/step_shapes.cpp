@@ -14,47 +14,47 @@ namespace {
 
 constexpr const char* kFn = "plan_step";
 
-// Permutes the K cells of each rank of [first, first + group) by `order`.
+// values[c] = old values[source[c]], in place.
 template <typename T>
-void permute(std::vector<T>& values, int64_t first, int64_t group, int64_t K, const std::vector<int64_t>& order) {
+void gather(std::vector<T>& values, const std::vector<size_t>& source) {
   if (values.empty()) return;
-  std::vector<T> row(static_cast<size_t>(K));
-  for (int64_t r = first; r < first + group; ++r) {
-    const auto base = static_cast<size_t>(r * K);
-    for (int64_t k = 0; k < K; ++k) row[static_cast<size_t>(k)] = std::move(values[base + static_cast<size_t>(order[static_cast<size_t>(k)])]);
-    std::move(row.begin(), row.end(), values.begin() + static_cast<std::ptrdiff_t>(base));
-  }
+  std::vector<T> out;
+  out.reserve(values.size());
+  for (const size_t c : source) out.push_back(values[c]);
+  values = std::move(out);
 }
 
 void largest_first(MiniBatchStep& mb, int64_t num_ranks, int64_t group) {
-  const int64_t K = mb.num_micro_batches;
-  std::vector<int64_t> key_tokens(static_cast<size_t>(K)), order(static_cast<size_t>(K));
-  std::vector<double> key_cost(static_cast<size_t>(K));
+  const auto K = static_cast<size_t>(mb.num_micro_batches);
+  std::vector<int64_t> key_tokens(K);
+  std::vector<double> key_cost(K);
+  std::vector<size_t> order(K), source(mb.cells.size());  // source[c]: the planned cell that goes to c
   for (int64_t first = 0; first < num_ranks; first += group) {
-    for (int64_t k = 0; k < K; ++k) {
-      int64_t tokens = 0;
-      double cost = -std::numeric_limits<double>::infinity();
-      for (int64_t r = first; r < first + group; ++r) {
-        const auto c = static_cast<size_t>(r * K + k);
-        tokens = std::max(tokens, mb.tokens[c]);
-        cost = std::max(cost, mb.costs[c]);
+    const auto lo = static_cast<size_t>(first), hi = static_cast<size_t>(first + group);
+    for (size_t k = 0; k < K; ++k) {
+      key_tokens[k] = 0;
+      key_cost[k] = -std::numeric_limits<double>::infinity();
+      for (size_t r = lo; r < hi; ++r) {
+        key_tokens[k] = std::max(key_tokens[k], mb.tokens[r * K + k]);
+        key_cost[k] = std::max(key_cost[k], mb.costs[r * K + k]);
       }
-      key_tokens[static_cast<size_t>(k)] = tokens;
-      key_cost[static_cast<size_t>(k)] = cost;
     }
-    std::iota(order.begin(), order.end(), int64_t{0});
-    std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
-      const auto ua = static_cast<size_t>(a), ub = static_cast<size_t>(b);
-      if (key_tokens[ua] != key_tokens[ub]) return key_tokens[ua] > key_tokens[ub];
-      return key_cost[ua] > key_cost[ub];
+    std::iota(order.begin(), order.end(), size_t{0});
+    std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) {
+      if (key_tokens[a] != key_tokens[b]) return key_tokens[a] > key_tokens[b];
+      return key_cost[a] > key_cost[b];
     });
-    std::vector<std::vector<int64_t>> cells = mb.cells.to_nested();
-    permute(cells, first, group, K, order);
-    permute(mb.costs, first, group, K, order);
-    permute(mb.tokens, first, group, K, order);
-    permute(mb.padded, first, group, K, order);
-    mb.cells = IndexGroups::from_nested(cells);
+    for (size_t r = lo; r < hi; ++r)
+      for (size_t k = 0; k < K; ++k) source[r * K + k] = r * K + order[k];
   }
+  IndexGroups cells;
+  cells.indices.reserve(mb.cells.indices.size());
+  cells.offsets.reserve(source.size() + 1);
+  for (const size_t c : source) cells.push_group(mb.cells.group(c));
+  mb.cells = std::move(cells);
+  gather(mb.costs, source);
+  gather(mb.tokens, source);
+  gather(mb.padded, source);
 }
 
 void pad_to_buckets(MiniBatchStep& mb, const std::vector<int64_t>& buckets, const StepCost& cost) {

@@ -104,3 +104,26 @@ def test_the_documented_example_loads_and_plans():
     planner = seqpack.StreamPlanner(**cfg.stream_planner_kwargs(8))
     ids = planner.add([5000] * 8, group_ids=0, version=0, group_size=cfg.stream.group_size)
     assert ids.tolist() == list(range(8)) and planner.pending == 8
+
+
+def test_the_shared_prefix_switch_reaches_the_step_options():
+    # One spelling: each framework's shared-prefix training switch becomes
+    # StepOptions.shared_prefix, so a StreamPlanner built from the config plans trees
+    # and plan_step asks for the batch's forest instead of planning rows.
+    nemo = nemo_rl(step_tokens=1 << 20)
+    nemo["policy"]["shared_prefix_training"] = True
+    roll = {"actor_train": {"use_sequence_packing": True, "sequence_packing_args": {
+        "algorithm": "load_balance", "max_packed_sequence_length_train": 8192,
+        "max_packed_sequence_length_forward": 8192, "shared_prefix": True}}}
+    grouper = verl(step_tokens=1 << 20)
+    grouper["actor_rollout_ref"]["actor"]["use_prefix_grouper"] = True
+    for data in (nemo, roll, grouper):
+        cfg = load(data)
+        assert cfg.shared_prefix_training and cfg.step_options().shared_prefix
+        kwargs = cfg.plan_step_kwargs(2)
+        with pytest.raises(ValueError, match="plan_step needs forest="):
+            seqpack.plan_step([5, 3], **kwargs)
+        if cfg.stream is not None and cfg.stream.enabled:
+            assert seqpack.StreamPlanner(**cfg.stream_planner_kwargs(2)).shared_prefix
+    nemo["policy"]["shared_prefix_training"] = False
+    assert not load(nemo).step_options().shared_prefix

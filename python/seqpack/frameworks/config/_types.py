@@ -343,20 +343,39 @@ class SeqpackConfig:
         return kwargs
 
     # Any schema ---------------------------------------------------------
+    @property
+    def shared_prefix_training(self) -> bool:
+        """Whether this config trains on prefix trees: NeMo-RL's
+        ``policy.shared_prefix_training``, ROLL's
+        ``sequence_packing_args.shared_prefix`` (with packing on), verl's actor
+        ``use_prefix_grouper``."""
+        if self.schema == "nemo_rl":
+            return bool(self.sequence_packing is not None and self.sequence_packing.shared_prefix)
+        if self.schema == "roll":
+            return bool(self.roll_packing is not None and self.roll_packing.enabled and self.roll_packing.shared_prefix)
+        if self.schema == "verl":
+            return bool(self.verl is not None and self.verl.role("sft" if self.verl.trainer == "sft" else "actor"
+                                                                  ).shared_prefix)
+        return False
+
     def step_options(self) -> "StepOptions":
         """The :class:`seqpack.StepOptions` every step of this config is planned
         with: its context parallelism (``cp_size``, ``hybrid_cp`` from Megatron's
         ``dynamic_context_parallel``, ``min_cp_degree``) and, with asynchronous
         training on, the stream section's ``micro_batch_order`` and
-        ``static_shapes``. :meth:`plan_step_kwargs` and :meth:`stream_planner_kwargs`
-        both pass it as ``options``."""
+        ``static_shapes``, and the framework's shared-prefix training switch
+        (:attr:`shared_prefix_training`) as ``shared_prefix``.
+        :meth:`plan_step_kwargs` and :meth:`stream_planner_kwargs` both pass it as
+        ``options`` (with ``shared_prefix``, ``plan_step`` then needs the batch's
+        ``forest=``; a :class:`~seqpack.StreamPlanner` builds each step's)."""
         from ...planning.step_options import StepOptions
 
         p, st = self.parallel, self.stream
         order = {} if st is None or not st.enabled else dict(micro_batch_order=st.micro_batch_order,
                                                              static_shapes=st.static_shapes)
         try:
-            return StepOptions(cp_size=p.cp, hybrid_cp=p.dynamic_cp, min_cp_degree=p.min_dynamic_cp, **order)
+            return StepOptions(cp_size=p.cp, hybrid_cp=p.dynamic_cp, min_cp_degree=p.min_dynamic_cp,
+                               shared_prefix=self.shared_prefix_training, **order)
         except (TypeError, ValueError) as exc:
             raise ConfigError(f"the config's step options: {exc}") from None
 
