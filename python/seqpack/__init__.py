@@ -138,7 +138,7 @@ _DEPRECATED: Dict[str, Tuple[str, str, str]] = {
     "hybrid_cp_attention": ("training.deprecated", "hybrid_cp_attention", "seqpack.attention(q, k, v, micro_batch)"),
     "HybridCpLossWrapper": ("training.deprecated", "HybridCpLossWrapper",
                             "seqpack.SequencePackingLossWrapper(loss_fn, cu_seqlens_q=micro_batch)"),
-    "HybridCpPart": ("tensors.hybrid_cp", "HybridCpPart", "micro_batch.parts[i] (its cut_layout for the ops)"),
+    "HybridCpPart": ("tensors.parts_layout", "HybridCpPart", "micro_batch.parts[i] (its cut_layout for the ops)"),
     "tree_attention_backends": ("training.attention_tree", "tree_attention_backends",
                                 "seqpack.training.attention_tree.tree_attention_backends()"),
     "tree_cp_bounds": ("tensors.prefix_tree_cp", "tree_cp_bounds",

@@ -107,7 +107,7 @@ def _samples():
     from seqpack.training import logprobs_tree
     from seqpack.testing import rollout_stream, tiny_model
     from seqpack.tools import report, report_cp, report_trees
-    from seqpack.tensors import cp_cut, sharded_layout
+    from seqpack.tensors import cp_cut, parts_layout, sharded_layout
     from seqpack.training import loss, loss_hybrid_cp
 
     lengths = [46, 24, 55, 88, 11, 14, 73, 17]
@@ -201,7 +201,8 @@ def _samples():
             *report_trees.grpo_rows(prompts=2, group=2, seed=0, max_len=4096), capacity=4096, dp_size=2),
         report_cp.CpReport: lambda: report_cp.cp_report(report_cp.long_context_lengths(8, 2048), 1024, 1, 2),
         hybrid_cp.HybridCpBatch: _hybrid_micro_batch,
-        hybrid_cp.HybridCpPart: lambda: _hybrid_micro_batch().parts[1],
+        parts_layout.HybridCpPart: lambda: _hybrid_micro_batch().parts[1],
+        parts_layout.PartsLayout: _planned_parts_layout,
         cp_cut.CpCut: lambda: cp_cut.CpCut("zigzag", 2, 1),
         loss_hybrid_cp.PartsLoss: lambda: loss_hybrid_cp.PartsLoss(_hybrid_micro_batch(), loss.SequencePackingLossWrapper(
             loss.NLLLoss(), cu_seqlens_q=_hybrid_micro_batch())),
@@ -240,6 +241,14 @@ def _hybrid_micro_batch():
     mb = seqpack.pack_hybrid_cp({"input_ids": ids}, [12, 3, 2], plan, rank=0, micro_batch=0)
     mb.data = {"input_ids": ids[list(mb.rows)]}
     return mb
+
+
+def _planned_parts_layout():
+    """A hybrid micro-batch's composite layout with host plans built (they are rebuilt
+    where it lands)."""
+    layout = _hybrid_micro_batch().layout
+    layout.logical_index, layout.pad_index
+    return layout
 
 
 def _metrics():

@@ -16,6 +16,11 @@ One micro-batch step of a CP group of 4 ranks, and what rank 1 holds::
               part 2  (4, 0)   A's zigzag chunks 1 and 6 of 8
     rows      [ E | B/2 | A/4 ]   one tensor; attention and log-probs per part
 
+Its layout, ``mb.layout``, is a :class:`~seqpack.tensors.parts_layout.PartsLayout`: a
+:class:`~seqpack.TokenLayout` whose cut is composite (each part its own), what
+:func:`seqpack.attention`, :func:`seqpack.token_logprobs` and
+:class:`~seqpack.SequencePackingLossWrapper` take (or the micro-batch holding it).
+
 A part holds the sequences of one kind and block: the whole ones (packed as
 :func:`~seqpack.pack_sequences` packs them, or with ``forest=`` one prefix tree of
 their trees), or the sharded ones of one block (zigzag, each padded to a multiple of
@@ -43,76 +48,18 @@ process groups (:func:`~seqpack.hybrid_cp_groups`).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
 from .._lengths import as_lengths, as_positive_int, type_name
 from .cp_cut import CpCut
+from .parts_layout import HybridCpPart, PartsLayout
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-__all__ = ["HybridCpBatch", "HybridCpPart", "hybrid_cp_micro_batches", "pack_hybrid_cp"]
-
-
-@dataclass(eq=False)
-class HybridCpPart:
-    """One part of a rank's hybrid micro-batch.
-
-    Attributes:
-        degree: the ranks its sequences are sharded over (1: run whole here).
-        first: the first cp_rank of its block (its group:
-            ``hybrid_cp_groups(...).block(dp_rank, degree, first)``).
-        cp_rank: this rank's index in the block (``0`` for a whole part).
-        rows: the plan's sequence ids, in the order laid out.
-        layout: a :class:`~seqpack.PackedBatch` (zigzag with ``cp_size=degree`` when
-            sharded) or a :class:`~seqpack.PrefixTreeBatch` (the whole tree; a
-            sharded rank holds one range of it: :attr:`cut_layout`, the tree's
-            ranges cut by :func:`~seqpack.shard_layout`).
-        input_ids: a packed part's full packed ids ``[T]`` (before the zigzag cut;
-            the next-token targets), ``None`` for a tree (its own ids).
-        start / end: this part's rows of the micro-batch's tensors.
-    """
-
-    degree: int
-    first: int
-    cp_rank: int
-    rows: Tuple[int, ...]
-    layout: Any
-    input_ids: Optional["torch.Tensor"]
-    start: int
-    end: int
-
-    @property
-    def cut_layout(self) -> Any:
-        """The part's layout carrying this rank's cut (:class:`~seqpack.TokenLayout`):
-        whole, zigzag rows (``cp_size = degree``) or a tree's range of the block: what
-        :func:`seqpack.attention` and :func:`seqpack.token_logprobs` take for it."""
-        from .layout_kinds import as_layout
-        from .sharded_layout import shard_layout
-
-        layout = as_layout(self.layout)
-        return layout if self.degree == 1 or not layout.cut.is_whole else shard_layout(layout, self.degree,
-                                                                                          self.cp_rank)
-
-    def packed_seq_params(self) -> Any:
-        """Megatron's ``PackedSeqParams`` of a packed part (its THD offsets before the
-        zigzag cut, as Transformer Engine's CP takes them); a tree sharing tokens has
-        none (``TypeError``)."""
-        return self.layout.packed_seq_params()
-
-    def _key(self) -> tuple:
-        return (self.degree, self.first, self.cp_rank, self.rows, self.start, self.end, self.layout, self.input_ids)
-
-    def __eq__(self, other: object) -> bool:
-        if not isinstance(other, HybridCpPart):
-            return NotImplemented
-        from .._equality import values_equal
-
-        return values_equal(self._key(), other._key())
-
-    __hash__ = None  # type: ignore[assignment]
+__all__ = ["HybridCpBatch", "hybrid_cp_micro_batches", "pack_hybrid_cp"]
 
 
 @dataclass(eq=False)
@@ -140,23 +87,25 @@ class HybridCpBatch:
     # WORLD): where attention and the loss find them (tensors/hybrid_cp_groups.py).
     group_ranks: Tuple[int, ...] = field(default=(), repr=False)
 
-    # Its layout kind (a composite of parts, each a layout with its cut): the key of
-    # the dispatch table (seqpack.training.dispatch), with ``cut``.
-    composite_kind: ClassVar[str] = "parts"
+    @property
+    def layout(self) -> PartsLayout:
+        """Its :class:`~seqpack.tensors.parts_layout.PartsLayout` (a
+        :class:`~seqpack.TokenLayout` whose cut is composite: each part its own),
+        kept while its parts and group stay."""
+        held = self.__dict__.get("_layout")
+        if held is None or held.parts is not self.parts or held.group_ranks != self.group_ranks:
+            held = PartsLayout(self.parts, self.dp_size, self.dp_rank, self.cp_size, self.cp_rank, self.group_ranks)
+            self.__dict__["_layout"] = held
+        return held
 
     @property
     def cut(self) -> CpCut:
         """A composite cut: each part carries its own (``part.cut_layout``)."""
-        return CpCut("composite", self.cp_size, self.cp_rank)
+        return self.layout.cut
 
     def block_group(self, part: HybridCpPart) -> Any:
         """The process group of ``part``'s block (``None`` for a whole part)."""
-        if part.degree == 1:
-            return None
-        from .hybrid_cp_groups import cached_hybrid_cp_groups
-
-        return cached_hybrid_cp_groups(self.dp_size, self.cp_size, self.group_ranks).block(
-            self.dp_rank, part.degree, part.first)
+        return self.layout.block_group(part)
 
     def next_token_targets(self, key: str = "input_ids", group: Any = None) -> None:
         """None: each part carries its own targets (a packed part its full ids, a tree

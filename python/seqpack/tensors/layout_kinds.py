@@ -15,8 +15,9 @@ segments):
   keys an implementation by, with the layout's cut.
 
 Outside the layout modules (this one, :mod:`~seqpack.tensors.token_layout`,
-:mod:`~seqpack.tensors.cp_cut`, :mod:`~seqpack.tensors.sharded_layout`) and the
-dispatch table (:mod:`seqpack.training.dispatch`), no code branches on a layout's
+:mod:`~seqpack.tensors.cp_cut`, :mod:`~seqpack.tensors.sharded_layout`,
+:mod:`~seqpack.tensors.parts_layout`) and the dispatch table
+(:mod:`seqpack.training.dispatch`), no code branches on a layout's
 kind (``tests/python/training/test_dispatch.py`` reads the source).
 
     >>> as_layout([0, 3, 5], cu_seqlens_padded=[0, 4, 6]).cu_seqlens_padded.tolist()
@@ -39,7 +40,7 @@ __all__ = ["LAYOUT_KINDS", "as_layout", "as_packed_layout", "as_tree", "is_compo
 
 # "rows": rows back to back; "tree": a prefix tree whose rows share tokens;
 # "flat_tree": a tree whose rows share nothing (plain packing's kernels run it, its
-# results stay in its logical order); "parts": a composite of layouts (hybrid CP).
+# results stay in its logical order); "parts": a composite of layouts (hybrid CP, a PartsLayout).
 LAYOUT_KINDS = ("rows", "tree", "flat_tree", "parts")
 
 
@@ -101,9 +102,6 @@ def layout_kind(value: Any) -> str:
     >>> layout_kind([0, 3, 5]), layout_kind(PrefixTreeBatch.from_rows([[1, 2], [1, 3]]))
     ('rows', 'tree')
     """
-    composite = _composite_kind(value)
-    if composite is not None:
-        return composite
     if _plain_offsets(value):  # rows' offsets, read where they are (device offsets stay there: no host sync)
         return "rows"
     layout = as_layout(value).whole
@@ -111,14 +109,15 @@ def layout_kind(value: Any) -> str:
         return layout.host_plan("layout_kind", lambda t: "tree" if t.shares_tokens else "flat_tree")
     if isinstance(layout, PackedLayout):
         return "rows"
+    composite = _composite_kind(layout)
+    if composite is not None:  # a PartsLayout (tensors/parts_layout.py, which imports this module)
+        return composite
     raise TypeError(f"no layout kind for {type_name(layout)}: a TokenLayout is a PackedLayout, a PrefixTreeBatch "
                     "or a cut of one (seqpack.shard_layout)")
 
 
 def layout_cut(value: Any) -> Any:
     """The :class:`~seqpack.tensors.cp_cut.CpCut` of ``value`` (a composite's own)."""
-    if _composite_kind(value) is not None:
-        return value.cut
     return CpCut.whole() if _plain_offsets(value) else as_layout(value).cut
 
 
@@ -128,10 +127,11 @@ def _plain_offsets(value: Any) -> bool:
 
 
 def is_composite(value: Any) -> bool:
-    """True for a composite of layouts (a hybrid-CP micro-batch)."""
-    return _composite_kind(value) is not None
+    """True for a composite of layouts (a hybrid-CP micro-batch or its
+    :class:`~seqpack.tensors.parts_layout.PartsLayout`)."""
+    return _composite_kind(getattr(value, "layout", value)) is not None
 
 
-def _composite_kind(value: Any) -> Any:
-    """A composite's kind (a hybrid-CP micro-batch: ``"parts"``), else None."""
-    return getattr(type(value), "composite_kind", None)
+def _composite_kind(layout: Any) -> Any:
+    """A composite layout's kind (a PartsLayout: ``"parts"``), else None."""
+    return getattr(type(layout), "composite_kind", None)

@@ -70,8 +70,11 @@ T = TypeVar("T")
 class TokenLayout(abc.ABC):
     """Where the logical tokens of a batch of rows sit in the physical stream the
     model runs on (see the module docstring). Implemented by
-    :class:`~seqpack.PackedLayout` (rows that share nothing) and
-    :class:`~seqpack.PrefixTreeBatch` (rows that share prefixes)."""
+    :class:`~seqpack.PackedLayout` (rows that share nothing),
+    :class:`~seqpack.PrefixTreeBatch` (rows that share prefixes), a cut of either
+    (:class:`~seqpack.tensors.sharded_layout.ShardedLayout`) and a hybrid-CP
+    micro-batch's composite of parts
+    (:class:`~seqpack.tensors.parts_layout.PartsLayout`)."""
 
     __slots__ = ()
 

@@ -160,18 +160,20 @@ def _tree_ulysses_attention(q, k, v, layout, group, options):
 
 
 def _parts_attention(q, k, v, batch, group, options):
-    """A hybrid-CP micro-batch: each part through this table with its own cut (whole
-    rows or tree, zigzag rows, tree ranges) over its block's group."""
+    """A hybrid-CP micro-batch (or its PartsLayout): each part through this table
+    with its own cut (whole rows or tree, zigzag rows, tree ranges) over its block's
+    group."""
     if group is not None:
         raise ValueError("a hybrid-CP micro-batch finds each part's group itself (batch.block_group(part)): give "
                          "no group")
-    _check_part_rows(batch, q, "q")
+    composite = as_layout(batch)
+    _check_part_rows(composite, q, "q")
     outs = []
-    for part in batch.parts:
+    for part in composite.parts:
         layout = part.cut_layout
         rows = slice(part.start, part.end)
         outs.append(lookup(ATTENTION, layout, "attention")(q[rows], k[rows], v[rows], layout,
-                                                            batch.block_group(part), dict(options)))
+                                                            composite.block_group(part), dict(options)))
     if not outs:
         return q.new_empty((0, q.shape[1], v.shape[2]))
     import torch
@@ -179,10 +181,10 @@ def _parts_attention(q, k, v, batch, group, options):
     return torch.cat(outs) if len(outs) > 1 else outs[0]
 
 
-def _check_part_rows(batch: Any, x: Any, name: str) -> None:
-    if x.dim() < 1 or x.shape[0] != batch.num_tokens:
-        raise ValueError(f"{name} must hold this rank's {batch.num_tokens} rows of the hybrid-CP micro-batch (every "
-                         f"part's), got shape {tuple(x.shape)}")
+def _check_part_rows(composite: Any, x: Any, name: str) -> None:
+    if x.dim() < 1 or x.shape[0] != composite.num_local_tokens:
+        raise ValueError(f"{name} must hold this rank's {composite.num_local_tokens} rows of the hybrid-CP micro-batch "
+                         f"(every part's), got shape {tuple(x.shape)}")
 
 
 ATTENTION: Dict[Key, Callable] = {
@@ -256,9 +258,10 @@ def parts_token_logprobs(logits: Any, batch: Any, options: Dict[str, Any]) -> li
     """Each part's :class:`TokenLogprobs` of a hybrid-CP micro-batch, in part order: a
     packed part's at its rows here (with its full ids), a tree part's at its logical
     tokens. Summed over every rank and part, each token counts once."""
-    _check_part_rows(batch, logits, "logits")
+    composite = as_layout(batch)
+    _check_part_rows(composite, logits, "logits")
     outs = []
-    for part in batch.parts:
+    for part in composite.parts:
         layout = part.cut_layout
         outs.append(lookup(TOKEN_LOGPROBS, layout, "token_logprobs")(logits[part.start:part.end], layout,
                                                                       part.input_ids, dict(options)))

@@ -46,8 +46,8 @@ class PartsLoss(ValueEquality):
     process groups)."""
 
     def __init__(self, batch: Any, wrapper: Any) -> None:
-        self.batch, self.wrapper = batch, wrapper
-        for part in batch.parts:  # each part's wrapper checks the loss and its layout, now
+        self.batch, self.wrapper = as_layout(batch), wrapper  # the composite layout (a PartsLayout)
+        for part in self.batch.parts:  # each part's wrapper checks the loss and its layout, now
             wrapper.for_part(as_layout(part.layout), None)
 
     def __call__(self, next_token_logits: Any, data: Mapping[str, Any], global_valid_seqs: Any,
@@ -55,13 +55,13 @@ class PartsLoss(ValueEquality):
                  ) -> Tuple[Any, Dict[str, float]]:
         batch = self.batch
         rows = next_token_logits.shape[-2] if next_token_logits.dim() == 3 else next_token_logits.shape[0]
-        if rows != batch.num_tokens:
+        if rows != batch.num_local_tokens:
             raise ValueError(f"next_token_logits has {rows} rows; the hybrid micro-batch holds "
-                             f"{batch.num_tokens} on this rank")
+                             f"{batch.num_local_tokens} on this rank")
         sizes = {k: (v.shape[0] if hasattr(v, "shape") else len(v)) for k, v in data.items()}
-        wrong = {k: n for k, n in sizes.items() if n != len(batch.rows)}
+        wrong = {k: n for k, n in sizes.items() if n != batch.num_rows}
         if wrong:
-            raise ValueError(f"data must hold the micro-batch's {len(batch.rows)} sequences (in "
+            raise ValueError(f"data must hold the micro-batch's {batch.num_rows} sequences (in "
                              f"micro_batch.rows order); got rows {wrong}")
         logits = next_token_logits[0] if next_token_logits.dim() == 3 else next_token_logits
         total = logits[:0].sum()  # a rank with no part still has a backward (its dummy micro-batch)

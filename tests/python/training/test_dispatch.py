@@ -21,9 +21,9 @@ from seqpack.training import dispatch
 ROOT = pathlib.Path(seqpack.__file__).parent
 # The layout modules and the table: where kinds are looked at.
 ALLOWED = {"tensors/token_layout.py", "tensors/layout_kinds.py", "tensors/cp_cut.py", "tensors/sharded_layout.py",
-           "training/dispatch.py"}
+           "tensors/parts_layout.py", "training/dispatch.py"}
 LAYOUT_CLASSES = {"TokenLayout", "PackedLayout", "PrefixTreeBatch", "PackedBatch", "StaticPackedBatch",
-                  "HybridCpBatch", "HybridCpPart", "ShardedLayout"}
+                  "HybridCpBatch", "HybridCpPart", "ShardedLayout", "PartsLayout"}
 LAYOUT_ATTRIBUTES = {"parts", "is_tree", "composite_kind", "cut", "select", "rows", "segment_offsets", "parent",
                      "subtree_end", "shares_tokens", "cu_seqlens_padded", "cp_size", "cp_rank"}
 KIND_FUNCTIONS = {"layout_kind", "dispatch_key", "is_composite", "layout_cut"}

@@ -299,7 +299,8 @@ def case_hybrid(rank, world, trees):
         model.zero_grad()
         for mb in seqpack.hybrid_cp_micro_batches({"input_ids": ids}, lengths, plan, forest=forest):
             if through_wrapper:
-                wrapper = seqpack.SequencePackingLossWrapper(NLLLoss(), cu_seqlens_q=mb)
+                # the composite layout itself (a TokenLayout) as the loss's layout
+                wrapper = seqpack.SequencePackingLossWrapper(NLLLoss(), cu_seqlens_q=mb.layout)
                 sub = {key: val[list(mb.rows)] for key, val in data.items()}
                 loss, _ = wrapper(model.forward_packed(mb), sub, gvs, torch.tensor(tokens))
             else:
