@@ -266,18 +266,6 @@ void check_items(const CpItems& items, const CpStepOptions& o) {
   check_non_negative_lengths(kFn, items.name.c_str(), items.tokens);
   check_non_negative_lengths(kFn, (items.name + " squares").c_str(), items.squares);
   check_non_negative_lengths(kFn, (items.name + " local tokens").c_str(), items.local);
-  const auto count = static_cast<int64_t>(n);
-  if (count < o.step.mini_batches)
-    throw_invalid(kFn, items.name + ": " + std::to_string(count) + " items cannot fill mini_batches=" +
-                           std::to_string(o.step.mini_batches) + " mini-batches (each needs at least one)");
-  if (!o.step.mini_batch_sizes.empty()) {
-    if (static_cast<int64_t>(o.step.mini_batch_sizes.size()) != o.step.mini_batches)
-      throw_invalid(kFn, "mini_batch_sizes: must hold mini_batches = " + std::to_string(o.step.mini_batches) +
-                             " sizes, got " + std::to_string(o.step.mini_batch_sizes.size()));
-    check_positive_lengths(kFn, "mini_batch_sizes", o.step.mini_batch_sizes);
-    if (checked_sum(kFn, "mini_batch_sizes", o.step.mini_batch_sizes) != count)
-      throw_invalid(kFn, "mini_batch_sizes: must sum to the number of items (" + std::to_string(count) + ")");
-  }
 }
 
 }  // namespace
@@ -285,6 +273,7 @@ void check_items(const CpItems& items, const CpStepOptions& o) {
 CpStepPlan plan_cp_step(const CpItems& items, const CpStepOptions& o) {
   check_items(items, o);
   const int64_t n = items.size();
+  const std::vector<int64_t> counts = mini_batch_counts(n, o.step, items.name, "items");
   const int64_t C = o.cp_size, R = o.step.dp_size * C, cap = o.step.max_tokens;
   CpStepPlan plan;
   std::vector<int64_t> least(static_cast<size_t>(n));
@@ -308,12 +297,10 @@ CpStepPlan plan_cp_step(const CpItems& items, const CpStepOptions& o) {
                            " (hybrid_cp=True shards short sequences less)");
   plan.degree.assign(static_cast<size_t>(n), C);
   plan.first_rank.assign(static_cast<size_t>(n), 0);
-  const int64_t base = n / o.step.mini_batches, extra = n % o.step.mini_batches;
   bool any_hybrid = false;
   int64_t begin = 0;
   for (int64_t m = 0; m < o.step.mini_batches; ++m) {
-    const int64_t end = begin + (o.step.mini_batch_sizes.empty() ? base + (m < extra ? 1 : 0)
-                                                                 : o.step.mini_batch_sizes[static_cast<size_t>(m)]);
+    const int64_t end = begin + counts[static_cast<size_t>(m)];
     // The bound: the fewest steps the tokens need, and the work with every sequence at
     // its smallest degree spread over every rank.
     int64_t sum = 0;

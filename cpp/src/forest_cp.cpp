@@ -14,27 +14,6 @@ namespace {
 
 constexpr const char* kFn = "plan_step";
 
-// The mini-batches' row counts: options.step.mini_batch_sizes, else the near-equal split.
-std::vector<int64_t> row_split(int64_t n, const StepOptions& o) {
-  check_positive(kFn, "mini_batches", o.mini_batches);
-  if (n < o.mini_batches)
-    throw_invalid(kFn, "lengths: " + std::to_string(n) + " sequences cannot fill mini_batches=" +
-                           std::to_string(o.mini_batches) + " mini-batches (each needs at least one)");
-  if (!o.mini_batch_sizes.empty()) {
-    if (static_cast<int64_t>(o.mini_batch_sizes.size()) != o.mini_batches)
-      throw_invalid(kFn, "mini_batch_sizes: must hold mini_batches = " + std::to_string(o.mini_batches) +
-                             " sizes, got " + std::to_string(o.mini_batch_sizes.size()));
-    check_positive_lengths(kFn, "mini_batch_sizes", o.mini_batch_sizes);
-    if (checked_sum(kFn, "mini_batch_sizes", o.mini_batch_sizes) != n)
-      throw_invalid(kFn, "mini_batch_sizes: must sum to the number of sequences (" + std::to_string(n) + ")");
-    return {o.mini_batch_sizes.begin(), o.mini_batch_sizes.end()};
-  }
-  std::vector<int64_t> sizes(static_cast<size_t>(o.mini_batches));
-  for (int64_t m = 0; m < o.mini_batches; ++m)
-    sizes[static_cast<size_t>(m)] = n / o.mini_batches + (m < n % o.mini_batches ? 1 : 0);
-  return sizes;
-}
-
 }  // namespace
 
 std::vector<int64_t> cp_work_bounds(std::span<const int64_t> work, int64_t cp) {
@@ -117,7 +96,7 @@ ForestCpItems forest_cp_items(const ForestView& f, Lengths mini_batch_rows, int6
 CpStepPlan plan_forest_cp_step(const ForestView& f, const CpStepOptions& o) {
   check_forest(kFn, f);
   const auto n = static_cast<int64_t>(f.row_length.size());
-  const std::vector<int64_t> row_counts = row_split(n, o.step);
+  const std::vector<int64_t> row_counts = mini_batch_counts(n, o.step, "lengths", "sequences");
   const ForestCpItems items = forest_cp_items(f, row_counts, o.cp_size);
   CpStepOptions on_items = o;
   on_items.step.mini_batch_sizes = items.mini_batch_sizes;

@@ -171,16 +171,15 @@ ForestBins single_rows(const ForestSubset& s) {
 ForestStepPlan plan_forest_step(const ForestView& f, const StepOptions& o, bool whole_trees) {
   check_forest(kFn, f);
   check_step_options(o);
-  const auto n = static_cast<int64_t>(f.row_length.size());
-  if (n < o.mini_batches)
-    throw_invalid(kFn, "lengths: " + std::to_string(n) + " sequences cannot fill mini_batches=" +
-                           std::to_string(o.mini_batches) + " mini-batches (each needs at least one)");
+  StepOptions split = o;
+  split.mini_batch_sizes = {};  // unused here: the rows split evenly
+  const std::vector<int64_t> counts =
+      mini_batch_counts(static_cast<int64_t>(f.row_length.size()), split, "lengths", "sequences");
   ForestStepPlan out;
   const ForestSubset none(f, {}, o.max_tokens, kFn);  // the forest's lcp index, shared by the mini-batches
-  const int64_t base = n / o.mini_batches, extra = n % o.mini_batches;
   int64_t begin = 0;
   for (int64_t m = 0; m < o.mini_batches; ++m) {
-    const int64_t end = begin + base + (m < extra ? 1 : 0);
+    const int64_t end = begin + counts[static_cast<size_t>(m)];
     std::vector<int64_t> rows(static_cast<size_t>(end - begin));
     std::iota(rows.begin(), rows.end(), begin);
     const ForestSubset s(none, rows, o.max_tokens, kFn);

@@ -448,28 +448,37 @@ double step_lower_bound(Lengths lengths, const StepOptions& o) {
   return lower_bound_of(lengths, o.squares, o, min_micro_batches(lengths, o));
 }
 
-StepPlan plan_step(Lengths lengths, const StepOptions& o) {
-  check_options(o);
-  check_lengths(lengths, o);
-  const auto n = static_cast<int64_t>(lengths.size());
+std::vector<int64_t> mini_batch_counts(int64_t n, const StepOptions& o, const std::string& name, const char* units) {
+  check_positive(kFn, "mini_batches", o.mini_batches);
   if (n < o.mini_batches)
-    throw_invalid(kFn, "lengths: " + std::to_string(n) + " sequences cannot fill mini_batches=" +
+    throw_invalid(kFn, name + ": " + std::to_string(n) + " " + units + " cannot fill mini_batches=" +
                            std::to_string(o.mini_batches) + " mini-batches (each needs at least one)");
-  checked_sum(kFn, "lengths", lengths);
   if (!o.mini_batch_sizes.empty()) {
     if (static_cast<int64_t>(o.mini_batch_sizes.size()) != o.mini_batches)
       throw_invalid(kFn, "mini_batch_sizes: must hold mini_batches = " + std::to_string(o.mini_batches) +
                              " sizes, got " + std::to_string(o.mini_batch_sizes.size()));
     check_positive_lengths(kFn, "mini_batch_sizes", o.mini_batch_sizes);
     if (checked_sum(kFn, "mini_batch_sizes", o.mini_batch_sizes) != n)
-      throw_invalid(kFn, "mini_batch_sizes: must sum to the number of sequences (" + std::to_string(n) + ")");
+      throw_invalid(kFn, "mini_batch_sizes: must sum to the number of " + std::string(units) + " (" +
+                             std::to_string(n) + ")");
+    return {o.mini_batch_sizes.begin(), o.mini_batch_sizes.end()};
   }
+  std::vector<int64_t> counts(static_cast<size_t>(o.mini_batches));
+  for (int64_t m = 0; m < o.mini_batches; ++m)
+    counts[static_cast<size_t>(m)] = n / o.mini_batches + (m < n % o.mini_batches ? 1 : 0);
+  return counts;
+}
+
+StepPlan plan_step(Lengths lengths, const StepOptions& o) {
+  check_options(o);
+  check_lengths(lengths, o);
+  const std::vector<int64_t> counts = mini_batch_counts(static_cast<int64_t>(lengths.size()), o, "lengths",
+                                                        "sequences");
+  checked_sum(kFn, "lengths", lengths);
   StepPlan plan;
-  const int64_t base = n / o.mini_batches, extra = n % o.mini_batches;
   int64_t begin = 0;
   for (int64_t m = 0; m < o.mini_batches; ++m) {
-    const int64_t end = begin + (o.mini_batch_sizes.empty() ? base + (m < extra ? 1 : 0)
-                                                            : o.mini_batch_sizes[static_cast<size_t>(m)]);
+    const int64_t end = begin + counts[static_cast<size_t>(m)];
     const Lengths local = lengths.subspan(static_cast<size_t>(begin), static_cast<size_t>(end - begin));
     const int64_t k_min = min_micro_batches(local, o);
     if (k_min > kMaxCells / o.dp_size)

@@ -19,6 +19,7 @@
 #include <cstdint>
 #include <optional>
 #include <span>
+#include <string>
 #include <vector>
 
 #include "seqpack/common.hpp"
@@ -74,6 +75,13 @@ struct StepPlan {
 };
 
 StepPlan plan_step(Lengths lengths, const StepOptions& options);
+
+// The number of sequences (or items) in each mini-batch, in order:
+// options.mini_batch_sizes (checked: mini_batches sizes >= 1 summing to n), else the
+// near-equal split of numpy.array_split. Throws when n < mini_batches; messages name
+// the units as `name` ("lengths") and `units` ("sequences").
+std::vector<int64_t> mini_batch_counts(int64_t n, const StepOptions& options, const std::string& name,
+                                       const char* units);
 
 // Throws what plan_step throws for these options (counts, the cost model).
 void check_step_options(const StepOptions& options);
