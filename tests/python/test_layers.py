@@ -20,7 +20,7 @@ ROOT = pathlib.Path(seqpack.__file__).resolve().parent
 # Lower number = lower layer; a module may import its own layer or lower ones.
 # "tools" sit on "testing": the demo compares seqpack's plans with testing's models
 # of the frameworks' pipelines; the oracles never import the tools.
-LAYERS = {"_core": 0, "_version": 0, "_lengths": 0, "_dist": 0, "_lazy": 0, "_equality": 0, "_memory": 0,
+LAYERS = {"_core": 0, "_version": 0, "_lengths": 0, "_dist": 0, "_lazy": 0, "_equality": 0, "_readonly": 0, "_memory": 0,
           "planning": 1, "tensors": 2, "training": 3, "frameworks": 4, "testing": 5, "tools": 6}
 # A framework adapter is a module or a package of seqpack.frameworks; its own modules
 # import each other, never another adapter's. A module kept at an adapter's import path

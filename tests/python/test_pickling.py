@@ -419,3 +419,47 @@ def test_pool_workers_get_and_return_batches():
 def _unpack_input_ids(batch):
     assert os.getpid() != 0
     return batch.unpack(batch["input_ids"])
+
+
+def _read_only_arrays(obj, path=(), depth=4, seen=None):
+    """(path, array) of every read-only NumPy array reachable from ``obj`` through
+    attributes, mappings and sequences (``depth`` levels)."""
+    seen = set() if seen is None else seen
+    if id(obj) in seen or depth < 0:
+        return
+    seen.add(id(obj))
+    if isinstance(obj, np.ndarray):
+        if not obj.flags.writeable:
+            yield path, obj
+        return
+    if isinstance(obj, dict):
+        items = list(obj.items())
+    elif isinstance(obj, (list, tuple)):
+        items = list(enumerate(obj))
+    elif hasattr(obj, "__dict__") and not isinstance(obj, (type, torch.nn.Module)):
+        items = list(vars(obj).items())
+    else:
+        return
+    for key, value in items:
+        yield from _read_only_arrays(value, path + (key,), depth - 1, seen)
+
+
+def _follow(obj, path):
+    for key in path:
+        obj = obj[key] if isinstance(obj, (dict, list, tuple)) else vars(obj)[key]
+    return obj
+
+
+@pytest.mark.parametrize("cls", list(SAMPLES), ids=[IDS[c] for c in SAMPLES])
+def test_read_only_arrays_stay_read_only(cls):
+    # NumPy's pickle drops the flag: a plan documented read-only must not come back
+    # writable from a worker or a deepcopy (a stray write would change what it says).
+    obj = SAMPLES[cls]()
+    frozen = list(_read_only_arrays(obj))
+    for back in (pickle.loads(pickle.dumps(obj)), copy.deepcopy(obj)):
+        for path, _ in frozen:
+            try:
+                arr = _follow(back, path)
+            except (KeyError, IndexError, TypeError):
+                continue  # a lazily built plan the copy rebuilds where it lands
+            assert not arr.flags.writeable, f"{IDS[cls]}: {'.'.join(map(str, path))} came back writable"

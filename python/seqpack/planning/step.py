@@ -35,6 +35,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from .. import _core
+from .._readonly import ReadOnlyArrays
 from .._lengths import INT64_MAX, as_int64, as_lengths, as_positive_int
 from .cost import CostModel
 from .prefix_forest import PrefixForest
@@ -45,7 +46,7 @@ __all__ = ["StepPlan", "plan_step"]
 
 
 @dataclass(frozen=True)
-class StepPlan:
+class StepPlan(ReadOnlyArrays):
     """The plan of one training step (one or more mini-batches / optimizer steps).
 
     Attributes:

@@ -53,6 +53,7 @@ from typing import Any, Dict, Hashable, List, Optional, Tuple
 import numpy as np
 
 from .._equality import values_equal
+from .._readonly import ReadOnlyArrays
 from .._lengths import as_int, as_lengths, as_positive_int
 from .group_planning import group_members
 from .step import StepPlan, plan_step
@@ -64,7 +65,7 @@ _INCOMPLETE = ("wait", "drop", "keep")
 
 
 @dataclass(frozen=True)
-class StreamStep:
+class StreamStep(ReadOnlyArrays):
     """One planned step of a :class:`StreamPlanner`: a :class:`~seqpack.StepPlan` of
     its items, with the plan's cells given as item ids.
 
