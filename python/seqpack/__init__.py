@@ -69,7 +69,8 @@ _export("planning.cost", "CostModel")
 _export("planning.step", "StepPlan", "plan_step")
 _export("planning.step_options", "StepOptions")
 _export("planning.prefix_forest", "PrefixForest")
-_export("planning.stream", "StreamPlanner", "StreamStep")
+_export("planning.stream", "StreamPlanner")
+_export("planning.stream_step", "StreamStep")
 # Packed tensors: one layout (rows or a tree), its CP cut, what builds it
 _export("tensors.token_layout", "TokenLayout")
 _export("tensors.layout", "PackedLayout", "alignment")
@@ -266,7 +267,8 @@ if TYPE_CHECKING:  # what the lazy attributes resolve to, for type checkers and 
     from .planning.prefix_forest import PrefixForest
     from .planning.step import StepPlan, plan_step
     from .planning.step_options import StepOptions
-    from .planning.stream import StreamPlanner, StreamStep
+    from .planning.stream import StreamPlanner
+    from .planning.stream_step import StreamStep
     from .tensors.dataset import PackedDataset, collate_packs, pack_dataset
     from .tensors.hybrid_cp import HybridCpBatch, hybrid_cp_micro_batches, pack_hybrid_cp
     from .tensors.hybrid_cp_groups import hybrid_cp_groups

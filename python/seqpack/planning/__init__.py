@@ -30,7 +30,8 @@ from .packing import (BestFitDecreasingPacker, ConcatenativePacker, FirstFitDecr
 from .prefix_forest import ForestItems, PrefixForest
 from .step import StepPlan, plan_step
 from .step_options import StepOptions
-from .stream import StreamPlanner, StreamStep
+from .stream import StreamPlanner
+from .stream_step import StreamStep
 
 __all__ = [
     "BestFitDecreasingPacker", "ConcatenativePacker", "FirstFitDecreasingPacker", "FirstFitPacker",

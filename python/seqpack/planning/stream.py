@@ -44,110 +44,25 @@ from __future__ import annotations
 import dataclasses
 import functools
 import heapq
+import re
 import threading
 import time
 import warnings
-from dataclasses import dataclass, field
 from typing import Any, Dict, Hashable, List, Optional, Tuple
 
 import numpy as np
 
 from .._equality import values_equal
-from .._readonly import ReadOnlyArrays
-from .._lengths import as_int, as_lengths, as_positive_int
+from .._lengths import as_int64, as_lengths, as_positive_int
 from .group_planning import group_members
-from .step import StepPlan, plan_step
+from .step import plan_step
 from .step_options import StepOptions, stream_options
+from .stream_step import StreamStep
 
-__all__ = ["StreamPlanner", "StreamStep"]
+__all__ = ["StreamPlanner"]
 
 _INCOMPLETE = ("wait", "drop", "keep")
-
-
-@dataclass(frozen=True)
-class StreamStep(ReadOnlyArrays):
-    """One planned step of a :class:`StreamPlanner`: a :class:`~seqpack.StepPlan` of
-    its items, with the plan's cells given as item ids.
-
-    Attributes:
-        plan: the :func:`~seqpack.plan_step` plan over the step's positions
-            ``0 .. num_items - 1`` (``item_ids[p]`` is position ``p``'s item); with
-            ``shared_prefix`` it keeps the step's forest (``plan.forest``, whose
-            row ``p`` is position ``p``'s rollout), so a shard of the step lays
-            out the planned trees.
-        item_ids: the step's items (read-only int64), group by group in the order
-            they were taken, each group's items ascending.
-        groups: the labels of the groups the step holds, in that order.
-        dropped: the item ids dropped as stale since the previous step (read-only
-            int64, ascending), and ``dropped_groups`` their groups' labels.
-        version: the ``current_version`` the step was planned at.
-        pending: items the planner still holds after this step.
-        planning_seconds: wall time of :meth:`StreamPlanner.next_step` / ``flush``.
-    """
-
-    plan: StepPlan
-    item_ids: np.ndarray = field(repr=False)
-    groups: List[Hashable]
-    dropped: np.ndarray = field(repr=False)
-    dropped_groups: List[Hashable]
-    version: int
-    pending: int
-    planning_seconds: float = field(default=0.0, compare=False)
-
-    def __eq__(self, other: object) -> bool:
-        if not isinstance(other, StreamStep):
-            return NotImplemented
-        return (self.plan == other.plan and np.array_equal(self.item_ids, other.item_ids)
-                and self.groups == other.groups and np.array_equal(self.dropped, other.dropped)
-                and self.dropped_groups == other.dropped_groups and self.version == other.version
-                and self.pending == other.pending)
-
-    __hash__ = None  # type: ignore[assignment]
-
-    def _ids(self, nested: Any) -> Any:
-        if isinstance(nested, list):
-            return [self._ids(x) for x in nested]
-        return int(self.item_ids[nested])
-
-    @property
-    def assignment(self) -> List[List[List[List[int]]]]:
-        """``assignment[m][r][k]``: the item ids of mini-batch ``m``, rank ``r``,
-        micro-batch ``k`` (``[]``: a dummy)."""
-        return self._ids(self.plan.assignment)
-
-    costs = property(lambda self: self.plan.costs, doc="The plan's predicted cost of each cell.")
-    tokens = property(lambda self: self.plan.tokens, doc="Each cell's tokens.")
-    padded_tokens = property(lambda self: self.plan.padded_tokens, doc="Each cell's static shape, or None.")
-    num_micro_batches = property(lambda self: self.plan.num_micro_batches, doc="Micro-batches per rank and mini-batch.")
-    predicted_time = property(lambda self: self.plan.predicted_time, doc="The step's predicted time.")
-    lower_bound = property(lambda self: self.plan.lower_bound, doc="A proven lower bound on any plan's time.")
-    gap = property(lambda self: self.plan.gap, doc="``predicted_time / lower_bound``.")
-    dp_size = property(lambda self: self.plan.dp_size)
-    max_tokens = property(lambda self: self.plan.max_tokens)
-    sync = property(lambda self: self.plan.sync)
-
-    @property
-    def num_items(self) -> int:
-        return int(self.item_ids.shape[0])
-
-    @property
-    def num_tokens(self) -> int:
-        """The step's tokens (its items' lengths summed)."""
-        return int(self.plan.lengths.sum()) if self.plan.lengths is not None else 0
-
-    def rank_items(self, r: int, mini_batch: Optional[int] = None) -> List[int]:
-        """Rank ``r``'s item ids in the order it runs them (see
-        :meth:`StepPlan.rank_rows <seqpack.StepPlan.rank_rows>`)."""
-        return [int(self.item_ids[p]) for p in self.plan.rank_rows(r, mini_batch)]
-
-    @property
-    def metrics(self) -> Dict[str, float]:
-        """The plan's metrics plus the step's items, tokens, dropped items and the
-        planner's pending items after it."""
-        out = dict(self.plan.metrics)
-        out.update(items=float(self.num_items), tokens=float(self.num_tokens), dropped=float(self.dropped.size),
-                   pending=float(self.pending), planning_seconds=self.planning_seconds)
-        return out
+_TOO_LONG = ("raise", "drop")
 
 
 class _Group:
@@ -163,6 +78,14 @@ class _Group:
         self.tokens = 0
         self.oldest: Optional[int] = None  # the lowest version among its items
         self.rows: List[Any] = []
+
+    def copy(self) -> "_Group":
+        """A snapshot: its lists copied (the rows' arrays are never written)."""
+        out = _Group(self.label, self.size)
+        for name in self.__slots__:
+            value = getattr(self, name)
+            setattr(out, name, list(value) if isinstance(value, list) else value)
+        return out
 
     def __getstate__(self):
         return {name: getattr(self, name) for name in self.__slots__}
@@ -209,6 +132,14 @@ class StreamPlanner:
             group's shared prefix; ``options.shared_prefix`` says the same):
             :meth:`add` then takes the rows' ``tokens``, and each step's plan
             keeps its forest (``step.plan.forest``, row ``p`` = position ``p``).
+        group_size: rollouts per group (GRPO's ``G``), given once here instead of
+            on every :meth:`add` (an :meth:`add` may still give it, equal).
+        too_long: what :meth:`add` does with a rollout no micro-batch can hold (and,
+            with ``shared_prefix`` and context parallelism, a group whose tree no
+            block of ranks can hold): ``"raise"`` (a ``ValueError`` naming it,
+            nothing added) or ``"drop"`` (its whole group is dropped, its items
+            reported in the next step's ``dropped``, its later rollouts dropped as
+            they arrive; :attr:`too_long_groups` counts such groups).
 
     The keywords ``cost=``, ``sync=``, ... (each :class:`~seqpack.StepOptions`
     field) and ``forest=True`` keep working for one release, with a
@@ -228,11 +159,18 @@ class StreamPlanner:
     """
 
     def __init__(self, dp_size: int, max_tokens: int, *, step_tokens: int, max_staleness: Optional[int] = None,
-                 options: Optional[StepOptions] = None, shared_prefix: bool = False, **deprecated: Any) -> None:
+                 options: Optional[StepOptions] = None, shared_prefix: bool = False, group_size: Optional[int] = None,
+                 too_long: str = "raise", **deprecated: Any) -> None:
         self.step_tokens = as_positive_int(step_tokens, "step_tokens")
         self.max_staleness = None if max_staleness is None else \
             as_positive_int(max_staleness, "max_staleness", allow_zero=True)
         self.options = stream_options(options, shared_prefix, deprecated)
+        self.group_size = None if group_size is None else as_positive_int(group_size, "group_size")
+        if too_long not in _TOO_LONG:
+            raise ValueError(f"too_long must be one of {_TOO_LONG}, got {too_long!r}")
+        self.too_long = too_long
+        self.too_long_groups = 0  # groups dropped by too_long="drop"
+        self._payload: Dict[int, Any] = {}  # item id -> what add(payloads=) took, until its step hands it back
         probe = plan_step([1] * self.options.mini_batches, dp_size, max_tokens, options=self._rows_options())
         self.dp_size, self.max_tokens = probe.dp_size, probe.max_tokens  # checked now, not at the first step
         self._next_id = 0
@@ -264,15 +202,25 @@ class StreamPlanner:
         return dataclasses.replace(self.options, shared_prefix=False, whole_trees=False, **changes)
 
     def __getstate__(self) -> Dict[str, Any]:
-        state = dict(vars(self))
-        del state["_lock"]
-        return state
+        # A snapshot taken under the lock: another thread may be adding rollouts while
+        # the planner is pickled (a checkpoint), and pickle reads the state afterwards.
+        with self._lock:
+            state = dict(vars(self))
+            del state["_lock"]
+            state["_open"] = {k: g.copy() for k, g in self._open.items()}
+            state["_complete"] = {k: g.copy() for k, g in self._complete.items()}
+            for name in ("_heap", "_dropped", "_dropped_groups"):
+                state[name] = list(state[name])
+            state["_payload"] = dict(self._payload)
+            return state
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
         if "options" not in state:  # a checkpoint from before StepOptions: its plan_step keywords
             kwargs = {k: v for k, v in state.pop("_plan_kwargs").items() if k not in ("dp_size", "max_tokens")}
             state["options"] = StepOptions(**kwargs, shared_prefix=state.pop("forest", False))
             state.pop("mini_batches", None), state.pop("cost", None)
+        state.setdefault("group_size", None), state.setdefault("too_long", "raise")  # before they existed
+        state.setdefault("too_long_groups", 0), state.setdefault("_payload", {})
         vars(self).update(state)
         self._lock = threading.RLock()
 
@@ -285,29 +233,35 @@ class StreamPlanner:
 
     # ---- arrivals -----------------------------------------------------------------
     @_locked
-    def add(self, lengths: Any = None, *, group_ids: Any, version: Any, group_size: Any,
-            tokens: Any = None) -> np.ndarray:
+    def add(self, lengths: Any = None, *, group_ids: Any, version: Any, group_size: Any = None,
+            tokens: Any = None, payloads: Any = None) -> np.ndarray:
         """Take finished rollouts; return their item ids (int64, increasing).
 
         Args:
             lengths: each rollout's tokens (list, NumPy or tensor); with
                 ``shared_prefix=True`` give ``tokens`` instead (or both, checked).
-            group_ids: each rollout's group (a hashable label: the prompt's id),
-                or one label for all of them. A label may be used again once its
-                group has landed or been dropped whole (a group dropped while
-                incomplete keeps its label until its last rollout arrives: those
-                rollouts are dropped as they come).
+            group_ids: each rollout's group (a hashable label: the prompt's id), as
+                a list / array / tensor of one label per rollout, or one label for
+                all of them (anything else, a tuple such as ``("p", 7)`` included).
+                A label may be used again once its group has landed or been dropped
+                whole (a group dropped while incomplete keeps its label until its
+                last rollout arrives: those rollouts are dropped as they come).
             version: the policy version that generated each rollout (an int for
-                all, or one per rollout).
+                all, or one per rollout; int64).
             group_size: rollouts per group (an int, or one per rollout); a group is
-                complete when that many have arrived.
+                complete when that many have arrived. Default: the planner's.
             tokens: with ``shared_prefix=True``, each rollout's token ids (a list of 1-D
                 sequences); its shared prefixes are forwarded once.
+            payloads: anything per rollout (its tensors, its reward), one per
+                rollout: handed back once, with the step that holds or drops it
+                (``step.payloads``, ``step.dropped_payloads``), so the trainer keeps
+                no id -> rollout store of its own.
 
         Raises:
-            ValueError: a length outside ``[1, max_tokens]`` (or too long to shard
-                with context parallelism), more rollouts than a group's size, a
-                group size that changes, mismatched counts; nothing is added then.
+            ValueError: a length below 1; a rollout too long to plan (with
+                ``too_long="raise"``); more rollouts than a group's size, a group
+                size that changes or is missing, mismatched counts; nothing is added
+                then.
         """
         rows = None
         if self.shared_prefix:
@@ -328,13 +282,22 @@ class StreamPlanner:
         n = lens.shape[0]
         if n == 0:
             return np.zeros(0, dtype=np.int64)
-        self._check_lengths(lens)
-        versions = self._per_item(version, n, "version", as_int)
+        if group_size is None:
+            if self.group_size is None:
+                raise ValueError("group_size is required: give it to add() or once to StreamPlanner(group_size=)")
+            group_size = self.group_size
+        if payloads is not None:
+            payloads = list(payloads)
+            if len(payloads) != n:
+                raise ValueError(f"payloads must hold one entry per rollout ({n}), got {len(payloads)}")
+        too_long = self._too_long(lens)
+        versions = self._per_item(version, n, "version", as_int64)
         sizes = self._per_item(group_size, n, "group_size", lambda v, name: as_positive_int(v, name))
         labels = self._labels(group_ids, n)
         members = {labels[int(m[0])]: m.tolist() for m in group_members(labels, n)}
         lens_, versions_, sizes_ = lens.tolist(), versions.tolist(), sizes.tolist()
         # Check every group before changing anything.
+        doomed_now = set()
         for label, idx in members.items():
             size = sizes_[idx[0]]
             if any(sizes_[i] != size for i in idx):
@@ -345,14 +308,24 @@ class StreamPlanner:
             have = 0 if g is None else g.count
             if have + len(idx) > size:
                 raise ValueError(f"group {label!r} gets {have + len(idx)} rollouts, more than its group_size={size}")
+            if g is not None and g.doomed:
+                continue
+            if any(i in too_long for i in idx) or (have + len(idx) == size and not self._tree_fits(
+                    label, [] if g is None else g.rows, [rows[i] for i in idx] if rows is not None else None)):
+                doomed_now.add(label)
         first = self._next_id
         self._next_id += n
+        if payloads is not None:
+            self._payload.update((first + i, p) for i, p in enumerate(payloads))
         for label, idx in members.items():
             g = self._open.get(label)
             if g is None:
                 g = self._open[label] = _Group(label, sizes_[idx[0]])
             g.count += len(idx)
-            if g.doomed:  # its group is already stale: dropped on arrival
+            if label in doomed_now:  # too long: the group is dropped whole, now and as its rollouts arrive
+                self.too_long_groups += 1
+                self._doom(g)
+            if g.doomed:  # its group is already dropped: its rollouts are dropped on arrival
                 self._dropped.append(np.asarray(idx, dtype=np.int64) + first)
             else:
                 g.ids.extend(first + i for i in idx)
@@ -373,16 +346,65 @@ class StreamPlanner:
                     self._complete_tokens += g.tokens
         return np.arange(first, first + n, dtype=np.int64)
 
-    def _check_lengths(self, lens: np.ndarray) -> None:
+    def _too_long(self, lens: np.ndarray) -> set:
+        """The rollouts no step can plan (positions); raises for them with
+        ``too_long="raise"``, and for a length below 1 always."""
         if lens.min() < 1:
             i = int(np.argmin(lens))
             raise ValueError(f"lengths[{i}] = {int(lens[i])}: a rollout holds at least one token")
-        i = int(np.argmax(lens))
+        # Plannable is monotone in the length (the cap, a CP shard): probe the distinct
+        # lengths from the longest down to the first one that plans.
+        refused = {}
+        for length in np.unique(lens)[::-1].tolist():
+            reason = self._unplannable(length)
+            if reason is None:
+                break
+            refused[length] = reason
+        if not refused:
+            return set()
+        bad = [i for i, x in enumerate(lens.tolist()) if x in refused]
+        if self.too_long == "raise":
+            i = bad[0]
+            raise ValueError(f"lengths[{i}] = {int(lens[i])} cannot be planned: {refused[int(lens[i])]} "
+                             f"(StreamPlanner(too_long='drop') drops such a rollout's group and reports it)")
+        return set(bad)
+
+    def _unplannable(self, length: int) -> Optional[str]:
+        """Why a rollout of ``length`` tokens cannot be planned, or None."""
         try:
-            plan_step([int(lens[i])], self.dp_size, self.max_tokens, options=self._rows_options(mini_batches=1))
+            plan_step([length], self.dp_size, self.max_tokens, options=self._rows_options(mini_batches=1))
+        except ValueError as exc:  # "[seqpack.plan_step] lengths[0] = 2049 exceeds ...": say the length once
+            return re.sub(r"^lengths\[0\] = \d+:? ?", "", str(exc).split("] ", 1)[-1])
+        return None
+
+    def _tree_fits(self, label: Hashable, held: List[Any], new: Optional[List[Any]]) -> bool:
+        """Whether a completing group's prefix tree can be planned (with shared
+        prefixes and context parallelism a tree runs whole on one block of ranks);
+        raises with ``too_long="raise"``."""
+        if new is None or self.options.cp_size == 1:
+            return True
+        from .prefix_forest import PrefixForest
+
+        forest = PrefixForest.from_rows(held + new)
+        try:
+            plan_step(forest.lengths, self.dp_size, self.max_tokens, forest=forest,
+                      options=dataclasses.replace(self.options, mini_batches=1))
         except ValueError as exc:
-            raise ValueError(f"lengths[{i}] = {int(lens[i])} cannot be planned: "
-                             f"{str(exc).split('] ', 1)[-1]}") from None
+            if self.too_long == "raise":
+                raise ValueError(f"group {label!r} cannot be planned: its prefix tree of {forest.num_physical_tokens} "
+                                 f"tokens does not fit one block of cp_size={self.options.cp_size} ranks "
+                                 f"({str(exc).split('] ', 1)[-1]}); StreamPlanner(too_long='drop') drops such a "
+                                 "group and reports it") from None
+            return False
+        return True
+
+    def _doom(self, g: _Group) -> None:
+        """Drop ``g`` whole now (its items reported with the next step) and every
+        rollout of it still to come, as it arrives."""
+        if not g.doomed:
+            self._drop(g)
+            g.doomed = True
+            g.ids, g.lengths, g.rows, g.tokens = [], [], [], 0
 
     @staticmethod
     def _per_item(value: Any, n: int, name: str, convert) -> np.ndarray:
@@ -396,10 +418,11 @@ class StreamPlanner:
 
     @staticmethod
     def _labels(group_ids: Any, n: int) -> List[Hashable]:
-        """One label per rollout (a single label broadcast to all of them)."""
+        """One label per rollout: a list, an array or a tensor gives one per rollout;
+        anything else (a tuple included: a hashable label) is every rollout's."""
         if hasattr(group_ids, "tolist"):  # arrays and tensors; a 0-d one is one label
             group_ids = group_ids.tolist()
-        if not isinstance(group_ids, (list, tuple)):
+        if not isinstance(group_ids, list):
             return [group_ids] * n
         if len(group_ids) != n:
             raise ValueError(f"group_ids must be one label or one per rollout ({n}), got {len(group_ids)}")
@@ -429,7 +452,7 @@ class StreamPlanner:
 
     def _advance(self, current_version: Any) -> int:
         """Check ``current_version`` (never decreasing) and drop stale groups."""
-        v = as_int(current_version, "current_version")
+        v = as_int64(current_version, "current_version")
         if self._version is not None and v < self._version:
             raise ValueError(f"current_version must not decrease: got {v} after {self._version}")
         self._version = v
@@ -443,9 +466,7 @@ class StreamPlanner:
             self._complete_tokens -= g.tokens
         for g in list(self._open.values()):
             if not g.doomed and g.oldest is not None and g.oldest < oldest_fresh:
-                self._drop(g)
-                g.doomed = True
-                g.ids, g.lengths, g.rows, g.tokens = [], [], [], 0
+                self._doom(g)
         return v
 
     def _drop(self, g: _Group) -> None:
@@ -477,14 +498,18 @@ class StreamPlanner:
         if self._complete_tokens < self.step_tokens:
             raise ValueError(f"not ready: complete fresh groups hold {self._complete_tokens} tokens, step_tokens = "
                              f"{self.step_tokens} (check ready(), or flush() for a last partial step)")
-        taken: List[_Group] = []
+        taken: List[Tuple[int, _Group]] = []
         tokens = 0
         while tokens < self.step_tokens:
             _, seq = heapq.heappop(self._heap)
             g = self._complete.pop(seq)
-            taken.append(g)
+            taken.append((seq, g))
             tokens += g.tokens
-        return self._plan(taken, v, start)
+        try:
+            return self._plan([g for _, g in taken], v, start)
+        except BaseException:
+            self._requeue(taken)
+            raise
 
     @_locked
     def flush(self, current_version: Any, *, incomplete: str = "wait") -> Optional[StreamStep]:
@@ -500,27 +525,41 @@ class StreamPlanner:
         if incomplete not in _INCOMPLETE:
             raise ValueError(f"incomplete must be one of {_INCOMPLETE}, got {incomplete!r}")
         v = self._advance(current_version)
-        taken = [self._complete.pop(seq) for _, seq in sorted(self._heap)]
+        taken = [(seq, self._complete.pop(seq)) for _, seq in sorted(self._heap)]
         self._heap = []
+        kept: List[_Group] = []  # incomplete groups planned as they are
         if incomplete != "wait":
             for label, g in list(self._open.items()):
-                del self._open[label]
                 if g.doomed or not g.ids:
                     continue
-                if incomplete == "drop":
-                    self._drop(g)
+                if incomplete == "drop":  # its late rollouts are dropped as they arrive
+                    self._doom(g)
                 else:
-                    taken.append(g)
+                    del self._open[label]
+                    kept.append(g)
                     self._complete_tokens += g.tokens
-        if not taken:
+        if not taken and not kept:
             return None
-        return self._plan(taken, v, start)
+        try:
+            return self._plan([g for _, g in taken] + kept, v, start)
+        except BaseException:  # nothing is lost: the groups wait again, as they were
+            self._requeue(taken)
+            for g in kept:
+                self._open[g.label] = g
+                self._complete_tokens -= g.tokens
+            raise
+
+    def _requeue(self, taken: List[Tuple[int, _Group]]) -> None:
+        """Complete groups taken for a step that could not be planned, back in the
+        queue at their places."""
+        for seq, g in taken:
+            self._complete[seq] = g
+            heapq.heappush(self._heap, (g.oldest, seq))
 
     def _plan(self, taken: List[_Group], version: int, start: float) -> StreamStep:
+        """The step of ``taken``; the planner changes only once it is planned."""
         ids = np.fromiter((i for g in taken for i in g.ids), dtype=np.int64)
         lens = np.fromiter((x for g in taken for x in g.lengths), dtype=np.int64)
-        self._complete_tokens -= int(lens.sum())
-        self._pending -= ids.size
         options, forest = self.options, None
         if lens.shape[0] < options.mini_batches:  # a short last step: as many mini-batches as it has items
             options = dataclasses.replace(options, mini_batches=int(lens.shape[0]))
@@ -530,12 +569,17 @@ class StreamPlanner:
             labels = np.repeat(np.arange(len(taken)), [len(g.ids) for g in taken])
             forest = PrefixForest.from_rows([r for g in taken for r in g.rows], group_ids=labels)
         plan = plan_step(lens, self.dp_size, self.max_tokens, options=options, forest=forest)
+        self._complete_tokens -= int(lens.sum())
+        self._pending -= ids.size
         ids.flags.writeable = False
         dropped = self.dropped
         dropped.flags.writeable = False
+        hand_back = self._payload.pop
         step = StreamStep(plan=plan, item_ids=ids, groups=[g.label for g in taken], dropped=dropped,
                           dropped_groups=list(self._dropped_groups), version=version, pending=self._pending,
-                          planning_seconds=time.perf_counter() - start)
+                          planning_seconds=time.perf_counter() - start,
+                          payloads=[hand_back(i, None) for i in ids.tolist()],
+                          dropped_payloads=[hand_back(i, None) for i in dropped.tolist()])
         self._dropped, self._dropped_groups = [], []
         return step
 

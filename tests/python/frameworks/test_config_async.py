@@ -43,7 +43,7 @@ def test_nemo_rl_async_grpo():
     kwargs = cfg.stream_planner_kwargs(8)
     options = seqpack.StepOptions(micro_batch_order="largest_first", static_shapes=8)
     assert kwargs == {"dp_size": 8, "max_tokens": 16384, "step_tokens": 1 << 20, "max_staleness": 2,
-                      "options": options}
+                      "group_size": 8, "options": options}
     assert cfg.step_options() == options and cfg.plan_step_kwargs(8)["options"] == options  # one object, shared
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the config's keywords are the current spelling

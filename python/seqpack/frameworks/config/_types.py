@@ -413,14 +413,16 @@ class SeqpackConfig:
     def stream_planner_kwargs(self, dp_size: int) -> Dict[str, Any]:
         """Keyword arguments of :class:`seqpack.StreamPlanner` for this config's
         asynchronous mode: :meth:`plan_step_kwargs` (the same ``options``) plus
-        ``step_tokens`` and ``max_staleness``."""
+        ``step_tokens``, ``max_staleness`` and ``group_size`` (given once: ``add``
+        then needs none)."""
         st = self.stream
         if st is None or not st.enabled:
             where_ = {"nemo_rl": "grpo.async_grpo.enabled", "verl": "async_training"}.get(self.schema, "the config")
             raise ConfigError(f"{where_}: asynchronous training is not configured; the stream planner plans its steps")
         if st.step_tokens is None:
             raise ConfigError(f"{st.path}.step_tokens: required to plan streamed steps (a step's token budget)")
-        return {**self.plan_step_kwargs(dp_size), "step_tokens": st.step_tokens, "max_staleness": st.max_staleness}
+        return {**self.plan_step_kwargs(dp_size), "step_tokens": st.step_tokens, "max_staleness": st.max_staleness,
+                "group_size": st.group_size}
 
     # ROLL ---------------------------------------------------------------
     def _roll(self, what: str):
