@@ -206,8 +206,11 @@ std::optional<Placement> best_placement(const std::vector<Item>& items, const Cp
       if (!best || t < best_time * (1 - 1e-12)) best = std::move(p), best_time = t;
     }
   };
-  for (; K <= last && !best; K = std::min(last + step, round_up(kFn, K + std::max<int64_t>(step, K / 4), step)))
-    consider(K);
+  // Grow K by a quarter, never past `last` (the count that surely fits) before trying it.
+  auto next = [&](int64_t k) {
+    return k >= last ? last + step : std::min(last, round_up(kFn, k + std::max<int64_t>(step, k / 4), step));
+  };
+  for (; K <= last && !best; K = next(K)) consider(K);
   for (int64_t extra = 0; best && extra < 2 && K <= last; ++extra, K += step) consider(K);
   if (o.step.sync == StepSync::MicroBatch) {  // every item fits a step of its own: levels always place
     Placement p = place_levels(items, o);
@@ -224,6 +227,9 @@ int64_t cp_local_tokens(int64_t s, int64_t d) { return d <= 1 ? s : round_up("cp
 CpItems CpItems::of_lengths(Lengths lengths, int64_t cp_size) {
   check_non_negative_lengths(kFn, "lengths", lengths);
   check_positive(kFn, "cp_size", cp_size);
+  if (cp_size > kMaxCpRanks)
+    throw_invalid(kFn, "cp_size=" + std::to_string(cp_size) + " is more than the " + std::to_string(kMaxCpRanks) +
+                           " ranks a step can plan");
   CpItems items;
   items.levels = log2_of(cp_size) + 1;
   items.tokens.assign(lengths.begin(), lengths.end());
@@ -251,6 +257,9 @@ void check_items(const CpItems& items, const CpStepOptions& o) {
   check_positive(kFn, "cp_size", o.cp_size);
   if ((o.cp_size & (o.cp_size - 1)) != 0)
     throw_invalid(kFn, "cp_size must be a power of two, got " + std::to_string(o.cp_size));
+  if (o.cp_size > kMaxCpRanks / o.step.dp_size)
+    throw_invalid(kFn, "cp_size=" + std::to_string(o.cp_size) + " x dp_size=" + std::to_string(o.step.dp_size) +
+                           " ranks is more than the " + std::to_string(kMaxCpRanks) + " ranks a step can plan");
   if (o.min_degree < 1 || o.min_degree > o.cp_size || (o.min_degree & (o.min_degree - 1)) != 0)
     throw_invalid(kFn, "min_cp_degree must be a power of two in [1, cp_size=" + std::to_string(o.cp_size) +
                            "], got " + std::to_string(o.min_degree));

@@ -19,6 +19,9 @@ constexpr const char* kFn = "plan_step";
 std::vector<int64_t> cp_work_bounds(std::span<const int64_t> work, int64_t cp) {
   constexpr const char* fn = "cp_work_bounds";
   check_positive(fn, "cp_size", cp);
+  if (cp > kMaxCpRanks)
+    throw_invalid(fn, "cp_size=" + std::to_string(cp) + " is more than the " + std::to_string(kMaxCpRanks) +
+                          " ranks a cut can hold");
   // The token's middle, cum - work / 2, against r · total / cp, in integers: x2 and x cp.
   std::vector<int64_t> middle(work.size());
   int64_t cum = 0;
@@ -41,6 +44,9 @@ std::vector<int64_t> cp_work_bounds(std::span<const int64_t> work, int64_t cp) {
 ForestCpItems forest_cp_items(const ForestView& f, Lengths mini_batch_rows, int64_t cp_size) {
   check_positive(kFn, "cp_size", cp_size);
   if ((cp_size & (cp_size - 1)) != 0) throw_invalid(kFn, "cp_size must be a power of two, got " + std::to_string(cp_size));
+  if (cp_size > kMaxCpRanks)
+    throw_invalid(kFn, "cp_size=" + std::to_string(cp_size) + " is more than the " + std::to_string(kMaxCpRanks) +
+                           " ranks a step can plan");
   ForestCpItems out;
   out.items.name = "trees";
   out.items.levels = 1;

@@ -121,4 +121,18 @@ TEST(CpStep, ItemsCarryTheirOwnShareAndWork) {
   EXPECT_TRUE(ThrowsInvalid([&] { plan_cp_step(items, o); }, {"trees: per item, its squares and its local tokens"}));
 }
 
+TEST(CpStep, OneShardedSequenceAStepIsTriedUnderEitherSync) {
+  // 14 sequences of 1000 tokens at a cap of 600 per rank over C = 2: each is a step of
+  // its own (500 + 500 > 600). The count search must reach K = 14 under sync "step" too.
+  for (const bool hybrid : {false, true})
+    for (const StepSync sync : {StepSync::MicroBatch, StepSync::Step}) {
+      CpStepOptions o = options(1, 2, 600, hybrid);
+      o.step.sync = sync;
+      const CpStepPlan plan = plan_cp_step(Vec(14, 1000), o);
+      EXPECT_EQ(plan.plan.mini_batches[0].num_micro_batches, 14);
+    }
+  EXPECT_TRUE(ThrowsInvalid([] { plan_cp_step(Vec{5, 3}, options(1, int64_t{1} << 40, 8, false)); },
+                            {"cp_size=1099511627776 is more than the 1048576 ranks"}));
+}
+
 }  // namespace

@@ -40,6 +40,10 @@
 
 namespace seqpack {
 
+// The most ranks (dp_size x cp_size) a step is planned over: far more than any cluster,
+// few enough that per-rank tables stay small; more is refused by name.
+inline constexpr int64_t kMaxCpRanks = int64_t{1} << 20;
+
 struct CpCost {
   double per_kv_token = 0.0;    // per token of K/V a rank gathers (bytes x layers x passes / bandwidth)
   double per_collective = 0.0;  // per sharded sequence a rank holds in a micro-batch (latency x layers x passes)

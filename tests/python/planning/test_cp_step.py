@@ -280,3 +280,25 @@ def test_fit_recovers_cp_terms_from_timed_micro_batches():
         CostModel.fit([[5]] * 3, [1.0] * 3, cp_degrees=[[3]] * 3)
     with pytest.raises(ValueError, match="cp_degrees has 2 entries for 3"):
         CostModel.fit([[5]] * 3, [1.0] * 3, cp_degrees=[[1]] * 2)
+
+
+@pytest.mark.parametrize("sync", ["micro_batch", "step"])
+@pytest.mark.parametrize("hybrid", [False, True])
+def test_a_step_that_needs_one_sequence_per_micro_batch_is_planned(sync, hybrid):
+    # Issue 51, finding 4: the count search grew past n (here 14, one sharded sequence
+    # a step) without trying it, and sync="step" refused the step.
+    plan = seqpack.plan_step([1000] * 14, 1, 600, cp_size=2, sync=sync, hybrid_cp=hybrid)
+    assert plan.num_micro_batches == [14] and max(max(r) for r in plan.tokens[0]) <= 600
+
+
+@pytest.mark.parametrize("cp_size", [2**20 * 2, 2**31, 2**40, 2**62])
+def test_a_huge_cp_size_is_named(cp_size):
+    # Finding 5: these failed as "lengths local tokens[62] = -2", std::bad_alloc or a
+    # negative rank count.
+    with pytest.raises(ValueError, match=f"cp_size={cp_size} is more than the 1048576 ranks"):
+        seqpack.plan_step([5, 3], 1, 8, cp_size=cp_size)
+    with pytest.raises(ValueError, match="cp_size=524288 x dp_size=4 ranks is more than the 1048576 ranks"):
+        seqpack.plan_step([5, 3], 4, 8, cp_size=2**19, hybrid_cp=True)
+    tree = seqpack.pack_prefix_tree([[1, 2, 3], [1, 2, 4]])
+    with pytest.raises(ValueError, match="ranks a cut can hold"):
+        seqpack.shard_layout(tree, cp_size, 0).bounds
