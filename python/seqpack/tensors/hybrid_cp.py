@@ -297,10 +297,17 @@ def _tree_range(tree: Any, d: int, j: int) -> Tuple[int, int]:
     return int(bounds[j]), int(bounds[j + 1])
 
 
-def _plan_facts(plan: Any, m: int) -> Dict[str, Any]:
-    """What every rank's plan must share for the blocks' collectives to meet."""
+def _plan_facts(plan: Any, m: int, forest: Any) -> Dict[str, Any]:
+    """What every rank's plan must share for the blocks' collectives to meet, and for
+    the ranks' losses to add up to one step's: its cells, degrees, blocks, lengths,
+    and whether its parts are prefix trees (of which forest)."""
     lo, hi = plan.mini_batch_ranges[m]
+    lengths = None if plan.lengths is None else np.asarray(plan.lengths[lo:hi], dtype=np.int64)
+    trees = None if forest is None else (forest.num_rows, forest.num_physical_tokens,
+                                         np.asarray(forest.lengths, dtype=np.int64))
     return {"the plan's cells": [[list(c) for c in rank] for rank in plan.assignment[m]],
+            "the plan's lengths": lengths,
+            "the parts' prefix trees (forest=)": trees,
             "the plan's CP degrees": np.asarray(plan.cp_degree[lo:hi], dtype=np.int64),
             "the plan's CP blocks": np.asarray(plan.cp_first_rank[lo:hi], dtype=np.int64),
             "the plan's dp_size and cp_size": (plan.dp_size, plan.cp_size)}
@@ -339,7 +346,7 @@ def hybrid_cp_micro_batches(tensors: Mapping[str, "torch.Tensor"], seq_lens: Any
                    for k in range(plan.num_micro_batches[m])]
 
     m_batches = checked_on_every_rank(local, group, "hybrid_cp_micro_batches", agree and size > 1,
-                                      fingerprint=lambda got: _plan_facts(plan, got[0]))
+                                      fingerprint=lambda got: _plan_facts(plan, got[0], forest))
     hybrid_cp_groups(plan.dp_size, plan.cp_size, group)  # every rank, in one order, before any block's collective
     ranks = () if group is None else tuple(int(r) for r in dist.get_process_group_ranks(group))
     for mb in m_batches[1]:

@@ -146,6 +146,31 @@ def another_plan_raises_everywhere(rank, world, trees):
     return "no error"
 
 
+def other_lengths_or_trees_raise_everywhere(rank, world, what):
+    # Issue 51, finding 8: a rank whose plan differs only in its lengths (or that
+    # lays out rows where the others lay out trees) used to run the step.
+    import dataclasses
+
+    trees = what == "forest"
+    rows = grpo_rows() if trees else long_tail_rows()
+    ids, lengths = padded(rows)
+    plan, forest = make_plan(rows, 1, 4, 30 if trees else 16, trees)
+    if rank == 2 and what == "lengths":  # the same cells over other lengths (one row a token shorter)
+        lengths = lengths.clone()
+        lengths[-1] -= 1
+        other = plan.lengths.copy()
+        other[-1] -= 1
+        other.flags.writeable = False
+        plan = dataclasses.replace(plan, lengths=other)
+    if rank == 2 and what == "forest":
+        forest = None
+    try:
+        seqpack.hybrid_cp_micro_batches({"input_ids": ids}, lengths, plan, forest=forest)
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
+
+
 def a_bad_rank_raises_everywhere(rank, world):
     rows = long_tail_rows()
     ids, lengths = padded(rows)
@@ -182,6 +207,13 @@ def test_nemo_rl_loss_wrapper_on_hybrid_micro_batches(pool, dp, cp, cap, trees, 
 def test_a_rank_with_another_plan_raises_on_every_rank(pool, trees):
     got = values_of(pool, another_plan_raises_everywhere, trees, timeout_s=CASE_TIMEOUT_S)
     assert all("disagree on" in g and "the plan's" in g for g in got), got
+
+
+@pytest.mark.parametrize("what, named", [("lengths", "the plan's lengths"),
+                                         ("forest", "the parts' prefix trees")])
+def test_a_rank_with_other_lengths_or_no_trees_raises_on_every_rank(pool, what, named):
+    got = values_of(pool, other_lengths_or_trees_raise_everywhere, what, timeout_s=CASE_TIMEOUT_S)
+    assert all("disagree on" in g and named in g for g in got), got
 
 
 def test_a_rank_whose_rows_fail_raises_on_every_rank(pool):
