@@ -266,6 +266,10 @@ class PackedLayout(TokenLayout):
         return hash((self.cu_seqlens.tobytes(), self.cu_seqlens_padded.tobytes(), self.pad_multiple, self.cp_size,
                      self.cp_rank))
 
+    def _defining_arrays(self) -> Tuple[Any, ...]:
+        """Its offsets, padded offsets, pad multiple and CP split."""
+        return (self.cu_seqlens, self.cu_seqlens_padded, self.pad_multiple, self.cp_size, self.cp_rank)
+
     def __reduce__(self):
         # The C++ layout pickles as its offsets (checked again on load), with the
         # host plans that can be checked against it; the device-offset cache is

@@ -292,6 +292,11 @@ class PrefixTreeBatch(TokenLayout):
 
     __hash__ = None  # type: ignore[assignment]
 
+    def _defining_arrays(self) -> Tuple[Any, ...]:
+        """Every array of the tree (its token ids included: the log-prob plans read
+        them) and its pad count."""
+        return (self._num_pad_tokens, *(self._arrays[k] for k in _ARRAYS))
+
     def __reduce__(self):
         # The host plans built so far travel with the tree (a collate function in a
         # DataLoader worker builds them; the training loop then builds none).

@@ -100,6 +100,9 @@ class ShardedLayout(TokenLayout):
     def _plan_store(self) -> Dict[Any, Any]:
         return self.base._plan_store()
 
+    def _identity(self) -> str:
+        return self.base._identity()  # the plans are the base's, and so is their digest
+
     # ---- the cut's helpers -------------------------------------------------------------
     def local_rows(self, full: Any) -> Any:
         """This rank's rows of a full ``[T, ...]`` tensor (or array) of the whole

@@ -55,6 +55,7 @@ Importing this module does not import torch.
 from __future__ import annotations
 
 import abc
+import hashlib
 from typing import Any, Callable, Dict, Optional, Tuple, TypeVar
 
 import numpy as np
@@ -65,6 +66,8 @@ from .cp_cut import CpCut
 __all__ = ["TokenLayout"]
 
 T = TypeVar("T")
+
+_IDENTITY = "identity_digest"  # the host plan key of a layout's digest (TokenLayout._identity)
 
 
 class TokenLayout(abc.ABC):
@@ -197,25 +200,58 @@ class TokenLayout(abc.ABC):
 
     def planned(self) -> Tuple[Any, ...]:
         """The keys of the host plans this layout holds."""
-        return tuple(self._plan_store())
+        return tuple(k for k in self._plan_store() if k != _IDENTITY)
+
+    def _defining_arrays(self) -> Tuple[Any, ...]:
+        """What makes this layout the one it is (its plans depend on nothing else):
+        the arrays and numbers its identity digest hashes. Layouts whose plans read
+        more (a tree's token ids) add them."""
+        return (self.num_tokens, self.cu_seqlens, self.logical_index, self.position_ids)
+
+    def _identity(self) -> str:
+        """A digest of :meth:`_defining_arrays` (BLAKE2b, kept as a host plan): a
+        pickled plan carries its layout's, and is refused by any other layout."""
+        def digest(layout: "TokenLayout") -> str:
+            h = hashlib.blake2b(type(layout).__name__.encode(), digest_size=16)
+            for part in layout._defining_arrays():
+                arr = np.ascontiguousarray(np.asarray(part))
+                h.update(str((arr.dtype.str, arr.shape)).encode())
+                h.update(arr.tobytes())
+            return h.hexdigest()
+        return self.host_plan(_IDENTITY, digest)
 
     def _pickled_plans(self) -> Dict[Any, Any]:
-        """The plans that travel in a pickle: those that can be checked when rebuilt."""
-        return {k: p for k, p in self._plan_store().items() if getattr(type(p), "check_layout", None) is not None}
+        """The plans that travel in a pickle: those that can be checked when rebuilt,
+        with the digest of the layout they were built for."""
+        plans = {k: p for k, p in self._plan_store().items() if getattr(type(p), "check_layout", None) is not None}
+        if plans:
+            plans[_IDENTITY] = self._identity()
+        return plans
 
     def _adopt_plans(self, plans: Any) -> None:
-        """Plans from a pickle, each checked against this (already checked) layout."""
+        """Plans from a pickle, each checked against this (already checked) layout:
+        the digest of the layout they were built for must be this one's (a tree's
+        plan on another tree of the same sizes reads the wrong tokens), and each
+        plan's own ``check_layout`` (its indices within this layout) must pass."""
         if plans is None:
             return
         if not isinstance(plans, dict):
             raise TypeError(f"a pickled {type(self).__name__}'s plans must be a dict, got {type_name(plans)}")
-        store = self._plan_store()
+        plans = dict(plans)
+        built_for = plans.pop(_IDENTITY, None)
         for key, plan in plans.items():
-            check = getattr(type(plan), "check_layout", None)
-            if check is None:
+            if getattr(type(plan), "check_layout", None) is None:
                 raise TypeError(f"a pickled {type(self).__name__} holds a plan {key!r} of type {type_name(plan)} "
                                 "that cannot be checked against it")
-            check(plan, self)
+        if plans and built_for is None:
+            raise ValueError(f"a pickled {type(self).__name__}'s host plans carry no digest of the layout they were "
+                             "built for: they cannot be checked against it (pickle it with this seqpack)")
+        if plans and built_for != self._identity():
+            raise ValueError(f"a pickled {type(self).__name__}'s host plans were built for another layout (its "
+                             "digest differs from this one's): refused, they would read the wrong tokens")
+        store = self._plan_store()
+        for key, plan in plans.items():
+            type(plan).check_layout(plan, self)
             store[key] = plan
 
     def _first_occurrence(self) -> Tuple[np.ndarray, np.ndarray]:

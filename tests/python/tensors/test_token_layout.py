@@ -289,3 +289,21 @@ def test_tree_log_probs_of_rows_that_share_nothing_run_the_packed_kernels(fused)
     (grad,) = torch.autograd.grad(got.logprobs.sum() + got.entropy.sum(), hidden)
     (grad_want,) = torch.autograd.grad(want.logprobs.sum() + want.entropy.sum(), hidden)
     torch.testing.assert_close(grad, grad_want, rtol=1e-12, atol=1e-12)
+
+
+def test_a_plan_built_for_another_layout_of_the_same_sizes_is_refused():
+    # Issue 51, finding 10: tree A's pickle carrying tree B's log-prob plan (same
+    # sizes, other tokens) loaded, and its log-probs were off by 1.8.
+    from seqpack.tensors.prefix_tree import _rebuild
+    from seqpack.tensors.tree_plans import tree_targets
+
+    a = seqpack.pack_prefix_tree([[1, 2, 3], [1, 2, 4]])
+    b = seqpack.pack_prefix_tree([[5, 6, 7], [5, 6, 8]])
+    tree_targets(a), tree_targets(b)
+    arrays, pad, plans = b.__reduce__()[1][0], b.__reduce__()[1][1], a._pickled_plans()
+    with pytest.raises(ValueError, match="built for another layout"):
+        _rebuild(arrays, pad, plans)
+    assert pickle.loads(pickle.dumps(b)).planned() == b.planned() == ("targets",)  # its own plans still travel
+    plans.pop("identity_digest")
+    with pytest.raises(ValueError, match="carry no digest"):
+        _rebuild(arrays, pad, plans)
