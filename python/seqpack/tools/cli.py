@@ -17,12 +17,18 @@ from typing import List, Optional
 import numpy as np
 
 
-def load_lengths(path: str) -> np.ndarray:
-    """Read lengths from ``.npy`` or text (one integer per line; blank and # lines skipped)."""
+def load_lengths(path: str, capacity: Optional[int] = None) -> np.ndarray:
+    """Read lengths from ``.npy`` or text (one integer per line; blank and # lines
+    skipped). One rule for every planner: each length is at least 1 and, with
+    ``capacity``, at most it; a length that breaks it is named where it is
+    (``file:line``, or ``file[index]`` in a ``.npy``)."""
     if path.endswith(".npy"):
         arr = np.load(path)
+        if arr.ndim != 1 or arr.dtype.kind not in "iu":
+            raise ValueError(f"{path}: expected a 1-D array of integer lengths, got {arr.dtype} {arr.shape}")
+        where = [f"{path}[{i}]" for i in range(arr.shape[0])]
     else:
-        values = []
+        values, where = [], []
         with open(path) as f:
             for lineno, line in enumerate(f, 1):
                 line = line.split("#", 1)[0].strip()
@@ -32,10 +38,18 @@ def load_lengths(path: str) -> np.ndarray:
                     values.append(int(line))
                 except ValueError:
                     raise ValueError(f"{path}:{lineno}: not an integer length: {line!r}") from None
+                where.append(f"{path}:{lineno}")
+        if any(not -2**63 <= v < 2**63 for v in values):
+            i = next(i for i, v in enumerate(values) if not -2**63 <= v < 2**63)
+            raise ValueError(f"{where[i]}: length {values[i]} does not fit in int64")
         arr = np.asarray(values, dtype=np.int64)
-    if arr.ndim != 1 or arr.dtype.kind not in "iu":
-        raise ValueError(f"{path}: expected a 1-D array of integer lengths, got {arr.dtype} {arr.shape}")
-    return arr.astype(np.int64)
+    arr = arr.astype(np.int64)
+    for i, v in enumerate(arr.tolist()):
+        if v < 1:
+            raise ValueError(f"{where[i]}: a length must be >= 1 (a sequence of at least one token), got {v}")
+        if capacity is not None and v > capacity:
+            raise ValueError(f"{where[i]}: length {v} exceeds --capacity {capacity} (no micro-batch can hold it)")
+    return arr
 
 
 def _add_plan_args(p: argparse.ArgumentParser) -> None:
@@ -74,11 +88,16 @@ def _run_report(lengths: np.ndarray, args: argparse.Namespace, trees: bool = Fal
         rep.plot(args.plot)
         print(f"\nfigure saved to {args.plot}")
         if tree_rep:
-            stem, dot, ext = args.plot.rpartition(".")
-            path = f"{stem}_trees.{ext}" if dot else f"{args.plot}_trees"
+            path = _sibling(args.plot, "trees")
             tree_rep.plot(path)
             print(f"figure saved to {path}")
     return 0
+
+
+def _sibling(path: str, name: str) -> str:
+    """``fig.png`` -> ``fig_<name>.png``: another figure beside the first."""
+    stem, dot, ext = path.rpartition(".")
+    return f"{stem}_{name}.{ext}" if dot else f"{path}_{name}"
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -136,9 +155,13 @@ def main(argv: Optional[List[str]] = None) -> int:
                 rep = cp_report(long_context_lengths(min(args.num_sequences, 512), args.cp * args.capacity, args.seed),
                                 capacity=args.capacity, dp_size=args.dp, cp_size=args.cp)
                 print(_tables_json(rep.tables) if args.json else "\n" + rep.format())
+                if args.plot:
+                    path = _sibling(args.plot, "cp")
+                    rep.plot(path)
+                    print(f"figure saved to {path}")
             return code
         if args.command == "plan":
-            return _run_report(load_lengths(args.lengths), args)
+            return _run_report(load_lengths(args.lengths, args.capacity), args)
         return _bench(args)
     except (ValueError, TypeError, OSError, ImportError) as e:
         print(f"seqpack {args.command}: error: {e}", file=sys.stderr)

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Dict, List, Optional, Protocol, Sequence
 if TYPE_CHECKING:  # pragma: no cover
     import numpy as np
 
-__all__ = ["plot_report", "plot_sharing"]  # ReportData, SharingData: what they read, for type checkers
+__all__ = ["plot_cp", "plot_report", "plot_sharing"]  # *Data: what they read, for type checkers
 
 
 class ReportData(Protocol):
@@ -31,6 +31,14 @@ class SharingData(Protocol):
     caps: Sequence[int]
     sharing_kept: Sequence[float]
     micro_batches: Dict[str, List[int]]
+
+
+class CpData(Protocol):
+    """What :func:`plot_cp` draws: a :class:`~seqpack.tools.report_cp.CpReport`'s data."""
+
+    rank_costs: Dict[str, List[float]]
+    kv_tokens: Dict[str, int]
+    least_kv_tokens: int
 
 
 def _pyplot():
@@ -60,8 +68,12 @@ def plot_report(report: ReportData, path: Optional[str] = None):
     width = 0.8 / max(1, len(report.rank_loads))
     for j, (name, loads) in enumerate(report.rank_loads.items()):
         mean = sum(loads) / len(loads)
-        ax.bar([r + j * width for r in range(len(loads))], [100 * (l / mean - 1) for l in loads],
-               width=width, label=name)
+        xs, ys = [r + j * width for r in range(len(loads))], [100 * (l / mean - 1) if mean else 0.0 for l in loads]
+        if max(map(abs, ys), default=0.0) < 0.05:  # bars of height 0 draw nothing: mark the series on the axis
+            ax.plot(xs, ys, linestyle="none", marker="_", markersize=12, markeredgewidth=2.5,
+                    color=f"C{j}", label=f"{name} (every rank at the mean)")
+        else:
+            ax.bar(xs, ys, width=width, color=f"C{j}", label=name)
     ax.axhline(0, color="black", linewidth=0.8)
     ax.set_xlabel("DP rank")
     ax.set_ylabel("tokens vs mean (%)")
@@ -87,6 +99,38 @@ def plot_report(report: ReportData, path: Optional[str] = None):
     ax.set_xlabel("tokens computed")
     real = report.computed_tokens.get("sequence packing", 0)
     ax.set_title(f"padding removed (real tokens: {real:,})")
+    fig.tight_layout()
+    if path:
+        fig.savefig(path, dpi=110)
+    return fig
+
+
+def plot_cp(report: CpData, path: Optional[str] = None):
+    """A :class:`~seqpack.tools.report_cp.CpReport`: each plan's predicted work per
+    rank (its micro-batches summed) and the K/V the ranks gather, beside the least
+    any degrees allow.
+
+    Returns the matplotlib Figure; saves it to ``path`` when given.
+    """
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.2))
+    ax = axes[0]
+    width = 0.8 / max(1, len(report.rank_costs))
+    for j, (name, costs) in enumerate(report.rank_costs.items()):
+        ax.bar([r + j * width for r in range(len(costs))], costs, width=width, color=f"C{j}", label=name)
+    ax.set_xlabel("rank (dp_rank x cp_size + cp_rank)")
+    ax.set_ylabel("predicted work (s)")
+    ax.set_title("work per rank")
+    ax.legend(fontsize=8)
+    ax = axes[1]
+    names = list(report.kv_tokens)
+    ax.bar(range(len(names)), [report.kv_tokens[n] for n in names], color=[f"C{j}" for j in range(len(names))])
+    ax.axhline(report.least_kv_tokens, color="black", linewidth=1, linestyle="--",
+               label=f"least any degrees allow ({report.least_kv_tokens:,})")
+    ax.set_xticks(range(len(names)), names)
+    ax.set_ylabel("K/V tokens gathered")
+    ax.set_title("context-parallel traffic")
+    ax.legend(fontsize=8)
     fig.tight_layout()
     if path:
         fig.savefig(path, dpi=110)

@@ -16,8 +16,8 @@ Example:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
 
 import numpy as np
 
@@ -46,7 +46,18 @@ def long_context_lengths(n: int, longest: int, seed: int = 0) -> np.ndarray:
 
 @dataclass(eq=False)
 class CpReport(Tables):
-    """Tables of one :func:`cp_report` run."""
+    """Tables of one :func:`cp_report` run, and what :meth:`plot` draws: each plan's
+    predicted work per rank (summed over its micro-batches) and K/V gathered."""
+
+    rank_costs: Dict[str, List[float]] = field(default_factory=dict)
+    kv_tokens: Dict[str, int] = field(default_factory=dict)
+    least_kv_tokens: int = 0
+
+    def plot(self, path: Optional[str] = None):
+        """Fixed vs hybrid CP: work per rank and K/V gathered (needs matplotlib)."""
+        from .plot import plot_cp
+
+        return plot_cp(self, path)
 
 
 def cp_report(lengths, capacity: int, dp_size: int, cp_size: int, cost: Optional[CostModel] = None) -> CpReport:
@@ -55,8 +66,13 @@ def cp_report(lengths, capacity: int, dp_size: int, cp_size: int, cost: Optional
     cost = h100_cost_model() if cost is None else cost
     lengths = np.asarray(lengths, dtype=np.int64)
     rows = []
+    rank_costs: Dict[str, List[float]] = {}
+    kv: Dict[str, int] = {}
+    least = 0
     for name, hybrid in (("fixed", False), ("hybrid", True)):
         plan = plan_step(lengths, dp_size, capacity, cost=cost, cp_size=cp_size, hybrid_cp=hybrid)
+        rank_costs[name] = [float(sum(sum(mb[r]) for mb in plan.costs)) for r in range(plan.num_ranks)]
+        kv[name], least = int(plan.kv_tokens), int(plan.least_kv_tokens)
         counts = np.bincount(plan.cp_degree, minlength=cp_size + 1)
         degrees = " ".join(f"{d}:{int(counts[d])}" for d in range(1, cp_size + 1) if counts[d])
         rows.append([name, degrees, plan.kv_tokens, plan.least_kv_tokens, plan.num_micro_batches[0],
@@ -65,6 +81,7 @@ def cp_report(lengths, capacity: int, dp_size: int, cp_size: int, cost: Optional
             f"DP {dp_size} x CP {cp_size} ranks, {capacity:,} tokens per rank and micro-batch. degrees: degree:count "
             "(a sequence of degree d runs on d ranks of one CP group). K/V: tokens of K/V the ranks gather (least: "
             f"every sequence at its smallest degree). Predicted step under {cost!r} (seconds).")
-    return CpReport([Table(f"Context parallelism: fixed vs hybrid CP (plan_step, cp_size={cp_size})",
-                           ["plan", "degrees", "K/V gathered", "least K/V", "micro-batches / rank", "predicted step",
-                            "lower bound"], rows, note=note)])
+    table = Table(f"Context parallelism: fixed vs hybrid CP (plan_step, cp_size={cp_size})",
+                  ["plan", "degrees", "K/V gathered", "least K/V", "micro-batches / rank", "predicted step",
+                   "lower bound"], rows, note=note)
+    return CpReport(tables=[table], rank_costs=rank_costs, kv_tokens=kv, least_kv_tokens=least)

@@ -122,3 +122,43 @@ def test_demo_with_context_parallelism(capsys):
     assert fixed[1] == "4:128" and hybrid[2] <= fixed[2] and hybrid[5] <= fixed[5] * (1 + 1e-9)
     assert cli.main(["demo", "-n", "64", "--cp", "3"]) == 2
     assert "cp_size must be a power of two" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("text, line, rule", [
+    ("5\n# a comment\n0\n3\n", 3, "a length must be >= 1"),
+    ("5\n-2\n", 2, "a length must be >= 1"),
+    ("5\n\n9000\n", 3, "length 9000 exceeds --capacity 4096"),
+    ("5\n" + str(2**63) + "\n", 2, "does not fit in int64"),
+])
+def test_plan_names_a_bad_length_where_it_is(tmp_path, capsys, text, line, rule):
+    # Issue 51, item 8: 0 and negative lengths were internal index errors (and 0
+    # passed one planner, failed another): one rule, named at file:line.
+    path = tmp_path / "lens.txt"
+    path.write_text(text)
+    assert cli.main(["plan", "--lengths", str(path), *SMALL]) == 2
+    err = capsys.readouterr().err
+    assert f"{path}:{line}: " in err and rule in err
+    npy = tmp_path / "lens.npy"
+    np.save(npy, np.array([5, 0, 3], dtype=np.int64))
+    assert cli.main(["plan", "--lengths", str(npy), *SMALL]) == 2
+    assert f"{npy}[1]: a length must be >= 1" in capsys.readouterr().err
+
+
+def test_plot_draws_the_cp_comparison_and_no_invisible_legend_entry(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    out = tmp_path / "plan.png"
+    assert cli.main(["demo", "-n", "128", "--cp", "4", "--capacity", "4096", "--dp", "2", "--plot", str(out)]) == 0
+    cp = tmp_path / "plan_cp.png"
+    assert cp.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f"figure saved to {cp}" in capsys.readouterr().out
+    from seqpack.tools.report import analyze
+
+    rep = analyze(np.full(64, 100, dtype=np.int64), capacity=4096, dp_size=4)   # every balancer is exact
+    fig = rep.plot()
+    ax = fig.axes[1]
+    for handle, label in zip(*ax.get_legend_handles_labels()):
+        visible = handle.get_height() != 0 if hasattr(handle, "get_height") else \
+            any(getattr(p, "get_height", lambda: 1)() != 0 for p in getattr(handle, "patches", [handle]))
+        assert visible, f"legend entry {label!r} draws nothing"
