@@ -176,8 +176,15 @@ def _trees(shard: ShardRecord, indices: Sequence[Sequence[int]], given: Mapping[
     options = _rule(shard, given)
     carried = shard.micro_batch_trees[0] if tree_plan(shard) else None
     rule = shard.micro_batch_tree_options or {}
+    if carried is not None and shard.micro_batch_static_lengths is not None:
+        other = sorted(k for k in TREE_OPTIONS if options[k] != rule[k])
+        check(not other, f"{', '.join(f'{k}={options[k]!r}' for k in other)} contradicts the shard's plan: it pads "
+                         "each tree to its static shape (static_shapes), so its trees are laid out as planned")
     if carried is not None and all(options[k] == rule[k] for k in TREE_OPTIONS):
-        return (_carried(shard, tree, start, end, options, wrap) for tree, (start, end) in zip(carried, indices))
+        static = shard.micro_batch_static_lengths[0] if shard.micro_batch_static_lengths is not None else \
+            [None] * len(carried)
+        return (_carried(shard, tree, start, end, options, wrap, size)
+                for tree, (start, end), size in zip(carried, indices, static))
     planned = one_plan(shard)[1] if shard.elem_counts_per_gb is not None else None
     forest = _forest_labels(shard)
     labels = forest if forest is not None else group_labels(shard.data, options["group_key"])
@@ -190,9 +197,10 @@ def _trees(shard: ShardRecord, indices: Sequence[Sequence[int]], given: Mapping[
 
 
 def _carried(shard: ShardRecord, tree: Any, start: int, end: int, options: Mapping[str, Any],
-             wrap: Wrap) -> TreeMicroBatch:
-    if tree is None:  # a dummy: the tree of its one-token row
-        return _built(shard, start, end, options, None, None, wrap)
+             wrap: Wrap, static: Optional[int] = None) -> TreeMicroBatch:
+    if tree is None:  # a dummy: the tree of its one-token row (padded to its static shape, when planned with one)
+        return _built(shard, start, end, options if static is None else {**options, "pad_to_multiple_of": static},
+                      None, None, wrap)
     return TreeMicroBatch(tree=tree, data=wrap(slice_rows(shard.data, start, end)), rows=tuple(range(start, end)))
 
 

@@ -100,16 +100,20 @@ def _add_trees(data: Mapping[str, Any], plan: "StepPlan", shards: List[ShardReco
     check(differ.size == 0, f"step_plan's forest has rows of other lengths than data[{lengths_key!r}] (row "
                             f"{int(differ[0]) if differ.size else 0}): shard the rows the plan was made on")
     cells = [cell for s in range(len(shards)) for mb in plan.assignment for cell in mb[s]]  # as consumed below
-    built = iter(bin_trees(data, lens, cells, key, plan.forest.tree_ids.tolist()))
+    # static_shapes: each tree padded to its cell's bucket (the plan priced the padding)
+    pad_to = None if plan.padded_tokens is None else \
+        [size for s in range(len(shards)) for mb in plan.padded_tokens for size in mb[s]]
+    built = iter(bin_trees(data, lens, cells, key, plan.forest.tree_ids.tolist(), pad_to))
     for s, shard in enumerate(shards):
         shard.micro_batch_trees = [[next(built) for _ in mb[s]] for mb in plan.assignment]
         shard.micro_batch_tree_options = dict(FOREST_RULE)
         for m, trees in enumerate(shard.micro_batch_trees):
             for k, tree in enumerate(trees):
                 planned = plan.tokens[m][s][k]
-                check(tree is None or tree.num_tokens == planned,
+                real = 0 if tree is None else tree.num_tokens - tree.num_pad_tokens
+                check(tree is None or real == planned,
                       f"step_plan's micro-batch (mini-batch {m}, rank {s}, {k}) holds {planned} physical tokens, "
-                      f"but its rows' {key!r} make a tree of {tree.num_tokens if tree else 0}: the data's tokens "
+                      f"but its rows' {key!r} make a tree of {real}: the data's tokens "
                       "are not those the plan's forest was made of")
 
 

@@ -107,24 +107,29 @@ def _ids(labels: Optional[Sequence[Any]], rows: Sequence[int]) -> Optional[List[
 
 
 def bin_trees(data: Mapping[str, Any], lengths: np.ndarray, bins: Sequence[Sequence[int]], input_key: str,
-              labels: Optional[Sequence[Any]]) -> List[Optional["PrefixTreeBatch"]]:
+              labels: Optional[Sequence[Any]], pad_to: Optional[Sequence[int]] = None
+              ) -> List[Optional["PrefixTreeBatch"]]:
     """The prefix tree of each bin's rows (positions in ``data``, in the bin's order;
     rows share only within one of ``labels``, one per row of ``data``), with its host
     plans built (:func:`seqpack.prepare_tree`): built once where the shards are, so
-    iterating a shard builds no trie and no plan. An empty bin (a dummy) has None."""
+    iterating a shard builds no trie and no plan. An empty bin (a dummy) has None.
+    ``pad_to``: each bin's static shape (a step plan's bucket), its tree padded to it."""
     from ...tensors.prefix_tree import PrefixTreeBatch
     from ...tensors.tree_plans import prepare_tree
 
     flat, cu = row_tokens(data, input_key, lengths)
     out: List[Optional["PrefixTreeBatch"]] = []
-    for rows in bins:
+    for b, rows in enumerate(bins):
         rows = list(rows)
         if not rows:
             out.append(None)
             continue
         tokens = np.concatenate([flat[cu[r]:cu[r + 1]] for r in rows])
         offsets = np.concatenate([[0], np.cumsum(lengths[rows])]).astype(np.int64)
-        out.append(prepare_tree(PrefixTreeBatch.from_packed(tokens, offsets, group_ids=_ids(labels, rows))))
+        # a tree of T <= bucket physical tokens rounds up to exactly the bucket
+        multiple = 1 if pad_to is None else int(pad_to[b])
+        out.append(prepare_tree(PrefixTreeBatch.from_packed(tokens, offsets, group_ids=_ids(labels, rows),
+                                                            pad_to_multiple_of=multiple)))
     return out
 
 
