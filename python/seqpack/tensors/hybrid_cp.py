@@ -94,7 +94,8 @@ class HybridCpBatch:
         kept while its parts and group stay."""
         held = self.__dict__.get("_layout")
         if held is None or held.parts is not self.parts or held.group_ranks != self.group_ranks:
-            held = PartsLayout(self.parts, self.dp_size, self.dp_rank, self.cp_size, self.cp_rank, self.group_ranks)
+            held = PartsLayout(self.parts, self.dp_size, self.dp_rank, self.cp_size, self.cp_rank, self.group_ranks,
+                               local_rows=int(self.position_ids.shape[-1]))
             self.__dict__["_layout"] = held
         return held
 
@@ -286,6 +287,16 @@ def pack_hybrid_cp(tensors: Mapping[str, "torch.Tensor"], seq_lens: Any, plan: A
             out[n] = t.new_empty((0,) + tuple(t.shape[2:]))
     pos = torch.cat(positions) if len(positions) > 1 else positions[0] if positions else \
         torch.zeros(0, dtype=torch.int64, device=device)
+    if plan.padded_tokens is not None:  # static_shapes: pad rows after the parts, up to the cell's bucket
+        extra = int(plan.padded_tokens[m][r][k]) - start
+        if extra < 0:
+            raise ValueError(f"the micro-batch holds {start} rows on rank {r}, more than its static shape "
+                             f"{int(plan.padded_tokens[m][r][k])}: build it from the rows planned")
+        fill = dict(pad_values or {})
+        for n in names:
+            pad = out[n].new_full((extra,) + tuple(out[n].shape[1:]), fill.get(n, 0))
+            out[n] = torch.cat([out[n], pad])
+        pos = torch.cat([pos, pos.new_zeros(extra)])
     return HybridCpBatch(tuple(parts), out, pos, plan.dp_size, r // C, C, r % C, m, k,
                          tuple(i for p in parts for i in p.rows))
 

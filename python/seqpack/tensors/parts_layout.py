@@ -113,6 +113,9 @@ class PartsLayout(TokenLayout):
     cp_size: int
     cp_rank: int
     group_ranks: Tuple[int, ...] = ()
+    # This rank's rows: the parts' and, when the plan gave the micro-batch a static
+    # shape, the pad rows after them that no part reads (None: the parts' rows).
+    local_rows: Optional[int] = None
     _plans: Dict[Any, Any] = field(default_factory=dict, repr=False)
     # Its layout kind, the dispatch table's key with its cut (layout_kinds.layout_kind).
     composite_kind: ClassVar[str] = "parts"
@@ -148,8 +151,11 @@ class PartsLayout(TokenLayout):
     num_logical_tokens = property(lambda self: sum(layout.num_logical_tokens for layout in self._layouts()),
                                   doc="Tokens of the rows, N.")
     num_rows = property(lambda self: sum(len(p.rows) for p in self.parts), doc="Rows R: every part's.")
-    num_local_tokens = property(lambda self: self.parts[-1].end if self.parts else 0,
-                                doc="This rank's rows of the micro-batch (each part's cut, in order).")
+    num_local_tokens = property(
+        lambda self: self.local_rows if self.local_rows is not None else self.parts[-1].end if self.parts else 0,
+        doc="This rank's rows of the micro-batch: each part's cut in order, then the static shape's pad rows.")
+    num_local_pad_rows = property(lambda self: self.num_local_tokens - (self.parts[-1].end if self.parts else 0),
+                                  doc="The pad rows after the parts (a static shape's), read by no part.")
 
     @property
     def logical_index(self) -> np.ndarray:
@@ -192,7 +198,7 @@ class PartsLayout(TokenLayout):
         from .._equality import values_equal
 
         def key(x: "PartsLayout") -> tuple:
-            return (x.parts, x.dp_size, x.dp_rank, x.cp_size, x.cp_rank, x.group_ranks)
+            return (x.parts, x.dp_size, x.dp_rank, x.cp_size, x.cp_rank, x.group_ranks, x.num_local_tokens)
 
         return values_equal(key(self), key(other))
 

@@ -174,6 +174,8 @@ def _parts_attention(q, k, v, batch, group, options):
         rows = slice(part.start, part.end)
         outs.append(lookup(ATTENTION, layout, "attention")(q[rows], k[rows], v[rows], layout,
                                                             composite.block_group(part), dict(options)))
+    if composite.num_local_pad_rows:  # a static shape's pad rows: no part reads them, nothing attends
+        outs.append(q.new_zeros((composite.num_local_pad_rows, q.shape[1], v.shape[2])))
     if not outs:
         return q.new_empty((0, q.shape[1], v.shape[2]))
     import torch

@@ -76,3 +76,43 @@ def test_the_ops_take_the_composite_layout():
         with pytest.raises(ValueError, match=f"must hold this rank's {n} rows"):
             seqpack.attention(q[:-1], k[:-1], v[:-1], mb.layout)
     assert isinstance(mbs[0].layout, PartsLayout)
+
+
+def test_static_shapes_reach_the_hybrid_micro_batches():
+    # Issue 51, finding 9: the plan priced each rank's micro-batch at its bucket, the
+    # tensors held fewer rows (20 and 18 where the plan said 24 and 24).
+    rng = np.random.default_rng(0)
+    rows = [rng.integers(1, 50, n).tolist() for n in (33, 17, 5, 3, 9, 2, 11, 7)]
+    lengths = [len(r) for r in rows]
+    ids = torch.zeros(len(rows), max(lengths), dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, :len(r)] = torch.tensor(r)
+    cost = seqpack.CostModel(per_micro_batch=20.0, per_token=1.0, per_token_squared=0.02, per_kv_token=0.5)
+    for cap, shapes in ((24, [12, 18, 24]), (64, True)):
+        plan = seqpack.plan_step(lengths, 1, cap, cost=cost, cp_size=2, hybrid_cp=True, static_shapes=shapes)
+        assert plan.padded_tokens is not None
+        for r in range(2):
+            for k in range(plan.num_micro_batches[0]):
+                mb = seqpack.pack_hybrid_cp({"input_ids": ids}, lengths, plan, rank=r, micro_batch=k)
+                size, real = plan.padded_tokens[0][r][k], plan.tokens[0][r][k]
+                assert mb.num_tokens == mb.layout.num_local_tokens == size
+                assert mb["input_ids"].shape[0] == mb.position_ids.shape[0] == size
+                assert mb.layout.num_local_pad_rows == size - real
+                if cap == 64:  # every part whole: run the ops without a process group
+                    torch.manual_seed(0)
+                    q, kk, v = (torch.randn(size, 2, 4, dtype=torch.float64) for _ in range(3))
+                    out = seqpack.attention(q, kk, v, mb)
+                    assert out.shape[0] == size and not out[real:].any()
+                    bare = seqpack.pack_hybrid_cp({"input_ids": ids}, lengths, dataclasses_replace(plan), rank=r,
+                                                  micro_batch=k)
+                    torch.testing.assert_close(out[:real], seqpack.attention(q[:real], kk[:real], v[:real], bare))
+                    logits = torch.randn(size, 50, dtype=torch.float64)
+                    torch.testing.assert_close(seqpack.token_logprobs(logits, mb).logprobs,
+                                               seqpack.token_logprobs(logits[:real], bare).logprobs)
+
+
+def dataclasses_replace(plan):
+    """The same plan without its static shapes (the bare micro-batches)."""
+    import dataclasses
+
+    return dataclasses.replace(plan, padded_tokens=None, shape_buckets=None)
