@@ -94,7 +94,9 @@ def test_sft_trainer_packs_with_seqpack_into_trls_rows(strategy, tmp_path, monke
         calls.append(a[2] if len(a) > 2 else k.get("strategy"))
         return real(*a, **k)
 
-    monkeypatch.setattr(seqpack_trl, "pack_dataset", spy)
+    from seqpack.frameworks.trl import patching
+
+    monkeypatch.setattr(patching, "pack_dataset", spy)  # what the patch calls
     seqpack_trl.patch()
     got = SFTTrainer(model=tiny_llama("sdpa"), args=args, train_dataset=ds, processing_class=tokenizer())
     assert calls == [strategy]

@@ -297,9 +297,46 @@ def test_patch_and_unpatch_restore_trainers_models_and_attention():
     assert seqpack_trl.unpatch() == names
     assert GRPOTrainer.__dict__[trl_tree.METHOD] is original and RLOOTrainer.__dict__[trl_tree.METHOD] is not None
     assert t.model.config._attn_implementation == "sdpa" and "_seqpack_trl_forward" not in t.model.__dict__
-    with seqpack_trl.patched(shared_prefix=True) as inside:
+    trees_only = [n for n in names if not n.endswith(".pack_dataset")]
+    with seqpack_trl.patched(shared_prefix=True) as inside:  # a GRPO run: SFT packing left alone
+        assert inside == trees_only
+        import trl.trainer.sft_trainer
+
+        assert trl.trainer.sft_trainer.pack_dataset is not seqpack_trl.trl_pack_dataset
+    with seqpack_trl.patched(shared_prefix=True, packing=True) as inside:  # asked for: both
         assert inside == names
     assert GRPOTrainer.__dict__[trl_tree.METHOD] is original
+
+
+def test_the_patch_says_it_is_on_and_reports_what_ran_as_trees(caplog, monkeypatch):
+    # Issue 51, item 2: the patch confirmed itself only at INFO; nothing said how many
+    # batches ran as trees; a fallback warning holding the row length printed every step.
+    import logging
+
+    trl_tree.counts(reset=True)
+    with caplog.at_level(logging.WARNING):
+        seqpack_trl.patch(shared_prefix=True)
+    assert any("replaced by seqpack's" in r.getMessage() and r.levelno == logging.WARNING for r in caplog.records)
+    t = trainer("grpo", bf16=False)
+    ids, mask = grpo_batch()
+    with torch.no_grad():
+        t._get_per_token_logps_and_entropies(t.model, ids, mask, 6)
+        monkeypatch.setattr(trl_tree, "_fallback_reason", lambda *a: ("test_kind", "a reason of this test"))
+        with pytest.warns(UserWarning, match="a reason of this test"):
+            t._get_per_token_logps_and_entropies(t.model, ids, mask, 6)
+    got = seqpack_trl.report()
+    assert got["tree_batches"] == 1 and got["trl_batches"] == 1 and got["trl_reasons"] == {"test_kind": 1}
+    assert got["padded_tokens"] == ids.numel() and 0 < got["tree_tokens"] < got["padded_tokens"]
+    assert got["tokens_saved"] == got["padded_tokens"] - got["tree_tokens"]
+    seqpack_trl.unpatch()
+
+
+def test_a_fallback_reason_warns_once_whatever_its_numbers():
+    trl_tree._WARNED.discard("sliding_window")  # a fallback's kind is fixed, its words carry the batch's numbers
+    with pytest.warns(UserWarning, match="shorter than a row of 17 tokens") as record:
+        trl_tree._warn_once("sliding_window", "sliding_window = 8, shorter than a row of 17 tokens")
+        trl_tree._warn_once("sliding_window", "sliding_window = 8, shorter than a row of 23 tokens")
+    assert len([w for w in record if "sliding_window" in str(w.message)]) == 1
 
 
 def test_async_grpo_is_refused_by_name(tmp_path):

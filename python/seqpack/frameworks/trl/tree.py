@@ -54,7 +54,26 @@ _VISION = ("pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask
 _ORIGINAL: Dict[Tuple[str, str], Any] = {}  # (module, class) -> TRL's method, while patched
 _BASE_INIT: Dict[str, Any] = {}  # "init": _BaseTrainer.__init__, while patched
 _MODELS: "weakref.WeakSet[Any]" = weakref.WeakSet()  # models whose forward and attention the patch changed
-_WARNED: set = set()
+_WARNED: set = set()  # the reasons warned about (their kinds: a reason's numbers change from batch to batch)
+_COUNTS: Dict[str, Any] = {}  # what report() says; reset by counts(reset=True)
+
+
+def counts(reset: bool = False) -> Dict[str, Any]:
+    """Batches on trees and on TRL's path (by reason), TRL's padded tokens and the
+    trees' physical tokens of the batches run as trees, and the difference."""
+    out = dict(tree_batches=_COUNTS.get("tree_batches", 0), trl_batches=_COUNTS.get("trl_batches", 0),
+               trl_reasons=dict(_COUNTS.get("trl_reasons", {})), padded_tokens=_COUNTS.get("padded_tokens", 0),
+               tree_tokens=_COUNTS.get("tree_tokens", 0))
+    out["tokens_saved"] = out["padded_tokens"] - out["tree_tokens"]
+    if reset:
+        _COUNTS.clear()
+    return out
+
+
+def _count_trl(kind: str) -> None:
+    _COUNTS["trl_batches"] = _COUNTS.get("trl_batches", 0) + 1
+    reasons = _COUNTS.setdefault("trl_reasons", {})
+    reasons[kind] = reasons.get(kind, 0) + 1
 
 
 # ---- the model: TRL's fused head, read; a forward that runs the tree ----------------------
@@ -166,48 +185,51 @@ def _hf_model(trainer: Any, model: Any) -> Tuple[Any, bool]:
 
 
 def _fallback_reason(trainer: Any, model: Any, compute_aux_loss: bool, extra: Dict[str, Any],
-                     longest: int) -> Optional[str]:
+                     longest: int) -> Optional[Tuple[str, str]]:
+    """(its kind, the reason) why this batch runs on TRL's path, or None."""
     vision = [k for k in _VISION if extra.get(k) is not None]
     if vision:
-        return f"vision inputs ({', '.join(vision)})"
+        return "vision", f"vision inputs ({', '.join(vision)})"
     if compute_aux_loss:
-        return "the MoE load-balancing loss (compute_aux_loss: TRL's router loss is over the padded rows)"
+        return "moe_aux_loss", "the MoE load-balancing loss (compute_aux_loss: TRL's router loss is over the padded rows)"
     hf_model, prompt_learning = _hf_model(trainer, model)
     if prompt_learning:
-        return "a prompt-learning PEFT adapter (it changes the model's inputs)"
+        return "prompt_learning", "a prompt-learning PEFT adapter (it changes the model's inputs)"
     head = _head_of(hf_model)
     if head is None:
-        return "a model without TRL's fused LM head (add_fused_lm_head)"
+        return "no_fused_head", "a model without TRL's fused LM head (add_fused_lm_head)"
     if head["final_logit_softcapping"] is not None:
-        return f"final_logit_softcapping = {head['final_logit_softcapping']} (a tree head without soft-capping)"
+        return "logit_softcapping", f"final_logit_softcapping = {head['final_logit_softcapping']} (a tree head without soft-capping)"
     scale = float(head["logit_scale"])
     if not (math.isfinite(scale) and scale > 0):
-        return f"logit_scale = {head['logit_scale']} (must be positive to fold into the temperature)"
+        return "logit_scale", f"logit_scale = {head['logit_scale']} (must be positive to fold into the temperature)"
     try:
         from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
     except ImportError:  # pragma: no cover
         def is_deepspeed_zero3_enabled() -> bool:
             return False
     if is_deepspeed_zero3_enabled():
-        return "DeepSpeed ZeRO-3 (the LM head's weight is a shard outside TRL's gather)"
+        return "zero3", "DeepSpeed ZeRO-3 (the LM head's weight is a shard outside TRL's gather)"
     if any(name.endswith("sinks") for name, _ in hf_model.named_parameters()):
-        return "attention sinks (GPT-OSS: tree attention has none)"
+        return "attention_sinks", "attention sinks (GPT-OSS: tree attention has none)"
     config = hf_model.config.get_text_config()
     if getattr(config, "attn_logit_softcapping", None) is not None:
-        return f"attn_logit_softcapping = {config.attn_logit_softcapping} (tree attention has no soft-capping)"
+        return "attn_softcapping", f"attn_logit_softcapping = {config.attn_logit_softcapping} (tree attention has no soft-capping)"
     window = getattr(config, "sliding_window", None)
     if window is not None and getattr(config, "use_sliding_window", True) and longest > int(window):
-        return f"sliding_window = {window}, shorter than a row of {longest} tokens (tree attention has no window)"
+        return "sliding_window", f"sliding_window = {window}, shorter than a row of {longest} tokens (tree attention has no window)"
     if not getattr(hf_model, "_can_set_attn_implementation", lambda: True)():
-        return f"{type(hf_model).__name__} cannot switch its attention implementation"
+        return "attention_switch", f"{type(hf_model).__name__} cannot switch its attention implementation"
     return None
 
 
-def _warn_once(reason: str) -> None:
-    if reason not in _WARNED:
-        _WARNED.add(reason)
+def _warn_once(kind: str, reason: str) -> None:
+    """One warning per kind of reason (the first batch's words), and the batch counted."""
+    _count_trl(kind)
+    if kind not in _WARNED:
+        _WARNED.add(kind)
         warnings.warn(f"seqpack.integrations.trl (shared_prefix=True): {reason}; these log-probs run on TRL's own "
-                      f"path", UserWarning, stacklevel=4)
+                      f"path (warned once; seqpack.integrations.trl.report() counts them)", UserWarning, stacklevel=4)
 
 
 def _make_method(original: Any) -> Any:
@@ -222,7 +244,7 @@ def _make_method(original: Any) -> Any:
         longest = int(attention_mask.sum(1).max()) if attention_mask.numel() else 0
         reason = _fallback_reason(self, model, compute_aux_loss, extra, longest)
         if reason is not None:
-            _warn_once(reason)
+            _warn_once(*reason)
             return trl_path()
         c = int(logits_to_keep)
         rows = input_ids.shape[0]
@@ -232,10 +254,13 @@ def _make_method(original: Any) -> Any:
             end = min(start + batch_size, rows)
             found = completion_tree(input_ids[start:end], attention_mask[start:end], c)
             if found is None:
-                _warn_once("a row whose first completion token has no prompt token before it")
+                _warn_once("no_prompt", "a row whose first completion token has no prompt token before it")
                 return trl_path()
             chunks.append((end - start, found))
         _install(_hf_model(self, model)[0])
+        _COUNTS["tree_batches"] = _COUNTS.get("tree_batches", 0) + 1
+        _COUNTS["padded_tokens"] = _COUNTS.get("padded_tokens", 0) + int(input_ids.numel())
+        _COUNTS["tree_tokens"] = _COUNTS.get("tree_tokens", 0) + sum(found[0].num_tokens for _, found in chunks)
         logps, entropies = [], []
         for b, (tree, scored, source, target) in chunks:
             kw = tree.hf_kwargs(input_ids.device)
