@@ -27,7 +27,7 @@ import torch
 import seqpack
 from seqpack._equality import values_equal
 
-EXAMPLES = Path(__file__).resolve().parents[2] / "docs" / "examples"
+EXAMPLES = seqpack.config.example("verl_ppo.yaml").parent  # the shipped examples
 
 def public_modules():
     """Every module of the package whose path has no private part (``_core``,

@@ -9,7 +9,7 @@ import yaml
 from seqpack import config
 from seqpack.config import ConfigError, load
 
-EXAMPLES = os.path.join(os.path.dirname(__file__), "..", "..", "..", "docs", "examples")
+EXAMPLES = str(config.example("verl_ppo.yaml").parent)  # the shipped examples
 
 
 def example(name):

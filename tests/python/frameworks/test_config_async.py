@@ -12,7 +12,7 @@ import seqpack
 from seqpack import config
 from seqpack.config import ConfigError
 
-DOCS = pathlib.Path(__file__).resolve().parents[3] / "docs" / "examples"
+DOCS = config.example("verl_ppo.yaml").parent  # the shipped examples
 
 
 def nemo_rl(**async_grpo):

@@ -19,7 +19,7 @@ from omegaconf import OmegaConf
 from seqpack import config
 from seqpack.config import ConfigError, load
 
-EXAMPLES = os.path.join(os.path.dirname(__file__), "..", "..", "..", "docs", "examples")
+EXAMPLES = str(config.example("verl_ppo.yaml").parent)  # the shipped examples
 RECIPES = os.path.join(os.path.dirname(__file__), "data", "recipes")
 VERL = {"data": {"max_prompt_length": 512, "max_response_length": 512},
         "actor_rollout_ref": {"actor": {"use_dynamic_bsz": True, "ppo_max_token_len_per_gpu": 4096}}}

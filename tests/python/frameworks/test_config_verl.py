@@ -12,7 +12,7 @@ import yaml
 from seqpack import config
 from seqpack.config import ConfigError, load
 
-EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "..", "..", "docs", "examples", "verl_ppo.yaml")
+EXAMPLE = str(config.example("verl_ppo.yaml"))
 
 
 

@@ -65,9 +65,10 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import pathlib
 import threading
 import warnings
-from typing import Any, Mapping, Optional, Sequence, Union
+from typing import Any, List, Mapping, Optional, Sequence, Union
 
 from omegaconf import OmegaConf
 
@@ -100,6 +101,8 @@ __all__ = [
     "StreamConfig",
     "VerlConfig",
     "VerlMicroBatching",
+    "example",
+    "examples",
     "load",
 ]
 
@@ -113,6 +116,32 @@ del _cls
 # OmegaConf's resolvers are process-wide: a load registers NeMo-RL's for its own
 # duration, one load at a time.
 _LOCK = threading.RLock()
+
+
+_EXAMPLES = pathlib.Path(__file__).resolve().parent / "examples"
+
+
+def examples() -> List[str]:
+    """The config examples shipped with seqpack (in every schema it reads), by name.
+
+    >>> "verl_ppo.yaml" in examples()
+    True
+    """
+    return sorted(p.name for p in _EXAMPLES.glob("*.yaml"))
+
+
+def example(name: str) -> pathlib.Path:
+    """The path of the config example ``name`` shipped with seqpack (installed with
+    the package, so a docs section runs from any directory):
+    ``config.load(config.example("verl_ppo.yaml"))``.
+
+    Raises:
+        ValueError: no such example (the message lists them).
+    """
+    path = _EXAMPLES / str(name)
+    if str(name) not in examples():
+        raise ValueError(f"no config example {name!r}; seqpack ships {examples()}")
+    return path
 
 
 def load(source: Union[str, os.PathLike, Mapping[str, Any]], *, schema: Optional[str] = None,
