@@ -1,5 +1,5 @@
-"""The notebook shipped with the package runs top to bottom (nbclient, a fresh kernel), from\nanother directory than its own."""
-
+"""The notebook shipped with the package runs top to bottom (nbclient, a fresh kernel), from
+another directory than its own."""
 
 import pytest
 
