@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import abc
 import hashlib
+import warnings
 from typing import Any, Callable, Dict, Optional, Tuple, TypeVar
 
 import numpy as np
@@ -243,9 +244,11 @@ class TokenLayout(abc.ABC):
             if getattr(type(plan), "check_layout", None) is None:
                 raise TypeError(f"a pickled {type(self).__name__} holds a plan {key!r} of type {type_name(plan)} "
                                 "that cannot be checked against it")
-        if plans and built_for is None:
-            raise ValueError(f"a pickled {type(self).__name__}'s host plans carry no digest of the layout they were "
-                             "built for: they cannot be checked against it (pickle it with this seqpack)")
+        if plans and built_for is None:  # an older seqpack's pickle: its plans are caches, built again here
+            warnings.warn(f"a pickled {type(self).__name__}'s host plans carry no digest of the layout they were "
+                          f"built for (an older seqpack's pickle): {sorted(map(str, plans))} are not adopted and "
+                          "will be built again", UserWarning, stacklevel=3)
+            return
         if plans and built_for != self._identity():
             raise ValueError(f"a pickled {type(self).__name__}'s host plans were built for another layout (its "
                              "digest differs from this one's): refused, they would read the wrong tokens")

@@ -304,6 +304,6 @@ def test_a_plan_built_for_another_layout_of_the_same_sizes_is_refused():
     with pytest.raises(ValueError, match="built for another layout"):
         _rebuild(arrays, pad, plans)
     assert pickle.loads(pickle.dumps(b)).planned() == b.planned() == ("targets",)  # its own plans still travel
-    plans.pop("identity_digest")
-    with pytest.raises(ValueError, match="carry no digest"):
-        _rebuild(arrays, pad, plans)
+    plans.pop("identity_digest")  # an older seqpack's pickle: its plans are not adopted, with a warning
+    with pytest.warns(UserWarning, match="carry no digest"):
+        assert _rebuild(arrays, pad, plans).planned() == ()
