@@ -9,6 +9,8 @@
 #include <optional>
 #include <string>
 
+#include "cp_blocks.hpp"
+
 namespace seqpack {
 namespace {
 
@@ -50,11 +52,22 @@ struct Placement {
   std::vector<int64_t> first_rank;          // per item (in the order given)
 };
 
+// The levels j (degree 2^j) of the items' degrees.
+std::vector<int64_t> levels_in_use(const std::vector<Item>& items) {
+  std::vector<int64_t> levels;
+  for (const Item& it : items) levels.push_back(log2_of(it.d));
+  std::sort(levels.begin(), levels.end());
+  levels.erase(std::unique(levels.begin(), levels.end()), levels.end());
+  return levels;
+}
+
 // Items heaviest first (work x degree), each to the aligned block and step that
 // raise the step's maximum the least (sync MicroBatch) or keep its ranks' totals the
 // lowest (Step), within the cap; or, `tight`, items with the most tokens first, each
 // where it leaves the least room (best fit: packs a count that balancing misses).
-// None when some item finds no room.
+// Ties go to the lowest block, then the earliest step. None when some item finds no
+// room. Each step's blocks are searched through their index (cp_blocks.hpp): a few
+// tree descents per step instead of a scan of the ranks.
 std::optional<Placement> place(const std::vector<Item>& items, const CpStepOptions& o, int64_t K, bool tight) {
   const int64_t C = o.cp_size, R = o.step.dp_size * C, cap = o.step.max_tokens;
   Placement p;
@@ -64,6 +77,10 @@ std::optional<Placement> place(const std::vector<Item>& items, const CpStepOptio
   p.tokens.assign(static_cast<size_t>(R * K), 0);
   p.first_rank.assign(items.size(), -1);
   std::vector<double> step_max(static_cast<size_t>(K), 0.0), total(static_cast<size_t>(R), 0.0);
+  const std::vector<int64_t> used = levels_in_use(items);
+  std::vector<detail::StepBlocks> steps(static_cast<size_t>(K), detail::StepBlocks(R, used));
+  const bool by_total = !tight && o.step.sync == StepSync::Step;
+  detail::StepBlocks totals = by_total ? detail::StepBlocks(R, used) : detail::StepBlocks();  // load = a rank's total
   std::vector<size_t> order(items.size());
   std::iota(order.begin(), order.end(), size_t{0});
   std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) {
@@ -72,33 +89,48 @@ std::optional<Placement> place(const std::vector<Item>& items, const CpStepOptio
   });
   for (size_t i : order) {
     const Item& it = items[i];
-    double best_a = 0.0, best_b = 0.0;
+    const int64_t j = log2_of(it.d), limit = cap - it.tokens;
+    const double w = it.work;
+    detail::BlockKey best_key;
     int64_t best_rank = -1, best_k = -1;
-    for (int64_t first = 0; first < R; first += it.d) {
-      for (int64_t k = 0; k < K; ++k) {
-        double peak = 0.0, busiest = 0.0;
-        int64_t room = cap;
-        bool fits = true;
-        for (int64_t r = first; r < first + it.d && fits; ++r) {
-          const auto c = static_cast<size_t>(r * K + k);
-          fits = p.tokens[c] + it.tokens <= cap;
-          room = std::min(room, cap - p.tokens[c] - it.tokens);
-          peak = std::max(peak, p.load[c] + it.work);
-          busiest = std::max(busiest, total[static_cast<size_t>(r)] + it.work);
-        }
-        if (!fits) continue;
-        // tight: the least room left, then the new peak. MicroBatch: how much the step's
-        // maximum grows, then the new peak; Step: the busiest rank's new total, then the peak.
-        const double a = tight ? static_cast<double>(room)
-                         : o.step.sync == StepSync::MicroBatch ? std::max(0.0, peak - step_max[static_cast<size_t>(k)])
-                                                               : busiest;
-        const double b = peak;
-        if (best_rank < 0 || a < best_a || (a == best_a && b < best_b)) best_a = a, best_b = b, best_rank = first,
-                                                                         best_k = k;
+    for (int64_t k = 0; k < K; ++k) {
+      const detail::StepBlocks& s = steps[static_cast<size_t>(k)];
+      const double top = step_max[static_cast<size_t>(k)];
+      // (a, b) of a block whose busiest rank holds tokens T and load L: tight, the room
+      // left (limit - T), then the new peak (L + w); MicroBatch, how much the step's
+      // maximum grows, then the new peak; Step, the busiest rank's new total, then the
+      // peak. A node's bound: the same of its least values.
+      int64_t b = -1;
+      if (tight) {
+        b = s.best(
+            j, limit,
+            [&](int64_t q) { return detail::BlockKey{static_cast<double>(limit - s.max_tokens(j, q)), s.min_load(j, q) + w}; },
+            [&](int64_t q) {
+              return detail::BlockKey{static_cast<double>(limit - std::min(s.max_tokens(j, q), limit)), s.min_load(j, q) + w};
+            });
+      } else if (by_total) {
+        auto key = [&](int64_t q) { return detail::BlockKey{totals.min_load(j, q) + w, s.min_load(j, q) + w}; };
+        b = s.best(j, limit, key, key);
+      } else {
+        auto key = [&](int64_t q) {
+          const double peak = s.min_load(j, q) + w;
+          return detail::BlockKey{std::max(0.0, peak - top), peak};
+        };
+        b = s.best(j, limit, key, key);
       }
+      if (b < 0) continue;
+      const int64_t q = s.leaves(j) + b;
+      const double peak = s.min_load(j, q) + w;
+      const detail::BlockKey key = tight     ? detail::BlockKey{static_cast<double>(limit - s.max_tokens(j, q)), peak}
+                                   : by_total ? detail::BlockKey{totals.min_load(j, q) + w, peak}
+                                              : detail::BlockKey{std::max(0.0, peak - top), peak};
+      const int64_t first = b << j;
+      if (best_rank < 0 || key < best_key || (key == best_key && first < best_rank))
+        best_key = key, best_rank = first, best_k = k;
     }
     if (best_rank < 0) return std::nullopt;
     p.first_rank[i] = best_rank;
+    detail::StepBlocks& s = steps[static_cast<size_t>(best_k)];
     for (int64_t r = best_rank; r < best_rank + it.d; ++r) {
       const auto c = static_cast<size_t>(r * K + best_k);
       p.cells[c].push_back(it.id);
@@ -106,6 +138,8 @@ std::optional<Placement> place(const std::vector<Item>& items, const CpStepOptio
       p.load[c] += it.work;
       total[static_cast<size_t>(r)] += it.work;
       step_max[static_cast<size_t>(best_k)] = std::max(step_max[static_cast<size_t>(best_k)], p.load[c]);
+      s.raise(r, p.tokens[c], p.load[c]);
+      if (by_total) totals.raise(r, 0, total[static_cast<size_t>(r)]);
     }
   }
   return p;
@@ -133,26 +167,23 @@ Placement place_levels(const std::vector<Item>& items, const CpStepOptions& o) {
     std::vector<double> load;
     std::vector<int64_t> tokens;
     std::vector<std::vector<int64_t>> cells;
+    detail::StepBlocks blocks;
   };
+  const std::vector<int64_t> used = levels_in_use(items);
   std::vector<Level> levels;
   std::vector<int64_t> first_rank(items.size(), -1);
   for (size_t i : order) {
     const Item& it = items[i];
+    const int64_t j = log2_of(it.d), limit = cap - it.tokens;
     int64_t at_level = -1, at_rank = -1;
     for (size_t l = 0; l < levels.size() && at_level < 0; ++l) {
-      const Level& lv = levels[l];
-      double least = 0.0;
-      for (int64_t first = 0; first < R; first += it.d) {
-        double peak = 0.0;
-        bool fits = true;
-        for (int64_t r = first; r < first + it.d && fits; ++r) {
-          const auto c = static_cast<size_t>(r);
-          fits = lv.tokens[c] + it.tokens <= cap && lv.load[c] + it.work <= lv.height * (1 + 1e-12);
-          peak = std::max(peak, lv.load[c]);
-        }
-        if (fits && (at_rank < 0 || peak < least)) least = peak, at_rank = first;
-      }
-      if (at_rank >= 0) at_level = static_cast<int64_t>(l);
+      // The least loaded block with room for the tokens; if it goes over the step's
+      // height, every block with room does.
+      const detail::StepBlocks& s = levels[l].blocks;
+      auto key = [&](int64_t q) { return detail::BlockKey{s.min_load(j, q), 0.0}; };
+      const int64_t b = s.best(j, limit, key, key);
+      if (b >= 0 && s.min_load(j, s.leaves(j) + b) + it.work <= levels[l].height * (1 + 1e-12))
+        at_level = static_cast<int64_t>(l), at_rank = b << j;
     }
     if (at_level < 0) {
       Level lv;
@@ -160,6 +191,7 @@ Placement place_levels(const std::vector<Item>& items, const CpStepOptions& o) {
       lv.load.assign(static_cast<size_t>(R), 0.0);
       lv.tokens.assign(static_cast<size_t>(R), 0);
       lv.cells.assign(static_cast<size_t>(R), {});
+      lv.blocks = detail::StepBlocks(R, used);
       levels.push_back(std::move(lv));
       at_level = static_cast<int64_t>(levels.size()) - 1;
       at_rank = 0;
@@ -170,6 +202,7 @@ Placement place_levels(const std::vector<Item>& items, const CpStepOptions& o) {
       lv.load[c] += it.work;
       lv.tokens[c] += it.tokens;
       lv.cells[c].push_back(it.id);
+      lv.blocks.raise(r, lv.tokens[c], lv.load[c]);
     }
     first_rank[i] = at_rank;
   }
@@ -363,6 +396,12 @@ CpStepPlan plan_cp_step(const CpItems& items, const CpStepOptions& o) {
         c.items.push_back({i, s, d, items.local_at(i, d), item_work(o, items, i, d)});
         c.kv += s * (d - 1);
       }
+      // Rules often agree on every degree: the same items place the same way.
+      const bool seen = std::any_of(candidates.begin(), candidates.end(), [&](const Candidate& e) {
+        return e.hybrid == (rule > 0) && std::equal(e.items.begin(), e.items.end(), c.items.begin(), c.items.end(),
+                                                    [](const Item& x, const Item& y) { return x.d == y.d; });
+      });
+      if (seen) continue;
       std::optional<Placement> p = best_placement(c.items, o, k_min);
       if (!p) continue;
       c.time = time_of(*p, o);
