@@ -38,6 +38,9 @@ __all__ = ["CostModel"]
 
 _TERMS = ("per_micro_batch", "per_token", "per_token_squared")
 _CP_TERMS = ("per_kv_token", "per_collective")
+# CostModel.default(): the fit of the packed steps measured on one H200 (see there).
+_DEFAULT_FLOPS_PER_SECOND = 3.49e14
+_DEFAULT_PER_LAYER_OVERHEAD = 6.6e-3 / 4
 
 
 def _sums(micro_batches: Iterable[Any]) -> np.ndarray:
@@ -111,6 +114,34 @@ class CostModel:
     def tokens(cls) -> "CostModel":
         """Tokens only (what a token cap balances): ``Σs``."""
         return cls(0.0, 1.0, 0.0)
+
+    @classmethod
+    def default(cls) -> "CostModel":
+        """What a plan costs when it is given no model, in seconds: forward + backward
+        of a Llama-3-8B-shaped model (hidden 4096, 32 layers, 32 heads, 8 K/V heads,
+        MLP 14336, vocabulary 128256, by :meth:`from_model`) at 349 TFLOP/s, 52.8 ms
+        per micro-batch, and for context parallelism 450 GB/s of NVLink per direction
+        and 20 µs per collective.
+
+        Source: the packed forward + backward steps measured on one H200
+        (``benchmarks/results/gpu.md``, prefix trees, the plain column, 2026-11-26):
+        four steps of 61,480 and 98,304 tokens of a 4-layer model (hidden 1024)
+        at 328-337 TFLOP/s by :meth:`from_model`'s count. A least-squares fit of
+        their times on their FLOPs gives 349 TFLOP/s and 6.6 ms per micro-batch,
+        1.65 ms per layer (kernel launches and per-layer synchronisation grow with
+        depth): 52.8 ms at 32 layers. The interconnect terms are NVLink 4's
+        specification. A plan compares costs, so the model's size matters only
+        through the weight of the per-micro-batch term: an extra micro-batch must
+        save more than 52.8 ms (about 410 tokens of this model) to be used. Fit
+        your machine and model with :meth:`fit`.
+
+        >>> m = CostModel.default()
+        >>> round(m.per_micro_batch, 4), round(m.per_micro_batch / m.per_token)
+        (0.0528, 409)
+        """
+        return cls.from_model(4096, 32, 32, 8, 14336, 128256, flops_per_second=_DEFAULT_FLOPS_PER_SECOND,
+                              per_micro_batch=_DEFAULT_PER_LAYER_OVERHEAD * 32,
+                              interconnect_bytes_per_second=4.5e11, collective_latency=2e-5)
 
     @classmethod
     def verl(cls) -> "CostModel":

@@ -51,7 +51,8 @@ class StepOptions:
 
     Attributes:
         cost: what a micro-batch costs (a :class:`~seqpack.CostModel`; ``None``
-            gives :meth:`CostModel.tokens <seqpack.CostModel.tokens>`).
+            gives :meth:`CostModel.default <seqpack.CostModel.default>`, an 8B model
+            on an H200-class GPU in seconds, a fixed cost per micro-batch included).
         sync: ``"micro_batch"`` (FSDP / ZeRO-3, minimises ``Σ_k max_r``) or
             ``"step"`` (DDP / Megatron, minimises ``max_r Σ_k``).
         mini_batches: optimizer steps in one global batch; the batch is split into
@@ -146,7 +147,7 @@ class StepOptions:
 
 def _cost(value: Any, name: str) -> CostModel:
     if value is None:
-        return CostModel.tokens()
+        return CostModel.default()
     if not isinstance(value, CostModel):
         raise TypeError(f"{name} must be a seqpack.CostModel, got {type_name(value)}")
     return value

@@ -62,6 +62,14 @@ class Ms(float):
     """A duration in milliseconds."""
 
 
+def time_header(name: str, cost: Any) -> str:
+    """``name`` with its unit: seconds under :meth:`CostModel.default()
+    <seqpack.CostModel.default>`, the caller's units under any other model."""
+    from ..planning.cost import CostModel
+
+    return f"{name} (s)" if cost == CostModel.default() else f"{name} (cost units)"
+
+
 def _fmt(v: Any) -> str:
     if isinstance(v, Pct):
         return f"{v:.2%}"

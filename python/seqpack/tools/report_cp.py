@@ -23,7 +23,7 @@ import numpy as np
 
 from ..planning.cost import CostModel
 from ..planning.step import plan_step
-from ._table import Table, Tables
+from ._table import Table, Tables, time_header
 
 
 def h100_cost_model() -> CostModel:
@@ -62,8 +62,9 @@ class CpReport(Tables):
 
 def cp_report(lengths, capacity: int, dp_size: int, cp_size: int, cost: Optional[CostModel] = None) -> CpReport:
     """Plan ``lengths`` with fixed and hybrid CP (``capacity`` tokens per rank and
-    micro-batch) under ``cost`` (default :func:`h100_cost_model`)."""
-    cost = h100_cost_model() if cost is None else cost
+    micro-batch) under ``cost`` (default :meth:`CostModel.default()
+    <seqpack.CostModel.default>`, seconds)."""
+    cost = CostModel.default() if cost is None else cost
     lengths = np.asarray(lengths, dtype=np.int64)
     rows = []
     rank_costs: Dict[str, List[float]] = {}
@@ -80,8 +81,8 @@ def cp_report(lengths, capacity: int, dp_size: int, cp_size: int, cost: Optional
     note = (f"{len(lengths):,} sequences, {int(lengths.sum()):,} tokens, the longest {int(lengths.max(initial=0)):,}; "
             f"DP {dp_size} x CP {cp_size} ranks, {capacity:,} tokens per rank and micro-batch. degrees: degree:count "
             "(a sequence of degree d runs on d ranks of one CP group). K/V: tokens of K/V the ranks gather (least: "
-            f"every sequence at its smallest degree). Predicted step under {cost!r} (seconds).")
+            f"every sequence at its smallest degree). Predicted step under {cost!r}.")
     table = Table(f"Context parallelism: fixed vs hybrid CP (plan_step, cp_size={cp_size})",
-                  ["plan", "degrees", "K/V gathered", "least K/V", "micro-batches / rank", "predicted step",
-                   "lower bound"], rows, note=note)
+                  ["plan", "degrees", "K/V gathered", "least K/V", "micro-batches / rank",
+                   time_header("predicted step", cost), time_header("lower bound", cost)], rows, note=note)
     return CpReport(tables=[table], rank_costs=rank_costs, kv_tokens=kv, least_kv_tokens=least)

@@ -18,15 +18,16 @@ import numpy as np
 from ..planning.cost import CostModel
 from ..planning.step import plan_step
 from ..testing.pipelines import nemo_rl_pipeline, simulate, verl_pipeline
-from ._table import Ms, Table
+from ._table import Ms, Table, time_header
 
 
 def step_table(lengths: np.ndarray, capacity: int, dp_size: int, cost: Optional[CostModel] = None) -> Table:
     """plan_step vs NeMo-RL's and verl's step plans of the same sequences (the first
     ``len - len % dp_size``): micro-batches per rank, cells over the cap, and the
-    step time each predicts under ``cost`` (default verl's workload, ``24576 s + s^2``:
-    attention counted) with ranks in step after every micro-batch (FSDP)."""
-    cost = CostModel.verl() if cost is None else cost
+    step time each predicts under ``cost`` (default :meth:`CostModel.default()
+    <seqpack.CostModel.default>`, seconds: an 8B model on an H200-class GPU, a fixed
+    cost per micro-batch included) with ranks in step after every micro-batch (FSDP)."""
+    cost = CostModel.default() if cost is None else cost
     usable = np.asarray(lengths, dtype=np.int64)[: len(lengths) - len(lengths) % dp_size]
     t0 = time.perf_counter()
     plan = plan_step(usable, dp_size, capacity, cost=cost)
@@ -42,9 +43,9 @@ def step_table(lengths: np.ndarray, capacity: int, dp_size: int, cost: Optional[
         rows.append([name, sim["num_micro_batches"][0], sim["cap_violations"], sim["time"],
                      sim["time"] / plan.predicted_time, Ms(ms)])
     return Table("One training step: plan_step vs the frameworks' pipelines (same batch, same cost model)",
-                 ["pipeline", "micro-batches/rank", "over cap", "predicted step", "vs plan_step", "plan ms"], rows,
+                 ["pipeline", "micro-batches/rank", "over cap", time_header("predicted step", cost), "vs plan_step",
+                  "plan ms"], rows,
                  note=f"Predicted step = sum over micro-batches of the slowest rank's cost, cost = "
                       f"{cost.per_micro_batch:g} + {cost.per_token:g} s + {cost.per_token_squared:g} s^2 per "
-                      "micro-batch of s tokens (verl's workload); the frameworks' plans are "
-                      "seqpack.testing.pipelines' models of their released code; plan_step's lower bound: "
-                      f"{plan.lower_bound:,.0f}.")
+                      "micro-batch of s tokens; the frameworks' plans are seqpack.testing.pipelines' models of "
+                      f"their released code; plan_step's lower bound: {plan.lower_bound:,.3f}.")

@@ -24,7 +24,7 @@ import numpy as np
 from ..planning.cost import CostModel
 from ..planning.prefix_forest import PrefixForest
 from ..planning.step import plan_step
-from ._table import Pct, Table, Tables
+from ._table import Pct, Table, Tables, time_header
 
 CAP_MULTIPLES = (1, 2, 4, 8, 16)  # caps of the sharing curve, in mean trees
 
@@ -67,9 +67,10 @@ def tree_report(rows: Sequence[np.ndarray], groups: Sequence[int], capacity: int
                 cost: Optional[CostModel] = None) -> TreeReport:
     """Plan ``rows`` (their ``groups``: one prompt each) with :func:`plan_step` plainly
     and with a :class:`~seqpack.PrefixForest`, under ``capacity`` tokens per
-    micro-batch on ``dp_size`` ranks; the step time under ``cost`` (default verl's
-    ``24576 s + s^2``, whose ``s^2`` a tree replaces by its visible pairs)."""
-    cost = CostModel.verl() if cost is None else cost
+    micro-batch on ``dp_size`` ranks; the step time under ``cost`` (default
+    :meth:`CostModel.default() <seqpack.CostModel.default>`, seconds; a tree's
+    attention is priced by its visible pairs)."""
+    cost = CostModel.default() if cost is None else cost
     forest = PrefixForest.from_rows(rows, group_ids=list(groups))
     lengths = forest.lengths
     plain = plan_step(lengths, dp_size, capacity, cost=cost)
@@ -84,7 +85,7 @@ def tree_report(rows: Sequence[np.ndarray], groups: Sequence[int], capacity: int
         ["attention pairs", plain_pairs, tree_pairs, plain_pairs / tree_pairs],
         ["micro-batches per rank", plain.num_micro_batches[0], trees.num_micro_batches[0],
          plain.num_micro_batches[0] / trees.num_micro_batches[0]],
-        ["predicted step time", plain.predicted_time, trees.predicted_time,
+        [time_header("predicted step", cost), plain.predicted_time, trees.predicted_time,
          plain.predicted_time / trees.predicted_time],
     ]
     rep.tables.append(Table(

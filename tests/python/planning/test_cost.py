@@ -112,3 +112,20 @@ def test_costs_that_overflow_float64_name_the_coefficient():
     with pytest.raises(ValueError, match=r"^flops_per_second is too small: .* FLOPs per token take inf seconds at "
                                          r"5e-324 FLOP/s"):
         CostModel.from_model(4096, 32, 32, flops_per_second=5e-324)
+
+
+def test_default_prices_a_micro_batch_and_reports_seconds():
+    # Issue 51: the default model has a per-micro-batch term, and an 8k micro-batch of
+    # an 8B model takes about a second on an H200-class GPU (forward + backward).
+    m = CostModel.default()
+    assert m.per_micro_batch > 0 and m.per_kv_token > 0 and m.per_collective > 0
+    assert 0.8 < m([8192]) < 1.5
+    # the default plan needs no more micro-batches than NeMo-RL's packer on a batch
+    # where tokens alone used more (rl_long_tail, DP 8, cap 8k: 36 against 34)
+    from seqpack.testing.distributions import rl_long_tail
+    from seqpack.testing.pipelines import nemo_rl_pipeline
+
+    lengths = rl_long_tail(1024, 0, 8192)
+    nemo = max(len(r) for r in nemo_rl_pipeline(lengths, 8, 8192)[0])
+    assert seqpack.plan_step(lengths, 8, 8192, cost=CostModel.tokens()).num_micro_batches[0] > nemo
+    assert seqpack.plan_step(lengths, 8, 8192).num_micro_batches[0] <= nemo

@@ -20,7 +20,7 @@ ROWS = [[1, 2, 3, 4], [1, 2, 3, 5, 6], [1, 2, 7], [8, 9], [8, 9, 10, 11], [12]]
 
 
 def test_defaults_and_repr():
-    assert StepOptions() == StepOptions(cost=CostModel.tokens(), static_shapes=None, seed=None)
+    assert StepOptions() == StepOptions(cost=CostModel.default(), static_shapes=None, seed=None)
     assert repr(StepOptions()) == "StepOptions()"
     assert repr(StepOptions(mini_batches=2, static_shapes=True)) == "StepOptions(mini_batches=2, static_shapes=8)"
     assert StepOptions(static_shapes=[4096, 1024, 4096]).static_shapes == (1024, 4096)

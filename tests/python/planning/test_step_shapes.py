@@ -160,7 +160,8 @@ def test_static_shapes_pad_each_cell_to_its_smallest_bucket(lengths, dp_size, co
 
 
 def test_static_shapes_literal():
-    plan = plan_step([700, 300, 500, 100], dp_size=1, max_tokens=1000, static_shapes=[256, 512, 1000])
+    plan = plan_step([700, 300, 500, 100], dp_size=1, max_tokens=1000, static_shapes=[256, 512, 1000],
+                     cost=seqpack.CostModel.tokens())
     assert plan.tokens == [[[800, 800]]] and plan.padded_tokens == [[[1000, 1000]]]
     assert plan.padding_tokens == 400 and plan.predicted_time == 2000.0
     dummy = plan_step([5, 5], dp_size=3, max_tokens=8, static_shapes=[4, 8])

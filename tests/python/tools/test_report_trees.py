@@ -16,9 +16,10 @@ def test_step_table_compares_with_the_pipelines_it_names():
     table = step_table(lengths, capacity=8192, dp_size=8)
     names = [r[0] for r in table.rows]
     assert names == ["seqpack plan_step", "NeMo-RL (MFFD bins, round-robin)", "verl (balance_batch + dynamic bsz)"]
-    ours = seqpack.plan_step(lengths[:296], 8, 8192, cost=seqpack.CostModel.verl())
+    ours = seqpack.plan_step(lengths[:296], 8, 8192)  # CostModel.default(), as the table
     assert table.rows[0][3] == ours.predicted_time
-    nemo = simulate(nemo_rl_pipeline(lengths[:296], 8, 8192), lengths[:296], seqpack.CostModel.verl(), max_tokens=8192)
+    nemo = simulate(nemo_rl_pipeline(lengths[:296], 8, 8192), lengths[:296], seqpack.CostModel.default(),
+                    max_tokens=8192)
     assert table.rows[1][3] == nemo["time"] and table.rows[1][4] == pytest.approx(nemo["time"] / ours.predicted_time)
     assert all(r[4] >= 1.0 - 1e-3 for r in table.rows)  # plan_step is (near) the fastest
 
