@@ -117,17 +117,30 @@ def logprob_case(trainer, trl_model, tree_model, g: int, prompt: int, completion
                 lp_err=lp_err, grad_err=grad_err)
 
 
-def train_steps(quick: bool, vocab: int, patched: bool, steps: int) -> float:
-    """Seconds per ``trainer.train()`` step after the first (TRL's defaults)."""
-    import seqpack.integrations.trl as seqpack_trl
+def qwen2_tiny():
+    """The small regime of issue 51: a Qwen2 of hidden 64, vocabulary 64."""
+    import transformers
 
-    model = llama(quick)
-    g, prompt, completion = (4, 24, 8) if quick else (8, 256, 64)
+    cfg = transformers.Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, vocab_size=64, max_position_embeddings=4096, bos_token_id=0,
+                                   pad_token_id=1, eos_token_id=2, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    return transformers.Qwen2ForCausalLM(cfg)
+
+
+def train_steps(model, g: int, prompt: int, completion: int, patched: bool, steps: int, skip: int = 1):
+    """Seconds per ``trainer.train()`` step (TRL's defaults), the median of the steps
+    after the first ``skip``, and what the patch ran (``report()``)."""
+    import seqpack.integrations.trl as seqpack_trl
+    from seqpack.frameworks.trl import tree as trl_tree
+
+    vocab = model.config.vocab_size
     seqpack_trl.unpatch()
+    trl_tree.counts(reset=True)
     if patched:
         seqpack_trl.patch(shared_prefix=True)
     with tempfile.TemporaryDirectory() as out:
-        trainer = grpo_trainer(model, out, vocab, g, completion, steps + 1, prompt_tokens=prompt)
+        trainer = grpo_trainer(model, out, vocab, g, completion, steps + skip, prompt_tokens=prompt)
         times = []
 
         class Timer:
@@ -140,8 +153,9 @@ def train_steps(quick: bool, vocab: int, patched: bool, steps: int) -> float:
         trainer.add_callback(type("StepTimer", (TrainerCallback,), {"on_step_begin": Timer.on_step_begin}))
         trainer.train()
         times.append(time.perf_counter())
+    report = seqpack_trl.report()
     seqpack_trl.unpatch()
-    return float(np.median(np.diff(times)[1:]))
+    return float(np.median(np.diff(times)[skip:])), report
 
 
 def main() -> int:
@@ -194,20 +208,37 @@ def main() -> int:
                  "tree's: the bound on the token-wise work (attention aside)." % (
                      args.threads, ROWS, trl_model.config.num_hidden_layers, trl_model.config.hidden_size, vocab, repeat)))
 
-    steps = 1 if args.quick else 4
-    # the sides alternate (best of `repeat` runs of `steps` steps each), as above
-    t_trl, t_tree = float("inf"), float("inf")
-    for _ in range(1 if args.quick else 2):
-        t_trl = min(t_trl, train_steps(args.quick, vocab, False, steps))
-        t_tree = min(t_tree, train_steps(args.quick, vocab, True, steps))
-    log.add("train", "trl", "seconds_per_step", t_trl)
-    log.add("train", "seqpack_tree", "seconds_per_step", t_tree)
+    # The small / large regimes (issue 51): a tiny Qwen2 with short to long prompts, and
+    # the Llama above with 256-token prompts. The patch's first 8 log-prob calls (one a
+    # step here) try both paths; the median is over the steps after them.
+    steps, skip = (2, 1) if args.quick else (8, 8)
+    regimes = [("Qwen2 h64 V64", qwen2_tiny, 4, p, 64) for p in ((15,) if args.quick else (15, 64, 128, 512))]
+    regimes.append(("Llama h256 V8192", lambda: llama(args.quick), 8, 24 if args.quick else 256,
+                    8 if args.quick else 64))
+    train_rows = []
+    for name, make, g, prompt, completion in regimes:
+        t_trl, t_tree, ran = float("inf"), float("inf"), {}
+        for _ in range(1 if args.quick else 2):  # the sides alternate, best of the runs
+            t_trl = min(t_trl, train_steps(make(), g, prompt, completion, False, steps, skip)[0])
+            t, ran = train_steps(make(), g, prompt, completion, True, steps, skip)
+            t_tree = min(t_tree, t)
+        case = f"{name} G={g} prompt {prompt} completion <= {completion}"
+        log.add(case, "trl", "seconds_per_step", t_trl)
+        log.add(case, "seqpack_tree", "seconds_per_step", t_tree)
+        log.add(case, "seqpack_tree", "tree_batches", ran["tree_batches"])
+        log.add(case, "seqpack_tree", "trl_batches", ran["trl_batches"])
+        train_rows.append([name, g, prompt, completion, t_trl, t_tree, t_trl / t_tree,
+                           f"{ran['tree_batches']} / {ran['tree_batches'] + ran['trl_batches']}"])
+        print(f"  train {case}: done", flush=True)
     print(format_table(
-        TITLE_TRAIN, ["case", "TRL s/step", "patched s/step", "speed-up"],
-        [["G=8 256:64" if not args.quick else "G=4 24:8", t_trl, t_tree, t_trl / t_tree]],
+        TITLE_TRAIN, ["model", "G", "prompt tokens", "completion max", "TRL s/step", "patched s/step", "speed-up",
+                      "tree batches / all"], train_rows,
         note="trainer.train() under TRL's defaults (bf16 autocast on the CPU, gradient checkpointing, beta 0), "
              "16 rows per step, generation by model.generate (the same on both sides: the tree path changes only "
-             "the log-probs); median of %d steps after the first, best of 2 runs per side, alternating." % steps))
+             "the log-probs); patch(shared_prefix=True) with its per-batch choice (trees='auto'): the first %d "
+             "log-prob calls try both paths, the median is over the %d steps after them; best of 2 runs per side, "
+             "alternating. tree batches: the patched run's log-prob calls on trees (the rest on TRL's path)."
+             % (skip, steps)))
     print(f"csv: {log.write()}")
     return 0
 

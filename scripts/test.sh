@@ -24,7 +24,7 @@ echo "== the released packages the drop-ins are compared with (verl, NeMo AutoMo
 # (verl.utils.seqlen_balancing: ray, tensordict in verl's range). Without them the
 # differential tests skip and the recorded cases still run.
 python3 -m pip install --quiet --no-deps verl==0.9.1 nemo_automodel==0.7.0
-python3 -m pip install --quiet "ray>=2.41" "tensordict>=0.8,!=0.9.0,<=0.10.0"
+python3 -m pip install --quiet "ray>=2.41" "tensordict>=0.8,!=0.9.0,<=0.10.0" codetiming  # codetiming: verl's engine
 
 echo "== C++ core: GoogleTest via CTest"
 ctest --test-dir build/pip --output-on-failure --timeout 300

@@ -25,8 +25,34 @@ def rows(v: Any) -> int:
     return int(v.shape[0]) if (is_tensor(v) or isinstance(v, np.ndarray)) else len(v)
 
 
+def is_nested(v: Any) -> bool:
+    """A jagged nested tensor (verl's engine TensorDicts: ``input_ids``, ``position_ids``)."""
+    return is_tensor(v) and v.is_nested
+
+
+def nested_rows(v: Any, indices: Sequence[int], first_token: bool = False) -> Any:
+    """Rows ``indices`` of a jagged nested tensor, nested again along the same ragged
+    dimension (``[B, j]``, or ``[B, 3, j]`` for M-RoPE positions); ``first_token``
+    keeps only each row's first token."""
+    import torch
+
+    ragged = int(getattr(v, "_ragged_idx", 1))
+    if ragged not in (1, 2):
+        raise ValueError(f"a nested tensor ragged along dimension {ragged} (only 1 and 2 are supported)")
+    parts = v.unbind()
+    picked = [parts[i] for i in indices]
+    if ragged == 2:  # [3, L] rows: nest [L, 3], then move the ragged dimension back
+        picked = [p.transpose(0, 1) for p in picked]
+    if first_token:
+        picked = [p[:1] for p in picked]
+    out = torch.nested.as_nested_tensor(picked, layout=torch.jagged)
+    return out.transpose(1, 2) if ragged == 2 else out
+
+
 def select(key: str, v: Any, indices: Sequence[int]) -> Any:
     """Rows ``indices`` of one value, copied (a tensor in one ``index_select``)."""
+    if is_nested(v):
+        return nested_rows(v, indices)
     if is_tensor(v):
         import torch
 
@@ -36,6 +62,10 @@ def select(key: str, v: Any, indices: Sequence[int]) -> Any:
         return v[np.asarray(indices, dtype=np.int64)]
     if is_packed(v):
         return v.slice(list(indices))
+    if hasattr(v, "batch_size") and hasattr(v, "shape"):  # tensordict's NonTensorData / NonTensorStack (verl)
+        import torch
+
+        return v[torch.as_tensor(np.asarray(indices, dtype=np.int64).reshape(-1))]
     if isinstance(v, list):
         return [v[i] for i in indices]
     raise TypeError(f"Unsupported type {type(v)} for index selection in BatchedDataDict (key {key!r})")
@@ -85,8 +115,14 @@ def host_mask(batch: Mapping[str, Any], name: str = "batch") -> np.ndarray:
 
 
 def mask_lengths(batch: Mapping[str, Any], name: str = "batch") -> np.ndarray:
-    """Real tokens per row: the non-zeros of each row of a ``[B, S]`` mask, counted
-    in the mask's own dtype (``(mask != 0).sum(1)`` copied the mask first)."""
+    """Real tokens per row: the rows of a nested ``input_ids`` (verl's engine
+    TensorDicts, read from its offsets as verl does), else the non-zeros of each row
+    of a ``[B, S]`` mask, counted in the mask's own dtype (``(mask != 0).sum(1)``
+    copied the mask first)."""
+    check_mapping(batch, name)
+    ids = batch["input_ids"] if "input_ids" in batch else None
+    if is_nested(ids):
+        return ids.offsets().diff().detach().cpu().numpy().astype(np.int64)
     return np.count_nonzero(host_mask(batch, name), axis=1).astype(np.int64)
 
 
@@ -135,6 +171,9 @@ def dummy_row(batch: Mapping[str, Any], *, loss_mask_keys: Sequence[str] = LOSS_
     if length_key is not None and length_key in row:
         v = row[length_key]
         row[length_key] = v * 0 + 1 if (is_tensor(v) or isinstance(v, np.ndarray)) else [1]
+    for key, v in row.items():  # verl's engine rows (nested input_ids, position_ids): the first token only
+        if is_nested(v):
+            row[key] = nested_rows(v, [0], first_token=True)
     return row
 
 
@@ -276,4 +315,7 @@ def padded_forest(cols: Mapping[str, Any], group_key: Optional[str], *, missing_
         if group_key not in cols:
             raise ValueError(f"group_key {group_key!r} is not a column of the batch")
         groups = group_codes(cols[group_key])
-    return PrefixForest.from_padded(cols["input_ids"], cols["attention_mask"], group_ids=groups), groups
+    ids = cols["input_ids"]
+    if is_nested(ids):  # verl's engine rows: real tokens only, offsets per row
+        return PrefixForest.from_packed(ids.values(), ids.offsets(), group_ids=groups), groups
+    return PrefixForest.from_padded(ids, cols["attention_mask"], group_ids=groups), groups

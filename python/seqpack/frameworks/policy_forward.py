@@ -108,6 +108,10 @@ def verl_tree_forward(model: Any, micro_batch: Any, temperature: Any = 1.0, calc
         model_kwargs: passed to the model.
     """
     data = getattr(micro_batch, "batch", micro_batch)  # a DataProto's tensors
+    ids = data["input_ids"] if "input_ids" in data.keys() else None
+    if getattr(ids, "is_nested", False):
+        raise ValueError("micro_batch is verl's engine TensorDict (nested input_ids, verl >= 0.9): its forward returns "
+                         "the engine's nested full-length layout, seqpack.frameworks.verl.tree_forward_step")
     for key in ("input_ids", "attention_mask", "responses"):
         if key not in data.keys():
             raise KeyError(f"micro_batch has no {key!r} (verl's actor forward reads input_ids, attention_mask and "

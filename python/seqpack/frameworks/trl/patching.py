@@ -60,7 +60,7 @@ def _trl_modules() -> List[Tuple[str, Any]]:
             if module is not None and (name == "trl" or name.startswith("trl."))]
 
 
-def patch(shared_prefix: bool = False, *, packing: Optional[bool] = None) -> List[str]:
+def patch(shared_prefix: bool = False, *, packing: Optional[bool] = None, trees: str = "auto") -> List[str]:
     """Make TRL's trainers run with seqpack.
 
     ``packing`` (default: on without ``shared_prefix``, off with it): TRL's
@@ -74,9 +74,13 @@ def patch(shared_prefix: bool = False, *, packing: Optional[bool] = None) -> Lis
     ``RLOOTrainer``: their log-probs (policy, old policy, reference model) are
     computed with each shared prompt forwarded once (:mod:`seqpack.frameworks.trl.tree`;
     docs/trl.md); a GRPO run does not have its SFT packing swapped unless it asks
-    (``packing=True``). :func:`report` says how many batches ran as trees and the
-    tokens they saved. ``patch()`` without it leaves an earlier ``shared_prefix``
-    patch on.
+    (``packing=True``). A batch runs as a tree only where the tree pays for it
+    (``trees="auto"``: its tokens and pairs saved priced against the tree path's own
+    costs, :mod:`seqpack.frameworks.trl.choice`), else on TRL's path;
+    ``trees="always"`` runs every batch a tree can take as a tree. :func:`report`
+    says how many batches ran as trees, how many did not and why, and the tokens the
+    trees saved. ``patch()`` without ``shared_prefix`` leaves an earlier
+    ``shared_prefix`` patch on.
 
     Idempotent; :func:`unpatch` (or the :func:`patched` context manager) restores
     TRL's own. Returns the names that are seqpack's now (``module.pack_dataset``,
@@ -105,7 +109,7 @@ def patch(shared_prefix: bool = False, *, packing: Optional[bool] = None) -> Lis
         from .tree import patch_trainers, patched_trainer_names
 
         before = set(patched_trainer_names())
-        replaced += [name for name in patch_trainers() if name not in before]
+        replaced += [name for name in patch_trainers(trees) if name not in before]
     if replaced:
         logging.getLogger(__name__).warning("seqpack.integrations.trl.patch(): TRL's %s replaced by seqpack's",
                                             ", ".join(sorted(replaced)))
@@ -160,7 +164,8 @@ def unpatch() -> List[str]:
 
 
 @contextlib.contextmanager
-def patched(shared_prefix: bool = False, *, packing: Optional[bool] = None) -> Iterator[List[str]]:
+def patched(shared_prefix: bool = False, *, packing: Optional[bool] = None,
+            trees: str = "auto") -> Iterator[List[str]]:
     """``with patched():`` TRL's trainers pack with seqpack inside the block (TRL
     packs in the trainer's constructor), with prefix trees under GRPO and RLOO for
     ``shared_prefix=True``; on exit TRL's own is restored unless it was patched
@@ -168,7 +173,7 @@ def patched(shared_prefix: bool = False, *, packing: Optional[bool] = None) -> I
     was = bool(_TRL_ORIGINAL)
     trees_before = _trees() is not None and bool(_trees().patched_trainer_names())
     try:
-        yield patch(shared_prefix=shared_prefix, packing=packing)
+        yield patch(shared_prefix=shared_prefix, packing=packing, trees=trees)
     finally:
         if not was:
             unpatch()

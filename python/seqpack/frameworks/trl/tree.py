@@ -43,6 +43,7 @@ import weakref
 from typing import Any, Dict, List, Optional, Tuple
 
 from .._completion_trees import completion_tree, to_completions
+from .choice import PathChoice
 
 __all__ = ["patch_trainers", "unpatch_trainers", "patched_trainer_names"]
 
@@ -56,6 +57,7 @@ _BASE_INIT: Dict[str, Any] = {}  # "init": _BaseTrainer.__init__, while patched
 _MODELS: "weakref.WeakSet[Any]" = weakref.WeakSet()  # models whose forward and attention the patch changed
 _WARNED: set = set()  # the reasons warned about (their kinds: a reason's numbers change from batch to batch)
 _COUNTS: Dict[str, Any] = {}  # what report() says; reset by counts(reset=True)
+_POLICY: Dict[str, str] = {"trees": "auto"}  # patch(trees=): "auto" (when the tree pays) or "always"
 
 
 def counts(reset: bool = False) -> Dict[str, Any]:
@@ -257,21 +259,43 @@ def _make_method(original: Any) -> Any:
                 _warn_once("no_prompt", "a row whose first completion token has no prompt token before it")
                 return trl_path()
             chunks.append((end - start, found))
-        _install(_hf_model(self, model)[0])
-        _COUNTS["tree_batches"] = _COUNTS.get("tree_batches", 0) + 1
-        _COUNTS["padded_tokens"] = _COUNTS.get("padded_tokens", 0) + int(input_ids.numel())
-        _COUNTS["tree_tokens"] = _COUNTS.get("tree_tokens", 0) + sum(found[0].num_tokens for _, found in chunks)
-        logps, entropies = [], []
-        for b, (tree, scored, source, target) in chunks:
-            kw = tree.hf_kwargs(input_ids.device)
-            with self.accelerator.autocast():
-                out = model(input_ids=kw["input_ids"], position_ids=kw["position_ids"],
-                            seqpack_tree=(tree, scored, bool(compute_entropy)))
-            lp, ent = to_completions((out["log_probs"], out["entropy"]), source, target, (b, c))
-            logps.append(lp)
-            if ent is not None:
-                entropies.append(ent)
-        return torch.cat(logps), (torch.cat(entropies) if compute_entropy else None), None
+        hf_model = _hf_model(self, model)[0]
+        tree_tokens = sum(found[0].num_tokens for _, found in chunks)
+
+        def tree_path():
+            _install(hf_model)
+            _COUNTS["tree_batches"] = _COUNTS.get("tree_batches", 0) + 1
+            _COUNTS["padded_tokens"] = _COUNTS.get("padded_tokens", 0) + int(input_ids.numel())
+            _COUNTS["tree_tokens"] = _COUNTS.get("tree_tokens", 0) + tree_tokens
+            logps, entropies = [], []
+            for b, (tree, scored, source, target) in chunks:
+                kw = tree.hf_kwargs(input_ids.device)
+                with self.accelerator.autocast():
+                    out = model(input_ids=kw["input_ids"], position_ids=kw["position_ids"],
+                                seqpack_tree=(tree, scored, bool(compute_entropy)))
+                lp, ent = to_completions((out["log_probs"], out["entropy"]), source, target, (b, c))
+                logps.append(lp)
+                if ent is not None:
+                    entropies.append(ent)
+            return torch.cat(logps), (torch.cat(entropies) if compute_entropy else None), None
+
+        if _POLICY["trees"] == "always":
+            return tree_path()
+        # Whether the tree pays for this batch (choice.py): TRL's padded rows against the
+        # trees' tokens and pairs, each path's seconds per FLOP measured on the CPU.
+        choice = self.__dict__.get("_seqpack_path_choice")
+        if choice is None:
+            choice = self._seqpack_path_choice = PathChoice.of_model(hf_model)
+        device = input_ids.device.type
+        work_trl, work_tree = choice.work(
+            rows=rows, columns=input_ids.shape[1],
+            head_positions=rows * (input_ids.shape[1] if device == "cpu" else c + 1),  # TRL's head off Triton: all
+            tree_tokens=tree_tokens, tree_pairs=sum(found[0].metrics().tree_attention_pairs for _, found in chunks),
+            scored=sum(int(found[1].sum()) for _, found in chunks))
+        path, out = choice.run(device, torch.is_grad_enabled(), work_trl, work_tree, trl_path, tree_path)
+        if path == "trl":
+            _count_trl("tree_does_not_pay")
+        return out
 
     _get_per_token_logps_and_entropies.__doc__ = (
         "seqpack's: TRL's log-probs and entropies computed on prefix trees "
@@ -305,11 +329,17 @@ def patched_trainer_names() -> List[str]:
                   if hasattr(cls.__dict__.get(METHOD), "_seqpack_original"))
 
 
-def patch_trainers() -> List[str]:
+def patch_trainers(trees: str = "auto") -> List[str]:
     """Replaces ``_get_per_token_logps_and_entropies`` of TRL's ``GRPOTrainer`` and
     ``RLOOTrainer`` (idempotent) and refuses ``AsyncGRPOTrainer``; returns the
-    replaced ``module.Class.method`` names."""
+    replaced ``module.Class.method`` names. ``trees``: ``"auto"`` runs a batch as a
+    tree when the tree pays for it (:mod:`~seqpack.frameworks.trl.choice`),
+    ``"always"`` whenever a tree can take it."""
     from trl.trainer import base_trainer
+
+    if trees not in ("auto", "always"):
+        raise ValueError(f"trees must be 'auto' (a tree when it pays) or 'always', got {trees!r}")
+    _POLICY["trees"] = trees
 
     for key, cls in _trainer_classes():
         if not hasattr(cls.__dict__.get(METHOD), "_seqpack_original"):

@@ -40,11 +40,11 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Mapping, Optional, 
 
 import numpy as np
 
-from .._batch import (batch_size, coupled_trees, dummy_row, is_data_proto, is_tensor, mask_lengths, padded_forest,
-                     proto_columns,
-                     proto_select, rows, select, select_all, step_plan_parts)
+from .._batch import (batch_size, coupled_trees, dummy_row, is_data_proto, is_nested, is_tensor, mask_lengths,
+                     padded_forest, proto_columns, proto_select, rows, select, select_all, step_plan_parts)
 from ..._dist import active, agree_on_count, all_reduce_int, all_reduce_ints, checked_on_every_rank
 from ..policy_forward import verl_tree_forward as tree_forward_micro_batch
+from .engine import prepare_micro_batches, tree_forward_step
 from ..._lengths import as_lengths, as_positive_int
 from ...planning.balance import (WORKLOAD_ATTENTION_COEFF, get_seqlen_balanced_partitions, plan_micro_batches,
                                 sequence_workloads)
@@ -53,8 +53,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from ...planning.step import StepPlan
 
 __all__ = ["ceildiv", "get_group_balanced_partitions", "get_reverse_idx", "get_seqlen_balanced_partitions",
-           "prepare_dynamic_batch", "rearrange_micro_batches", "restore_dynamic_batch", "roundup_divisible",
-           "tree_forward_micro_batch"]
+           "prepare_dynamic_batch", "prepare_micro_batches", "rearrange_micro_batches", "restore_dynamic_batch",
+           "roundup_divisible", "tree_forward_micro_batch", "tree_forward_step"]
 
 
 def ceildiv(a: int, b: int) -> int:
@@ -114,8 +114,11 @@ def rearrange_micro_batches(
     """Split a batch into micro-batches of at most ``max_token_len`` real tokens.
 
     Args:
-        batch: mapping (dict, TensorDict) of row-aligned tensors with ``attention_mask``;
-            a DataProto gives DataProtos (as :func:`prepare_dynamic_batch`).
+        batch: mapping (dict, TensorDict) of row-aligned tensors with ``attention_mask``,
+            or verl 0.9.1's engine TensorDict (nested ``input_ids``: lengths from its
+            offsets, as verl reads them, ``attention_mask`` optional; rows selected with
+            their nested tensors and metadata); a DataProto gives DataProtos (as
+            :func:`prepare_dynamic_batch`).
         max_token_len: strict cap on real tokens per micro-batch.
         dp_group: the data-parallel group whose ranks must run the same number of
             micro-batches (the default group when ``torch.distributed`` is initialised).
@@ -483,7 +486,10 @@ def _select(batch: Mapping[str, Any], rows_: List[int]) -> Any:
     if not isinstance(batch, dict) and hasattr(batch, "batch_size"):  # a TensorDict keeps its type
         import torch
 
-        return batch[torch.tensor(rows_, dtype=torch.long)]
+        if not any(is_nested(v) for _, v in batch.items()):
+            return batch[torch.tensor(rows_, dtype=torch.long)]
+        # verl's engine TensorDicts: nested rows re-nested, its metadata kept (as verl's index_select_tensor_dict)
+        return type(batch)({k: select(k, v, rows_) for k, v in batch.items()}, batch_size=[len(rows_)])
     out: Dict[str, Any] = select_all(batch, rows_)
     return out
 

@@ -1,0 +1,183 @@
+"""verl 0.9.1's engine path (issue 51, item 1): the trainer's no-padding TensorDicts
+(``left_right_2_no_padding``: nested ``input_ids`` / ``position_ids``, metadata as
+``NonTensorData``, ``uid`` as ``NonTensorStack``) through seqpack's micro-batching,
+with or without ``attention_mask``; the tree forward in the engine's ``model_output``
+layout, exact in fp64 at every position; and verl's own ``FSDPEngineWithLMHead`` on
+the CPU, stock against ``seqpack.frameworks.verl.engine.patch(shared_prefix=True)``:
+the same log-probs, entropies, loss and gradient norm."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+tensordict = pytest.importorskip("tensordict")
+transformers = pytest.importorskip("transformers")
+
+import seqpack.frameworks.verl as sv  # noqa: E402
+from seqpack.frameworks.verl import engine as seqpack_engine  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def engine_td(prompts_, responses_, uid=None, **meta):
+    """An engine TensorDict as ``left_right_2_no_padding`` makes it: padded prompts
+    (left) and responses (right) kept, ``input_ids`` / ``position_ids`` nested over
+    each row's real tokens, metadata as NonTensorData."""
+    pm, rm = (prompts_ != 0).long(), (responses_ != 0).long()
+    am = torch.cat([pm, rm], 1)
+    ids = torch.cat([prompts_, responses_], 1)
+    rows = [ids[b][am[b].bool()] for b in range(ids.shape[0])]
+    td = tensordict.TensorDict({
+        "prompts": prompts_, "responses": responses_, "attention_mask": am, "response_mask": rm, "loss_mask": rm,
+        "input_ids": torch.nested.as_nested_tensor(rows, layout=torch.jagged),
+        "position_ids": torch.nested.as_nested_tensor([torch.arange(len(r)) for r in rows], layout=torch.jagged),
+    }, batch_size=[ids.shape[0]])
+    if uid is not None:
+        td["uid"] = tensordict.NonTensorStack(*uid)
+    for key, value in meta.items():
+        td[key] = tensordict.NonTensorData(value)
+    return td
+
+
+def random_td(seed, rows=12, p=6, r=5, groups=4):
+    g = torch.Generator().manual_seed(seed)
+    pl, rl = torch.randint(1, p + 1, (rows,), generator=g), torch.randint(1, r + 1, (rows,), generator=g)
+    prompts_ = torch.randint(3, 50, (rows, p), generator=g) * (torch.arange(p)[None] >= p - pl[:, None])
+    responses_ = torch.randint(3, 50, (rows, r), generator=g) * (torch.arange(r)[None] < rl[:, None])
+    return engine_td(prompts_, responses_, uid=[f"u{i * groups // rows}" for i in range(rows)])
+
+
+def lengths_of(mb):
+    return mb["input_ids"].offsets().diff().tolist()
+
+
+def test_recorded_engine_micro_batches_with_and_without_the_mask():
+    # verl 0.9.1's rearrange_micro_batches on this TensorDict, cap 16 (recorded).
+    td = random_td(0)
+    for drop in (False, True):
+        t = td.clone()
+        if drop:
+            del t["attention_mask"]  # verl reads the nested offsets; seqpack needed the mask
+        mbs, idx = sv.rearrange_micro_batches(t, max_token_len=16, strict=False)
+        assert idx == [[1, 8], [2, 3], [5, 6], [7, 10], [4, 9], [0, 11]]
+        for mb, part in zip(mbs, idx):
+            assert mb["input_ids"].is_nested and lengths_of(mb) == [lengths_of(td)[i] for i in part]
+            assert [r.tolist() for r in mb["input_ids"].unbind()] == [td["input_ids"][i].tolist() for i in part]
+            assert list(mb["uid"]) == [td["uid"][i] for i in part]
+        strict, sidx = sv.rearrange_micro_batches(t, max_token_len=16)  # seqpack's: the hard cap
+        assert sorted(i for p in sidx for i in p) == list(range(12)) and max(sum(lengths_of(m)) for m in strict) <= 16
+        trees, _ = sv.rearrange_micro_batches(t, max_token_len=16, shared_prefix=True)  # forest from nested rows
+        assert all(m["input_ids"].is_nested for m in trees)
+
+
+def test_engine_metadata_and_a_dummy_row():
+    td = random_td(1)
+    td["temperature"] = tensordict.NonTensorData(0.7)
+    mb = sv.rearrange_micro_batches(td, max_token_len=16)[0][0]
+    assert mb["temperature"] == 0.7
+    plan = __import__("seqpack").plan_step(np.asarray(lengths_of(td)), 1, 16, min_micro_batches=16)
+    mbs, idx = sv.rearrange_micro_batches(td, max_token_len=16, step_plan=plan, dp_rank=0)
+    empty = [m for m, p in zip(mbs, idx) if not p]
+    assert empty and all(lengths_of(m) == [1] and int(m["response_mask"].sum()) == 0 for m in empty)
+    out = torch.nested.as_nested_tensor([torch.zeros(n) for m in mbs for n in lengths_of(m)], layout=torch.jagged)
+    back = sv.restore_dynamic_batch(out, idx)  # the dummies' rows dropped
+    assert back.offsets().diff().tolist() == lengths_of(td)
+
+
+def test_prepare_micro_batches_reads_the_engines_metadata():
+    td = random_td(2)
+    td["use_dynamic_bsz"] = tensordict.NonTensorData(True)
+    td["max_token_len_per_gpu"] = tensordict.NonTensorData(8)
+    td["sp_size"] = tensordict.NonTensorData(2)  # the cap is max_token_len_per_gpu x sp_size
+    mbs, idx = seqpack_engine.prepare_micro_batches(td)
+    assert max(sum(lengths_of(m)) for m in mbs) <= 16 and sorted(sum(idx, [])) == list(range(12))
+    td["use_dynamic_bsz"] = tensordict.NonTensorData(False)
+    td["micro_batch_size_per_gpu"] = tensordict.NonTensorData(4)
+    mbs, idx = seqpack_engine.prepare_micro_batches(td)
+    assert idx is None and [lengths_of(m) for m in mbs] == [lengths_of(td)[i:i + 4] for i in (0, 4, 8)]
+    td["micro_batch_size_per_gpu"] = tensordict.NonTensorData(5)
+    with pytest.raises(ValueError, match="not a multiple of micro_batch_size_per_gpu"):
+        seqpack_engine.prepare_micro_batches(td)
+
+
+verl_seqlen = pytest.importorskip("verl.utils.seqlen_balancing", reason="verl is not installed")
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 10_000), cap=st.integers(11, 40), drop=st.booleans(), balance=st.booleans())
+def test_released_rule_gives_verls_indices_on_engine_batches(seed, cap, drop, balance):
+    td = random_td(seed, rows=10)
+    if drop:
+        del td["attention_mask"]
+    ours = sv.rearrange_micro_batches(td, max_token_len=cap, strict=False, use_dynamic_bsz_balance=balance)[1]
+    theirs = verl_seqlen.rearrange_micro_batches(td, max_token_len=cap, use_dynamic_bsz_balance=balance)[1]
+    assert ours == [list(map(int, p)) for p in theirs]
+
+
+def test_prepare_micro_batches_equals_verls():
+    engine_utils = pytest.importorskip("verl.workers.engine.utils", reason="verl's engine needs codetiming")
+    for seed in range(5):
+        td = random_td(seed)
+        td["max_token_len_per_gpu"] = tensordict.NonTensorData(14)
+        ours = seqpack_engine.prepare_micro_batches(td, strict=False)
+        theirs = engine_utils.prepare_micro_batches(td)
+        assert ours[1] == [list(map(int, p)) for p in theirs[1]]
+        assert [lengths_of(a) for a in ours[0]] == [lengths_of(b) for b in theirs[0]]
+
+
+def tiny_qwen2():
+    torch.manual_seed(0)
+    cfg = transformers.Qwen2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, vocab_size=64, max_position_embeddings=128)
+    return transformers.Qwen2ForCausalLM(cfg).double()
+
+
+def test_tree_forward_step_is_the_engines_layout_exact_in_fp64():
+    model = tiny_qwen2()
+    td = random_td(3, rows=8, groups=2)
+    td["temperature"] = tensordict.NonTensorData(0.7)
+    td["calculate_entropy"] = tensordict.NonTensorData(True)
+    out = seqpack_engine.tree_forward_step(model, td)
+    assert out["log_probs"].offsets().tolist() == td["input_ids"].offsets().tolist()
+    for b in range(8):
+        row = td["input_ids"][b]
+        lp = torch.log_softmax(model(row[None]).logits[0] / 0.7, -1)
+        ref = lp[:-1].gather(-1, row[1:, None])[:, 0]  # position t: log p(token t + 1), as verl's engine
+        got, ent = out["log_probs"][b].detach(), out["entropy"][b].detach()
+        assert (got[:-1] - ref).abs().max() < 1e-12 and got[-1] == 0
+        assert (ent[:-1] - -(lp.exp() * lp).sum(-1)[:-1]).abs().max() < 1e-12
+    (out["log_probs"].values().sum()).backward()  # gradients flow to the model
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+    with pytest.raises(ValueError, match="nested rows"):
+        seqpack_engine.tree_forward_step(model, {"input_ids": torch.ones(2, 3, dtype=torch.long)})
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return str(s.getsockname()[1])
+
+
+def test_verls_fsdp_engine_on_trees_equals_the_stock_engine():
+    pytest.importorskip("verl.workers.engine.fsdp.transformer_impl", reason="verl's engine needs codetiming")
+    run = subprocess.run([sys.executable, os.path.join(HERE, "verl_engine_cpu.py"), _free_port()],
+                         capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert run.returncode == 0, run.stderr[-3000:]
+    got = json.loads(run.stdout.strip().splitlines()[-1])
+    stock, tree = got["stock"], got["tree"]
+    assert stock["counts"] == {} and tree["counts"] == {"tree": 4}  # 2 inference + 2 training micro-batches
+    assert len(tree["patched"]) == 3
+    assert np.abs(np.subtract(stock["log_probs"], tree["log_probs"])).max() < 1e-5
+    assert np.abs(np.subtract(stock["entropy"], tree["entropy"])).max() < 1e-5
+    assert tree["loss"] == pytest.approx(stock["loss"], rel=1e-5)
+    assert tree["grad_norm"] == pytest.approx(stock["grad_norm"], rel=1e-4)
