@@ -370,9 +370,31 @@ CpStepPlan plan_cp_step(const CpItems& items, const CpStepOptions& o) {
     struct Candidate {
       Placement placement;
       std::vector<Item> items;
-      double time = 0.0;
+      double time = 0.0, compute = 0.0;  // the step, and the same placement with the CP terms zeroed
       int64_t kv = 0;
       bool hybrid = false;
+    };
+    CpStepOptions bare = o;  // compute only: what a placement cannot hide behind communication
+    bare.cp = CpCost{};
+    // A placement's step under the model, and its compute: each cell's load summed
+    // again from its items' work (a placement made for compute alone holds that).
+    auto priced = [&](Candidate& c, Placement p) {
+      std::vector<double> full(static_cast<size_t>(n), 0.0), compute_only(static_cast<size_t>(n), 0.0);
+      for (const Item& it : c.items) {
+        full[static_cast<size_t>(it.id)] = it.work;
+        compute_only[static_cast<size_t>(it.id)] = item_work(bare, items, it.id, it.d);
+      }
+      Placement compute = p;
+      for (size_t cell = 0; cell < p.cells.size(); ++cell) {
+        p.load[cell] = compute.load[cell] = 0.0;
+        for (int64_t id : p.cells[cell]) {
+          p.load[cell] += full[static_cast<size_t>(id)];
+          compute.load[cell] += compute_only[static_cast<size_t>(id)];
+        }
+      }
+      c.time = time_of(p, o);
+      c.compute = time_of(compute, o);
+      c.placement = std::move(p);
     };
     std::vector<Candidate> candidates;
     // Rules: 0 fixed; 1 smallest degrees; 2 spread to the mean load; 3 + j: no shard
@@ -404,10 +426,21 @@ CpStepPlan plan_cp_step(const CpItems& items, const CpStepOptions& o) {
       if (seen) continue;
       std::optional<Placement> p = best_placement(c.items, o, k_min);
       if (!p) continue;
-      c.time = time_of(*p, o);
-      if (rule == 0) step_budget = c.time;
-      c.placement = std::move(*p);
       c.hybrid = rule > 0;
+      if (rule == 1 && (o.cp.per_kv_token > 0 || o.cp.per_collective > 0)) {
+        // The least traffic placed again for compute alone: the K/V terms make a
+        // sharded sequence's share look heavier than the compute it holds up, so the
+        // placement above can leave ranks idle that a compute-balanced one fills.
+        Candidate balanced = c;
+        std::vector<Item> bare_items = c.items;
+        for (Item& it : bare_items) it.work = item_work(bare, items, it.id, it.d);
+        if (std::optional<Placement> q = best_placement(bare_items, bare, k_min)) {
+          priced(balanced, std::move(*q));
+          candidates.push_back(std::move(balanced));
+        }
+      }
+      priced(c, std::move(*p));
+      if (rule == 0) step_budget = c.time;
       candidates.push_back(std::move(c));
     }
     // The fastest; among the plans within kClose of it (and no slower than fixed CP),
@@ -425,6 +458,13 @@ CpStepPlan plan_cp_step(const CpItems& items, const CpStepOptions& o) {
     const Candidate* chosen = nullptr;
     for (const Candidate& c : candidates)
       if (c.time <= limit && (!chosen || c.kv < chosen->kv || (c.kv == chosen->kv && c.time < chosen->time)))
+        chosen = &c;
+    // Of the same traffic within kClose of the chosen, the least compute: K/V moves
+    // while attention runs (ring and all-gather CP overlap them), compute does not.
+    const Candidate* first = chosen;
+    for (const Candidate& c : candidates)
+      if (first && c.kv == first->kv && c.time <= std::min(limit, first->time * (1 + kClose)) &&
+          c.compute < chosen->compute)
         chosen = &c;
     std::optional<Placement> kept;
     std::vector<Item> kept_items;
