@@ -20,10 +20,11 @@
 // plan's step / 2, / 4, ... (only the sequences that would hold a step up spread).
 // Each is placed greedily (balance, best fit) and, with FSDP sync, by levels (first-fit
 // decreasing height: tall shares share a micro-batch, short ones fill under them).
+// The least-traffic degrees are also placed for compute alone (the CP terms zeroed).
 // Kept: among the plans predicted within 1% of the fastest, and no slower than the
 // fixed placement, the one that gathers the least K/V (predictions that close are
-// within the model's error, the traffic is not); so hybrid is never predicted slower
-// than fixed.
+// within the model's error, the traffic is not), and of the same K/V within 1% of it
+// the least compute; so hybrid is never predicted slower than fixed.
 //
 // A rank's share of a sequence of s tokens at degree d > 1: round_up(s, 2d) / d
 // tokens (the zigzag pad), s * s / d attended pairs, and the K/V of (d - 1) / d of
