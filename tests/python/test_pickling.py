@@ -100,8 +100,19 @@ def _stream_planner():
     return planner
 
 
+def _path_choice():
+    """A TRL path choice with its measurements (the CPU's turns, each path timed)."""
+    from seqpack.frameworks.trl import choice
+
+    c = choice.PathChoice(seqpack.CostModel.from_model(64, 2, 4, 2, 128), head_flops_per_token=6 * 64 * 64)
+    for _ in range(2 + 2 * choice.EXPLORE):
+        c.run("cpu", True, 100.0, 40.0, lambda: "trl", lambda: "tree")
+    return c
+
+
 def _samples():
     from seqpack.frameworks import batched_data_dict as bdd, config, hf, nemo_rl, roll
+    from seqpack.frameworks.trl import choice as trl_choice
     from seqpack.planning import packing
     from seqpack.tensors import hybrid_cp, packed_tensors, prefix_tree, token_layout, tree_plans
     from seqpack.training import logprobs_tree
@@ -126,6 +137,7 @@ def _samples():
                                                                            static_shapes=[64, 128]),
         seqpack.StreamPlanner: _stream_planner,
         seqpack.StreamStep: lambda: _stream_planner().next_step(1),
+        trl_choice.PathChoice: _path_choice,
         rollout_stream.Rollout: lambda: rollout_stream.grpo_rollouts(2, 2, seed=1)[0],
         # tensors
         seqpack.PackedLayout: lambda: seqpack.PackedLayout.from_lengths([3, 5, 1], pad_multiple=4, cp_size=2,

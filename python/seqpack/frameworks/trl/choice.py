@@ -124,6 +124,15 @@ class PathChoice:
             return float("nan")
         return float(np.median([s / max(w, 1e-300) for w, s in seen]))
 
+    def __eq__(self, other: Any) -> bool:
+        if not isinstance(other, PathChoice):
+            return NotImplemented
+        return (self.cost == other.cost and self.head_flops_per_token == other.head_flops_per_token
+                and self._calls == other._calls and self._since == other._since
+                and {k: list(v) for k, v in self._seen.items()} == {k: list(v) for k, v in other._seen.items()})
+
+    __hash__ = None  # mutable: its measurements grow
+
     def __repr__(self) -> str:
         measured = {f"{'grad' if g else 'no_grad'}/{p}": f"{self.q(g, p):.3g}" for g, p in sorted(self._seen)}
         return f"PathChoice(q={measured})"

@@ -47,7 +47,11 @@ _COUNTS: Dict[str, int] = {}  # micro-batches run on trees / on verl's forward (
 
 def counts(reset: bool = False) -> Dict[str, int]:
     """Micro-batches the patched ``forward_step`` ran on trees (``"tree"``) and on
-    verl's own forward (by reason) in this process."""
+    verl's own forward (by reason) in this process.
+
+    >>> counts()  # before any micro-batch
+    {}
+    """
     out = dict(_COUNTS)
     if reset:
         _COUNTS.clear()
@@ -76,7 +80,7 @@ def prepare_micro_batches(data: Any, dp_group=None, num_batches_divided_by: Opti
     (``strict=False``: the released rule, identical indices; ``shared_prefix``: each
     micro-batch's prefix tree under the cap, rows sharing within one ``uid``).
     """
-    from . import rearrange_micro_batches
+    from .seqlen_balancing import rearrange_micro_batches
 
     group = int(_meta(data, "force_group_size", 1))
     if _meta(data, "use_dynamic_bsz", True):
@@ -90,7 +94,7 @@ def prepare_micro_batches(data: Any, dp_group=None, num_batches_divided_by: Opti
     if rows % size:
         raise ValueError(f"the batch has {rows} rows, not a multiple of micro_batch_size_per_gpu x force_group_size "
                          f"= {size} (verl asserts the same)")
-    from . import _select
+    from .seqlen_balancing import _select
 
     return [_select(data, list(range(s, s + size))) for s in range(0, rows, size)], None
 
@@ -233,7 +237,7 @@ def _engine_rearrange(original: Any):
     def rearrange_micro_batches(batch, max_token_len, dp_group=None, num_batches_divided_by=None,
                                 same_micro_num_in_dp=True, min_num_micro_batch=None, use_dynamic_bsz_balance=True,
                                 force_group_size=1):
-        from . import rearrange_micro_batches as ours
+        from .seqlen_balancing import rearrange_micro_batches as ours
 
         return ours(batch, max_token_len, dp_group, num_batches_divided_by, same_micro_num_in_dp, min_num_micro_batch,
                     use_dynamic_bsz_balance, force_group_size, strict=_SETTINGS["strict"],
@@ -264,7 +268,7 @@ def patch(shared_prefix: bool = False, *, strict: Union[bool, str] = True) -> Li
     import verl.workers.engine.utils as engine_utils
     from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
 
-    from . import _mode_of, restore_dynamic_batch
+    from .seqlen_balancing import _mode_of, restore_dynamic_batch
 
     _mode_of(strict)
     _SETTINGS.update(shared_prefix=bool(shared_prefix), strict=strict)
