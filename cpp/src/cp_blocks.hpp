@@ -20,6 +20,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <limits>
+#include <set>
 #include <utility>
 #include <vector>
 
@@ -76,13 +77,16 @@ class StepBlocks {
 
   // The block of level j with the least (key(p), index) among those holding at most
   // `limit` tokens, or -1; p is the block's leaf. bound(p) of a node is at most the
-  // key of each of its blocks.
+  // key of each of its blocks. With an incumbent (``below`` >= 0: the best block of
+  // an earlier search, and its key), only a block lower in (key, index) is returned,
+  // and a subtree that cannot beat it is not entered: -1 when none does.
   template <class Key, class Bound>
-  int64_t best(int64_t j, int64_t limit, const Key& key, const Bound& bound) const {
+  int64_t best(int64_t j, int64_t limit, const Key& key, const Bound& bound, int64_t below = -1,
+               BlockKey below_key = {}) const {
     const Tree& t = tree(j);
-    Search<Key, Bound> s{t, limit, key, bound};
-    s.visit(1, 0, t.leaves);
-    return s.best;
+    Search<Key, Bound> s{t, limit, key, bound, below, below_key};
+    s.enter(1, 0, t.leaves, bound(1));
+    return s.improved ? s.best : -1;
   }
 
  private:
@@ -108,6 +112,7 @@ class StepBlocks {
     const Bound& bound;
     int64_t best = -1;
     BlockKey best_key{};
+    bool improved = false;
     // Node p covers blocks [first, first + span): skipped when none of them fits, or
     // when its bound cannot beat the best (an equal bound only with lower indices);
     // children in order of their bounds.
@@ -115,7 +120,7 @@ class StepBlocks {
       if (t.min_tokens[static_cast<size_t>(p)] > limit) return;
       if (span == 1) {
         const BlockKey k = key(p);
-        if (best < 0 || k < best_key || (k == best_key && first < best)) best = first, best_key = k;
+        if (best < 0 || k < best_key || (k == best_key && first < best)) best = first, best_key = k, improved = true;
         return;
       }
       const int64_t half = span / 2;
@@ -137,6 +142,54 @@ class StepBlocks {
   const Tree& tree(int64_t j) const { return trees_[static_cast<size_t>(j)]; }
 
   std::vector<Tree> trees_;  // by level j; blocks == 0 where the level is not in use
+};
+
+// Best fit over every (block, step) of a placement at once: per level in use, the
+// blocks of all steps ordered by their busiest rank's tokens (most first), then load,
+// block and step, so that the block leaving the least room for an item is the first
+// entry at or under its limit (one ordered-set lookup, whatever the steps).
+class BestFit {
+ public:
+  struct Entry {
+    int64_t tokens = 0;
+    double load = 0.0;
+    int64_t block = 0, step = 0;
+    bool operator<(const Entry& o) const {
+      if (tokens != o.tokens) return tokens > o.tokens;
+      if (load != o.load) return load < o.load;
+      if (block != o.block) return block < o.block;
+      return step < o.step;
+    }
+  };
+
+  BestFit(int64_t ranks, int64_t steps, const std::vector<int64_t>& levels) {
+    int64_t top = 0;
+    for (int64_t j : levels) top = std::max(top, j);
+    sets_.resize(static_cast<size_t>(top) + 1);
+    for (int64_t j : levels)
+      for (int64_t b = 0; b < (ranks >> j); ++b)
+        for (int64_t k = 0; k < steps; ++k) sets_[static_cast<size_t>(j)].insert({0, 0.0, b, k});
+  }
+
+  // (block, step) of level j with the most tokens at or under `limit`, then the least
+  // load, block and step; (-1, -1) when none fits.
+  std::pair<int64_t, int64_t> find(int64_t j, int64_t limit) const {
+    const auto& set = sets_[static_cast<size_t>(j)];
+    const auto it = set.lower_bound({limit, -std::numeric_limits<double>::infinity(), -1, -1});
+    return it == set.end() ? std::pair<int64_t, int64_t>{-1, -1} : std::pair{it->block, it->step};
+  }
+
+  // Block b of level j at step k went from (tokens, load) to its new values.
+  void move(int64_t j, const Entry& from, int64_t tokens, double load) {
+    auto& set = sets_[static_cast<size_t>(j)];
+    set.erase(from);
+    set.insert({tokens, load, from.block, from.step});
+  }
+
+  bool uses(int64_t j) const { return j < static_cast<int64_t>(sets_.size()) && !sets_[static_cast<size_t>(j)].empty(); }
+
+ private:
+  std::vector<std::set<Entry>> sets_;  // by level; empty where the level is not in use
 };
 
 }  // namespace seqpack::detail

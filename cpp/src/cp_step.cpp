@@ -87,50 +87,46 @@ std::optional<Placement> place(const std::vector<Item>& items, const CpStepOptio
     if (tight) return items[a].tokens * items[a].d > items[b].tokens * items[b].d;
     return items[a].work * static_cast<double>(items[a].d) > items[b].work * static_cast<double>(items[b].d);
   });
+  // Best fit looks at every step at once (one ordered set per level).
+  std::optional<detail::BestFit> fit;
+  if (tight) fit.emplace(R, K, used);
   for (size_t i : order) {
     const Item& it = items[i];
     const int64_t j = log2_of(it.d), limit = cap - it.tokens;
     const double w = it.work;
     detail::BlockKey best_key;
     int64_t best_rank = -1, best_k = -1;
-    for (int64_t k = 0; k < K; ++k) {
+    if (tight) {
+      const auto [b, k] = limit < 0 ? std::pair<int64_t, int64_t>{-1, -1} : fit->find(j, limit);
+      best_rank = b < 0 ? -1 : b << j, best_k = k;
+    }
+    for (int64_t k = 0; k < K && !tight; ++k) {
       const detail::StepBlocks& s = steps[static_cast<size_t>(k)];
       const double top = step_max[static_cast<size_t>(k)];
-      // (a, b) of a block whose busiest rank holds tokens T and load L: tight, the room
-      // left (limit - T), then the new peak (L + w); MicroBatch, how much the step's
-      // maximum grows, then the new peak; Step, the busiest rank's new total, then the
-      // peak. A node's bound: the same of its least values.
-      int64_t b = -1;
-      if (tight) {
-        b = s.best(
-            j, limit,
-            [&](int64_t q) { return detail::BlockKey{static_cast<double>(limit - s.max_tokens(j, q)), s.min_load(j, q) + w}; },
-            [&](int64_t q) {
-              return detail::BlockKey{static_cast<double>(limit - std::min(s.max_tokens(j, q), limit)), s.min_load(j, q) + w};
-            });
-      } else if (by_total) {
-        auto key = [&](int64_t q) { return detail::BlockKey{totals.min_load(j, q) + w, s.min_load(j, q) + w}; };
-        b = s.best(j, limit, key, key);
-      } else {
-        auto key = [&](int64_t q) {
-          const double peak = s.min_load(j, q) + w;
-          return detail::BlockKey{std::max(0.0, peak - top), peak};
-        };
-        b = s.best(j, limit, key, key);
-      }
+      // (a, b) of a block whose busiest rank holds load L: MicroBatch, how much the
+      // step's maximum grows, then the new peak (L + w); Step, the busiest rank's new
+      // total, then the peak. A node's bound: the same of its least values. The best so
+      // far (an earlier step's) is the incumbent: a step that cannot beat it is left
+      // after its root's bound.
+      auto key = [&](int64_t q) {
+        const double peak = s.min_load(j, q) + w;
+        return by_total ? detail::BlockKey{totals.min_load(j, q) + w, peak}
+                        : detail::BlockKey{std::max(0.0, peak - top), peak};
+      };
+      const int64_t b = s.best(j, limit, key, key, best_rank < 0 ? -1 : best_rank >> j, best_key);
       if (b < 0) continue;
-      const int64_t q = s.leaves(j) + b;
-      const double peak = s.min_load(j, q) + w;
-      const detail::BlockKey key = tight     ? detail::BlockKey{static_cast<double>(limit - s.max_tokens(j, q)), peak}
-                                   : by_total ? detail::BlockKey{totals.min_load(j, q) + w, peak}
-                                              : detail::BlockKey{std::max(0.0, peak - top), peak};
-      const int64_t first = b << j;
-      if (best_rank < 0 || key < best_key || (key == best_key && first < best_rank))
-        best_key = key, best_rank = first, best_k = k;
+      best_key = key(s.leaves(j) + b), best_rank = b << j, best_k = k;  // lower in (key, block) than the incumbent
     }
     if (best_rank < 0) return std::nullopt;
     p.first_rank[i] = best_rank;
     detail::StepBlocks& s = steps[static_cast<size_t>(best_k)];
+    std::vector<std::pair<int64_t, detail::BestFit::Entry>> touched;  // (level, its old entry) of each block changed
+    if (tight)
+      for (int64_t jj : used)
+        for (int64_t b = best_rank >> jj; b <= (best_rank + it.d - 1) >> jj; ++b) {
+          const int64_t q = s.leaves(jj) + b;
+          touched.push_back({jj, {s.max_tokens(jj, q), s.min_load(jj, q), b, best_k}});
+        }
     for (int64_t r = best_rank; r < best_rank + it.d; ++r) {
       const auto c = static_cast<size_t>(r * K + best_k);
       p.cells[c].push_back(it.id);
@@ -140,6 +136,10 @@ std::optional<Placement> place(const std::vector<Item>& items, const CpStepOptio
       step_max[static_cast<size_t>(best_k)] = std::max(step_max[static_cast<size_t>(best_k)], p.load[c]);
       s.raise(r, p.tokens[c], p.load[c]);
       if (by_total) totals.raise(r, 0, total[static_cast<size_t>(r)]);
+    }
+    for (const auto& [jj, from] : touched) {
+      const int64_t q = s.leaves(jj) + from.block;
+      fit->move(jj, from, s.max_tokens(jj, q), s.min_load(jj, q));
     }
   }
   return p;
@@ -180,6 +180,7 @@ Placement place_levels(const std::vector<Item>& items, const CpStepOptions& o) {
       // The least loaded block with room for the tokens; if it goes over the step's
       // height, every block with room does.
       const detail::StepBlocks& s = levels[l].blocks;
+      if (s.min_tokens(j, 1) > limit || s.min_load(j, 1) + it.work > levels[l].height * (1 + 1e-12)) continue;
       auto key = [&](int64_t q) { return detail::BlockKey{s.min_load(j, q), 0.0}; };
       const int64_t b = s.best(j, limit, key, key);
       if (b >= 0 && s.min_load(j, s.leaves(j) + b) + it.work <= levels[l].height * (1 + 1e-12))

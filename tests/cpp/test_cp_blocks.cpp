@@ -1,7 +1,8 @@
 // The block index of the CP placement (cpp/src/cp_blocks.hpp): on random raises over
 // ranks that are not a power of two, every search returns what a scan of the blocks
 // returns (the least key, then the lowest block, among those whose tokens fit), for
-// keys that grow with the load and for the best-fit key that grows as tokens shrink.
+// keys that grow with the load and for the best-fit key that grows as tokens shrink,
+// with and without an incumbent; the best fit over every step, what a scan returns.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -59,10 +60,46 @@ TEST(CpBlocks, SearchesMatchAScan) {
             j, limit, [&](int64_t q) { return fit(blocks.max_tokens(j, q), blocks.min_load(j, q)); },
             [&](int64_t q) { return fit(std::min(blocks.max_tokens(j, q), limit), blocks.min_load(j, q)); });
         ASSERT_EQ(b, scan(fit)) << "trial " << trial << " level " << j;
+        if (a >= 0) {  // an incumbent: only a lower (key, block) comes back
+          const BlockKey k = grow(0, blocks.min_load(j, blocks.leaves(j) + a));
+          auto by_load = [&](int64_t q) { return grow(0, blocks.min_load(j, q)); };
+          ASSERT_EQ(blocks.best(j, limit, by_load, by_load, a, k), -1);
+          if (a > 0) {
+            ASSERT_EQ(blocks.best(j, limit, by_load, by_load, a - 1, BlockKey{k.first, k.second + 1.0}), a);
+          }
+        }
         if (a >= 0) {
           ASSERT_LE(blocks.max_tokens(j, blocks.leaves(j) + a), limit);
         }
       }
+    }
+  }
+}
+
+TEST(CpBlocks, BestFitMatchesAScanOfEveryStep) {
+  using seqpack::detail::BestFit;
+  std::mt19937_64 rng(5);
+  for (int trial = 0; trial < 100; ++trial) {
+    const int64_t j = static_cast<int64_t>(rng() % 3), ranks = (int64_t{1} << j) * (1 + static_cast<int64_t>(rng() % 4));
+    const int64_t steps = 1 + static_cast<int64_t>(rng() % 5), blocks = ranks >> j;
+    BestFit fit(ranks, steps, {j});
+    std::vector<BestFit::Entry> now;  // what each (block, step) holds
+    for (int64_t b = 0; b < blocks; ++b)
+      for (int64_t k = 0; k < steps; ++k) now.push_back({0, 0.0, b, k});
+    for (int round = 0; round < 30; ++round) {
+      BestFit::Entry& e = now[rng() % now.size()];
+      const int64_t tokens = e.tokens + static_cast<int64_t>(rng() % 20);
+      const double load = e.load + static_cast<double>(rng() % 3);  // equal tokens and loads are common
+      fit.move(j, e, tokens, load);
+      e.tokens = tokens, e.load = load;
+      const int64_t limit = static_cast<int64_t>(rng() % 120);
+      // the scan: the most tokens at or under the limit, then the least load, block, step
+      const BestFit::Entry* want = nullptr;
+      for (const BestFit::Entry& x : now)
+        if (x.tokens <= limit && (!want || x < *want)) want = &x;
+      const auto [b, k] = fit.find(j, limit);
+      ASSERT_EQ(b, want ? want->block : -1) << "trial " << trial;
+      ASSERT_EQ(k, want ? want->step : -1) << "trial " << trial;
     }
   }
 }
