@@ -72,16 +72,63 @@ def test_cpu_explores_then_takes_the_cheaper_path_and_refreshes(monkeypatch):
     clock.cost = {"trl": 1.0, "tree": 0.5}
     taken = [call(100.0, 50.0) for _ in range(REFRESH + 1)]
     assert taken == ["trl"] * REFRESH + ["tree"]
-    assert list(c._seen[(True, "tree")])[-1] == (50.0, 0.5)  # measured again
+    assert list(c._forward[(True, "tree")])[-1] == (50.0, 0.5)  # measured again
     assert c.q(True, "tree") == pytest.approx(0.06)  # the median of 0.06 x 3, 0.3 and 0.01
 
 
 def test_off_the_cpu_a_fixed_ratio_decides():
     c = fresh()
     for work_tree, want in ((100.0 / ACCELERATOR_RATIO * 0.99, "tree"), (100.0 / ACCELERATOR_RATIO * 1.01, "trl")):
-        path, out = c.run("cuda", True, 100.0, work_tree, lambda: "trl", lambda: "tree")
-        assert path == out == want
-    assert not c._seen  # nothing timed where calls are asynchronous
+        path, out, mark = c.run("cuda", True, 100.0, work_tree, lambda: "trl", lambda: "tree")
+        assert path == out == want and mark(7) == 7
+    assert not c._seen and not c._forward  # nothing timed where calls are asynchronous
+
+
+def test_a_call_with_gradients_is_timed_through_its_backward(monkeypatch):
+    # The tree path's extra operations cost most in the backward (a tiny model's tree
+    # ran its forward faster than TRL's and its step slower): a call's time runs from
+    # its forward through the backward, from the log-probs' gradient to the embeddings'.
+    clock = Clock()
+    monkeypatch.setattr(choice_module.time, "perf_counter", clock)
+    embed, head = torch.nn.Embedding(10, 4), torch.nn.Linear(4, 1)
+
+    class Slow(torch.autograd.Function):  # a layer whose backward takes `seconds`
+        @staticmethod
+        def forward(ctx, x, seconds):
+            ctx.seconds = seconds
+            return x.view_as(x)
+
+        @staticmethod
+        def backward(ctx, grad):
+            clock.now += ctx.seconds
+            return grad, None
+
+    def path(backward_seconds):
+        def run():
+            clock.now += 1.0  # the forward
+            return head(Slow.apply(embed(torch.arange(3)), backward_seconds)).sum()
+        return run
+
+    def call(c, work_trl, work_tree, backward, run_backward=True):
+        taken, out, mark = c.run("cpu", True, work_trl, work_tree, path(backward["trl"]), path(backward["tree"]),
+                                 embed)
+        out = mark(out)
+        clock.now += 5.0  # the loss, other calls: not the call's
+        if run_backward:
+            out.backward()
+        return taken
+
+    c = fresh()
+    backward = {"trl": 1.0, "tree": 9.0}  # forwards alike, the tree's backward 9x TRL's
+    assert [call(c, 100.0, 50.0, backward) for _ in range(2 + 2 * EXPLORE)] == ["tree", "trl"] * (1 + EXPLORE)
+    assert c.q(True, "tree") == pytest.approx(10.0 / 50) and c.q(True, "trl") == pytest.approx(2.0 / 100)
+    assert call(c, 100.0, 25.0, backward) == "trl"  # 0.2 x 25 > 0.9 x 0.02 x 100; by forwards: 0.5 < 0.9
+    # calls whose backward never runs are priced by their forwards
+    c2 = fresh()
+    for _ in range(2 + 2 * EXPLORE):
+        call(c2, 100.0, 50.0, backward, run_backward=False)
+    assert not c2._seen and c2.q(True, "tree") == pytest.approx(1.0 / 50)
+    assert call(c2, 100.0, 25.0, backward, run_backward=False) == "tree"
 
 
 def test_the_choice_pickles_with_its_measurements(monkeypatch):

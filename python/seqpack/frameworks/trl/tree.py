@@ -292,10 +292,11 @@ def _make_method(original: Any) -> Any:
             head_positions=rows * (input_ids.shape[1] if device == "cpu" else c + 1),  # TRL's head off Triton: all
             tree_tokens=tree_tokens, tree_pairs=sum(found[0].metrics().tree_attention_pairs for _, found in chunks),
             scored=sum(int(found[1].sum()) for _, found in chunks))
-        path, out = choice.run(device, torch.is_grad_enabled(), work_trl, work_tree, trl_path, tree_path)
+        path, out, mark = choice.run(device, torch.is_grad_enabled(), work_trl, work_tree, trl_path, tree_path,
+                                     hf_model.get_input_embeddings())
         if path == "trl":
             _count_trl("tree_does_not_pay")
-        return out
+        return (mark(out[0]),) + tuple(out[1:])
 
     _get_per_token_logps_and_entropies.__doc__ = (
         "seqpack's: TRL's log-probs and entropies computed on prefix trees "
