@@ -47,5 +47,5 @@ def step_table(lengths: np.ndarray, capacity: int, dp_size: int, cost: Optional[
                   "plan ms"], rows,
                  note=f"Predicted step = sum over micro-batches of the slowest rank's cost, cost = "
                       f"{cost.per_micro_batch:g} + {cost.per_token:g} n + {cost.per_token_squared:g} n^2 per "
-                      "micro-batch of sequences of n tokens; the frameworks' plans are seqpack.testing.pipelines' models of "
+                      "micro-batch, the n terms summed over its sequences of n tokens; the frameworks' plans are seqpack.testing.pipelines' models of "
                       f"their released code; plan_step's lower bound: {plan.lower_bound:,.3f}.")

@@ -94,7 +94,7 @@ def tree_report(rows: Sequence[np.ndarray], groups: Sequence[int], capacity: int
         note=f"{forest.num_rows:,} rows, {forest.num_trees:,} prompts, {dp_size} DP ranks, cap {capacity:,} tokens per "
              f"micro-batch (physical tokens for trees), planned on {trees.planned_on}, sharing kept "
              f"{trees.sharing_kept:.3f}. Cost {cost.per_micro_batch:g} + {cost.per_token:g} n + "
-             f"{cost.per_token_squared:g} n^2 per micro-batch, summed over its sequences of n tokens (n^2: twice "
+             f"{cost.per_token_squared:g} n^2 per micro-batch, the n terms summed over its sequences of n tokens (n^2: twice "
              "the visible pairs minus the tokens for a tree), ranks in step after each micro-batch."))
 
     mean_tree = physical / max(forest.num_trees, 1)
