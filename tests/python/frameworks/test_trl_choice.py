@@ -179,4 +179,4 @@ def test_a_batch_the_tree_does_not_pay_for_runs_trls_path():
         tree = t._get_per_token_logps_and_entropies(t.model, ids, mask, 6)[0]
     assert seqpack_trl.report()["tree_batches"] == 1 and rel(tree, ref) < 2e-4
     with pytest.raises(ValueError, match="trees must be 'auto'"):
-        seqpack_trl.patch(shared_prefix=True, trees="sometimes")
+        seqpack_trl.patch(trees="sometimes")  # refused before anything is replaced

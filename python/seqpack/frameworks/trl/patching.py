@@ -89,6 +89,8 @@ def patch(shared_prefix: bool = False, *, packing: Optional[bool] = None, trees:
     import importlib
     import logging
 
+    if trees not in ("auto", "always"):  # checked before anything is replaced
+        raise ValueError(f"trees must be 'auto' (a tree when it pays) or 'always', got {trees!r}")
     packing = (not shared_prefix) if packing is None else bool(packing)
     try:
         data_utils = importlib.import_module("trl.data_utils")

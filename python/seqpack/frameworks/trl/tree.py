@@ -30,7 +30,10 @@ attention sinks (GPT-OSS), DeepSpeed ZeRO-3, a prompt-learning PEFT adapter, a m
 without TRL's fused head, a sliding window shorter than a row, a row whose
 completion has no prompt before it.
 ``AsyncGRPOTrainer`` (``trl.experimental``, which packs its own trees for
-flash-attention) is refused by name while the patch is on.
+flash-attention) is refused by name while the patch is on. A batch the tree can take
+still runs on TRL's path where the tree does not pay for it (priced and, on the CPU,
+timed per path: :mod:`seqpack.frameworks.trl.choice`; ``patch(trees="always")``
+skips that).
 """
 
 from __future__ import annotations
