@@ -86,7 +86,7 @@ def to_completions(values: Sequence[Optional[Any]], source: np.ndarray, target: 
 
 
 def completion_logprobs(model: Any, input_ids: Any, attention_mask: Any, completion_length: int, *,
-                        temperature: Any = 1.0, return_entropy: bool = False, **model_kwargs: Any):
+                        temperature: Any = 1.0, return_entropy: bool = False, found: Any = None, **model_kwargs: Any):
     """``[B, C]`` log-probs (and entropies) of the completion tokens of padded rows,
     from a transformers causal LM run once on their prefix tree: ``model(input_ids
     [1, T], position_ids [1, T] (depths), prefix_tree=tree, logits_to_keep=rows)``
@@ -96,6 +96,8 @@ def completion_logprobs(model: Any, input_ids: Any, attention_mask: Any, complet
     column is padding. The model must run a tree implementation
     (:func:`seqpack.frameworks.hf_tree.use_tree_attention`).
 
+    ``found``: :func:`completion_tree` of the same rows, when the caller built it already.
+
     Raises ValueError where a real completion token has no token before it."""
     import torch
 
@@ -103,7 +105,8 @@ def completion_logprobs(model: Any, input_ids: Any, attention_mask: Any, complet
     from ..tensors.tree_plans import scored_targets
     from ..training.logprobs_tree import tree_token_logprobs
 
-    found = completion_tree(input_ids, attention_mask, completion_length)
+    if found is None:
+        found = completion_tree(input_ids, attention_mask, completion_length)
     if found is None:
         raise ValueError("a row's first completion (response) token has no prompt token before it: its log-prob "
                          "would come from a pad token's hidden state; give every row a prompt")

@@ -138,6 +138,19 @@ def tree_forward_step(module: Any, micro_batch: Any, *, temperature: Any = None,
     ``module``: the engine's module (a transformers causal LM, bare or under FSDP /
     PEFT), switched to the tree implementation over its own attention once.
     """
+    return _tree_outputs(module, micro_batch, temperature, calculate_entropy)
+
+
+def _completion_tree(ids: Any, mask: Any) -> Any:
+    """The rows' tree, every token after a row's first scored (None for 1-token rows)."""
+    from .._completion_trees import completion_tree
+
+    return completion_tree(ids, mask.long(), ids.shape[1] - 1) if ids.shape[1] > 1 else None
+
+
+def _tree_outputs(module: Any, micro_batch: Any, temperature: Any, calculate_entropy: Optional[bool],
+                  found: Any = None) -> Dict[str, Any]:
+    """:func:`tree_forward_step`, reusing the rows' tree when the caller built it."""
     import torch
 
     from .._completion_trees import completion_logprobs
@@ -158,7 +171,7 @@ def tree_forward_step(module: Any, micro_batch: Any, *, temperature: Any = None,
     # every token after a row's first is a "completion" token of the padded rows: column
     # j of the result is token j + 1 given the tokens before it, i.e. position j's output
     lp, ent = completion_logprobs(module, ids, mask.long(), ids.shape[1] - 1, temperature=t,
-                                  return_entropy=entropy)
+                                  return_entropy=entropy, found=found)
     for key, value in (("log_probs", lp), ("entropy", ent)):
         if value is None:
             continue
@@ -188,24 +201,15 @@ def _tree_reason(engine: Any, micro_batch: Any) -> Optional[str]:
     return None
 
 
-def _shares_enough(micro_batch: Any) -> bool:
-    """Whether the micro-batch's tree forwards at most ``TREE_MAX_SHARE`` of its tokens."""
-    from .._batch import padded_forest
-
-    cols = {k: micro_batch[k] for k in ("input_ids",)}
-    group_key = "uid" if "uid" in micro_batch.keys() else None
-    if group_key is not None:
-        cols["uid"] = micro_batch["uid"]
-    forest = padded_forest(cols, group_key, missing_group_ok=True)[0]
-    logical = int(forest.num_logical_tokens)
-    return logical > 0 and forest.num_physical_tokens <= TREE_MAX_SHARE * logical
-
-
 def _forward_step(original: Any):
     def forward_step(self, micro_batch, loss_function, forward_only):
         reason = "shared_prefix off" if not _SETTINGS["shared_prefix"] else _tree_reason(self, micro_batch)
-        if reason is None and not _shares_enough(micro_batch):
-            reason = "shares too little"
+        found = None
+        if reason is None:  # the tree is built once: to price the micro-batch, then to run it
+            ids, mask, _ = _rows(micro_batch)
+            found = _completion_tree(ids, mask)
+            if found is None or found[0].num_tokens > TREE_MAX_SHARE * int(mask.sum()):
+                reason = "shares too little"
         _COUNTS[reason or "tree"] = _COUNTS.get(reason or "tree", 0) + 1
         if reason is not None:
             return original(self, micro_batch, loss_function, forward_only)
@@ -221,7 +225,7 @@ def _forward_step(original: Any):
         autocast = contextlib.nullcontext() if dtype == torch.float32 else torch.autocast(device_type=device,
                                                                                             dtype=dtype)
         with autocast:
-            model_output = tree_forward_step(self.module, micro_batch)
+            model_output = _tree_outputs(self.module, micro_batch, None, None, found)
             if loss_function is not None:
                 loss, metrics = loss_function(model_output=model_output, data=micro_batch,
                                               dp_group=self.get_data_parallel_group())
