@@ -28,6 +28,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 TITLE = "TRL GRPO log-probs, TRL's padded rows vs prefix trees"
+TITLE_CHOICE = "TRL GRPO log-prob call, TRL vs the patch's per-batch choice vs trees always"
 TITLE_TRAIN = "TRL GRPO trainer.train() step, TRL vs patched"
 ROWS = 16  # rows per micro-batch: 16 / G prompts
 
@@ -128,6 +129,49 @@ def qwen2_tiny():
     return transformers.Qwen2ForCausalLM(cfg)
 
 
+def choice_calls(model, g: int, prompt: int, completion: int, calls: int, skip: int = 10):
+    """Milliseconds of one training call of the log-prob method (forward + backward,
+    entropies on) on TRL's path, on the patch's choice (``trees="auto"``) and on trees
+    always, the three in turn on the same batches (8 of TRL's layout, in rotation), the
+    median of the calls after the first ``skip``; and how many of the choice's calls ran
+    as trees."""
+    from trl.trainer.grpo_trainer import GRPOTrainer
+
+    import seqpack.integrations.trl as seqpack_trl
+    from seqpack.frameworks.trl import tree as trl_tree
+    from seqpack.frameworks.trl.tree import METHOD
+
+    vocab = model.config.vocab_size
+    seqpack_trl.unpatch()
+    trl_tree.counts(reset=True)
+    seqpack_trl.patch(shared_prefix=True)
+    patched = GRPOTrainer.__dict__[METHOD]
+    original = patched._seqpack_original
+    models = {"trl": model, "auto": copy.deepcopy(model), "always": copy.deepcopy(model)}
+    with tempfile.TemporaryDirectory() as out:  # one trainer (one choice) a side
+        trainers = {side: grpo_trainer(m, out, vocab, g, completion, 1, bf16=False, prompt_tokens=prompt)
+                    for side, m in models.items()}
+    batches = [batch(g, prompt, completion, vocab, seed=s) for s in range(8)]
+    times: dict = {side: [] for side in models}
+    on_trees = 0  # the choice's calls after the first skip that ran as trees
+    for i in range(calls):
+        ids, mask = batches[i % len(batches)]
+        for side, method in (("trl", original), ("auto", patched), ("always", patched)):
+            seqpack_trl.patch(shared_prefix=True, trees="always" if side == "always" else "auto")
+            m = models[side]
+            m.zero_grad(set_to_none=True)
+            before = trl_tree.counts()["tree_batches"]
+            start = time.perf_counter()
+            lp, ent, _ = method(trainers[side], m, ids, mask, completion, compute_entropy=True)
+            (lp.sum() + 0.01 * ent.sum()).backward()
+            times[side].append(time.perf_counter() - start)
+            if side == "auto" and i >= skip:
+                on_trees += trl_tree.counts()["tree_batches"] - before
+    seqpack_trl.unpatch()
+    ms = {side: 1e3 * float(np.median(t[skip:])) for side, t in times.items()}
+    return ms, on_trees, calls - skip
+
+
 def train_steps(model, g: int, prompt: int, completion: int, patched: bool, steps: int, skip: int = 1):
     """Seconds per ``trainer.train()`` step (TRL's defaults), the median of the steps
     after the first ``skip``, and what the patch ran (``report()``)."""
@@ -160,7 +204,7 @@ def train_steps(model, g: int, prompt: int, completion: int, patched: bool, step
 
 def main() -> int:
     parser = torch_cpu_arguments(__doc__)
-    parser.add_argument("--train-only", action="store_true", help="only the trainer.train() step table")
+    parser.add_argument("--train-only", action="store_true", help="only the regime tables (a log-prob call and trainer.train())")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     env = announce(environment(), torch)
@@ -215,8 +259,17 @@ def main() -> int:
     regimes = [("Qwen2 h64 V64", qwen2_tiny, 4, p, 64) for p in ((15,) if args.quick else (15, 64, 128, 512))]
     regimes.append(("Llama h256 V8192", lambda: llama(args.quick), 8, 24 if args.quick else 256,
                     8 if args.quick else 64))
-    train_rows = []
+    train_rows, choice_rows = [], []
+    calls, skip_calls = (12, 4) if args.quick else (60, 10)
     for name, make, g, prompt, completion in regimes:
+        ms, on_trees, counted = choice_calls(make(), g, prompt, completion, calls, skip_calls)
+        case = f"{name} G={g} prompt {prompt} completion {completion}"
+        for side, key in (("trl", "trl"), ("auto", "seqpack_choice"), ("always", "seqpack_tree")):
+            log.add(case, key, "call_ms_median", ms[side])
+        log.add(case, "seqpack_choice", "tree_calls", on_trees)
+        choice_rows.append([name, g, prompt, completion, ms["trl"], ms["auto"], ms["always"], ms["trl"] / ms["auto"],
+                            ms["trl"] / ms["always"], f"{on_trees} / {counted}"])
+        print(f"  choice {case}: done", flush=True)
         t_trl, t_tree, ran = float("inf"), float("inf"), {}
         for _ in range(1 if args.quick else 2):  # the sides alternate, best of the runs
             t_trl = min(t_trl, train_steps(make(), g, prompt, completion, False, steps, skip)[0])
@@ -230,6 +283,14 @@ def main() -> int:
         train_rows.append([name, g, prompt, completion, t_trl, t_tree, t_trl / t_tree,
                            f"{ran['tree_batches']} / {ran['tree_batches'] + ran['trl_batches']}"])
         print(f"  train {case}: done", flush=True)
+    print(format_table(
+        TITLE_CHOICE, ["model", "G", "prompt tokens", "completion tokens", "TRL ms", "choice ms", "trees ms",
+                       "choice speed-up", "trees speed-up", "choice on trees"], choice_rows,
+        note="one training call of _get_per_token_logps_and_entropies (forward + backward, entropies; fp32, no "
+             "autocast, no checkpointing), 16 rows of TRL's layout (8 batches in rotation): TRL's path, the patch's "
+             "choice (trees='auto', its own trainer: it explores both paths on its first 8 calls) and "
+             "trees='always', the three in turn; the median of calls %d-%d. choice on trees: its calls among those "
+             "that ran as trees." % (skip_calls + 1, calls)))
     print(format_table(
         TITLE_TRAIN, ["model", "G", "prompt tokens", "completion max", "TRL s/step", "patched s/step", "speed-up",
                       "tree batches / all"], train_rows,

@@ -13,6 +13,7 @@
   AsyncGRPOTrainer is refused by name; ``unpatch()`` restores everything.
 """
 
+import copy
 import warnings
 
 import numpy as np
@@ -328,6 +329,23 @@ def test_the_patch_says_it_is_on_and_reports_what_ran_as_trees(caplog, monkeypat
     assert got["tree_batches"] == 1 and got["trl_batches"] == 1 and got["trl_reasons"] == {"test_kind": 1}
     assert got["padded_tokens"] == ids.numel() and 0 < got["tree_tokens"] < got["padded_tokens"]
     assert got["tokens_saved"] == got["padded_tokens"] - got["tree_tokens"]
+    seqpack_trl.unpatch()
+
+
+def test_each_model_is_unwrapped_once_per_trainer(monkeypatch):
+    # accelerate's unwrap_model looks its backends up through importlib at every call
+    # (0.65 ms a call, twice a batch): the price a batch on TRL's path paid for the patch.
+    seqpack_trl.patch(shared_prefix=True)
+    t = trainer("grpo", bf16=False)
+    ref = copy.deepcopy(t.model)  # a reference model: unwrapped apart
+    seen = []
+    unwrap = t.accelerator.unwrap_model
+    monkeypatch.setattr(t.accelerator, "unwrap_model", lambda m, *a, **k: seen.append(m) or unwrap(m, *a, **k))
+    ids, mask = grpo_batch()
+    with torch.no_grad():
+        for model in (t.model, ref, t.model, ref, t.model):
+            t._get_per_token_logps_and_entropies(model, ids, mask, 6)
+    assert seen == [t.model, ref]
     seqpack_trl.unpatch()
 
 

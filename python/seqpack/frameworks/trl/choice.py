@@ -28,10 +28,9 @@ an H200: benchmarks/results/gpu.md).
 from __future__ import annotations
 
 import collections
+import statistics
 import time
 from typing import Any, Callable, Deque, Dict, Tuple
-
-import numpy as np
 
 from ...planning.cost import CostModel
 
@@ -142,7 +141,7 @@ class PathChoice:
         seen = (self._seen if both else self._forward).get((grad, path))
         if not seen:
             return float("nan")
-        return float(np.median([s / max(w, 1e-300) for w, s in seen]))
+        return statistics.median([s / max(w, 1e-300) for w, s in seen])
 
     def __eq__(self, other: Any) -> bool:
         if not isinstance(other, PathChoice):

@@ -181,7 +181,14 @@ def _uninstall(model: Any) -> None:
 def _hf_model(trainer: Any, model: Any) -> Tuple[Any, bool]:
     """The transformers model under the accelerate / PEFT wrappers, and whether a
     prompt-learning PEFT adapter (which changes the inputs) is active."""
-    inner = trainer.accelerator.unwrap_model(model) if hasattr(trainer, "accelerator") else model
+    # accelerate's unwrap looks its backends up at every call (importlib metadata: most
+    # of a millisecond): each model it unwrapped (the policy, the reference) is kept on
+    # the trainer with its answer.
+    seen = trainer.__dict__.setdefault("_seqpack_unwrapped", weakref.WeakKeyDictionary())
+    inner = seen.get(model)
+    if inner is None:
+        inner = trainer.accelerator.unwrap_model(model) if hasattr(trainer, "accelerator") else model
+        seen[model] = inner
     prompt_learning = bool(getattr(inner, "peft_config", None)) and bool(
         getattr(getattr(inner, "active_peft_config", None), "is_prompt_learning", False))
     if hasattr(inner, "get_base_model"):
@@ -189,7 +196,18 @@ def _hf_model(trainer: Any, model: Any) -> Tuple[Any, bool]:
     return inner, prompt_learning
 
 
-def _fallback_reason(trainer: Any, model: Any, compute_aux_loss: bool, extra: Dict[str, Any],
+_SINKS: "weakref.WeakKeyDictionary[Any, bool]" = weakref.WeakKeyDictionary()
+
+
+def _has_sinks(model: Any) -> bool:
+    """Whether ``model``'s attention has sinks (a ``*sinks`` parameter), looked up once
+    per model: the parameters do not change names."""
+    if model not in _SINKS:
+        _SINKS[model] = any(name.endswith("sinks") for name, _ in model.named_parameters())
+    return _SINKS[model]
+
+
+def _fallback_reason(hf_model: Any, prompt_learning: bool, compute_aux_loss: bool, extra: Dict[str, Any],
                      longest: int) -> Optional[Tuple[str, str]]:
     """(its kind, the reason) why this batch runs on TRL's path, or None."""
     vision = [k for k in _VISION if extra.get(k) is not None]
@@ -197,7 +215,6 @@ def _fallback_reason(trainer: Any, model: Any, compute_aux_loss: bool, extra: Di
         return "vision", f"vision inputs ({', '.join(vision)})"
     if compute_aux_loss:
         return "moe_aux_loss", "the MoE load-balancing loss (compute_aux_loss: TRL's router loss is over the padded rows)"
-    hf_model, prompt_learning = _hf_model(trainer, model)
     if prompt_learning:
         return "prompt_learning", "a prompt-learning PEFT adapter (it changes the model's inputs)"
     head = _head_of(hf_model)
@@ -215,7 +232,7 @@ def _fallback_reason(trainer: Any, model: Any, compute_aux_loss: bool, extra: Di
             return False
     if is_deepspeed_zero3_enabled():
         return "zero3", "DeepSpeed ZeRO-3 (the LM head's weight is a shard outside TRL's gather)"
-    if any(name.endswith("sinks") for name, _ in hf_model.named_parameters()):
+    if _has_sinks(hf_model):
         return "attention_sinks", "attention sinks (GPT-OSS: tree attention has none)"
     config = hf_model.config.get_text_config()
     if getattr(config, "attn_logit_softcapping", None) is not None:
@@ -247,7 +264,8 @@ def _make_method(original: Any) -> Any:
                             compute_aux_loss, **extra)
 
         longest = int(attention_mask.sum(1).max()) if attention_mask.numel() else 0
-        reason = _fallback_reason(self, model, compute_aux_loss, extra, longest)
+        hf_model, prompt_learning = _hf_model(self, model)
+        reason = _fallback_reason(hf_model, prompt_learning, compute_aux_loss, extra, longest)
         if reason is not None:
             _warn_once(*reason)
             return trl_path()
@@ -262,7 +280,6 @@ def _make_method(original: Any) -> Any:
                 _warn_once("no_prompt", "a row whose first completion token has no prompt token before it")
                 return trl_path()
             chunks.append((end - start, found))
-        hf_model = _hf_model(self, model)[0]
         tree_tokens = sum(found[0].num_tokens for _, found in chunks)
 
         def tree_path():
