@@ -80,6 +80,7 @@ _export("tensors.thd_static", "StaticPackedBatch", "pack_sequences_static")
 _export("tensors.dataset", "PackedDataset", "collate_packs", "pack_dataset")
 _export("tensors.prefix_tree", "PrefixTreeBatch", "PrefixTreeMetrics", "pack_prefix_tree")
 _export("tensors.tree_plans", "prepare_tree")
+_export("tensors.prefix_passes", "split_prefix_tree")
 _export("tensors.hybrid_cp", "HybridCpBatch", "pack_hybrid_cp", "hybrid_cp_micro_batches")
 _export("tensors.hybrid_cp_groups", "hybrid_cp_groups")
 # Training ops: one per concept, on any layout
@@ -87,6 +88,7 @@ _export("training.ops", "attention", "token_logprobs", "varlen_attention")
 _export("training.logprobs", "TokenLogprobs")
 _export("training.logprobs_columns", "column_logprobs", "linear_column_logprobs")
 _export("training.loss", "SequencePackingLossWrapper", "prepare_loss_input", "NLLLoss", "ClippedPGLoss")
+_export("training.prefix_reuse", "prefix_reuse")
 _export("training.attention_varlen", "attention_backends")
 # Frameworks
 _export("frameworks.nemo_rl", "BatchedDataDict", "DynamicBatchingArgs", "SequencePackingArgs",
@@ -106,10 +108,11 @@ __all__ = [
     "pack_to_layout", "unpack_sequences", "StaticPackedBatch", "pack_sequences_static",
     "PackedDataset", "collate_packs", "pack_dataset", "pack_prefix_tree", "PrefixTreeBatch", "PrefixTreeMetrics",
     "prepare_tree", "HybridCpBatch", "pack_hybrid_cp", "hybrid_cp_micro_batches", "hybrid_cp_groups",
+    "split_prefix_tree",
     # training
     "attention", "varlen_attention", "attention_backends", "token_logprobs", "TokenLogprobs",
     "column_logprobs", "linear_column_logprobs",
-    "SequencePackingLossWrapper", "prepare_loss_input", "NLLLoss", "ClippedPGLoss",
+    "SequencePackingLossWrapper", "prepare_loss_input", "NLLLoss", "ClippedPGLoss", "prefix_reuse",
     # frameworks
     "BatchedDataDict", "DynamicBatchingArgs", "SequencePackingArgs", "SlicedDataDict",
     # support
@@ -279,8 +282,10 @@ if TYPE_CHECKING:  # what the lazy attributes resolve to, for type checkers and 
     from .tensors.thd_static import StaticPackedBatch, pack_sequences_static
     from .tensors.token_layout import TokenLayout
     from .tensors.tree_plans import prepare_tree
+    from .tensors.prefix_passes import split_prefix_tree
     from .training.attention_varlen import attention_backends
     from .training.logprobs import TokenLogprobs
     from .training.logprobs_columns import column_logprobs, linear_column_logprobs
     from .training.loss import ClippedPGLoss, NLLLoss, SequencePackingLossWrapper, prepare_loss_input
     from .training.ops import attention, token_logprobs, varlen_attention
+    from .training.prefix_reuse import prefix_reuse

@@ -23,10 +23,11 @@ PUBLIC = [
     "pack_to_layout", "unpack_sequences", "StaticPackedBatch", "pack_sequences_static",
     "PackedDataset", "collate_packs", "pack_dataset", "pack_prefix_tree", "PrefixTreeBatch", "PrefixTreeMetrics",
     "prepare_tree", "HybridCpBatch", "pack_hybrid_cp", "hybrid_cp_micro_batches", "hybrid_cp_groups",
+    "split_prefix_tree",
     # training
     "attention", "varlen_attention", "attention_backends", "token_logprobs", "TokenLogprobs",
     "column_logprobs", "linear_column_logprobs",
-    "SequencePackingLossWrapper", "prepare_loss_input", "NLLLoss", "ClippedPGLoss",
+    "SequencePackingLossWrapper", "prepare_loss_input", "NLLLoss", "ClippedPGLoss", "prefix_reuse",
     # frameworks
     "BatchedDataDict", "DynamicBatchingArgs", "SequencePackingArgs", "SlicedDataDict",
     # support

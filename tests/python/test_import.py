@@ -86,7 +86,8 @@ def test_extension_carries_ampere_and_hopper_machine_code():
      "seqpack.frameworks.verl.engine", "seqpack.frameworks.trl.choice", "seqpack.frameworks.automodel",
      "seqpack.testing.pipelines", "seqpack.testing.step_simulator", "seqpack.testing.distributions",
      "seqpack.tensors.cp",
-     "seqpack.tensors.dataset", "seqpack.tensors.prefix_tree", "seqpack.training.logprobs", "seqpack.training.loss",
+     "seqpack.tensors.dataset", "seqpack.tensors.prefix_tree", "seqpack.tensors.prefix_passes", "seqpack.training.logprobs",
+     "seqpack.training.loss",
      "seqpack.training.logprobs_tree",
      "seqpack.training.nemo_rl_loss", "seqpack.training.attention_tree", "seqpack._lengths"],
 )

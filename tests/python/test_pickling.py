@@ -110,16 +110,21 @@ def _path_choice():
     return c
 
 
+def _shared_tree():
+    """Two rows sharing a 5-token prefix: split at 4 tokens, two provider passes."""
+    return seqpack.pack_prefix_tree([[1, 2, 3, 4, 5, 6, 7], [1, 2, 3, 4, 5, 8, 9]])
+
+
 def _samples():
     from seqpack.frameworks import batched_data_dict as bdd, config, hf, nemo_rl, roll
     from seqpack.frameworks.trl import choice as trl_choice
     from seqpack.planning import packing
-    from seqpack.tensors import hybrid_cp, packed_tensors, prefix_tree, token_layout, tree_plans
+    from seqpack.tensors import hybrid_cp, packed_tensors, prefix_passes, prefix_tree, token_layout, tree_plans
     from seqpack.training import logprobs_tree
     from seqpack.testing import rollout_stream, tiny_model
     from seqpack.tools import report, report_cp, report_trees
     from seqpack.tensors import cp_cut, parts_layout, sharded_layout
-    from seqpack.training import loss, loss_hybrid_cp
+    from seqpack.training import loss, loss_hybrid_cp, prefix_reuse
 
     lengths = [46, 24, 55, 88, 11, 14, 73, 17]
     tiny = tiny_model.TinyConfig(vocab_size=32, hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1)
@@ -155,6 +160,12 @@ def _samples():
                                                                       group_ids=[0, 0, 1, 1]),
         seqpack.planning.ForestItems: lambda: seqpack.PrefixForest.from_rows(
             [[1, 2, 3, 4], [1, 2, 3, 5], [1, 2, 6], [1, 2, 7, 8]]).items(6),
+        prefix_passes.PrefixPasses: lambda: seqpack.split_prefix_tree(_shared_tree(), 4),
+        prefix_passes.TreePass: lambda: seqpack.split_prefix_tree(_shared_tree(), 4).passes[1],
+        prefix_reuse.PrefixReuseStep: lambda: seqpack.prefix_reuse(seqpack.split_prefix_tree(_shared_tree(), 4),
+                                                              memory="kv"),
+        prefix_reuse.PassMicroBatch: lambda: next(iter(seqpack.prefix_reuse(seqpack.split_prefix_tree(
+            _shared_tree(), 4)))),
         seqpack.PrefixTreeBatch: lambda: seqpack.pack_prefix_tree([[5, 6, 7], [5, 6, 8], [5]], group_ids=[0, 0, 1],
                                                                    pad_to_multiple_of=4),
         tree_plans.TreeAttentionPlan: lambda: tree_plans.attention_plan(seqpack.pack_prefix_tree([[5, 6, 7], [5, 6, 8]])),

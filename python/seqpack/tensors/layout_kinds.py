@@ -40,8 +40,9 @@ __all__ = ["LAYOUT_KINDS", "as_layout", "as_packed_layout", "as_tree", "is_compo
 
 # "rows": rows back to back; "tree": a prefix tree whose rows share tokens;
 # "flat_tree": a tree whose rows share nothing (plain packing's kernels run it, its
-# results stay in its logical order); "parts": a composite of layouts (hybrid CP, a PartsLayout).
-LAYOUT_KINDS = ("rows", "tree", "flat_tree", "parts")
+# results stay in its logical order); "parts": a composite of layouts (hybrid CP, a PartsLayout);
+# "tree_pass": one pass of a tree split under a cap, reading earlier passes' K/V (a TreePass).
+LAYOUT_KINDS = ("rows", "tree", "flat_tree", "parts", "tree_pass")
 
 
 def as_layout(value: Any, name: str = "layout", cu_seqlens_padded: Any = None) -> TokenLayout:
@@ -112,6 +113,9 @@ def layout_kind(value: Any) -> str:
     composite = _composite_kind(layout)
     if composite is not None:  # a PartsLayout (tensors/parts_layout.py, which imports this module)
         return composite
+    declared = getattr(type(layout), "declared_kind", None)
+    if declared is not None:  # a TreePass (tensors/prefix_passes.py): a pass of a tree split under a cap
+        return declared
     raise TypeError(f"no layout kind for {type_name(layout)}: a TokenLayout is a PackedLayout, a PrefixTreeBatch "
                     "or a cut of one (seqpack.shard_layout)")
 

@@ -16,6 +16,9 @@ layout modules)::
                                           ranges                 tree CP              tree (local)
                                           ulysses                Ulysses all-to-all   -
     parts      hybrid CP micro-batch      composite              each part's own      each part's, concatenated
+    tree_pass  a pass of a tree split     whole                  own tokens over      the tokens its own
+               under a cap (TreePass)                            their paths, earlier tokens predict
+                                                                 passes' K/V read
 
 A pair without an entry raises a ``TypeError`` naming it. Adding a layout or a
 parallel mode is one row here and one private implementation module.
@@ -189,6 +192,12 @@ def _check_part_rows(composite: Any, x: Any, name: str) -> None:
                          f"(every part's), got shape {tuple(x.shape)}")
 
 
+def _tree_pass_attention(q, k, v, layout, group, options):
+    from .attention_tree_pass import tree_pass_attention
+
+    return tree_pass_attention(q, k, v, as_layout(layout), **_whole(group, options, "a pass of a prefix tree"))
+
+
 ATTENTION: Dict[Key, Callable] = {
     ("rows", "whole"): _rows_attention,
     ("rows", "zigzag"): _zigzag_attention,
@@ -200,6 +209,7 @@ ATTENTION: Dict[Key, Callable] = {
     ("tree", "ranges"): _tree_cp_attention,
     ("tree", "ulysses"): _tree_ulysses_attention,
     ("parts", "composite"): _parts_attention,
+    ("tree_pass", "whole"): _tree_pass_attention,
 }
 
 
@@ -286,6 +296,34 @@ def _parts_logprobs(logits, batch, input_ids, options) -> "TokenLogprobs":
     return TokenLogprobs(torch.cat([o.logprobs for o in outs]), entropy)
 
 
+def _tree_pass_logprobs(logits, layout, input_ids, options) -> "TokenLogprobs":
+    """A pass's own rows: the logical tokens they predict (and ``scored`` keeps), 0
+    elsewhere, so that the passes' results sum to the whole tree's."""
+    import numpy as np
+
+    from ..tensors.tree_plans import scored_targets
+
+    layout = as_layout(layout)
+    if logits.dim() != 2 or logits.shape[0] != layout.num_local_tokens:
+        raise ValueError(f"logits must hold the pass's {layout.num_local_tokens} rows (mb.forward(model)'s output), "
+                         f"got shape {tuple(logits.shape)}")
+    mine = layout.predicts()
+    scored = options.pop("scored")
+    if scored is not None:
+        if hasattr(scored, "detach"):
+            scored = scored.detach().cpu().numpy()
+        scored = np.asarray(scored)
+        if scored.shape != mine.shape or scored.dtype != np.bool_:
+            raise ValueError(f"scored must be a [N] bool array, one per logical token (N = {mine.shape[0]}), got "
+                             f"{scored.dtype} {scored.shape}")
+        mine = mine & scored
+    rows = scored_targets(layout.tree, mine)[0]
+    import torch
+
+    local = torch.as_tensor(np.searchsorted(layout.own, rows), device=logits.device)
+    return _tree_logprobs(logits.index_select(0, local), layout.tree, input_ids, dict(options, scored=mine))
+
+
 TOKEN_LOGPROBS: Dict[Key, Callable] = {
     ("rows", "whole"): _rows_logprobs,
     ("rows", "zigzag"): _rows_logprobs,
@@ -294,6 +332,7 @@ TOKEN_LOGPROBS: Dict[Key, Callable] = {
     ("tree", "whole"): _tree_logprobs,
     ("tree", "ranges"): _tree_logprobs,
     ("parts", "composite"): _parts_logprobs,
+    ("tree_pass", "whole"): _tree_pass_logprobs,
 }
 
 

@@ -155,7 +155,8 @@ def tree_linear_token_logprobs(hidden: "torch.Tensor", weight: "torch.Tensor", t
         weight: ``[V, H]`` the LM head (the whole vocabulary), same dtype and device;
             bias: ``[V]`` or None.
         tree, temperature, return_entropy, cp_size, cp_rank, scored: as
-            :func:`tree_token_logprobs` (with CP, ``hidden`` holds this rank's rows).
+            :func:`tree_token_logprobs` (with CP, ``hidden`` holds this rank's rows;
+            with ``scored``, it may hold the scored rows alone).
         chunk_tokens: rows of logits per chunk (default: about 2^24 logits, 2^26 on
             CUDA); >= 1.
         num_threads: CPU threads of the kernels (0: seqpack's default).
@@ -177,18 +178,25 @@ def tree_linear_token_logprobs(hidden: "torch.Tensor", weight: "torch.Tensor", t
     _check_tree(tree)
     check_head(hidden, weight, bias)
     rows = _local_rows(tree, cp_size, cp_rank)
-    _check_rows(hidden, "hidden", rows, tree)
     vocab = int(weight.shape[0])
     temp, entropy = as_temperature(temperature), bool(return_entropy)
     chunk = ops.chunk_rows(0 if chunk_tokens is None else as_positive_int(chunk_tokens, "chunk_tokens"),
                            hidden.shape[0], vocab, hidden.is_cuda)
     threads = as_positive_int(num_threads, "num_threads", allow_zero=True)
-    _check_tree_ids(tree, vocab)
-    if scored is not None:
+    if scored is not None:  # hidden: every row, or the scored rows alone (as tree_token_logprobs takes logits)
         sel, plan, (primary, offsets, ids) = _scored_plan(tree, scored, hidden.device, rows)
-        out = torch.ops.seqpack.linear_multi_token_logprobs(hidden.index_select(0, sel), weight, bias, primary,
-                                                            offsets, ids, temp, entropy, threads, chunk)
+        if hidden.shape[0] != sel.shape[0] or rows[1] - rows[0] == sel.shape[0]:
+            if hidden.shape[0] != rows[1] - rows[0]:
+                raise ValueError(f"hidden must have one row per physical token of the tree ({rows[1] - rows[0]}) "
+                                 f"or one per row that predicts a scored token (scored_targets(tree, scored)[0]: "
+                                 f"{sel.shape[0]}), got {hidden.shape[0]} rows")
+            hidden = hidden.index_select(0, sel)
+        _check_tree_ids(tree, vocab)
+        out = torch.ops.seqpack.linear_multi_token_logprobs(hidden, weight, bias, primary, offsets, ids, temp,
+                                                            entropy, threads, chunk)
         return _logical(out, plan, entropy)
+    _check_rows(hidden, "hidden", rows, tree)
+    _check_tree_ids(tree, vocab)
     plan, (primary, offsets, ids) = _device_plan(tree, hidden.device, rows)
     out = torch.ops.seqpack.linear_multi_token_logprobs(hidden, weight, bias, primary, offsets, ids, temp, entropy,
                                                         threads, chunk)

@@ -127,7 +127,7 @@ def test_no_kind_switch_outside_the_table_and_the_layout_modules():
 
 def test_every_layout_kind_and_cut_has_attention_and_a_missing_pair_names_itself():
     kinds = {k for k, _ in dispatch.ATTENTION}
-    assert kinds == {"rows", "tree", "flat_tree", "parts"}
+    assert kinds == {"rows", "tree", "flat_tree", "parts", "tree_pass"}
     for kind in ("rows", "tree", "flat_tree"):
         assert {(kind, "whole"), (kind, "ulysses")} <= set(dispatch.ATTENTION)
     assert set(dispatch.TOKEN_LOGPROBS) <= set(dispatch.ATTENTION)
@@ -144,6 +144,7 @@ def test_every_layout_kind_and_cut_has_attention_and_a_missing_pair_names_itself
     (seqpack.pack_prefix_tree([[1, 2], [1, 3]]), ("tree", "whole")),
     (seqpack.pack_prefix_tree([[1, 2], [3, 4]]), ("flat_tree", "whole")),
     (seqpack.shard_layout(seqpack.pack_prefix_tree([[1, 2], [1, 3]]), 2, 1), ("tree", "ranges")),
+    (seqpack.split_prefix_tree(seqpack.pack_prefix_tree([[1, 2], [1, 3]]), 2).passes[0], ("tree_pass", "whole")),
     ([0, 3, 5], ("rows", "whole")),
 ])
 def test_dispatch_keys(layout, key):
