@@ -1,5 +1,5 @@
 """The loss, training-step, boundary, THD, step-planning, TRL, TRL GRPO, AutoModel, prefix-tree, forest-planning, tree-step,
-distillation, DPO, CP-planning and streaming benchmark
+distillation, DPO, CP-planning, streaming and prefix-reuse benchmark
 scripts still run (``--quick``: tiny sizes, a smoke test; their numbers come from full runs recorded in
 benchmarks/RESULTS.md)."""
 
@@ -32,7 +32,8 @@ SCRIPTS = [("bench_loss.py", "Packed SFT loss"), ("bench_train.py", "Training st
            ("bench_cp_step.py", "Hybrid context parallelism"),
            ("bench_hybrid_cp.py", "Hybrid context parallelism, measured"),
            ("bench_stream.py", "Streaming packing for asynchronous RL"),
-           ("bench_stream_memory.py", "Step shapes and the CUDA caching allocator")]
+           ("bench_stream_memory.py", "Step shapes and the CUDA caching allocator"),
+           ("bench_prefix_reuse.py", "Prefix reuse")]
 
 
 def _quick_run(script, tmp_dir):
@@ -60,6 +61,18 @@ def test_quick_run_prints_its_table(script, title, quick_runs):
     out, csv = quick_runs[script]
     assert out.returncode == 0, out.stderr[-2000:]
     assert title in out.stdout and csv.stat().st_size > 0
+
+
+def test_prefix_reuse_ends_with_its_summary_line(quick_runs, tmp_path):
+    # Issue 52: the quick run's last line, with the fp64 gradient check in it.
+    import re
+
+    out, _ = quick_runs.get("bench_prefix_reuse.py") or _quick_run("bench_prefix_reuse.py", tmp_path)
+    last = out.stdout.strip().splitlines()[-1]
+    match = re.fullmatch(r"prefix reuse: tokens ([\d.]+) of the split plan, step ([\d.]+)x faster, peak memory "
+                         r"([\d.]+) of the split plan, max grad diff ([\d.e+-]+)", last)
+    assert match, last
+    assert float(match.group(1)) < 1 and float(match.group(4)) < 1e-9
 
 
 def test_gpu_benchmark_imports_and_says_when_there_is_no_device(tmp_path):

@@ -34,7 +34,7 @@ with their K/V is :func:`seqpack.prefix_reuse` (:mod:`seqpack.training.prefix_re
     ...                                  [1, 2, 3, 4, 5, 12, 13, 14]])
     >>> passes = split_prefix_tree(tree, max_tokens=6)
     >>> [(p.role, p.own.tolist()) for p in passes.passes]
-    [('provider', [0, 1, 2, 3, 4]), ('branch', [5, 6, 7]), ('branch', [8, 9, 10, 11, 12, 13])]
+    [('provider', [0, 1, 2, 3, 4]), ('branch', [5, 6, 7, 8, 9, 10]), ('branch', [11, 12, 13])]
     >>> passes.order
     (('branch', 1), ('branch', 2), ('close', 0))
 
@@ -48,13 +48,12 @@ from typing import Any, Dict, List, Optional, Tuple
 import numpy as np
 
 from .._lengths import as_positive_int
-from ..planning.packing import get_packer
 from .layout_kinds import as_tree
 from .prefix_tree import PrefixTreeBatch
 from .token_layout import TokenLayout
 from .tree_plans import attention_plan
 
-__all__ = ["PrefixPasses", "TreePass", "split_prefix_tree"]
+__all__ = ["PassCascade", "PrefixPasses", "TreePass", "split_prefix_tree"]
 
 ROLES = ("provider", "branch")
 
@@ -73,12 +72,13 @@ class TreePass(TokenLayout):
     """
 
     __slots__ = ("tree", "cap", "index", "role", "own", "providers", "k_index", "cu_q", "cu_k", "max_q", "max_k",
-                 "context_tokens", "_plans", "runtime")
+                 "context_tokens", "cascade", "_plans", "runtime")
 
     def __init__(self, tree: PrefixTreeBatch, cap: int, index: int, role: str, own: np.ndarray,
                  providers: Tuple[int, ...], k_index: np.ndarray, cu_q: np.ndarray, cu_k: np.ndarray,
-                 context_tokens: int) -> None:
+                 context_tokens: int, cascade: "PassCascade") -> None:
         self.tree, self.cap, self.index, self.role = tree, int(cap), int(index), role
+        self.cascade = cascade
         self.providers = tuple(int(p) for p in providers)
         self.own, self.k_index, self.cu_q, self.cu_k = own, k_index, cu_q, cu_k
         for arr in (own, k_index, cu_q, cu_k):
@@ -193,6 +193,49 @@ class TreePass(TokenLayout):
                 f"providers={list(self.providers)})")
 
 
+class PassCascade:
+    """A pass's attention as the cascade of
+    :mod:`~seqpack.training.attention_tree_cascade` (the CPU path): each sequence's
+    own part (its queries over themselves, causal: ``own_groups`` ``(count, L)``,
+    queries ``own_rows`` in the pass, keys ``own_k`` in the key buffer,
+    ``own_inverse`` back to the pass's order) and its prefix (the keys before it,
+    fully visible), one prefix per group of sequences that share it, read once:
+    ``prefix_groups`` ``(Nq, P)``, queries ``prefix_q``, keys ``prefix_k``."""
+
+    __slots__ = ("own_groups", "own_rows", "own_k", "own_inverse", "prefix_groups", "prefix_q", "prefix_k")
+
+    def __init__(self, cu_q: np.ndarray, cu_k: np.ndarray, k_index: np.ndarray, prefix_key: List[Any],
+                 context: int) -> None:
+        lengths = np.diff(cu_q)
+        by_length: Dict[int, List[int]] = {}
+        for seq, n in enumerate(lengths.tolist()):
+            by_length.setdefault(n, []).append(seq)
+        self.own_groups = [(len(seqs), n) for n, seqs in by_length.items()]
+        rows = [np.arange(cu_q[j], cu_q[j + 1], dtype=np.int64) for j in range(lengths.shape[0])]
+        self.own_rows = np.concatenate([rows[j] for seqs in by_length.values() for j in seqs]) if rows else \
+            np.zeros(0, dtype=np.int64)
+        self.own_k = self.own_rows + context  # a sequence's own part: the pass's own tokens
+        self.own_inverse = np.empty_like(self.own_rows)
+        self.own_inverse[self.own_rows] = np.arange(self.own_rows.shape[0], dtype=np.int64)
+        shared: Dict[Any, List[int]] = {}
+        for j, key in enumerate(prefix_key):
+            if cu_k[j + 1] - cu_k[j] > lengths[j]:  # a sequence with keys before its own part
+                shared.setdefault(key, []).append(j)
+        self.prefix_groups: List[Tuple[int, int]] = []
+        q_parts, k_parts = [], []
+        for seqs in shared.values():
+            first = seqs[0]
+            keys = k_index[cu_k[first]:cu_k[first + 1] - lengths[first]]
+            q_parts += [rows[j] for j in seqs]
+            k_parts.append(keys)
+            self.prefix_groups.append((int(sum(lengths[j] for j in seqs)), int(keys.shape[0])))
+        empty = np.zeros(0, dtype=np.int64)
+        self.prefix_q = np.concatenate(q_parts).astype(np.int64) if q_parts else empty
+        self.prefix_k = np.concatenate(k_parts).astype(np.int64) if k_parts else empty
+        for arr in (self.own_rows, self.own_k, self.own_inverse, self.prefix_q, self.prefix_k):
+            arr.flags.writeable = False
+
+
 def _pass_of(tree: PrefixTreeBatch, cap: int, index: int) -> TreePass:
     return split_prefix_tree(tree, cap).passes[index]
 
@@ -206,15 +249,13 @@ class PrefixPasses:
         passes: the :class:`TreePass` layouts in forward order (providers first).
         order: what a step's loop runs, in order: ``("branch", i)`` (forward and
             backward of pass ``i``; the providers it reads are forwarded first, once)
-            and ``("close", i)`` (provider ``i``'s backward, after every pass that
-            read it).
+            and ``("close", i)`` (provider ``i``'s backward, right after the last
+            pass that reads it).
     """
 
     def __init__(self, tree: PrefixTreeBatch, max_tokens: int, passes: List[TreePass]) -> None:
         self.tree, self.max_tokens, self.passes = tree, int(max_tokens), tuple(passes)
-        providers = [p.index for p in self.passes if p.role == "provider"]
-        self.order = tuple([("branch", p.index) for p in self.passes if p.role == "branch"]
-                           + [("close", i) for i in reversed(providers)])
+        self.order = _loop_order(self.passes)
 
     @property
     def num_passes(self) -> int:
@@ -247,14 +288,46 @@ class PrefixPasses:
                 f"providers={self.num_providers}, tokens={int(self.tokens().sum())})")
 
 
+def _loop_order(passes: Tuple[TreePass, ...]) -> Tuple[Tuple[str, int], ...]:
+    """The branches in order, each provider's close right after the last pass that
+    reads it (a branch's backward, or a later provider's close): a prefix's K/V and
+    graph are held only while its readers run."""
+    readers: Dict[int, set] = {p.index: set() for p in passes}
+    for p in passes:
+        for q in p.providers:
+            readers[q].add(p.index)
+    done: set = set()
+    order: List[Tuple[str, int]] = []
+    open_providers = sorted((p.index for p in passes if p.role == "provider"), reverse=True)
+
+    def close_ready() -> None:
+        progress = True
+        while progress:
+            progress = False
+            for q in list(open_providers):  # the deepest first: a chunk's close before the chunks it read
+                if readers[q] <= done:
+                    order.append(("close", q))
+                    done.add(q)
+                    open_providers.remove(q)
+                    progress = True
+
+    for p in passes:
+        if p.role == "branch":
+            order.append(("branch", p.index))
+            done.add(p.index)
+            close_ready()
+    close_ready()
+    return tuple(order)
+
+
 def split_prefix_tree(tree: Any, max_tokens: Any) -> PrefixPasses:
     """``tree`` cut into passes of at most ``max_tokens`` own physical tokens (see the
     module docstring), every physical token in exactly one pass.
 
     Provider passes: the tokens whose subtree holds more than ``max_tokens`` tokens,
     in depth-first chunks of ``max_tokens`` (a chunk reads the chunks before it).
-    Branch passes: the largest subtrees that fit, packed first-fit decreasing. A tree
-    that fits is branch passes alone (none reads anything).
+    Branch passes: the largest subtrees that fit, packed first-fit in depth-first order
+    (siblings together). A tree that fits is branch passes alone (none reads anything).
 
     Args:
         tree: a :class:`~seqpack.PrefixTreeBatch` (pad tokens are one-token subtrees).
@@ -274,12 +347,9 @@ def split_prefix_tree(tree: Any, max_tokens: Any) -> PrefixPasses:
     chain = np.flatnonzero(skeleton)
     for start in range(0, chain.shape[0], cap):
         groups.append(("provider", chain[start:start + cap]))
-    if roots.shape[0]:
-        bins = get_packer("FIRST_FIT_DECREASING", cap).pack(size[roots])
-        bins.sort(key=lambda b: int(roots[min(b)]))  # in depth-first order of their first subtree
-        for members in bins:
-            parts = [np.arange(roots[m], tree.subtree_end[roots[m]], dtype=np.int64) for m in sorted(members)]
-            groups.append(("branch", np.concatenate(parts)))
+    for members in _first_fit(size[roots], cap):
+        parts = [np.arange(roots[m], tree.subtree_end[roots[m]], dtype=np.int64) for m in members]
+        groups.append(("branch", np.concatenate(parts)))
     for i, (_, own) in enumerate(groups):
         owner[own] = i
     plan = attention_plan(tree)
@@ -287,21 +357,42 @@ def split_prefix_tree(tree: Any, max_tokens: Any) -> PrefixPasses:
     segment_of = np.repeat(np.arange(offsets.shape[0] - 1, dtype=np.int64), np.diff(offsets))
     passes = []
     for i, (role, own) in enumerate(groups):
-        passes.append(_make_pass(tree, cap, i, role, own, owner, groups, segment_of, offsets, seg_k, cu_k_tree))
+        passes.append(_make_pass(tree, cap, i, role, own, owner, groups, segment_of, offsets, plan.segment_parent,
+                                 seg_k, cu_k_tree))
     return PrefixPasses(tree, cap, passes)
+
+
+def _first_fit(sizes: np.ndarray, cap: int) -> List[List[int]]:
+    """First fit in the given (depth-first) order: each subtree into the first pass
+    with room. Siblings stay together (a pass reads few prefixes, and a prefix's
+    readers come one after the other, so it closes early and its K/V are freed)."""
+    bins: List[List[int]] = []
+    room = np.zeros(0, dtype=np.int64)
+    for unit, n in enumerate(sizes.tolist()):
+        fits = np.flatnonzero(room >= n)
+        if fits.shape[0]:
+            bins[int(fits[0])].append(unit)
+            room[fits[0]] -= n
+        else:
+            bins.append([unit])
+            room = np.append(room, cap - n)
+    return bins
 
 
 def _make_pass(tree: PrefixTreeBatch, cap: int, i: int, role: str, own: np.ndarray, owner: np.ndarray,
                groups: List[Tuple[str, np.ndarray]], segment_of: np.ndarray, offsets: np.ndarray,
-               seg_k: np.ndarray, cu_k_tree: np.ndarray) -> TreePass:
+               segment_parent: np.ndarray, seg_k: np.ndarray, cu_k_tree: np.ndarray) -> TreePass:
     segs = segment_of[own]
     first = np.ones(own.shape[0], dtype=bool)
     first[1:] = segs[1:] != segs[:-1]
     starts = np.flatnonzero(first)
     cu_q = np.append(starts, own.shape[0]).astype(np.int64)
     keys: List[np.ndarray] = []
+    prefix_key: List[Any] = []  # sequences whose keys before their own part are one prefix share it
     for at, end in zip(cu_q[:-1].tolist(), cu_q[1:].tolist()):
         seg = int(segs[at])
+        whole = int(own[at]) == int(offsets[seg])  # the own part starts the segment: its prefix is the parent's path
+        prefix_key.append(("path", int(segment_parent[seg])) if whole else ("inside", seg))
         last = int(own[end - 1])  # the own part of a segment ends here; later tokens are another pass's
         path = seg_k[cu_k_tree[seg]:cu_k_tree[seg + 1]]
         keys.append(path[:path.shape[0] - (int(offsets[seg + 1]) - 1 - last)])
@@ -324,4 +415,5 @@ def _make_pass(tree: PrefixTreeBatch, cap: int, i: int, role: str, own: np.ndarr
     k_index = rank[physical]
     lengths = [k.shape[0] for k in keys]
     cu_k = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
-    return TreePass(tree, cap, i, role, own.astype(np.int64), providers, k_index, cu_q, cu_k, context)
+    return TreePass(tree, cap, i, role, own.astype(np.int64), providers, k_index, cu_q, cu_k, context,
+                    PassCascade(cu_q, cu_k, k_index, prefix_key, context))

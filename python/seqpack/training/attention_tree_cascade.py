@@ -27,14 +27,14 @@ Importing this module does not import torch.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Tuple
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
     from ..tensors.tree_plans import TreeAttentionPlan
 
-__all__ = ["cascade_available", "tree_cascade_attention"]
+__all__ = ["cascade_attention", "cascade_available", "tree_cascade_attention"]
 
 
 def cascade_available(q: "torch.Tensor", v: "torch.Tensor") -> bool:
@@ -62,13 +62,13 @@ def _forward(q, k, v, plan, index, scale):
     import torch
 
     attend = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-    own_rows, prefix_q, prefix_k, own_inverse = index
+    own_rows, prefix_q, prefix_k, own_inverse, own_k = index
     t, h, dv = q.shape[0], q.shape[1], v.shape[2]
     lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     outs, lses = [], []
-    for (count, length), qg, kg, vg in zip(plan.own_groups, *(torch.split(x.index_select(0, own_rows),
-                                                                          [c * n for c, n in plan.own_groups])
-                                                              for x in (q, k, v))):
+    sizes = [c * n for c, n in plan.own_groups]
+    for (count, length), qg, kg, vg in zip(plan.own_groups, torch.split(q.index_select(0, own_rows), sizes),
+                                           *(torch.split(x.index_select(0, own_k), sizes) for x in (k, v))):
         o, lse = attend(_heads_first(qg, count, length), _heads_first(kg, count, length),
                         _heads_first(vg, count, length), 0.0, length > 1, scale=scale)
         outs.append(_rows_first(o))
@@ -99,10 +99,11 @@ def _backward(grad, q, k, v, out, lse, plan, index, scale):
     import torch
 
     backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
-    own_rows, prefix_q, prefix_k, _ = index
+    own_rows, prefix_q, prefix_k, _, own_k = index
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     sizes = [c * n for c, n in plan.own_groups]
-    pieces = [torch.split(x.index_select(0, own_rows), sizes) for x in (grad, q, k, v, out)]
+    pieces = [torch.split(x.index_select(0, rows), sizes)
+              for x, rows in ((grad, own_rows), (q, own_rows), (k, own_k), (v, own_k), (out, own_rows))]
     lse_parts = torch.split(lse.index_select(0, own_rows), sizes)
     grads = []
     for (count, length), g, qg, kg, vg, og, lg in zip(plan.own_groups, *pieces, lse_parts):
@@ -110,8 +111,8 @@ def _backward(grad, q, k, v, out, lse, plan, index, scale):
                                  lg.view(count, length, -1).transpose(1, 2).contiguous(), 0.0, length > 1,
                                  scale=scale)
         grads.append([_rows_first(x) for x in (dqg, dkg, dvg)])
-    for target, part in zip((dq, dk, dv), zip(*grads)):
-        target.index_copy_(0, own_rows, torch.cat(part).to(target.dtype))
+    for target, rows, part in zip((dq, dk, dv), (own_rows, own_k, own_k), zip(*grads)):
+        target.index_copy_(0, rows, torch.cat(part).to(target.dtype))
     if plan.prefix_groups:
         nqs, ps = [n for n, _ in plan.prefix_groups], [p for _, p in plan.prefix_groups]
         g_parts, q_parts, o_parts = (torch.split(x.index_select(0, prefix_q), nqs) for x in (grad, q, out))
@@ -166,8 +167,19 @@ def tree_cascade_attention(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tenso
     ``Hq`` heads, their gradients summed back), by the cascade of the module
     docstring; ``plan``: the tree's :class:`~seqpack.tensors.tree_plans.TreeAttentionPlan`
     (not ``plain``). Differentiable w.r.t. q, k and v."""
+    index = plan.on_device(q.device, "own_rows", "prefix_q", "prefix_k", "own_inverse")  # copied once per device
+    return cascade_attention(q, k, v, plan, (*index, index[0]), scale)
+
+
+def cascade_attention(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", plan: Any, index: Tuple[Any, ...],
+                      scale: float) -> "torch.Tensor":
+    """The cascade on any plan of its form: ``plan.own_groups`` ``(count, L)`` and
+    ``plan.prefix_groups`` ``(Nq, P)``; ``index`` ``(own_rows, prefix_q, prefix_k,
+    own_inverse, own_k)`` device tensors, the own part's queries at ``own_rows`` of
+    ``q`` and its keys at ``own_k`` of ``k`` / ``v`` (the same rows for a whole tree;
+    a pass of a split tree holds earlier passes' keys before its own). GQA as
+    :func:`tree_cascade_attention`."""
     groups = q.shape[1] // k.shape[1]
     if groups > 1:
         k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
-    index = plan.on_device(q.device, "own_rows", "prefix_q", "prefix_k", "own_inverse")  # copied once per device
     return _function().apply(q, k.contiguous(), v.contiguous(), plan, index, scale)

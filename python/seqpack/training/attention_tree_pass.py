@@ -9,7 +9,9 @@ itself::
     queries  the pass's own tokens, one sequence per segment they fall in (cu_q),
              causal aligned at the end: a token sees its path and itself
 
-One :func:`~seqpack.varlen_attention` call; the gradient of the earlier passes' K/V
+On the CPU the cascade of :mod:`~seqpack.training.attention_tree_cascade` runs it
+(the keys before a sequence's own tokens, shared by its sibling sequences, read once
+for all of them); elsewhere one :func:`~seqpack.varlen_attention` call. The gradient of the earlier passes' K/V
 flows back into the tensors the step holds for them (and from there, when the
 provider's pass closes, through its own forward).
 
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Optional
 
+from .attention_tree_cascade import cascade_attention, cascade_available
 from .attention_varlen import varlen_attention
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -47,12 +50,18 @@ def tree_pass_attention(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor",
         raise ValueError(f"pass {layout.index} of a tree split into passes is not part of a running step: iterate "
                          "seqpack.prefix_reuse(passes) and call mb.forward(model); its attention reads the K/V "
                          "of the passes before it, which the step holds")
+    if backend not in ("auto", "sdpa", "reference", "varlen"):
+        raise ValueError(f"backend must be 'auto', 'sdpa', 'varlen' or 'reference' for a tree pass, got {backend!r}")
     context_k, context_v = runtime.attention_context(layout, k, v)
     keys_k = torch.cat([context_k, k]) if context_k is not None else k
     keys_v = torch.cat([context_v, v]) if context_v is not None else v
+    if backend in ("auto", "sdpa") and cascade_available(q, v):  # the CPU: each shared prefix's keys read once
+        c = layout.cascade
+        index = layout.host_plan(("cascade", str(q.device)), lambda l: tuple(host_to_device(
+            [c.own_rows, c.prefix_q, c.prefix_k, c.own_inverse, c.own_k], q.device)))
+        scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
+        return cascade_attention(q, keys_k, keys_v, c, index, float(scale))
     index = layout.host_plan(("k_index", str(q.device)), lambda l: host_to_device([l.k_index], q.device)[0])
-    if backend not in ("auto", "sdpa", "reference", "varlen"):
-        raise ValueError(f"backend must be 'auto', 'sdpa', 'varlen' or 'reference' for a tree pass, got {backend!r}")
     rows_backend = "reference" if backend == "reference" else "auto"
     return varlen_attention(q, keys_k.index_select(0, index), keys_v.index_select(0, index), layout.cu_q,
                             layout.cu_k, layout.max_q, layout.max_k, causal=True, softmax_scale=softmax_scale,

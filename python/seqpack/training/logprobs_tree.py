@@ -118,12 +118,7 @@ def tree_token_logprobs(logits: "torch.Tensor", tree: PrefixTreeBatch, *, temper
     temp, entropy = as_temperature(temperature), bool(return_entropy)
     if scored is not None:
         sel, plan, (primary, offsets, ids) = _scored_plan(tree, scored, logits.device, rows)
-        if logits.shape[0] != sel.shape[0] or rows[1] - rows[0] == sel.shape[0]:  # else: the scored rows alone
-            if logits.shape[0] != rows[1] - rows[0]:
-                raise ValueError(f"logits must have one row per physical token of the tree ({rows[1] - rows[0]}) "
-                                 f"or one per row that predicts a scored token (scored_targets(tree, scored)[0]: "
-                                 f"{sel.shape[0]}), got {logits.shape[0]} rows")
-            logits = logits.index_select(0, sel)
+        logits = _scored_rows(logits, "logits", sel, rows)
         _check_tree_ids(tree, vocab)
         out = torch.ops.seqpack.multi_token_logprobs(logits.contiguous(), primary, offsets, ids, temp, entropy,
                                                      as_positive_int(num_threads, "num_threads", allow_zero=True))
@@ -185,12 +180,7 @@ def tree_linear_token_logprobs(hidden: "torch.Tensor", weight: "torch.Tensor", t
     threads = as_positive_int(num_threads, "num_threads", allow_zero=True)
     if scored is not None:  # hidden: every row, or the scored rows alone (as tree_token_logprobs takes logits)
         sel, plan, (primary, offsets, ids) = _scored_plan(tree, scored, hidden.device, rows)
-        if hidden.shape[0] != sel.shape[0] or rows[1] - rows[0] == sel.shape[0]:
-            if hidden.shape[0] != rows[1] - rows[0]:
-                raise ValueError(f"hidden must have one row per physical token of the tree ({rows[1] - rows[0]}) "
-                                 f"or one per row that predicts a scored token (scored_targets(tree, scored)[0]: "
-                                 f"{sel.shape[0]}), got {hidden.shape[0]} rows")
-            hidden = hidden.index_select(0, sel)
+        hidden = _scored_rows(hidden, "hidden", sel, rows)
         _check_tree_ids(tree, vocab)
         out = torch.ops.seqpack.linear_multi_token_logprobs(hidden, weight, bias, primary, offsets, ids, temp,
                                                             entropy, threads, chunk)
@@ -319,6 +309,18 @@ def _scored_plan(tree: PrefixTreeBatch, scored: Any, device, rows: Tuple[int, in
         sel = sel - start
     return (host_to_device([sel], device)[0], plan,
             host_to_device([plan.primary, plan.extra_offsets, plan.extra_target], device))
+
+
+def _scored_rows(x: "torch.Tensor", name: str, sel: "torch.Tensor", rows: Tuple[int, int]) -> "torch.Tensor":
+    """``x``'s rows that predict a scored token: ``x`` holds every physical row (of
+    this rank) or those rows alone (``scored_targets(tree, scored)[0]``)."""
+    if x.shape[0] == sel.shape[0] and rows[1] - rows[0] != sel.shape[0]:  # the scored rows alone
+        return x
+    if x.shape[0] != rows[1] - rows[0]:
+        raise ValueError(f"{name} must have one row per physical token of the tree ({rows[1] - rows[0]}) or one per "
+                         f"row that predicts a scored token (scored_targets(tree, scored)[0]: {sel.shape[0]}), got "
+                         f"{x.shape[0]} rows")
+    return x.index_select(0, sel)
 
 
 def _local_targets(plan: TreeTargets, start: int, end: int) -> TreeTargets:

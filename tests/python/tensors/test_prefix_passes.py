@@ -70,10 +70,14 @@ def test_every_token_once_no_pass_over_the_cap_and_each_key_a_root_path(tree, ca
         assert (size[p.own] > cap).all() if p.role == "provider" else (size[p.own] <= cap).all()
     pairs = passes.context_pairs().sum() + sum(int(p.num_local_tokens and _own_pairs(p)) for p in passes.passes)
     assert pairs == int((tree.position_ids + 1).sum())
-    # The loop's order: every branch, then the providers' closes, last opened first.
-    assert [i for kind, i in passes.order if kind == "close"] == sorted(providers, reverse=True)
+    # The loop's order: each branch once, each provider's close once, after every pass
+    # that reads it (a branch, or a later provider's close).
+    assert sorted(i for kind, i in passes.order if kind == "close") == sorted(providers)
     assert sorted(i for kind, i in passes.order if kind == "branch") == sorted(
         p.index for p in passes.passes if p.role == "branch")
+    at = {i: n for n, (_, i) in enumerate(passes.order)}
+    for p in passes.passes:
+        assert all(at[q] > at[p.index] for q in p.providers)
 
 
 def _own_pairs(p: TreePass) -> int:
@@ -85,8 +89,8 @@ def test_the_docstring_tree_and_a_prefix_longer_than_the_cap():
     tree = seqpack.pack_prefix_tree(rows)
     passes = split_prefix_tree(tree, 6)
     assert [(p.role, p.own.tolist(), p.providers) for p in passes.passes] == [
-        ("provider", [0, 1, 2, 3, 4], ()), ("branch", [5, 6, 7], (0,)), ("branch", [8, 9, 10, 11, 12, 13], (0,))]
-    assert passes.context_pairs().tolist() == [0, 15, 30]  # each response token reads the 5 prompt keys
+        ("provider", [0, 1, 2, 3, 4], ()), ("branch", [5, 6, 7, 8, 9, 10], (0,)), ("branch", [11, 12, 13], (0,))]
+    assert passes.context_pairs().tolist() == [0, 30, 15]  # each response token reads the 5 prompt keys
     # cap 2: the prompt in chunks of 2, each reading the chunks before it; the
     # responses' first tokens are skeleton too (their subtrees hold 3 tokens)
     passes = split_prefix_tree(tree, 2)
@@ -94,6 +98,10 @@ def test_the_docstring_tree_and_a_prefix_longer_than_the_cap():
     assert [p.own.tolist() for p in providers] == [[0, 1], [2, 3], [4, 5], [8, 11]]
     assert [p.providers for p in providers] == [(), (0,), (0, 1), (0, 1, 2)]
     assert passes.order[-4:] == (("close", 3), ("close", 2), ("close", 1), ("close", 0))
+    # GRPO groups: each prompt closes right after its responses, before the next group runs
+    two = split_prefix_tree(seqpack.pack_prefix_tree(
+        [[1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 7, 8], [9, 9, 9, 9, 5, 6], [9, 9, 9, 9, 7, 8]]), 4)
+    assert two.order == (("branch", 2), ("close", 0), ("branch", 3), ("close", 1))
     # A row longer than the cap alone: a chain of chunks.
     chain = split_prefix_tree(seqpack.pack_prefix_tree([list(range(1, 11))]), 4)
     assert [(p.role, p.own.tolist()) for p in chain.passes] == [

@@ -55,11 +55,11 @@ def one_micro_batch(model, tree, weights):
     return lp.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-def in_passes(model, tree, weights, cap, memory):
+def in_passes(model, tree, weights, cap, memory, **forward):
     model.zero_grad(set_to_none=True)
     total, kinds = torch.zeros_like(weights), []
     for mb in seqpack.prefix_reuse(seqpack.split_prefix_tree(tree, cap), memory=memory):
-        lp = seqpack.token_logprobs(mb.forward(model), mb.layout).logprobs
+        lp = seqpack.token_logprobs(mb.forward(model, **forward), mb.layout).logprobs
         total += lp.detach()
         (lp * weights).sum().backward()
         kinds.append(mb.kind)
@@ -102,6 +102,17 @@ def test_passes_equal_one_micro_batch_and_the_rows_unshared(memory, rows_of):
         if cap < tree.num_tokens:
             assert "close" in kinds
     assert seqpack.split_prefix_tree(tree, 3).num_providers > 1  # chunks reading chunks
+
+
+@pytest.mark.parametrize("backend", ["varlen", "reference"])
+def test_the_gathered_keys_path_equals_the_cascade(backend):
+    # The CPU runs the cascade (each shared prefix's keys read once); CUDA the varlen
+    # path (every sequence's keys gathered): both, on the CPU, against one micro-batch.
+    model, rows = model_fp64(), agentic_rows(seed=2)
+    tree = seqpack.pack_prefix_tree(rows)
+    weights = torch.tensor(np.random.default_rng(4).standard_normal(tree.num_logical_tokens))
+    total, grads, _ = in_passes(model, tree, weights, 5, "kv", backend=backend)
+    assert_same((total, grads), one_micro_batch(model, tree, weights))
 
 
 @settings(max_examples=25, deadline=None)
