@@ -40,8 +40,8 @@ from typing import Any, Callable, Dict, Optional
 from .._lengths import as_positive_int, as_real
 from ..tensors.prefix_tree import HF_TREE_KWARG
 
-__all__ = ["TREE_NAME", "TREE_KWARG", "register_tree", "tree_attention_forward", "tree_kwargs", "tree_name",
-           "use_tree_attention", "restore_attention"]
+__all__ = ["TREE_NAME", "TREE_KWARG", "pass_forward", "register_tree", "tree_attention_forward", "tree_kwargs",
+           "tree_name", "use_tree_attention", "restore_attention"]
 
 TREE_NAME = "seqpack_tree"
 TREE_KWARG = HF_TREE_KWARG
@@ -92,7 +92,7 @@ def tree_attention_forward(module, query, key, value, attention_mask, dropout: f
     the whole call). No mask: a padding ``attention_mask`` is refused (an all-ones
     one means nothing and passes), a built mask too."""
     from ..tensors.layout_kinds import is_layout
-    from ..training.attention_tree import tree_attention
+    from ..training.ops import attention
 
     if not is_layout(prefix_tree):
         raise ValueError(f"seqpack tree attention needs the layout: call model(..., prefix_tree=tree) with a "
@@ -119,16 +119,17 @@ def tree_attention_forward(module, query, key, value, attention_mask, dropout: f
                              "tokens see only themselves): pass attention_mask=None")
     elif attention_mask is not None:
         raise ValueError("seqpack tree attention takes no attention_mask (the tree is the mask); pass none")
-    t = prefix_tree.num_tokens
-    if sliding_window is not None and t and int(prefix_tree.position_ids.max()) >= as_positive_int(
-            sliding_window, "sliding_window"):
+    t = prefix_tree.num_local_tokens  # a pass of a split tree: its own tokens
+    if sliding_window is not None and prefix_tree.num_tokens and int(prefix_tree.position_ids.max()) >= \
+            as_positive_int(sliding_window, "sliding_window"):
         raise ValueError(f"sliding_window = {sliding_window} is shorter than the tree's deepest row "
                          f"({int(prefix_tree.position_ids.max()) + 1} tokens); seqpack tree attention has no window")
     if query.shape[0] != 1 or query.shape[2] != t or key.shape[2] != t:
-        raise ValueError(f"seqpack tree attention takes one row of the tree's {t} physical tokens (input_ids "
+        raise ValueError(f"seqpack tree attention takes one row of the layout's {t} physical tokens (input_ids "
                          f"[1, T], no KV cache); got query {tuple(query.shape)} and key {tuple(key.shape)}")
     q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [T, H, D]
-    out = tree_attention(q, k, v, prefix_tree, softmax_scale=scaling, backend=backend)
+    layout = prefix_tree.for_layer(getattr(module, "layer_idx", None))  # a pass reads that layer's earlier K/V
+    out = attention(q, k, v, layout, softmax_scale=scaling, backend=backend)
     return out[None], None
 
 
@@ -242,6 +243,27 @@ def restore_attention(model: Any, previous: str) -> None:
     returned) if it still runs a tree implementation."""
     if _implementation(model) in _FALLBACKS and previous != _implementation(model):
         model.set_attn_implementation(previous)
+
+
+def pass_forward(model: Any, input_ids: Any, position_ids: Any, layout: Any, **kwargs: Any) -> Any:
+    """A transformers causal LM's logits ``[num_local_tokens, V]`` on one pass of a
+    tree split under a cap: ``seqpack.prefix_reuse(passes, forward=pass_forward)``
+    (the model switched to the tree attention, :func:`use_tree_attention`; each
+    layer's attention reads its own layer's K/V of the earlier passes, also when
+    gradient checkpointing recomputes it, non-reentrant). ``kwargs`` go to the model.
+
+    >>> import seqpack
+    >>> from seqpack.integrations import hf
+    >>> passes = seqpack.split_prefix_tree(seqpack.pack_prefix_tree([[1, 2, 3, 4], [1, 2, 3, 5]]), 3)
+    >>> step = seqpack.prefix_reuse(passes, forward=hf.pass_forward)   # then: mb.forward(model) for mb in step
+    """
+    if _implementation(model) not in _FALLBACKS:
+        raise ValueError(f"{type(model).__name__} runs {_implementation(model)!r} attention: switch it to seqpack's "
+                         "tree attention first (seqpack.integrations.hf.use_tree_attention(model), or load it with "
+                         "attn_implementation=seqpack.integrations.hf.register_tree())")
+    out = model(input_ids=input_ids[None], position_ids=position_ids[None], **{TREE_KWARG: layout}, **kwargs)
+    logits = out.logits if hasattr(out, "logits") else out[0]
+    return logits[0]
 
 
 def tree_kwargs(tree: Any, device: Any = None) -> Dict[str, Any]:

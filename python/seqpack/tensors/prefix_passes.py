@@ -72,7 +72,7 @@ class TreePass(TokenLayout):
     """
 
     __slots__ = ("tree", "cap", "index", "role", "own", "providers", "k_index", "cu_q", "cu_k", "max_q", "max_k",
-                 "context_tokens", "cascade", "_plans", "runtime")
+                 "context_tokens", "cascade", "_plans", "runtime", "layer")
 
     def __init__(self, tree: PrefixTreeBatch, cap: int, index: int, role: str, own: np.ndarray,
                  providers: Tuple[int, ...], k_index: np.ndarray, cu_q: np.ndarray, cu_k: np.ndarray,
@@ -89,6 +89,7 @@ class TreePass(TokenLayout):
         self.context_tokens = int(context_tokens)
         self._plans: Dict[Any, Any] = {}
         self.runtime: Any = None  # the running step (seqpack.prefix_reuse) that holds the K/V it reads
+        self.layer: Optional[int] = None  # the layer whose attention this view is (for_layer), None: by call order
 
     declared_kind = "tree_pass"
 
@@ -177,10 +178,19 @@ class TreePass(TokenLayout):
     def bound(self, runtime: Any) -> "TreePass":
         """This pass (the same arrays) bound to ``runtime``, the running step whose
         K/V its attention reads."""
+        return self._view(runtime=runtime, layer=None)
+
+    def for_layer(self, layer: Any) -> "TreePass":
+        """This pass as layer ``layer``'s attention sees it (None: the step counts the
+        layers in call order, which a layer recomputed during the backward breaks)."""
+        if layer is None:
+            return self
+        return self._view(runtime=self.runtime, layer=as_positive_int(layer, "layer", allow_zero=True))
+
+    def _view(self, **changes: Any) -> "TreePass":
         out = object.__new__(TreePass)
         for name in TreePass.__slots__:
-            object.__setattr__(out, name, getattr(self, name))
-        out.runtime = runtime
+            object.__setattr__(out, name, changes.get(name, getattr(self, name)))
         return out
 
     def __reduce__(self):

@@ -143,6 +143,19 @@ class TokenLayout(abc.ABC):
         return self
 
     @property
+    def num_local_tokens(self) -> int:
+        """The rows a model runs on for this layout: ``num_tokens`` for a whole layout
+        (a cut or a pass of a split tree holds fewer)."""
+        return self.num_tokens
+
+    def for_layer(self, layer: Any) -> "TokenLayout":
+        """This layout as the attention of layer ``layer`` (an int, or None) sees it:
+        itself, unless the layout holds per-layer state (a pass of a split tree reads
+        that layer's K/V of earlier passes; transformers' attention modules give their
+        ``layer_idx``, so a layer recomputed by gradient checkpointing finds them)."""
+        return self
+
+    @property
     def seq_lens(self) -> np.ndarray:
         """``[R]`` logical length of each row."""
         return np.diff(np.asarray(self.cu_seqlens, dtype=np.int64))

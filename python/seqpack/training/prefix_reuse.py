@@ -301,24 +301,39 @@ class PrefixReuseStep:
         import torch
 
         active = self._active
-        if active is None or active[0] != layout.index or layout.runtime is not self:
-            during = " during a backward (gradient checkpointing recomputes a layer there)" if (
-                torch._C._current_graph_task_id() >= 0) else ""
+        in_backward = torch._C._current_graph_task_id() >= 0
+        if layout.runtime is self and active is not None and active[0] == layout.index and not in_backward:
+            layer = self._cursor if layout.layer is None else layout.layer
+            self._cursor += 1
+            i, purpose = active
+        elif layout.runtime is self and layout.layer is not None and in_backward and (
+                layout.index in self._ran or layout.index in self._opened):
+            # a layer recomputed by gradient checkpointing during the backward: the same K/V, nothing recorded
+            layer, (i, purpose) = layout.layer, (layout.index, "recomputed")
+        else:
+            during = (" during a backward (gradient checkpointing recomputes a layer there: the layout must know its "
+                      "layer, layout.for_layer(i), as seqpack's transformers attention gives it)") if in_backward else ""
             raise RuntimeError(f"attention on pass {layout.index} of a prefix_reuse step outside its mb.forward"
                                f"{during}: a pass's layers run inside mb.forward(model), once, in order")
-        layer = self._cursor
-        self._cursor += 1
         if self._layers is not None and layer >= self._layers:
             raise RuntimeError(f"prefix_reuse: pass {layout.index} ran more attention layers than the step's first "
                                f"({self._layers})")
-        i, purpose = active
-        if purpose == "open":
+        if purpose in ("open", "recompute"):
             grad = bool(self._grad)
-            self._leaves[i].append((k.detach().requires_grad_(grad), v.detach().requires_grad_(grad)))
-            if grad and self.memory == "activations":
+            # (k needing no gradient with gradients on is fine: frozen layers below; off, the layer runs under
+            # no_grad inside a step that takes them)
+            if grad and (purpose == "recompute" or self.memory == "activations") and not torch.is_grad_enabled():
+                raise RuntimeError(f"prefix_reuse: provider pass {i}'s layer {layer} ran without gradients inside a "
+                                   "step that takes them (reentrant gradient checkpointing runs a layer's forward "
+                                   "under no_grad): its K/V gradient could not reach its weights; use "
+                                   "gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': "
+                                   "False})")
+            if purpose == "open":
+                self._leaves[i].append((k.detach().requires_grad_(grad), v.detach().requires_grad_(grad)))
+                if grad and self.memory == "activations":
+                    self._graph_kv[i].append((k, v))
+            else:
                 self._graph_kv[i].append((k, v))
-        elif purpose == "recompute":
-            self._graph_kv[i].append((k, v))
         if not layout.providers:
             return None, None
         ks = [self._leaves[p][layer][0] for p in layout.providers]

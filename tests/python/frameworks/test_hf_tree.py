@@ -153,7 +153,7 @@ def test_tree_attention_errors(name):
                                    model(**kw).logits)
     with pytest.raises(ValueError, match="no padding attention_mask"):
         model(**kw, attention_mask=torch.tensor([[1, 1, 1, 0]]))
-    with pytest.raises(ValueError, match="one row of the tree's 4 physical tokens"):
+    with pytest.raises(ValueError, match="one row of the layout's 4 physical tokens"):
         model(input_ids=torch.tensor([[1, 2, 3]]), prefix_tree=tree)
     q = torch.zeros(1, 4, 4, 8, dtype=torch.float64)
     with pytest.raises(ValueError, match="takes no attention_mask"):
@@ -248,3 +248,56 @@ def test_flash_models_get_the_tree_over_sdpa_and_models_that_cannot_switch_are_n
     stuck._can_set_attn_implementation = lambda: False
     with pytest.raises(ValueError, match="cannot switch its attention implementation"):
         hf.use_tree_attention(stuck)
+
+
+# ---- a tree larger than the cap, in passes (issue 52) --------------------------------------
+def _nll_and_grads_in_passes(model, tree, cap, memory):
+    model.zero_grad(set_to_none=True)
+    total = 0.0
+    for mb in seqpack.prefix_reuse(seqpack.split_prefix_tree(tree, cap), memory=memory, forward=hf.pass_forward):
+        loss = -seqpack.token_logprobs(mb.forward(model), mb.layout).logprobs.sum()
+        loss.backward()
+        total += float(loss.detach())
+    return total, {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "mistral", "gemma"])
+def test_passes_equal_the_tree_in_one_micro_batch(kind, name, fp64_norms):
+    rows = [r * 3 for r in ROWS]  # longer rows: prefixes of 9 to 15 tokens
+    tree = seqpack.pack_prefix_tree(rows, group_ids=GROUPS)
+    model = tiny(kind, name, seed=3).train()
+    model.zero_grad()
+    whole = -seqpack.token_logprobs(model(**hf.tree_kwargs(tree)).logits[0], tree).logprobs.sum()
+    whole.backward()
+    expected = {n: p.grad.clone() for n, p in model.named_parameters()}
+    for cap, memory in ((6, "activations"), (4, "kv")):
+        loss, grads = _nll_and_grads_in_passes(model, tree, cap, memory)
+        assert abs(loss - float(whole)) < 1e-10 * abs(float(whole))
+        for n, g in grads.items():
+            rel_close(g, expected[n], 1e-11, (kind, cap, memory, n))
+
+
+@pytest.mark.parametrize("memory", ["activations", "kv"])
+def test_passes_under_gradient_checkpointing(name, memory, fp64_norms):
+    rows = [r * 3 for r in ROWS]
+    tree = seqpack.pack_prefix_tree(rows, group_ids=GROUPS)
+    model = tiny("llama", name, seed=4).train()
+    model.zero_grad()
+    (-seqpack.token_logprobs(model(**hf.tree_kwargs(tree)).logits[0], tree).logprobs.sum()).backward()
+    expected = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    _, grads = _nll_and_grads_in_passes(model, tree, 5, memory)
+    for n, g in grads.items():
+        rel_close(g, expected[n], 1e-11, n)
+    model.gradient_checkpointing_disable()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    with pytest.raises(RuntimeError, match="reentrant gradient checkpointing"):  # the prefix's layers under no_grad
+        _nll_and_grads_in_passes(model, tree, 5, memory)
+
+
+def test_a_pass_needs_the_tree_attention(name):
+    model = tiny("llama", "sdpa")
+    passes = seqpack.split_prefix_tree(seqpack.pack_prefix_tree(ROWS, group_ids=GROUPS), 4)
+    with pytest.raises(ValueError, match="switch it to seqpack's tree attention first"):
+        for mb in seqpack.prefix_reuse(passes, forward=hf.pass_forward):
+            mb.forward(model)

@@ -37,8 +37,8 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence
 import numpy as np
 
 from ..._lengths import as_int64, as_positive_int, as_real
-from ..hf_tree import (TREE_KWARG, TREE_NAME, register_tree, restore_attention, tree_attention_forward,  # noqa: F401
-                      tree_kwargs, tree_name, use_tree_attention)
+from ..hf_tree import (TREE_KWARG, TREE_NAME, pass_forward, register_tree, restore_attention,  # noqa: F401
+                      tree_attention_forward, tree_kwargs, tree_name, use_tree_attention)
 
 NAME = "seqpack"
 IGNORE_INDEX = -100
