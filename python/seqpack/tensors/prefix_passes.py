@@ -53,7 +53,7 @@ from .prefix_tree import PrefixTreeBatch
 from .token_layout import TokenLayout
 from .tree_plans import attention_plan
 
-__all__ = ["PassCascade", "PrefixPasses", "TreePass", "split_prefix_tree"]
+__all__ = ["PrefixPasses", "TreePass", "split_prefix_tree"]
 
 ROLES = ("provider", "branch")
 

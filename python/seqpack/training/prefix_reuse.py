@@ -238,7 +238,7 @@ class PrefixReuseStep:
         keep = bool(self._grad) and self.memory == "activations"
         with torch.set_grad_enabled(keep):
             out = self._forward(p, "open", kwargs)
-        self._outputs[p] = out if keep else out.detach()
+        self._outputs[p] = out if keep or not hasattr(out, "detach") else out.detach()
         self._opened.add(p)
         if self._model is not None:
             _OPEN[self._model] = f"provider passes {sorted(self._opened - self._closed)}"

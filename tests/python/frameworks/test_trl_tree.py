@@ -182,6 +182,28 @@ def test_batch_size_chunks_and_temperature_and_fp32_head_cast():
     assert rel(got[0], ref[0]) < 2e-4 and rel(got[1], ref[1]) < 2e-4
 
 
+@pytest.mark.parametrize("batch_size", [2, 3, 5])
+def test_chunks_that_cut_a_group_forward_its_prompt_once(batch_size):
+    # Issue 52: without gradients (the old-policy and reference log-probs), TRL's
+    # batch_size chunks cut each group of 4; the patch runs the whole batch's tree in
+    # passes of at most a chunk's tokens, so each prompt is forwarded once.
+    t = trainer("grpo", bf16=False, temperature=0.9)
+    ids, mask = grpo_batch(g=4, groups=3)
+    with torch.no_grad():
+        ref = t._get_per_token_logps_and_entropies(t.model, ids, mask, 6, batch_size=batch_size, compute_entropy=True)
+        seqpack_trl.patch(shared_prefix=True, trees="always")
+        trl_tree.counts(reset=True)
+        got = t._get_per_token_logps_and_entropies(t.model, ids, mask, 6, batch_size=batch_size, compute_entropy=True)
+    assert rel(got[0], ref[0]) < 2e-4 and rel(got[1], ref[1]) < 2e-4
+    ran = trl_tree.counts()
+    whole = completion_tree(ids, mask, 6)[0]
+    assert ran["prefix_reuse_batches"] == 1 and ran["tree_tokens"] == whole.num_tokens
+    chunked = sum(completion_tree(ids[s:s + batch_size], mask[s:s + batch_size], 6)[0].num_tokens
+                  for s in range(0, ids.shape[0], batch_size))
+    assert whole.num_tokens < chunked  # what the chunks' own trees would forward
+    seqpack_trl.unpatch()
+
+
 @given(st.data())
 @settings(max_examples=40, deadline=None)
 def test_completion_tree_places_every_completion_token(data):

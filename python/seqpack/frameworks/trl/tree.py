@@ -46,6 +46,7 @@ import weakref
 from typing import Any, Dict, List, Optional, Tuple
 
 from .._completion_trees import completion_tree, to_completions
+from ...tensors.prefix_passes import split_prefix_tree
 from .choice import PathChoice
 
 __all__ = ["patch_trainers", "unpatch_trainers", "patched_trainer_names"]
@@ -65,10 +66,12 @@ _POLICY: Dict[str, str] = {"trees": "auto"}  # patch(trees=): "auto" (when the t
 
 def counts(reset: bool = False) -> Dict[str, Any]:
     """Batches on trees and on TRL's path (by reason), TRL's padded tokens and the
-    trees' physical tokens of the batches run as trees, and the difference."""
+    trees' physical tokens of the batches run as trees, and the difference; of the
+    tree batches, those whose chunks ran as one tree in passes (prefix reuse)."""
     out = dict(tree_batches=_COUNTS.get("tree_batches", 0), trl_batches=_COUNTS.get("trl_batches", 0),
                trl_reasons=dict(_COUNTS.get("trl_reasons", {})), padded_tokens=_COUNTS.get("padded_tokens", 0),
-               tree_tokens=_COUNTS.get("tree_tokens", 0))
+               tree_tokens=_COUNTS.get("tree_tokens", 0),
+               prefix_reuse_batches=_COUNTS.get("prefix_reuse_batches", 0))
     out["tokens_saved"] = out["padded_tokens"] - out["tree_tokens"]
     if reset:
         _COUNTS.clear()
@@ -113,7 +116,7 @@ def _tree_forward(self, *args: Any, seqpack_tree: Any = None, labels: Any = None
     import torch
 
     from ...tensors.prefix_tree import HF_TREE_KWARG
-    from ...training.logprobs_tree import tree_linear_token_logprobs
+    from ...training.ops import token_logprobs
 
     tree, scored, entropy = seqpack_tree
     head = _head_of(self)
@@ -134,10 +137,10 @@ def _tree_forward(self, *args: Any, seqpack_tree: Any = None, labels: Any = None
     else:
         dtype = hidden.dtype
     with torch.autocast(device, enabled=False):
-        out = tree_linear_token_logprobs(hidden.to(dtype), weight.to(dtype), tree,
-                                         bias=None if bias is None else bias.to(dtype),
-                                         temperature=head["temperature"] / head["logit_scale"],
-                                         return_entropy=entropy, scored=scored)
+        out = token_logprobs(hidden.to(dtype), tree, weight=weight.to(dtype),  # a tree, or a pass of one
+                             bias=None if bias is None else bias.to(dtype),
+                             temperature=head["temperature"] / head["logit_scale"], return_entropy=entropy,
+                             scored=scored)
     return {"log_probs": out.logprobs, "entropy": out.entropy}
 
 
@@ -281,12 +284,23 @@ def _make_method(original: Any) -> Any:
                 return trl_path()
             chunks.append((end - start, found))
         tree_tokens = sum(found[0].num_tokens for _, found in chunks)
+        # Without gradients (the old-policy and reference log-probs, chunked by TRL's
+        # batch_size), a prompt whose rows fall in several chunks is forwarded once:
+        # the whole batch's tree in passes of at most a chunk's tokens (prefix reuse).
+        whole = passes = None
+        if len(chunks) > 1 and not torch.is_grad_enabled():
+            whole = completion_tree(input_ids, attention_mask, c)
+            if whole is not None and whole[0].num_tokens < tree_tokens:
+                passes = split_prefix_tree(whole[0], batch_size * input_ids.shape[1])
+                chunks, tree_tokens = [(rows, whole)], whole[0].num_tokens
 
         def tree_path():
             _install(hf_model)
             _COUNTS["tree_batches"] = _COUNTS.get("tree_batches", 0) + 1
             _COUNTS["padded_tokens"] = _COUNTS.get("padded_tokens", 0) + int(input_ids.numel())
             _COUNTS["tree_tokens"] = _COUNTS.get("tree_tokens", 0) + tree_tokens
+            if passes is not None:
+                return _in_passes(self, model, passes, whole, (rows, c), bool(compute_entropy))
             logps, entropies = [], []
             for b, (tree, scored, source, target) in chunks:
                 kw = tree.hf_kwargs(input_ids.device)
@@ -323,6 +337,29 @@ def _make_method(original: Any) -> Any:
         "(seqpack.integrations.trl.patch(shared_prefix=True)); TRL's own for what a tree cannot take.")
     _get_per_token_logps_and_entropies._seqpack_original = original
     return _get_per_token_logps_and_entropies
+
+
+def _in_passes(trainer: Any, model: Any, passes: Any, found: Any, shape: Tuple[int, int], entropy: bool) -> Any:
+    """TRL's ``(log-probs, entropies, None)`` ``[B, C]`` from the whole batch's tree run
+    in ``passes`` without gradients (:func:`seqpack.prefix_reuse`): each pass gives
+    the scored tokens its own tokens predict, the passes' sum is the tree's."""
+    from ...training.prefix_reuse import prefix_reuse
+
+    _COUNTS["prefix_reuse_batches"] = _COUNTS.get("prefix_reuse_batches", 0) + 1
+    tree, scored, source, target = found
+
+    def forward(m, ids, pos, layout):
+        with trainer.accelerator.autocast():
+            return m(input_ids=ids[None], position_ids=pos[None], seqpack_tree=(layout, scored, entropy))
+
+    logps = ents = None
+    for mb in prefix_reuse(passes, forward=forward):
+        out = mb.forward(model)
+        logps = out["log_probs"] if logps is None else logps + out["log_probs"]
+        if entropy:
+            ents = out["entropy"] if ents is None else ents + out["entropy"]
+    lp, ent = to_completions((logps, ents), source, target, shape)
+    return lp, ent, None
 
 
 def _trainer_classes() -> List[Tuple[Tuple[str, str], Any]]:
