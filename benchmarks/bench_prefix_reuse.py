@@ -37,12 +37,14 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import seqpack  # noqa: E402
+from seqpack.planning.prefix_reuse import plan_prefix_reuse  # noqa: E402
 from seqpack.testing.tiny_model import TinyCausalLM, TinyConfig  # noqa: E402
 
 TITLE_PLAN = "Prefix reuse: physical tokens and micro-batches, split plan vs passes"
 TITLE_STEP = "Prefix reuse: a training step on the CPU, split plan vs passes"
 MEMORY_ENV = {"MALLOC_MMAP_THRESHOLD_": str(128 << 10)}  # freed tensors go back to the system: RSS is live memory
 HIDDEN = 128
+DP = 8
 PLAN_CASES = [  # (G, prompt max, response max, cap): the batches of issue 52
     (16, 4096, 1024, 8192), (16, 2048, 512, 4096), (8, 6144, 1024, 8192), (32, 1024, 512, 4096)]
 
@@ -81,9 +83,12 @@ def plan_table(log, quick):
         physical = whole.num_tokens
         bound = math.ceil(physical / cap)
         case = f"G={g} prompt<={p_max} response<={r_max} cap {cap}"
+        ranks = plan_prefix_reuse(forest, cap, DP)
         out.append([case, sum(len(r) for r in rows), physical, split_tokens, split_tokens / physical,
                     int(passes.tokens().sum()), int(passes.tokens().sum()) / physical, plan.num_micro_batches,
-                    passes.num_passes, bound])
+                    passes.num_passes, bound, f"{ranks.num_micro_batches} / {ranks.bound}"])
+        log.add(case, "-", f"dp{DP}_micro_batches", ranks.num_micro_batches)
+        log.add(case, "-", f"dp{DP}_bound", ranks.bound)
         for key, value in (("rows_tokens", sum(len(r) for r in rows)), ("forest_tokens", physical),
                            ("split_tokens", split_tokens), ("passes_tokens", int(passes.tokens().sum())),
                            ("split_micro_batches", plan.num_micro_batches), ("passes", passes.num_passes),
@@ -91,10 +96,11 @@ def plan_table(log, quick):
             log.add(case, "-", key, value)
     print(format_table(TITLE_PLAN, ["batch", "rows' tokens", "forest tokens", "split plan tokens", "x forest",
                                     "passes' tokens", "x forest", "split micro-batches", "passes",
-                                    "bound"], out,
+                                    "bound", f"DP {DP}: per rank / bound"], out,
                        note="split plan: plan_micro_batches(forest=) with each micro-batch a tree of its rows; passes: "
                             "split_prefix_tree of the whole batch's forest at the same cap; bound: "
-                            "ceil(forest tokens / cap)."))
+                            f"ceil(forest tokens / cap); DP {DP}: plan_prefix_reuse over {DP} ranks (whole trees to "
+                            "ranks, equal counts), micro-batches per rank against ceil(forest tokens / (ranks x cap))."))
     return out
 
 

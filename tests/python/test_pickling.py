@@ -160,6 +160,8 @@ def _samples():
                                                                       group_ids=[0, 0, 1, 1]),
         seqpack.planning.ForestItems: lambda: seqpack.PrefixForest.from_rows(
             [[1, 2, 3, 4], [1, 2, 3, 5], [1, 2, 6], [1, 2, 7, 8]]).items(6),
+        seqpack.planning.PrefixReusePlan: lambda: seqpack.planning.plan_prefix_reuse(
+            seqpack.PrefixForest.from_rows([[1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 7, 8], [9, 9, 5]]), 4, 2),
         prefix_passes.PrefixPasses: lambda: seqpack.split_prefix_tree(_shared_tree(), 4),
         prefix_passes.TreePass: lambda: seqpack.split_prefix_tree(_shared_tree(), 4).passes[1],
         prefix_reuse.PrefixReuseStep: lambda: seqpack.prefix_reuse(seqpack.split_prefix_tree(_shared_tree(), 4),

@@ -28,6 +28,7 @@ from .packing import (BestFitDecreasingPacker, ConcatenativePacker, FirstFitDecr
                       FirstFitShufflePacker, GreedySequentialPacker, ModifiedFirstFitDecreasingPacker, PackingAlgorithm,
                       SequencePacker, adjust_bin_count, get_packer)
 from .prefix_forest import ForestItems, PrefixForest
+from .prefix_reuse import PrefixReusePlan, plan_prefix_reuse
 from .step import StepPlan, plan_step
 from .step_options import StepOptions
 from .stream import StreamPlanner
@@ -37,10 +38,10 @@ __all__ = [
     "BestFitDecreasingPacker", "ConcatenativePacker", "FirstFitDecreasingPacker", "FirstFitPacker",
     "FirstFitShufflePacker", "GreedySequentialPacker", "ModifiedFirstFitDecreasingPacker",
     "CostModel", "DynamicBatchingPlan", "ForestItems", "MicroBatchPlan", "PackingAlgorithm", "PackingMetrics",
-    "PrefixForest", "SequencePacker",
+    "PrefixForest", "PrefixReusePlan", "SequencePacker",
     "adjust_bin_count", "dp_balance_metrics", "dynamic_batching_metrics", "get_packer",
     "get_seqlen_balanced_partitions", "greedy_lpt_partition", "karmarkar_karp", "log_seqlen_unbalance",
-    "plan_dynamic_batching", "plan_micro_batches", "plan_step", "sequence_workloads", "sorted_stride_partition",
+    "plan_dynamic_batching", "plan_micro_batches", "plan_prefix_reuse", "plan_step", "sequence_workloads", "sorted_stride_partition",
     "StepOptions", "StepPlan",
     "StreamPlanner", "StreamStep",
 ]

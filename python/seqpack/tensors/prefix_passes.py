@@ -48,6 +48,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import numpy as np
 
 from .._lengths import as_positive_int
+from ..planning.prefix_reuse import split_tree
 from .layout_kinds import as_tree
 from .prefix_tree import PrefixTreeBatch
 from .token_layout import TokenLayout
@@ -345,21 +346,8 @@ def split_prefix_tree(tree: Any, max_tokens: Any) -> PrefixPasses:
     """
     tree = as_tree(tree)
     cap = as_positive_int(max_tokens, "max_tokens")
-    t = tree.num_tokens
-    index = np.arange(t, dtype=np.int64)
-    size = tree.subtree_end - index
-    parent = tree.parent
-    skeleton = size > cap
-    unit_root = ~skeleton & ((parent < 0) | skeleton[np.maximum(parent, 0)])
-    roots = np.flatnonzero(unit_root)
-    owner = np.full(t, -1, dtype=np.int64)  # each token's pass
-    groups: List[Tuple[str, np.ndarray]] = []
-    chain = np.flatnonzero(skeleton)
-    for start in range(0, chain.shape[0], cap):
-        groups.append(("provider", chain[start:start + cap]))
-    for members in _first_fit(size[roots], cap):
-        parts = [np.arange(roots[m], tree.subtree_end[roots[m]], dtype=np.int64) for m in members]
-        groups.append(("branch", np.concatenate(parts)))
+    groups = split_tree(tree.parent, tree.subtree_end, cap)  # the planner's rule (planning/prefix_reuse.py)
+    owner = np.full(tree.num_tokens, -1, dtype=np.int64)  # each token's pass
     for i, (_, own) in enumerate(groups):
         owner[own] = i
     plan = attention_plan(tree)
@@ -370,23 +358,6 @@ def split_prefix_tree(tree: Any, max_tokens: Any) -> PrefixPasses:
         passes.append(_make_pass(tree, cap, i, role, own, owner, groups, segment_of, offsets, plan.segment_parent,
                                  seg_k, cu_k_tree))
     return PrefixPasses(tree, cap, passes)
-
-
-def _first_fit(sizes: np.ndarray, cap: int) -> List[List[int]]:
-    """First fit in the given (depth-first) order: each subtree into the first pass
-    with room. Siblings stay together (a pass reads few prefixes, and a prefix's
-    readers come one after the other, so it closes early and its K/V are freed)."""
-    bins: List[List[int]] = []
-    room = np.zeros(0, dtype=np.int64)
-    for unit, n in enumerate(sizes.tolist()):
-        fits = np.flatnonzero(room >= n)
-        if fits.shape[0]:
-            bins[int(fits[0])].append(unit)
-            room[fits[0]] -= n
-        else:
-            bins.append([unit])
-            room = np.append(room, cap - n)
-    return bins
 
 
 def _make_pass(tree: PrefixTreeBatch, cap: int, i: int, role: str, own: np.ndarray, owner: np.ndarray,

@@ -1,0 +1,175 @@
+"""Planning a step whose prefix trees run in passes under a cap, each shared prefix
+computed once (issue 52): which physical tokens go in which pass, and which ranks
+hold which trees.
+
+One rule cuts a tree (:func:`split_tree`, on its parent / subtree arrays), and the
+tensors layer's :func:`seqpack.split_prefix_tree` and this planner both use it, so
+the passes a rank builds are the ones planned::
+
+    provider passes   the tokens whose subtree exceeds the cap (the shared
+                      prefixes), depth-first, in chunks of the cap
+    branch passes     the largest subtrees that fit, first fit in depth-first order
+
+:func:`plan_prefix_reuse` plans a step from a :class:`~seqpack.PrefixForest`: whole
+trees to ranks (heaviest first to the lightest rank, by physical tokens), each
+rank's passes by that rule on the trie of its rows (rebuilt from the forest's
+depth-first order and shared prefixes, no token needed), and the micro-batch count
+equal on every rank (a rank with fewer passes runs empty micro-batches).
+
+    >>> import seqpack
+    >>> rows = [[1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 7, 8], [9, 9, 9, 9, 5, 6], [9, 9, 9, 9, 7, 8]]
+    >>> plan = plan_prefix_reuse(seqpack.PrefixForest.from_rows(rows), max_tokens=4, dp_size=2)
+    >>> plan.rank_rows, plan.pass_tokens, plan.num_micro_batches
+    ([[0, 1], [2, 3]], [[4, 4], [4, 4]], 2)
+
+Importing this module does not import torch.
+"""
+
+from __future__ import annotations
+
+from typing import Any, List, Tuple
+
+import numpy as np
+
+from .. import _core
+from .._lengths import as_positive_int, type_name
+
+__all__ = ["PrefixReusePlan", "plan_prefix_reuse", "split_tree"]
+
+
+def split_tree(parent: np.ndarray, subtree_end: np.ndarray, cap: int) -> List[Tuple[str, np.ndarray]]:
+    """``(role, own tokens)`` of each pass of the tree whose depth-first arrays are
+    ``parent`` / ``subtree_end`` (``[T]`` int64), under ``cap`` own tokens a pass:
+    ``"provider"`` passes first (the tokens whose subtree holds more than ``cap``,
+    depth-first, in chunks of ``cap``), then ``"branch"`` passes (the largest
+    subtrees that fit, first fit in depth-first order: siblings together, so a pass
+    reads few prefixes and a prefix's readers come one after the other).
+
+    >>> [(role, own.tolist()) for role, own in split_tree(np.array([-1, 0, 1, 1]), np.array([4, 4, 3, 4]), 2)]
+    [('provider', [0, 1]), ('branch', [2, 3])]
+    """
+    t = parent.shape[0]
+    size = subtree_end - np.arange(t, dtype=np.int64)
+    skeleton = size > cap
+    roots = np.flatnonzero(~skeleton & ((parent < 0) | skeleton[np.maximum(parent, 0)]))
+    chain = np.flatnonzero(skeleton)
+    groups: List[Tuple[str, np.ndarray]] = [("provider", chain[s:s + cap]) for s in range(0, chain.shape[0], cap)]
+    for members in _first_fit(size[roots], cap):
+        parts = [np.arange(roots[m], subtree_end[roots[m]], dtype=np.int64) for m in members]
+        groups.append(("branch", np.concatenate(parts)))
+    return groups
+
+
+def _first_fit(sizes: np.ndarray, cap: int) -> List[List[int]]:
+    """First fit in the given order: each item into the first bin with room."""
+    bins: List[List[int]] = []
+    room = np.zeros(0, dtype=np.int64)
+    for item, n in enumerate(sizes.tolist()):
+        fits = np.flatnonzero(room >= n)
+        if fits.shape[0]:
+            bins[int(fits[0])].append(item)
+            room[fits[0]] -= n
+        else:
+            bins.append([item])
+            room = np.append(room, cap - n)
+    return bins
+
+
+class PrefixReusePlan:
+    """A step planned for prefix reuse (:func:`plan_prefix_reuse`).
+
+    Attributes:
+        max_tokens: the cap on a pass's own tokens.
+        rank_rows: each rank's rows (whole trees), in the forest's depth-first order:
+            build the rank's tree from them in this order
+            (``seqpack.pack_prefix_tree([rows[r] for r in plan.rank_rows[rank]])``)
+            and :func:`seqpack.split_prefix_tree` gives the planned passes.
+        pass_tokens: each rank's passes' own tokens, in pass order.
+        num_micro_batches: the micro-batches every rank runs (its passes, then empty
+            ones up to the busiest rank's count).
+        physical_tokens: each rank's physical tokens (every token once).
+        bound: the fewest micro-batches any plan could have,
+            ``ceil(forest's physical tokens / (dp_size * max_tokens))``.
+    """
+
+    def __init__(self, max_tokens: int, rank_rows: List[List[int]], pass_tokens: List[List[int]],
+                 physical_tokens: List[int], bound: int) -> None:
+        self.max_tokens, self.rank_rows, self.pass_tokens = max_tokens, rank_rows, pass_tokens
+        self.physical_tokens, self.bound = physical_tokens, bound
+        self.num_micro_batches = max((len(p) for p in pass_tokens), default=0)
+
+    @property
+    def dp_size(self) -> int:
+        return len(self.rank_rows)
+
+    def __eq__(self, other: object) -> Any:
+        if not isinstance(other, PrefixReusePlan):
+            return NotImplemented
+        return vars(self) == vars(other)
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return (f"PrefixReusePlan(dp_size={self.dp_size}, max_tokens={self.max_tokens}, "
+                f"num_micro_batches={self.num_micro_batches}, bound={self.bound}, "
+                f"physical_tokens={sum(self.physical_tokens)})")
+
+
+def plan_prefix_reuse(forest: Any, max_tokens: Any, dp_size: Any = 1) -> PrefixReusePlan:
+    """Whole trees of ``forest`` to ``dp_size`` ranks and each rank's passes under
+    ``max_tokens`` (see the module docstring). A tree or a row longer than the cap is
+    planned (its prefix in chunks), never refused.
+
+    Args:
+        forest: the batch's :class:`~seqpack.PrefixForest`.
+        max_tokens: the cap on a pass's own physical tokens.
+        dp_size: data-parallel ranks.
+    """
+    from .prefix_forest import PrefixForest
+
+    if not isinstance(forest, PrefixForest):
+        raise TypeError(f"forest must be a seqpack.PrefixForest, got {type_name(forest)}")
+    cap = as_positive_int(max_tokens, "max_tokens")
+    ranks = as_positive_int(dp_size, "dp_size")
+    trees = forest.trees  # each tree's rows in depth-first order
+    tokens = np.array([forest.physical_tokens(rows) for rows in trees], dtype=np.int64)
+    load = np.zeros(ranks, dtype=np.int64)
+    owned: List[List[int]] = [[] for _ in range(ranks)]
+    for t in sorted(range(len(trees)), key=lambda t: (-int(tokens[t]), t)):  # heaviest first, to the lightest rank
+        r = int(np.argmin(load))
+        owned[r].append(t)
+        load[r] += tokens[t]
+    position = forest.row_position
+    rank_rows, pass_tokens = [], []
+    for r in range(ranks):
+        rows = sorted((int(x) for t in owned[r] for x in trees[t]), key=lambda x: int(position[x]))
+        rank_rows.append(rows)
+        parent, subtree_end = _shape(forest, rows)
+        pass_tokens.append([int(own.shape[0]) for _, own in split_tree(parent, subtree_end, cap)])
+    bound = -(-forest.num_physical_tokens // (ranks * cap))
+    return PrefixReusePlan(cap, rank_rows, pass_tokens, [int(x) for x in load], int(bound))
+
+
+def _shape(forest: Any, rows: List[int]) -> Tuple[np.ndarray, np.ndarray]:
+    """The trie of ``rows`` (whole trees, in depth-first order) from the forest's
+    shared prefixes alone: each row is the row before it up to their common prefix,
+    then fresh tokens (the same trie, children in the same order), built in C++."""
+    lengths = forest.lengths
+    if not rows:
+        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+    lcp = forest.adjacent_lcp
+    position = forest.row_position
+    out, fresh, previous = [], 1, np.zeros(0, dtype=np.int64)
+    last_pos = -2
+    for r in rows:
+        n = int(lengths[r])
+        pos = int(position[r])
+        shared = int(lcp[pos]) if pos == last_pos + 1 else 0  # rows adjacent in the forest's order
+        row = np.concatenate([previous[:shared], np.arange(fresh, fresh + n - shared, dtype=np.int64)])
+        fresh += n - shared
+        out.append(row)
+        previous, last_pos = row, pos
+    flat = np.concatenate(out)
+    cu = np.concatenate([[0], np.cumsum([len(x) for x in out])]).astype(np.int64)
+    arrays = _core.build_prefix_tree(flat, cu, None, 1, 1, 0)
+    return arrays["parent"], arrays["subtree_end"]
