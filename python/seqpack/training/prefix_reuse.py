@@ -159,7 +159,7 @@ class PrefixReuseStep:
             yield mb
             self._check_done(mb)
         if self._model is not None:
-            _OPEN.pop(self._model, None)
+            _pop_open(self._model)
 
     def _check_done(self, mb: PassMicroBatch) -> None:
         """After the loop's body: the micro-batch ran, and (with gradients) its backward."""
@@ -208,13 +208,16 @@ class PrefixReuseStep:
                 out = self._forward(i, "recompute", kwargs)
             else:
                 out = self._outputs.pop(i)
+            if not hasattr(out, "requires_grad"):
+                raise TypeError(f"prefix_reuse: the close of provider pass {i} needs the forward's output as one "
+                                f"tensor (its backward carries the K/V gradient), got {type_name(out)}")
             flat = [t for pair in self._graph_kv.pop(i) for t in pair]
             grads = [leaf.grad for pair in self._leaves[i] for leaf in pair]
             out = _functions()["inject"](self._closed_back_of(i), grads, out, *flat)
         self._closed.add(i)
         self._leaves.pop(i, None)
         if self._model is not None and self._closed >= {p.index for p in self._bound if p.role == "provider"}:
-            _OPEN.pop(self._model, None)
+            _pop_open(self._model)
         return out
 
     def _closed_back_of(self, i: int) -> Callable[[], None]:
@@ -238,10 +241,10 @@ class PrefixReuseStep:
         keep = bool(self._grad) and self.memory == "activations"
         with torch.set_grad_enabled(keep):
             out = self._forward(p, "open", kwargs)
-        self._outputs[p] = out if keep or not hasattr(out, "detach") else out.detach()
+        if keep or not self._grad:  # with gradients under "kv" the close runs the forward again: nothing kept
+            self._outputs[p] = out if keep or not hasattr(out, "detach") else out.detach()
         self._opened.add(p)
-        if self._model is not None:
-            _OPEN[self._model] = f"provider passes {sorted(self._opened - self._closed)}"
+        _remember_open(self._model, f"provider passes {sorted(self._opened - self._closed)}")
 
     def _forward(self, i: int, purpose: str, kwargs: Dict[str, Any]) -> Any:
         import torch
@@ -270,7 +273,7 @@ class PrefixReuseStep:
 
         grad = torch.is_grad_enabled()
         if self._model is None:
-            previous = _OPEN.pop(model, None)
+            previous = _pop_open(model)
             if previous is not None:  # said once: the next step runs
                 raise RuntimeError(f"prefix_reuse: this model's previous step left {previous} open (the loop stopped "
                                    "before their closes, so their backward never ran and the gradients are "
@@ -369,6 +372,20 @@ class PrefixReuseStep:
     def __repr__(self) -> str:
         return (f"PrefixReuseStep(memory={self.memory!r}, passes={self.passes.num_passes}, "
                 f"closed={len(self._closed)}/{self.passes.num_providers})")
+
+
+def _remember_open(model: Any, what: str) -> None:
+    try:
+        _OPEN[model] = what
+    except TypeError:  # a model that cannot be weakly referenced: not tracked
+        pass
+
+
+def _pop_open(model: Any) -> Optional[str]:
+    try:
+        return _OPEN.pop(model, None)
+    except TypeError:
+        return None
 
 
 def _step_of(passes: PrefixPasses, memory: str, forward: Callable[..., Any]) -> PrefixReuseStep:

@@ -278,3 +278,46 @@ def test_bad_arguments():
         seqpack.prefix_reuse(passes, forward=3)
     step = seqpack.prefix_reuse(passes, memory="kv")
     assert pickle.loads(pickle.dumps(step)) == step and copy.deepcopy(step) == step
+
+
+def test_a_close_needs_a_tensor_output_with_gradients():
+    model = model_fp64()
+
+    def as_dict(m, ids, pos, layout):
+        return {"logits": m(ids, layout, position_ids=pos)}
+
+    passes = seqpack.split_prefix_tree(seqpack.pack_prefix_tree(grpo_rows()), 4)
+    with pytest.raises(TypeError, match=r"the close of provider pass \d+ needs the forward's output as one tensor"):
+        for mb in seqpack.prefix_reuse(passes, forward=as_dict):
+            out = mb.forward(model)["logits"]
+            seqpack.token_logprobs(out, mb.layout).logprobs.sum().backward()
+    with torch.no_grad():  # without gradients any output goes (TRL's dict of log-probs)
+        with pytest.raises(RuntimeError, match="previous step left"):  # the step above stopped at its close
+            for mb in seqpack.prefix_reuse(passes, forward=as_dict):
+                mb.forward(model)
+        for mb in seqpack.prefix_reuse(passes, forward=as_dict):
+            mb.forward(model)
+
+
+def test_a_model_that_cannot_be_weakly_referenced_still_runs():
+    inner = model_fp64()
+
+    class Plain:  # a callable model holding its parameters, no __weakref__
+        __slots__ = ()
+
+        def __call__(self, ids, layout, position_ids=None):
+            return inner(ids, layout, position_ids=position_ids)
+
+        def parameters(self):
+            return inner.parameters()
+
+    tree = seqpack.pack_prefix_tree(grpo_rows())
+    weights = torch.ones(tree.num_logical_tokens, dtype=torch.float64)
+    plain = Plain()
+    inner.zero_grad()
+    for mb in seqpack.prefix_reuse(seqpack.split_prefix_tree(tree, 5)):
+        (seqpack.token_logprobs(mb.forward(plain), mb.layout).logprobs * weights).sum().backward()
+    got = [p.grad.clone() for p in inner.parameters()]
+    inner.zero_grad()
+    (seqpack.token_logprobs(inner.forward_tree(tree), tree).logprobs * weights).sum().backward()
+    assert all(torch.allclose(a, p.grad, atol=1e-12) for a, p in zip(got, inner.parameters()))
