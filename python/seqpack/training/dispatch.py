@@ -317,10 +317,14 @@ def _tree_pass_logprobs(logits, layout, input_ids, options) -> "TokenLogprobs":
             raise ValueError(f"scored must be a [N] bool array, one per logical token (N = {mine.shape[0]}), got "
                              f"{scored.dtype} {scored.shape}")
         mine = mine & scored
-    rows = scored_targets(layout.tree, mine)[0]
-    import torch
+    from ..tensors._device import host_to_device
 
-    local = torch.as_tensor(np.searchsorted(layout.own, rows), device=logits.device)
+    def local_rows(pass_layout, wanted=mine):  # the pass's rows that predict a wanted token, on the logits' device
+        rows = scored_targets(pass_layout.tree, wanted)[0]
+        return host_to_device([np.searchsorted(pass_layout.own, rows)], logits.device)[0]  # no host sync
+
+    local = local_rows(layout) if scored is not None else layout.host_plan(
+        ("predicting_rows", str(logits.device)), local_rows)
     return _tree_logprobs(logits.index_select(0, local), layout.tree, input_ids, dict(options, scored=mine))
 
 

@@ -249,10 +249,11 @@ class PrefixReuseStep:
     def _forward(self, i: int, purpose: str, kwargs: Dict[str, Any]) -> Any:
         import torch
 
+        from ..tensors._device import host_to_device
+
         layout = self._bound[i]
-        device = _device_of(self._model)
-        ids = torch.as_tensor(layout.input_ids, dtype=torch.long, device=device)
-        pos = torch.as_tensor(layout.local_position_ids, dtype=torch.long, device=device)
+        device = torch.device(_device_of(self._model))
+        ids, pos = host_to_device([layout.input_ids, layout.local_position_ids], device)  # one copy, no host sync
         self._active, self._cursor = (i, purpose), 0
         try:
             out = self._call(self._model, ids, pos, layout, **kwargs)

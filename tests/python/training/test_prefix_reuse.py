@@ -321,3 +321,29 @@ def test_a_model_that_cannot_be_weakly_referenced_still_runs():
     inner.zero_grad()
     (seqpack.token_logprobs(inner.forward_tree(tree), tree).logprobs * weights).sum().backward()
     assert all(torch.allclose(a, p.grad, atol=1e-12) for a, p in zip(got, inner.parameters()))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("memory", ["activations", "kv"])
+def test_passes_on_cuda_equal_one_micro_batch(memory):
+    # The CUDA path (each sequence's keys gathered, varlen_attention) against the same
+    # tree in one micro-batch on the GPU, fp32.
+    torch.manual_seed(0)
+    cfg = TinyConfig(vocab_size=VOCAB, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2)
+    model = TinyCausalLM(cfg).cuda()
+    tree = seqpack.pack_prefix_tree(agentic_rows(seed=5))
+    weights = torch.tensor(np.random.default_rng(6).standard_normal(tree.num_logical_tokens), dtype=torch.float32,
+                           device="cuda")
+    model.zero_grad()
+    lp = seqpack.token_logprobs(model.forward_tree(tree), tree).logprobs
+    (lp * weights).sum().backward()
+    whole, grads = lp.detach(), [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    total = torch.zeros_like(whole)
+    for mb in seqpack.prefix_reuse(seqpack.split_prefix_tree(tree, 5), memory=memory):
+        lp = seqpack.token_logprobs(mb.forward(model), mb.layout).logprobs
+        total += lp.detach()
+        (lp * weights).sum().backward()
+    torch.testing.assert_close(total, whole, rtol=1e-4, atol=1e-5)
+    for a, p in zip(grads, model.parameters()):
+        torch.testing.assert_close(p.grad, a, rtol=1e-3, atol=1e-5)
