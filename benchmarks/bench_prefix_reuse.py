@@ -108,9 +108,9 @@ def config():
     return TinyConfig(vocab_size=512, hidden_size=HIDDEN, num_layers=2, num_heads=4, num_kv_heads=2)
 
 
-def model(dtype):
+def model(dtype, device="cpu"):
     torch.manual_seed(0)
-    return TinyCausalLM(config()).to(dtype)
+    return TinyCausalLM(config()).to(device=device, dtype=dtype)
 
 
 def work(tokens, pairs):
@@ -172,13 +172,14 @@ def grads_of(m):
     return [p.grad.detach().clone() for p in m.parameters()]
 
 
-def step_table(log, quick, repeat):
+def step_table(log, quick, repeat, device="cpu", dtype=torch.float32):
     case = step_case(quick)
     prompts, g, p_max, r_max, cap = (case[k] for k in ("prompts", "g", "p_max", "r_max", "cap"))
     plan, trees, whole, passes = case["plan"], case["trees"], case["whole"], case["passes"]
+    cuda = torch.device(device).type == "cuda"
 
     # fp64: the passes' gradients against the whole batch in one micro-batch
-    m64 = model(torch.float64)
+    m64 = model(torch.float64, device)
     m64.zero_grad()
     step_split(m64, [whole])
     ref = grads_of(m64)
@@ -187,19 +188,29 @@ def step_table(log, quick, repeat):
         m64.zero_grad()
         run_side(m64, case, side)
         diffs[side] = max(float((a - b).abs().max()) for a, b in zip(grads_of(m64), ref))
+    del m64, ref
 
-    m = model(torch.float32)
+    m = model(dtype, device)
     best = {side: float("inf") for side in SIDES}
+    peak = {side: 0.0 for side in SIDES}
     for side in SIDES:  # warm-up
         m.zero_grad(set_to_none=True)
         run_side(m, case, side)
     for _ in range(repeat):
         for side in SIDES:
             m.zero_grad(set_to_none=True)
+            if cuda:
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+                base = torch.cuda.memory_allocated()
             start = time.perf_counter()
             run_side(m, case, side)
+            if cuda:
+                torch.cuda.synchronize()
+                peak[side] = max(peak[side], (torch.cuda.max_memory_allocated() - base) / 2**20)
             best[side] = min(best[side], time.perf_counter() - start)
-    peak = {side: run_child(__file__, f"{int(quick)},{side}", MEMORY_ENV)["peak_mib"] for side in SIDES}
+    if not cuda:
+        peak = {side: run_child(__file__, f"{int(quick)},{side}", MEMORY_ENV)["peak_mib"] for side in SIDES}
     split_tokens = sum(t.num_tokens for t in trees)
     split_pairs = sum(t.metrics().tree_attention_pairs for t in trees)
     reuse_pairs = whole.metrics().tree_attention_pairs
@@ -215,12 +226,13 @@ def step_table(log, quick, repeat):
         out.append([name, mbs, tokens, pairs, best[name], base / best[name], (base / best[name]) / bound
                     if name != "split plan" else "", peak[name], f"{grad:.1e}"])
         for key, value in (("micro_batches", mbs), ("tokens", tokens), ("pairs", pairs), ("seconds_min", best[name]),
-                           ("peak_rss_mib", peak[name]), ("max_grad_diff_fp64", grad)):
+                           ("peak_allocated_mib" if cuda else "peak_rss_mib", peak[name]), ("max_grad_diff_fp64", grad)):
             log.add(f"G={g} {prompts} prompts<={p_max} responses<={r_max} cap {cap}", name, key, value)
     print(format_table(TITLE_STEP, ["plan", "micro-batches", "tokens", "attention pairs", "step s", "x split",
                                     "of the work bound", "peak MiB", "max grad diff (fp64)"], out,
                        note=f"{prompts} prompts x G={g}, prompts <= {p_max}, responses <= {r_max}, cap {cap}; "
-                            f"tiny Llama (hidden 128, 2 layers), fp32, torch threads 1, forward + backward of every "
+                            f"tiny Llama (hidden 128, 2 layers), {str(dtype).split('.')[-1]} on {device} (peak MiB: "
+                            f"max_memory_allocated on CUDA), torch threads 1, forward + backward of every "
                             f"micro-batch, best of {repeat}, alternating; grad diff: fp64, against the whole batch "
                             f"in one micro-batch; peak MiB: the RSS rise over one step after a warm-up, each side in a "
                             f"process of its own (MALLOC_MMAP_THRESHOLD_ = 128 KiB). Work bound: the split plan's "
@@ -235,6 +247,8 @@ def step_table(log, quick, repeat):
 def main() -> int:
     parser = torch_cpu_arguments(__doc__, repeat=3)
     parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (the step table; planning is host work)")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     args = parser.parse_args()
     if args.child:
         child(args.child)
@@ -243,7 +257,7 @@ def main() -> int:
     env = announce(environment(), torch)
     log = CsvLog("prefix_reuse", env, args.csv)
     plan_table(log, args.quick)
-    summary = step_table(log, args.quick, 1 if args.quick else args.repeat)
+    summary = step_table(log, args.quick, 1 if args.quick else args.repeat, args.device, getattr(torch, args.dtype))
     print(f"csv: {log.write()}")
     print(f"prefix reuse: tokens {summary['tokens']:.2f} of the split plan, step {summary['speed']:.2f}x faster, "
           f"peak memory {summary['memory']:.2f} of the split plan, max grad diff {summary['grad']:.1e}")

@@ -12,8 +12,9 @@
 #              then seqpack.build_info() must report CUDA objects and a device
 #   ctest      the GoogleTest suite of build/gpu
 #   gpu-tests  every pytest test marked gpu -> gpu_tests.xml (JUnit)
-#   bench      the GPU benchmarks benchmarks/bench_gpu.py -> gpu.csv and
-#              benchmarks/bench_stream_memory.py -> stream_memory.csv
+#   bench      the GPU benchmarks benchmarks/bench_gpu.py -> gpu.csv,
+#              benchmarks/bench_stream_memory.py -> stream_memory.csv and
+#              benchmarks/bench_prefix_reuse.py --device cuda (bf16) -> prefix_reuse.csv
 #   sanitizer  compute-sanitizer memcheck / racecheck / synccheck / initcheck over a
 #              small subset of the GPU tests (last: the slowest step)
 # A failing step does not stop the later ones (a failed build skips what needs it);
@@ -245,6 +246,15 @@ else
     record "bench-stream-memory" "ok" "$OUT/stream_memory.csv"
   else
     record "bench-stream-memory" "FAILED" "exit $RC; see $OUT/bench_stream_memory.log"
+  fi
+  # bench_prefix_reuse.py: a tree larger than the cap in passes vs the split plan,
+  # bf16 on the GPU (issue 52).
+  run_logged "$OUT/bench_prefix_reuse.log" bench benchmarks/bench_prefix_reuse.py "$OUT/prefix_reuse.csv" \
+    --device cuda --dtype bfloat16
+  if [ "$RC" = 0 ]; then
+    record "bench-prefix-reuse" "ok" "$OUT/prefix_reuse.csv"
+  else
+    record "bench-prefix-reuse" "FAILED" "exit $RC; see $OUT/bench_prefix_reuse.log"
   fi
 fi
 
