@@ -144,6 +144,10 @@ class TreePass(TokenLayout):
         mine[self.own] = True
         return mine[self.tree.logical_index]
 
+    def predicted_tokens(self) -> np.ndarray:
+        """:meth:`predicts` (the tokens the loss of this pass covers)."""
+        return self.host_plan("predicts", TreePass.predicts)
+
     def local_rows(self, full: Any) -> Any:
         """This pass's rows of a full ``[T, ...]`` tensor (or array) of the tree."""
         shape = tuple(getattr(full, "shape", ()))

@@ -148,6 +148,12 @@ class TokenLayout(abc.ABC):
         (a cut or a pass of a split tree holds fewer)."""
         return self.num_tokens
 
+    def predicted_tokens(self) -> Optional[np.ndarray]:
+        """``[N]`` bool: the logical tokens whose next token this layout's rows
+        predict, when that is not every one (a pass of a split tree: the rest are
+        other passes'); None: all of them."""
+        return None
+
     def for_layer(self, layer: Any) -> "TokenLayout":
         """This layout as the attention of layer ``layer`` (an int, or None) sees it:
         itself, unless the layout holds per-layer state (a pass of a split tree reads

@@ -307,7 +307,7 @@ def _tree_pass_logprobs(logits, layout, input_ids, options) -> "TokenLogprobs":
     if logits.dim() != 2 or logits.shape[0] != layout.num_local_tokens:
         raise ValueError(f"logits must hold the pass's {layout.num_local_tokens} rows (mb.forward(model)'s output), "
                          f"got shape {tuple(logits.shape)}")
-    mine = layout.predicts()
+    mine = layout.predicted_tokens()
     scored = options.pop("scored")
     if scored is not None:
         if hasattr(scored, "detach"):
@@ -343,7 +343,8 @@ TOKEN_LOGPROBS: Dict[Key, Callable] = {
 # ---- the loss wrapper -------------------------------------------------------------------
 # How SequencePackingLossWrapper runs a layout: per row (NeMo-RL's loop, or fused),
 # in one pass over a tree's physical tokens, or per part of a hybrid-CP micro-batch.
-LOSS_ROUTE: Dict[str, str] = {"rows": "rows", "flat_tree": "tree", "tree": "tree", "parts": "parts"}
+LOSS_ROUTE: Dict[str, str] = {"rows": "rows", "flat_tree": "tree", "tree": "tree", "parts": "parts",
+                              "tree_pass": "tree"}
 
 
 def loss_route(value: Any) -> str:

@@ -33,6 +33,30 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = ["check_tree_logits", "tree_loss_plan"]
 
 
+def _pass_data(loss_fn: Callable, data: Any, predicted: np.ndarray, packed: Any) -> Any:
+    """``data`` whose ``token_mask`` keeps only the tokens a pass predicts: the passes'
+    token-level losses then sum to the whole tree's (a sequence-level loss needs a
+    row's tokens together, and is refused)."""
+    import torch
+
+    from .nemo_rl_loss import LossType
+
+    kind = getattr(loss_fn, "loss_type", LossType.TOKEN_LEVEL)
+    if getattr(kind, "value", kind) != LossType.TOKEN_LEVEL:  # NeMo-RL's own LossType is an Enum of these values
+        raise ValueError(f"{type(loss_fn).__name__} is a sequence-level loss (loss_type {loss_fn.loss_type!r}): a pass "
+                         "of a split tree holds only part of some rows, so its loss must be token-level (NeMo-RL's "
+                         "token_level_loss: true); run the tree in one micro-batch otherwise")
+    if "token_mask" not in data:
+        raise ValueError("data must hold 'token_mask' ([B, S]): a pass's loss keeps the tokens it predicts")
+    mask = data["token_mask"]
+    mine = packed.unpack(torch.from_numpy(predicted.astype(np.float32)).to(mask.device))  # [B, S]
+    restricted = mask.clone()
+    restricted[:, 1:] = mask[:, 1:] * mine[:, :-1].to(mask.dtype)  # token s is predicted at s - 1
+    out = dict(data.items())  # the loss reads it as a mapping
+    out["token_mask"] = restricted
+    return out
+
+
 def check_tree_logits(tree: PrefixTreeBatch, logits: "torch.Tensor", cp_size: int, cp_rank: int) -> int:
     """The rows ``logits`` (``[T, V]`` or ``[1, T, V]``; hidden states with a fused
     head) must have: the tree's physical tokens, or this CP rank's share of them.
@@ -42,6 +66,13 @@ def check_tree_logits(tree: PrefixTreeBatch, logits: "torch.Tensor", cp_size: in
     if logits.dim() not in (2, 3) or (logits.dim() == 3 and logits.shape[0] != 1):
         raise ValueError(f"next_token_logits must be [T, V] or [1, T, V], got {tuple(logits.shape)}")
     rows = logits.shape[-2] if logits.dim() == 3 else logits.shape[0]
+    if tree.predicted_tokens() is not None:  # a pass of a split tree: its own tokens, on one rank
+        if cp_size != 1:
+            raise ValueError("a pass of a split tree (seqpack.prefix_reuse) runs on one rank: no context parallelism")
+        if rows != tree.num_local_tokens:
+            raise ValueError(f"next_token_logits must have one row per own token of the pass "
+                             f"({tree.num_local_tokens}), got {rows} rows")
+        return rows
     _, start, end = _rank_range(tree, cp_size, cp_rank)
     if rows != end - start:
         where = (f"the tree's {tree.num_tokens} physical tokens" if cp_size == 1 else
@@ -72,7 +103,16 @@ def tree_loss_plan(tree: PrefixTreeBatch, loss_fn: Callable, logits: "torch.Tens
     packed = pack_to_layout({"input_ids": data["input_ids"]}, layout)  # its unpack: [N] -> [B, S]
     rows = logits.reshape(-1, logits.shape[-1])
     options = dict(temperature=temperature, return_entropy=entropy, cp_size=cp_size, cp_rank=cp_rank)
-    if lm_head_weight is None:
+    predicted = tree.predicted_tokens()
+    if predicted is not None:  # a pass of a split tree: the loss over the tokens its own tokens predict
+        data = _pass_data(loss_fn, data, predicted, packed)
+
+        def run():
+            from .ops import token_logprobs
+
+            return token_logprobs(rows, tree, weight=lm_head_weight, bias=lm_head_bias, temperature=temperature,
+                                  return_entropy=entropy)
+    elif lm_head_weight is None:
         if lm_head_bias is not None:
             raise ValueError("lm_head_bias needs lm_head_weight")
 
@@ -102,8 +142,9 @@ def tree_loss_plan(tree: PrefixTreeBatch, loss_fn: Callable, logits: "torch.Tens
 
     from ..tensors.prefix_tree_cp import tree_cp_bounds
 
-    facts = {"the prefix tree's segments": [tree.segment_offsets, tree.segment_parent],
-             "the prefix tree's CP cut (tree_cp_bounds)": tree_cp_bounds(tree, cp_size),
+    whole = getattr(tree, "tree", tree)  # a pass's tree
+    facts = {"the prefix tree's segments": [whole.segment_offsets, whole.segment_parent],
+             "the prefix tree's CP cut (tree_cp_bounds)": tree_cp_bounds(whole, cp_size),
              "the prefix tree's rows (cu_seqlens)": np.asarray(tree.cu_seqlens, dtype=np.int64),
              "whether the LM head is fused": lm_head_weight is not None, "entropy": entropy}
     return finish, facts

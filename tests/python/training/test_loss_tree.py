@@ -112,3 +112,41 @@ def test_tree_wrapper_checks():
     narrow = BatchedDataDict({k: (v[:, :3] if v.dim() == 2 else v) for k, v in data.items()})
     with pytest.raises(ValueError, match="must cover every real token"):
         SequencePackingLossWrapper(NLLLoss(), cu_seqlens_q=tree)(logits, narrow, gvs, gvt)
+
+
+# ---- a tree larger than the cap, in passes (issue 52) ------------------------------------------
+@pytest.mark.parametrize("loss_fn", LOSSES, ids=["nll", "clipped_pg", "pg+entropy"])
+@pytest.mark.parametrize("memory", ["activations", "kv"])
+def test_the_passes_losses_sum_to_the_trees(loss_fn, memory):
+    # NeMo-RL's token-level losses through the wrapper on each pass's layout: their sum,
+    # and the model's gradients, equal the whole tree's in one micro-batch (fp64).
+    from seqpack.testing.tiny_model import TinyCausalLM, TinyConfig
+
+    tree, data, gvt, gvs = tree_batch(seed=5)
+    torch.manual_seed(0)
+    model = TinyCausalLM(TinyConfig(vocab_size=VOCAB, hidden_size=16, num_layers=2, num_heads=2,
+                                    num_kv_heads=1)).double()
+    model.zero_grad()
+    whole, _ = SequencePackingLossWrapper(loss_fn, cu_seqlens_q=tree)(model.forward_tree(tree), data, gvs, gvt)
+    whole.backward()
+    expected = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    total = 0.0
+    for mb in seqpack.prefix_reuse(seqpack.split_prefix_tree(tree, 4), memory=memory):
+        loss, _ = SequencePackingLossWrapper(loss_fn, cu_seqlens_q=mb.layout)(mb.forward(model), data, gvs, gvt)
+        loss.backward()
+        total += float(loss.detach())
+    assert total == pytest.approx(float(whole.detach()), rel=1e-11, abs=1e-12)
+    for got, want in zip((p.grad for p in model.parameters()), expected):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+def test_a_pass_refuses_a_sequence_level_loss():
+    tree, data, gvt, gvs = tree_batch(seed=5)
+    seq_level = ClippedPGLoss({**PG_CFG, "token_level_loss": False})
+    layout = seqpack.split_prefix_tree(tree, 4).passes[0]
+    logits = torch.zeros(layout.num_local_tokens, VOCAB, dtype=torch.float64)
+    with pytest.raises(ValueError, match="sequence-level loss .* must be token-level"):
+        SequencePackingLossWrapper(seq_level, cu_seqlens_q=layout)(logits, data, gvs, gvt)
+    with pytest.raises(ValueError, match="one row per own token of the pass"):
+        SequencePackingLossWrapper(NLLLoss(), cu_seqlens_q=layout)(logits[:-1], data, gvs, gvt)
