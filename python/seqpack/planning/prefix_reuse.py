@@ -34,7 +34,7 @@ import numpy as np
 from .. import _core
 from .._lengths import as_positive_int, type_name
 
-__all__ = ["PrefixReusePlan", "plan_prefix_reuse", "split_tree"]
+__all__ = ["PrefixReusePlan", "pass_pairs", "plan_prefix_reuse", "split_tree"]
 
 
 def split_tree(parent: np.ndarray, subtree_end: np.ndarray, cap: int) -> List[Tuple[str, np.ndarray]]:
@@ -75,6 +75,27 @@ def _first_fit(sizes: np.ndarray, cap: int) -> List[List[int]]:
     return bins
 
 
+def pass_pairs(parent: np.ndarray, position: np.ndarray, groups: List[Tuple[str, np.ndarray]]
+               ) -> Tuple[np.ndarray, np.ndarray]:
+    """``(visible pairs, context pairs)`` ``[passes]`` of :func:`split_tree`'s passes:
+    each own token attends to its depth + 1 keys; the context pairs are those whose
+    key is an earlier pass's token (the K/V the pass reads). Vectorised: each token's
+    topmost ancestor in its own pass by pointer jumping."""
+    t = parent.shape[0]
+    owner = np.empty(t, dtype=np.int64)
+    for i, (_, own) in enumerate(groups):
+        owner[own] = i
+    up = np.where((parent >= 0) & (owner[np.maximum(parent, 0)] == owner), parent, np.arange(t, dtype=np.int64))
+    while True:  # up[x]: an ancestor of x in x's pass; jump until it is the topmost one
+        nxt = up[up]
+        if np.array_equal(nxt, up):
+            break
+        up = nxt
+    visible = np.bincount(owner, weights=position + 1, minlength=len(groups)).astype(np.int64)
+    context = np.bincount(owner, weights=position[up], minlength=len(groups)).astype(np.int64)
+    return visible, context
+
+
 class PrefixReusePlan:
     """A step planned for prefix reuse (:func:`plan_prefix_reuse`).
 
@@ -87,15 +108,24 @@ class PrefixReusePlan:
         pass_tokens: each rank's passes' own tokens, in pass order.
         num_micro_batches: the micro-batches every rank runs (its passes, then empty
             ones up to the busiest rank's count).
+        pass_pairs: each pass's visible attention pairs (its tokens' depth + 1 each).
+        context_pairs: of those, the pairs whose key an earlier pass computed (the
+            K/V it reads).
         physical_tokens: each rank's physical tokens (every token once).
+        predicted: each rank's predicted step time under the plan's cost model: its
+            passes (``per_micro_batch + per_token * tokens + per_token_squared * (2 *
+            pairs - tokens)``, a row of ``s`` tokens costing ``s**2`` as for rows) and
+            its empty micro-batches (``per_micro_batch`` each).
         bound: the fewest micro-batches any plan could have,
             ``ceil(forest's physical tokens / (dp_size * max_tokens))``.
     """
 
     def __init__(self, max_tokens: int, rank_rows: List[List[int]], pass_tokens: List[List[int]],
-                 physical_tokens: List[int], bound: int) -> None:
+                 pass_pairs: List[List[int]], context_pairs: List[List[int]], physical_tokens: List[int],
+                 predicted: List[float], bound: int) -> None:
         self.max_tokens, self.rank_rows, self.pass_tokens = max_tokens, rank_rows, pass_tokens
-        self.physical_tokens, self.bound = physical_tokens, bound
+        self.pass_pairs, self.context_pairs = pass_pairs, context_pairs
+        self.physical_tokens, self.predicted, self.bound = physical_tokens, predicted, bound
         self.num_micro_batches = max((len(p) for p in pass_tokens), default=0)
 
     @property
@@ -109,13 +139,18 @@ class PrefixReusePlan:
 
     __hash__ = None  # type: ignore[assignment]
 
+    @property
+    def step_time(self) -> float:
+        """The predicted step: the slowest rank's :attr:`predicted`."""
+        return max(self.predicted, default=0.0)
+
     def __repr__(self) -> str:
         return (f"PrefixReusePlan(dp_size={self.dp_size}, max_tokens={self.max_tokens}, "
                 f"num_micro_batches={self.num_micro_batches}, bound={self.bound}, "
                 f"physical_tokens={sum(self.physical_tokens)})")
 
 
-def plan_prefix_reuse(forest: Any, max_tokens: Any, dp_size: Any = 1) -> PrefixReusePlan:
+def plan_prefix_reuse(forest: Any, max_tokens: Any, dp_size: Any = 1, cost: Any = None) -> PrefixReusePlan:
     """Whole trees of ``forest`` to ``dp_size`` ranks and each rank's passes under
     ``max_tokens`` (see the module docstring). A tree or a row longer than the cap is
     planned (its prefix in chunks), never refused.
@@ -124,14 +159,21 @@ def plan_prefix_reuse(forest: Any, max_tokens: Any, dp_size: Any = 1) -> PrefixR
         forest: the batch's :class:`~seqpack.PrefixForest`.
         max_tokens: the cap on a pass's own physical tokens.
         dp_size: data-parallel ranks.
+        cost: the :class:`~seqpack.CostModel` of ``predicted`` (default
+            :meth:`CostModel.default() <seqpack.CostModel.default>`).
     """
+    from .cost import CostModel
     from .prefix_forest import PrefixForest
 
     if not isinstance(forest, PrefixForest):
         raise TypeError(f"forest must be a seqpack.PrefixForest, got {type_name(forest)}")
     cap = as_positive_int(max_tokens, "max_tokens")
     ranks = as_positive_int(dp_size, "dp_size")
-    trees = forest.trees  # each tree's rows in depth-first order
+    if cost is None:
+        cost = CostModel.default()
+    elif not isinstance(cost, CostModel):
+        raise TypeError(f"cost must be a seqpack.CostModel, got {type_name(cost)}")
+    trees = forest.trees  # each tree's rows
     tokens = np.array([forest.physical_tokens(rows) for rows in trees], dtype=np.int64)
     load = np.zeros(ranks, dtype=np.int64)
     owned: List[List[int]] = [[] for _ in range(ranks)]
@@ -140,23 +182,33 @@ def plan_prefix_reuse(forest: Any, max_tokens: Any, dp_size: Any = 1) -> PrefixR
         owned[r].append(t)
         load[r] += tokens[t]
     position = forest.row_position
-    rank_rows, pass_tokens = [], []
+    rank_rows, pass_tokens, pairs, context, seconds = [], [], [], [], []
     for r in range(ranks):
         rows = sorted((int(x) for t in owned[r] for x in trees[t]), key=lambda x: int(position[x]))
         rank_rows.append(rows)
-        parent, subtree_end = _shape(forest, rows)
-        pass_tokens.append([int(own.shape[0]) for _, own in split_tree(parent, subtree_end, cap)])
+        parent, subtree_end, depth = _shape(forest, rows)
+        groups = split_tree(parent, subtree_end, cap)
+        visible, reads = pass_pairs(parent, depth, groups)
+        n = np.array([own.shape[0] for _, own in groups], dtype=np.int64)
+        pass_tokens.append(n.tolist())
+        pairs.append(visible.tolist())
+        context.append(reads.tolist())
+        seconds.append(float((cost.per_micro_batch + cost.per_token * n
+                              + cost.per_token_squared * (2 * visible - n)).sum()))
+    count = max((len(p) for p in pass_tokens), default=0)
+    predicted = [s + cost.per_micro_batch * (count - len(p)) for s, p in zip(seconds, pass_tokens)]
     bound = -(-forest.num_physical_tokens // (ranks * cap))
-    return PrefixReusePlan(cap, rank_rows, pass_tokens, [int(x) for x in load], int(bound))
+    return PrefixReusePlan(cap, rank_rows, pass_tokens, pairs, context, [int(x) for x in load], predicted,
+                           int(bound))
 
 
-def _shape(forest: Any, rows: List[int]) -> Tuple[np.ndarray, np.ndarray]:
+def _shape(forest: Any, rows: List[int]) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The trie of ``rows`` (whole trees, in depth-first order) from the forest's
     shared prefixes alone: each row is the row before it up to their common prefix,
     then fresh tokens (the same trie, children in the same order), built in C++."""
     lengths = forest.lengths
     if not rows:
-        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+        return (np.zeros(0, dtype=np.int64),) * 3
     lcp = forest.adjacent_lcp
     position = forest.row_position
     out, fresh, previous = [], 1, np.zeros(0, dtype=np.int64)
@@ -172,4 +224,4 @@ def _shape(forest: Any, rows: List[int]) -> Tuple[np.ndarray, np.ndarray]:
     flat = np.concatenate(out)
     cu = np.concatenate([[0], np.cumsum([len(x) for x in out])]).astype(np.int64)
     arrays = _core.build_prefix_tree(flat, cu, None, 1, 1, 0)
-    return arrays["parent"], arrays["subtree_end"]
+    return arrays["parent"], arrays["subtree_end"], arrays["position_ids"]

@@ -47,6 +47,8 @@ def test_the_planned_passes_are_the_ones_each_rank_builds(batch, cap, dp, min_sh
                                         [groups[x] for x in rank], min_shared_tokens=min_shared)
         built = seqpack.split_prefix_tree(tree, cap)
         assert built.tokens().tolist() == plan.pass_tokens[r]  # what the rank runs is what was planned
+        assert built.context_pairs().tolist() == plan.context_pairs[r]  # the K/V each pass reads
+        assert plan.pass_pairs[r] == [int((tree.position_ids[p.own] + 1).sum()) for p in built.passes]
     assert sum(plan.physical_tokens) == forest.num_physical_tokens  # every token once a step
     assert plan.num_micro_batches == max(len(p) for p in plan.pass_tokens)
     assert plan.num_micro_batches >= plan.bound == -(-forest.num_physical_tokens // (dp * cap))
@@ -74,10 +76,24 @@ def test_the_docstring_plan_and_its_value_semantics():
     (lambda f: plan_prefix_reuse([[1, 2]], 4), TypeError, "forest must be a seqpack.PrefixForest"),
     (lambda f: plan_prefix_reuse(f, 0), ValueError, "max_tokens"),
     (lambda f: plan_prefix_reuse(f, 4, dp_size=0), ValueError, "dp_size"),
+    (lambda f: plan_prefix_reuse(f, 4, cost="fast"), TypeError, "cost must be a seqpack.CostModel"),
 ])
 def test_bad_input_names_the_argument(call, error, match):
     with pytest.raises(error, match=match):
         call(seqpack.PrefixForest.from_rows([[1, 2, 3]]))
+
+
+def test_the_predicted_step_prices_every_pass_and_the_empty_ones():
+    rows = [list(range(1, 40)) + [50, 51], list(range(1, 40)) + [60], list(range(70, 80))]
+    cost = seqpack.CostModel(per_micro_batch=10.0, per_token=1.0, per_token_squared=0.5)
+    plan = plan_prefix_reuse(seqpack.PrefixForest.from_rows(rows), max_tokens=8, dp_size=2, cost=cost)
+    for r in range(2):
+        n, pairs = np.array(plan.pass_tokens[r]), np.array(plan.pass_pairs[r])
+        empty = plan.num_micro_batches - len(n)
+        assert plan.predicted[r] == pytest.approx((10 + n + 0.5 * (2 * pairs - n)).sum() + 10 * empty)
+    assert plan.step_time == max(plan.predicted)
+    # the 10-token row: 2 tokens (pairs 1 + 2), then 8 reading their 2 keys each (context 16)
+    assert plan.pass_pairs[1] == [3, sum(range(3, 11))] and plan.context_pairs[1] == [0, 16]
 
 
 def test_numpy_scalars():
