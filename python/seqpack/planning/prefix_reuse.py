@@ -82,7 +82,7 @@ def pass_pairs(parent: np.ndarray, position: np.ndarray, groups: List[Tuple[str,
     key is an earlier pass's token (the K/V the pass reads). Vectorised: each token's
     topmost ancestor in its own pass by pointer jumping."""
     t = parent.shape[0]
-    owner = np.empty(t, dtype=np.int64)
+    owner = np.full(t, -1, dtype=np.int64)  # tokens of no listed pass: -1
     for i, (_, own) in enumerate(groups):
         owner[own] = i
     up = np.where((parent >= 0) & (owner[np.maximum(parent, 0)] == owner), parent, np.arange(t, dtype=np.int64))
@@ -91,8 +91,9 @@ def pass_pairs(parent: np.ndarray, position: np.ndarray, groups: List[Tuple[str,
         if np.array_equal(nxt, up):
             break
         up = nxt
-    visible = np.bincount(owner, weights=position + 1, minlength=len(groups)).astype(np.int64)
-    context = np.bincount(owner, weights=position[up], minlength=len(groups)).astype(np.int64)
+    listed = owner >= 0
+    visible = np.bincount(owner[listed], weights=(position + 1)[listed], minlength=len(groups)).astype(np.int64)
+    context = np.bincount(owner[listed], weights=position[up][listed], minlength=len(groups)).astype(np.int64)
     return visible, context
 
 

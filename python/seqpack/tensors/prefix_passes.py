@@ -48,7 +48,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import numpy as np
 
 from .._lengths import as_positive_int
-from ..planning.prefix_reuse import split_tree
+from ..planning.prefix_reuse import pass_pairs, split_tree
 from .layout_kinds import as_tree
 from .prefix_tree import PrefixTreeBatch
 from .token_layout import TokenLayout
@@ -123,19 +123,7 @@ class TreePass(TokenLayout):
     @property
     def num_context_pairs(self) -> int:
         """Attention pairs whose key is an earlier pass's token (the K/V it reads)."""
-        depth = self.tree.position_ids[self.own] + 1
-        return int((depth - self._own_ancestors()).sum())
-
-    def _own_ancestors(self) -> np.ndarray:
-        """Each own token's ancestors-or-self inside this pass."""
-        inside = np.zeros(self.tree.num_tokens, dtype=bool)
-        inside[self.own] = True
-        count = np.zeros(self.tree.num_tokens, dtype=np.int64)
-        parent = self.tree.parent
-        for p in self.own.tolist():  # depth-first order: a parent before its children
-            up = int(parent[p])
-            count[p] = 1 + (count[up] if up >= 0 and inside[up] else 0)
-        return count[self.own]
+        return int(pass_pairs(self.tree.parent, self.tree.position_ids, [(self.role, self.own)])[1][0])
 
     def predicts(self) -> np.ndarray:
         """``[N]`` bool: the logical tokens whose next token this pass's own tokens
