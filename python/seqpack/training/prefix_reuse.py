@@ -318,7 +318,8 @@ class PrefixReuseStep:
             during = (" during a backward (gradient checkpointing recomputes a layer there: the layout must know its "
                       "layer, layout.for_layer(i), as seqpack's transformers attention gives it)") if in_backward else ""
             raise RuntimeError(f"attention on pass {layout.index} of a prefix_reuse step outside its mb.forward"
-                               f"{during}: a pass's layers run inside mb.forward(model), once, in order")
+                               f"{during}: a pass's layers run inside mb.forward(model), once, in order (a layout of "
+                               "another step or tree, whose K/V this forward does not hold, is refused too)")
         if self._layers is not None and layer >= self._layers:
             raise RuntimeError(f"prefix_reuse: pass {layout.index} ran more attention layers than the step's first "
                                f"({self._layers})")

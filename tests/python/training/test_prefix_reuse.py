@@ -347,3 +347,27 @@ def test_passes_on_cuda_equal_one_micro_batch(memory):
     torch.testing.assert_close(total, whole, rtol=1e-4, atol=1e-5)
     for a, p in zip(grads, model.parameters()):
         torch.testing.assert_close(p.grad, a, rtol=1e-3, atol=1e-5)
+
+
+def test_another_steps_layout_inside_a_forward_is_refused():
+    # K/V of another tree: a model whose layers are handed the layout of another step
+    model = model_fp64()
+    other = next(iter(_step(cap=5)))  # a step that never runs a forward
+
+    def foreign(m, ids, pos, layout):
+        return m(ids, other.layout if other.num_local_tokens == ids.shape[0] else layout, position_ids=pos)
+
+    step = seqpack.prefix_reuse(seqpack.split_prefix_tree(seqpack.pack_prefix_tree(grpo_rows()), 5), forward=foreign)
+    with pytest.raises(RuntimeError, match="a layout of another step or tree"):
+        for mb in step:
+            _loss(mb, model).backward()
+
+
+def test_a_dtype_change_between_passes_is_refused():
+    model = model_fp64()
+    with pytest.raises(RuntimeError, match="dtype/device change"):
+        for n, mb in enumerate(_step()):
+            if n == 1:
+                model.float()  # the K/V of the first pass are fp64
+            out = mb.forward(model)
+            seqpack.token_logprobs(out, mb.layout).logprobs.sum().backward()
