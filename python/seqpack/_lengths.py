@@ -289,3 +289,11 @@ def round_up(x: Any, multiple: int) -> Any:
     """
     m = as_positive_int(multiple, "multiple")
     return (x + (m - 1)) // m * m
+
+
+def as_flag(value: Any, name: str) -> bool:
+    """``True`` / ``False`` (also NumPy's, and a 0-d bool array or tensor)."""
+    item = item_of(value, name)
+    if not isinstance(item, (bool, np.bool_)):
+        raise TypeError(f"{name} must be True or False, got {shown(value)}")
+    return bool(item)

@@ -19,7 +19,8 @@ from typing import Any, Dict, List, Optional, Sequence
 import numpy as np
 
 from .. import _core
-from .._lengths import as_lengths, as_positive_int, core_lengths
+from .._lengths import as_flag, as_lengths, as_positive_int, core_lengths
+from .cost import WORKLOAD_ATTENTION_COEFF  # noqa: F401 (verl's and ROLL's constant, imported from here)
 from .metrics import dp_balance_metrics
 
 
@@ -80,9 +81,6 @@ def log_seqlen_unbalance(seqlen_list: Sequence[int], partitions: List[List[int]]
     return dp_balance_metrics(seqlen_list, partitions, prefix)
 
 
-# ROLL's and verl's workload per sequence: 24576 * s + s**2, i.e. the linear layers
-# and attention of a 7B-class model (hidden 4096) up to a constant.
-WORKLOAD_ATTENTION_COEFF = 24576
 
 
 def sequence_workloads(lengths: Any, attention_coeff: Optional[int] = None) -> np.ndarray:
@@ -117,6 +115,11 @@ class MicroBatchPlan:
             (its rows as one prefix tree): no plan holds fewer. ``lower_bound`` is
             then ``max(min_num, ceil(physical_lower_bound / max_tokens))``. None
             otherwise.
+        prefix_reuse: planned in passes (``prefix_reuse=True`` and ``method`` is
+            ``"prefix_reuse"``), the :class:`~seqpack.planning.PrefixReusePlan` of
+            its one rank (roles, the K/V pairs each pass reads, the row order that
+            builds the passes); ``micro_batches`` then list each pass's rows (a row
+            in every pass that holds some of its tokens). None otherwise.
     """
 
     micro_batches: List[List[int]]
@@ -128,6 +131,7 @@ class MicroBatchPlan:
     order: str = field(default="heaviest_first")
     sharing_kept: Optional[float] = None
     physical_lower_bound: Optional[int] = None
+    prefix_reuse: Optional[Any] = field(default=None, repr=False)
 
     @property
     def num_micro_batches(self) -> int:
@@ -173,6 +177,7 @@ def plan_micro_batches(
     forest: Any = None,
     group_ids: Any = None,
     whole_trees: bool = False,
+    prefix_reuse: bool = False,
 ) -> MicroBatchPlan:
     """Split sequences into balanced micro-batches that never exceed ``max_tokens``.
 
@@ -215,6 +220,11 @@ def plan_micro_batches(
             micro-batch (only a larger tree is split): for losses that couple a
             tree's rows inside a micro-batch (DPO and other preference pairs).
             Per-token losses (GRPO, SFT) do not need it.
+        prefix_reuse: with ``forest``, also plan the trees in passes
+            (:func:`~seqpack.planning.plan_prefix_reuse`: each shared prefix once,
+            branches reading its K/V; a row longer than the cap planned, not
+            refused) and keep the passes when they need fewer micro-batches, or as
+            many and fewer tokens, than the plan on trees.
         group_ids: one label per row; rows of one label stay in one micro-batch
             (DPO's chosen / rejected pairs, a reward model's candidates), listed in
             row order. Each group is one item (its summed tokens and workloads); a
@@ -234,6 +244,12 @@ def plan_micro_batches(
     max_tokens = as_positive_int(max_tokens, "max_tokens")
     if whole_trees and forest is None:
         raise ValueError("whole_trees=True needs forest= (it keeps a PrefixForest's trees whole)")
+    if as_flag(prefix_reuse, "prefix_reuse"):
+        if forest is None or whole_trees:
+            raise ValueError("prefix_reuse=True needs forest= (it runs a PrefixForest's trees in passes) and not "
+                             "whole_trees=True (a tree in passes meets in no one micro-batch)")
+        return _with_passes(forest, lengths, max_tokens, as_positive_int(min_num, "min_num"),
+                            as_positive_int(multiple_of, "multiple_of"), _coeff(attention_coeff), order)
     if group_ids is not None:
         if forest is not None:
             raise ValueError("forest and group_ids cannot be combined (a forest's trees are its groups: build it "
@@ -267,3 +283,30 @@ def plan_micro_batches(
         method=raw["method"],
         order=order,
     )
+
+
+def _with_passes(forest: Any, lengths: Any, max_tokens: int, min_num: int, multiple_of: int, coeff: int,
+                 order: str) -> MicroBatchPlan:
+    """The plan in passes, or the plan on trees where it needs fewer micro-batches
+    (or as many and no more tokens)."""
+    from .forest_planning import checked_forest, plan_forest_micro_batches
+    from .prefix_reuse import plan_prefix_reuse
+
+    forest = checked_forest(forest, lengths)
+    passes = plan_prefix_reuse(forest, max_tokens, min_micro_batches=min_num, multiple_of=multiple_of)
+    k, n = passes.num_micro_batches, passes.pass_tokens[0]
+    fewest = -(-max(min_num, -(-forest.num_physical_tokens // max_tokens)) // multiple_of) * multiple_of
+    if forest.num_rows >= fewest and int(forest.lengths.max(initial=0)) <= max_tokens:  # trees can be planned
+        plain = MicroBatchPlan(**plan_forest_micro_batches(forest, lengths, max_tokens, min_num, multiple_of, coeff,
+                                                           order, False))
+        if (len(plain), sum(plain.tokens)) <= (k, sum(n)):
+            return plain
+    pad = k - len(n)
+    tokens = np.asarray(n, dtype=np.int64)
+    pairs = np.asarray(passes.pass_pairs[0], dtype=np.int64)
+    work = tokens if not coeff else coeff * tokens + 2 * pairs - tokens
+    return MicroBatchPlan(
+        micro_batches=passes.pass_rows[0] + [[] for _ in range(pad)], tokens=tokens.tolist() + [0] * pad,
+        workloads=[int(w) for w in work] + [0] * pad, max_tokens=max_tokens,
+        lower_bound=max(min_num, passes.bound), method="prefix_reuse", order=order, sharing_kept=1.0,
+        physical_lower_bound=forest.num_physical_tokens, prefix_reuse=passes)

@@ -34,6 +34,10 @@ import numpy as np
 
 from .._lengths import as_lengths, as_positive_int, as_real, shown
 
+# ROLL's and verl's workload per sequence: 24576 * s + s**2, i.e. the linear layers
+# and attention of a 7B-class model (hidden 4096) up to a constant.
+WORKLOAD_ATTENTION_COEFF = 24576
+
 __all__ = ["CostModel"]
 
 _TERMS = ("per_micro_batch", "per_token", "per_token_squared")
@@ -147,8 +151,6 @@ class CostModel:
     def verl(cls) -> "CostModel":
         """verl's and ROLL's per-sequence workload ``24576·s + s²`` (the linear layers
         and attention of a hidden-4096 model, up to a constant)."""
-        from .balance import WORKLOAD_ATTENTION_COEFF
-
         return cls(0.0, float(WORKLOAD_ATTENTION_COEFF), 1.0)
 
     @classmethod

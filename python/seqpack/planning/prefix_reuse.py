@@ -107,27 +107,34 @@ class PrefixReusePlan:
             (``seqpack.pack_prefix_tree([rows[r] for r in plan.rank_rows[rank]])``)
             and :func:`seqpack.split_prefix_tree` gives the planned passes.
         pass_tokens: each rank's passes' own tokens, in pass order.
+        pass_roles: each rank's passes' roles, ``"provider"`` or ``"branch"``.
+        pass_rows: each rank's passes' rows: those with a token in the pass (a row
+            whose prefix a provider holds is in that provider and in its branch).
         num_micro_batches: the micro-batches every rank runs (its passes, then empty
-            ones up to the busiest rank's count).
+            ones up to the busiest rank's count, ``min_micro_batches`` and a multiple
+            of ``multiple_of``).
         pass_pairs: each pass's visible attention pairs (its tokens' depth + 1 each).
         context_pairs: of those, the pairs whose key an earlier pass computed (the
             K/V it reads).
+        pass_costs: each pass's predicted time under the cost model,
+            ``per_micro_batch + per_token * tokens + per_token_squared * (2 * pairs -
+            tokens)`` (a row of ``s`` tokens costs ``s**2``, as for rows).
         physical_tokens: each rank's physical tokens (every token once).
-        predicted: each rank's predicted step time under the plan's cost model: its
-            passes (``per_micro_batch + per_token * tokens + per_token_squared * (2 *
-            pairs - tokens)``, a row of ``s`` tokens costing ``s**2`` as for rows) and
-            its empty micro-batches (``per_micro_batch`` each).
+        predicted: each rank's predicted step time: its passes' costs and its empty
+            micro-batches (``per_micro_batch`` each).
         bound: the fewest micro-batches any plan could have,
             ``ceil(forest's physical tokens / (dp_size * max_tokens))``.
     """
 
     def __init__(self, max_tokens: int, rank_rows: List[List[int]], pass_tokens: List[List[int]],
-                 pass_pairs: List[List[int]], context_pairs: List[List[int]], physical_tokens: List[int],
-                 predicted: List[float], bound: int) -> None:
+                 pass_roles: List[List[str]], pass_rows: List[List[List[int]]], pass_pairs: List[List[int]],
+                 context_pairs: List[List[int]], pass_costs: List[List[float]], physical_tokens: List[int],
+                 num_micro_batches: int, per_micro_batch: float, bound: int) -> None:
         self.max_tokens, self.rank_rows, self.pass_tokens = max_tokens, rank_rows, pass_tokens
-        self.pass_pairs, self.context_pairs = pass_pairs, context_pairs
-        self.physical_tokens, self.predicted, self.bound = physical_tokens, predicted, bound
-        self.num_micro_batches = max((len(p) for p in pass_tokens), default=0)
+        self.pass_roles, self.pass_rows = pass_roles, pass_rows
+        self.pass_pairs, self.context_pairs, self.pass_costs = pass_pairs, context_pairs, pass_costs
+        self.physical_tokens, self.num_micro_batches, self.bound = physical_tokens, num_micro_batches, bound
+        self.predicted = [sum(c) + per_micro_batch * (num_micro_batches - len(c)) for c in pass_costs]
 
     @property
     def dp_size(self) -> int:
@@ -151,7 +158,8 @@ class PrefixReusePlan:
                 f"physical_tokens={sum(self.physical_tokens)})")
 
 
-def plan_prefix_reuse(forest: Any, max_tokens: Any, dp_size: Any = 1, cost: Any = None) -> PrefixReusePlan:
+def plan_prefix_reuse(forest: Any, max_tokens: Any, dp_size: Any = 1, cost: Any = None, *,
+                      row_indices: Any = None, min_micro_batches: Any = 1, multiple_of: Any = 1) -> PrefixReusePlan:
     """Whole trees of ``forest`` to ``dp_size`` ranks and each rank's passes under
     ``max_tokens`` (see the module docstring). A tree or a row longer than the cap is
     planned (its prefix in chunks), never refused.
@@ -160,8 +168,12 @@ def plan_prefix_reuse(forest: Any, max_tokens: Any, dp_size: Any = 1, cost: Any 
         forest: the batch's :class:`~seqpack.PrefixForest`.
         max_tokens: the cap on a pass's own physical tokens.
         dp_size: data-parallel ranks.
-        cost: the :class:`~seqpack.CostModel` of ``predicted`` (default
+        cost: the :class:`~seqpack.CostModel` of ``pass_costs`` (default
             :meth:`CostModel.default() <seqpack.CostModel.default>`).
+        row_indices: plan these rows only (one mini-batch; default all): their trees
+            are the forest's trees restricted to them.
+        min_micro_batches, multiple_of: at least this many micro-batches per rank, a
+            multiple of ``multiple_of`` (pipeline parallelism); the extra ones empty.
     """
     from .cost import CostModel
     from .prefix_forest import PrefixForest
@@ -170,11 +182,16 @@ def plan_prefix_reuse(forest: Any, max_tokens: Any, dp_size: Any = 1, cost: Any 
         raise TypeError(f"forest must be a seqpack.PrefixForest, got {type_name(forest)}")
     cap = as_positive_int(max_tokens, "max_tokens")
     ranks = as_positive_int(dp_size, "dp_size")
+    least = as_positive_int(min_micro_batches, "min_micro_batches")
+    multiple = as_positive_int(multiple_of, "multiple_of")
     if cost is None:
         cost = CostModel.default()
     elif not isinstance(cost, CostModel):
         raise TypeError(f"cost must be a seqpack.CostModel, got {type_name(cost)}")
-    trees = forest.trees  # each tree's rows
+    chosen = np.arange(forest.num_rows, dtype=np.int64) if row_indices is None else \
+        np.unique(forest._row_ids(row_indices, "row_indices"))
+    tree_ids = forest.tree_ids[chosen]
+    trees = [chosen[tree_ids == t] for t in np.unique(tree_ids)]  # each tree's chosen rows
     tokens = np.array([forest.physical_tokens(rows) for rows in trees], dtype=np.int64)
     load = np.zeros(ranks, dtype=np.int64)
     owned: List[List[int]] = [[] for _ in range(ranks)]
@@ -183,41 +200,58 @@ def plan_prefix_reuse(forest: Any, max_tokens: Any, dp_size: Any = 1, cost: Any 
         owned[r].append(t)
         load[r] += tokens[t]
     position = forest.row_position
-    rank_rows, pass_tokens, pairs, context, seconds = [], [], [], [], []
+    out: dict = {k: [] for k in ("rows", "tokens", "roles", "members", "pairs", "context", "costs")}
     for r in range(ranks):
         rows = sorted((int(x) for t in owned[r] for x in trees[t]), key=lambda x: int(position[x]))
-        rank_rows.append(rows)
-        parent, subtree_end, depth = _shape(forest, rows)
+        parent, subtree_end, depth, logical = _shape(forest, rows)
         groups = split_tree(parent, subtree_end, cap)
         visible, reads = pass_pairs(parent, depth, groups)
         n = np.array([own.shape[0] for _, own in groups], dtype=np.int64)
-        pass_tokens.append(n.tolist())
-        pairs.append(visible.tolist())
-        context.append(reads.tolist())
-        seconds.append(float((cost.per_micro_batch + cost.per_token * n
-                              + cost.per_token_squared * (2 * visible - n)).sum()))
-    count = max((len(p) for p in pass_tokens), default=0)
-    predicted = [s + cost.per_micro_batch * (count - len(p)) for s, p in zip(seconds, pass_tokens)]
-    bound = -(-forest.num_physical_tokens // (ranks * cap))
-    return PrefixReusePlan(cap, rank_rows, pass_tokens, pairs, context, [int(x) for x in load], predicted,
+        costs = cost.per_micro_batch + cost.per_token * n + cost.per_token_squared * (2 * visible - n)
+        out["rows"].append(rows)
+        out["tokens"].append(n.tolist())
+        out["roles"].append([role for role, _ in groups])
+        out["members"].append(_pass_rows(groups, logical, rows))
+        out["pairs"].append(visible.tolist())
+        out["context"].append(reads.tolist())
+        out["costs"].append([float(c) for c in costs])
+    count = max(least, max((len(p) for p in out["tokens"]), default=0))
+    count = -(-count // multiple) * multiple
+    bound = -(-forest.physical_tokens(chosen) // (ranks * cap)) if chosen.shape[0] else 0
+    return PrefixReusePlan(cap, out["rows"], out["tokens"], out["roles"], out["members"], out["pairs"],
+                           out["context"], out["costs"], [int(x) for x in load], count, cost.per_micro_batch,
                            int(bound))
 
 
-def _shape(forest: Any, rows: List[int]) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _pass_rows(groups: List[Tuple[str, np.ndarray]], logical: Tuple[np.ndarray, np.ndarray], rows: List[int]
+               ) -> List[List[int]]:
+    """The rows with a token in each pass (row ids, ascending)."""
+    physical, row = logical
+    owner = np.zeros(physical.shape[0] and int(physical.max()) + 1, dtype=np.int64)
+    for i, (_, own) in enumerate(groups):
+        owner[own] = i
+    ids = np.asarray(rows, dtype=np.int64)
+    pairs = np.unique(owner[physical] * max(len(rows), 1) + row)  # (pass, row) once each
+    members: List[List[int]] = [[] for _ in groups]
+    for p, r in zip((pairs // max(len(rows), 1)).tolist(), (pairs % max(len(rows), 1)).tolist()):
+        members[p].append(int(ids[r]))
+    return [sorted(m) for m in members]
+
+
+def _shape(forest: Any, rows: List[int]) -> Tuple[np.ndarray, np.ndarray, np.ndarray, Tuple[np.ndarray, np.ndarray]]:
     """The trie of ``rows`` (whole trees, in depth-first order) from the forest's
-    shared prefixes alone: each row is the row before it up to their common prefix,
-    then fresh tokens (the same trie, children in the same order), built in C++."""
-    lengths = forest.lengths
+    shared prefixes alone: each row is the row before it up to their common prefix
+    (the least adjacent one between them), then fresh tokens (the same trie, children
+    in the same order), built in C++. Returns its parent, subtree end and depth
+    arrays and, per logical token, its physical token and its row (of ``rows``)."""
     if not rows:
-        return (np.zeros(0, dtype=np.int64),) * 3
-    lcp = forest.adjacent_lcp
-    position = forest.row_position
-    out, fresh, previous = [], 1, np.zeros(0, dtype=np.int64)
-    last_pos = -2
+        empty = np.zeros(0, dtype=np.int64)
+        return empty, empty, empty, (empty, empty)
+    lengths, lcp, position = forest.lengths, forest.adjacent_lcp, forest.row_position
+    out, fresh, previous, last_pos = [], 1, np.zeros(0, dtype=np.int64), -1
     for r in rows:
-        n = int(lengths[r])
-        pos = int(position[r])
-        shared = int(lcp[pos]) if pos == last_pos + 1 else 0  # rows adjacent in the forest's order
+        n, pos = int(lengths[r]), int(position[r])
+        shared = int(lcp[last_pos + 1:pos + 1].min()) if last_pos >= 0 else 0  # 0 across trees
         row = np.concatenate([previous[:shared], np.arange(fresh, fresh + n - shared, dtype=np.int64)])
         fresh += n - shared
         out.append(row)
@@ -225,4 +259,5 @@ def _shape(forest: Any, rows: List[int]) -> Tuple[np.ndarray, np.ndarray, np.nda
     flat = np.concatenate(out)
     cu = np.concatenate([[0], np.cumsum([len(x) for x in out])]).astype(np.int64)
     arrays = _core.build_prefix_tree(flat, cu, None, 1, 1, 0)
-    return arrays["parent"], arrays["subtree_end"], arrays["position_ids"]
+    logical_row = np.repeat(np.arange(len(rows), dtype=np.int64), np.diff(cu))
+    return arrays["parent"], arrays["subtree_end"], arrays["position_ids"], (arrays["logical_index"], logical_row)

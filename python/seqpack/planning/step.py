@@ -28,6 +28,8 @@ mini-batches, context parallelism, order, shapes) are one
 
 from __future__ import annotations
 
+import dataclasses
+
 import html
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -72,6 +74,13 @@ class StepPlan(ReadOnlyArrays):
             mini-batch when they differ. And the batch's physical tokens over the
             sum of the micro-batches' (1.0 when no tree is cut). None without a
             forest.
+        prefix_reuse / context_pairs: with ``StepOptions.prefix_reuse``, each
+            mini-batch's :class:`~seqpack.planning.PrefixReusePlan` where it runs
+            in passes (``None`` where its cells are trees), and each cell's
+            attention pairs whose K/V an earlier pass computed (what the cost
+            model prices as part of the cell's visible pairs). In a mini-batch in
+            passes, ``assignment`` lists the rows with a token in each pass (a
+            row may be in several), ``tokens`` each pass's own tokens.
         forest / whole_trees: the :class:`~seqpack.PrefixForest` the plan was made
             on (row ``i`` is sequence ``i``; None without one) and whether every
             tree was kept whole (``StepOptions.whole_trees``): what a shard of this
@@ -113,6 +122,11 @@ class StepPlan(ReadOnlyArrays):
     # the cells already say what was planned) and whether its trees were kept whole.
     forest: Optional[PrefixForest] = field(default=None, repr=False, compare=False)
     whole_trees: bool = False
+    # Prefix reuse (planning/step_prefix_reuse.py): per mini-batch its passes' plan, or
+    # None where the cells are trees; and each cell's attention pairs whose K/V an
+    # earlier pass computed (0 outside passes). None without prefix_reuse.
+    prefix_reuse: Optional[Tuple[Any, ...]] = field(default=None, repr=False, compare=False)
+    context_pairs: Optional[List[List[List[int]]]] = field(default=None, repr=False, compare=False)
 
     @property
     def num_ranks(self) -> int:
@@ -157,19 +171,32 @@ class StepPlan(ReadOnlyArrays):
         """
         self.rank(r)
         minis = range(len(self.assignment)) if mini_batch is None else [self._mini_batch(mini_batch)]
-        return [i for m in minis for cell in self.assignment[m][r] for i in cell]
+        return [i for m in minis for i in self._rows_of(m, r)]
+
+    def _rows_of(self, m: int, r: int) -> List[int]:
+        """Rank ``r``'s rows of mini-batch ``m``: its cells' rows, or in passes the
+        rows in the order that builds the planned passes."""
+        passes = None if self.prefix_reuse is None else self.prefix_reuse[m]
+        if passes is not None:
+            return list(passes.rank_rows[r])
+        return [i for cell in self.assignment[m][r] for i in cell]
 
     def local_micro_batches(self, r: int, mini_batch: int = 0) -> List[List[int]]:
         """Rank ``r``'s micro-batches of ``mini_batch`` as positions into
         ``rank_rows(r, mini_batch)`` (what a rank holding only its own rows
-        indexes); ``[]`` is a dummy.
+        indexes); ``[]`` is a dummy. In passes, each pass's rows (a row in every
+        pass that holds some of its tokens).
 
         >>> plan_step([5, 3, 4, 2], dp_size=2, max_tokens=8).local_micro_batches(1)
         [[0, 1]]
         """
         self.rank(r)
+        m = self._mini_batch(mini_batch)
+        if self.prefix_reuse is not None and self.prefix_reuse[m] is not None:  # a row in every pass it is in
+            where = {row: i for i, row in enumerate(self._rows_of(m, r))}
+            return [[where[row] for row in cell] for cell in self.assignment[m][r]]
         out, start = [], 0
-        for cell in self.assignment[self._mini_batch(mini_batch)][r]:
+        for cell in self.assignment[m][r]:
             out.append(list(range(start, start + len(cell))))
             start += len(cell)
         return out
@@ -298,6 +325,7 @@ def plan_step(
     min_cp_degree: int = 1,
     micro_batch_order: str = "planned",
     static_shapes: Any = None,
+    prefix_reuse: bool = False,
 ) -> StepPlan:
     """Assign every sequence of a global batch to (mini-batch, rank, micro-batch)
     for the fastest step under the options' cost model.
@@ -324,7 +352,7 @@ def plan_step(
             overhead). The plan keeps the forest (:attr:`StepPlan.forest`).
         cost, sync, mini_batches, min_micro_batches, multiple_of, seed,
         whole_trees, cp_size, hybrid_cp, min_cp_degree, micro_batch_order,
-        static_shapes: the :class:`~seqpack.StepOptions` fields one by one. With
+        static_shapes, prefix_reuse: the :class:`~seqpack.StepOptions` fields one by one. With
             ``options``, a keyword left at its default takes the options' value, one
             the options leave at their default is filled in, and one that differs
             from a value the options set is a ``ValueError``.
@@ -333,8 +361,12 @@ def plan_step(
     smaller bucket that holds the longest sequence (micro-batches that fill a
     smaller bucket can pad less) and the fastest padded plan kept.
 
+    With ``prefix_reuse`` each mini-batch also runs as passes where a tree exceeds
+    the cap, each shared prefix computed once (:mod:`~seqpack.planning.step_prefix_reuse`),
+    and a sequence above ``max_tokens`` is planned in passes.
+
     Raises:
-        ValueError: a sequence above ``max_tokens``, fewer sequences than
+        ValueError: a sequence above ``max_tokens`` (without ``prefix_reuse``), fewer sequences than
             ``mini_batches``, a bad option (named), ``shared_prefix`` without
             ``forest``; a cost that overflows float64 (a micro-batch of
             ``max_tokens`` tokens, or the whole step): the message names the
@@ -345,7 +377,8 @@ def plan_step(
     opts = with_keywords(options, dict(
         cost=cost, sync=sync, mini_batches=mini_batches, min_micro_batches=min_micro_batches, multiple_of=multiple_of,
         seed=seed, shared_prefix=forest is not None, whole_trees=whole_trees, cp_size=cp_size, hybrid_cp=hybrid_cp,
-        min_cp_degree=min_cp_degree, micro_batch_order=micro_batch_order, static_shapes=static_shapes), "plan_step")
+        min_cp_degree=min_cp_degree, micro_batch_order=micro_batch_order, static_shapes=static_shapes,
+        prefix_reuse=prefix_reuse), "plan_step")
     if opts.shared_prefix and forest is None:
         raise ValueError("shared_prefix=True plans prefix trees: plan_step needs forest=, the PrefixForest of the "
                          "lengths' rows (a StreamPlanner builds each step's forest itself)")
@@ -361,6 +394,8 @@ def plan_step(
         lengths = forest.lengths
     else:
         lengths = as_lengths(lengths, "lengths")
+    if opts.prefix_reuse:
+        return _with_passes(lengths, dp_size, max_tokens, opts, forest)
     # One core call: the planner the options name, its costs, the order and the shapes (step_planner.hpp).
     raw = _core.plan_step(
         lengths, dp_size, max_tokens, cost.per_micro_batch, cost.per_token, cost.per_token_squared,
@@ -391,6 +426,30 @@ def plan_step(
         dp_size=dp_size, max_tokens=max_tokens, sync=opts.sync, cost=cost,
         lengths=_read_only(np.asarray(lengths).astype(np.int64)), micro_batch_order=opts.micro_batch_order,
         **fields)
+
+
+def _with_passes(lengths: np.ndarray, dp_size: int, max_tokens: int, opts: StepOptions,
+                 forest: PrefixForest) -> StepPlan:
+    """The step with each mini-batch in passes where they are predicted faster than
+    the plan on trees (the only plan when a row exceeds the cap)."""
+    from .step_prefix_reuse import with_prefix_reuse
+
+    n = int(lengths.shape[0])
+    if n < opts.mini_batches:
+        raise ValueError(f"[seqpack.plan_step] lengths: {n} sequences cannot fill mini_batches={opts.mini_batches} "
+                         "mini-batches (each needs at least one)")
+    plain = None
+    if n == 0 or int(lengths.max()) <= max_tokens:
+        plain = plan_step(lengths, dp_size, max_tokens, options=dataclasses.replace(opts, prefix_reuse=False),
+                          forest=forest)
+        ranges = plain.mini_batch_ranges
+    else:
+        sizes = [len(part) for part in np.array_split(np.arange(n), opts.mini_batches)]
+        ends = np.cumsum(sizes).tolist()
+        ranges = [(int(e - s), int(e)) for s, e in zip(sizes, ends)]
+    fields = with_prefix_reuse(plain, forest, dp_size, max_tokens, opts, ranges)
+    return StepPlan(**fields, dp_size=dp_size, max_tokens=max_tokens, sync=opts.sync, cost=opts.cost,
+                    lengths=_read_only(np.asarray(lengths).astype(np.int64)), forest=forest)
 
 
 def _read_only(a: np.ndarray) -> np.ndarray:

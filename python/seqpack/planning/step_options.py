@@ -33,7 +33,7 @@ from typing import Any, Callable, Dict, Optional, Tuple, Union
 
 import numpy as np
 
-from .._lengths import as_positive_int, item_of, shown, type_name
+from .._lengths import as_flag, as_positive_int, shown, type_name
 from .cost import CostModel
 from .step_shapes import check_order, static_shapes_spec
 
@@ -68,6 +68,12 @@ class StepOptions:
             :class:`~seqpack.PrefixForest` as ``forest=``; a
             :class:`~seqpack.StreamPlanner` builds each step's forest from
             ``add(tokens=)``.
+        prefix_reuse: with ``shared_prefix``, a tree larger than the cap runs as
+            passes (:mod:`~seqpack.planning.prefix_reuse`): its shared prefix
+            computed once in the step, its branches reading that prefix's K/V, and a
+            row longer than the cap planned instead of refused. Each mini-batch
+            keeps the passes where the cost model predicts them faster than the
+            plan on trees (``StepPlan.prefix_reuse``).
         whole_trees: with ``shared_prefix``, keep every tree that fits in one
             micro-batch, and every tree on one rank (losses that couple a tree's
             rows: DPO and other preference pairs).
@@ -119,6 +125,7 @@ class StepOptions:
     multiple_of: int = 1
     seed: Optional[int] = None
     shared_prefix: bool = False
+    prefix_reuse: bool = False
     whole_trees: bool = False
     cp_size: int = 1
     hybrid_cp: bool = False
@@ -132,12 +139,29 @@ class StepOptions:
         if self.whole_trees and not self.shared_prefix:
             raise ValueError("whole_trees=True needs shared_prefix=True (it keeps prefix trees whole; plan_step "
                              "takes their PrefixForest as forest=)")
+        if self.prefix_reuse:
+            self._check_prefix_reuse()
         if self.min_cp_degree > 1:
             if not (self.hybrid_cp and self.cp_size > 1):
                 raise ValueError("min_cp_degree applies to hybrid CP: give it with cp_size > 1 and hybrid_cp=True")
             if not _power_of_two(self.min_cp_degree) or self.min_cp_degree > self.cp_size:
                 raise ValueError(f"min_cp_degree must be a power of two in [1, cp_size={self.cp_size}], "
                                  f"got {self.min_cp_degree}")
+
+    def _check_prefix_reuse(self) -> None:
+        """Prefix reuse runs a tree's passes on one rank in one fixed order."""
+        if not self.shared_prefix:
+            raise ValueError("prefix_reuse=True needs shared_prefix=True (it runs prefix trees larger than the cap "
+                             "in passes; plan_step takes their PrefixForest as forest=)")
+        clashes = {"whole_trees": self.whole_trees and "a tree's rows meet in no one micro-batch when it runs in "
+                                                      "passes (sequence-level losses are refused on passes)",
+                   "cp_size": self.cp_size > 1 and "passes are not sharded over context-parallel ranks",
+                   "static_shapes": self.static_shapes is not None and "passes are not padded to buckets",
+                   "micro_batch_order": self.micro_batch_order != "planned" and "a tree's passes run in their "
+                                                                               "planned order (providers first)"}
+        for name, why in clashes.items():
+            if why:
+                raise ValueError(f"prefix_reuse=True and {name}={getattr(self, name)!r} cannot be combined: {why}")
 
     def __repr__(self) -> str:
         given = [f"{name}={getattr(self, name)!r}" for name in _CHECKS
@@ -163,14 +187,6 @@ def _seed(value: Any, name: str) -> Optional[int]:
     return None if value is None else as_positive_int(value, name, allow_zero=True, maximum=2**64 - 1)  # a uint64
 
 
-def _flag(value: Any, name: str) -> bool:
-    """``True`` / ``False`` (also NumPy's, and a 0-d bool array or tensor)."""
-    item = item_of(value, name)
-    if not isinstance(item, (bool, np.bool_)):
-        raise TypeError(f"{name} must be True or False, got {shown(value)}")
-    return bool(item)
-
-
 def _power_of_two(n: int) -> bool:
     return n & (n - 1) == 0
 
@@ -188,8 +204,9 @@ def _positive(value: Any, name: str) -> int:
 
 _CHECKS: Dict[str, Callable[[Any, str], Any]] = {
     "cost": _cost, "sync": _sync, "mini_batches": _positive, "min_micro_batches": _positive,
-    "multiple_of": _positive, "seed": _seed, "shared_prefix": _flag, "whole_trees": _flag, "cp_size": _cp_size,
-    "hybrid_cp": _flag, "min_cp_degree": _positive, "micro_batch_order": lambda v, _: check_order(v),
+    "multiple_of": _positive, "seed": _seed, "shared_prefix": as_flag, "prefix_reuse": as_flag,
+    "whole_trees": as_flag, "cp_size": _cp_size,
+    "hybrid_cp": as_flag, "min_cp_degree": _positive, "micro_batch_order": lambda v, _: check_order(v),
     "static_shapes": lambda v, _: static_shapes_spec(v),
 }
 DEFAULTS: Dict[str, Any] = {f.name: _CHECKS[f.name](f.default, f.name) for f in dataclasses.fields(StepOptions)}
@@ -250,7 +267,7 @@ def stream_options(options: Any, shared_prefix: Any, deprecated: Dict[str, Any])
                             f"{type_name(forest)}; the switch is now StreamPlanner(shared_prefix=True)")
         warnings.warn(f"StreamPlanner(forest={bool(forest)}) is deprecated: use "
                       f"StreamPlanner(shared_prefix={bool(forest)})", DeprecationWarning, stacklevel=3)
-        shared_prefix = _flag(shared_prefix, "shared_prefix") or bool(forest)
+        shared_prefix = as_flag(shared_prefix, "shared_prefix") or bool(forest)
     if old:
         given = ", ".join(f"{k}=..." for k in old)
         warnings.warn(f"StreamPlanner({given}) is deprecated: pass the plan's options as one object, "

@@ -49,9 +49,37 @@ def test_the_planned_passes_are_the_ones_each_rank_builds(batch, cap, dp, min_sh
         assert built.tokens().tolist() == plan.pass_tokens[r]  # what the rank runs is what was planned
         assert built.context_pairs().tolist() == plan.context_pairs[r]  # the K/V each pass reads
         assert plan.pass_pairs[r] == [int((tree.position_ids[p.own] + 1).sum()) for p in built.passes]
+        assert plan.pass_roles[r] == [p.role for p in built.passes]
+        row_of = np.repeat(np.asarray(rank), np.diff(tree.cu_seqlens))  # each logical token's row
+        for p, members in zip(built.passes, plan.pass_rows[r]):
+            assert members == sorted(set(row_of[np.isin(tree.logical_index, p.own)].tolist()))
     assert sum(plan.physical_tokens) == forest.num_physical_tokens  # every token once a step
     assert plan.num_micro_batches == max(len(p) for p in plan.pass_tokens)
     assert plan.num_micro_batches >= plan.bound == -(-forest.num_physical_tokens // (dp * cap))
+    assert plan.predicted == pytest.approx([sum(c) + (plan.num_micro_batches - len(c))
+                                            * seqpack.CostModel.default().per_micro_batch for c in plan.pass_costs])
+
+
+@settings(max_examples=100, deadline=None)
+@given(batches(), st.integers(1, 12), st.integers(1, 3), st.data())
+def test_a_subset_of_rows_plans_as_the_forest_of_those_rows(batch, cap, dp, data):
+    rows, groups = batch
+    chosen = sorted(data.draw(st.sets(st.integers(0, len(rows) - 1), min_size=1)))
+    least, multiple = data.draw(st.integers(1, 5)), data.draw(st.integers(1, 3))
+    forest = seqpack.PrefixForest.from_rows(rows, group_ids=groups)
+    plan = plan_prefix_reuse(forest, cap, dp, row_indices=np.array(chosen), min_micro_batches=least,
+                             multiple_of=multiple)
+    for r, rank in enumerate(plan.rank_rows):  # each rank builds the planned passes from its rows alone
+        assert set(rank) <= set(chosen)
+        if rank:
+            tree = seqpack.pack_prefix_tree([rows[x] for x in rank], group_ids=None if groups is None else
+                                            [groups[x] for x in rank])
+            assert seqpack.split_prefix_tree(tree, cap).tokens().tolist() == plan.pass_tokens[r]
+    assert sorted(x for rank in plan.rank_rows for x in rank) == chosen
+    assert sum(plan.physical_tokens) == forest.physical_tokens(chosen)
+    alone = plan_prefix_reuse(forest, cap, dp, row_indices=chosen)
+    assert plan.num_micro_batches >= max(least, alone.num_micro_batches) and plan.num_micro_batches % multiple == 0
+    assert plan.num_micro_batches < max(least, alone.num_micro_batches) + multiple
 
 
 def test_a_row_longer_than_the_cap_is_planned():
@@ -99,3 +127,94 @@ def test_the_predicted_step_prices_every_pass_and_the_empty_ones():
 def test_numpy_scalars():
     f = seqpack.PrefixForest.from_rows([[1, 2, 3, 4], [1, 2, 3, 5]])
     assert plan_prefix_reuse(f, np.int64(3), np.int32(1)) == plan_prefix_reuse(f, 3, 1)
+
+
+@settings(max_examples=150, deadline=None)
+@given(batches(), st.integers(1, 12), st.integers(1, 3), st.integers(1, 2), st.sampled_from(["micro_batch", "step"]))
+def test_plan_step_keeps_passes_only_where_they_are_faster(batch, cap, dp, minis, sync):
+    rows, groups = batch
+    if len(rows) < minis:
+        return
+    forest = seqpack.PrefixForest.from_rows(rows, group_ids=groups)
+    cost = seqpack.CostModel(per_micro_batch=3.0, per_token=1.0, per_token_squared=0.25)
+    plan = seqpack.plan_step(forest.lengths, dp, cap, forest=forest, prefix_reuse=True, mini_batches=minis,
+                             sync=sync, cost=cost)
+    if int(forest.lengths.max()) <= cap:  # never slower than the plan on trees
+        plain = seqpack.plan_step(forest.lengths, dp, cap, forest=forest, mini_batches=minis, sync=sync, cost=cost)
+        assert plan.predicted_time <= plain.predicted_time + 1e-9
+        assert plan.mini_batch_ranges == plain.mini_batch_ranges
+    assert plan.predicted_time >= plan.lower_bound - 1e-9
+    assert len(plan.prefix_reuse) == minis == len(plan.context_pairs)
+    names = plan.planned_on.split(",") if "," in plan.planned_on else [plan.planned_on] * minis
+    for m, (begin, end) in enumerate(plan.mini_batch_ranges):
+        passes = plan.prefix_reuse[m]
+        assert (passes is not None) == (names[m] == "prefix_reuse")
+        held = sorted(i for r in range(dp) for i in plan.rank_rows(r, m))
+        assert held == list(range(begin, end))  # every row of the mini-batch on one rank, once
+        for r in range(dp):
+            assert len(plan.assignment[m][r]) == plan.num_micro_batches[m]  # counts equal across ranks
+            assert all(t <= cap for t in plan.tokens[m][r])
+            local = plan.local_micro_batches(r, m)
+            mine = plan.rank_rows(r, m)
+            assert [[mine[i] for i in cell] for cell in local] == plan.assignment[m][r]
+        if passes is not None:  # each physical token computed once in the mini-batch
+            assert sum(t for rank in plan.tokens[m] for t in rank) == forest.physical_tokens(range(begin, end))
+            assert plan.context_pairs[m] == [c + [0] * (plan.num_micro_batches[m] - len(c))
+                                             for c in passes.context_pairs]
+            assert plan.costs[m] == [c + [3.0] * (plan.num_micro_batches[m] - len(c)) for c in passes.pass_costs]
+        else:
+            assert all(c == 0 for rank in plan.context_pairs[m] for c in rank)
+
+
+@settings(max_examples=150, deadline=None)
+@given(batches(), st.integers(1, 12), st.integers(1, 3), st.integers(1, 2), st.sampled_from([None, 4]))
+def test_plan_micro_batches_keeps_passes_where_they_need_fewer(batch, cap, least, multiple, coeff):
+    rows, groups = batch
+    forest = seqpack.PrefixForest.from_rows(rows, group_ids=groups)
+    plan = seqpack.plan_micro_batches(forest.lengths, cap, least, multiple, coeff, forest=forest, prefix_reuse=True)
+    assert all(t <= cap for t in plan.tokens) and len(plan) % multiple == 0 and len(plan) >= least
+    fewest = -(-max(least, -(-forest.num_physical_tokens // cap)) // multiple) * multiple
+    if int(forest.lengths.max()) <= cap and len(rows) >= fewest:
+        plain = seqpack.plan_micro_batches(forest.lengths, cap, least, multiple, coeff, forest=forest)
+        assert (len(plan), sum(plan.tokens)) <= (len(plain), sum(plain.tokens))
+    if plan.method == "prefix_reuse":
+        assert sum(plan.tokens) == forest.num_physical_tokens and plan.sharing_kept == 1.0
+        assert plan.micro_batches[:len(plan.prefix_reuse.pass_rows[0])] == plan.prefix_reuse.pass_rows[0]
+        assert sorted({r for mb in plan.micro_batches for r in mb}) == list(range(len(rows)))
+    else:
+        assert plan.prefix_reuse is None
+
+
+def test_the_issue_row_longer_than_the_cap_is_planned_by_both_planners():
+    prompt = list(range(1, 8001))  # an 8k prompt with a 1k response does not fit an 8k cap
+    rows = [prompt + [9000 + i] * 333 for i in range(3)]
+    forest = seqpack.PrefixForest.from_rows(rows)
+    with pytest.raises(ValueError, match="max_tokens"):
+        seqpack.plan_micro_batches(forest.lengths, 8192, forest=forest)
+    plan = seqpack.plan_micro_batches(forest.lengths, 8192, forest=forest, prefix_reuse=True)
+    # the provider: the tokens whose subtree exceeds the cap; the branch: the 8,192 below them
+    assert plan.method == "prefix_reuse" and plan.tokens == [807, 8192] and plan.lower_bound == 2
+    assert plan.prefix_reuse.pass_roles == [["provider", "branch"]]
+    step = seqpack.plan_step(forest.lengths, 2, 8192, forest=forest, prefix_reuse=True)
+    assert step.planned_on == "prefix_reuse" and sum(t for rank in step.tokens[0] for t in rank) == 8999
+    assert step.num_micro_batches == [2] and step.num_dummies == 2  # one rank holds the tree, the other waits
+    assert [0, 8192 * 807] in step.context_pairs[0]  # each branch token reads the provider's 807 keys
+
+
+@pytest.mark.parametrize("options, match", [
+    (dict(prefix_reuse=True), "prefix_reuse=True needs shared_prefix=True"),
+    (dict(prefix_reuse=True, shared_prefix=True, whole_trees=True), "whole_trees=True cannot be combined"),
+    (dict(prefix_reuse=True, shared_prefix=True, cp_size=2), "cp_size=2 cannot be combined"),
+    (dict(prefix_reuse=True, shared_prefix=True, static_shapes=True), "static_shapes=8 cannot be combined"),
+    (dict(prefix_reuse=True, shared_prefix=True, micro_batch_order="largest_first"), "micro_batch_order"),
+])
+def test_options_that_passes_cannot_honour_are_refused(options, match):
+    with pytest.raises(ValueError, match=match):
+        seqpack.StepOptions(**options)
+
+
+def test_plan_micro_batches_refuses_prefix_reuse_without_a_forest():
+    with pytest.raises(ValueError, match="prefix_reuse=True needs forest="):
+        seqpack.plan_micro_batches([3, 4], 8, prefix_reuse=True)
+    with pytest.raises(TypeError, match="prefix_reuse must be True or False"):
+        seqpack.plan_micro_batches([3, 4], 8, prefix_reuse="yes")
