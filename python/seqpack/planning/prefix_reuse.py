@@ -34,7 +34,7 @@ import numpy as np
 from .. import _core
 from .._lengths import as_positive_int, type_name
 
-__all__ = ["PrefixReusePlan", "pass_pairs", "plan_prefix_reuse", "split_tree"]
+__all__ = ["PrefixReusePlan", "pass_pairs", "pass_providers", "plan_prefix_reuse", "run_order", "split_tree"]
 
 
 def split_tree(parent: np.ndarray, subtree_end: np.ndarray, cap: int) -> List[Tuple[str, np.ndarray]]:
@@ -97,6 +97,62 @@ def pass_pairs(parent: np.ndarray, position: np.ndarray, groups: List[Tuple[str,
     return visible, context
 
 
+def pass_providers(parent: np.ndarray, groups: List[Tuple[str, np.ndarray]]) -> List[Tuple[int, ...]]:
+    """The earlier passes each of :func:`split_tree`'s passes reads (those holding an
+    ancestor of one of its tokens), ascending.
+
+    >>> pass_providers(np.array([-1, 0, 1, 1]), [("provider", np.array([0, 1])), ("branch", np.array([2, 3]))])
+    [(), (0,)]
+    """
+    t = parent.shape[0]
+    owner = np.full(t, -1, dtype=np.int64)
+    for i, (_, own) in enumerate(groups):
+        owner[own] = i
+    has_parent = parent >= 0
+    out: List[Tuple[int, ...]] = []
+    for i, (_, own) in enumerate(groups):  # a provider precedes its readers: theirs are known
+        above = parent[own[has_parent[own]]]
+        direct = {int(q) for q in np.unique(owner[above]) if q != i}
+        out.append(tuple(sorted(direct.union(*(out[q] for q in direct)))))
+    return out
+
+
+def run_order(roles: List[str], providers: List[Tuple[int, ...]]) -> List[Tuple[str, int]]:
+    """What a step's loop runs: the branch passes in order, each provider's close
+    right after the last pass that reads it (a branch, or a later provider's close;
+    the deepest first), so a prefix's K/V and graph are held only while its readers run.
+
+    >>> run_order(["provider", "branch", "branch"], [(), (0,), (0,)])
+    [('branch', 1), ('branch', 2), ('close', 0)]
+    """
+    readers: List[set] = [set() for _ in roles]
+    for i, read in enumerate(providers):
+        for q in read:
+            readers[q].add(i)
+    done: set = set()
+    order: List[Tuple[str, int]] = []
+    open_providers = [i for i in reversed(range(len(roles))) if roles[i] == "provider"]
+
+    def close_ready() -> None:
+        progress = True
+        while progress:
+            progress = False
+            for q in list(open_providers):  # the deepest first: a chunk's close before the chunks it read
+                if readers[q] <= done:
+                    order.append(("close", q))
+                    done.add(q)
+                    open_providers.remove(q)
+                    progress = True
+
+    for i, role in enumerate(roles):
+        if role == "branch":
+            order.append(("branch", i))
+            done.add(i)
+            close_ready()
+    close_ready()
+    return order
+
+
 class PrefixReusePlan:
     """A step planned for prefix reuse (:func:`plan_prefix_reuse`).
 
@@ -106,8 +162,13 @@ class PrefixReusePlan:
             build the rank's tree from them in this order
             (``seqpack.pack_prefix_tree([rows[r] for r in plan.rank_rows[rank]])``)
             and :func:`seqpack.split_prefix_tree` gives the planned passes.
-        pass_tokens: each rank's passes' own tokens, in pass order.
-        pass_roles: each rank's passes' roles, ``"provider"`` or ``"branch"``.
+        pass_order: each rank's micro-batches in the order its step runs them
+            (:attr:`PrefixPasses.order <seqpack.PrefixPasses.order>`): ``("branch",
+            i)`` or ``("close", i)`` of pass ``i`` (providers numbered first). The
+            lists below follow this order.
+        pass_tokens: each rank's passes' own tokens.
+        pass_roles: each rank's passes' roles, ``"provider"`` (its close) or
+            ``"branch"``.
         pass_rows: each rank's passes' rows: those with a token in the pass (a row
             whose prefix a provider holds is in that provider and in its branch).
         num_micro_batches: the micro-batches every rank runs (its passes, then empty
@@ -126,11 +187,13 @@ class PrefixReusePlan:
             ``ceil(forest's physical tokens / (dp_size * max_tokens))``.
     """
 
-    def __init__(self, max_tokens: int, rank_rows: List[List[int]], pass_tokens: List[List[int]],
+    def __init__(self, max_tokens: int, rank_rows: List[List[int]], pass_order: List[List[Tuple[str, int]]],
+                 pass_tokens: List[List[int]],
                  pass_roles: List[List[str]], pass_rows: List[List[List[int]]], pass_pairs: List[List[int]],
                  context_pairs: List[List[int]], pass_costs: List[List[float]], physical_tokens: List[int],
                  num_micro_batches: int, per_micro_batch: float, bound: int) -> None:
         self.max_tokens, self.rank_rows, self.pass_tokens = max_tokens, rank_rows, pass_tokens
+        self.pass_order = pass_order
         self.pass_roles, self.pass_rows = pass_roles, pass_rows
         self.pass_pairs, self.context_pairs, self.pass_costs = pass_pairs, context_pairs, pass_costs
         self.physical_tokens, self.num_micro_batches, self.bound = physical_tokens, num_micro_batches, bound
@@ -200,25 +263,29 @@ def plan_prefix_reuse(forest: Any, max_tokens: Any, dp_size: Any = 1, cost: Any 
         owned[r].append(t)
         load[r] += tokens[t]
     position = forest.row_position
-    out: dict = {k: [] for k in ("rows", "tokens", "roles", "members", "pairs", "context", "costs")}
+    out: dict = {k: [] for k in ("rows", "order", "tokens", "roles", "members", "pairs", "context", "costs")}
     for r in range(ranks):
         rows = sorted((int(x) for t in owned[r] for x in trees[t]), key=lambda x: int(position[x]))
         parent, subtree_end, depth, logical = _shape(forest, rows)
         groups = split_tree(parent, subtree_end, cap)
+        order = run_order([role for role, _ in groups], pass_providers(parent, groups))
+        at = [i for _, i in order]  # the step's run order
         visible, reads = pass_pairs(parent, depth, groups)
         n = np.array([own.shape[0] for _, own in groups], dtype=np.int64)
         costs = cost.per_micro_batch + cost.per_token * n + cost.per_token_squared * (2 * visible - n)
+        members = _pass_rows(groups, logical, rows)
         out["rows"].append(rows)
-        out["tokens"].append(n.tolist())
-        out["roles"].append([role for role, _ in groups])
-        out["members"].append(_pass_rows(groups, logical, rows))
-        out["pairs"].append(visible.tolist())
-        out["context"].append(reads.tolist())
-        out["costs"].append([float(c) for c in costs])
+        out["order"].append(order)
+        out["tokens"].append(n[at].tolist())
+        out["roles"].append([groups[i][0] for i in at])
+        out["members"].append([members[i] for i in at])
+        out["pairs"].append(visible[at].tolist())
+        out["context"].append(reads[at].tolist())
+        out["costs"].append([float(c) for c in costs[at]])
     count = max(least, max((len(p) for p in out["tokens"]), default=0))
     count = -(-count // multiple) * multiple
     bound = -(-forest.physical_tokens(chosen) // (ranks * cap)) if chosen.shape[0] else 0
-    return PrefixReusePlan(cap, out["rows"], out["tokens"], out["roles"], out["members"], out["pairs"],
+    return PrefixReusePlan(cap, out["rows"], out["order"], out["tokens"], out["roles"], out["members"], out["pairs"],
                            out["context"], out["costs"], [int(x) for x in load], count, cost.per_micro_batch,
                            int(bound))
 

@@ -48,7 +48,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import numpy as np
 
 from .._lengths import as_positive_int
-from ..planning.prefix_reuse import pass_pairs, split_tree
+from ..planning.prefix_reuse import pass_pairs, run_order, split_tree
 from .layout_kinds import as_tree
 from .prefix_tree import PrefixTreeBatch
 from .token_layout import TokenLayout
@@ -292,35 +292,8 @@ class PrefixPasses:
 
 
 def _loop_order(passes: Tuple[TreePass, ...]) -> Tuple[Tuple[str, int], ...]:
-    """The branches in order, each provider's close right after the last pass that
-    reads it (a branch's backward, or a later provider's close): a prefix's K/V and
-    graph are held only while its readers run."""
-    readers: Dict[int, set] = {p.index: set() for p in passes}
-    for p in passes:
-        for q in p.providers:
-            readers[q].add(p.index)
-    done: set = set()
-    order: List[Tuple[str, int]] = []
-    open_providers = sorted((p.index for p in passes if p.role == "provider"), reverse=True)
-
-    def close_ready() -> None:
-        progress = True
-        while progress:
-            progress = False
-            for q in list(open_providers):  # the deepest first: a chunk's close before the chunks it read
-                if readers[q] <= done:
-                    order.append(("close", q))
-                    done.add(q)
-                    open_providers.remove(q)
-                    progress = True
-
-    for p in passes:
-        if p.role == "branch":
-            order.append(("branch", p.index))
-            done.add(p.index)
-            close_ready()
-    close_ready()
-    return tuple(order)
+    """What a step's loop runs (the planner's rule, :func:`~seqpack.planning.prefix_reuse.run_order`)."""
+    return tuple(run_order([p.role for p in passes], [p.providers for p in passes]))
 
 
 def split_prefix_tree(tree: Any, max_tokens: Any) -> PrefixPasses:

@@ -46,12 +46,15 @@ def test_the_planned_passes_are_the_ones_each_rank_builds(batch, cap, dp, min_sh
         tree = seqpack.pack_prefix_tree([rows[x] for x in rank], group_ids=None if groups is None else
                                         [groups[x] for x in rank], min_shared_tokens=min_shared)
         built = seqpack.split_prefix_tree(tree, cap)
-        assert built.tokens().tolist() == plan.pass_tokens[r]  # what the rank runs is what was planned
-        assert built.context_pairs().tolist() == plan.context_pairs[r]  # the K/V each pass reads
-        assert plan.pass_pairs[r] == [int((tree.position_ids[p.own] + 1).sum()) for p in built.passes]
-        assert plan.pass_roles[r] == [p.role for p in built.passes]
+        assert plan.pass_order[r] == list(built.order)  # the micro-batches in the order the step runs them
+        at = [i for _, i in built.order]
+        assert built.tokens()[at].tolist() == plan.pass_tokens[r]  # what the rank runs is what was planned
+        assert built.context_pairs()[at].tolist() == plan.context_pairs[r]  # the K/V each pass reads
+        ran = [built.passes[i] for i in at]
+        assert plan.pass_pairs[r] == [int((tree.position_ids[p.own] + 1).sum()) for p in ran]
+        assert plan.pass_roles[r] == [p.role for p in ran]
         row_of = np.repeat(np.asarray(rank), np.diff(tree.cu_seqlens))  # each logical token's row
-        for p, members in zip(built.passes, plan.pass_rows[r]):
+        for p, members in zip(ran, plan.pass_rows[r]):
             assert members == sorted(set(row_of[np.isin(tree.logical_index, p.own)].tolist()))
     assert sum(plan.physical_tokens) == forest.num_physical_tokens  # every token once a step
     assert plan.num_micro_batches == max(len(p) for p in plan.pass_tokens)
@@ -74,7 +77,8 @@ def test_a_subset_of_rows_plans_as_the_forest_of_those_rows(batch, cap, dp, data
         if rank:
             tree = seqpack.pack_prefix_tree([rows[x] for x in rank], group_ids=None if groups is None else
                                             [groups[x] for x in rank])
-            assert seqpack.split_prefix_tree(tree, cap).tokens().tolist() == plan.pass_tokens[r]
+            built = seqpack.split_prefix_tree(tree, cap)
+            assert built.tokens()[[i for _, i in built.order]].tolist() == plan.pass_tokens[r]
     assert sorted(x for rank in plan.rank_rows for x in rank) == chosen
     assert sum(plan.physical_tokens) == forest.physical_tokens(chosen)
     alone = plan_prefix_reuse(forest, cap, dp, row_indices=chosen)
@@ -87,7 +91,9 @@ def test_a_row_longer_than_the_cap_is_planned():
     plan = plan_prefix_reuse(seqpack.PrefixForest.from_rows(rows), max_tokens=8, dp_size=2)
     # 42 tokens: depths 0-33 have subtrees over 8 (providers: 34 tokens in chunks of 8),
     # the rest (5 shared, then 2 + 1) one branch of 8; the 10-token row: 2 + 8
-    assert plan.physical_tokens == [42, 10] and plan.pass_tokens == [[8, 8, 8, 8, 2, 8], [2, 8]]
+    # in run order: the branch, then each provider chunk's close, the deepest first
+    assert plan.physical_tokens == [42, 10] and plan.pass_tokens == [[8, 2, 8, 8, 8, 8], [8, 2]]
+    assert plan.pass_order[0] == [("branch", 5), ("close", 4), ("close", 3), ("close", 2), ("close", 1), ("close", 0)]
     assert plan.num_micro_batches == 6 and plan.bound == 4
 
 
@@ -120,8 +126,8 @@ def test_the_predicted_step_prices_every_pass_and_the_empty_ones():
         empty = plan.num_micro_batches - len(n)
         assert plan.predicted[r] == pytest.approx((10 + n + 0.5 * (2 * pairs - n)).sum() + 10 * empty)
     assert plan.step_time == max(plan.predicted)
-    # the 10-token row: 2 tokens (pairs 1 + 2), then 8 reading their 2 keys each (context 16)
-    assert plan.pass_pairs[1] == [3, sum(range(3, 11))] and plan.context_pairs[1] == [0, 16]
+    # the 10-token row: 8 tokens reading 2 keys each (context 16), then the close of those 2 (pairs 1 + 2)
+    assert plan.pass_pairs[1] == [sum(range(3, 11)), 3] and plan.context_pairs[1] == [16, 0]
 
 
 def test_numpy_scalars():
@@ -193,12 +199,12 @@ def test_the_issue_row_longer_than_the_cap_is_planned_by_both_planners():
         seqpack.plan_micro_batches(forest.lengths, 8192, forest=forest)
     plan = seqpack.plan_micro_batches(forest.lengths, 8192, forest=forest, prefix_reuse=True)
     # the provider: the tokens whose subtree exceeds the cap; the branch: the 8,192 below them
-    assert plan.method == "prefix_reuse" and plan.tokens == [807, 8192] and plan.lower_bound == 2
-    assert plan.prefix_reuse.pass_roles == [["provider", "branch"]]
+    assert plan.method == "prefix_reuse" and plan.tokens == [8192, 807] and plan.lower_bound == 2
+    assert plan.prefix_reuse.pass_roles == [["branch", "provider"]]
     step = seqpack.plan_step(forest.lengths, 2, 8192, forest=forest, prefix_reuse=True)
     assert step.planned_on == "prefix_reuse" and sum(t for rank in step.tokens[0] for t in rank) == 8999
     assert step.num_micro_batches == [2] and step.num_dummies == 2  # one rank holds the tree, the other waits
-    assert [0, 8192 * 807] in step.context_pairs[0]  # each branch token reads the provider's 807 keys
+    assert [8192 * 807, 0] in step.context_pairs[0]  # each branch token reads the provider's 807 keys
 
 
 @pytest.mark.parametrize("options, match", [
