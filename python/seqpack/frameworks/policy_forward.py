@@ -32,7 +32,7 @@ from typing import Any, Dict, Optional
 import numpy as np
 
 from ._completion_trees import completion_logprobs
-from .hf_tree import use_tree_attention
+from .hf_tree import TREE_KWARG, use_tree_attention
 
 __all__ = ["tree_model", "nemo_rl_tree_forward", "nemo_rl_tree_logprobs", "verl_tree_forward"]
 
@@ -60,6 +60,15 @@ def nemo_rl_tree_forward(model: Any, mb: Any, **model_kwargs: Any) -> Any:
     tree = _tree_of(mb)
     kw = tree.hf_kwargs(_device(model))
     return tree_model(model)(**kw, use_cache=False, **model_kwargs).logits
+
+
+def nemo_rl_pass_forward(model: Any, input_ids: Any, position_ids: Any, layout: Any, **model_kwargs: Any) -> Any:
+    """The logits ``[1, N, V]`` of one pass of a batch planned for prefix reuse: the
+    ``forward=`` of the :func:`seqpack.prefix_reuse` step NeMo-RL's iterators run (a
+    transformers ``model``, bare or under FSDP / DDP / PEFT, on the tree attention)."""
+    out = tree_model(model)(input_ids=input_ids[None], position_ids=position_ids[None], use_cache=False,
+                            **{TREE_KWARG: layout}, **model_kwargs)
+    return out.logits
 
 
 def nemo_rl_tree_logprobs(model: Any, mb: Any, *, temperature: Any = 1.0, **model_kwargs: Any) -> Any:

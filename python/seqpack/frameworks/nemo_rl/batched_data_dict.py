@@ -48,8 +48,8 @@ class BatchedDataDict(UserDict, Generic[DictT]):
     Besides NeMo-RL's ``micro_batch_indices``, ``micro_batch_lengths`` and
     ``elem_counts_per_gb``, a shard carries what its plan decided (the
     :class:`~.shard.ShardRecord` fields): ``micro_batch_token_cap``,
-    ``micro_batch_static_lengths``, ``micro_batch_trees`` / ``micro_batch_tree_options``
-    and, for a :func:`seqpack.plan_step` plan, ``step_shard`` (the plan, so its CP size
+    ``micro_batch_static_lengths``, ``micro_batch_trees`` / ``micro_batch_tree_options``,
+    ``micro_batch_passes`` and, for a :func:`seqpack.plan_step` plan, ``step_shard`` (the plan, so its CP size
     and forest). The iterators read them; an option that contradicts them is refused.
 
         >>> BatchedDataDict(x=[1, 2, 3]).slice(1, 3)
@@ -63,6 +63,7 @@ class BatchedDataDict(UserDict, Generic[DictT]):
     micro_batch_trees: Optional[List[List[Optional["PrefixTreeBatch"]]]] = None
     micro_batch_tree_options: Optional[Dict[str, Any]] = None
     step_shard: Optional["StepShard"] = None
+    micro_batch_passes: Optional[List[Any]] = None
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)

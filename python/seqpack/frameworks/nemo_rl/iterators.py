@@ -9,6 +9,7 @@ nothing (plain)        slices of N rows             (no plan: refused)          
 dynamic batching       slices of N rows             each cut to its padded width    the planned row slices
 rows under a cap       refused (ignores the plan)   refused (lengths are sums)      the planned row slices
 prefix trees           refused                      the planned trees               the planned trees
+a batch in passes      refused                      its passes (prefix reuse)       its passes (prefix reuse)
 a CP step plan         refused                      refused                         refused
 =====================  ===========================  ==============================  ===========================
 
@@ -18,7 +19,10 @@ a CP step plan         refused                      refused                     
 trees too. A tree shard's trees come as built with the shard; the options that
 change only their padding or sharing depth (``pad_to_multiple_of``,
 ``min_shared_tokens``) build them again, each checked against its planned tokens and
-the cap; an option naming another sharing rule or other rows is refused.
+the cap; an option naming another sharing rule or other rows is refused. A batch a
+step plan runs in passes (``prefix_reuse``) yields its passes as tree micro-batches
+of all its rows, driven by one :func:`seqpack.prefix_reuse` step
+(``prefix_reuse_memory="activations"`` or ``"kv"``), then its dummies.
 
     >>> from seqpack.frameworks.nemo_rl.iterators import fixed_size
     >>> from seqpack.frameworks.nemo_rl.shard import ShardRecord
@@ -173,7 +177,13 @@ def _trees(shard: ShardRecord, indices: Sequence[Sequence[int]], given: Mapping[
     """A :class:`~.trees.TreeMicroBatch` per row range: the shard's trees when the
     options are the plan's, else built again (each checked against its planned tokens
     on a shard planned under a cap)."""
+    given = dict(given)
+    memory = given.pop("prefix_reuse_memory", "activations")
     options = _rule(shard, given)
+    if shard.micro_batch_passes is not None and shard.micro_batch_passes[0] is not None:
+        return _passes(shard, indices, options, memory, wrap)
+    check(memory == "activations", f"prefix_reuse_memory={memory!r} applies to a batch planned in passes "
+                                   "(plan_step(..., prefix_reuse=True)); this one is not")
     carried = shard.micro_batch_trees[0] if tree_plan(shard) else None
     rule = shard.micro_batch_tree_options or {}
     if carried is not None and shard.micro_batch_static_lengths is not None:
@@ -192,6 +202,32 @@ def _trees(shard: ShardRecord, indices: Sequence[Sequence[int]], given: Mapping[
     def gen():
         for k, (start, end) in enumerate(indices):
             yield _built(shard, start, end, options, labels, None if planned is None else int(planned[k]), wrap)
+
+    return gen()
+
+
+def _passes(shard: ShardRecord, indices: Sequence[Sequence[int]], options: Mapping[str, Any], memory: str,
+            wrap: Wrap) -> Iterator[TreeMicroBatch]:
+    """A batch planned in passes (prefix reuse): each pass a :class:`~.trees.TreeMicroBatch`
+    of the shard's rows (the whole batch: every pass reads its tree), run through one
+    :func:`seqpack.prefix_reuse` step in the planned order, then the dummies."""
+    from ...training.prefix_reuse import prefix_reuse
+    from ..policy_forward import nemo_rl_pass_forward
+
+    rule = shard.micro_batch_tree_options or {}
+    other = sorted(k for k in TREE_OPTIONS if options[k] != rule[k])
+    check(not other, f"{', '.join(f'{k}={options[k]!r}' for k in other)} contradicts the shard's plan: this batch "
+                     "runs in the passes planned on its trees (plan_step(..., prefix_reuse=True)), laid out as planned")
+    passes = shard.micro_batch_passes[0]
+    step = prefix_reuse(passes, memory=memory, forward=nemo_rl_pass_forward)
+    n = shard.elem_counts_per_gb[0]
+    data = wrap(slice_rows(shard.data, 0, n))
+
+    def gen():
+        for mb in step:
+            yield TreeMicroBatch(tree=mb.layout, data=data, rows=tuple(range(n)), pass_micro_batch=mb)
+        for start, end in indices[len(passes.order):]:  # the plan's empty cells: dummies
+            yield _built(shard, start, end, options, None, None, wrap)
 
     return gen()
 

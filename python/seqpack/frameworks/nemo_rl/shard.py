@@ -36,6 +36,7 @@ from .rows import slice_rows
 if TYPE_CHECKING:  # pragma: no cover
     from ...planning.step import StepPlan
     from ...tensors.prefix_tree import PrefixTreeBatch
+    from ...tensors.prefix_passes import PrefixPasses
 
 __all__ = ["META", "ShardRecord", "StepShard", "global_batch", "one_plan"]
 
@@ -79,6 +80,10 @@ class ShardRecord:
         micro_batch_tree_options: the options those trees were built with (the
             sharing rule: ``input_key``, ``input_lengths_key``, ``group_key``,
             ``min_shared_tokens``, ``pad_to_multiple_of``).
+        micro_batch_passes: per global batch, the :class:`~seqpack.PrefixPasses` of
+            the shard's tree where the plan runs that batch in passes (prefix reuse:
+            its micro-batches are those passes in their run order, then dummies),
+            else ``None``.
         step_shard: the :class:`StepShard` of a shard of a step plan.
     """
 
@@ -91,6 +96,7 @@ class ShardRecord:
     micro_batch_trees: Optional[List[List[Optional["PrefixTreeBatch"]]]] = None
     micro_batch_tree_options: Optional[Dict[str, Any]] = None
     step_shard: Optional[StepShard] = None
+    micro_batch_passes: Optional[List[Optional["PrefixPasses"]]] = None
 
     __eq__ = fields_equal  # tensors compared element by element
     __hash__ = None  # mutable
@@ -134,7 +140,8 @@ def global_batch(shard: ShardRecord, batch_idx: Any, batch_size: Optional[int] =
             _one(shard.micro_batch_lengths, batch_idx), [counts[batch_idx]], shard.micro_batch_token_cap,
             _one(shard.micro_batch_static_lengths, batch_idx), _one(shard.micro_batch_trees, batch_idx),
             shard.micro_batch_tree_options,
-            None if shard.step_shard is None else shard.step_shard.batch(batch_idx, start, end))
+            None if shard.step_shard is None else shard.step_shard.batch(batch_idx, start, end),
+            _one(shard.micro_batch_passes, batch_idx))
     check(batch_size is not None, "batch_size is required unless the data is a sequence-packed shard")
     batch_size = positive(batch_size, "batch_size")
     size = rows(next(iter(shard.data.values()))) if shard.data else 0

@@ -8,6 +8,9 @@ itself (:class:`~.shard.StepShard`: its CP size and forest)::
     plan_step(..., forest=F)       each micro-batch's prefix tree, built here from the rows'
                                    ``input_ids`` (rows share only within F's trees) and
                                    checked against the plan's physical tokens
+    plan_step(..., forest=F,       a mini-batch in passes: the rank's tree of that batch split under the
+      prefix_reuse=True)           cap (micro_batch_passes), its micro-batches the passes in run order,
+                                   each reading the batch's rows (micro_batch_indices [0, n])
     plan_step(..., cp_size=C)      the rows of all C CP ranks of the replica; each CP rank
                                    builds its own micro-batches (``make_packed_microbatch_iterator``)
 
@@ -72,7 +75,10 @@ def step_plan_shards(data: Mapping[str, Any], shards: int, batch_size: Optional[
                             step_shard=StepShard(plan, s, tuple(rows)))
         for m, mini_batch in enumerate(plan.assignment):
             bounds, start = [], 0  # row ranges within the global batch, as sequence packing's
-            for cell in mini_batch[s]:
+            if _in_passes(plan, m):  # every pass reads the rank's rows of the batch (its tree); [n, n]: a dummy
+                start = len(plan.rank_rows(s, m))
+                bounds = [[0 if cell else start, start] for cell in mini_batch[s]]
+            for cell in ([] if _in_passes(plan, m) else mini_batch[s]):
                 bounds.append([start, start + len(cell)])
                 start += len(cell)
             shard.micro_batch_indices.append(bounds)
@@ -99,22 +105,52 @@ def _add_trees(data: Mapping[str, Any], plan: "StepPlan", shards: List[ShardReco
     differ = np.flatnonzero(lens != plan.forest.lengths)
     check(differ.size == 0, f"step_plan's forest has rows of other lengths than data[{lengths_key!r}] (row "
                             f"{int(differ[0]) if differ.size else 0}): shard the rows the plan was made on")
-    cells = [cell for s in range(len(shards)) for mb in plan.assignment for cell in mb[s]]  # as consumed below
+    # A batch in passes: one tree of the rank's rows of it (split below); else a tree per cell.
+    cells = [cell for s in range(len(shards)) for m, mb in enumerate(plan.assignment)
+             for cell in ([plan.rank_rows(s, m)] if _in_passes(plan, m) else mb[s])]
     # static_shapes: each tree padded to its cell's bucket (the plan priced the padding)
     pad_to = None if plan.padded_tokens is None else \
         [size for s in range(len(shards)) for mb in plan.padded_tokens for size in mb[s]]
     built = iter(bin_trees(data, lens, cells, key, plan.forest.tree_ids.tolist(), pad_to))
     for s, shard in enumerate(shards):
-        shard.micro_batch_trees = [[next(built) for _ in mb[s]] for mb in plan.assignment]
+        shard.micro_batch_trees = [_passes(plan, m, s, next(built), shard) if _in_passes(plan, m) else
+                                   [next(built) for _ in mb[s]] for m, mb in enumerate(plan.assignment)]
         shard.micro_batch_tree_options = dict(FOREST_RULE)
         for m, trees in enumerate(shard.micro_batch_trees):
-            for k, tree in enumerate(trees):
+            for k, tree in enumerate([] if _in_passes(plan, m) else trees):  # passes: checked when split
                 planned = plan.tokens[m][s][k]
                 real = 0 if tree is None else tree.num_tokens - tree.num_pad_tokens
                 check(tree is None or real == planned,
                       f"step_plan's micro-batch (mini-batch {m}, rank {s}, {k}) holds {planned} physical tokens, "
                       f"but its rows' {key!r} make a tree of {real}: the data's tokens "
                       "are not those the plan's forest was made of")
+
+
+def _in_passes(plan: "StepPlan", m: int) -> bool:
+    return plan.prefix_reuse is not None and plan.prefix_reuse[m] is not None
+
+
+def _passes(plan: "StepPlan", m: int, s: int, tree: Any, shard: ShardRecord) -> List[Any]:
+    """Rank ``s``'s passes of batch ``m`` (its tree split under the cap), checked
+    against the plan, kept on the shard; its micro-batches' layouts in run order,
+    ``None`` for the dummies after them."""
+    from ...tensors.prefix_passes import split_prefix_tree
+
+    planned = plan.prefix_reuse[m]
+    if shard.micro_batch_passes is None:
+        shard.micro_batch_passes = [None] * len(plan.assignment)
+    if tree is None:  # a rank with no rows in this batch: dummies only
+        return [None] * plan.num_micro_batches[m]
+    passes = split_prefix_tree(tree, plan.max_tokens)
+    at = [i for _, i in passes.order]
+    check(list(passes.order) == planned.pass_order[s] and passes.tokens()[at].tolist() == planned.pass_tokens[s],
+          f"step_plan's passes of mini-batch {m}, rank {s} are {planned.pass_order[s]} of "
+          f"{planned.pass_tokens[s]} tokens, but its rows' {FOREST_RULE['input_key']!r} split into "
+          f"{list(passes.order)} of {passes.tokens()[at].tolist()}: the data's tokens are not those the plan's "
+          "forest was made of")
+    shard.micro_batch_passes[m] = passes
+    ran = [passes.passes[i] for _, i in passes.order]
+    return ran + [None] * (plan.num_micro_batches[m] - len(ran))
 
 
 def _cp_rows(plan: "StepPlan", dp_rank: int) -> List[List[int]]:

@@ -53,18 +53,28 @@ class TreeMicroBatch:
         rows: the rows' positions in the batch the iterator ran on (a shard's
             ``get_batch``, in the shard's order, as ``micro_batch_indices`` count
             them); empty for a dummy.
+        pass_micro_batch: on a batch planned in passes (prefix reuse), the
+            :class:`~seqpack.PassMicroBatch` of the running step whose forward
+            :meth:`forward` runs (``tree`` is then its pass's layout and ``data``
+            the whole batch's rows); None otherwise.
     """
 
     tree: "PrefixTreeBatch"
     data: Mapping[str, Any]
     rows: Tuple[int, ...]
+    pass_micro_batch: Any = None
 
     def forward(self, model: Any, **model_kwargs: Any) -> Any:
         """The logits ``[1, T, V]`` of a transformers ``model`` (bare or under FSDP /
         DDP / PEFT) on the tree's physical tokens, the ``next_token_logits`` of
         ``SequencePackingLossWrapper(loss_fn, cu_seqlens_q=self.tree)(logits,
         self.data, ...)``: NeMo-RL's policy forward on a tree
-        (:func:`seqpack.frameworks.policy_forward.nemo_rl_tree_forward`)."""
+        (:func:`seqpack.frameworks.policy_forward.nemo_rl_tree_forward`). On a pass
+        of a batch planned for prefix reuse, the pass's logits ``[1, N, V]`` (its own
+        tokens, the prefixes it reads forwarded once in the step; ``self.tree`` is
+        the pass's :class:`~seqpack.TreePass`)."""
+        if self.pass_micro_batch is not None:
+            return self.pass_micro_batch.forward(model, **model_kwargs)
         from ..policy_forward import nemo_rl_tree_forward
 
         return nemo_rl_tree_forward(model, self, **model_kwargs)

@@ -1,0 +1,118 @@
+"""NeMo-RL's flow with prefix reuse (issue 52): ``plan_step(..., forest=,
+prefix_reuse=True)`` -> ``shard_by_batch_size(step_plan=)`` -> each shard's passes
+from ``make_microbatch_iterator_for_packable_sequences()``, NeMo-RL's loss wrapper on
+each pass; the step's loss and every parameter gradient of a tiny HF Llama (fp64)
+equal the same rows planned at a cap that holds every tree (one micro-batch per tree)."""
+
+import numpy as np
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import seqpack  # noqa: E402
+from seqpack.frameworks.batched_data_dict import TreeMicroBatch  # noqa: E402
+from seqpack.integrations import hf  # noqa: E402
+from seqpack.loss import ClippedPGLoss, NLLLoss, SequencePackingLossWrapper  # noqa: E402
+
+from test_batched_data_dict_tree import grpo_data  # noqa: E402
+
+PG = {"ratio_clip_min": 0.2, "ratio_clip_max": 0.28, "ratio_clip_c": None, "reference_policy_kl_penalty": 0.01,
+      "use_importance_sampling_correction": False}
+
+
+def tiny_llama():
+    cfg = transformers.AutoConfig.for_model(
+        "llama", vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=128, use_cache=False, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation=hf.register_tree(),
+                                                          dtype=torch.float64)
+    for p in model.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    return model.train()
+
+
+@pytest.fixture
+def exact_norms(monkeypatch):
+    """Llama's RMSNorm in fp64 throughout (HF's upcasts to fp32), so that summing a
+    shared token's gradient in another order differs at 1e-15, not 1e-7."""
+    from transformers.models.llama import modeling_llama
+
+    monkeypatch.setattr(modeling_llama.LlamaRMSNorm, "forward", lambda self, x: self.weight * x * torch.rsqrt(
+        x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
+
+
+def run_step(model, data, plan, loss_fn, dp, **iterator_options):
+    """Every shard's micro-batches, NeMo-RL's loop; the loss summed over ranks (the
+    gradient of DP ranks summed, as an all-reduce would)."""
+    model.zero_grad(set_to_none=True)
+    gvs, gvt = data["sample_mask"].sum(), (data["token_mask"][:, 1:] * data["sample_mask"][:, None]).sum()
+    shards, _ = data.shard_by_batch_size(dp, step_plan=plan)
+    total, counts, kinds = 0.0, [], []
+    for shard in shards:
+        batch = shard.get_batch(0)
+        mbs = []
+        for tmb in batch.make_microbatch_iterator_for_packable_sequences(**iterator_options):
+            assert isinstance(tmb, TreeMicroBatch)
+            logits = tmb.forward(model)
+            loss, _ = SequencePackingLossWrapper(loss_fn, cu_seqlens_q=tmb.tree)(logits, tmb.data, gvs, gvt)
+            loss.backward()
+            total += float(loss.detach())
+            mbs.append(None if tmb.pass_micro_batch is None else tmb.pass_micro_batch.kind)
+        counts.append(len(mbs))
+        kinds.append(mbs)
+    return total, {n: p.grad.clone() for n, p in model.named_parameters()}, counts, kinds
+
+
+@pytest.mark.parametrize("loss_fn", [NLLLoss(), ClippedPGLoss(PG)], ids=["nll", "clipped_pg"])
+@pytest.mark.parametrize("memory", ["activations", "kv"])
+def test_passes_through_nemo_rl_sharding_equal_whole_trees(loss_fn, memory, exact_norms):
+    # Three prompts of 20-36 tokens; a cap of 16 cuts every group into passes.
+    data, rows, groups = grpo_data([36, 20, 28], [[5, 7, 3, 6], [4, 9], [6, 2, 5]], seed=11)
+    forest = seqpack.PrefixForest.from_rows(rows, group_ids=groups)
+    model = tiny_llama()
+    whole = seqpack.plan_step(forest.lengths, 2, 128, forest=forest)
+    expected, want, _, _ = run_step(model, data, whole, loss_fn, 2)
+    plan = seqpack.plan_step(forest.lengths, 2, 16, forest=forest, prefix_reuse=True)
+    assert plan.planned_on == "prefix_reuse"
+    total, grads, counts, kinds = run_step(model, data, plan, loss_fn, 2, prefix_reuse_memory=memory)
+    assert counts == [plan.num_micro_batches[0]] * 2  # equal counts (dummies included)
+    assert any("close" in k for k in kinds) and any("branch" in k for k in kinds)
+    assert total == pytest.approx(expected, rel=1e-11)
+    for n, g in grads.items():
+        torch.testing.assert_close(g, want[n], rtol=1e-9, atol=1e-12)
+
+
+def test_a_row_longer_than_the_cap_trains_through_the_shards(exact_norms):
+    data, rows, groups = grpo_data([40], [[6, 3]], seed=2)  # 46-token rows, cap 24
+    forest = seqpack.PrefixForest.from_rows(rows, group_ids=groups)
+    model = tiny_llama()
+    expected, want, _, _ = run_step(model, data, seqpack.plan_step(forest.lengths, 1, 64, forest=forest),
+                                    NLLLoss(), 1)
+    plan = seqpack.plan_step(forest.lengths, 1, 24, forest=forest, prefix_reuse=True)
+    total, grads, _, _ = run_step(model, data, plan, NLLLoss(), 1)
+    assert total == pytest.approx(expected, rel=1e-11)
+    for n, g in grads.items():
+        torch.testing.assert_close(g, want[n], rtol=1e-9, atol=1e-12)
+
+
+def test_the_shards_check_the_plan_and_the_options():
+    data, rows, groups = grpo_data([20, 12], [[4, 5], [3, 2, 6]], seed=5)
+    forest = seqpack.PrefixForest.from_rows(rows, group_ids=groups)
+    plan = seqpack.plan_step(forest.lengths, 1, 8, forest=forest, prefix_reuse=True)
+    shards, _ = data.shard_by_batch_size(1, step_plan=plan)
+    batch = shards[0].get_batch(0)
+    assert batch.micro_batch_passes[0] is not None and batch.micro_batch_lengths[0] == plan.tokens[0][0]
+    with pytest.raises(ValueError, match="pad_to_multiple_of=8 contradicts the shard's plan: this batch runs in "
+                                         "the passes"):
+        batch.make_microbatch_iterator_for_packable_sequences(pad_to_multiple_of=8)
+    ids = data["input_ids"].clone()
+    ids[0, 3] = (ids[0, 3] + 1) % 31 + 1  # a row that no longer shares its group's prompt
+    changed = type(data)({**data.data, "input_ids": ids})
+    with pytest.raises(ValueError, match="the data's tokens are not those the plan's forest was made of"):
+        changed.shard_by_batch_size(1, step_plan=plan)
+    plain = seqpack.plan_step(forest.lengths, 1, 64, forest=forest)
+    shards, _ = data.shard_by_batch_size(1, step_plan=plain)
+    with pytest.raises(ValueError, match="prefix_reuse_memory='kv' applies to a batch planned in passes"):
+        shards[0].get_batch(0).make_microbatch_iterator_for_packable_sequences(prefix_reuse_memory="kv")
