@@ -43,12 +43,12 @@ def exact_norms(monkeypatch):
         x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
 
 
-def run_step(model, data, plan, loss_fn, dp, **iterator_options):
+def run_step(model, data, plan, loss_fn, dp, shard_kwargs=None, **iterator_options):
     """Every shard's micro-batches, NeMo-RL's loop; the loss summed over ranks (the
     gradient of DP ranks summed, as an all-reduce would)."""
     model.zero_grad(set_to_none=True)
     gvs, gvt = data["sample_mask"].sum(), (data["token_mask"][:, 1:] * data["sample_mask"][:, None]).sum()
-    shards, _ = data.shard_by_batch_size(dp, step_plan=plan)
+    shards, _ = data.shard_by_batch_size(dp, **(shard_kwargs or {"step_plan": plan}))
     total, counts, kinds = 0.0, [], []
     for shard in shards:
         batch = shard.get_batch(0)
@@ -116,3 +116,23 @@ def test_the_shards_check_the_plan_and_the_options():
     shards, _ = data.shard_by_batch_size(1, step_plan=plain)
     with pytest.raises(ValueError, match="prefix_reuse_memory='kv' applies to a batch planned in passes"):
         shards[0].get_batch(0).make_microbatch_iterator_for_packable_sequences(prefix_reuse_memory="kv")
+
+
+def test_sequence_packing_args_with_prefix_reuse_plan_the_step(exact_norms):
+    """NeMo-RL's packing args (``policy.shared_prefix_reuse`` gives ``prefix_reuse``):
+    each global batch planned by plan_step(..., prefix_reuse=True); two global batches
+    train as the step plan of the same rows does."""
+    data, rows, groups = grpo_data([30, 22, 26, 18], [[5, 7], [4, 9], [6, 2], [3, 8]], seed=8)
+    args = {"max_tokens_per_microbatch": 20, "input_key": "input_ids", "input_lengths_key": "input_lengths",
+            "algorithm": "modified_first_fit_decreasing", "sequence_length_pad_multiple": 1, "shared_prefix": True,
+            "shared_prefix_group_key": "idx", "prefix_reuse": True}
+    forest = seqpack.PrefixForest.from_rows(rows, group_ids=groups)
+    plan = seqpack.plan_step(forest.lengths, 2, 20, forest=forest, prefix_reuse=True, mini_batches=2)
+    shards, order = data.shard_by_batch_size(2, batch_size=4, sequence_packing_args=args)
+    by_plan, plan_order = data.shard_by_batch_size(2, batch_size=4, step_plan=plan)
+    assert order == plan_order and [s.micro_batch_lengths for s in shards] == [s.micro_batch_lengths for s in by_plan]
+    assert all(p is not None for s in shards for p in s.micro_batch_passes)
+    with pytest.raises(ValueError, match="its passes are not padded, so sequence_length_pad_multiple must be 1"):
+        data.shard_by_batch_size(2, batch_size=4, sequence_packing_args={**args, "sequence_length_pad_multiple": 8})
+    with pytest.raises(ValueError, match="prefix_reuse=True runs prefix trees in passes: it needs shared_prefix"):
+        data.shard_by_batch_size(2, batch_size=4, sequence_packing_args={**args, "shared_prefix": False})

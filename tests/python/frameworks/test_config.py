@@ -63,6 +63,28 @@ def test_nemo_rl_shared_prefix_example():
     assert not load(nemo(shared_prefix_training=False)).sequence_packing.shared_prefix
 
 
+def test_nemo_rl_shared_prefix_reuse():
+    """policy.shared_prefix_reuse (seqpack's key): trees larger than the cap in
+    passes; it needs shared-prefix training, no padding and no CP."""
+    packing = {"enabled": True, "train_mb_tokens": 4096, "logprob_mb_tokens": 8192}
+    dtensor = {"enabled": True, "tensor_parallel_size": 1, "context_parallel_size": 1}
+    cfg = load(nemo(shared_prefix_training=True, shared_prefix_reuse=True, sequence_packing=packing,
+                    make_sequence_length_divisible_by=1, dtensor_cfg=dtensor))
+    assert cfg.sequence_packing.prefix_reuse and cfg.prefix_reuse_training
+    assert cfg.sequence_packing_args("train")["prefix_reuse"] is True
+    assert "prefix_reuse" not in cfg.sequence_packing_args("logprob")
+    assert cfg.step_options().prefix_reuse and cfg.step_options().shared_prefix
+    assert load(cfg.to_dict()) == cfg
+    with pytest.raises(ConfigError, match="policy.shared_prefix_reuse: .*needs policy.shared_prefix_training"):
+        load(nemo(shared_prefix_reuse=True, sequence_packing=packing))
+    with pytest.raises(ConfigError, match="policy.shared_prefix_reuse: .*pads to 8, CP = 1"):
+        load(nemo(shared_prefix_training=True, shared_prefix_reuse=True, sequence_packing=packing,
+                  make_sequence_length_divisible_by=8, dtensor_cfg=dtensor))
+    with pytest.raises(ConfigError, match="did you mean 'shared_prefix_reuse'"):
+        load(nemo(shared_prefix_resue=True, sequence_packing=packing))
+    assert not load(example("nemo_rl_shared_prefix.yaml")).prefix_reuse_training
+
+
 def test_nemo_rl_dynamic_batching_example():
     cfg = load(example("nemo_rl_dynamic_batching.yaml"))
     assert cfg.parallel.backend == "dtensor"

@@ -49,7 +49,7 @@ def load_nemo_rl(ctx: Context, data: Mapping[str, Any]) -> SeqpackConfig:
     max_seqlen = policy.int("max_total_sequence_length")
 
     policy.no_lookalike(("sequence_packing", "dynamic_batching"))
-    policy.no_lookalike(("shared_prefix_training",), what="key")
+    policy.no_lookalike(("shared_prefix_training", "shared_prefix_reuse"), what="key")
     sp_r = policy.section("sequence_packing").known(
         NEMO_RL_SEQUENCE_PACKING_KEYS, NEMO_RL_FRAMEWORK_KEYS["sequence_packing"], "NeMo-RL")
     db_r = policy.section("dynamic_batching").known(
@@ -120,6 +120,15 @@ def load_nemo_rl(ctx: Context, data: Mapping[str, Any]) -> SeqpackConfig:
                           "policy.sequence_packing.enabled = true")
     if shared_prefix:
         sequence_packing = dataclasses.replace(sequence_packing, shared_prefix=True)
+    if policy.bool("shared_prefix_reuse"):  # seqpack's key: a tree larger than the cap runs in passes
+        if not shared_prefix:
+            raise ConfigError("policy.shared_prefix_reuse: prefix reuse runs prefix trees larger than the cap in "
+                              "passes; it needs policy.shared_prefix_training = true")
+        if pad_multiple > 1 or parallel.cp > 1:
+            raise ConfigError(f"policy.shared_prefix_reuse: its passes are neither padded nor sharded over "
+                              f"context-parallel ranks; it needs a pad multiple of 1 and CP = 1 (this config pads "
+                              f"to {pad_multiple}, CP = {parallel.cp})")
+        sequence_packing = dataclasses.replace(sequence_packing, prefix_reuse=True)
     round_to = db_r.int("sequence_length_round", 64)
     if db_on and round_to % (parallel.tp * parallel.cp):
         raise ConfigError(f"policy.dynamic_batching.sequence_length_round: must be divisible by TP*CP = "

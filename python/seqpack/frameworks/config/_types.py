@@ -53,9 +53,10 @@ class ParallelConfig:
 
 @dataclass(frozen=True)
 class SequencePackingConfig:
-    """NeMo-RL ``policy.sequence_packing`` plus the pad multiple it implies, and
+    """NeMo-RL ``policy.sequence_packing`` plus the pad multiple it implies,
     ``policy.shared_prefix_training`` (NeMo-RL PR #4008: training micro-batches as
-    prefix trees)."""
+    prefix trees) and seqpack's ``policy.shared_prefix_reuse`` (a tree larger than
+    the cap in passes, each shared prefix once a step)."""
 
     enabled: bool = False
     train_mb_tokens: Optional[int] = None
@@ -64,6 +65,7 @@ class SequencePackingConfig:
     microbatch_order: str = "packer"
     sequence_length_pad_multiple: int = 1
     shared_prefix: bool = False
+    prefix_reuse: bool = False
 
 
 @dataclass(frozen=True)
@@ -89,6 +91,7 @@ class RollPackingConfig:
     min_num_micro_batches_forward: int = 1
     pad_multiple: int = 1
     shared_prefix: bool = False
+    prefix_reuse: bool = False
 
 
 @dataclass(frozen=True)
@@ -133,6 +136,7 @@ class VerlMicroBatching:
     sp_size: int = 1
     use_remove_padding: bool = True
     shared_prefix: bool = False
+    prefix_reuse: bool = False
 
     @property
     def max_token_len(self) -> Optional[int]:
@@ -263,6 +267,8 @@ class SeqpackConfig:
                 policy["train_global_batch_size"] = self.global_batch_size
             if sp.shared_prefix:
                 policy["shared_prefix_training"] = True
+            if sp.prefix_reuse:
+                policy["shared_prefix_reuse"] = True
             return {"policy": policy}
         rp, rd = self.roll_packing, self.roll_dynamic_batching
         strategy_config = {"tensor_model_parallel_size": p.tp, "context_parallel_size": p.cp,
@@ -298,7 +304,8 @@ class SeqpackConfig:
         ``"train"`` uses ``train_mb_tokens``, ``"logprob"`` ``logprob_mb_tokens``).
         With ``policy.shared_prefix_training`` the training phase's args also hold
         ``shared_prefix: True`` (bins planned on prefix trees; the log-prob phase stays
-        dense, as in NeMo-RL PR #4008)."""
+        dense, as in NeMo-RL PR #4008), and with ``policy.shared_prefix_reuse``
+        ``prefix_reuse: True`` (trees larger than the cap in passes)."""
         self._nemo("sequence_packing_args")
         sp = self.sequence_packing
         if not sp.enabled:
@@ -313,6 +320,8 @@ class SeqpackConfig:
         }
         if sp.shared_prefix and phase == "train":
             args["shared_prefix"] = True
+            if sp.prefix_reuse:
+                args["prefix_reuse"] = True
         return args
 
     def dynamic_batching_args(self, phase: str = "train") -> Dict[str, Any]:
@@ -358,13 +367,30 @@ class SeqpackConfig:
                                                                   ).shared_prefix)
         return False
 
+    @property
+    def prefix_reuse_training(self) -> bool:
+        """Whether this config runs prefix trees larger than the cap in passes
+        (:attr:`shared_prefix_training` on, and NeMo-RL's
+        ``policy.shared_prefix_reuse``, ROLL's ``sequence_packing_args.prefix_reuse``
+        or verl's actor ``prefix_reuse``)."""
+        if not self.shared_prefix_training:
+            return False
+        if self.schema == "nemo_rl":
+            return self.sequence_packing.prefix_reuse
+        if self.schema == "roll":
+            return self.roll_packing.prefix_reuse
+        if self.schema == "verl":
+            return self.verl.role("sft" if self.verl.trainer == "sft" else "actor").prefix_reuse
+        return False
+
     def step_options(self) -> "StepOptions":
         """The :class:`seqpack.StepOptions` every step of this config is planned
         with: its context parallelism (``cp_size``, ``hybrid_cp`` from Megatron's
         ``dynamic_context_parallel``, ``min_cp_degree``) and, with asynchronous
         training on, the stream section's ``micro_batch_order`` and
         ``static_shapes``, and the framework's shared-prefix training switch
-        (:attr:`shared_prefix_training`) as ``shared_prefix``.
+        (:attr:`shared_prefix_training`) as ``shared_prefix`` and its prefix-reuse
+        switch (:attr:`prefix_reuse_training`) as ``prefix_reuse``.
         :meth:`plan_step_kwargs` and :meth:`stream_planner_kwargs` both pass it as
         ``options`` (with ``shared_prefix``, ``plan_step`` then needs the batch's
         ``forest=``; a :class:`~seqpack.StreamPlanner` builds each step's)."""
@@ -375,7 +401,8 @@ class SeqpackConfig:
                                                              static_shapes=st.static_shapes)
         try:
             return StepOptions(cp_size=p.cp, hybrid_cp=p.dynamic_cp, min_cp_degree=p.min_dynamic_cp,
-                               shared_prefix=self.shared_prefix_training, **order)
+                               shared_prefix=self.shared_prefix_training, prefix_reuse=self.prefix_reuse_training,
+                               **order)
         except (TypeError, ValueError) as exc:
             raise ConfigError(f"the config's step options: {exc}") from None
 

@@ -35,7 +35,12 @@ class SequencePackingArgs(TypedDict):
     ``force_group_size`` (seqpack's, verl's name): every group of that many
     consecutive rows of a global batch stays in one bin, rows in order (DPO's
     interleaved chosen / rejected pairs: 2), so a loss coupling them
-    (:class:`~seqpack.loss.DPOLoss`) runs packed."""
+    (:class:`~seqpack.loss.DPOLoss`) runs packed. ``prefix_reuse`` (seqpack's, with
+    ``shared_prefix``): each global batch planned by
+    ``plan_step(..., forest=, prefix_reuse=True)`` over the shards, a tree larger
+    than the cap run in passes (its shared prefix once in the step), a row longer
+    than the cap planned; its passes are not padded (``sequence_length_pad_multiple``
+    must be 1)."""
 
     max_tokens_per_microbatch: int
     input_key: str
@@ -47,6 +52,7 @@ class SequencePackingArgs(TypedDict):
     shared_prefix: NotRequired[bool]
     shared_prefix_group_key: NotRequired[str]
     force_group_size: NotRequired[int]
+    prefix_reuse: NotRequired[bool]
 
 
 class DynamicBatchingArgs(TypedDict):

@@ -27,7 +27,7 @@ from .rows import gather, lengths, row_count
 from .shard import ShardRecord
 from .trees import bin_trees, group_labels, row_tokens
 
-__all__ = ["bin_assignment_spread", "dynamic_shards", "packed_shards", "plain_shards"]
+__all__ = ["bin_assignment_spread", "dynamic_shards", "packed_shards", "plain_shards", "reuse_shards"]
 
 Shards = Tuple[List[ShardRecord], List[int]]
 
@@ -84,6 +84,8 @@ def packed_shards(data: Mapping[str, Any], shards: int, batch_size: int, args: M
     """Sequence-packing shards: per global batch the lengths (padded to
     ``args[pad_key]``) packed into a multiple of ``shards`` bins (of prefix trees with
     ``shared_prefix``, whose trees the shards carry), dealt to the shards."""
+    if args.get("prefix_reuse", False):
+        return reuse_shards(data, shards, batch_size, args, pad_key)
     order = args.get("microbatch_order")
     if order not in (None, "packer", "largest_first"):
         raise BatchedDataDictError(f"sequence packing microbatch_order must be 'packer' or 'largest_first', "
@@ -133,6 +135,30 @@ def packed_shards(data: Mapping[str, Any], shards: int, batch_size: int, args: M
                        micro_batch_tree_options=None if trees is None else dict(rule))
            for s in range(shards)]
     return out, [i for r in rows for i in r]
+
+
+def reuse_shards(data: Mapping[str, Any], shards: int, batch_size: int, args: Mapping[str, Any],
+                 pad_key: str) -> Shards:
+    """``prefix_reuse``: each global batch planned by ``plan_step(..., forest=,
+    prefix_reuse=True)`` over the shards (whole trees per shard, in passes where the
+    cost model predicts them faster than trees), then sharded as that step plan."""
+    from ...planning.prefix_forest import PrefixForest
+    from ...planning.step import plan_step
+    from .step_shards import step_plan_shards
+
+    check(bool(args.get("shared_prefix", False)), "sequence packing prefix_reuse=True runs prefix trees in passes: "
+                                                  "it needs shared_prefix=True")
+    check(as_positive_int(args.get(pad_key, 1), pad_key) == 1,
+          f"sequence packing prefix_reuse=True: its passes are not padded, so {pad_key} must be 1, got {args[pad_key]}")
+    check(args.get("force_group_size", 1) == 1, "sequence packing prefix_reuse=True cuts a tree larger than the cap "
+                                                "into passes, so a loss coupling force_group_size rows cannot run")
+    lens = lengths(data, args["input_lengths_key"])
+    flat, cu = row_tokens(data, args["input_key"], lens)
+    labels = group_labels(data, args.get("shared_prefix_group_key"))
+    forest = PrefixForest.from_packed(flat, cu, group_ids=None if labels is None else group_codes(labels))
+    plan = plan_step(lens, shards, as_positive_int(args["max_tokens_per_microbatch"], "max_tokens_per_microbatch"),
+                     forest=forest, prefix_reuse=True, mini_batches=row_count(data) // batch_size)
+    return step_plan_shards(data, shards, batch_size, plan)
 
 
 def shared_prefix_bins(data: Mapping[str, Any], lens: np.ndarray, shards: int, batch_size: int,
