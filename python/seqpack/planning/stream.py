@@ -199,7 +199,7 @@ class StreamPlanner:
 
     def _rows_options(self, **changes: Any) -> StepOptions:
         """The options of a plan of rows only (the probes that check arguments and lengths)."""
-        return dataclasses.replace(self.options, shared_prefix=False, whole_trees=False, **changes)
+        return dataclasses.replace(self.options, shared_prefix=False, prefix_reuse=False, whole_trees=False, **changes)
 
     def __getstate__(self) -> Dict[str, Any]:
         # A snapshot taken under the lock: another thread may be adding rollouts while
@@ -370,7 +370,10 @@ class StreamPlanner:
         return set(bad)
 
     def _unplannable(self, length: int) -> Optional[str]:
-        """Why a rollout of ``length`` tokens cannot be planned, or None."""
+        """Why a rollout of ``length`` tokens cannot be planned, or None (with prefix
+        reuse a rollout longer than the cap runs in passes)."""
+        if self.options.prefix_reuse:
+            return None
         try:
             plan_step([length], self.dp_size, self.max_tokens, options=self._rows_options(mini_batches=1))
         except ValueError as exc:  # "[seqpack.plan_step] lengths[0] = 2049 exceeds ...": say the length once

@@ -294,6 +294,33 @@ def test_forest_steps_plan_groups_as_trees():
         assert flat == sorted(step.item_ids.tolist())
 
 
+def test_prefix_reuse_steps_run_groups_larger_than_the_cap_in_passes():
+    """StepOptions(shared_prefix=True, prefix_reuse=True): a group whose tree exceeds
+    the cap (and a rollout longer than the cap) is planned in passes, every physical
+    token of the step once."""
+    rng = np.random.default_rng(1)
+    options = seqpack.StepOptions(shared_prefix=True, prefix_reuse=True)
+    planner = StreamPlanner(2, 256, step_tokens=1500, options=options)
+    rows_of, steps = {}, []
+    for prompt in range(12):
+        head = rng.integers(1, 1000, int(rng.integers(150, 300))).tolist()  # some rollouts pass the 256 cap
+        rows = [head + rng.integers(1, 1000, int(rng.integers(1, 80))).tolist() for _ in range(4)]
+        ids = planner.add(tokens=rows, group_ids=prompt, version=0, group_size=4)
+        rows_of.update(zip(ids.tolist(), rows))
+        while planner.ready(0):
+            steps.append(planner.next_step(0))
+    assert steps and planner.too_long_groups == 0
+    for step in steps:
+        plan = step.plan
+        assert "prefix_reuse" in plan.planned_on
+        rows = [rows_of[i] for i in step.item_ids.tolist()]
+        tree = seqpack.pack_prefix_tree(rows, group_ids=np.repeat(np.arange(len(rows) // 4), 4))
+        assert sum(t for mb in plan.tokens for r in mb for t in r) == tree.num_tokens  # each token once
+        assert all(t <= 256 for mb in plan.tokens for r in mb for t in r)
+        held = sorted(i for m in range(len(plan.assignment)) for r in range(2) for i in plan.rank_rows(r, m))
+        assert held == list(range(len(rows)))
+
+
 def test_beats_next_fit_in_arrival_order_on_the_same_stream():
     """Every step of a GRPO-like stream (8 rollouts a prompt, lognormal lengths,
     long ones finishing last) against torchtitan's next-fit of the same items in
