@@ -282,6 +282,14 @@ def test_restore_dynamic_batch_nested_tensors_dummy_rows_and_errors():
         restore_dynamic_batch(torch.arange(3), idx)
     with pytest.raises(ValueError, match="permutation"):
         restore_dynamic_batch(torch.arange(4), [[0, 1], [1, 2]])
+    # Prefix-reuse passes each list the rank's rows (trees in layout order): a row's passes summed, dummies dropped.
+    passes = torch.nested.as_nested_tensor([torch.tensor([1.0, 0.0]), torch.tensor([0.0, 0.0, 2.0]),
+                                            torch.tensor([0.0, 3.0]), torch.tensor([4.0, 0.0, 0.0]),
+                                            torch.tensor([-9.0])], layout=torch.jagged)
+    back = restore_dynamic_batch(passes, [[1, 0], [1, 0], []])
+    assert [t.tolist() for t in back.unbind()] == [[4.0, 0.0, 2.0], [1.0, 3.0]]
+    assert restore_dynamic_batch({"x": torch.tensor([[1.0], [2.0], [3.0], [4.0]])}, [[0, 1], [0, 1]])["x"].tolist() \
+        == [[4.0], [6.0]]
 
 
 def test_prepare_dynamic_batch_follows_a_step_plan_with_dummy_dataprotos():

@@ -181,3 +181,32 @@ def test_verls_fsdp_engine_on_trees_equals_the_stock_engine():
     assert np.abs(np.subtract(stock["entropy"], tree["entropy"])).max() < 1e-5
     assert tree["loss"] == pytest.approx(stock["loss"], rel=1e-5)
     assert tree["grad_norm"] == pytest.approx(stock["grad_norm"], rel=1e-4)
+    # prefix reuse under a cap of 12 (rows of up to 16 tokens, trees of 34): passes in verl's own loop
+    reuse = got["reuse"]
+    assert set(reuse["counts"]) == {"prefix_reuse"} and reuse["counts"]["prefix_reuse"] > 4
+    assert np.abs(np.subtract(stock["log_probs"], reuse["log_probs"])).max() < 1e-5
+    assert np.abs(np.subtract(stock["entropy"], reuse["entropy"])).max() < 1e-5
+    assert reuse["loss"] == pytest.approx(stock["loss"], rel=1e-5)
+    assert reuse["grad_norm"] == pytest.approx(stock["grad_norm"], rel=1e-4)
+
+
+def test_prefix_reuse_micro_batches_split_the_loss_mask_over_the_passes():
+    # trees of up to 6 + 4 x 5 tokens under a cap of 8: passes, each row in every pass of its tree
+    td = random_td(3, rows=8, p=6, r=5, groups=2)
+    mbs, parts = sv.rearrange_micro_batches(td, 8, shared_prefix=True, prefix_reuse=True)
+    passes = [mb for mb in mbs if "seqpack_pass" in mb.keys()]
+    assert passes and len(passes) == sum(1 for p in parts if p) and len({tuple(p) for p in parts if p}) == 1
+    rows_ = parts[0]
+    want = td["response_mask"][torch.tensor(rows_)]
+    total = sum(mb["response_mask"] for mb in passes)
+    assert torch.equal(total, want)  # every loss token in exactly one pass
+    assert all(torch.equal(mb["loss_mask"], mb["response_mask"]) for mb in passes)
+    kinds = [mb["seqpack_pass"].kind for mb in passes]
+    assert "close" in kinds and "branch" in kinds
+    with pytest.raises(ValueError, match="prefix_reuse=True runs prefix trees larger than the cap in passes: it "
+                                         "needs shared_prefix=True"):
+        sv.rearrange_micro_batches(td, 8, prefix_reuse=True)
+    with pytest.raises(ValueError, match="force_group_size=2"):
+        sv.rearrange_micro_batches(td, 64, force_group_size=2, shared_prefix=True, prefix_reuse=True)
+    with pytest.raises(ValueError, match="needs shared_prefix=True and strict=True"):
+        seqpack_engine.patch(prefix_reuse=True)

@@ -1,5 +1,6 @@
 """verl 0.9.1's own FSDP engine (``FSDPEngineWithLMHead``) on the CPU, stock and
-under ``seqpack.frameworks.verl.engine.patch(shared_prefix=True)``, on one GRPO batch
+under ``seqpack.frameworks.verl.engine.patch(shared_prefix=True)`` (and with
+``prefix_reuse=True`` under a cap smaller than the trees), on one GRPO batch
 made the way verl's trainer makes it (``left_right_2_no_padding``). Run by
 test_verl_engine.py in a process of its own: verl has no CPU platform, so one is
 registered before verl is imported (a test-only stand-in, as a hardware vendor's
@@ -106,20 +107,20 @@ def engine(path):
     return eng
 
 
-def run(path, patched):
+def run(path, patched, prefix_reuse=False, cap=48):
     if patched:
-        seqpack_engine.patch(shared_prefix=True)
+        seqpack_engine.patch(shared_prefix=True, prefix_reuse=prefix_reuse)
     eng = engine(path)
     data = batch()
     td = left_right_2_no_padding(data.to_tensordict())
-    tu.assign_non_tensor(td, use_remove_padding=True, use_dynamic_bsz=True, max_token_len_per_gpu=48,
+    tu.assign_non_tensor(td, use_remove_padding=True, use_dynamic_bsz=True, max_token_len_per_gpu=cap,
                          calculate_entropy=True, compute_loss=False)
     with eng.eval_mode():
         out = eng.infer_batch(td, loss_function=None)
     lp = no_padding_2_padding(out["model_output"]["log_probs"], td).float()
     ent = no_padding_2_padding(out["model_output"]["entropy"], td).float()
     td = left_right_2_no_padding(data.to_tensordict())
-    tu.assign_non_tensor(td, use_remove_padding=True, use_dynamic_bsz=True, max_token_len_per_gpu=48,
+    tu.assign_non_tensor(td, use_remove_padding=True, use_dynamic_bsz=True, max_token_len_per_gpu=cap,
                          calculate_entropy=True, global_batch_size=len(td))
     actor = ActorConfig(strategy="fsdp2", rollout_n=4, ppo_micro_batch_size_per_gpu=-1, ppo_mini_batch_size=12,
                         use_dynamic_bsz=True, ppo_max_token_len_per_gpu=48)
@@ -143,7 +144,9 @@ def main():
     transformers.Qwen2ForCausalLM(cfg).save_pretrained(path)
     stock = run(path, False)
     tree = run(path, True)
-    print(json.dumps({"stock": stock, "tree": tree}))
+    # a cap of 12 below rows of up to 16 tokens and trees of up to 34: passes, prefixes once a step
+    reuse = run(path, True, prefix_reuse=True, cap=12)
+    print(json.dumps({"stock": stock, "tree": tree, "reuse": reuse}))
     dist.destroy_process_group()
 
 

@@ -41,7 +41,7 @@ __all__ = ["counts", "patch", "patched_names", "prepare_micro_batches", "tree_fo
 # plain packing on an H200, benchmarks/results/gpu.md).
 TREE_MAX_SHARE = 0.85
 _ORIGINAL: Dict[str, Any] = {}  # what patch() replaced: "module.name" -> verl's object
-_SETTINGS: Dict[str, Any] = {"shared_prefix": False, "strict": True}
+_SETTINGS: Dict[str, Any] = {"shared_prefix": False, "strict": True, "prefix_reuse": False}
 _COUNTS: Dict[str, int] = {}  # micro-batches run on trees / on verl's forward (by reason)
 
 
@@ -203,14 +203,19 @@ def _tree_reason(engine: Any, micro_batch: Any) -> Optional[str]:
 
 def _forward_step(original: Any):
     def forward_step(self, micro_batch, loss_function, forward_only):
+        passes = "seqpack_pass" in micro_batch.keys()
         reason = "shared_prefix off" if not _SETTINGS["shared_prefix"] else _tree_reason(self, micro_batch)
+        if passes and reason is not None:
+            raise ValueError(f"prefix_reuse: a pass micro-batch cannot run on verl's own forward ({reason}): patch "
+                             "with prefix_reuse=False for such batches")
         found = None
-        if reason is None:  # the tree is built once: to price the micro-batch, then to run it
+        if reason is None and not passes:  # the tree is built once: to price the micro-batch, then to run it
             ids, mask, _ = _rows(micro_batch)
             found = _completion_tree(ids, mask)
             if found is None or found[0].num_tokens > TREE_MAX_SHARE * int(mask.sum()):
                 reason = "shares too little"
-        _COUNTS[reason or "tree"] = _COUNTS.get(reason or "tree", 0) + 1
+        name = reason or ("prefix_reuse" if passes else "tree")
+        _COUNTS[name] = _COUNTS.get(name, 0) + 1
         if reason is not None:
             return original(self, micro_batch, loss_function, forward_only)
         import contextlib
@@ -225,7 +230,13 @@ def _forward_step(original: Any):
         autocast = contextlib.nullcontext() if dtype == torch.float32 else torch.autocast(device_type=device,
                                                                                             dtype=dtype)
         with autocast:
-            model_output = _tree_outputs(self.module, micro_batch, None, None, found)
+            if passes:
+                from .prefix_reuse import pass_outputs
+
+                model_output = pass_outputs(self.module, micro_batch, _temperature(micro_batch, None),
+                                            bool(_meta(micro_batch, "calculate_entropy", False)))
+            else:
+                model_output = _tree_outputs(self.module, micro_batch, None, None, found)
             if loss_function is not None:
                 loss, metrics = loss_function(model_output=model_output, data=micro_batch,
                                               dp_group=self.get_data_parallel_group())
@@ -243,15 +254,16 @@ def _engine_rearrange(original: Any):
                                 force_group_size=1):
         from .seqlen_balancing import rearrange_micro_batches as ours
 
+        shared = _SETTINGS["shared_prefix"] and _SETTINGS["strict"] is True
         return ours(batch, max_token_len, dp_group, num_batches_divided_by, same_micro_num_in_dp, min_num_micro_batch,
-                    use_dynamic_bsz_balance, force_group_size, strict=_SETTINGS["strict"],
-                    shared_prefix=_SETTINGS["shared_prefix"] and _SETTINGS["strict"] is True)
+                    use_dynamic_bsz_balance, force_group_size, strict=_SETTINGS["strict"], shared_prefix=shared,
+                    prefix_reuse=shared and _SETTINGS["prefix_reuse"])
 
     rearrange_micro_batches._seqpack_original = original
     return rearrange_micro_batches
 
 
-def patch(shared_prefix: bool = False, *, strict: Union[bool, str] = True) -> List[str]:
+def patch(shared_prefix: bool = False, *, strict: Union[bool, str] = True, prefix_reuse: bool = False) -> List[str]:
     """seqpack in verl's engine workers, in this process:
 
     - ``verl.workers.engine.utils.rearrange_micro_batches`` (what the engine's
@@ -263,7 +275,10 @@ def patch(shared_prefix: bool = False, *, strict: Union[bool, str] = True) -> Li
       (:func:`tree_forward_step`, verl's autocast and loss), verl's own forward for a
       micro-batch the tree cannot take (Ulysses SP, fused kernels, multi-modal or
       distillation inputs, ``pad_to_length``) or that shares too little to pay
-      (its tree above ``TREE_MAX_SHARE`` of its tokens).
+      (its tree above ``TREE_MAX_SHARE`` of its tokens);
+    - with ``prefix_reuse`` too, a tree larger than the cap runs as passes
+      (:mod:`seqpack.frameworks.verl.prefix_reuse`: each shared prefix forwarded and
+      back-propagated once in the step; ``counts()["prefix_reuse"]`` counts them).
 
     Idempotent (a later call changes the settings); :func:`unpatch` restores verl's.
     Returns the names that are seqpack's now."""
@@ -275,7 +290,10 @@ def patch(shared_prefix: bool = False, *, strict: Union[bool, str] = True) -> Li
     from .seqlen_balancing import _mode_of, restore_dynamic_batch
 
     _mode_of(strict)
-    _SETTINGS.update(shared_prefix=bool(shared_prefix), strict=strict)
+    if prefix_reuse and not (shared_prefix and strict is True):
+        raise ValueError("patch(prefix_reuse=True) runs prefix trees in passes: it needs shared_prefix=True and "
+                         "strict=True")
+    _SETTINGS.update(shared_prefix=bool(shared_prefix), strict=strict, prefix_reuse=bool(prefix_reuse))
     replaced = []
     if not hasattr(engine_utils.rearrange_micro_batches, "_seqpack_original"):
         _ORIGINAL["rearrange_micro_batches"] = engine_utils.rearrange_micro_batches
@@ -290,8 +308,8 @@ def patch(shared_prefix: bool = False, *, strict: Union[bool, str] = True) -> Li
         replaced.append("verl.workers.engine.fsdp.transformer_impl.FSDPEngineWithLMHead.forward_step")
     if replaced:
         logging.getLogger(__name__).warning("seqpack.frameworks.verl.engine.patch(): verl's %s replaced by seqpack's "
-                                            "(shared_prefix=%s, strict=%r)", ", ".join(replaced), shared_prefix,
-                                            strict)
+                                            "(shared_prefix=%s, strict=%r, prefix_reuse=%s)", ", ".join(replaced),
+                                            shared_prefix, strict, prefix_reuse)
     return patched_names()
 
 
@@ -321,5 +339,5 @@ def unpatch() -> List[str]:
         utils.restore_dynamic_batch = _ORIGINAL.pop("restore_dynamic_batch")
     if impl is not None and "forward_step" in _ORIGINAL:
         impl.FSDPEngineWithLMHead.forward_step = _ORIGINAL.pop("forward_step")
-    _SETTINGS.update(shared_prefix=False, strict=True)
+    _SETTINGS.update(shared_prefix=False, strict=True, prefix_reuse=False)
     return restored

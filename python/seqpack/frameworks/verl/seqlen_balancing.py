@@ -109,6 +109,7 @@ def rearrange_micro_batches(
     mini_batch: int = 0,
     shared_prefix: bool = False,
     group_key: Optional[str] = "uid",
+    prefix_reuse: bool = False,
 ) -> Tuple[List[Any], List[List[int]]]:
     """Split a batch into micro-batches of at most ``max_token_len`` real tokens.
 
@@ -158,6 +159,13 @@ def rearrange_micro_batches(
             every tree must fit the cap. Lay each micro-batch out with
             :func:`seqpack.pack_prefix_tree`. With ``step_plan`` the plan decides the
             micro-batches (plan it with ``forest=``).
+        prefix_reuse: with ``shared_prefix``, a tree larger than the cap runs in
+            passes (:mod:`seqpack.frameworks.verl.prefix_reuse`; verl's engine
+            TensorDicts): its shared prefix forwarded and back-propagated once, a
+            row longer than the cap planned instead of refused; kept when it needs
+            fewer micro-batches (or as many and fewer tokens) than the trees. Each
+            pass's micro-batch holds the rank's rows, ``micro_bsz_idx`` lists them
+            for each pass, and :func:`restore_dynamic_batch` sums a row's passes.
 
     Returns:
         ``(micro_batches, micro_bsz_idx)``: the sub-batches (rows ascending) and
@@ -174,10 +182,16 @@ def rearrange_micro_batches(
         return prepare_dynamic_batch(batch, max_token_len, dp_group, num_batches_divided_by, same_micro_num_in_dp,
                                      min_num_micro_batch, use_dynamic_bsz_balance, force_group_size=force_group_size,
                                      strict=strict, step_plan=step_plan, dp_rank=dp_rank, mini_batch=mini_batch,
-                                     shared_prefix=shared_prefix, group_key=group_key)
-    parts = _plan_parts(_mapping_views(batch), max_token_len, dp_group, num_batches_divided_by, same_micro_num_in_dp,
-                        min_num_micro_batch, use_dynamic_bsz_balance, force_group_size, strict, step_plan, dp_rank,
-                        mini_batch, shared_prefix, group_key)
+                                     shared_prefix=shared_prefix, group_key=group_key, prefix_reuse=prefix_reuse)
+    parts, passes = _plan_parts(_mapping_views(batch), max_token_len, dp_group, num_batches_divided_by,
+                                same_micro_num_in_dp, min_num_micro_batch, use_dynamic_bsz_balance, force_group_size,
+                                strict, step_plan, dp_rank, mini_batch, shared_prefix, group_key, prefix_reuse)
+    if passes:
+        from .prefix_reuse import pass_micro_batches
+
+        rows_ = next(p for p in parts if p)
+        return pass_micro_batches(_select(batch, rows_), int(max_token_len), group_key, len(parts),
+                                  lambda: _dummy(batch)), parts
     return [_select(batch, p) if p else _dummy(batch) for p in parts], parts
 
 
@@ -197,6 +211,7 @@ def prepare_dynamic_batch(
     mini_batch: int = 0,
     shared_prefix: bool = False,
     group_key: Optional[str] = "uid",
+    prefix_reuse: bool = False,
 ) -> Tuple[List[Any], List[List[int]]]:
     """verl's ``prepare_dynamic_batch``: a batch split into micro-batches under
     ``max_token_len`` (the rule of :func:`rearrange_micro_batches`, whose arguments
@@ -213,10 +228,13 @@ def prepare_dynamic_batch(
         return rearrange_micro_batches(data, max_token_len, dp_group, num_batches_divided_by, same_micro_num_in_dp,
                                        min_num_micro_batch, use_dynamic_bsz_balance, force_group_size, strict=strict,
                                        step_plan=step_plan, dp_rank=dp_rank, mini_batch=mini_batch,
-                                       shared_prefix=shared_prefix, group_key=group_key)
-    parts = _plan_parts(_proto_views(data), max_token_len, dp_group, num_batches_divided_by,
-                        same_micro_num_in_dp, min_num_micro_batch, use_dynamic_bsz_balance, force_group_size, strict,
-                        step_plan, dp_rank, mini_batch, shared_prefix, group_key)
+                                       shared_prefix=shared_prefix, group_key=group_key, prefix_reuse=prefix_reuse)
+    if prefix_reuse:
+        raise ValueError("prefix_reuse runs passes on verl's engine TensorDicts (verl 0.9.1's training path), not on "
+                         "a DataProto's micro-batches")
+    parts, _ = _plan_parts(_proto_views(data), max_token_len, dp_group, num_batches_divided_by,
+                           same_micro_num_in_dp, min_num_micro_batch, use_dynamic_bsz_balance, force_group_size, strict,
+                           step_plan, dp_rank, mini_batch, shared_prefix, group_key)
     micro_batches = []
     for part in parts:
         mb = proto_select(data, part, "data") if part else _proto_dummy(data)
@@ -234,10 +252,17 @@ def restore_dynamic_batch(data: Any, batch_idx_list: Sequence[Sequence[int]]) ->
     batch_idx_list)``; or one more per empty entry (a :func:`prepare_dynamic_batch`
     dummy of a ``step_plan``), whose rows are dropped.
 
+    Prefix-reuse passes (:func:`rearrange_micro_batches` with ``prefix_reuse``)
+    each list the rank's rows: a row's outputs of its passes are summed (each
+    position comes from the one pass that predicts it, the others hold 0).
+
     Raises:
         ValueError: ``batch_idx_list`` is not a permutation of the rows, or
             ``data`` has another number of rows.
     """
+    filled = [[int(i) for i in p] for p in batch_idx_list if len(p)]
+    if len(filled) > 1 and all(p == filled[0] for p in filled):  # prefix-reuse passes: each lists the rank's rows
+        return _sum_passes(data, batch_idx_list)
     order = _restore_order(batch_idx_list, _rows_of(data))
     return _take(data, order)
 
@@ -309,13 +334,15 @@ def _mode_of(strict: Any) -> str:
 def _plan_parts(views: Callable[[], Tuple[Mapping[str, Any], Mapping[str, Any]]], max_token_len: Any, dp_group,
                 num_batches_divided_by, same_micro_num_in_dp, min_num_micro_batch, use_dynamic_bsz_balance,
                 force_group_size, strict, step_plan, dp_rank, mini_batch, shared_prefix=False,
-                group_key="uid") -> List[List[int]]:
-    """Row indices of each micro-batch. ``views()`` gives ``(tensors, columns)``:
-    the lengths come from ``tensors['attention_mask']``, and every value of
-    ``columns`` must have its rows (called inside the agreement: it may raise)."""
+                group_key="uid", prefix_reuse=False) -> Tuple[List[List[int]], bool]:
+    """Row indices of each micro-batch, and whether they are prefix-reuse passes (each
+    pass then lists the rank's rows in the order that lays out its trees).
+    ``views()`` gives ``(tensors, columns)``: the lengths come from
+    ``tensors['attention_mask']``, and every value of ``columns`` must have its rows
+    (called inside the agreement: it may raise)."""
     if step_plan is not None:
         return step_plan_parts(step_plan, dp_rank, mini_batch, batch_size(views()[1]),
-                               as_positive_int(max_token_len, "max_token_len"), "max_token_len")
+                               as_positive_int(max_token_len, "max_token_len"), "max_token_len"), False
     try:
         mode, bad_mode = _mode_of(strict), None
     except ValueError as exc:  # raised inside the agreement, so that a dp_group's other ranks stop too
@@ -324,15 +351,20 @@ def _plan_parts(views: Callable[[], Tuple[Mapping[str, Any], Mapping[str, Any]]]
         agree = bool(same_micro_num_in_dp) and (dp_group is not None or active())
     else:  # verl: dist.is_initialized() and same_micro_num_in_dp and dp_group is not None
         agree = bool(same_micro_num_in_dp) and dp_group is not None and _initialized()
-    box: Dict[str, Any] = {}
+    box: Dict[str, Any] = {"passes": False}
     cap = 0  # max_token_len, checked inside the agreement (an invalid one on one rank stops every rank)
+    reuse = bool(prefix_reuse)
 
     def strict_plan(count: int) -> List[List[int]]:
         forest = box.get("forest")
         plan = plan_micro_batches(box["units"] if forest is None else forest.lengths, cap, min_num=count,
                                   multiple_of=box["multiple"], attention_coeff=WORKLOAD_ATTENTION_COEFF,
                                   order="small_at_ends" if use_dynamic_bsz_balance else "heaviest_first",
-                                  forest=forest, whole_trees=forest is not None and box["group"] > 1)
+                                  forest=forest, whole_trees=forest is not None and box["group"] > 1,
+                                  prefix_reuse=forest is not None and reuse)
+        box["passes"] = plan.method == "prefix_reuse"
+        if box["passes"]:  # every pass reads the rank's trees: its rows in the order that lays them out
+            return [list(plan.prefix_reuse.rank_rows[0]) if p else [] for p in plan.micro_batches]
         return [list(p) for p in plan.micro_batches]
 
     def verl_plan(count: int) -> List[List[int]]:
@@ -354,7 +386,10 @@ def _plan_parts(views: Callable[[], Tuple[Mapping[str, Any], Mapping[str, Any]]]
         tensors, columns = views()
         lengths = mask_lengths(tensors)
         batch_size(columns)  # every value must have the mask's rows (extra rows were silently dropped)
-        if lengths.size and lengths.max() > cap:
+        if reuse and not shared_prefix:
+            raise ValueError("prefix_reuse=True runs prefix trees larger than the cap in passes: it needs "
+                             "shared_prefix=True")
+        if lengths.size and lengths.max() > cap and not reuse:  # in passes a row longer than the cap is planned
             raise ValueError(f"a sequence has {int(lengths.max())} tokens, more than max_token_len={cap}")
         group = as_positive_int(force_group_size, "force_group_size")
         if len(lengths) % group:
@@ -362,6 +397,9 @@ def _plan_parts(views: Callable[[], Tuple[Mapping[str, Any], Mapping[str, Any]]]
         units = lengths.reshape(-1, group).sum(1) if group > 1 else lengths
         if shared_prefix:
             box["forest"] = _forest(tensors, columns, group_key, mode)
+            if group > 1 and reuse:
+                raise ValueError(f"prefix_reuse=True cuts a tree larger than the cap into passes, so rows a loss "
+                                 f"couples (force_group_size={group}) cannot meet in one micro-batch")
             if group > 1:  # rows coupled by the loss: trees whole, each group in one
                 coupled_trees(box["forest"], group, cap, "force_group_size", "max_token_len")
         elif mode != "soft_cap" and group > 1 and units.size and units.max() > cap:  # verl < #7553 let it exceed
@@ -390,7 +428,8 @@ def _plan_parts(views: Callable[[], Tuple[Mapping[str, Any], Mapping[str, Any]]]
         return verl_plan(roundup_divisible(count, multiple))
 
     def facts(_: Any) -> Dict[str, Any]:  # what changes the collectives that follow: the same on every rank
-        return {"strict": mode, "num_batches_divided_by": box["multiple"], "shared_prefix": bool(shared_prefix)}
+        return {"strict": mode, "num_batches_divided_by": box["multiple"], "shared_prefix": bool(shared_prefix),
+                "prefix_reuse": reuse}
 
     result = checked_on_every_rank(local, dp_group, "rearrange_micro_batches", agree, fingerprint=facts)
     if mode == "verl":
@@ -403,7 +442,7 @@ def _plan_parts(views: Callable[[], Tuple[Mapping[str, Any], Mapping[str, Any]]]
     group = box["group"]
     if group > 1 and box.get("forest") is None:  # parts of groups; a forest's parts are rows
         parts = [[g * group + j for g in p for j in range(group)] for p in parts]
-    return [[int(i) for i in p] for p in parts]
+    return [[int(i) for i in p] for p in parts], bool(box["passes"])
 
 
 def _forest(tensors: Mapping[str, Any], columns: Mapping[str, Any], group_key: Optional[str], mode: str):
@@ -524,6 +563,30 @@ def _restore_order(batch_idx_list: Sequence[Sequence[int]], n_rows: int) -> List
                          + (f" (and {empty} empty micro-batches: {position} with one dummy row each)" if empty else ""))
     inverse = get_reverse_idx(indices)
     return [kept[i] for i in inverse]
+
+
+def _sum_passes(data: Any, batch_idx_list: Sequence[Sequence[int]]) -> Any:
+    """The rows of prefix-reuse passes' outputs (a tensor or a mapping of them), each
+    original row the sum of its passes' rows."""
+    if isinstance(data, Mapping) or (callable(getattr(data, "keys", None)) and not is_tensor(data)):
+        return {k: _sum_passes(v, batch_idx_list) for k, v in data.items()}
+    if not is_tensor(data):
+        raise ValueError(f"restore_dynamic_batch of prefix-reuse passes sums each row's outputs: it takes tensors, "
+                         f"got {type(data).__name__}")
+    import torch
+
+    parts = list(data.unbind()) if data.is_nested else list(data)
+    rows_ = max(int(i) for p in batch_idx_list for i in p) + 1
+    total: List[Any] = [None] * rows_
+    position = 0
+    for part in batch_idx_list:
+        for i in (part or [None]):  # a dummy's one row is dropped
+            if i is not None:
+                total[int(i)] = parts[position] if total[int(i)] is None else total[int(i)] + parts[position]
+            position += 1
+    if position != len(parts) or any(t is None for t in total):
+        raise ValueError(f"data has {len(parts)} rows but batch_idx_list's passes hold {position}")
+    return torch.nested.as_nested_tensor(total, layout=torch.jagged) if data.is_nested else torch.stack(total)
 
 
 def _take(data: Any, order: List[int]) -> Any:

@@ -1,0 +1,167 @@
+"""verl's engine micro-batches as prefix-reuse passes (issue 52): a rank's trees larger
+than the cap run as :func:`seqpack.split_prefix_tree`'s passes, each shared prefix
+forwarded and back-propagated once in the step, inside verl's own loop
+(``forward_backward_batch``: ``forward_step`` then ``loss.backward()`` per
+micro-batch)::
+
+    rearrange_micro_batches(..., shared_prefix=True, prefix_reuse=True)
+        -> one micro-batch per pass, in the step's run order, then dummies; each holds
+           every row of the rank's trees (a pass reads the tree), with ``response_mask``
+           / ``loss_mask`` kept only where this pass predicts the token, and the pass
+           (``seqpack_pass``, a :class:`PassHandle`)
+    forward_step (patched)
+        -> the pass's logits, as verl's ``model_output``: ``log_probs`` / ``entropy``
+           nested over each row's full length, the pass's predictions, 0 elsewhere
+    verl's loss (token-mean over the global ``batch_num_tokens``, token-sum,
+        seq-mean-token-sum) summed over the passes = the loss of the rows
+    restore_dynamic_batch: the passes' outputs of a row summed (each position from
+        the one pass that predicts it)
+
+A loss that divides by each row's own token count (``seq-mean-token-mean``) does not
+split over passes: plan with ``prefix_reuse=False`` for it.
+
+Importing this module does not import verl or torch.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional
+
+import numpy as np
+
+__all__ = ["PassHandle", "pass_micro_batches", "pass_outputs"]
+
+PASS_KEY = "seqpack_pass"
+MASK_KEYS = ("response_mask", "loss_mask")
+
+
+class PassHandle:
+    """One pass of a running :func:`seqpack.prefix_reuse` step, as verl's micro-batch
+    carries it: :meth:`take` advances the step to it (which checks that the micro-batch
+    before it ran its forward and backward) and gives its
+    :class:`~seqpack.PassMicroBatch`."""
+
+    __slots__ = ("_source", "kind", "index")
+
+    def __init__(self, source: "_Steps", kind: str, index: int) -> None:
+        self._source, self.kind, self.index = source, kind, index
+
+    def take(self) -> Any:
+        return self._source.take(self.kind, self.index)
+
+    def __repr__(self) -> str:
+        return f"PassHandle(kind={self.kind!r}, index={self.index})"
+
+
+class _Steps:
+    """The step's micro-batches in order, taken one by one by verl's loop."""
+
+    def __init__(self, step: Any) -> None:
+        self._iter = iter(step)
+
+    def take(self, kind: str, index: int) -> Any:
+        mb = next(self._iter, None)
+        if mb is None or (mb.kind, mb.index) != (kind, index):
+            got = "the end of the step" if mb is None else f"{mb.kind} pass {mb.index}"
+            raise RuntimeError(f"prefix_reuse: verl ran the {kind} micro-batch of pass {index} where the step runs "
+                               f"{got}: run a step's micro-batches once, in the order rearrange_micro_batches gave")
+        return mb
+
+
+def pass_micro_batches(rows_batch: Any, cap: int, group_key: Optional[str], count: int, dummy: Any) -> List[Any]:
+    """The micro-batches of ``rows_batch`` (a rank's rows, whole trees, in the order
+    the plan lays them out) in passes under ``cap``, padded with ``dummy()`` to
+    ``count``."""
+    import torch
+
+    from ...tensors.prefix_passes import split_prefix_tree
+    from ...tensors.prefix_tree import pack_prefix_tree
+    from ...training.prefix_reuse import prefix_reuse
+    from .._batch import group_codes
+    from ..policy_forward import nemo_rl_pass_forward
+
+    ids = rows_batch["input_ids"]
+    lengths = ids.offsets().diff().cpu().numpy()
+    values = ids.values().cpu().numpy()
+    cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    groups = None
+    if group_key is not None and group_key in rows_batch.keys():
+        groups = group_codes(rows_batch[group_key])
+    tree = pack_prefix_tree([values[cu[r]:cu[r + 1]] for r in range(lengths.shape[0])], group_ids=groups)
+    passes = split_prefix_tree(tree, cap)
+    if len(passes.order) > count:
+        raise AssertionError(f"{len(passes.order)} passes, planned {count}")
+    source = _Steps(prefix_reuse(passes, forward=nemo_rl_pass_forward))
+    starts = _response_starts(rows_batch, lengths)
+    out = []
+    for kind, index in passes.order:
+        mb = rows_batch.clone(recurse=False)
+        predicts = passes.passes[index].predicted_tokens()  # [N]: logical token t predicts t + 1
+        for key in MASK_KEYS:
+            if key in mb.keys():
+                mask = mb[key]
+                keep = _response_columns(predicts, cu, starts, mask.shape[1])
+                mb[key] = mask * torch.from_numpy(keep).to(device=mask.device, dtype=mask.dtype)
+        from tensordict import NonTensorData
+
+        mb[PASS_KEY] = NonTensorData(PassHandle(source, kind, index))
+        out.append(mb)
+    return out + [dummy() for _ in range(count - len(out))]
+
+
+def _response_starts(batch: Any, lengths: np.ndarray) -> np.ndarray:
+    """Each row's first response token in its no-padding sequence (its prompt's real
+    tokens), as verl's ``no_padding_2_padding`` reads it."""
+    prompts = batch["prompts"]
+    if prompts.is_nested:
+        return prompts.offsets().diff().cpu().numpy().astype(np.int64)
+    mask = batch["attention_mask"]
+    return mask[:, :prompts.shape[1]].sum(1).cpu().numpy().astype(np.int64)
+
+
+def _response_columns(predicts: np.ndarray, cu: np.ndarray, starts: np.ndarray, width: int) -> np.ndarray:
+    """``[B, width]``: response column ``j`` of row ``r`` is predicted in this pass
+    (its token ``starts[r] + j`` is predicted by token ``starts[r] + j - 1``)."""
+    rows = cu.shape[0] - 1
+    keep = np.zeros((rows, width), dtype=bool)
+    for r in range(rows):
+        n = int(cu[r + 1] - cu[r]) - int(starts[r])  # response tokens
+        if n > 0:
+            at = cu[r] + starts[r] - 1 + np.arange(min(n, width))
+            keep[r, :at.shape[0]] = predicts[at]
+    return keep
+
+
+def pass_outputs(module: Any, micro_batch: Any, temperature: float, entropy: bool) -> Dict[str, Any]:
+    """verl's ``model_output`` of a pass micro-batch: ``log_probs`` (and ``entropy``)
+    nested over each row's full length, position ``t`` the log-prob of token ``t + 1``
+    where this pass predicts it, 0 elsewhere."""
+    import torch
+
+    from ..policy_forward import tree_model
+
+    tree_model(module)
+    mb = micro_batch[PASS_KEY].take()
+    layout = mb.layout
+    logits = mb.forward(module)[0].float() / temperature  # [own, V]
+    ids = micro_batch["input_ids"]
+    offsets = ids.offsets()
+    flat = ids.values()
+    n = int(flat.shape[0])
+    cu = offsets.cpu().numpy()
+    last = np.zeros(n, dtype=bool)
+    last[cu[1:] - 1] = True  # a row's last token predicts nothing
+    rows = np.flatnonzero(layout.predicted_tokens() & ~last)
+    local = np.full(layout.tree.num_tokens, -1, dtype=np.int64)
+    local[layout.own] = np.arange(layout.own.shape[0], dtype=np.int64)
+    at = torch.from_numpy(local[layout.tree.logical_index[rows]]).to(logits.device)
+    where = torch.from_numpy(rows).to(logits.device)
+    logp = torch.log_softmax(logits.index_select(0, at), dim=-1)
+    out: Dict[str, Any] = {}
+    picked = logp.gather(-1, flat.index_select(0, where + 1)[:, None].to(logits.device))[:, 0]
+    out["log_probs"] = torch.nested.nested_tensor_from_jagged(
+        logp.new_zeros(n).index_put((where,), picked), offsets)
+    if entropy:
+        ent = -(logp.exp() * logp).sum(-1)
+        out["entropy"] = torch.nested.nested_tensor_from_jagged(logp.new_zeros(n).index_put((where,), ent), offsets)
+    return out
