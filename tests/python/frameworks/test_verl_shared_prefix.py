@@ -131,3 +131,27 @@ def test_use_prefix_grouper_turns_it_on():
     batch, rows, _ = verl_batch([30, 30], [[5, 5, 5], [6, 6]])
     _, parts = rearrange_micro_batches(batch, **cfg.rearrange_kwargs("actor"))
     assert sorted(i for p in parts for i in p) == list(range(len(rows)))
+
+
+def test_the_engine_module_in_external_lib_turns_prefix_reuse_on():
+    # verl's own key names the worker module: trees, or trees with prefix reuse
+    def with_lib(lib, **actor):
+        cfg = verl_cfg(**actor)
+        cfg["actor_rollout_ref"]["model"] = {"external_lib": lib}
+        return cfg
+
+    cfg = config.load(with_lib("seqpack.frameworks.verl.prefix_reuse_engine"))
+    assert cfg.prefix_reuse_training and cfg.shared_prefix_training
+    assert cfg.rearrange_kwargs("actor") == {"max_token_len": 4096, "shared_prefix": True, "prefix_reuse": True}
+    assert cfg.step_options().prefix_reuse
+    assert config.load(cfg.to_dict()) == cfg
+    trees = config.load(with_lib("seqpack.frameworks.verl.tree_engine"))
+    assert trees.shared_prefix_training and not trees.prefix_reuse_training
+    assert not config.load(with_lib("my_project.plugins")).shared_prefix_training
+    with pytest.raises(config.ConfigError, match="external_lib: seqpack.frameworks.verl.prefix_reuse_engine plans "
+                                                 "prefix trees in dynamic micro-batches"):
+        config.load(with_lib("seqpack.frameworks.verl.prefix_reuse_engine", use_dynamic_bsz=False,
+                             ppo_micro_batch_size_per_gpu=4))
+    batch, _, _ = verl_batch([30, 30], [[5, 5, 5], [6, 6]])
+    with pytest.raises(ValueError, match="passes on verl's engine TensorDicts"):  # test_verl_engine.py runs them
+        rearrange_micro_batches(batch, **cfg.rearrange_kwargs("actor"))

@@ -34,6 +34,11 @@ VERL_DEFAULT_MAX_TOKEN_LEN = 16384  # actor (and, through oc.select, rollout/ref
 VERL_DEFAULT_CRITIC_MAX_TOKEN_LEN = 32768
 
 
+# The worker modules (actor_rollout_ref.model.external_lib) that patch verl's engine:
+# prefix trees, and prefix trees with prefix reuse.
+TREE_LIBS = ("seqpack.frameworks.verl.tree_engine", "seqpack.frameworks.verl.prefix_reuse_engine")
+
+
 def _verl_sp(r: Reader, strategy: str, engine: str, default_ulysses: int, default_cp: int):
     """``(sp_size, megatron parallel sizes or None)`` of one verl role.
 
@@ -146,6 +151,12 @@ def load_verl(ctx: Context, data: Mapping[str, Any]) -> SeqpackConfig:
                      f"({actor.key('use_dynamic_bsz')}); with fixed micro-batch sizes it plans nothing (verl's own "
                      "PrefixGrouper still groups each micro-batch's rows by uid)")
         actor_mb = dataclasses.replace(actor_mb, shared_prefix=True)
+    lib = model.get("external_lib")
+    if lib in TREE_LIBS:  # verl's own key: every worker imports it, and it patches the engine (docs/verl.md)
+        if not actor_mb.use_dynamic_bsz:
+            raise ConfigError(f"{model.key('external_lib')}: {lib} plans prefix trees in dynamic micro-batches; "
+                              f"set {actor.key('use_dynamic_bsz')} = true")
+        actor_mb = dataclasses.replace(actor_mb, shared_prefix=True, prefix_reuse=lib == TREE_LIBS[1])
     log_prob_defaults = (actor_mb.use_dynamic_bsz, actor_mb.max_token_len_per_gpu, None, None)
     rollout_mb = role(rollout, log_prob_keys, log_prob_defaults, actor_sp, actor_rmpad, True, True)
     ref_mb = role(ref, log_prob_keys, log_prob_defaults, ref_sp, model_rmpad, True, True)

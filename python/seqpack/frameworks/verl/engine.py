@@ -94,9 +94,9 @@ def prepare_micro_batches(data: Any, dp_group=None, num_batches_divided_by: Opti
     if rows % size:
         raise ValueError(f"the batch has {rows} rows, not a multiple of micro_batch_size_per_gpu x force_group_size "
                          f"= {size} (verl asserts the same)")
-    from .seqlen_balancing import _select
+    from .restore import select_rows
 
-    return [_select(data, list(range(s, s + size))) for s in range(0, rows, size)], None
+    return [select_rows(data, list(range(s, s + size))) for s in range(0, rows, size)], None
 
 
 def _rows(micro_batch: Any) -> Tuple[Any, Any, np.ndarray]:

@@ -29,7 +29,7 @@ from typing import Any, Dict, List, Optional
 
 import numpy as np
 
-__all__ = ["PassHandle", "pass_micro_batches", "pass_outputs"]
+__all__ = ["pass_micro_batches", "pass_outputs"]
 
 PASS_KEY = "seqpack_pass"
 MASK_KEYS = ("response_mask", "loss_mask")
