@@ -11,7 +11,8 @@ the passes a rank builds are the ones planned::
     branch passes     the largest subtrees that fit, first fit in depth-first order
 
 :func:`plan_prefix_reuse` plans a step from a :class:`~seqpack.PrefixForest`: whole
-trees to ranks (heaviest first to the lightest rank, by physical tokens), each
+trees to ranks (heaviest first to the least loaded rank, by the cost model's work:
+each tree's tokens once, its visible attention pairs, its fewest passes), each
 rank's passes by that rule on the trie of its rows (rebuilt from the forest's
 depth-first order and shared prefixes, no token needed), and the micro-batch count
 equal on every rank (a rank with fewer passes runs empty micro-batches).
@@ -255,13 +256,19 @@ def plan_prefix_reuse(forest: Any, max_tokens: Any, dp_size: Any = 1, cost: Any 
         np.unique(forest._row_ids(row_indices, "row_indices"))
     tree_ids = forest.tree_ids[chosen]
     trees = [chosen[tree_ids == t] for t in np.unique(tree_ids)]  # each tree's chosen rows
-    tokens = np.array([forest.physical_tokens(rows) for rows in trees], dtype=np.int64)
-    load = np.zeros(ranks, dtype=np.int64)
+    tokens, pairs = (np.asarray(a, dtype=np.int64) for a in forest.subset_costs(trees)) if trees else \
+        (np.zeros(0, dtype=np.int64),) * 2
+    # each tree's work under the cost model (its tokens once, its visible pairs), and the
+    # fixed cost of the passes it needs at least; heaviest first, to the least loaded rank
+    weight = cost.per_token * tokens + cost.per_token_squared * (2 * pairs - tokens) + \
+        cost.per_micro_batch * -(-tokens // cap)
+    load, held = np.zeros(ranks, dtype=np.float64), np.zeros(ranks, dtype=np.int64)
     owned: List[List[int]] = [[] for _ in range(ranks)]
-    for t in sorted(range(len(trees)), key=lambda t: (-int(tokens[t]), t)):  # heaviest first, to the lightest rank
+    for t in sorted(range(len(trees)), key=lambda t: (-float(weight[t]), t)):
         r = int(np.argmin(load))
         owned[r].append(t)
-        load[r] += tokens[t]
+        load[r] += weight[t]
+        held[r] += tokens[t]
     position = forest.row_position
     out: dict = {k: [] for k in ("rows", "order", "tokens", "roles", "members", "pairs", "context", "costs")}
     for r in range(ranks):
@@ -286,7 +293,7 @@ def plan_prefix_reuse(forest: Any, max_tokens: Any, dp_size: Any = 1, cost: Any 
     count = -(-count // multiple) * multiple
     bound = -(-forest.physical_tokens(chosen) // (ranks * cap)) if chosen.shape[0] else 0
     return PrefixReusePlan(cap, out["rows"], out["order"], out["tokens"], out["roles"], out["members"], out["pairs"],
-                           out["context"], out["costs"], [int(x) for x in load], count, cost.per_micro_batch,
+                           out["context"], out["costs"], [int(x) for x in held], count, cost.per_micro_batch,
                            int(bound))
 
 

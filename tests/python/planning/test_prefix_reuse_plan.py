@@ -224,3 +224,19 @@ def test_plan_micro_batches_refuses_prefix_reuse_without_a_forest():
         seqpack.plan_micro_batches([3, 4], 8, prefix_reuse=True)
     with pytest.raises(TypeError, match="prefix_reuse must be True or False"):
         seqpack.plan_micro_batches([3, 4], 8, prefix_reuse="yes")
+
+
+def test_ranks_are_balanced_by_the_cost_models_work_not_tokens():
+    # A: one 100-token row (5,050 visible pairs); B: 110 tokens as a fan of 11 rows from one
+    # token (716 pairs); C: 60 tokens as a fan. By tokens B and A would lead two ranks and C join A;
+    # attention-heavy costs put A alone and B with C.
+    chain = [list(range(1000, 1100))]
+    fan = lambda first, n: [[first] + list(range(first * 100 + 10 * i, first * 100 + 10 * i + 9)) for i in range(n)]
+    rows = chain + fan(7, 11) + fan(8, 6) + [[8]]  # C: 1 + 6 x 9 tokens, and its one-token row
+    forest = seqpack.PrefixForest.from_rows(rows)
+    attention = seqpack.CostModel(per_micro_batch=0.0, per_token=1.0, per_token_squared=10.0)
+    plan = plan_prefix_reuse(forest, 1000, 2, attention)
+    assert sorted(map(sorted, plan.rank_rows)) == [[0], list(range(1, len(rows)))]
+    tokens = seqpack.CostModel(per_micro_batch=0.0, per_token=1.0, per_token_squared=0.0)
+    by_tokens = plan_prefix_reuse(forest, 1000, 2, tokens)
+    assert sorted(map(sorted, by_tokens.rank_rows)) == [[0] + list(range(12, len(rows))), list(range(1, 12))]
