@@ -8,7 +8,12 @@ in half to all of their maximum), the physical tokens each plan computes against
 forest's (the bound: every token once) and the micro-batches against the token bound
 ``ceil(forest tokens / cap)``.
 
-Table 2, one training step on the CPU: forward + backward of every micro-batch of a
+Table 2, planning a step: ``plan_step(..., forest=)`` over 8 ranks against
+``plan_step(..., forest=, prefix_reuse=True)`` on the same batches, under
+``CostModel.default()`` (an 8B model on an H200-class GPU): what each computes, its
+micro-batches per rank, its predicted step and the proven lower bound, the planning time.
+
+Table 3, one training step on the CPU: forward + backward of every micro-batch of a
 batch on the reference model (``seqpack.testing.tiny_model``, hidden 128, 2 layers,
 attention a large share of the work at these lengths), fp32, 1 thread; the split plan
 (each micro-batch a tree) against the passes in both memory modes: seconds (best of
@@ -18,6 +23,7 @@ in one micro-batch.
 
     python benchmarks/bench_prefix_reuse.py            # both tables
     python benchmarks/bench_prefix_reuse.py --quick    # small sizes; ends with the one-line summary
+    python benchmarks/bench_prefix_reuse.py --plan-only  # the planning tables (seconds)
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ from seqpack.testing.tiny_model import TinyCausalLM, TinyConfig  # noqa: E402
 
 TITLE_PLAN = "Prefix reuse: physical tokens and micro-batches, split plan vs passes"
 TITLE_STEP = "Prefix reuse: a training step on the CPU, split plan vs passes"
+TITLE_STEP_PLAN = f"Prefix reuse: plan_step over {8} ranks, trees vs prefix_reuse=True (predicted)"
 MEMORY_ENV = {"MALLOC_MMAP_THRESHOLD_": str(128 << 10)}  # freed tensors go back to the system: RSS is live memory
 HIDDEN = 128
 DP = 8
@@ -101,6 +108,40 @@ def plan_table(log, quick):
                             "split_prefix_tree of the whole batch's forest at the same cap; bound: "
                             f"ceil(forest tokens / cap); DP {DP}: plan_prefix_reuse over {DP} ranks (whole trees to "
                             "ranks, equal counts), micro-batches per rank against ceil(forest tokens / (ranks x cap))."))
+    return out
+
+
+def step_plan_table(log, quick):
+    """plan_step on trees against plan_step with prefix reuse, the same batches and ranks."""
+    rng = np.random.default_rng(0)
+    out = []
+    for g, p_max, r_max, cap in PLAN_CASES[:1] if quick else PLAN_CASES:
+        rows, groups = grpo_rows(rng, 4 if quick else 16, g, p_max, r_max)
+        forest = seqpack.PrefixForest.from_rows(rows, group_ids=groups)
+        case = f"G={g} prompt<={p_max} response<={r_max} cap {cap}"
+        cells = []
+        for name, reuse in (("trees", False), ("prefix_reuse", True)):
+            start = time.perf_counter()
+            plan = seqpack.plan_step(forest.lengths, DP, cap, forest=forest, prefix_reuse=reuse)
+            seconds = time.perf_counter() - start
+            tokens = sum(t for mb in plan.tokens for rank in mb for t in rank)
+            cells.append((plan, tokens, seconds))
+            for key, value in (("tokens", tokens), ("micro_batches", plan.num_micro_batches[0]),
+                               ("predicted_s", plan.predicted_time), ("lower_bound_s", plan.lower_bound),
+                               ("planning_s", seconds)):
+                log.add(case, f"plan_step_{name}", key, value)
+        (plain, plain_tokens, plain_s), (reuse, reuse_tokens, reuse_s) = cells
+        out.append([case, plain.planned_on, plain_tokens / forest.num_physical_tokens, plain.num_micro_batches[0],
+                    f"{plain.predicted_time:.3f}", reuse.planned_on, reuse_tokens / forest.num_physical_tokens,
+                    reuse.num_micro_batches[0], f"{reuse.predicted_time:.3f}",
+                    plain.predicted_time / reuse.predicted_time, f"{reuse.lower_bound:.3f}",
+                    f"{plain_s * 1e3:.0f} / {reuse_s * 1e3:.0f}"])
+    print(format_table(TITLE_STEP_PLAN, ["batch", "trees: kept", "x forest", "per rank", "predicted s",
+                                         "reuse: kept", "x forest", "per rank", "predicted s", "speed-up",
+                                         "lower bound s", "planning ms"], out,
+                       note="plan_step(lengths, 8, cap, forest=) vs the same with prefix_reuse=True (each mini-batch "
+                            "in passes where the cost model predicts them faster); CostModel.default(), sync "
+                            "'micro_batch'; the lower bound holds for any plan, passes included."))
     return out
 
 
@@ -249,6 +290,7 @@ def main() -> int:
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--device", default="cpu", help="cpu or cuda (the step table; planning is host work)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--plan-only", action="store_true", help="the planning tables only")
     args = parser.parse_args()
     if args.child:
         child(args.child)
@@ -257,6 +299,10 @@ def main() -> int:
     env = announce(environment(), torch)
     log = CsvLog("prefix_reuse", env, args.csv)
     plan_table(log, args.quick)
+    step_plan_table(log, args.quick)
+    if args.plan_only:
+        print(f"csv: {log.write()}")
+        return 0
     summary = step_table(log, args.quick, 1 if args.quick else args.repeat, args.device, getattr(torch, args.dtype))
     print(f"csv: {log.write()}")
     print(f"prefix reuse: tokens {summary['tokens']:.2f} of the split plan, step {summary['speed']:.2f}x faster, "
