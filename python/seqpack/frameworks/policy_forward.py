@@ -74,14 +74,20 @@ def nemo_rl_pass_forward(model: Any, input_ids: Any, position_ids: Any, layout: 
 def nemo_rl_tree_logprobs(model: Any, mb: Any, *, temperature: Any = 1.0, **model_kwargs: Any) -> Any:
     """NeMo-RL's ``get_logprobs`` of a tree micro-batch: ``[B, S]`` (``mb.data``'s
     ``input_ids`` shape), column ``t`` the log-prob of token ``t`` given the tokens
-    before it, 0 at column 0 and past each row's length; fp32."""
+    before it, 0 at column 0 and past each row's length; fp32. On a pass of a batch
+    planned for prefix reuse, the columns this pass predicts (0 elsewhere): the
+    passes' results sum to the rows'."""
     import torch
 
-    from ..training.logprobs_tree import tree_token_logprobs
+    from ..training.ops import token_logprobs
 
-    tree = _tree_of(mb)
-    logits = nemo_rl_tree_forward(model, mb, **model_kwargs)[0]
-    lp = tree_token_logprobs(logits, tree, temperature=temperature).logprobs.float()  # [N]: token i predicts i + 1
+    if getattr(mb, "pass_micro_batch", None) is not None:
+        layout, tree = mb.tree, mb.tree.tree
+        logits = mb.forward(model, **model_kwargs)[0]
+    else:
+        layout = tree = _tree_of(mb)
+        logits = nemo_rl_tree_forward(model, mb, **model_kwargs)[0]
+    lp = token_logprobs(logits, layout, temperature=temperature).logprobs.float()  # [N]: token i predicts i + 1
     ids = mb.data["input_ids"]
     rows, width = int(ids.shape[0]), int(ids.shape[1])
     cu = np.asarray(tree.cu_seqlens, dtype=np.int64)

@@ -136,3 +136,27 @@ def test_sequence_packing_args_with_prefix_reuse_plan_the_step(exact_norms):
         data.shard_by_batch_size(2, batch_size=4, sequence_packing_args={**args, "sequence_length_pad_multiple": 8})
     with pytest.raises(ValueError, match="prefix_reuse=True runs prefix trees in passes: it needs shared_prefix"):
         data.shard_by_batch_size(2, batch_size=4, sequence_packing_args={**args, "shared_prefix": False})
+
+
+def test_get_logprobs_over_the_passes_sum_to_the_rows(exact_norms):
+    data, rows, groups = grpo_data([30, 18], [[5, 7, 2], [4, 9]], seed=4)
+    forest = seqpack.PrefixForest.from_rows(rows, group_ids=groups)
+    model = tiny_llama().eval()
+    whole_plan = seqpack.plan_step(forest.lengths, 1, 128, forest=forest)
+    shards, _ = data.shard_by_batch_size(1, step_plan=whole_plan)
+    batch = shards[0].get_batch(0)
+    with torch.no_grad():
+        want = sum(mb.logprobs(model) for mb in batch.make_microbatch_iterator_for_packable_sequences())
+        plan = seqpack.plan_step(forest.lengths, 1, 12, forest=forest, prefix_reuse=True)
+        shards, _ = data.shard_by_batch_size(1, step_plan=plan)
+        batch = shards[0].get_batch(0)
+        got = sum(mb.logprobs(model) for mb in batch.make_microbatch_iterator_for_packable_sequences()
+                  if mb.pass_micro_batch is not None)
+    order = plan.rank_rows(0, 0)  # the shard's rows in the plan's order; the whole tree's in its own
+    whole_order = whole_plan.rank_rows(0, 0)
+    back = torch.empty_like(got)
+    back[torch.tensor(order)] = got
+    ref = torch.empty_like(want)
+    ref[torch.tensor(whole_order)] = want
+    torch.testing.assert_close(back, ref, rtol=1e-10, atol=1e-12)
+    assert int((back != 0).sum()) == sum(len(r) - 1 for r in rows)

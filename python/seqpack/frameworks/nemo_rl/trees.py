@@ -82,7 +82,8 @@ class TreeMicroBatch:
     def logprobs(self, model: Any, *, temperature: Any = 1.0, **model_kwargs: Any) -> Any:
         """NeMo-RL's ``get_logprobs`` on the tree: ``[B, S]`` token log-probs, 0 at
         column 0 and past each row (:func:`seqpack.frameworks.policy_forward.
-        nemo_rl_tree_logprobs`)."""
+        nemo_rl_tree_logprobs`); on a pass, the columns it predicts (sum a batch's
+        passes, run under ``torch.no_grad()`` in their order)."""
         from ..policy_forward import nemo_rl_tree_logprobs
 
         return nemo_rl_tree_logprobs(model, self, temperature=temperature, **model_kwargs)
