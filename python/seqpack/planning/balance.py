@@ -295,11 +295,13 @@ def _with_passes(forest: Any, lengths: Any, max_tokens: int, min_num: int, multi
     forest = checked_forest(forest, lengths)
     passes = plan_prefix_reuse(forest, max_tokens, min_micro_batches=min_num, multiple_of=multiple_of)
     k, n = passes.num_micro_batches, passes.pass_tokens[0]
-    fewest = -(-max(min_num, -(-forest.num_physical_tokens // max_tokens)) // multiple_of) * multiple_of
-    if forest.num_rows >= fewest and int(forest.lengths.max(initial=0)) <= max_tokens:  # trees can be planned
-        plain = MicroBatchPlan(**plan_forest_micro_batches(forest, lengths, max_tokens, min_num, multiple_of, coeff,
-                                                           order, False))
-        if (len(plain), sum(plain.tokens)) <= (k, sum(n)):
+    if forest.num_rows and int(forest.lengths.max()) <= max_tokens:  # trees can be planned, unless ...
+        try:
+            plain = MicroBatchPlan(**plan_forest_micro_batches(forest, lengths, max_tokens, min_num, multiple_of,
+                                                               coeff, order, False))
+        except ValueError:  # ... they need more micro-batches than there are rows (passes may be empty)
+            plain = None
+        if plain is not None and (len(plain), sum(plain.tokens)) <= (k, sum(n)):
             return plain
     pad = k - len(n)
     tokens = np.asarray(n, dtype=np.int64)

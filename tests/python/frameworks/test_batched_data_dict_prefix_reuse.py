@@ -160,3 +160,21 @@ def test_get_logprobs_over_the_passes_sum_to_the_rows(exact_norms):
     ref[torch.tensor(whole_order)] = want
     torch.testing.assert_close(back, ref, rtol=1e-10, atol=1e-12)
     assert int((back != 0).sum()) == sum(len(r) - 1 for r in rows)
+
+
+def test_plans_and_shards_in_passes_pickle_and_deep_copy():
+    import copy
+    import pickle
+
+    data, rows, groups = grpo_data([20, 12], [[4, 5], [3, 2, 6]], seed=5)
+    forest = seqpack.PrefixForest.from_rows(rows, group_ids=groups)
+    plan = seqpack.plan_step(forest.lengths, 1, 8, forest=forest, prefix_reuse=True)
+    for back in (pickle.loads(pickle.dumps(plan)), copy.deepcopy(plan)):
+        assert back == plan and back.prefix_reuse == plan.prefix_reuse
+        assert back.context_pairs == plan.context_pairs and back.rank_rows(0) == plan.rank_rows(0)
+    shards, _ = data.shard_by_batch_size(1, step_plan=plan)
+    batch = shards[0].get_batch(0)
+    for back in (pickle.loads(pickle.dumps(batch)), copy.deepcopy(batch)):
+        assert back.micro_batch_passes[0].order == batch.micro_batch_passes[0].order
+        assert back.micro_batch_passes[0].tokens().tolist() == batch.micro_batch_passes[0].tokens().tolist()
+        assert back.micro_batch_lengths == batch.micro_batch_lengths
