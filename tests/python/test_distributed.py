@@ -342,13 +342,56 @@ def check_cp_attention_failing_rank(rank, world):
         torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-12)
 
 
+def engine_rows(rank, groups):
+    """verl's engine TensorDict (nested ``input_ids``, padded prompt / response masks)
+    of ``groups`` GRPO groups: a 20-token prompt, 4 responses of 3-7 tokens."""
+    import tensordict
+
+    g = torch.Generator().manual_seed(rank)
+    prompts, responses = [], []
+    for _ in range(groups):
+        prompt = torch.randint(3, 90, (20,), generator=g)
+        for _ in range(4):
+            prompts.append(prompt)
+            responses.append(torch.randint(3, 90, (int(torch.randint(3, 8, (1,), generator=g)),), generator=g))
+    rows_ = [torch.cat([p, r]) for p, r in zip(prompts, responses)]
+    width = max(len(r) for r in responses)
+    rm = torch.stack([(torch.arange(width) < len(r)).long() for r in responses])
+    return tensordict.TensorDict({
+        "prompts": torch.stack(prompts), "attention_mask": torch.cat([torch.ones(len(rows_), 20).long(), rm], 1),
+        "response_mask": rm, "loss_mask": rm,
+        "input_ids": torch.nested.as_nested_tensor(rows_, layout=torch.jagged),
+        "position_ids": torch.nested.as_nested_tensor([torch.arange(len(r)) for r in rows_], layout=torch.jagged),
+    }, batch_size=[len(rows_)])
+
+
+def check_prefix_reuse_count_agreement(rank, world):
+    # More groups on higher ranks, trees of ~40 tokens under a cap of 24: passes, counts agreed.
+    td = engine_rows(rank, 1 + rank)
+    mbs, parts = rearrange_micro_batches(td, max_token_len=24, shared_prefix=True, prefix_reuse=True,
+                                         dp_group=dist.group.WORLD)
+    counts = [torch.zeros(1, dtype=torch.long) for _ in range(world)]
+    dist.all_gather(counts, torch.tensor([len(mbs)]))
+    assert len({int(c) for c in counts}) == 1, counts
+    passes = [mb for mb in mbs if "seqpack_pass" in mb.keys()]
+    assert passes and sorted(set(i for p in parts for i in p)) == list(range(len(td)))
+    assert torch.equal(sum(mb["response_mask"] for mb in passes), td["response_mask"][torch.tensor(parts[0])])
+    # a rank whose batch cannot run passes (padded rows) makes every rank raise, none waits
+    bad = {"attention_mask": td["attention_mask"], "input_ids": torch.zeros(len(td), 30, dtype=torch.long)}
+    with pytest.raises(ValueError, match="verl's engine TensorDicts" if rank == 0 else "another rank"):
+        rearrange_micro_batches(bad if rank == 0 else td, max_token_len=24, shared_prefix=True, prefix_reuse=True,
+                                dp_group=dist.group.WORLD)
+    dist.barrier()
+
+
 CHECKS = {"all_gather": check_all_gather, "count_agreement": check_count_agreement,
           "synchronised_error": check_synchronised_error, "batch_balance": check_batch_balance,
           "loss_context_parallel": check_loss_context_parallel, "loss_vocab_parallel": check_loss_vocab_parallel,
           "cp_attention": check_cp_attention, "train_dp_cp": check_train_dp_cp, "step_plan": check_step_plan,
           "linear_vocab_parallel": check_linear_vocab_parallel,
           "failing_rank_stops_every_rank": check_a_failing_rank_stops_every_rank,
-          "cp_attention_failing_rank": check_cp_attention_failing_rank}
+          "cp_attention_failing_rank": check_cp_attention_failing_rank,
+          "prefix_reuse_count_agreement": check_prefix_reuse_count_agreement}
 
 
 def run_checks(rank, world, names):
