@@ -191,6 +191,11 @@ def step_plan_parts(plan: Any, dp_rank: Any, mini_batch: Any, rows_here: int, ca
     from .._lengths import as_int64
 
     dp_rank = as_int64(dp_rank, "dp_rank")  # NumPy and 0-d tensor integers too; None is refused
+    m = plan._mini_batch(mini_batch)
+    if plan.prefix_reuse is not None and plan.prefix_reuse[m] is not None:
+        raise ValueError(f"step_plan runs mini-batch {m} in prefix-reuse passes, which micro-batches of rows cannot "
+                         "hold: shard it with BatchedDataDict.shard_by_batch_size(step_plan=...), or plan it with "
+                         "prefix_reuse=False")
     parts = plan.local_micro_batches(dp_rank, mini_batch)
     planned = sum(len(p) for p in parts)
     if planned != rows_here:

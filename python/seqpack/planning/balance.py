@@ -224,7 +224,8 @@ def plan_micro_batches(
             (:func:`~seqpack.planning.plan_prefix_reuse`: each shared prefix once,
             branches reading its K/V; a row longer than the cap planned, not
             refused) and keep the passes when they need fewer micro-batches, or as
-            many and fewer tokens, than the plan on trees.
+            many and fewer tokens, than the plan on trees. Passes keep their run
+            order (``order`` applies to the plan on trees).
         group_ids: one label per row; rows of one label stay in one micro-batch
             (DPO's chosen / rejected pairs, a reward model's candidates), listed in
             row order. Each group is one item (its summed tokens and workloads); a
@@ -245,9 +246,10 @@ def plan_micro_batches(
     if whole_trees and forest is None:
         raise ValueError("whole_trees=True needs forest= (it keeps a PrefixForest's trees whole)")
     if as_flag(prefix_reuse, "prefix_reuse"):
-        if forest is None or whole_trees:
-            raise ValueError("prefix_reuse=True needs forest= (it runs a PrefixForest's trees in passes) and not "
-                             "whole_trees=True (a tree in passes meets in no one micro-batch)")
+        if forest is None or whole_trees or group_ids is not None:
+            raise ValueError("prefix_reuse=True needs forest= (it runs a PrefixForest's trees in passes), and "
+                             "neither whole_trees=True nor group_ids (rows a loss couples meet in no one micro-batch "
+                             "when their tree runs in passes)")
         return _with_passes(forest, lengths, max_tokens, as_positive_int(min_num, "min_num"),
                             as_positive_int(multiple_of, "multiple_of"), _coeff(attention_coeff), order)
     if group_ids is not None:
@@ -291,6 +293,7 @@ def _with_passes(forest: Any, lengths: Any, max_tokens: int, min_num: int, multi
     (or as many and no more tokens)."""
     from .forest_planning import checked_forest, plan_forest_micro_batches
     from .prefix_reuse import plan_prefix_reuse
+    from .step_prefix_reuse import pass_cells
 
     forest = checked_forest(forest, lengths)
     passes = plan_prefix_reuse(forest, max_tokens, min_micro_batches=min_num, multiple_of=multiple_of)
@@ -299,16 +302,17 @@ def _with_passes(forest: Any, lengths: Any, max_tokens: int, min_num: int, multi
         try:
             plain = MicroBatchPlan(**plan_forest_micro_batches(forest, lengths, max_tokens, min_num, multiple_of,
                                                                coeff, order, False))
-        except ValueError:  # ... they need more micro-batches than there are rows (passes may be empty)
+        except ValueError as exc:  # ... they need more micro-batches than there are rows (passes may be empty)
+            if "but there are only" not in str(exc):
+                raise
             plain = None
         if plain is not None and (len(plain), sum(plain.tokens)) <= (k, sum(n)):
             return plain
-    pad = k - len(n)
     tokens = np.asarray(n, dtype=np.int64)
     pairs = np.asarray(passes.pass_pairs[0], dtype=np.int64)
     work = tokens if not coeff else coeff * tokens + 2 * pairs - tokens
+    cells = pass_cells(passes.pass_rows, passes.pass_tokens, [[int(w) for w in work]], k, 0)
     return MicroBatchPlan(
-        micro_batches=passes.pass_rows[0] + [[] for _ in range(pad)], tokens=tokens.tolist() + [0] * pad,
-        workloads=[int(w) for w in work] + [0] * pad, max_tokens=max_tokens,
-        lower_bound=max(min_num, passes.bound), method="prefix_reuse", order=order, sharing_kept=1.0,
-        physical_lower_bound=forest.num_physical_tokens, prefix_reuse=passes)
+        micro_batches=cells["assignment"][0], tokens=cells["tokens"][0], workloads=cells["costs"][0],
+        max_tokens=max_tokens, lower_bound=max(min_num, passes.bound), method="prefix_reuse", order=order,
+        sharing_kept=1.0, physical_lower_bound=forest.num_physical_tokens, prefix_reuse=passes)

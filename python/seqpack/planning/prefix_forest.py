@@ -163,6 +163,30 @@ class PrefixForest:
         return rows[np.argsort(self.row_position[rows], kind="stable")]
 
     # ---- costs --------------------------------------------------------------------
+    def subforest(self, row_indices: Any) -> "PrefixForest":
+        """The forest of ``row_indices`` alone, its row ``i`` the ``i``-th of them in
+        ascending order (one mini-batch of a step): the same trie restricted to them,
+        no token needed.
+
+        >>> f = PrefixForest.from_rows([[5, 6, 7], [9], [5, 6, 8]])
+        >>> sub = f.subforest([0, 2])
+        >>> sub.num_physical_tokens, sub.lengths.tolist(), sub.num_trees
+        (4, [3, 3], 1)
+        """
+        rows = np.unique(self._row_ids(row_indices, "row_indices"))
+        pos = self.row_position[rows]
+        order = np.argsort(pos, kind="stable")  # the chosen rows' local ids in depth-first order
+        at = pos[order]
+        lcp = np.zeros(rows.shape[0], dtype=np.int64)
+        for i in range(1, rows.shape[0]):  # two rows' common prefix: the least adjacent one between them
+            lcp[i] = int(self.adjacent_lcp[at[i - 1] + 1:at[i] + 1].min())
+        _, first, tree = np.unique(self.tree_ids[rows], return_index=True, return_inverse=True)
+        renumber = np.empty(first.shape[0], dtype=np.int64)
+        renumber[np.argsort(first, kind="stable")] = np.arange(first.shape[0], dtype=np.int64)
+        return PrefixForest(row_length=self.lengths[rows], row_order=order, adjacent_lcp=lcp,
+                            tree_of_row=renumber[tree.reshape(-1)], num_trees=first.shape[0],
+                            num_nodes=self.physical_tokens(rows))
+
     def subset_costs(self, subsets: Iterable[Any]) -> Tuple[np.ndarray, np.ndarray]:
         """(physical tokens [K], visible pairs [K]) of each subset of rows (row ids;
         a repeated id counts once), in one C++ call with the GIL released."""

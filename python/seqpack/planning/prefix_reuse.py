@@ -83,9 +83,7 @@ def pass_pairs(parent: np.ndarray, position: np.ndarray, groups: List[Tuple[str,
     key is an earlier pass's token (the K/V the pass reads). Vectorised: each token's
     topmost ancestor in its own pass by pointer jumping."""
     t = parent.shape[0]
-    owner = np.full(t, -1, dtype=np.int64)  # tokens of no listed pass: -1
-    for i, (_, own) in enumerate(groups):
-        owner[own] = i
+    owner = _owner(groups, t)  # tokens of no listed pass: -1
     up = np.where((parent >= 0) & (owner[np.maximum(parent, 0)] == owner), parent, np.arange(t, dtype=np.int64))
     while True:  # up[x]: an ancestor of x in x's pass; jump until it is the topmost one
         nxt = up[up]
@@ -98,6 +96,14 @@ def pass_pairs(parent: np.ndarray, position: np.ndarray, groups: List[Tuple[str,
     return visible, context
 
 
+def _owner(groups: List[Tuple[str, np.ndarray]], tokens: int) -> np.ndarray:
+    """Each token's pass (``-1``: in none)."""
+    owner = np.full(tokens, -1, dtype=np.int64)
+    for i, (_, own) in enumerate(groups):
+        owner[own] = i
+    return owner
+
+
 def pass_providers(parent: np.ndarray, groups: List[Tuple[str, np.ndarray]]) -> List[Tuple[int, ...]]:
     """The earlier passes each of :func:`split_tree`'s passes reads (those holding an
     ancestor of one of its tokens), ascending.
@@ -105,10 +111,7 @@ def pass_providers(parent: np.ndarray, groups: List[Tuple[str, np.ndarray]]) -> 
     >>> pass_providers(np.array([-1, 0, 1, 1]), [("provider", np.array([0, 1])), ("branch", np.array([2, 3]))])
     [(), (0,)]
     """
-    t = parent.shape[0]
-    owner = np.full(t, -1, dtype=np.int64)
-    for i, (_, own) in enumerate(groups):
-        owner[own] = i
+    owner = _owner(groups, parent.shape[0])
     has_parent = parent >= 0
     out: List[Tuple[int, ...]] = []
     for i, (_, own) in enumerate(groups):  # a provider precedes its readers: theirs are known
@@ -301,9 +304,7 @@ def _pass_rows(groups: List[Tuple[str, np.ndarray]], logical: Tuple[np.ndarray, 
                ) -> List[List[int]]:
     """The rows with a token in each pass (row ids, ascending)."""
     physical, row = logical
-    owner = np.zeros(physical.shape[0] and int(physical.max()) + 1, dtype=np.int64)
-    for i, (_, own) in enumerate(groups):
-        owner[own] = i
+    owner = _owner(groups, physical.shape[0] and int(physical.max()) + 1)
     ids = np.asarray(rows, dtype=np.int64)
     pairs = np.unique(owner[physical] * max(len(rows), 1) + row)  # (pass, row) once each
     members: List[List[int]] = [[] for _ in groups]

@@ -431,25 +431,44 @@ def plan_step(
 def _with_passes(lengths: np.ndarray, dp_size: int, max_tokens: int, opts: StepOptions,
                  forest: PrefixForest) -> StepPlan:
     """The step with each mini-batch in passes where they are predicted faster than
-    the plan on trees (the only plan when a row exceeds the cap)."""
+    the plan on trees (the only plan of a mini-batch with a row over the cap)."""
     from .step_prefix_reuse import with_prefix_reuse
 
     n = int(lengths.shape[0])
     if n < opts.mini_batches:
         raise ValueError(f"[seqpack.plan_step] lengths: {n} sequences cannot fill mini_batches={opts.mini_batches} "
                          "mini-batches (each needs at least one)")
-    plain = None
-    if n == 0 or int(lengths.max()) <= max_tokens:
-        plain = plan_step(lengths, dp_size, max_tokens, options=dataclasses.replace(opts, prefix_reuse=False),
-                          forest=forest)
-        ranges = plain.mini_batch_ranges
-    else:
-        sizes = [len(part) for part in np.array_split(np.arange(n), opts.mini_batches)]
-        ends = np.cumsum(sizes).tolist()
-        ranges = [(int(e - s), int(e)) for s, e in zip(sizes, ends)]
-    fields = with_prefix_reuse(plain, forest, dp_size, max_tokens, opts, ranges)
-    return StepPlan(**fields, dp_size=dp_size, max_tokens=max_tokens, sync=opts.sync, cost=opts.cost,
+    on_trees = dataclasses.replace(opts, prefix_reuse=False)
+    if n == 0 or int(lengths.max()) <= max_tokens:  # every mini-batch fits: one core call plans them all on trees
+        whole = plan_step(lengths, dp_size, max_tokens, options=on_trees, forest=forest)
+        names = whole.planned_on.split(",") if "," in whole.planned_on else [whole.planned_on] * opts.mini_batches
+        plains = [_mini(whole, m, names[m], 0) for m in range(opts.mini_batches)]
+        return StepPlan(**with_prefix_reuse(plains, forest, dp_size, max_tokens, opts, whole.mini_batch_ranges,
+                                            whole.lower_bound),
+                        dp_size=dp_size, max_tokens=max_tokens, sync=opts.sync, cost=opts.cost,
+                        lengths=_read_only(np.asarray(lengths).astype(np.int64)), forest=forest)
+    sizes = [len(part) for part in np.array_split(np.arange(n), opts.mini_batches)]
+    ends = np.cumsum(sizes).tolist()
+    ranges = [(int(e - s), int(e)) for s, e in zip(sizes, ends)]
+    plains: List[Optional[Dict[str, Any]]] = []
+    for begin, end in ranges:  # on trees where the mini-batch's rows fit, shifted to the step's row ids
+        if int(lengths[begin:end].max()) > max_tokens:
+            plains.append(None)
+            continue
+        sub = forest.subforest(np.arange(begin, end))
+        one = plan_step(sub.lengths, dp_size, max_tokens, options=dataclasses.replace(on_trees, mini_batches=1),
+                        forest=sub)
+        plains.append(_mini(one, 0, one.planned_on, begin))
+    return StepPlan(**with_prefix_reuse(plains, forest, dp_size, max_tokens, opts, ranges, None),
+                    dp_size=dp_size, max_tokens=max_tokens, sync=opts.sync, cost=opts.cost,
                     lengths=_read_only(np.asarray(lengths).astype(np.int64)), forest=forest)
+
+
+def _mini(plan: StepPlan, m: int, planned_on: str, shift: int) -> Dict[str, Any]:
+    """Mini-batch ``m`` of a plan on trees, its row ids shifted by ``shift``."""
+    return dict(assignment=[[[i + shift for i in cell] for cell in rank] for rank in plan.assignment[m]],
+                costs=plan.costs[m], tokens=plan.tokens[m], num_micro_batches=plan.num_micro_batches[m],
+                planned_on=planned_on)
 
 
 def _read_only(a: np.ndarray) -> np.ndarray:

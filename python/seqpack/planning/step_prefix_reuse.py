@@ -10,7 +10,8 @@ per mini-batch, so turning reuse on never plans a slower step::
 
     mini-batch 0   trees fit the cap        plan on trees    planned_on "trees"
     mini-batch 1   a 12k-token group, 8k    passes           planned_on "prefix_reuse"
-    mini-batch 2   a 9k-token row, 8k cap   passes (the only plan)
+    mini-batch 2   a 9k-token row, 8k cap   passes (the only plan; the other
+                                            mini-batches still planned on trees)
 
 A mini-batch in passes lists in each cell the rows with a token in that pass (a row
 whose prompt a provider pass holds appears there and in its branch pass); the
@@ -22,38 +23,40 @@ Importing this module does not import torch.
 
 from __future__ import annotations
 
-from typing import Any, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
 from .prefix_reuse import PrefixReusePlan, plan_prefix_reuse
 
-__all__ = ["with_prefix_reuse"]
+__all__ = ["pass_cells", "with_prefix_reuse"]
 
 
-def with_prefix_reuse(plain: Any, forest: Any, dp_size: int, max_tokens: int, opts: Any,
-                      ranges: List[Tuple[int, int]]) -> dict:
+def with_prefix_reuse(plains: List[Optional[Dict[str, Any]]], forest: Any, dp_size: int, max_tokens: int,
+                      opts: Any, ranges: List[Tuple[int, int]], trees_bound: Optional[float]) -> dict:
     """The fields of the step plan that keeps, per mini-batch ``ranges[m]``, the
-    faster of ``plain`` (a :class:`~seqpack.StepPlan` on trees, ``None`` when a row
-    exceeds the cap) and the passes."""
+    faster of ``plains[m]`` (its plan on trees: cells, costs, tokens, count and
+    ``planned_on``; ``None`` when a row exceeds the cap) and the passes.
+    ``trees_bound``: the trees' plan's lower bound, where one plan covers the step."""
     cost = opts.cost
     fields: dict = {k: [] for k in ("assignment", "costs", "tokens", "num_micro_batches")}
     reuse: List[Optional[PrefixReusePlan]] = []
     context: List[List[List[int]]] = []
     names, predicted, bound = [], 0.0, 0.0
-    for m, (begin, end) in enumerate(ranges):
+    for (begin, end), plain in zip(ranges, plains):
         passes = plan_prefix_reuse(forest, max_tokens, dp_size, cost, row_indices=np.arange(begin, end),
                                    min_micro_batches=opts.min_micro_batches, multiple_of=opts.multiple_of)
-        cells = _pass_cells(passes, cost.per_micro_batch)
+        cells = pass_cells(passes.pass_rows, passes.pass_tokens, passes.pass_costs, passes.num_micro_batches,
+                           cost.per_micro_batch)
         mine = _step_time(cells["costs"], opts.sync)
         bound += _work_bound(forest, np.arange(begin, end), passes, cost, opts.min_micro_batches)
-        if plain is not None and _step_time(plain.costs[m], opts.sync) <= mine:
+        if plain is not None and _step_time(plain["costs"], opts.sync) <= mine:
             for k in fields:
-                fields[k].append(getattr(plain, k)[m])
+                fields[k].append(plain[k])
             reuse.append(None)
-            context.append([[0] * len(rank) for rank in plain.tokens[m]])
-            names.append(plain.planned_on.split(",")[m] if "," in plain.planned_on else plain.planned_on)
-            predicted += _step_time(plain.costs[m], opts.sync)
+            context.append([[0] * len(rank) for rank in plain["tokens"]])
+            names.append(plain["planned_on"])
+            predicted += _step_time(plain["costs"], opts.sync)
             continue
         for k in fields:
             fields[k].append(cells[k])
@@ -63,19 +66,20 @@ def with_prefix_reuse(plain: Any, forest: Any, dp_size: int, max_tokens: int, op
         predicted += mine
     used = sum(t for mb in fields["tokens"] for rank in mb for t in rank)
     fields.update(
-        predicted_time=predicted, lower_bound=bound if plain is None else min(bound, plain.lower_bound),
+        predicted_time=predicted, lower_bound=bound if trees_bound is None else min(bound, trees_bound),
         planned_on=names[0] if len(set(names)) == 1 else ",".join(names),
         sharing_kept=1.0 if used == 0 else forest.num_physical_tokens / used, prefix_reuse=tuple(reuse),
         context_pairs=context, mini_batch_ranges=list(ranges))
     return fields
 
 
-def _pass_cells(plan: PrefixReusePlan, per_micro_batch: float) -> dict:
-    """A mini-batch's cells from its passes, each rank padded with empty ones."""
-    k = plan.num_micro_batches
-    return dict(assignment=[rows + [[] for _ in range(k - len(rows))] for rows in plan.pass_rows],
-                costs=[c + [per_micro_batch] * (k - len(c)) for c in plan.pass_costs],
-                tokens=[t + [0] * (k - len(t)) for t in plan.pass_tokens], num_micro_batches=k)
+def pass_cells(rows: List[List[List[int]]], tokens: List[List[int]], costs: List[List[float]], count: int,
+               per_micro_batch: float) -> dict:
+    """Cells of passes (each rank's, in run order) padded with empty ones to ``count``
+    (a dummy: no rows, no tokens, ``per_micro_batch``)."""
+    return dict(assignment=[r + [[] for _ in range(count - len(r))] for r in rows],
+                costs=[c + [per_micro_batch] * (count - len(c)) for c in costs],
+                tokens=[t + [0] * (count - len(t)) for t in tokens], num_micro_batches=count)
 
 
 def _step_time(costs: List[List[float]], sync: str) -> float:

@@ -244,3 +244,43 @@ def test_ranks_are_balanced_by_the_cost_models_work_not_tokens():
     tokens = seqpack.CostModel(per_micro_batch=0.0, per_token=1.0, per_token_squared=0.0)
     by_tokens = plan_prefix_reuse(forest, 1000, 2, tokens)
     assert sorted(map(sorted, by_tokens.rank_rows)) == [[0] + list(range(12, len(rows))), list(range(1, 12))]
+
+
+@settings(max_examples=150, deadline=None)
+@given(batches(), st.data())
+def test_a_subforest_is_the_forest_of_its_rows(batch, data):
+    rows, groups = batch
+    chosen = sorted(data.draw(st.sets(st.integers(0, len(rows) - 1), min_size=1)))
+    forest = seqpack.PrefixForest.from_rows(rows, group_ids=groups)
+    alone = seqpack.PrefixForest.from_rows([rows[i] for i in chosen],
+                                           group_ids=None if groups is None else [groups[i] for i in chosen])
+    sub = forest.subforest(np.array(chosen))
+    assert sub.num_physical_tokens == alone.num_physical_tokens == forest.physical_tokens(chosen)
+    assert sub.lengths.tolist() == alone.lengths.tolist() and sub.num_trees == alone.num_trees
+    assert sub.tree_ids.tolist() == alone.tree_ids.tolist()
+    every = [list(range(len(chosen)))] + [[i] for i in range(len(chosen))]
+    assert [a.tolist() for a in sub.subset_costs(every)] == [a.tolist() for a in alone.subset_costs(every)]
+
+
+def test_a_row_over_the_cap_sends_only_its_mini_batch_to_passes():
+    small = [[1, 2, 3, 4], [1, 2, 3, 5], [6, 7], [6, 8]]  # mini-batch 0: trees of 5 and 3 tokens
+    long = [list(range(10, 40)), list(range(10, 38)) + [99]]  # mini-batch 1: 30-token rows, cap 16
+    forest = seqpack.PrefixForest.from_rows(small + long)
+    plan = seqpack.plan_step(forest.lengths, 1, 16, forest=forest, prefix_reuse=True, mini_batches=2,
+                             cost=seqpack.CostModel(per_micro_batch=5.0, per_token=1.0, per_token_squared=0.0))
+    assert plan.mini_batch_ranges == [(0, 3), (3, 6)]  # the long rows in mini-batch 1
+    kinds = plan.planned_on.split(",")
+    assert kinds[0] != "prefix_reuse" and kinds[1] == "prefix_reuse"
+    assert plan.prefix_reuse[0] is None and plan.prefix_reuse[1] is not None
+    alone = seqpack.plan_step(forest.subforest(range(*plan.mini_batch_ranges[0])).lengths, 1, 16,
+                              forest=forest.subforest(range(*plan.mini_batch_ranges[0])),
+                              cost=seqpack.CostModel(per_micro_batch=5.0, per_token=1.0, per_token_squared=0.0))
+    begin = plan.mini_batch_ranges[0][0]
+    assert plan.assignment[0] == [[[i + begin for i in cell] for cell in rank] for rank in alone.assignment[0]]
+    assert plan.predicted_time >= plan.lower_bound
+
+
+def test_plan_micro_batches_refuses_prefix_reuse_with_coupled_rows():
+    f = seqpack.PrefixForest.from_rows([[1, 2], [1, 3]])
+    with pytest.raises(ValueError, match="neither whole_trees=True nor group_ids"):
+        seqpack.plan_micro_batches(f.lengths, 8, forest=f, prefix_reuse=True, whole_trees=True)
