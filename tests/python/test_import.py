@@ -87,6 +87,7 @@ def test_extension_carries_ampere_and_hopper_machine_code():
      "seqpack.testing.pipelines", "seqpack.testing.step_simulator", "seqpack.testing.distributions",
      "seqpack.tensors.cp",
      "seqpack.tensors.dataset", "seqpack.tensors.prefix_tree", "seqpack.tensors.prefix_passes", "seqpack.planning.prefix_reuse",
+     "seqpack.planning.prefix_forest", "seqpack.frameworks.verl.restore", "seqpack.frameworks._loss_split",
      "seqpack.training.logprobs",
      "seqpack.training.loss",
      "seqpack.training.logprobs_tree",

@@ -114,8 +114,10 @@ def test_the_shards_check_the_plan_and_the_options():
         changed.shard_by_batch_size(1, step_plan=plan)
     plain = seqpack.plan_step(forest.lengths, 1, 64, forest=forest)
     shards, _ = data.shard_by_batch_size(1, step_plan=plain)
-    with pytest.raises(ValueError, match="prefix_reuse_memory='kv' applies to a batch planned in passes"):
-        shards[0].get_batch(0).make_microbatch_iterator_for_packable_sequences(prefix_reuse_memory="kv")
+    trees = list(shards[0].get_batch(0).make_microbatch_iterator_for_packable_sequences(prefix_reuse_memory="kv"))
+    assert trees and all(mb.pass_micro_batch is None for mb in trees)  # valid everywhere, used where passes run
+    with pytest.raises(ValueError, match="prefix_reuse_memory must be one of"):
+        shards[0].get_batch(0).make_microbatch_iterator_for_packable_sequences(prefix_reuse_memory="graph")
 
 
 def test_sequence_packing_args_with_prefix_reuse_plan_the_step(exact_norms):
@@ -136,6 +138,10 @@ def test_sequence_packing_args_with_prefix_reuse_plan_the_step(exact_norms):
         data.shard_by_batch_size(2, batch_size=4, sequence_packing_args={**args, "sequence_length_pad_multiple": 8})
     with pytest.raises(ValueError, match="prefix_reuse=True runs prefix trees in passes: it needs shared_prefix"):
         data.shard_by_batch_size(2, batch_size=4, sequence_packing_args={**args, "shared_prefix": False})
+    with pytest.raises(ValueError, match="whose trees are of input_key='input_ids'; got 'tokens'"):
+        data.shard_by_batch_size(2, batch_size=4, sequence_packing_args={**args, "input_key": "tokens"})
+    with pytest.warns(UserWarning, match="microbatch_order='largest_first' not used"):
+        data.shard_by_batch_size(2, batch_size=4, sequence_packing_args={**args, "microbatch_order": "largest_first"})
 
 
 def test_get_logprobs_over_the_passes_sum_to_the_rows(exact_norms):

@@ -80,6 +80,9 @@ def test_nemo_rl_shared_prefix_reuse():
     with pytest.raises(ConfigError, match="policy.shared_prefix_reuse: .*pads to 8, CP = 1"):
         load(nemo(shared_prefix_training=True, shared_prefix_reuse=True, sequence_packing=packing,
                   make_sequence_length_divisible_by=8, dtensor_cfg=dtensor))
+    with pytest.raises(ConfigError, match="the Megatron backend has no pass attention"):
+        load(nemo(shared_prefix_training=True, shared_prefix_reuse=True, sequence_packing=packing,
+                  make_sequence_length_divisible_by=1, megatron_cfg={"enabled": True}))
     with pytest.raises(ConfigError, match="did you mean 'shared_prefix_reuse'"):
         load(nemo(shared_prefix_resue=True, sequence_packing=packing))
     assert not load(example("nemo_rl_shared_prefix.yaml")).prefix_reuse_training

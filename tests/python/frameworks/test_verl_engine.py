@@ -176,7 +176,7 @@ def test_verls_fsdp_engine_on_trees_equals_the_stock_engine():
     got = json.loads(run.stdout.strip().splitlines()[-1])
     stock, tree = got["stock"], got["tree"]
     assert stock["counts"] == {} and tree["counts"] == {"tree": 4}  # 2 inference + 2 training micro-batches
-    assert len(tree["patched"]) == 3
+    assert len(tree["patched"]) == 4  # micro-batching, restore, forward_step, forward_backward_batch
     assert np.abs(np.subtract(stock["log_probs"], tree["log_probs"])).max() < 1e-5
     assert np.abs(np.subtract(stock["entropy"], tree["entropy"])).max() < 1e-5
     assert tree["loss"] == pytest.approx(stock["loss"], rel=1e-5)
@@ -210,3 +210,40 @@ def test_prefix_reuse_micro_batches_split_the_loss_mask_over_the_passes():
         sv.rearrange_micro_batches(td, 64, force_group_size=2, shared_prefix=True, prefix_reuse=True)
     with pytest.raises(ValueError, match="needs shared_prefix=True and strict=True"):
         seqpack_engine.patch(prefix_reuse=True)
+
+
+def test_prefix_reuse_refuses_losses_that_do_not_split_and_skips_value_heads():
+    from functools import partial
+    from types import SimpleNamespace
+
+    from seqpack.frameworks.verl.prefix_reuse import check_loss_splits
+
+    def loss(**kw):
+        return None
+
+    td = random_td(3, rows=8, p=6, r=5, groups=2)  # trees over a cap of 8: passes (as above)
+    ok = SimpleNamespace(loss_agg_mode="token-mean", policy_loss={"loss_mode": "vanilla"})
+    check_loss_splits(partial(loss, config=ok), td)
+    check_loss_splits(None, td)  # inference: no loss
+    for config, match in ((SimpleNamespace(loss_agg_mode="seq-mean-token-mean", policy_loss={}), "seq-mean-token-mean"),
+                          (SimpleNamespace(loss_agg_mode="token-mean", policy_loss={"loss_mode": "gspo"}), "'gspo'"),
+                          (SimpleNamespace(loss_agg_mode="seq-mean-token-sum", policy_loss={}), "global_batch_size")):
+        with pytest.raises(ValueError, match=match):
+            check_loss_splits(partial(loss, config=config), td)
+    pytest.importorskip("verl.workers.engine.fsdp.transformer_impl", reason="verl's engine needs codetiming")
+    from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead, FSDPEngineWithValueHead
+
+    seqpack_engine.patch(shared_prefix=True, prefix_reuse=True)
+    try:
+        import verl.workers.engine.utils as engine_utils
+
+        for cls, passes in ((FSDPEngineWithLMHead, True), (FSDPEngineWithValueHead, False)):
+            token = seqpack_engine._RUNNING.set(object.__new__(cls))  # as forward_backward_batch sets it
+            try:
+                mbs, _ = engine_utils.rearrange_micro_batches(td, 12)
+            finally:
+                seqpack_engine._RUNNING.reset(token)
+            assert any("seqpack_pass" in mb.keys() for mb in mbs) == passes, cls.__name__
+    finally:
+        seqpack_engine.unpatch()
+    assert "forward_backward_batch" not in FSDPEngineWithLMHead.__dict__

@@ -152,6 +152,20 @@ def test_the_engine_module_in_external_lib_turns_prefix_reuse_on():
                                                  "prefix trees in dynamic micro-batches"):
         config.load(with_lib("seqpack.frameworks.verl.prefix_reuse_engine", use_dynamic_bsz=False,
                              ppo_micro_batch_size_per_gpu=4))
+    assert "use_prefix_grouper" not in cfg.to_dict()["actor_rollout_ref"]["actor"]  # verl's own switch stays off
+    assert trees.to_dict()["actor_rollout_ref"]["model"]["external_lib"] == "seqpack.frameworks.verl.tree_engine"
+    own = config.load(with_lib("my_project.plugins", use_prefix_grouper=True))
+    assert own.to_dict()["actor_rollout_ref"]["model"]["external_lib"] == "my_project.plugins"  # kept, not dropped
+    assert own.to_dict()["actor_rollout_ref"]["actor"]["use_prefix_grouper"] is True
+    lib = "seqpack.frameworks.verl.prefix_reuse_engine"
+    for actor, match in ((dict(loss_agg_mode="seq-mean-token-mean"), "loss_agg_mode: 'seq-mean-token-mean'"),
+                         (dict(policy_loss={"loss_mode": "gspo"}), "loss_mode: 'gspo' couples a row's tokens"),
+                         (dict(ulysses_sequence_parallel_size=2), "without Ulysses"),
+                         (dict(strategy="megatron"), "strategy 'megatron'")):
+        with pytest.raises(config.ConfigError, match=match):
+            base = with_lib(lib, **actor)
+            base["actor_rollout_ref"]["model"]["use_remove_padding"] = True
+            config.load(base)
     batch, _, _ = verl_batch([30, 30], [[5, 5, 5], [6, 6]])
     with pytest.raises(ValueError, match="passes on verl's engine TensorDicts"):  # test_verl_engine.py runs them
         rearrange_micro_batches(batch, **cfg.rearrange_kwargs("actor"))

@@ -124,6 +124,9 @@ def load_nemo_rl(ctx: Context, data: Mapping[str, Any]) -> SeqpackConfig:
         if not shared_prefix:
             raise ConfigError("policy.shared_prefix_reuse: prefix reuse runs prefix trees larger than the cap in "
                               "passes; it needs policy.shared_prefix_training = true")
+        if use_megatron:
+            raise ConfigError("policy.shared_prefix_reuse: its passes run a transformers model (DTensor); the Megatron "
+                              "backend has no pass attention")
         if pad_multiple > 1 or parallel.cp > 1:
             raise ConfigError(f"policy.shared_prefix_reuse: its passes are neither padded nor sharded over "
                               f"context-parallel ranks; it needs a pad multiple of 1 and CP = 1 (this config pads "

@@ -103,7 +103,7 @@ def _verl_to_dict(cfg: Any) -> Dict[str, Any]:
     actor = sp({"strategy": v.strategy, "ppo_mini_batch_size": v.ppo_mini_batch_size,
                 "use_remove_padding": v.actor.use_remove_padding, **keys(v.actor, "ppo_")},
                v.strategy, v.actor.sp_size, "fsdp_config")
-    if v.actor.shared_prefix:
+    if v.actor.prefix_grouper:
         actor["use_prefix_grouper"] = True
     if v.strategy == "megatron":
         actor["megatron"].update(tensor_model_parallel_size=p.tp, pipeline_model_parallel_size=p.pp,
@@ -119,8 +119,7 @@ def _verl_to_dict(cfg: Any) -> Dict[str, Any]:
                  "max_response_length": v.max_response_length},
         "actor_rollout_ref": {
             "model": {"use_remove_padding": v.ref.use_remove_padding,
-                      **({"external_lib": "seqpack.frameworks.verl.prefix_reuse_engine"} if v.actor.prefix_reuse
-                         else {})},
+                      **({"external_lib": v.external_lib} if v.external_lib is not None else {})},
             "actor": actor,
             "ref": sp(keys(v.ref, "log_prob_", log_prob), v.strategy, v.ref.sp_size, "fsdp_config"),
             "rollout": {"n": v.rollout_n, **keys(v.rollout, "log_prob_", log_prob)},

@@ -129,6 +129,8 @@ class VerlMicroBatching:
         prefix_reuse: ``external_lib`` names
             ``seqpack.frameworks.verl.prefix_reuse_engine``: a tree larger than the
             cap runs in passes (``rearrange_kwargs`` passes ``prefix_reuse=True``).
+        prefix_grouper: the actor's ``use_prefix_grouper`` itself (verl's own
+            PrefixGrouper switch, written back by ``to_dict``).
     """
 
     path: str
@@ -140,6 +142,7 @@ class VerlMicroBatching:
     use_remove_padding: bool = True
     shared_prefix: bool = False
     prefix_reuse: bool = False
+    prefix_grouper: bool = False
 
     @property
     def max_token_len(self) -> Optional[int]:
@@ -179,6 +182,7 @@ class VerlConfig:
     max_response_length: Optional[int] = 512
     trainer: str = "ppo"
     sft: Optional[VerlMicroBatching] = None
+    external_lib: Optional[str] = None  # actor_rollout_ref.model.external_lib, written back by to_dict
 
     @property
     def roles(self) -> Tuple[str, ...]:

@@ -34,6 +34,26 @@ VERL_DEFAULT_MAX_TOKEN_LEN = 16384  # actor (and, through oc.select, rollout/ref
 VERL_DEFAULT_CRITIC_MAX_TOKEN_LEN = 32768
 
 
+def _check_prefix_reuse(actor: Reader, where: str, strategy: str, sp: int) -> None:
+    """What verl's engine runs in prefix-reuse passes: the FSDP engine without Ulysses,
+    and losses whose terms sum over the passes (verl/prefix_reuse.py checks the same
+    at run time)."""
+    from .._loss_split import VERL_SPLITTING_AGGREGATIONS as SPLITTING_AGGREGATIONS
+    from .._loss_split import VERL_TOKEN_LEVEL_LOSSES as TOKEN_LEVEL_LOSSES
+
+    if strategy not in ("fsdp", "fsdp2") or sp > 1:
+        raise ConfigError(f"{where}: prefix reuse runs in verl's FSDP engine without Ulysses sequence parallelism "
+                          f"(strategy {strategy!r}, Ulysses size {sp})")
+    agg = actor.text("loss_agg_mode", "token-mean")
+    if agg not in SPLITTING_AGGREGATIONS:
+        raise ConfigError(f"{actor.key('loss_agg_mode')}: {agg!r} divides by each row's own token count, which prefix "
+                          f"reuse splits over passes ({where}); use one of {SPLITTING_AGGREGATIONS}")
+    mode = actor.section("policy_loss").text("loss_mode", "vanilla")
+    if mode not in TOKEN_LEVEL_LOSSES:
+        raise ConfigError(f"{actor.key('policy_loss')}.loss_mode: {mode!r} couples a row's tokens, which prefix reuse "
+                          f"splits over passes ({where}); use one of {TOKEN_LEVEL_LOSSES}")
+
+
 # The worker modules (actor_rollout_ref.model.external_lib) that patch verl's engine:
 # prefix trees, and prefix trees with prefix reuse.
 TREE_LIBS = ("seqpack.frameworks.verl.tree_engine", "seqpack.frameworks.verl.prefix_reuse_engine")
@@ -150,13 +170,15 @@ def load_verl(ctx: Context, data: Mapping[str, Any]) -> SeqpackConfig:
             ctx.note(f"{actor.key('use_prefix_grouper')}: seqpack plans prefix trees in dynamic micro-batches "
                      f"({actor.key('use_dynamic_bsz')}); with fixed micro-batch sizes it plans nothing (verl's own "
                      "PrefixGrouper still groups each micro-batch's rows by uid)")
-        actor_mb = dataclasses.replace(actor_mb, shared_prefix=True)
+        actor_mb = dataclasses.replace(actor_mb, shared_prefix=True, prefix_grouper=True)
     lib = model.get("external_lib")
     if lib in TREE_LIBS:  # verl's own key: every worker imports it, and it patches the engine (docs/verl.md)
         if not actor_mb.use_dynamic_bsz:
             raise ConfigError(f"{model.key('external_lib')}: {lib} plans prefix trees in dynamic micro-batches; "
                               f"set {actor.key('use_dynamic_bsz')} = true")
         actor_mb = dataclasses.replace(actor_mb, shared_prefix=True, prefix_reuse=lib == TREE_LIBS[1])
+        if actor_mb.prefix_reuse:
+            _check_prefix_reuse(actor, model.key("external_lib"), strategy, actor_sp)
     log_prob_defaults = (actor_mb.use_dynamic_bsz, actor_mb.max_token_len_per_gpu, None, None)
     rollout_mb = role(rollout, log_prob_keys, log_prob_defaults, actor_sp, actor_rmpad, True, True)
     ref_mb = role(ref, log_prob_keys, log_prob_defaults, ref_sp, model_rmpad, True, True)
@@ -185,7 +207,8 @@ def load_verl(ctx: Context, data: Mapping[str, Any]) -> SeqpackConfig:
                       train_batch_size=train_batch_size, ppo_mini_batch_size=mini,
                       critic_ppo_mini_batch_size=critic_mini, rollout_n=rollout_n,
                       balance_batch=trainer.bool("balance_batch", True), use_critic=use_critic,
-                      max_prompt_length=prompt, max_response_length=response)
+                      max_prompt_length=prompt, max_response_length=response,
+                      external_lib=lib if isinstance(lib, str) else None)
     return SeqpackConfig(schema="verl", parallel=parallel, max_seqlen=longest,
                          global_batch_size=train_batch_size * rollout_n,
                          verl=verl, stream=read_verl_async(top, rollout_n))

@@ -180,10 +180,12 @@ def _trees(shard: ShardRecord, indices: Sequence[Sequence[int]], given: Mapping[
     given = dict(given)
     memory = given.pop("prefix_reuse_memory", "activations")
     options = _rule(shard, given)
+    from ...training.prefix_reuse import MEMORY_MODES
+
+    # checked on every batch (a step's other batches, or another rank's, may run in passes); used where one does
+    check(memory in MEMORY_MODES, f"prefix_reuse_memory must be one of {MEMORY_MODES}, got {memory!r}")
     if shard.micro_batch_passes is not None and shard.micro_batch_passes[0] is not None:
         return _passes(shard, indices, options, memory, wrap)
-    check(memory == "activations", f"prefix_reuse_memory={memory!r} applies to a batch planned in passes "
-                                   "(plan_step(..., prefix_reuse=True)); this one is not")
     carried = shard.micro_batch_trees[0] if tree_plan(shard) else None
     rule = shard.micro_batch_tree_options or {}
     if carried is not None and shard.micro_batch_static_lengths is not None:

@@ -12,6 +12,7 @@ Importing this module does not import torch.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import numpy as np
@@ -152,6 +153,17 @@ def reuse_shards(data: Mapping[str, Any], shards: int, batch_size: int, args: Ma
           f"sequence packing prefix_reuse=True: its passes are not padded, so {pad_key} must be 1, got {args[pad_key]}")
     check(args.get("force_group_size", 1) == 1, "sequence packing prefix_reuse=True cuts a tree larger than the cap "
                                                 "into passes, so a loss coupling force_group_size rows cannot run")
+    from .step_shards import FOREST_RULE
+
+    for key in ("input_key", "input_lengths_key"):
+        check(args[key] == FOREST_RULE[key], f"sequence packing prefix_reuse=True shards a step plan, whose trees are "
+                                             f"of {key}={FOREST_RULE[key]!r}; got {args[key]!r}")
+    ignored = [f"{k}={args[k]!r}" for k, default in (("microbatch_order", "packer"), ("balance", "round_robin"))
+               if args.get(k, default) != default]
+    if ignored:  # the step planner decides the ranks and the order of the passes
+        warnings.warn(f"sequence packing prefix_reuse=True: {', '.join(ignored)} not used (plan_step deals trees to "
+                      "the shards by the cost model, and a tree's passes run in their planned order)", UserWarning,
+                      stacklevel=4)
     lens = lengths(data, args["input_lengths_key"])
     flat, cu = row_tokens(data, args["input_key"], lens)
     labels = group_labels(data, args.get("shared_prefix_group_key"))

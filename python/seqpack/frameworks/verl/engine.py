@@ -30,6 +30,7 @@ Importing this module does not import verl or torch.
 
 from __future__ import annotations
 
+import contextvars
 from typing import Any, Dict, List, Optional, Tuple, Union
 
 import numpy as np
@@ -43,6 +44,7 @@ TREE_MAX_SHARE = 0.85
 _ORIGINAL: Dict[str, Any] = {}  # what patch() replaced: "module.name" -> verl's object
 _SETTINGS: Dict[str, Any] = {"shared_prefix": False, "strict": True, "prefix_reuse": False}
 _COUNTS: Dict[str, int] = {}  # micro-batches run on trees / on verl's forward (by reason)
+_RUNNING: "contextvars.ContextVar[Any]" = contextvars.ContextVar("seqpack_verl_engine", default=None)
 
 
 def counts(reset: bool = False) -> Dict[str, int]:
@@ -180,8 +182,18 @@ def _tree_outputs(module: Any, micro_batch: Any, temperature: Any, calculate_ent
     return out
 
 
+def _value_head(engine: Any) -> bool:
+    """An engine whose outputs are not the LM head's log-probs (verl's critic,
+    ``FSDPEngineWithValueHead``: it overrides ``prepare_model_outputs``)."""
+    from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
+
+    return type(engine).prepare_model_outputs is not FSDPEngineWithLMHead.prepare_model_outputs
+
+
 def _tree_reason(engine: Any, micro_batch: Any) -> Optional[str]:
     """Why verl's own forward runs this micro-batch, or None for the tree."""
+    if _value_head(engine):
+        return "a value head"
     if int(_meta(micro_batch, "sp_size", 1)) != 1 or getattr(engine, "ulysses_sequence_parallel_size", 1) != 1:
         return "Ulysses sequence parallelism"
     if _meta(micro_batch, "use_fused_kernels", False):
@@ -231,8 +243,9 @@ def _forward_step(original: Any):
                                                                                             dtype=dtype)
         with autocast:
             if passes:
-                from .prefix_reuse import pass_outputs
+                from .prefix_reuse import check_loss_splits, pass_outputs
 
+                check_loss_splits(loss_function, micro_batch)
                 model_output = pass_outputs(self.module, micro_batch, _temperature(micro_batch, None),
                                             bool(_meta(micro_batch, "calculate_entropy", False)))
             else:
@@ -248,6 +261,21 @@ def _forward_step(original: Any):
     return forward_step
 
 
+def _forward_backward_batch(original: Any):
+    """verl's ``forward_backward_batch``, the running engine remembered: the engine's
+    micro-batching (a module function) runs passes for an LM-head engine only (verl's
+    critic runs the trees, its values not split over passes)."""
+    def forward_backward_batch(self, data, loss_function, forward_only=False):
+        token = _RUNNING.set(self)
+        try:
+            return original(self, data, loss_function, forward_only)
+        finally:
+            _RUNNING.reset(token)
+
+    forward_backward_batch._seqpack_original = original
+    return forward_backward_batch
+
+
 def _engine_rearrange(original: Any):
     def rearrange_micro_batches(batch, max_token_len, dp_group=None, num_batches_divided_by=None,
                                 same_micro_num_in_dp=True, min_num_micro_batch=None, use_dynamic_bsz_balance=True,
@@ -255,9 +283,11 @@ def _engine_rearrange(original: Any):
         from .seqlen_balancing import rearrange_micro_batches as ours
 
         shared = _SETTINGS["shared_prefix"] and _SETTINGS["strict"] is True
+        engine = _RUNNING.get()
+        lm_head = engine is not None and not _value_head(engine)
         return ours(batch, max_token_len, dp_group, num_batches_divided_by, same_micro_num_in_dp, min_num_micro_batch,
                     use_dynamic_bsz_balance, force_group_size, strict=_SETTINGS["strict"], shared_prefix=shared,
-                    prefix_reuse=shared and _SETTINGS["prefix_reuse"])
+                    prefix_reuse=shared and _SETTINGS["prefix_reuse"] and lm_head)
 
     rearrange_micro_batches._seqpack_original = original
     return rearrange_micro_batches
@@ -278,7 +308,9 @@ def patch(shared_prefix: bool = False, *, strict: Union[bool, str] = True, prefi
       (its tree above ``TREE_MAX_SHARE`` of its tokens);
     - with ``prefix_reuse`` too, a tree larger than the cap runs as passes
       (:mod:`seqpack.frameworks.verl.prefix_reuse`: each shared prefix forwarded and
-      back-propagated once in the step; ``counts()["prefix_reuse"]`` counts them).
+      back-propagated once in the step; ``counts()["prefix_reuse"]`` counts them) in
+      the LM-head engines (``forward_backward_batch`` remembers the running engine;
+      verl's critic keeps micro-batches of rows, on verl's own forward).
 
     Idempotent (a later call changes the settings); :func:`unpatch` restores verl's.
     Returns the names that are seqpack's now."""
@@ -306,6 +338,11 @@ def patch(shared_prefix: bool = False, *, strict: Union[bool, str] = True, prefi
         _ORIGINAL["forward_step"] = FSDPEngineWithLMHead.__dict__["forward_step"]
         FSDPEngineWithLMHead.forward_step = _forward_step(_ORIGINAL["forward_step"])
         replaced.append("verl.workers.engine.fsdp.transformer_impl.FSDPEngineWithLMHead.forward_step")
+    if not hasattr(FSDPEngineWithLMHead.forward_backward_batch, "_seqpack_original"):
+        # set on the LM-head class (inherited from FSDPEngine until now; the critic's subclass inherits it)
+        FSDPEngineWithLMHead.forward_backward_batch = _forward_backward_batch(
+            FSDPEngineWithLMHead.forward_backward_batch)
+        replaced.append("verl.workers.engine.fsdp.transformer_impl.FSDPEngineWithLMHead.forward_backward_batch")
     if replaced:
         logging.getLogger(__name__).warning("seqpack.frameworks.verl.engine.patch(): verl's %s replaced by seqpack's "
                                             "(shared_prefix=%s, strict=%r, prefix_reuse=%s)", ", ".join(replaced),
@@ -324,6 +361,8 @@ def patched_names() -> List[str]:
         names += ["verl.workers.engine.utils.rearrange_micro_batches", "verl.workers.engine.utils.restore_dynamic_batch"]
     if impl is not None and hasattr(impl.FSDPEngineWithLMHead.__dict__["forward_step"], "_seqpack_original"):
         names.append("verl.workers.engine.fsdp.transformer_impl.FSDPEngineWithLMHead.forward_step")
+    if impl is not None and hasattr(impl.FSDPEngineWithLMHead.forward_backward_batch, "_seqpack_original"):
+        names.append("verl.workers.engine.fsdp.transformer_impl.FSDPEngineWithLMHead.forward_backward_batch")
     return names
 
 
@@ -339,5 +378,7 @@ def unpatch() -> List[str]:
         utils.restore_dynamic_batch = _ORIGINAL.pop("restore_dynamic_batch")
     if impl is not None and "forward_step" in _ORIGINAL:
         impl.FSDPEngineWithLMHead.forward_step = _ORIGINAL.pop("forward_step")
+    if impl is not None and "forward_backward_batch" in impl.FSDPEngineWithLMHead.__dict__:
+        del impl.FSDPEngineWithLMHead.forward_backward_batch  # FSDPEngine's again
     _SETTINGS.update(shared_prefix=False, strict=True, prefix_reuse=False)
     return restored

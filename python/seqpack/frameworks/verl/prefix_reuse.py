@@ -29,7 +29,7 @@ from typing import Any, Dict, List, Optional
 
 import numpy as np
 
-__all__ = ["pass_micro_batches", "pass_outputs"]
+__all__ = ["check_loss_splits", "pass_micro_batches", "pass_outputs"]
 
 PASS_KEY = "seqpack_pass"
 MASK_KEYS = ("response_mask", "loss_mask")
@@ -68,10 +68,11 @@ class _Steps:
         return mb
 
 
-def pass_micro_batches(rows_batch: Any, cap: int, group_key: Optional[str], count: int, dummy: Any) -> List[Any]:
+def pass_micro_batches(rows_batch: Any, cap: int, group_key: Optional[str], planned: Any, dummy: Any) -> List[Any]:
     """The micro-batches of ``rows_batch`` (a rank's rows, whole trees, in the order
-    the plan lays them out) in passes under ``cap``, padded with ``dummy()`` to
-    ``count``."""
+    the plan lays them out) in passes under ``cap``, checked against ``planned`` (the
+    rank's :class:`~seqpack.planning.PrefixReusePlan`) and padded with ``dummy()`` to
+    its count."""
     import torch
 
     from ...tensors.prefix_passes import split_prefix_tree
@@ -89,8 +90,11 @@ def pass_micro_batches(rows_batch: Any, cap: int, group_key: Optional[str], coun
         groups = group_codes(rows_batch[group_key])
     tree = pack_prefix_tree([values[cu[r]:cu[r + 1]] for r in range(lengths.shape[0])], group_ids=groups)
     passes = split_prefix_tree(tree, cap)
-    if len(passes.order) > count:
-        raise AssertionError(f"{len(passes.order)} passes, planned {count}")
+    at = [i for _, i in passes.order]
+    if list(passes.order) != planned.pass_order[0] or passes.tokens()[at].tolist() != planned.pass_tokens[0]:
+        raise ValueError(f"prefix_reuse: the rows' tokens split into passes {list(passes.order)} of "
+                         f"{passes.tokens()[at].tolist()} tokens, the plan's are {planned.pass_order[0]} of "
+                         f"{planned.pass_tokens[0]}: the batch's input_ids are not the rows the plan was made on")
     source = _Steps(prefix_reuse(passes, forward=nemo_rl_pass_forward))
     starts = _response_starts(rows_batch, lengths)
     out = []
@@ -106,7 +110,7 @@ def pass_micro_batches(rows_batch: Any, cap: int, group_key: Optional[str], coun
 
         mb[PASS_KEY] = NonTensorData(PassHandle(source, kind, index))
         out.append(mb)
-    return out + [dummy() for _ in range(count - len(out))]
+    return out + [dummy() for _ in range(planned.num_micro_batches - len(out))]
 
 
 def _response_starts(batch: Any, lengths: np.ndarray) -> np.ndarray:
@@ -135,33 +139,44 @@ def _response_columns(predicts: np.ndarray, cu: np.ndarray, starts: np.ndarray, 
 def pass_outputs(module: Any, micro_batch: Any, temperature: float, entropy: bool) -> Dict[str, Any]:
     """verl's ``model_output`` of a pass micro-batch: ``log_probs`` (and ``entropy``)
     nested over each row's full length, position ``t`` the log-prob of token ``t + 1``
-    where this pass predicts it, 0 elsewhere."""
+    where this pass predicts it, 0 elsewhere (:func:`seqpack.token_logprobs` on the
+    pass: the micro-batch's rows are its tree's logical rows, in order)."""
     import torch
 
+    from ...training.ops import token_logprobs
     from ..policy_forward import tree_model
 
     tree_model(module)
     mb = micro_batch[PASS_KEY].take()
-    layout = mb.layout
-    logits = mb.forward(module)[0].float() / temperature  # [own, V]
-    ids = micro_batch["input_ids"]
-    offsets = ids.offsets()
-    flat = ids.values()
-    n = int(flat.shape[0])
-    cu = offsets.cpu().numpy()
-    last = np.zeros(n, dtype=bool)
-    last[cu[1:] - 1] = True  # a row's last token predicts nothing
-    rows = np.flatnonzero(layout.predicted_tokens() & ~last)
-    local = np.full(layout.tree.num_tokens, -1, dtype=np.int64)
-    local[layout.own] = np.arange(layout.own.shape[0], dtype=np.int64)
-    at = torch.from_numpy(local[layout.tree.logical_index[rows]]).to(logits.device)
-    where = torch.from_numpy(rows).to(logits.device)
-    logp = torch.log_softmax(logits.index_select(0, at), dim=-1)
-    out: Dict[str, Any] = {}
-    picked = logp.gather(-1, flat.index_select(0, where + 1)[:, None].to(logits.device))[:, 0]
-    out["log_probs"] = torch.nested.nested_tensor_from_jagged(
-        logp.new_zeros(n).index_put((where,), picked), offsets)
+    logits = mb.forward(module)[0]  # [own tokens, V]
+    out = token_logprobs(logits, mb.layout, temperature=temperature, return_entropy=entropy)
+    offsets = micro_batch["input_ids"].offsets()
+    result = {"log_probs": torch.nested.nested_tensor_from_jagged(out.logprobs.float(), offsets)}
     if entropy:
-        ent = -(logp.exp() * logp).sum(-1)
-        out["entropy"] = torch.nested.nested_tensor_from_jagged(logp.new_zeros(n).index_put((where,), ent), offsets)
-    return out
+        result["entropy"] = torch.nested.nested_tensor_from_jagged(out.entropy.float(), offsets)
+    return result
+
+
+def check_loss_splits(loss_function: Any, micro_batch: Any) -> None:
+    """Refuse a loss whose terms couple a row's tokens (a sequence-level ratio, batch
+    statistics, a per-row mean) or that normalises by the micro-batch's own rows: on
+    passes it would give another gradient. Reads verl's ``ppo_loss`` partial's config."""
+    from .._loss_split import VERL_SPLITTING_AGGREGATIONS as SPLITTING_AGGREGATIONS
+    from .._loss_split import VERL_TOKEN_LEVEL_LOSSES as TOKEN_LEVEL_LOSSES
+
+    config = getattr(loss_function, "keywords", {}).get("config") if loss_function is not None else None
+    if config is None:
+        return
+    agg = getattr(config, "loss_agg_mode", "token-mean")
+    policy_loss = getattr(config, "policy_loss", None)
+    mode = policy_loss.get("loss_mode", "vanilla") if hasattr(policy_loss, "get") else "vanilla"
+    if agg not in SPLITTING_AGGREGATIONS:
+        raise ValueError(f"prefix_reuse: loss_agg_mode={agg!r} divides by each row's own token count, which the "
+                         f"passes split; use one of {SPLITTING_AGGREGATIONS} or turn prefix reuse off")
+    if mode not in TOKEN_LEVEL_LOSSES:
+        raise ValueError(f"prefix_reuse: policy_loss.loss_mode={mode!r} couples a row's tokens (a sequence-level "
+                         f"ratio or batch statistics), which the passes split; use one of {TOKEN_LEVEL_LOSSES} or "
+                         "turn prefix reuse off")
+    if agg.startswith("seq-mean") and micro_batch.get("global_batch_size", None) is None:
+        raise ValueError(f"prefix_reuse: loss_agg_mode={agg!r} without global_batch_size divides by each micro-batch's "
+                         "own rows, which every pass holds; set global_batch_size (verl's trainer does)")

@@ -142,6 +142,8 @@ def rearrange_micro_batches(
     Returns:
         ``(micro_batches, micro_bsz_idx)``: the sub-batches (rows ascending) and
         their row indices; ``get_reverse_idx(sum(micro_bsz_idx, []))`` restores order.
+        In passes (``prefix_reuse``) every pass lists the rank's rows in the order
+        that lays out its trees: :func:`restore_dynamic_batch` sums a row's passes.
 
     Raises:
         ValueError: a sequence (or, but with ``"soft_cap"``, a
@@ -158,11 +160,10 @@ def rearrange_micro_batches(
     parts, passes = _plan_parts(_mapping_views(batch), max_token_len, dp_group, num_batches_divided_by,
                                 same_micro_num_in_dp, min_num_micro_batch, use_dynamic_bsz_balance, force_group_size,
                                 strict, step_plan, dp_rank, mini_batch, shared_prefix, group_key, prefix_reuse)
-    if passes:
+    if passes is not None and passes.rank_rows[0]:
         from .prefix_reuse import pass_micro_batches
 
-        rows_ = next(p for p in parts if p)
-        return pass_micro_batches(select_rows(batch, rows_), int(max_token_len), group_key, len(parts),
+        return pass_micro_batches(select_rows(batch, passes.rank_rows[0]), int(max_token_len), group_key, passes,
                                   lambda: _dummy(batch)), parts
     return [select_rows(batch, p) if p else _dummy(batch) for p in parts], parts
 
@@ -282,15 +283,16 @@ def _mode_of(strict: Any) -> str:
 def _plan_parts(views: Callable[[], Tuple[Mapping[str, Any], Mapping[str, Any]]], max_token_len: Any, dp_group,
                 num_batches_divided_by, same_micro_num_in_dp, min_num_micro_batch, use_dynamic_bsz_balance,
                 force_group_size, strict, step_plan, dp_rank, mini_batch, shared_prefix=False,
-                group_key="uid", prefix_reuse=False) -> Tuple[List[List[int]], bool]:
-    """Row indices of each micro-batch, and whether they are prefix-reuse passes (each
-    pass then lists the rank's rows in the order that lays out its trees).
+                group_key="uid", prefix_reuse=False) -> Tuple[List[List[int]], Any]:
+    """Row indices of each micro-batch, and the rank's prefix-reuse plan where they
+    are passes (each pass then lists the rank's rows in the order that lays out its
+    trees), else None.
     ``views()`` gives ``(tensors, columns)``: the lengths come from
     ``tensors['attention_mask']``, and every value of ``columns`` must have its rows
     (called inside the agreement: it may raise)."""
     if step_plan is not None:
         return step_plan_parts(step_plan, dp_rank, mini_batch, batch_size(views()[1]),
-                               as_positive_int(max_token_len, "max_token_len"), "max_token_len"), False
+                               as_positive_int(max_token_len, "max_token_len"), "max_token_len"), None
     try:
         mode, bad_mode = _mode_of(strict), None
     except ValueError as exc:  # raised inside the agreement, so that a dp_group's other ranks stop too
@@ -299,7 +301,7 @@ def _plan_parts(views: Callable[[], Tuple[Mapping[str, Any], Mapping[str, Any]]]
         agree = bool(same_micro_num_in_dp) and (dp_group is not None or active())
     else:  # verl: dist.is_initialized() and same_micro_num_in_dp and dp_group is not None
         agree = bool(same_micro_num_in_dp) and dp_group is not None and _initialized()
-    box: Dict[str, Any] = {"passes": False}
+    box: Dict[str, Any] = {"passes": None}
     cap = 0  # max_token_len, checked inside the agreement (an invalid one on one rank stops every rank)
     reuse = bool(prefix_reuse)
 
@@ -310,8 +312,8 @@ def _plan_parts(views: Callable[[], Tuple[Mapping[str, Any], Mapping[str, Any]]]
                                   order="small_at_ends" if use_dynamic_bsz_balance else "heaviest_first",
                                   forest=forest, whole_trees=forest is not None and box["group"] > 1,
                                   prefix_reuse=forest is not None and reuse)
-        box["passes"] = plan.method == "prefix_reuse"
-        if box["passes"]:  # every pass reads the rank's trees: its rows in the order that lays them out
+        box["passes"] = plan.prefix_reuse  # None on trees
+        if box["passes"] is not None:  # every pass reads the rank's trees: its rows in the order that lays them out
             return [list(plan.prefix_reuse.rank_rows[0]) if p else [] for p in plan.micro_batches]
         return [list(p) for p in plan.micro_batches]
 
@@ -393,7 +395,7 @@ def _plan_parts(views: Callable[[], Tuple[Mapping[str, Any], Mapping[str, Any]]]
     group = box["group"]
     if group > 1 and box.get("forest") is None:  # parts of groups; a forest's parts are rows
         parts = [[g * group + j for g in p for j in range(group)] for p in parts]
-    return [[int(i) for i in p] for p in parts], bool(box["passes"])
+    return [[int(i) for i in p] for p in parts], box["passes"]
 
 
 def _forest(tensors: Mapping[str, Any], columns: Mapping[str, Any], group_key: Optional[str], mode: str):
