@@ -164,7 +164,9 @@ class StepPlan(ReadOnlyArrays):
     def rank_rows(self, r: int, mini_batch: Optional[int] = None) -> List[int]:
         """Rank ``r``'s sequence indices in the order it runs them: micro-batch by
         micro-batch, mini-batch by mini-batch (or only ``mini_batch``'s). A shard
-        built from these rows holds each micro-batch contiguously.
+        built from these rows holds each micro-batch contiguously; of a mini-batch in
+        prefix-reuse passes, the rows in the order that lays out the rank's trees
+        (every pass reads them all).
 
         >>> plan_step([5, 3, 4, 2], dp_size=2, max_tokens=8).rank_rows(0)
         [0, 3]
