@@ -184,3 +184,40 @@ def test_plans_and_shards_in_passes_pickle_and_deep_copy():
         assert back.micro_batch_passes[0].order == batch.micro_batch_passes[0].order
         assert back.micro_batch_passes[0].tokens().tolist() == batch.micro_batch_passes[0].tokens().tolist()
         assert back.micro_batch_lengths == batch.micro_batch_lengths
+
+
+def agentic_data(seed=0):
+    """Agentic rows: two episodes whose turns extend one history (a row per turn), so
+    prefixes nest (a history shared by every later turn, a longer one by fewer)."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for _ in range(2):
+        history = rng.integers(1, 31, 12).tolist()
+        for _ in range(4):
+            history = history + rng.integers(1, 31, int(rng.integers(4, 9))).tolist()
+            rows.append(list(history))
+    width = max(map(len, rows))
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    for i, row in enumerate(rows):
+        ids[i, :len(row)] = torch.tensor(row)
+    lengths = torch.tensor([len(r) for r in rows])
+    data = seqpack.BatchedDataDict(input_ids=ids, input_lengths=lengths, sample_mask=torch.ones(len(rows)),
+                                   token_mask=(torch.arange(width)[None] < lengths[:, None]).float())
+    return data, rows
+
+
+@pytest.mark.parametrize("cap, dp", [(10, 1), (16, 2)])
+def test_nested_agentic_prefixes_through_the_shards(cap, dp, exact_norms):
+    data, rows = agentic_data(seed=cap)
+    forest = seqpack.PrefixForest.from_rows(rows)
+    model = tiny_llama()
+    expected, want, _, _ = run_step(model, data, seqpack.plan_step(forest.lengths, dp, 256, forest=forest),
+                                    NLLLoss(), dp)
+    plan = seqpack.plan_step(forest.lengths, dp, cap, forest=forest, prefix_reuse=True)
+    assert plan.planned_on == "prefix_reuse" and max(len(r) for r in rows) > cap  # rows longer than the cap too
+    assert any(n > 1 for passes in plan.prefix_reuse for rank in passes.pass_order
+               for n in [sum(1 for kind, _ in rank if kind == "close")])  # several nested providers
+    total, grads, _, _ = run_step(model, data, plan, NLLLoss(), dp)
+    assert total == pytest.approx(expected, rel=1e-11)
+    for n, g in grads.items():
+        torch.testing.assert_close(g, want[n], rtol=1e-9, atol=1e-12)
