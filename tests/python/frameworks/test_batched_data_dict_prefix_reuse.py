@@ -44,14 +44,14 @@ def exact_norms(monkeypatch):
 
 
 def run_step(model, data, plan, loss_fn, dp, shard_kwargs=None, **iterator_options):
-    """Every shard's micro-batches, NeMo-RL's loop; the loss summed over ranks (the
-    gradient of DP ranks summed, as an all-reduce would)."""
+    """Every shard's micro-batches of every global batch, NeMo-RL's loop; the loss
+    summed over ranks (the gradient of DP ranks summed, as an all-reduce would)."""
     model.zero_grad(set_to_none=True)
     gvs, gvt = data["sample_mask"].sum(), (data["token_mask"][:, 1:] * data["sample_mask"][:, None]).sum()
     shards, _ = data.shard_by_batch_size(dp, **(shard_kwargs or {"step_plan": plan}))
     total, counts, kinds = 0.0, [], []
-    for shard in shards:
-        batch = shard.get_batch(0)
+    batches = [shard.get_batch(b) for shard in shards for b in range(len(shard.elem_counts_per_gb))]
+    for batch in batches:
         mbs = []
         for tmb in batch.make_microbatch_iterator_for_packable_sequences(**iterator_options):
             assert isinstance(tmb, TreeMicroBatch)
@@ -134,6 +134,14 @@ def test_sequence_packing_args_with_prefix_reuse_plan_the_step(exact_norms):
     by_plan, plan_order = data.shard_by_batch_size(2, batch_size=4, step_plan=plan)
     assert order == plan_order and [s.micro_batch_lengths for s in shards] == [s.micro_batch_lengths for s in by_plan]
     assert all(p is not None for s in shards for p in s.micro_batch_passes)
+    model = tiny_llama()  # two global batches trained in passes equal the same batches on whole trees
+    whole = seqpack.plan_step(forest.lengths, 2, 128, forest=forest, mini_batches=2)
+    expected, want, _, _ = run_step(model, data, whole, NLLLoss(), 2)
+    total, grads, counts, _ = run_step(model, data, None, NLLLoss(), 2,
+                                       shard_kwargs={"batch_size": 4, "sequence_packing_args": args})
+    assert len(counts) == 4 and total == pytest.approx(expected, rel=1e-11)
+    for n, g in grads.items():
+        torch.testing.assert_close(g, want[n], rtol=1e-9, atol=1e-12)
     with pytest.raises(ValueError, match="its passes are not padded, so sequence_length_pad_multiple must be 1"):
         data.shard_by_batch_size(2, batch_size=4, sequence_packing_args={**args, "sequence_length_pad_multiple": 8})
     with pytest.raises(ValueError, match="prefix_reuse=True runs prefix trees in passes: it needs shared_prefix"):
