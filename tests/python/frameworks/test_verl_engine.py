@@ -247,3 +247,27 @@ def test_prefix_reuse_refuses_losses_that_do_not_split_and_skips_value_heads():
     finally:
         seqpack_engine.unpatch()
     assert "forward_backward_batch" not in FSDPEngineWithLMHead.__dict__
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(0, 10_000), st.integers(6, 30), st.integers(2, 4))
+def test_prefix_reuse_passes_hold_every_loss_token_once(seed, cap, groups):
+    # random GRPO engine batches (a prompt of 1-8 tokens per uid, 4 responses of 1-6) under random caps:
+    # the passes' response masks partition the rows' (every loss token in exactly one pass)
+    g = torch.Generator().manual_seed(seed)
+    p, r, rows_per = 8, 6, 4
+    pl = torch.randint(1, p + 1, (groups,), generator=g).repeat_interleave(rows_per)  # a prompt per uid group
+    prompt_ids = torch.randint(3, 50, (groups, p), generator=g).repeat_interleave(rows_per, 0)
+    prompts_ = prompt_ids * (torch.arange(p)[None] >= p - pl[:, None])
+    rl = torch.randint(1, r + 1, (groups * rows_per,), generator=g)
+    responses_ = torch.randint(3, 50, (groups * rows_per, r), generator=g) * (torch.arange(r)[None] < rl[:, None])
+    td = engine_td(prompts_, responses_, uid=[f"u{i // rows_per}" for i in range(groups * rows_per)])
+    mbs, parts = sv.rearrange_micro_batches(td, cap, shared_prefix=True, prefix_reuse=True)
+    passes = [mb for mb in mbs if "seqpack_pass" in mb.keys()]
+    if not passes:  # trees kept (they need no more micro-batches): every row once
+        assert sorted(i for p in parts for i in p) == list(range(len(td)))
+        return
+    rows_ = parts[0]
+    assert sorted(rows_) == list(range(len(td))) and all(p in ([], rows_) for p in parts)
+    assert torch.equal(sum(mb["response_mask"] for mb in passes), td["response_mask"][torch.tensor(rows_)])
+    assert len(mbs) == len(parts) and sum(1 for p in parts if not p) == len(mbs) - len(passes)
