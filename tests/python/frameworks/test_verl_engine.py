@@ -271,3 +271,10 @@ def test_prefix_reuse_passes_hold_every_loss_token_once(seed, cap, groups):
     assert sorted(rows_) == list(range(len(td))) and all(p in ([], rows_) for p in parts)
     assert torch.equal(sum(mb["response_mask"] for mb in passes), td["response_mask"][torch.tensor(rows_)])
     assert len(mbs) == len(parts) and sum(1 for p in parts if not p) == len(mbs) - len(passes)
+
+
+def test_prefix_reuse_needs_the_prompts_to_split_the_loss_mask():
+    td = random_td(3, rows=8, p=6, r=5, groups=2)
+    del td["prompts"]
+    with pytest.raises(ValueError, match="needs 'prompts' \\(nested, or padded with 'attention_mask'\\)"):
+        sv.rearrange_micro_batches(td, 12, shared_prefix=True, prefix_reuse=True)

@@ -29,7 +29,7 @@ from typing import Any, Dict, List, Optional
 
 import numpy as np
 
-__all__ = ["check_loss_splits", "pass_micro_batches", "pass_outputs"]
+__all__ = ["check_loss_splits", "check_pass_inputs", "pass_micro_batches", "pass_outputs"]
 
 PASS_KEY = "seqpack_pass"
 MASK_KEYS = ("response_mask", "loss_mask")
@@ -74,6 +74,7 @@ def pass_micro_batches(rows_batch: Any, cap: int, group_key: Optional[str], plan
     rank's :class:`~seqpack.planning.PrefixReusePlan`) and padded with ``dummy()`` to
     its count."""
     import torch
+    from tensordict import NonTensorData
 
     from ...tensors.prefix_passes import split_prefix_tree
     from ...tensors.prefix_tree import pack_prefix_tree
@@ -106,11 +107,24 @@ def pass_micro_batches(rows_batch: Any, cap: int, group_key: Optional[str], plan
                 mask = mb[key]
                 keep = _response_columns(predicts, cu, starts, mask.shape[1])
                 mb[key] = mask * torch.from_numpy(keep).to(device=mask.device, dtype=mask.dtype)
-        from tensordict import NonTensorData
-
         mb[PASS_KEY] = NonTensorData(PassHandle(source, kind, index))
         out.append(mb)
     return out + [dummy() for _ in range(planned.num_micro_batches - len(out))]
+
+
+def check_pass_inputs(batch: Any) -> None:
+    """What a pass micro-batch reads of an engine TensorDict: nested ``input_ids``
+    (the rows' tokens) and ``prompts`` (nested, or padded with ``attention_mask``: where
+    each row's responses start, whose loss mask each pass keeps its share of)."""
+    from .._batch import is_nested
+
+    keys = set(batch.keys())
+    if not is_nested(batch["input_ids"] if "input_ids" in keys else None):
+        raise ValueError("prefix_reuse=True runs passes on verl's engine TensorDicts (nested 'input_ids', verl "
+                         "0.9.1's training path), not on padded batches")
+    if "prompts" not in keys or not (is_nested(batch["prompts"]) or "attention_mask" in keys):
+        raise ValueError("prefix_reuse=True: each pass keeps the loss mask of the responses it predicts, so the batch "
+                         "needs 'prompts' (nested, or padded with 'attention_mask'), as verl's losses read them")
 
 
 def _response_starts(batch: Any, lengths: np.ndarray) -> np.ndarray:

@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Mapping, Optional, 
 
 import numpy as np
 
-from .._batch import (batch_size, coupled_trees, dummy_row, is_data_proto, is_nested, is_tensor, mask_lengths,
+from .._batch import (batch_size, coupled_trees, dummy_row, is_data_proto, is_tensor, mask_lengths,
                      padded_forest, proto_columns, proto_select, step_plan_parts)
 from ..._dist import active, agree_on_count, all_reduce_int, all_reduce_ints, checked_on_every_rank
 from ..policy_forward import verl_tree_forward as tree_forward_micro_batch
@@ -339,9 +339,10 @@ def _plan_parts(views: Callable[[], Tuple[Mapping[str, Any], Mapping[str, Any]]]
         if reuse and not shared_prefix:
             raise ValueError("prefix_reuse=True runs prefix trees larger than the cap in passes: it needs "
                              "shared_prefix=True")
-        if reuse and not is_nested(tensors.get("input_ids")):
-            raise ValueError("prefix_reuse=True runs passes on verl's engine TensorDicts (nested 'input_ids', verl "
-                             "0.9.1's training path), not on padded batches")
+        if reuse:
+            from .prefix_reuse import check_pass_inputs
+
+            check_pass_inputs(tensors)
         if lengths.size and lengths.max() > cap and not reuse:  # in passes a row longer than the cap is planned
             raise ValueError(f"a sequence has {int(lengths.max())} tokens, more than max_token_len={cap}")
         group = as_positive_int(force_group_size, "force_group_size")
