@@ -127,3 +127,19 @@ def test_the_shared_prefix_switch_reaches_the_step_options():
             assert seqpack.StreamPlanner(**cfg.stream_planner_kwargs(2)).shared_prefix
     nemo["policy"]["shared_prefix_training"] = False
     assert not load(nemo).step_options().shared_prefix
+
+
+def test_the_prefix_reuse_switches_reach_the_stream_planner():
+    nemo = nemo_rl(step_tokens=1 << 20)
+    nemo["policy"].update(shared_prefix_training=True, shared_prefix_reuse=True, make_sequence_length_divisible_by=1,
+                          dtensor_cfg={"enabled": True})
+    nemo["policy"]["sequence_packing"]["microbatch_order"] = "packer"
+    lib = verl(step_tokens=1 << 20)
+    lib["actor_rollout_ref"]["model"] = {"external_lib": "seqpack.frameworks.verl.prefix_reuse_engine"}
+    for data in (nemo, lib):
+        cfg = load(data)
+        planner = seqpack.StreamPlanner(**cfg.stream_planner_kwargs(2))
+        assert planner.options.prefix_reuse and planner.shared_prefix
+    nemo["policy"]["sequence_packing"]["microbatch_order"] = "largest_first"  # the stream's order: passes have theirs
+    with pytest.raises(config.ConfigError, match="prefix_reuse=True and micro_batch_order='largest_first'"):
+        load(nemo).step_options()
