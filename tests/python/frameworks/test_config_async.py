@@ -142,4 +142,4 @@ def test_the_prefix_reuse_switches_reach_the_stream_planner():
         assert planner.options.prefix_reuse and planner.shared_prefix
     nemo["policy"]["sequence_packing"]["microbatch_order"] = "largest_first"  # the stream's order: passes have theirs
     with pytest.raises(config.ConfigError, match="prefix_reuse=True and micro_batch_order='largest_first'"):
-        load(nemo).step_options()
+        load(nemo)  # named when the config is read

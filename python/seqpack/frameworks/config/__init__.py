@@ -208,6 +208,8 @@ def load(source: Union[str, os.PathLike, Mapping[str, Any]], *, schema: Optional
             _resolve.unregister(added)
     for message in ctx.notes:
         warnings.warn(message, UserWarning, stacklevel=2)
+    if result.prefix_reuse_training:  # options a tree's passes cannot honour (a stream's order, shapes): named now
+        result.step_options()
     return dataclasses.replace(result, raw=written)
 
 
