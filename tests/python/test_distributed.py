@@ -381,6 +381,18 @@ def check_prefix_reuse_count_agreement(rank, world):
     with pytest.raises(ValueError, match="verl's engine TensorDicts" if rank == 0 else "another rank"):
         rearrange_micro_batches(bad if rank == 0 else td, max_token_len=24, shared_prefix=True, prefix_reuse=True,
                                 dp_group=dist.group.WORLD)
+    # ROLL's packer: the same, its count read from the first micro-batch (the passes run lazily)
+    ids = td["input_ids"].to_padded_tensor(0)
+    mini = {"input_ids": ids, "attention_mask": (ids != 0).long(), "prompt_id": torch.arange(len(td)) // 4}
+    first = next(roll.make_micro_batch_iter_for_sequence_packing(
+        mini, max_packed_sequence_length=24, shared_prefix=True, prefix_reuse=True, group_key="prompt_id",
+        dp_group=dist.group.WORLD))
+    dist.all_gather(counts, torch.tensor([first.meta_info["num_micro_batchs"]]))
+    assert len({int(c) for c in counts}) == 1 and "prefix_pass" in first.meta_info, counts
+    with pytest.raises(ValueError, match="needs the batch's 'input_ids'" if rank == 0 else "another rank"):
+        roll.make_micro_batch_iter_for_sequence_packing(
+            {"attention_mask": mini["attention_mask"]} if rank == 0 else mini, max_packed_sequence_length=24,
+            shared_prefix=True, prefix_reuse=True, dp_group=dist.group.WORLD)
     dist.barrier()
 
 

@@ -4,6 +4,7 @@ its ``strategy_args``, ``use_sequence_packing`` + ``sequence_packing_args`` and
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Mapping, Optional
 
 from ...tensors.layout import alignment, round_up
@@ -23,7 +24,7 @@ ROLL_DEFAULT_STRATEGY = "fsdp2_train"
 ROLL_OLDER_DEFAULT_STRATEGY = "deepspeed_train"
 ROLL_SEQUENCE_PACKING_KEYS = ("algorithm", "max_packed_sequence_length_train", "max_packed_sequence_length_forward",
                               "min_num_micro_batches_train", "min_num_micro_batches_forward",
-                              "shared_prefix")  # seqpack's key: ROLL has no shared-prefix switch yet
+                              "shared_prefix", "prefix_reuse")  # seqpack's keys: ROLL has no such switches yet
 
 
 def load_roll(ctx: Context, data: Mapping[str, Any], role: str) -> SeqpackConfig:
@@ -108,6 +109,9 @@ def load_roll(ctx: Context, data: Mapping[str, Any], role: str) -> SeqpackConfig
     if packing_on and roll_packing.shared_prefix and roll_packing.algorithm != "load_balance":
         raise ConfigError(f"{args.key('shared_prefix')}: prefix trees are planned by algorithm 'load_balance', "
                           f"got {args.key('algorithm')} = {roll_packing.algorithm!r}")
+    if args.bool("prefix_reuse") and packing_on:
+        roll_packing = dataclasses.replace(roll_packing, prefix_reuse=True,
+                                           loss_agg_mode=_check_prefix_reuse(top, args, roll_packing))
 
     def dyn(phase: str, on: bool):
         cap_name, round_name = f"max_tokens_per_microbatch_in_{phase}", f"sequence_length_round_in_{phase}"
@@ -136,3 +140,35 @@ def load_roll(ctx: Context, data: Mapping[str, Any], role: str) -> SeqpackConfig
         sequence_length_round_in_infer=infer_round)
     return SeqpackConfig(schema="roll", parallel=parallel, max_seqlen=sequence_length, roll_packing=roll_packing,
                          roll_dynamic_batching=roll_dynamic, role=role)
+
+
+def _check_prefix_reuse(top: Reader, args: Reader, packing: RollPackingConfig) -> str:
+    """``sequence_packing_args.prefix_reuse``: trees larger than the cap in passes, each
+    holding a share of every row's loss tokens. It needs trees (``shared_prefix``),
+    unpadded sequences and a loss whose terms sum over the passes (ROLL's ``agg_loss``
+    over the global counts); the ``loss_agg_mode`` read is returned."""
+    from .._loss_split import ROLL_ROW_COUPLING, ROLL_SPLITTING_AGGREGATIONS
+
+    where = args.key("prefix_reuse")
+    if not packing.shared_prefix:
+        raise ConfigError(f"{where}: runs prefix trees in passes; it needs {args.key('shared_prefix')}: true")
+    if packing.pad_multiple != 1:
+        raise ConfigError(f"{where}: passes are not padded; TP / CP pad each sequence to {packing.pad_multiple} "
+                          "(turn prefix_reuse off with them)")
+    agg = top.text("loss_agg_mode", "seq-mean-token-mean")  # ROLL's PPOConfig default
+    if agg not in ROLL_SPLITTING_AGGREGATIONS:
+        raise ConfigError(f"{top.key('loss_agg_mode')}: {agg!r} divides by each row's own token count, which "
+                          f"prefix reuse splits over passes ({where}); set one of {ROLL_SPLITTING_AGGREGATIONS}")
+    for name, on in ROLL_ROW_COUPLING:
+        if top.get(name) == on:
+            raise ConfigError(f"{top.key(name)}: {on!r} couples a row's tokens (a sequence-level term), which prefix "
+                              f"reuse splits over passes ({where})")
+    correction = top.get("train_infer_correction")
+    if isinstance(correction, Mapping):
+        parts = [("is_weight", correction.get("is_weight"), "weight_type")]
+        parts += [(f"filters[{i}]", f, "agg_type") for i, f in enumerate(correction.get("filters") or [])]
+        for name, part, level in parts:
+            if isinstance(part, Mapping) and part.get("enabled") and part.get(level, "token") != "token":
+                raise ConfigError(f"{top.key('train_infer_correction')}.{name}.{level}: {part.get(level)!r} couples "
+                                  f"a row's tokens, which prefix reuse splits over passes ({where})")
+    return agg

@@ -54,7 +54,7 @@ def config_to_dict(cfg: Any) -> Dict[str, Any]:
         "sequence_packing_args": {k: getattr(rp, k) for k in (
             "algorithm", "max_packed_sequence_length_train", "max_packed_sequence_length_forward",
             "min_num_micro_batches_train", "min_num_micro_batches_forward") + (
-            ("shared_prefix",) if rp.shared_prefix else ())},
+            ("shared_prefix",) if rp.shared_prefix else ()) + (("prefix_reuse",) if rp.prefix_reuse else ())},
         "use_dynamic_batching_in_train": rd.train, "use_dynamic_batching_in_infer": rd.infer,
     }
     for key in ("max_tokens_per_microbatch_in_train", "max_tokens_per_microbatch_in_infer",
@@ -65,6 +65,8 @@ def config_to_dict(cfg: Any) -> Dict[str, Any]:
     out: Dict[str, Any] = {cfg.role: worker}
     if cfg.max_seqlen is not None:
         out["sequence_length"] = cfg.max_seqlen
+    if rp.loss_agg_mode is not None:
+        out["loss_agg_mode"] = rp.loss_agg_mode
     return out
 
 

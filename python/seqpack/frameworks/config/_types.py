@@ -81,7 +81,8 @@ class DynamicBatchingConfig:
 @dataclass(frozen=True)
 class RollPackingConfig:
     """ROLL ``use_sequence_packing`` + ``sequence_packing_args`` (and seqpack's
-    ``sequence_packing_args.shared_prefix``: training micro-batches as prefix trees)."""
+    ``sequence_packing_args.shared_prefix``: training micro-batches as prefix trees;
+    ``sequence_packing_args.prefix_reuse``: trees larger than the cap in passes)."""
 
     enabled: bool = False
     algorithm: str = "none"
@@ -91,6 +92,8 @@ class RollPackingConfig:
     min_num_micro_batches_forward: int = 1
     pad_multiple: int = 1
     shared_prefix: bool = False
+    prefix_reuse: bool = False
+    loss_agg_mode: Optional[str] = None  # the top-level key, read (and written back) with prefix_reuse
 
 
 @dataclass(frozen=True)
@@ -326,15 +329,15 @@ class SeqpackConfig:
         (:attr:`shared_prefix_training` on, and NeMo-RL's
         ``policy.shared_prefix_reuse`` or verl's
         ``actor_rollout_ref.model.external_lib:
-        seqpack.frameworks.verl.prefix_reuse_engine``; ROLL's micro-batches do not
-        run passes yet)."""
+        seqpack.frameworks.verl.prefix_reuse_engine``, ROLL's
+        ``sequence_packing_args.prefix_reuse``)."""
         if not self.shared_prefix_training:
             return False
         if self.schema == "nemo_rl":
             return self.sequence_packing.prefix_reuse
         if self.schema == "verl":
             return self.verl.role("sft" if self.verl.trainer == "sft" else "actor").prefix_reuse
-        return False
+        return self.roll_packing.prefix_reuse
 
     def step_options(self) -> "StepOptions":
         """The :class:`seqpack.StepOptions` every step of this config is planned
@@ -412,7 +415,8 @@ class SeqpackConfig:
     def load_balance_kwargs(self, phase: str = "train") -> Dict[str, Any]:
         """Keyword arguments of :func:`seqpack.roll.make_micro_batch_iter_for_sequence_packing`
         (``phase``: ``"train"`` or ``"forward"``; ``shared_prefix`` for training
-        with ``sequence_packing_args.shared_prefix``)."""
+        with ``sequence_packing_args.shared_prefix``, and ``prefix_reuse`` with
+        ``sequence_packing_args.prefix_reuse``)."""
         self._roll("load_balance_kwargs")
         rp = self.roll_packing
         if not rp.enabled:
@@ -428,6 +432,8 @@ class SeqpackConfig:
         }
         if rp.shared_prefix and phase == "train":  # the forward (log-prob) pass stays dense
             kwargs["shared_prefix"] = True
+            if rp.prefix_reuse:
+                kwargs["prefix_reuse"] = True
         return kwargs
 
     def dynamic_batching_shard_kwargs(self, dp_size: int, phase: str = "train") -> Dict[str, Any]:

@@ -23,6 +23,8 @@ dynamic batching, where ROLL asserts, a :class:`RollError` (also an ``AssertionE
   :class:`LoadBalancePacker`, :class:`SequencePackingPacker`,
   :class:`SequencePackingConfig`, :func:`get_sequence_packing_packer` and
   :func:`calculate_workload` are thin adapters over them with ROLL's signatures.
+  With ``shared_prefix`` it plans prefix trees, and with ``prefix_reuse`` passes
+  (:func:`pass_logprobs` runs one).
 
 Example (ROLL's load-balance example: two micro-batches of exactly 4096 tokens):
     >>> import torch
@@ -51,6 +53,7 @@ from .common import RollBatch, RollError, batch_columns, int_like
 from .dynamic import (dynamic_batching_shard, make_micro_batch_iter_for_dynamic_batching,
                             make_mini_batch_iter_for_dynamic_batching)
 from .packing import phase_value, pad_factor, pack_sequences_of, calculate_workload
+from .prefix_reuse import pass_logprobs
 
 if TYPE_CHECKING:  # pragma: no cover
     from ...planning.step import StepPlan
@@ -69,6 +72,7 @@ __all__ = [
     "make_micro_batch_iter_for_dynamic_batching",
     "make_micro_batch_iter_for_sequence_packing",
     "make_mini_batch_iter_for_dynamic_batching",
+    "pass_logprobs",
     "restore_results_order",
 ]
 
@@ -160,6 +164,8 @@ def make_micro_batch_iter_for_sequence_packing(
     strict: bool = True,
     shared_prefix: bool = False,
     group_key: Optional[str] = None,
+    prefix_reuse: bool = False,
+    prefix_reuse_memory: str = "activations",
 ) -> Iterator[Any]:
     """Micro-batches of a mini-batch for sequence packing (ROLL ``algorithm``
     ``"none"``: consecutive chunks of ``micro_batch_size`` rows; ``"load_balance"``:
@@ -212,6 +218,17 @@ def make_micro_batch_iter_for_sequence_packing(
     ``step_plan`` the plan decides the micro-batches (plan it with ``forest=``) and
     each still gets its tree.
 
+    ``prefix_reuse`` (seqpack's ``sequence_packing_args.prefix_reuse``; with
+    ``shared_prefix``, a pad multiple of 1, no ``step_plan``): where the mini-batch's
+    trees would need more micro-batches than passes (a group over the cap, a row
+    longer than it), each shared prefix is forwarded and back-propagated once
+    (:mod:`seqpack.frameworks.roll.prefix_reuse`): one micro-batch per pass, each
+    holding every row with its response masks kept where that pass predicts the
+    token and ``meta_info["prefix_pass"]`` the pass to run (forward, then backward, in
+    the order yielded; :func:`pass_logprobs` gives ROLL's log-probs of it), then the
+    dummies. ``prefix_reuse_memory``: ``"activations"`` or ``"kv"``
+    (:func:`seqpack.prefix_reuse`).
+
     A DataProto's micro-batches are its own ``select_idxs`` (its class); a mapping's
     are :class:`RollBatch`. As ROLL, the mini-batch's own ``meta_info`` (a
     DataProto's or a RollBatch's) gets ``partition_indices_list`` and
@@ -231,14 +248,15 @@ def make_micro_batch_iter_for_sequence_packing(
             1 if pp_size is None else pp_size, max_packed_sequence_length=max_packed_sequence_length,
             min_num_micro_batches=min_num_micro_batches, pad_multiple=pad_multiple, step_plan=step_plan,
             dp_rank=dp_rank, mini_batch_index=mini_batch_index, strict=strict, shared_prefix=shared_prefix,
-            group_key=group_key)
+            group_key=group_key, prefix_reuse=prefix_reuse, prefix_reuse_memory=prefix_reuse_memory)
     return pack_sequences_of(
         mini_batch, algorithm="load_balance" if algorithm is None else algorithm, cap=max_packed_sequence_length,
         min_num=1 if min_num_micro_batches is None else min_num_micro_batches, pad_multiple=pad_multiple,
         pad_rule=lambda cp, tp: alignment(cp, tp, rule="roll"), tp_size=tp_size, cp_size=cp_size, vp_size=vp_size,
         pp_size=pp_size, is_train=is_train, dp_group=dp_group, micro_batch_size=micro_batch_size,
         step_plan=step_plan, dp_rank=dp_rank, mini_batch_index=mini_batch_index, strict=strict,
-        shared_prefix=shared_prefix, group_key=group_key)
+        shared_prefix=shared_prefix, group_key=group_key, prefix_reuse=prefix_reuse,
+        prefix_reuse_memory=prefix_reuse_memory)
 
 
 def restore_results_order(results: Mapping[str, Any], partition_indices_list: Sequence[Sequence[int]],
@@ -318,6 +336,7 @@ class SequencePackingPacker(ValueEquality):
         max_packed_sequence_length: Optional[int] = None, min_num_micro_batches: Optional[int] = None,
         pad_multiple: Optional[int] = None, step_plan: Optional["StepPlan"] = None, dp_rank: Optional[int] = None,
         mini_batch_index: int = 0, strict: bool = True, shared_prefix: bool = False, group_key: Optional[str] = None,
+        prefix_reuse: bool = False, prefix_reuse_memory: str = "activations",
     ) -> Iterator[Any]:
         """ROLL's signature; see :func:`make_micro_batch_iter_for_sequence_packing`
         (the keywords after ``pp_size`` are seqpack's and override the config)."""
@@ -330,7 +349,8 @@ class SequencePackingPacker(ValueEquality):
             pad_rule=self.get_pad_factor, tp_size=tp_size, cp_size=cp_size, vp_size=vp_size,
             pp_size=1 if pp_size is None else pp_size, is_train=is_train, dp_group=dp_group,
             micro_batch_size=micro_batch_size, step_plan=step_plan, dp_rank=dp_rank,
-            mini_batch_index=mini_batch_index, strict=strict, shared_prefix=shared_prefix, group_key=group_key)
+            mini_batch_index=mini_batch_index, strict=strict, shared_prefix=shared_prefix, group_key=group_key,
+            prefix_reuse=prefix_reuse, prefix_reuse_memory=prefix_reuse_memory)
 
     @staticmethod
     def restore_results_order(results: Mapping[str, Any], partition_indices_list: Sequence[Sequence[int]]) -> Any:

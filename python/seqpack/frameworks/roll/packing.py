@@ -47,11 +47,13 @@ def phase_value(config: Any, is_train: bool, name: str, default: Any = None) -> 
     return default if value is None else value
 
 
-def _roll_packing_metrics(lengths: np.ndarray, width: int, parts: Sequence[Sequence[int]],
-                          phase: str) -> Dict[str, float]:
-    """ROLL's ``sequence_packing_metrics`` (real tokens, ``{phase}/`` keys)."""
+def _roll_packing_metrics(lengths: np.ndarray, width: int, parts: Sequence[Sequence[int]], phase: str,
+                          per_mb: Optional[Sequence[int]] = None) -> Dict[str, float]:
+    """ROLL's ``sequence_packing_metrics`` (real tokens, ``{phase}/`` keys; ``per_mb``:
+    the tokens each micro-batch computes, when not its rows' own, as in passes)."""
     n, k = int(lengths.size), len(parts)
-    per_mb = [int(lengths[list(p)].sum()) if len(p) else 0 for p in parts]
+    if per_mb is None:
+        per_mb = [int(lengths[list(p)].sum()) if len(p) else 0 for p in parts]
     top = max(per_mb) if per_mb else 1
     low = min(per_mb) if per_mb else 0
     return {
@@ -73,7 +75,8 @@ def pack_sequences_of(mini_batch: Any, *, algorithm: Any, cap: Any, min_num: Any
                       pad_rule: Callable[[int, int], int], tp_size: Any, cp_size: Any, vp_size: Any, pp_size: Any,
                       is_train: bool, dp_group: Any, micro_batch_size: Any, step_plan: Any, dp_rank: Any,
                       mini_batch_index: Any, strict: bool = True, shared_prefix: bool = False,
-                      group_key: Optional[str] = None) -> Iterator[Any]:
+                      group_key: Optional[str] = None, prefix_reuse: bool = False,
+                      prefix_reuse_memory: str = "activations") -> Iterator[Any]:
     phase = "train" if is_train else "forward"
     cols = batch_columns(mini_batch)
     meta = getattr(mini_batch, "meta_info", None)
@@ -81,6 +84,8 @@ def pack_sequences_of(mini_batch: Any, *, algorithm: Any, cap: Any, min_num: Any
         meta = {}
     if shared_prefix and algorithm != "load_balance":
         raise ValueError(f"shared_prefix plans prefix trees with algorithm 'load_balance', got {algorithm!r}")
+    if prefix_reuse:
+        _check_prefix_reuse(shared_prefix, strict, step_plan, prefix_reuse_memory)
     if algorithm == "none":
         n = batch_size(cols, "mini_batch")
         if strict:
@@ -118,6 +123,10 @@ def pack_sequences_of(mini_batch: Any, *, algorithm: Any, cap: Any, min_num: Any
         if not strict:
             return _roll_soft_plan(box["padded"], box["cap"], count)
         forest = box.get("forest")
+        if prefix_reuse:  # passes where trees would need more micro-batches (or cannot hold a row)
+            return plan_micro_batches(forest.lengths, box["cap"], min_num=count, multiple_of=box["multiple"],
+                                      attention_coeff=WORKLOAD_ATTENTION_COEFF, order="small_at_ends",
+                                      forest=forest, prefix_reuse=True)
         if forest is not None:  # trees padded as a whole: physical tokens under the cap rounded down
             usable = box["cap"] // box["pad"] * box["pad"]
             return plan_micro_batches(forest.lengths, usable, min_num=count, multiple_of=box["multiple"],
@@ -136,7 +145,12 @@ def pack_sequences_of(mini_batch: Any, *, algorithm: Any, cap: Any, min_num: Any
         multiple = _pad_of(pad_rule, pad_multiple, tp_size, cp_size)
         box["padded"] = padded = round_up(mask_lengths(cols, "mini_batch"), multiple)
         box["pad"] = multiple
-        if shared_prefix:
+        if prefix_reuse:  # passes are not padded: a row longer than the cap is planned, in passes
+            if multiple != 1:
+                raise ValueError(f"prefix_reuse runs passes of unpadded tokens: it needs a pad multiple of 1, got "
+                                 f"{multiple} (TP / CP pad each sequence; turn prefix_reuse off with them)")
+            box["forest"], box["groups"] = padded_forest(cols, group_key, missing_group_ok=False)
+        elif shared_prefix:
             box["forest"], box["groups"] = _shared_prefix_forest(cols, group_key, strict, multiple, limit)
         elif n and padded.max() > limit:
             raise ValueError(f"a sequence padded to {int(padded.max())} tokens (pad multiple {multiple}) exceeds "
@@ -171,10 +185,33 @@ def pack_sequences_of(mini_batch: Any, *, algorithm: Any, cap: Any, min_num: Any
     if shared_prefix:
         metrics["padding_tokens"] = int(sum(round_up(t, box["pad"]) - t for t in plan.tokens))
         metrics["sharing_kept"] = plan.sharing_kept
+    trees = _tree_maker(box["groups"], box["pad"]) if shared_prefix else None
+    if plan.prefix_reuse is not None:
+        from .prefix_reuse import pass_micro_batches
+
+        metrics.update(_roll_packing_metrics(lengths, int(np.shape(cols["attention_mask"])[1]), plan.micro_batches,
+                                             phase, per_mb=plan.tokens), padding_tokens=0)
+        write_meta(mini_batch, partition_indices_list=[], sequence_packing_metrics=dict(metrics))
+        dummies = _part_maker(mini_batch, cols, meta, plan.micro_batches, n, metrics, False, trees)
+        return pass_micro_batches(mini_batch, meta, plan, box["groups"], limit, prefix_reuse_memory,
+                                  lambda k: dummies(k, []))
     write_meta(mini_batch, partition_indices_list=[list(p) for p in plan.micro_batches],
                 sequence_packing_metrics=dict(metrics))
-    trees = _tree_maker(box["groups"], box["pad"]) if shared_prefix else None
     return _yield_parts(mini_batch, cols, meta, plan.micro_batches, n, metrics, reorder=True, trees=trees)
+
+
+def _check_prefix_reuse(shared_prefix: bool, strict: bool, step_plan: Any, memory: Any) -> None:
+    from ...training.prefix_reuse import MEMORY_MODES
+
+    if not shared_prefix:
+        raise ValueError("prefix_reuse runs a mini-batch's prefix trees in passes: it needs shared_prefix=True")
+    if not strict:
+        raise ValueError("prefix_reuse plans passes with seqpack's planner: it needs strict=True")
+    if step_plan is not None:
+        raise ValueError("prefix_reuse plans each mini-batch's passes on its rank's rows: pass it without step_plan "
+                         "(a step plan decides its own micro-batches)")
+    if memory not in MEMORY_MODES:
+        raise ValueError(f"prefix_reuse_memory must be one of {MEMORY_MODES}, got {memory!r}")
 
 
 def _pad_of(pad_rule: Callable[[int, int], int], pad_multiple: Any, tp_size: Any, cp_size: Any) -> int:
@@ -242,24 +279,31 @@ def _proto_dummy(proto: Any, cols: Mapping[str, Any]) -> Any:
     return out
 
 
+def _part_maker(batch: Any, cols: Mapping[str, Any], meta: Dict[str, Any], parts: Sequence[Sequence[int]], n: int,
+                metrics: Dict[str, Any], reorder: bool,
+                trees: Optional[Callable[[Mapping[str, Any], Sequence[int]], Any]]) -> Callable[[int, Sequence[int]], Any]:
+    """``make(k, part)``: micro-batch ``k`` of ``parts`` (rows ``part``; none: a dummy)."""
+    proto = is_data_proto(batch)
+
+    def make(k: int, part: Sequence[int]) -> Any:
+        if proto:
+            mb = proto_select(batch, part, "mini_batch") if part else _proto_dummy(batch, cols)
+            mb.meta_info = copy.deepcopy(meta)
+        else:
+            mb = RollBatch(select_all(cols, part) if part else dummy_row(cols, name="mini_batch"),
+                           meta_info=copy.deepcopy(meta))
+        mb.meta_info.update(micro_batch_idx=k, num_micro_batchs=len(parts), partition_indices=list(part),
+                            partition_indices_list=[list(p) for p in parts] if reorder else [],
+                            mini_batch_size=n, is_padding_batch=not part, sequence_packing_metrics=dict(metrics))
+        if trees is not None:
+            mb.meta_info["prefix_tree"] = trees(batch_columns(mb), part)
+        return mb
+
+    return make
+
+
 def _yield_parts(batch: Any, cols: Mapping[str, Any], meta: Dict[str, Any], parts: Sequence[Sequence[int]], n: int,
                  metrics: Dict[str, Any], reorder: bool,
                  trees: Optional[Callable[[Mapping[str, Any], Sequence[int]], Any]] = None) -> Iterator[Any]:
-    proto = is_data_proto(batch)
-
-    def gen():
-        for k, part in enumerate(parts):
-            if proto:
-                mb = proto_select(batch, part, "mini_batch") if part else _proto_dummy(batch, cols)
-                mb.meta_info = copy.deepcopy(meta)
-            else:
-                mb = RollBatch(select_all(cols, part) if part else dummy_row(cols, name="mini_batch"),
-                               meta_info=copy.deepcopy(meta))
-            mb.meta_info.update(micro_batch_idx=k, num_micro_batchs=len(parts), partition_indices=list(part),
-                                partition_indices_list=[list(p) for p in parts] if reorder else [],
-                                mini_batch_size=n, is_padding_batch=not part, sequence_packing_metrics=dict(metrics))
-            if trees is not None:
-                mb.meta_info["prefix_tree"] = trees(batch_columns(mb), part)
-            yield mb
-
-    return gen()
+    make = _part_maker(batch, cols, meta, parts, n, metrics, reorder, trees)
+    return (make(k, part) for k, part in enumerate(parts))
