@@ -48,6 +48,7 @@ from typing import Any, Dict, List, Optional, Tuple
 from .._completion_trees import completion_tree, to_completions
 from ...tensors.prefix_passes import split_prefix_tree
 from .choice import PathChoice
+from .window import after_training_step, window_logps
 
 __all__ = ["patch_trainers", "unpatch_trainers", "patched_trainer_names"]
 
@@ -56,7 +57,7 @@ METHOD = "_get_per_token_logps_and_entropies"
 _TRAINERS = (("trl.trainer.grpo_trainer", "GRPOTrainer"), ("trl.trainer.rloo_trainer", "RLOOTrainer"))
 _VISION = ("pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask", "spatial_shapes", "num_tiles",
            "image_sizes", "token_type_ids", "mm_token_type_ids", "image_position_ids")
-_ORIGINAL: Dict[Tuple[str, str], Any] = {}  # (module, class) -> TRL's method, while patched
+_ORIGINAL: Dict[Tuple[str, ...], Any] = {}  # (module, class[, "training_step"]) -> TRL's method, while patched
 _BASE_INIT: Dict[str, Any] = {}  # "init": _BaseTrainer.__init__, while patched
 _MODELS: "weakref.WeakSet[Any]" = weakref.WeakSet()  # models whose forward and attention the patch changed
 _WARNED: set = set()  # the reasons warned about (their kinds: a reason's numbers change from batch to batch)
@@ -67,11 +68,13 @@ _POLICY: Dict[str, str] = {"trees": "auto"}  # patch(trees=): "auto" (when the t
 def counts(reset: bool = False) -> Dict[str, Any]:
     """Batches on trees and on TRL's path (by reason), TRL's padded tokens and the
     trees' physical tokens of the batches run as trees, and the difference; of the
-    tree batches, those whose chunks ran as one tree in passes (prefix reuse)."""
+    tree batches, those whose chunks ran as one tree in passes (prefix reuse), and the
+    accumulation windows run in passes (:mod:`~seqpack.frameworks.trl.window`)."""
     out = dict(tree_batches=_COUNTS.get("tree_batches", 0), trl_batches=_COUNTS.get("trl_batches", 0),
                trl_reasons=dict(_COUNTS.get("trl_reasons", {})), padded_tokens=_COUNTS.get("padded_tokens", 0),
                tree_tokens=_COUNTS.get("tree_tokens", 0),
-               prefix_reuse_batches=_COUNTS.get("prefix_reuse_batches", 0))
+               prefix_reuse_batches=_COUNTS.get("prefix_reuse_batches", 0),
+               prefix_reuse_windows=_COUNTS.get("prefix_reuse_windows", 0))
     out["tokens_saved"] = out["padded_tokens"] - out["tree_tokens"]
     if reset:
         _COUNTS.clear()
@@ -269,10 +272,15 @@ def _make_method(original: Any) -> Any:
         longest = int(attention_mask.sum(1).max()) if attention_mask.numel() else 0
         hf_model, prompt_learning = _hf_model(self, model)
         reason = _fallback_reason(hf_model, prompt_learning, compute_aux_loss, extra, longest)
+        c = int(logits_to_keep)
+        if torch.is_grad_enabled():  # a training micro-batch: its accumulation window in passes, where that pays
+            served = window_logps(self, model, input_ids, attention_mask, c, bool(compute_entropy), reason is None,
+                                  _micro_tree_tokens(c), _POLICY["trees"] == "always", _in_window)
+            if served is not None:
+                return served
         if reason is not None:
             _warn_once(*reason)
             return trl_path()
-        c = int(logits_to_keep)
         rows = input_ids.shape[0]
         batch_size = batch_size or rows
         chunks = []
@@ -300,6 +308,7 @@ def _make_method(original: Any) -> Any:
             _COUNTS["padded_tokens"] = _COUNTS.get("padded_tokens", 0) + int(input_ids.numel())
             _COUNTS["tree_tokens"] = _COUNTS.get("tree_tokens", 0) + tree_tokens
             if passes is not None:
+                _COUNTS["prefix_reuse_batches"] = _COUNTS.get("prefix_reuse_batches", 0) + 1
                 return _in_passes(self, model, passes, whole, (rows, c), bool(compute_entropy))
             logps, entropies = [], []
             for b, (tree, scored, source, target) in chunks:
@@ -345,7 +354,6 @@ def _in_passes(trainer: Any, model: Any, passes: Any, found: Any, shape: Tuple[i
     the scored tokens its own tokens predict, the passes' sum is the tree's."""
     from ...training.prefix_reuse import prefix_reuse
 
-    _COUNTS["prefix_reuse_batches"] = _COUNTS.get("prefix_reuse_batches", 0) + 1
     tree, scored, source, target = found
 
     def forward(m, ids, pos, layout):
@@ -360,6 +368,39 @@ def _in_passes(trainer: Any, model: Any, passes: Any, found: Any, shape: Tuple[i
             ents = out["entropy"] if ents is None else ents + out["entropy"]
     lp, ent = to_completions((logps, ents), source, target, shape)
     return lp, ent, None
+
+
+def _micro_tree_tokens(c: int) -> Any:
+    """``tokens(ids, mask)``: the physical tokens of one micro-batch's own tree."""
+    def tokens(ids: Any, mask: Any) -> int:
+        found = completion_tree(ids, mask, c)
+        return int(ids.numel()) if found is None else found[0].num_tokens
+    return tokens
+
+
+def _in_window(trainer: Any, model: Any, passes: Any, found: Any, shape: Tuple[int, int], entropy: bool,
+               padded: int) -> Any:
+    """An accumulation window's log-probs (:mod:`~seqpack.frameworks.trl.window`; its
+    rows ``padded`` tokens as TRL pads them): the model's forward and attention on
+    trees, then :func:`_in_passes`, counted."""
+    hf_model, _ = _hf_model(trainer, model)
+    _install(hf_model)
+    _COUNTS["prefix_reuse_windows"] = _COUNTS.get("prefix_reuse_windows", 0) + 1
+    _COUNTS["padded_tokens"] = _COUNTS.get("padded_tokens", 0) + int(padded)
+    _COUNTS["tree_tokens"] = _COUNTS.get("tree_tokens", 0) + found[0].num_tokens
+    return _in_passes(trainer, model, passes, found, shape, entropy)
+
+
+def _make_training_step(original: Any) -> Any:
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        out = original(self, model, inputs, num_items_in_batch)
+        after_training_step(self, model)  # an accumulation window's passes, after its last micro-batch's backward
+        return out
+
+    training_step.__doc__ = ("seqpack's: TRL's training_step, then (after an accumulation window's last micro-batch) "
+                             "the window's prefix-reuse passes (seqpack.frameworks.trl.window).")
+    training_step._seqpack_original = original
+    return training_step
 
 
 def _trainer_classes() -> List[Tuple[Tuple[str, str], Any]]:
@@ -403,6 +444,9 @@ def patch_trainers(trees: str = "auto") -> List[str]:
         if not hasattr(cls.__dict__.get(METHOD), "_seqpack_original"):
             _ORIGINAL[key] = cls.__dict__[METHOD]
             setattr(cls, METHOD, _make_method(_ORIGINAL[key]))
+        if "training_step" in cls.__dict__ and not hasattr(cls.__dict__["training_step"], "_seqpack_original"):
+            _ORIGINAL[key + ("training_step",)] = cls.__dict__["training_step"]
+            cls.training_step = _make_training_step(cls.__dict__["training_step"])
     base = base_trainer._BaseTrainer
     if not hasattr(base.__dict__["__init__"], "_seqpack_original"):
         _BASE_INIT["init"] = base.__dict__["__init__"]
@@ -419,6 +463,9 @@ def unpatch_trainers() -> List[str]:
     for key, cls in _trainer_classes():
         if key in _ORIGINAL and hasattr(cls.__dict__.get(METHOD), "_seqpack_original"):
             setattr(cls, METHOD, _ORIGINAL.pop(key))
+        step_key = key + ("training_step",)
+        if step_key in _ORIGINAL and hasattr(cls.__dict__.get("training_step"), "_seqpack_original"):
+            cls.training_step = _ORIGINAL.pop(step_key)
     if "init" in _BASE_INIT:
         base_trainer._BaseTrainer.__init__ = _BASE_INIT.pop("init")
     for model in list(_MODELS):
