@@ -33,7 +33,8 @@ SCRIPTS = [("bench_loss.py", "Packed SFT loss"), ("bench_train.py", "Training st
            ("bench_hybrid_cp.py", "Hybrid context parallelism, measured"),
            ("bench_stream.py", "Streaming packing for asynchronous RL"),
            ("bench_stream_memory.py", "Step shapes and the CUDA caching allocator"),
-           ("bench_prefix_reuse.py", "Prefix reuse")]
+           ("bench_prefix_reuse.py", "Prefix reuse"),
+           ("bench_trl_window.py", "TRL GRPO optimizer step, groups larger than the per-device batch")]
 
 
 def _quick_run(script, tmp_dir):

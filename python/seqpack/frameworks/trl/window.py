@@ -36,7 +36,7 @@ from typing import Any, List, Optional, Tuple
 
 from .._completion_trees import completion_tree
 
-__all__ = ["WindowRun", "after_training_step", "window_logps"]
+__all__ = ["after_training_step", "window_logps"]
 
 KEY = "_seqpack_window"
 # A forward and backward costs about 3 forwards: the window's (A) + (B) cost 4/3 of
@@ -89,11 +89,11 @@ class WindowRun:
             raise RuntimeError("seqpack (TRL prefix reuse): the model's parameters changed inside the accumulation "
                                "window (an optimizer step or an in-place update before its last micro-batch): the "
                                "window's log-probs are stale")
-        tree, scored, source, target = self.found
+        _, scored, source, target = self.found
         weights = _logical(self.grad_logps, source, target, scored.shape[0])
-        weights_ent = None if self.grad_entropies is None else _logical(self.grad_entropies, source, target,
-                                                                        scored.shape[0])
-        entropy = weights_ent is not None
+        # entropies only where TRL's loss reads them (an entropy bonus): else their gradient is 0
+        entropy = self.grad_entropies is not None and bool(self.grad_entropies.any())
+        weights_ent = _logical(self.grad_entropies, source, target, scored.shape[0]) if entropy else None
 
         def forward(m, ids, pos, layout):
             with trainer.accelerator.autocast():
