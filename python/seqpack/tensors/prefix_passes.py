@@ -73,7 +73,7 @@ class TreePass(TokenLayout):
     """
 
     __slots__ = ("tree", "cap", "index", "role", "own", "providers", "k_index", "cu_q", "cu_k", "max_q", "max_k",
-                 "context_tokens", "cascade", "_plans", "runtime", "layer")
+                 "context_tokens", "cascade", "_plans", "runtime", "layer", "pad")
 
     def __init__(self, tree: PrefixTreeBatch, cap: int, index: int, role: str, own: np.ndarray,
                  providers: Tuple[int, ...], k_index: np.ndarray, cu_q: np.ndarray, cu_k: np.ndarray,
@@ -91,6 +91,7 @@ class TreePass(TokenLayout):
         self._plans: Dict[Any, Any] = {}
         self.runtime: Any = None  # the running step (seqpack.prefix_reuse) that holds the K/V it reads
         self.layer: Optional[int] = None  # the layer whose attention this view is (for_layer), None: by call order
+        self.pad = 0  # pad rows after the own tokens (padded_to): the model's input is a multiple of the pad
 
     declared_kind = "tree_pass"
 
@@ -107,18 +108,35 @@ class TreePass(TokenLayout):
     # ---- this pass -------------------------------------------------------------------------
     @property
     def num_local_tokens(self) -> int:
-        """The pass's own tokens: the rows the model runs on."""
-        return int(self.own.shape[0])
+        """The rows the model runs on: the pass's own tokens, then :attr:`pad` pad rows."""
+        return int(self.own.shape[0]) + self.pad
 
     @property
     def input_ids(self) -> np.ndarray:
-        """``[num_local_tokens]`` the own tokens' ids."""
-        return self.tree.input_ids[self.own]
+        """``[num_local_tokens]`` the own tokens' ids (0 on the pad rows)."""
+        return self._padded(self.tree.input_ids[self.own])
 
     @property
     def local_position_ids(self) -> np.ndarray:
-        """``[num_local_tokens]`` the own tokens' positions (depths)."""
-        return self.tree.position_ids[self.own]
+        """``[num_local_tokens]`` the own tokens' positions (depths; 0 on the pad rows)."""
+        return self._padded(self.tree.position_ids[self.own])
+
+    def _padded(self, values: np.ndarray) -> np.ndarray:
+        if not self.pad:
+            return values
+        return np.concatenate([values, np.zeros(self.pad, dtype=values.dtype)])
+
+    def padded_to(self, multiple: Any) -> "TreePass":
+        """This pass with pad rows after its own tokens up to a multiple of ``multiple``
+        tokens (tensor parallelism with sequence parallelism, FP8): the model runs on
+        them, their attention output is 0 and they predict nothing, so the pass
+        computes what it computes unpadded.
+
+            own tokens  a0 a1 a2 b0 b1      padded_to(4)  a0 a1 a2 b0 b1 _ _ _
+        """
+        m = as_positive_int(multiple, "pad_to_multiple_of")
+        n = int(self.own.shape[0])
+        return self._view(pad=-(-n // m) * m - n)
 
     @property
     def num_context_pairs(self) -> int:
@@ -164,7 +182,7 @@ class TreePass(TokenLayout):
         if not isinstance(other, TreePass):
             return NotImplemented
         return (self.index == other.index and self.role == other.role and self.providers == other.providers
-                and np.array_equal(self.own, other.own) and self.tree == other.tree)
+                and self.pad == other.pad and np.array_equal(self.own, other.own) and self.tree == other.tree)
 
     __hash__ = None  # type: ignore[assignment]
 
@@ -189,10 +207,11 @@ class TreePass(TokenLayout):
     def __reduce__(self):
         # A pass is rebuilt from its schedule (the same tree and cap make the same
         # passes); the running step's K/V never travel.
-        return _pass_of, (self.tree, self.cap, self.index)
+        return _pass_of, (self.tree, self.cap, self.index, self.pad)
 
     def __repr__(self) -> str:
-        return (f"TreePass(index={self.index}, role={self.role!r}, num_local_tokens={self.num_local_tokens}, "
+        pad = f", pad={self.pad}" if self.pad else ""
+        return (f"TreePass(index={self.index}, role={self.role!r}, num_local_tokens={self.num_local_tokens}{pad}, "
                 f"providers={list(self.providers)})")
 
 
@@ -239,8 +258,9 @@ class PassCascade:
             arr.flags.writeable = False
 
 
-def _pass_of(tree: PrefixTreeBatch, cap: int, index: int) -> TreePass:
-    return split_prefix_tree(tree, cap).passes[index]
+def _pass_of(tree: PrefixTreeBatch, cap: int, index: int, pad: int = 0) -> TreePass:
+    out = split_prefix_tree(tree, cap).passes[index]
+    return out._view(pad=pad) if pad else out
 
 
 class PrefixPasses:
@@ -270,7 +290,7 @@ class PrefixPasses:
 
     def tokens(self) -> np.ndarray:
         """``[passes]`` own tokens of each pass (each <= ``max_tokens``)."""
-        return np.array([p.num_local_tokens for p in self.passes], dtype=np.int64)
+        return np.array([p.own.shape[0] for p in self.passes], dtype=np.int64)
 
     def context_pairs(self) -> np.ndarray:
         """``[passes]`` attention pairs each pass reads from earlier passes' K/V."""

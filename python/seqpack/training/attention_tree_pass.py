@@ -35,7 +35,9 @@ def tree_pass_attention(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor",
                         softmax_scale: Optional[float] = None, backend: str = "auto") -> "torch.Tensor":
     """Attention of ``layout``'s own tokens (``q``, ``k``, ``v``: ``[num_local_tokens,
     H, D]``) over their root paths, the keys of earlier passes read from the step
-    running ``layout`` (:func:`seqpack.prefix_reuse`)."""
+    running ``layout`` (:func:`seqpack.prefix_reuse`). The pad rows of a padded pass
+    (:meth:`~seqpack.TreePass.padded_to`) are neither keys nor queries: their output
+    is 0."""
     import torch
 
     from ..tensors._device import host_to_device
@@ -52,6 +54,10 @@ def tree_pass_attention(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor",
                          "of the passes before it, which the step holds")
     if backend not in ("auto", "sdpa", "reference", "varlen"):
         raise ValueError(f"backend must be 'auto', 'sdpa', 'varlen' or 'reference' for a tree pass, got {backend!r}")
+    if layout.pad:  # the pad rows after the own tokens: no keys, output 0
+        own = n - layout.pad
+        out = tree_pass_attention(q[:own], k[:own], v[:own], layout._view(pad=0), softmax_scale, backend)
+        return torch.cat([out, out.new_zeros((layout.pad,) + tuple(out.shape[1:]))])
     context_k, context_v = runtime.attention_context(layout, k, v)
     keys_k = torch.cat([context_k, k]) if context_k is not None else k
     keys_v = torch.cat([context_v, v]) if context_v is not None else v

@@ -42,7 +42,7 @@ from __future__ import annotations
 import weakref
 from typing import Any, Callable, Dict, Iterator, List, Optional, Set, Tuple
 
-from .._lengths import type_name
+from .._lengths import as_positive_int, type_name
 from ..tensors.prefix_passes import PrefixPasses, TreePass
 
 __all__ = ["MEMORY_MODES", "PassMicroBatch", "PrefixReuseStep", "prefix_reuse"]
@@ -58,8 +58,8 @@ def _default_forward(model: Any, input_ids: Any, position_ids: Any, layout: Any,
     return model(input_ids, layout, position_ids=position_ids, **kwargs)
 
 
-def prefix_reuse(passes: Any, *, memory: str = "activations",
-                 forward: Optional[Callable[..., Any]] = None) -> "PrefixReuseStep":
+def prefix_reuse(passes: Any, *, memory: str = "activations", forward: Optional[Callable[..., Any]] = None,
+                 pad_to_multiple_of: Any = 1) -> "PrefixReuseStep":
     """The micro-batches of one step over ``passes`` (a :class:`~seqpack.PrefixPasses`),
     to iterate once (see the module docstring).
 
@@ -70,6 +70,11 @@ def prefix_reuse(passes: Any, *, memory: str = "activations",
         forward: ``forward(model, input_ids, position_ids, layout, **kwargs)`` giving
             the pass's output ``[num_local_tokens, ...]``; default
             ``model(input_ids, layout, position_ids=position_ids, **kwargs)``.
+        pad_to_multiple_of: each pass's model input padded to a multiple of this
+            many tokens (:meth:`TreePass.padded_to <seqpack.TreePass.padded_to>`:
+            tensor parallelism with sequence parallelism); the results are the
+            unpadded pass's. Split the tree under the cap rounded down to the
+            multiple so that padded passes stay under it.
     """
     if not isinstance(passes, PrefixPasses):
         raise TypeError(f"passes must be seqpack.split_prefix_tree(...)'s PrefixPasses, got {type_name(passes)}")
@@ -77,7 +82,8 @@ def prefix_reuse(passes: Any, *, memory: str = "activations",
         raise ValueError(f"memory must be one of {MEMORY_MODES}, got {memory!r}")
     if forward is not None and not callable(forward):
         raise TypeError(f"forward must be callable, got {type_name(forward)}")
-    return PrefixReuseStep(passes, memory, forward or _default_forward)
+    multiple = as_positive_int(pad_to_multiple_of, "pad_to_multiple_of")
+    return PrefixReuseStep(passes, memory, forward or _default_forward, multiple)
 
 
 class PassMicroBatch:
@@ -126,9 +132,9 @@ class PrefixReuseStep:
     providers' K/V (and their graphs under ``memory="activations"``) until their
     closes."""
 
-    def __init__(self, passes: PrefixPasses, memory: str, forward: Callable[..., Any]) -> None:
+    def __init__(self, passes: PrefixPasses, memory: str, forward: Callable[..., Any], multiple: int = 1) -> None:
         self.passes, self.memory, self._call = passes, memory, forward
-        self._bound = [p.bound(self) for p in passes.passes]
+        self._bound = [p.padded_to(multiple).bound(self) for p in passes.passes]
         self._readers: Dict[int, List[int]] = {p.index: [] for p in passes.passes}
         for p in passes.passes:
             for q in p.providers:

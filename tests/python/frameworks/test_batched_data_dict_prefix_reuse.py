@@ -142,14 +142,34 @@ def test_sequence_packing_args_with_prefix_reuse_plan_the_step(exact_norms):
     assert len(counts) == 4 and total == pytest.approx(expected, rel=1e-11)
     for n, g in grads.items():
         torch.testing.assert_close(g, want[n], rtol=1e-9, atol=1e-12)
-    with pytest.raises(ValueError, match="its passes are not padded, so sequence_length_pad_multiple must be 1"):
-        data.shard_by_batch_size(2, batch_size=4, sequence_packing_args={**args, "sequence_length_pad_multiple": 8})
+    # padded to 8 (TP with sequence parallelism): every model input a multiple of 8, the same step
+    padded = {**args, "sequence_length_pad_multiple": 8, "max_tokens_per_microbatch": 21}  # cap 16 after rounding
+    inputs = []
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(transformers.LlamaForCausalLM, "forward", _recording(transformers.LlamaForCausalLM.forward, inputs))
+        total8, grads8, _, kinds8 = run_step(model, data, None, NLLLoss(), 2,
+                                             shard_kwargs={"batch_size": 4, "sequence_packing_args": padded})
+    assert inputs and all(n % 8 == 0 and n <= 16 for n in inputs)
+    assert any("close" in k for k in kinds8) and total8 == pytest.approx(expected, rel=1e-11)
+    for n, g in grads8.items():
+        torch.testing.assert_close(g, want[n], rtol=1e-9, atol=1e-12)
+    with pytest.raises(ValueError, match=r"max_tokens_per_microbatch \(4\) is below sequence_length_pad_multiple"):
+        data.shard_by_batch_size(2, batch_size=4, sequence_packing_args={**padded, "max_tokens_per_microbatch": 4})
     with pytest.raises(ValueError, match="prefix_reuse=True runs prefix trees in passes: it needs shared_prefix"):
         data.shard_by_batch_size(2, batch_size=4, sequence_packing_args={**args, "shared_prefix": False})
     with pytest.raises(ValueError, match="whose trees are of input_key='input_ids'; got 'tokens'"):
         data.shard_by_batch_size(2, batch_size=4, sequence_packing_args={**args, "input_key": "tokens"})
     with pytest.warns(UserWarning, match="microbatch_order='largest_first' not used"):
         data.shard_by_batch_size(2, batch_size=4, sequence_packing_args={**args, "microbatch_order": "largest_first"})
+
+
+def _recording(forward, lengths):
+    """The model's forward, recording each call's input length."""
+    def recorded(self, *args, **kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        lengths.append(int(ids.shape[-1]))
+        return forward(self, *args, **kwargs)
+    return recorded
 
 
 def test_get_logprobs_over_the_passes_sum_to_the_rows(exact_norms):

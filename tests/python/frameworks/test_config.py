@@ -65,7 +65,7 @@ def test_nemo_rl_shared_prefix_example():
 
 def test_nemo_rl_shared_prefix_reuse():
     """policy.shared_prefix_reuse (seqpack's key): trees larger than the cap in
-    passes; it needs shared-prefix training, no padding and no CP."""
+    passes; it needs shared-prefix training and no CP (trees and passes are padded)."""
     packing = {"enabled": True, "train_mb_tokens": 4096, "logprob_mb_tokens": 8192}
     dtensor = {"enabled": True, "tensor_parallel_size": 1, "context_parallel_size": 1}
     cfg = load(nemo(shared_prefix_training=True, shared_prefix_reuse=True, sequence_packing=packing,
@@ -77,9 +77,12 @@ def test_nemo_rl_shared_prefix_reuse():
     assert load(cfg.to_dict()) == cfg
     with pytest.raises(ConfigError, match="policy.shared_prefix_reuse: .*needs policy.shared_prefix_training"):
         load(nemo(shared_prefix_reuse=True, sequence_packing=packing))
-    with pytest.raises(ConfigError, match="policy.shared_prefix_reuse: .*pads to 8, CP = 1"):
+    padded = load(nemo(shared_prefix_training=True, shared_prefix_reuse=True, sequence_packing=packing,
+                       make_sequence_length_divisible_by=8, dtensor_cfg=dtensor))  # TP + SP: trees, passes padded
+    assert padded.sequence_packing_args("train")["sequence_length_pad_multiple"] == 8 and padded.prefix_reuse_training
+    with pytest.raises(ConfigError, match="cannot pack sequences with context parallelism"):
         load(nemo(shared_prefix_training=True, shared_prefix_reuse=True, sequence_packing=packing,
-                  make_sequence_length_divisible_by=8, dtensor_cfg=dtensor))
+                  make_sequence_length_divisible_by=1, dtensor_cfg={**dtensor, "context_parallel_size": 2}))
     with pytest.raises(ConfigError, match="the Megatron backend has no pass attention"):
         load(nemo(shared_prefix_training=True, shared_prefix_reuse=True, sequence_packing=packing,
                   make_sequence_length_divisible_by=1, megatron_cfg={"enabled": True}))

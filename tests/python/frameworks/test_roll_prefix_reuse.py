@@ -71,27 +71,27 @@ def rows_alone(model, batch, rows):
     return out
 
 
-def passes_step(model, batch, cap, memory="activations"):
+def passes_step(model, batch, cap, memory="activations", pad=1):
     model.zero_grad(set_to_none=True)
     total_tokens = batch["response_mask"][:, 1:].sum()  # ROLL's batch_num_tokens: before the split
     kinds, loss_sum = [], 0.0
     for mb in roll.make_micro_batch_iter_for_sequence_packing(
             batch, max_packed_sequence_length=cap, shared_prefix=True, prefix_reuse=True, group_key="prompt_id",
-            prefix_reuse_memory=memory):
+            prefix_reuse_memory=memory, pad_multiple=pad):
         if mb.meta_info["is_padding_batch"]:
             kinds.append("dummy")
             continue
         step = mb.meta_info["prefix_pass"]
         kinds.append(step.kind)
-        assert step.num_local_tokens <= cap
+        assert step.num_local_tokens <= cap and step.num_local_tokens % pad == 0
         loss = ppo_terms(roll.pass_logprobs(model, mb), mb, mb["response_mask"][:, 1:]) / total_tokens
         loss.backward()
         loss_sum += float(loss.detach())
     return loss_sum, {n: p.grad.clone() for n, p in model.named_parameters()}, kinds
 
 
-@pytest.mark.parametrize("memory", ["activations", "kv"])
-def test_passes_equal_the_rows_alone(memory, exact_norms):
+@pytest.mark.parametrize("memory,pad", [("activations", 1), ("kv", 1), ("activations", 4)])
+def test_passes_equal_the_rows_alone(memory, pad, exact_norms):
     # prompts of 20-36 tokens, a cap of 16: every group (and every row) runs in passes
     batch, rows, _ = roll_rows([36, 20, 28], [[5, 7, 3, 6], [4, 9], [6, 2, 5]], seed=11, left=(0, 3, 1))
     model = tiny_llama()
@@ -100,7 +100,7 @@ def test_passes_equal_the_rows_alone(memory, exact_norms):
     expected = ppo_terms(rows_alone(model, batch, rows), batch, batch["response_mask"][:, 1:]) / total
     expected.backward()
     want = {n: p.grad.clone() for n, p in model.named_parameters()}
-    got, grads, kinds = passes_step(model, batch, 16, memory)
+    got, grads, kinds = passes_step(model, batch, 18, memory, pad)  # pad 4: passes of <= 16 tokens padded
     assert "close" in kinds and "branch" in kinds
     assert got == pytest.approx(float(expected.detach()), rel=1e-12)
     for name, grad in want.items():
@@ -150,8 +150,10 @@ def test_bad_combinations_are_named():
     run = roll.make_micro_batch_iter_for_sequence_packing
     with pytest.raises(ValueError, match="it needs shared_prefix=True"):
         run(batch, max_packed_sequence_length=8, prefix_reuse=True)
-    with pytest.raises(ValueError, match="needs a pad multiple of 1, got 4"):
-        list(run(batch, max_packed_sequence_length=8, pad_multiple=4, shared_prefix=True, prefix_reuse=True))
+    with pytest.raises(ValueError, match="no context parallelism, got cp_size=2"):
+        run(batch, max_packed_sequence_length=8, cp_size=2, shared_prefix=True, prefix_reuse=True)
+    with pytest.raises(ValueError, match="max_packed_sequence_length=3 is below the pad multiple 4"):
+        run(batch, max_packed_sequence_length=3, pad_multiple=4, shared_prefix=True, prefix_reuse=True)
     with pytest.raises(ValueError, match="prefix_reuse_memory must be one of"):
         run(batch, max_packed_sequence_length=8, shared_prefix=True, prefix_reuse=True, prefix_reuse_memory="disk")
     with pytest.raises(ValueError, match="pass_logprobs runs a micro-batch of prefix_reuse=True"):
@@ -173,3 +175,10 @@ def test_sequence_packing_args_prefix_reuse_turns_it_on():
                      "importance_sampling": "seq"})
     with pytest.raises(config.ConfigError, match="prefix_reus: unknown key; did you mean 'prefix_reuse'"):
         config.load(roll_cfg(shared_prefix=True, prefix_reus=True))
+    tp2 = roll_cfg(shared_prefix=True, prefix_reuse=True)
+    tp2["actor_train"]["strategy_args"]["strategy_config"] = {"tensor_model_parallel_size": 2}
+    padded = config.load({**tp2, "loss_agg_mode": "token-mean"})  # TP pads each pass to 2
+    assert padded.load_balance_kwargs("train")["pad_multiple"] == 2 and padded.prefix_reuse_training
+    tp2["actor_train"]["strategy_args"]["strategy_config"] = {"context_parallel_size": 2}
+    with pytest.raises(config.ConfigError, match="it needs context_parallel_size = 1, got 2"):
+        config.load({**tp2, "loss_agg_mode": "token-mean"})

@@ -55,10 +55,11 @@ def one_micro_batch(model, tree, weights):
     return lp.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-def in_passes(model, tree, weights, cap, memory, **forward):
+def in_passes(model, tree, weights, cap, memory, pad=1, **forward):
     model.zero_grad(set_to_none=True)
     total, kinds = torch.zeros_like(weights), []
-    for mb in seqpack.prefix_reuse(seqpack.split_prefix_tree(tree, cap), memory=memory):
+    for mb in seqpack.prefix_reuse(seqpack.split_prefix_tree(tree, cap), memory=memory, pad_to_multiple_of=pad):
+        assert mb.num_local_tokens % pad == 0 and len(mb.input_ids) == mb.num_local_tokens
         lp = seqpack.token_logprobs(mb.forward(model, **forward), mb.layout).logprobs
         total += lp.detach()
         (lp * weights).sum().backward()
@@ -115,6 +116,21 @@ def test_the_gathered_keys_path_equals_the_cascade(backend):
     assert_same((total, grads), one_micro_batch(model, tree, weights))
 
 
+@pytest.mark.parametrize("memory", ["activations", "kv"])
+def test_padded_passes_equal_the_unpadded(memory):
+    # Each pass's model input padded to a multiple of 4 (TP with sequence parallelism):
+    # the pad rows attend to nothing and predict nothing; the results are the unpadded's.
+    model, rows = model_fp64(), agentic_rows(seed=3)
+    tree = seqpack.pack_prefix_tree(rows)
+    weights = torch.tensor(np.random.default_rng(5).standard_normal(tree.num_logical_tokens))
+    for cap in (8, 5):
+        total, grads, _ = in_passes(model, tree, weights, cap, memory, pad=4)
+        assert_same((total, grads), one_micro_batch(model, tree, weights))
+    padded = seqpack.split_prefix_tree(tree, 5).passes[0].padded_to(4)
+    assert padded.num_local_tokens == 8 and padded.input_ids[5:].tolist() == [0, 0, 0] and padded.pad == 3
+    assert pickle.loads(pickle.dumps(padded)) == padded != padded.padded_to(1)
+
+
 @settings(max_examples=25, deadline=None)
 @given(st.integers(0, 10_000), st.integers(1, 12), st.sampled_from(["activations", "kv"]))
 def test_random_forests_and_caps(seed, cap, memory):
@@ -128,7 +144,7 @@ def test_random_forests_and_caps(seed, cap, memory):
     tree = seqpack.pack_prefix_tree(rows, pad_to_multiple_of=int(rng.integers(1, 4)))
     model = model_fp64(seed=seed % 3, layers=1)
     weights = torch.tensor(rng.standard_normal(tree.num_logical_tokens))
-    total, grads, _ = in_passes(model, tree, weights, cap, memory)
+    total, grads, _ = in_passes(model, tree, weights, cap, memory, pad=int(rng.integers(1, 4)))
     assert_same((total, grads), one_micro_batch(model, tree, weights))
 
 

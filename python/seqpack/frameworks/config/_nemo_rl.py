@@ -127,10 +127,9 @@ def load_nemo_rl(ctx: Context, data: Mapping[str, Any]) -> SeqpackConfig:
         if use_megatron:
             raise ConfigError("policy.shared_prefix_reuse: its passes run a transformers model (DTensor); the Megatron "
                               "backend has no pass attention")
-        if pad_multiple > 1 or parallel.cp > 1:
-            raise ConfigError(f"policy.shared_prefix_reuse: its passes are neither padded nor sharded over "
-                              f"context-parallel ranks; it needs a pad multiple of 1 and CP = 1 (this config pads "
-                              f"to {pad_multiple}, CP = {parallel.cp})")
+        if parallel.cp > 1:
+            raise ConfigError(f"policy.shared_prefix_reuse: its passes are not sharded over context-parallel ranks; "
+                              f"it needs CP = 1, got {parallel.cp}")
         sequence_packing = dataclasses.replace(sequence_packing, prefix_reuse=True)
     round_to = db_r.int("sequence_length_round", 64)
     if db_on and round_to % (parallel.tp * parallel.cp):

@@ -111,7 +111,7 @@ def load_roll(ctx: Context, data: Mapping[str, Any], role: str) -> SeqpackConfig
                           f"got {args.key('algorithm')} = {roll_packing.algorithm!r}")
     if args.bool("prefix_reuse") and packing_on:
         roll_packing = dataclasses.replace(roll_packing, prefix_reuse=True,
-                                           loss_agg_mode=_check_prefix_reuse(top, args, roll_packing))
+                                           loss_agg_mode=_check_prefix_reuse(top, args, roll_packing, parallel.cp))
 
     def dyn(phase: str, on: bool):
         cap_name, round_name = f"max_tokens_per_microbatch_in_{phase}", f"sequence_length_round_in_{phase}"
@@ -142,19 +142,18 @@ def load_roll(ctx: Context, data: Mapping[str, Any], role: str) -> SeqpackConfig
                          roll_dynamic_batching=roll_dynamic, role=role)
 
 
-def _check_prefix_reuse(top: Reader, args: Reader, packing: RollPackingConfig) -> str:
+def _check_prefix_reuse(top: Reader, args: Reader, packing: RollPackingConfig, cp: int) -> str:
     """``sequence_packing_args.prefix_reuse``: trees larger than the cap in passes, each
     holding a share of every row's loss tokens. It needs trees (``shared_prefix``),
-    unpadded sequences and a loss whose terms sum over the passes (ROLL's ``agg_loss``
+    one rank per pass (no CP) and a loss whose terms sum over the passes (ROLL's ``agg_loss``
     over the global counts); the ``loss_agg_mode`` read is returned."""
     from .._loss_split import ROLL_ROW_COUPLING, ROLL_SPLITTING_AGGREGATIONS
 
     where = args.key("prefix_reuse")
     if not packing.shared_prefix:
         raise ConfigError(f"{where}: runs prefix trees in passes; it needs {args.key('shared_prefix')}: true")
-    if packing.pad_multiple != 1:
-        raise ConfigError(f"{where}: passes are not padded; TP / CP pad each sequence to {packing.pad_multiple} "
-                          "(turn prefix_reuse off with them)")
+    if cp > 1:
+        raise ConfigError(f"{where}: its passes run on one rank each; it needs context_parallel_size = 1, got {cp}")
     agg = top.text("loss_agg_mode", "seq-mean-token-mean")  # ROLL's PPOConfig default
     if agg not in ROLL_SPLITTING_AGGREGATIONS:
         raise ConfigError(f"{top.key('loss_agg_mode')}: {agg!r} divides by each row's own token count, which "

@@ -39,8 +39,7 @@ class SequencePackingArgs(TypedDict):
     ``shared_prefix``): each global batch planned by
     ``plan_step(..., forest=, prefix_reuse=True)`` over the shards, a tree larger
     than the cap run in passes (its shared prefix once in the step), a row longer
-    than the cap planned; its passes are not padded (``sequence_length_pad_multiple``
-    must be 1)."""
+    than the cap planned; trees and passes padded to ``sequence_length_pad_multiple``."""
 
     max_tokens_per_microbatch: int
     input_key: str

@@ -221,7 +221,8 @@ def _passes(shard: ShardRecord, indices: Sequence[Sequence[int]], options: Mappi
     check(not other, f"{', '.join(f'{k}={options[k]!r}' for k in other)} contradicts the shard's plan: this batch "
                      "runs in the passes planned on its trees (plan_step(..., prefix_reuse=True)), laid out as planned")
     passes = shard.micro_batch_passes[0]
-    step = prefix_reuse(passes, memory=memory, forward=nemo_rl_pass_forward)
+    step = prefix_reuse(passes, memory=memory, forward=nemo_rl_pass_forward,
+                        pad_to_multiple_of=rule.get("pad_to_multiple_of", 1))
     n = shard.elem_counts_per_gb[0]
     data = wrap(slice_rows(shard.data, 0, n))
 

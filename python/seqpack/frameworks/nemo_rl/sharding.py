@@ -142,15 +142,17 @@ def reuse_shards(data: Mapping[str, Any], shards: int, batch_size: int, args: Ma
                  pad_key: str) -> Shards:
     """``prefix_reuse``: each global batch planned by ``plan_step(..., forest=,
     prefix_reuse=True)`` over the shards (whole trees per shard, in passes where the
-    cost model predicts them faster than trees), then sharded as that step plan."""
+    cost model predicts them faster than trees), then sharded as that step plan; trees
+    and passes padded to ``args[pad_key]`` under the cap."""
     from ...planning.prefix_forest import PrefixForest
     from ...planning.step import plan_step
     from .step_shards import step_plan_shards
 
     check(bool(args.get("shared_prefix", False)), "sequence packing prefix_reuse=True runs prefix trees in passes: "
                                                   "it needs shared_prefix=True")
-    check(as_positive_int(args.get(pad_key, 1), pad_key) == 1,
-          f"sequence packing prefix_reuse=True: its passes are not padded, so {pad_key} must be 1, got {args[pad_key]}")
+    multiple = as_positive_int(args.get(pad_key, 1), pad_key)
+    cap = as_positive_int(args["max_tokens_per_microbatch"], "max_tokens_per_microbatch")
+    check(cap >= multiple, f"max_tokens_per_microbatch ({cap}) is below {pad_key} ({multiple})")
     check(args.get("force_group_size", 1) == 1, "sequence packing prefix_reuse=True cuts a tree larger than the cap "
                                                 "into passes, so a loss coupling force_group_size rows cannot run")
     from .step_shards import FOREST_RULE
@@ -168,9 +170,10 @@ def reuse_shards(data: Mapping[str, Any], shards: int, batch_size: int, args: Ma
     flat, cu = row_tokens(data, args["input_key"], lens)
     labels = group_labels(data, args.get("shared_prefix_group_key"))
     forest = PrefixForest.from_packed(flat, cu, group_ids=None if labels is None else group_codes(labels))
-    plan = plan_step(lens, shards, as_positive_int(args["max_tokens_per_microbatch"], "max_tokens_per_microbatch"),
-                     forest=forest, prefix_reuse=True, mini_batches=row_count(data) // batch_size)
-    return step_plan_shards(data, shards, batch_size, plan)
+    # trees and passes padded to the multiple: their physical tokens under the cap rounded down to it
+    plan = plan_step(lens, shards, cap // multiple * multiple, forest=forest, prefix_reuse=True,
+                     mini_batches=row_count(data) // batch_size)
+    return step_plan_shards(data, shards, batch_size, plan, multiple)
 
 
 def shared_prefix_bins(data: Mapping[str, Any], lens: np.ndarray, shards: int, batch_size: int,

@@ -49,10 +49,11 @@ FOREST_RULE = {"input_key": "input_ids", "input_lengths_key": "input_lengths", "
                "min_shared_tokens": 1, "pad_to_multiple_of": 1}
 
 
-def step_plan_shards(data: Mapping[str, Any], shards: int, batch_size: Optional[int], plan: "StepPlan"
-                     ) -> Tuple[List[ShardRecord], List[int]]:
+def step_plan_shards(data: Mapping[str, Any], shards: int, batch_size: Optional[int], plan: "StepPlan",
+                     pad_multiple: int = 1) -> Tuple[List[ShardRecord], List[int]]:
     """The shards of ``data`` (the plan's rows, in its sequence order) under ``plan``
-    and the rows each holds, concatenated (``sorted_indices``)."""
+    and the rows each holds, concatenated (``sorted_indices``); a forest plan's trees
+    padded to ``pad_multiple`` (its passes' model inputs too, when they run)."""
     from ...planning.step import StepPlan
 
     check(isinstance(plan, StepPlan), f"step_plan must be a seqpack.StepPlan, got {type(plan).__name__}")
@@ -89,14 +90,15 @@ def step_plan_shards(data: Mapping[str, Any], shards: int, batch_size: Optional[
         out.append(shard)
         order.extend(rows)
     if plan.forest is not None:
-        _add_trees(data, plan, out)
+        _add_trees(data, plan, out, pad_multiple)
     return out, order
 
 
-def _add_trees(data: Mapping[str, Any], plan: "StepPlan", shards: List[ShardRecord]) -> None:
+def _add_trees(data: Mapping[str, Any], plan: "StepPlan", shards: List[ShardRecord], pad_multiple: int) -> None:
     """Each micro-batch's prefix tree (its rows sharing only within the forest's
-    trees, host plans built), checked against the plan: the rows must be those the
-    forest was made of."""
+    trees, host plans built; padded to ``pad_multiple``, a batch in passes not: its
+    passes are), checked against the plan: the rows must be those the forest was
+    made of."""
     key, lengths_key = FOREST_RULE["input_key"], FOREST_RULE["input_lengths_key"]
     check(key in data and lengths_key in data,
           f"step_plan was made on a PrefixForest: its micro-batches are prefix trees of the rows' tokens, so the "
@@ -111,11 +113,14 @@ def _add_trees(data: Mapping[str, Any], plan: "StepPlan", shards: List[ShardReco
     # static_shapes: each tree padded to its cell's bucket (the plan priced the padding)
     pad_to = None if plan.padded_tokens is None else \
         [size for s in range(len(shards)) for mb in plan.padded_tokens for size in mb[s]]
+    if pad_to is None and pad_multiple > 1:
+        pad_to = [1 if _in_passes(plan, m) else pad_multiple for s in range(len(shards))
+                  for m, mb in enumerate(plan.assignment) for _ in ([None] if _in_passes(plan, m) else mb[s])]
     built = iter(bin_trees(data, lens, cells, key, plan.forest.tree_ids.tolist(), pad_to))
     for s, shard in enumerate(shards):
         shard.micro_batch_trees = [_passes(plan, m, s, next(built), shard) if _in_passes(plan, m) else
                                    [next(built) for _ in mb[s]] for m, mb in enumerate(plan.assignment)]
-        shard.micro_batch_tree_options = dict(FOREST_RULE)
+        shard.micro_batch_tree_options = dict(FOREST_RULE, pad_to_multiple_of=pad_multiple)
         for m, trees in enumerate(shard.micro_batch_trees):
             for k, tree in enumerate([] if _in_passes(plan, m) else trees):  # passes: checked when split
                 planned = plan.tokens[m][s][k]

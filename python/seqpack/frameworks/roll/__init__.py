@@ -219,9 +219,10 @@ def make_micro_batch_iter_for_sequence_packing(
     each still gets its tree.
 
     ``prefix_reuse`` (seqpack's ``sequence_packing_args.prefix_reuse``; with
-    ``shared_prefix``, a pad multiple of 1, no ``step_plan``): where the mini-batch's
-    trees would need more micro-batches than passes (a group over the cap, a row
-    longer than it), each shared prefix is forwarded and back-propagated once
+    ``shared_prefix``, no CP, no ``step_plan``; each pass padded to the pad
+    multiple): where the mini-batch's trees would need more micro-batches than passes
+    (a group over the cap, a row longer than it), each shared prefix is forwarded and
+    back-propagated once
     (:mod:`seqpack.frameworks.roll.prefix_reuse`): one micro-batch per pass, each
     holding every row with its response masks kept where that pass predicts the
     token and ``meta_info["prefix_pass"]`` the pass to run (forward, then backward, in

@@ -124,7 +124,8 @@ def pack_sequences_of(mini_batch: Any, *, algorithm: Any, cap: Any, min_num: Any
             return _roll_soft_plan(box["padded"], box["cap"], count)
         forest = box.get("forest")
         if prefix_reuse:  # passes where trees would need more micro-batches (or cannot hold a row)
-            return plan_micro_batches(forest.lengths, box["cap"], min_num=count, multiple_of=box["multiple"],
+            return plan_micro_batches(forest.lengths, box["cap"] // box["pad"] * box["pad"], min_num=count,
+                                      multiple_of=box["multiple"],
                                       attention_coeff=WORKLOAD_ATTENTION_COEFF, order="small_at_ends",
                                       forest=forest, prefix_reuse=True)
         if forest is not None:  # trees padded as a whole: physical tokens under the cap rounded down
@@ -145,10 +146,12 @@ def pack_sequences_of(mini_batch: Any, *, algorithm: Any, cap: Any, min_num: Any
         multiple = _pad_of(pad_rule, pad_multiple, tp_size, cp_size)
         box["padded"] = padded = round_up(mask_lengths(cols, "mini_batch"), multiple)
         box["pad"] = multiple
-        if prefix_reuse:  # passes are not padded: a row longer than the cap is planned, in passes
-            if multiple != 1:
-                raise ValueError(f"prefix_reuse runs passes of unpadded tokens: it needs a pad multiple of 1, got "
-                                 f"{multiple} (TP / CP pad each sequence; turn prefix_reuse off with them)")
+        if prefix_reuse:  # a row longer than the cap is planned, in passes (padded as the trees)
+            if as_positive_int(cp_size, "cp_size") > 1:
+                raise ValueError(f"prefix_reuse runs each pass on one rank: no context parallelism, got "
+                                 f"cp_size={cp_size}")
+            if limit < multiple:
+                raise ValueError(f"max_packed_sequence_length={limit} is below the pad multiple {multiple}")
             box["forest"], box["groups"] = padded_forest(cols, group_key, missing_group_ok=False)
         elif shared_prefix:
             box["forest"], box["groups"] = _shared_prefix_forest(cols, group_key, strict, multiple, limit)
@@ -193,8 +196,8 @@ def pack_sequences_of(mini_batch: Any, *, algorithm: Any, cap: Any, min_num: Any
                                              phase, per_mb=plan.tokens), padding_tokens=0)
         write_meta(mini_batch, partition_indices_list=[], sequence_packing_metrics=dict(metrics))
         dummies = _part_maker(mini_batch, cols, meta, plan.micro_batches, n, metrics, False, trees)
-        return pass_micro_batches(mini_batch, meta, plan, box["groups"], limit, prefix_reuse_memory,
-                                  lambda k: dummies(k, []))
+        return pass_micro_batches(mini_batch, meta, plan, box["groups"], limit // box["pad"] * box["pad"],
+                                  box["pad"], prefix_reuse_memory, lambda k: dummies(k, []))
     write_meta(mini_batch, partition_indices_list=[list(p) for p in plan.micro_batches],
                 sequence_packing_metrics=dict(metrics))
     return _yield_parts(mini_batch, cols, meta, plan.micro_batches, n, metrics, reorder=True, trees=trees)

@@ -47,10 +47,11 @@ MASK_KEYS = ("response_mask", "final_response_mask", "loss_mask")
 
 
 def pass_micro_batches(batch: Any, meta: Mapping[str, Any], plan: Any, groups: Optional[Sequence[int]], cap: int,
-                       memory: str, dummy: Callable[[int], Any]) -> Iterator[Any]:
-    """The micro-batches of a mini-batch planned in passes (``plan.prefix_reuse``): the
-    step's passes over all its rows, checked against the plan, then ``dummy(k)`` for
-    each of the plan's empty micro-batches ``k``."""
+                       multiple: int, memory: str, dummy: Callable[[int], Any]) -> Iterator[Any]:
+    """The micro-batches of a mini-batch planned in passes (``plan.prefix_reuse``) under
+    ``cap``: the step's passes over all its rows (each padded to ``multiple``),
+    checked against the plan, then ``dummy(k)`` for each of the plan's empty
+    micro-batches ``k``."""
     from ...tensors.prefix_passes import split_prefix_tree
     from ...tensors.prefix_tree import PrefixTreeBatch
     from ...training.prefix_reuse import prefix_reuse
@@ -65,7 +66,7 @@ def pass_micro_batches(batch: Any, meta: Mapping[str, Any], plan: Any, groups: O
         raise ValueError(f"prefix_reuse: the rows' tokens split into passes {list(passes.order)} of "
                          f"{passes.tokens()[at].tolist()} tokens, the plan's are {planned.pass_order[0]} of "
                          f"{planned.pass_tokens[0]}: the mini-batch is not the rows the plan was made on")
-    step = prefix_reuse(passes, memory=memory, forward=nemo_rl_pass_forward)
+    step = prefix_reuse(passes, memory=memory, forward=nemo_rl_pass_forward, pad_to_multiple_of=multiple)
     n, count = tree.num_rows, plan.num_micro_batches
     first, lengths = _spans(cols["attention_mask"])
     cu = np.asarray(tree.cu_seqlens, dtype=np.int64)
