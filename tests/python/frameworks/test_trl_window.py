@@ -16,15 +16,7 @@ import seqpack.frameworks.trl as seqpack_trl  # noqa: E402
 from seqpack.frameworks.trl import tree as trl_tree  # noqa: E402
 from seqpack.frameworks.trl import window as trl_window  # noqa: E402
 from test_hf_tree import fp64_norms  # noqa: E402,F401  (the fixture)
-from test_trl_tree import _ExactHead, fp64_rope, rel, tiny, trainer  # noqa: E402,F401
-
-
-@pytest.fixture(autouse=True)
-def _restore_trl():
-    seqpack_trl.unpatch()
-    trl_tree._WARNED.clear()
-    yield
-    seqpack_trl.unpatch()
+from test_trl_tree import _ExactHead, _restore_trl, fp64_rope, rel, tiny, trainer  # noqa: E402,F401 (fixtures)
 
 
 class _Grads(transformers.TrainerCallback):
