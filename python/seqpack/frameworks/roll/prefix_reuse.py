@@ -35,7 +35,7 @@ from typing import Any, Callable, Iterator, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .._batch import proto_select, select_all
+from .._batch import is_data_proto, proto_select, select_all
 from .common import RollBatch, batch_columns
 
 __all__ = ["pass_logprobs", "pass_micro_batches"]
@@ -71,7 +71,7 @@ def pass_micro_batches(batch: Any, meta: Mapping[str, Any], plan: Any, groups: O
     first, lengths = _spans(cols["attention_mask"])
     cu = np.asarray(tree.cu_seqlens, dtype=np.int64)
     seq_width = int(cols["input_ids"].shape[1])
-    proto = not isinstance(batch, Mapping)
+    proto = is_data_proto(batch)
 
     def gen():
         for k, mb in enumerate(step):
