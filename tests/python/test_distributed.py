@@ -386,13 +386,13 @@ def check_prefix_reuse_count_agreement(rank, world):
     mini = {"input_ids": ids, "attention_mask": (ids != 0).long(), "prompt_id": torch.arange(len(td)) // 4}
     first = next(roll.make_micro_batch_iter_for_sequence_packing(
         mini, max_packed_sequence_length=24, shared_prefix=True, prefix_reuse=True, group_key="prompt_id",
-        dp_group=dist.group.WORLD))
+        dp_group=dist.group.WORLD, is_train=True))
     dist.all_gather(counts, torch.tensor([first.meta_info["num_micro_batchs"]]))
     assert len({int(c) for c in counts}) == 1 and "prefix_pass" in first.meta_info, counts
     with pytest.raises(ValueError, match="needs the batch's 'input_ids'" if rank == 0 else "another rank"):
         roll.make_micro_batch_iter_for_sequence_packing(
             {"attention_mask": mini["attention_mask"]} if rank == 0 else mini, max_packed_sequence_length=24,
-            shared_prefix=True, prefix_reuse=True, dp_group=dist.group.WORLD)
+            shared_prefix=True, prefix_reuse=True, dp_group=dist.group.WORLD, is_train=True)
     dist.barrier()
 
 

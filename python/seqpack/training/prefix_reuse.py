@@ -133,7 +133,7 @@ class PrefixReuseStep:
     closes."""
 
     def __init__(self, passes: PrefixPasses, memory: str, forward: Callable[..., Any], multiple: int = 1) -> None:
-        self.passes, self.memory, self._call = passes, memory, forward
+        self.passes, self.memory, self._call, self.multiple = passes, memory, forward, multiple
         self._bound = [p.padded_to(multiple).bound(self) for p in passes.passes]
         self._readers: Dict[int, List[int]] = {p.index: [] for p in passes.passes}
         for p in passes.passes:
@@ -367,7 +367,7 @@ class PrefixReuseStep:
         if not isinstance(other, PrefixReuseStep):
             return NotImplemented
         return (self.passes == other.passes and self.memory == other.memory and self._call == other._call
-                and not self._started and not other._started)
+                and self.multiple == other.multiple and not self._started and not other._started)
 
     __hash__ = None  # type: ignore[assignment]
 
@@ -375,7 +375,7 @@ class PrefixReuseStep:
         if self._started:
             raise TypeError("a running prefix_reuse step holds its model's K/V and graphs: it is not copied or "
                             "pickled (pickle its PrefixPasses, and start a step where it is run)")
-        return _step_of, (self.passes, self.memory, self._call)
+        return _step_of, (self.passes, self.memory, self._call, self.multiple)
 
     def __repr__(self) -> str:
         return (f"PrefixReuseStep(memory={self.memory!r}, passes={self.passes.num_passes}, "
@@ -396,8 +396,8 @@ def _pop_open(model: Any) -> Optional[str]:
         return None
 
 
-def _step_of(passes: PrefixPasses, memory: str, forward: Callable[..., Any]) -> PrefixReuseStep:
-    return PrefixReuseStep(passes, memory, forward)
+def _step_of(passes: PrefixPasses, memory: str, forward: Callable[..., Any], multiple: int = 1) -> PrefixReuseStep:
+    return PrefixReuseStep(passes, memory, forward, multiple)
 
 
 def _device_of(model: Any) -> Any:

@@ -104,7 +104,8 @@ def test_roll_examples():
     cfg = load(example("roll_sequence_packing.yaml"))
     assert cfg.schema == "roll" and cfg.role == "actor_train"
     assert cfg.load_balance_kwargs("train") == {"algorithm": "load_balance", "max_packed_sequence_length": 16384,
-                                                "min_num_micro_batches": 1, "pad_multiple": 8, "vp_size": 1}
+                                                "min_num_micro_batches": 1, "pad_multiple": 8, "vp_size": 1,
+                                                "is_train": True}
     dyn = load(example("roll_dynamic_batching.yaml"))
     assert dyn.dynamic_batching_shard_kwargs(8, "infer") == {
         "dp_size": 8, "max_tokens_per_microbatch": 16384, "sequence_length_round": 128,

@@ -154,7 +154,8 @@ def test_a_roll_recipe_with_a_defaults_list_is_composed():
     cfg = load(recipe("roll", "rlvr", "rlvr_pack.yaml"))
     assert cfg.parallel.tp == 2 and cfg.parallel.cp == 2 and cfg.parallel.backend == "megatron_train"
     assert cfg.load_balance_kwargs("train") == {"algorithm": "load_balance", "max_packed_sequence_length": 8192,
-                                                "min_num_micro_batches": 1, "pad_multiple": 8, "vp_size": 1}
+                                                "min_num_micro_batches": 1, "pad_multiple": 8, "vp_size": 1,
+                                                "is_train": True}
     assert cfg.roll_packing.max_packed_sequence_length_forward == 4096 * 4  # ROLL's auto-fill
 
 

@@ -5,6 +5,7 @@ under a cap smaller than its group (or its rows); ROLL's loss over the global to
 count, summed over the passes, and every parameter gradient of a tiny HF Llama
 (fp64) equal the rows run alone. ``sequence_packing_args.prefix_reuse`` turns it on."""
 
+import functools
 import itertools
 
 import numpy as np
@@ -77,7 +78,7 @@ def passes_step(model, batch, cap, memory="activations", pad=1):
     kinds, loss_sum = [], 0.0
     for mb in roll.make_micro_batch_iter_for_sequence_packing(
             batch, max_packed_sequence_length=cap, shared_prefix=True, prefix_reuse=True, group_key="prompt_id",
-            prefix_reuse_memory=memory, pad_multiple=pad):
+            prefix_reuse_memory=memory, pad_multiple=pad, is_train=True):
         if mb.meta_info["is_padding_batch"]:
             kinds.append("dummy")
             continue
@@ -110,7 +111,8 @@ def test_passes_equal_the_rows_alone(memory, pad, exact_norms):
 def test_a_cap_that_holds_the_trees_keeps_them():
     batch, _, _ = roll_rows([10, 12], [[3, 4], [2, 2, 5]], seed=2)
     mbs = list(roll.make_micro_batch_iter_for_sequence_packing(
-        batch, max_packed_sequence_length=64, shared_prefix=True, prefix_reuse=True, group_key="prompt_id"))
+        batch, max_packed_sequence_length=64, shared_prefix=True, prefix_reuse=True, group_key="prompt_id",
+        is_train=True))
     assert all("prefix_pass" not in mb.meta_info and "prefix_tree" in mb.meta_info for mb in mbs)
 
 
@@ -123,7 +125,7 @@ def test_the_passes_masks_partition_the_rows(prompts, cap, seed):
     responses = [rng.integers(1, 8, int(rng.integers(1, 5))).tolist() for _ in prompts]
     batch, rows, _ = roll_rows(prompts, responses, seed=seed, left=(0, 2))
     mbs = roll.make_micro_batch_iter_for_sequence_packing(batch, max_packed_sequence_length=cap, shared_prefix=True,
-                                                          prefix_reuse=True, group_key="prompt_id")
+                                                          prefix_reuse=True, group_key="prompt_id", is_train=True)
     first = next(mbs)
     if "prefix_pass" not in first.meta_info:
         return  # trees need no more micro-batches here
@@ -147,7 +149,10 @@ _MODEL = [tiny_llama()]
 
 def test_bad_combinations_are_named():
     batch, _, _ = roll_rows([5, 5], [[2, 2], [3]])
-    run = roll.make_micro_batch_iter_for_sequence_packing
+    run = functools.partial(roll.make_micro_batch_iter_for_sequence_packing, is_train=True)
+    with pytest.raises(ValueError, match="the forward phase concatenates per-row results: pass is_train=True"):
+        roll.make_micro_batch_iter_for_sequence_packing(batch, max_packed_sequence_length=8, shared_prefix=True,
+                                                        prefix_reuse=True)
     with pytest.raises(ValueError, match="it needs shared_prefix=True"):
         run(batch, max_packed_sequence_length=8, prefix_reuse=True)
     with pytest.raises(ValueError, match="no context parallelism, got cp_size=2"):
@@ -173,6 +178,11 @@ def test_sequence_packing_args_prefix_reuse_turns_it_on():
     with pytest.raises(config.ConfigError, match="importance_sampling: 'seq'"):
         config.load({**roll_cfg(shared_prefix=True, prefix_reuse=True), "loss_agg_mode": "token-mean",
                      "importance_sampling": "seq"})
+    with pytest.raises(config.ConfigError, match="ppo_epochs: 2 reuses each pass's old log-probs"):
+        config.load({**roll_cfg(shared_prefix=True, prefix_reuse=True), "loss_agg_mode": "token-mean",
+                     "ppo_epochs": 2})
+    assert config.load({**roll_cfg(shared_prefix=True, prefix_reuse=True), "loss_agg_mode": "token-mean",
+                        "ppo_epochs": 2, "enable_old_logprobs_recompute": True}).prefix_reuse_training
     with pytest.raises(config.ConfigError, match="prefix_reus: unknown key; did you mean 'prefix_reuse'"):
         config.load(roll_cfg(shared_prefix=True, prefix_reus=True))
     tp2 = roll_cfg(shared_prefix=True, prefix_reuse=True)

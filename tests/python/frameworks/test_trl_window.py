@@ -185,3 +185,34 @@ def test_grpo_under_ddp_runs_windows_in_passes():
     from _gloo import free_port, run_world
 
     run_world(2, _ddp_trainer_steps, (free_port(),), 300)
+
+
+def test_a_window_applies_only_where_every_micro_batch_can_run_in_it(tmp_path):
+    """Every buffered micro-batch must be one a tree takes (the fallback checks run on
+    each, not only on the first); reentrant checkpointing and other accumulations
+    decline the window; a padded step pickles with its padding."""
+    import types
+
+    t = trainer("grpo", model=tiny(torch.float64), tmp_path=tmp_path, bf16=False, per_device_train_batch_size=2,
+                gradient_accumulation_steps=2, steps_per_generation=2)
+    t.current_gradient_accumulation_steps = 2
+    ids = torch.randint(3, 30, (2, 8))
+    mask = torch.ones_like(ids)
+    inputs = {"prompt_ids": ids[:, :5], "completion_ids": ids[:, 5:], "prompt_mask": mask[:, :5],
+              "completion_mask": mask[:, 5:]}
+    t._buffered_inputs = [inputs, dict(inputs)]
+    count = trl_tree._micro_tree_tokens(3)
+    assert trl_window._applies(t, t.model) == 2
+    assert trl_window._plan(t, ids, 3, 2, count, True, lambda x: True) is not None
+    assert trl_window._plan(t, ids, 3, 2, count, True, lambda x: x is inputs) is None  # the second is refused
+    t.args = types.SimpleNamespace(**{**vars(t.args), "gradient_checkpointing": True,
+                                     "gradient_checkpointing_kwargs": {"use_reentrant": True}})
+    assert trl_window._applies(t, t.model) is None
+    import pickle
+
+    import seqpack
+
+    passes = seqpack.split_prefix_tree(seqpack.pack_prefix_tree([[1, 2, 3, 4], [1, 2, 3, 5]]), 3)
+    step = seqpack.prefix_reuse(passes, pad_to_multiple_of=4)
+    back = pickle.loads(pickle.dumps(step))
+    assert back == step and back.multiple == 4 and step != seqpack.prefix_reuse(passes)

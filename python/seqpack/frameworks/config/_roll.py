@@ -158,6 +158,11 @@ def _check_prefix_reuse(top: Reader, args: Reader, packing: RollPackingConfig, c
     if agg not in ROLL_SPLITTING_AGGREGATIONS:
         raise ConfigError(f"{top.key('loss_agg_mode')}: {agg!r} divides by each row's own token count, which "
                           f"prefix reuse splits over passes ({where}); set one of {ROLL_SPLITTING_AGGREGATIONS}")
+    epochs = top.int("ppo_epochs", 1)
+    if epochs > 1 and not top.bool("enable_old_logprobs_recompute"):
+        raise ConfigError(f"{top.key('ppo_epochs')}: {epochs} reuses each pass's old log-probs from ROLL's cache, "
+                          f"which keeps a row's first micro-batch's (in passes: only that pass's tokens) ({where}); "
+                          f"set enable_old_logprobs_recompute: true")
     for name, on in ROLL_ROW_COUPLING:
         if top.get(name) == on:
             raise ConfigError(f"{top.key(name)}: {on!r} couples a row's tokens (a sequence-level term), which prefix "

@@ -414,7 +414,7 @@ class SeqpackConfig:
 
     def load_balance_kwargs(self, phase: str = "train") -> Dict[str, Any]:
         """Keyword arguments of :func:`seqpack.roll.make_micro_batch_iter_for_sequence_packing`
-        (``phase``: ``"train"`` or ``"forward"``; ``shared_prefix`` for training
+        (``phase``: ``"train"`` or ``"forward"``, also given as ``is_train``; ``shared_prefix`` for training
         with ``sequence_packing_args.shared_prefix``, and ``prefix_reuse`` with
         ``sequence_packing_args.prefix_reuse``)."""
         self._roll("load_balance_kwargs")
@@ -429,6 +429,7 @@ class SeqpackConfig:
             "min_num_micro_batches": getattr(rp, f"min_num_micro_batches_{phase}"),
             "pad_multiple": rp.pad_multiple,
             "vp_size": self.parallel.vpp or 1,
+            "is_train": phase == "train",
         }
         if rp.shared_prefix and phase == "train":  # the forward (log-prob) pass stays dense
             kwargs["shared_prefix"] = True

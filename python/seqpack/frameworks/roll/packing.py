@@ -85,7 +85,7 @@ def pack_sequences_of(mini_batch: Any, *, algorithm: Any, cap: Any, min_num: Any
     if shared_prefix and algorithm != "load_balance":
         raise ValueError(f"shared_prefix plans prefix trees with algorithm 'load_balance', got {algorithm!r}")
     if prefix_reuse:
-        _check_prefix_reuse(shared_prefix, strict, step_plan, prefix_reuse_memory)
+        _check_prefix_reuse(shared_prefix, strict, step_plan, prefix_reuse_memory, is_train)
     if algorithm == "none":
         n = batch_size(cols, "mini_batch")
         if strict:
@@ -203,9 +203,12 @@ def pack_sequences_of(mini_batch: Any, *, algorithm: Any, cap: Any, min_num: Any
     return _yield_parts(mini_batch, cols, meta, plan.micro_batches, n, metrics, reorder=True, trees=trees)
 
 
-def _check_prefix_reuse(shared_prefix: bool, strict: bool, step_plan: Any, memory: Any) -> None:
+def _check_prefix_reuse(shared_prefix: bool, strict: bool, step_plan: Any, memory: Any, is_train: bool) -> None:
     from ...training.prefix_reuse import MEMORY_MODES
 
+    if not is_train:
+        raise ValueError("prefix_reuse runs the training phase's passes (each a micro-batch of every row, its share "
+                         "of the loss masks); the forward phase concatenates per-row results: pass is_train=True")
     if not shared_prefix:
         raise ValueError("prefix_reuse runs a mini-batch's prefix trees in passes: it needs shared_prefix=True")
     if not strict:

@@ -274,7 +274,12 @@ def _make_method(original: Any) -> Any:
         reason = _fallback_reason(hf_model, prompt_learning, compute_aux_loss, extra, longest)
         c = int(logits_to_keep)
         if torch.is_grad_enabled():  # a training micro-batch: its accumulation window in passes, where that pays
-            served = window_logps(self, model, input_ids, attention_mask, c, bool(compute_entropy), reason is None,
+            def usable(inputs: Dict[str, Any]) -> bool:  # a buffered micro-batch of the window, as this one
+                mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
+                return _fallback_reason(hf_model, prompt_learning, compute_aux_loss, inputs,
+                                        int(mask.sum(1).max()) if mask.numel() else 0) is None
+
+            served = window_logps(self, model, input_ids, attention_mask, c, bool(compute_entropy), usable,
                                   _micro_tree_tokens(c), _POLICY["trees"] == "always", _in_window)
             if served is not None:
                 return served

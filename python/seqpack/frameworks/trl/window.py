@@ -17,15 +17,19 @@ through the log-probs (and entropies) TRL asks for, so the window runs as::
                         pass's backward that of sum(log-probs * g) (B): the
                         parameters' gradient is sum_j d loss_j / d theta, exactly
 
-    cost: one forward of the window's physical tokens (A) and one forward and
-    backward of them (B), against a forward and backward of every micro-batch's
-    tree, whose prompts repeat once per micro-batch
+    cost: one forward of the window's physical tokens (A), one forward and backward
+    of them (B) and one more forward of the shared prefixes (B keeps only their K/V
+    until their backward: memory="kv"), against a forward and backward of every
+    micro-batch's tree, whose prompts repeat once per micro-batch
 
 Any TRL loss (``loss_type``, sequence-level importance sampling, the KL term, the
-entropy bonus) is kept: only how its log-probs reach the parameters changes. Where
-the window does not pay (4/3 of its physical tokens against the micro-batches'
-trees), or TRL's run is outside these conditions (another accumulation, DeepSpeed,
-dropout), each micro-batch runs as its own tree, as before.
+entropy bonus) is kept: only how its log-probs reach the parameters changes. Under
+DDP the passes run on the module it wraps and the window's gradient is all-reduced
+(averaged) once over its process group, every trainable parameter in one order on
+every rank. Where the window does not pay, where any of its micro-batches goes to
+TRL's own path, or where TRL's run is outside these conditions (another
+accumulation, DeepSpeed or FSDP, dropout, reentrant gradient checkpointing), each
+micro-batch runs as its own tree, as before.
 
 Importing this module does not import torch.
 """
@@ -40,8 +44,9 @@ __all__ = ["after_training_step", "window_logps"]
 
 KEY = "_seqpack_window"
 # A forward and backward costs about 3 forwards: the window's (A) + (B) cost 4/3 of
-# its physical tokens' forward and backward.
+# its physical tokens' forward and backward, plus a third of its shared prefixes'.
 WINDOW_COST = 4.0 / 3.0
+PREFIX_COST = 1.0 / 3.0
 
 
 class WindowRun:
@@ -101,14 +106,16 @@ class WindowRun:
             return torch.stack([out["log_probs"], out["entropy"]]) if entropy else out["log_probs"][None]
 
         local = _local(model)  # the passes run on the module itself: no DDP collective per pass (buffers)
-        for mb in prefix_reuse(self.passes, forward=forward):
+        # memory="kv": a shared prefix keeps only its K/V until its close (then one more forward), so no pass
+        # holds more activations than a micro-batch
+        for mb in prefix_reuse(self.passes, memory="kv", forward=forward):
             out = mb.forward(local)
             surrogate = (out[0] * weights.to(out.dtype)).sum()
             if entropy:
                 surrogate = surrogate + (out[1] * weights_ent.to(out.dtype)).sum()
             surrogate.backward()
         if local is not model:
-            _sync_gradients(trainer, model, self.ids[0])
+            _average_gradients(model, local)
 
 
 def _logical(grad: Any, source: Any, target: Any, n: int) -> Any:
@@ -122,11 +129,17 @@ def _logical(grad: Any, source: Any, target: Any, n: int) -> Any:
 
 
 def _local(model: Any) -> Any:
-    """The module a DistributedDataParallel wraps (else ``model``): its forwards run
-    no collective, so ranks may run different numbers of passes."""
+    """The module under its wrappers (``torch.compile``'s, DistributedDataParallel's):
+    its forwards run no collective, so ranks may run different numbers of passes."""
     import torch
 
-    return model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+    while True:
+        if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            model = model.module
+        elif hasattr(model, "_orig_mod") and isinstance(model._orig_mod, torch.nn.Module):
+            model = model._orig_mod
+        else:
+            return model
 
 
 def _agreed(ok: bool, device: Any) -> bool:
@@ -144,17 +157,38 @@ def _agreed(ok: bool, device: Any) -> bool:
     return bool(flag.item())
 
 
-def _sync_gradients(trainer: Any, model: Any, ids: Any) -> None:
-    """The data-parallel reduction of the gradients the window accumulated on the
-    wrapped module: one forward and backward of a one-token row through the wrapper
-    (DDP; the last micro-batch runs outside ``no_sync``), its loss 0, so it reduces
-    every parameter's gradient once, as after any micro-batch. Every rank on the
-    window path runs exactly this one wrapped forward per window."""
-    row = ids[:1, -1:]
-    with trainer.accelerator.autocast():
-        out = model(input_ids=row)
-    logits = out["logits"] if isinstance(out, dict) or hasattr(out, "keys") else out.logits
-    (logits.float().sum() * 0.0).backward()
+def _average_gradients(model: Any, local: Any) -> None:
+    """The data-parallel reduction DDP would have made of the window's gradient (run on
+    the module it wraps): every trainable parameter's gradient (0 where a rank has
+    none, so that every rank reduces the same tensors in one order) all-reduced over
+    DDP's process group in buckets and divided by its size."""
+    import torch
+    import torch.distributed as dist
+
+    ddp = model
+    while not isinstance(ddp, torch.nn.parallel.DistributedDataParallel):
+        ddp = getattr(ddp, "_orig_mod", None)
+        if ddp is None:
+            return
+    group = ddp.process_group
+    size = dist.get_world_size(group)
+    params = [p for p in local.parameters() if p.requires_grad]
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    buckets: dict = {}
+    for p in params:
+        buckets.setdefault((p.grad.dtype, p.grad.device), []).append(p.grad)
+    for grads in buckets.values():
+        for start in range(0, len(grads), 64):
+            chunk = grads[start:start + 64]
+            flat = torch.cat([g.reshape(-1) for g in chunk])
+            dist.all_reduce(flat, group=group)
+            flat.div_(size)
+            at = 0
+            for g in chunk:
+                g.copy_(flat[at:at + g.numel()].view_as(g))
+                at += g.numel()
 
 
 def _window_rows(trainer: Any) -> Optional[List[Any]]:
@@ -188,6 +222,9 @@ def _applies(trainer: Any, model: Any) -> Optional[int]:
     kind = getattr(getattr(accelerator, "distributed_type", None), "name", "NO")
     if kind != "NO" and not kind.startswith("MULTI_"):
         return None  # DeepSpeed's engine scales and accumulates the backward itself; FSDP shards the gradients
+    if getattr(args, "gradient_checkpointing", False) and \
+            (getattr(args, "gradient_checkpointing_kwargs", None) or {}).get("use_reentrant", False):
+        return None  # a reentrant checkpoint recomputes a layer under no_grad: (B) needs its K/V's graph
     import torch
 
     if any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in _local(model).modules()):
@@ -199,14 +236,14 @@ def _applies(trainer: Any, model: Any) -> Optional[int]:
 
 
 def window_logps(trainer: Any, model: Any, input_ids: Any, attention_mask: Any, c: int, compute_entropy: bool,
-                 usable: bool, micro_trees: Any, always: bool, in_passes: Any) -> Optional[Tuple[Any, Any, None]]:
+                 usable: Any, micro_trees: Any, always: bool, in_passes: Any) -> Optional[Tuple[Any, Any, None]]:
     """TRL's ``(log-probs, entropies, None)`` of a training micro-batch served from its
     window (started at its first micro-batch on every rank, or on none), or None
     where the window does not apply or pay: the caller runs the micro-batch as its
-    own tree (or on TRL's path). ``usable``: a tree can take this micro-batch."""
+    own tree (or on TRL's path). ``usable(inputs)``: a tree can take the buffered
+    micro-batch ``inputs`` (TRL's dict), checked for every micro-batch of the window."""
     import torch
 
-    from ...tensors.prefix_passes import split_prefix_tree
     from ...training.prefix_reuse import _parameters
 
     step = getattr(trainer, "_step", None)
@@ -223,12 +260,11 @@ def window_logps(trainer: Any, model: Any, input_ids: Any, attention_mask: Any, 
     trainer.__dict__.pop(KEY, None)
     if j != 0:
         return None  # a window starts at its first micro-batch
-    plan = _plan(trainer, input_ids, c, k, micro_trees, always) if usable else None
+    plan = _plan(trainer, input_ids, c, k, micro_trees, always, usable)
     if not _agreed(plan is not None, input_ids.device):
         return None
-    ids, found, ids_all = plan
+    ids, found, ids_all, passes = plan  # passes of a micro-batch's padded tokens at most
     b = int(input_ids.shape[0])
-    passes = split_prefix_tree(found[0], b * int(input_ids.shape[1]))  # a micro-batch's padded tokens at most
     local = _local(model)
     with torch.no_grad():
         logps, entropies, _ = in_passes(trainer, local, passes, found, (k * b, c), bool(compute_entropy),
@@ -238,15 +274,21 @@ def window_logps(trainer: Any, model: Any, input_ids: Any, attention_mask: Any, 
     return run.serve(0, compute_entropy)
 
 
-def _plan(trainer: Any, input_ids: Any, c: int, k: int, micro_trees: Any, always: bool) -> Optional[Tuple[Any, ...]]:
+def _plan(trainer: Any, input_ids: Any, c: int, k: int, micro_trees: Any, always: bool,
+          usable: Any) -> Optional[Tuple[Any, ...]]:
     """``(each micro-batch's rows, the window's completion tree, all rows)`` where the
     window is TRL's buffer of ``k`` micro-batches of one shape starting with
-    ``input_ids`` and its tree pays (fewer tokens than the micro-batches' trees; 4/3
-    fewer unless ``always``), else None."""
+    ``input_ids``, a tree can take every one of them, and its tree pays (fewer tokens
+    than the micro-batches' trees; with the shared prefixes' extra forward, 4/3 fewer
+    unless ``always``), else None."""
     import torch
+
+    from ...tensors.prefix_passes import split_prefix_tree
 
     rows = _window_rows(trainer)
     if rows is None or len(rows) != k or not torch.equal(rows[0][0], input_ids):
+        return None
+    if not all(usable(inputs) for inputs in trainer._buffered_inputs):
         return None
     if any(ids.shape != input_ids.shape for ids, _ in rows):
         return None
@@ -256,9 +298,12 @@ def _plan(trainer: Any, input_ids: Any, c: int, k: int, micro_trees: Any, always
         return None
     window_tokens = found[0].num_tokens
     micro_tokens = sum(micro_trees(ids, mask) for ids, mask in rows)
-    if window_tokens >= micro_tokens or (not always and WINDOW_COST * window_tokens >= micro_tokens):
+    passes = split_prefix_tree(found[0], int(input_ids.shape[0]) * int(input_ids.shape[1]))
+    prefix_tokens = sum(p.own.shape[0] for p in passes.passes if p.role == "provider")
+    cost = WINDOW_COST * window_tokens + PREFIX_COST * prefix_tokens
+    if window_tokens >= micro_tokens or (not always and cost >= micro_tokens):
         return None
-    return [ids for ids, _ in rows], found, ids_all
+    return [ids for ids, _ in rows], found, ids_all, passes
 
 
 def after_training_step(trainer: Any, model: Any) -> None:
