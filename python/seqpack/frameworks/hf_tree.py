@@ -114,9 +114,10 @@ def tree_attention_forward(module, query, key, value, attention_mask, dropout: f
         raise ValueError("seqpack tree attention is causal (ancestors and self); the module asked for non-causal")
     if isinstance(attention_mask, _DeferredMask):
         padding = attention_mask.padding
-        if padding is not None and not bool(padding.all()):
+        if padding is not None and not bool(padding.all()) and not _row_weights_of(padding, prefix_tree):
             raise ValueError("seqpack tree attention takes no padding attention_mask (the tree is the mask; its pad "
-                             "tokens see only themselves): pass attention_mask=None")
+                             "tokens see only themselves): pass attention_mask=None, or the tree's row weights "
+                             "(tree_kwargs(tree)'s)")
     elif attention_mask is not None:
         raise ValueError("seqpack tree attention takes no attention_mask (the tree is the mask); pass none")
     t = prefix_tree.num_local_tokens  # a pass of a split tree: its own tokens
@@ -145,6 +146,19 @@ def _fallback_attention(fallback: str, module: Any) -> Callable[..., Any]:
                              f"fallback attention than 'eager'")
         return own
     return AttentionInterface()[fallback]
+
+
+def _row_weights_of(padding: Any, layout: Any) -> bool:
+    """Whether a padding mask is zero exactly at the tree's pad tokens (its
+    :meth:`~seqpack.PrefixTreeBatch.row_weights`, as ``tree_kwargs`` gives it)."""
+    import torch
+
+    weights = getattr(layout, "row_weights", None)
+    if weights is None or tuple(padding.shape) != (1, layout.num_tokens):
+        return False
+    real = layout.host_plan(("row_weights_real", str(padding.device)),
+                            lambda t: torch.from_numpy(t.row_weights() > 0).to(padding.device))
+    return bool(torch.equal(padding[0] != 0, real))
 
 
 def _dispatch(module, query, key, value, attention_mask, *args: Any, fallback: str = _FALLBACK,
@@ -261,16 +275,31 @@ def pass_forward(model: Any, input_ids: Any, position_ids: Any, layout: Any, **k
         raise ValueError(f"{type(model).__name__} runs {_implementation(model)!r} attention: switch it to seqpack's "
                          "tree attention first (seqpack.integrations.hf.use_tree_attention(model), or load it with "
                          "attn_implementation=seqpack.integrations.hf.register_tree())")
+    refuse_router_loss(model, kwargs)
     out = model(input_ids=input_ids[None], position_ids=position_ids[None], **{TREE_KWARG: layout}, **kwargs)
     logits = out.logits if hasattr(out, "logits") else out[0]
     return logits[0]
+
+
+def refuse_router_loss(model: Any, kwargs: Dict[str, Any]) -> None:
+    """A pass of a tree split under a cap holds part of the batch's tokens; an MoE
+    model's load-balancing loss is a product of means over the whole batch, so on a
+    pass it would be another loss: refused by name."""
+    config = getattr(getattr(model, "module", model), "config", None)
+    if kwargs.get("output_router_logits", getattr(config, "output_router_logits", False)):
+        raise ValueError("an MoE load-balancing loss (output_router_logits) is a product of means over the whole "
+                         "batch and does not split over the passes of a tree run under a cap: run it on whole trees "
+                         "(prefix reuse off), or pass output_router_logits=False")
 
 
 def tree_kwargs(tree: Any, device: Any = None) -> Dict[str, Any]:
     """What to pass to ``model(**tree_kwargs(tree))`` for a model loaded with the
     implementation :func:`register_tree` registered: ``input_ids`` and
     ``position_ids`` ``[1, T]`` (int64; the position of a token is its depth, so
-    RoPE sees what each row alone would) and ``prefix_tree`` (read by the attention).
+    RoPE sees what each row alone would), ``prefix_tree`` (read by the attention) and
+    ``attention_mask`` ``[1, T]``, the tree's row weights (how many rows hold each
+    token; 0 at pad tokens): the attention needs no mask, but an MoE model's
+    load-balancing ``aux_loss`` is then the rows' (each token counted once per row).
     The logits ``[1, T, V]`` are per physical token: take each row's with
     ``logits[0, tree.logical_index]`` or its log-probs with
     :func:`seqpack.token_logprobs` (not ``labels=``: the shifted loss of

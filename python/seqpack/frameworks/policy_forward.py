@@ -32,7 +32,7 @@ from typing import Any, Dict, Optional
 import numpy as np
 
 from ._completion_trees import completion_logprobs
-from .hf_tree import TREE_KWARG, use_tree_attention
+from .hf_tree import TREE_KWARG, refuse_router_loss, use_tree_attention
 
 __all__ = ["tree_model", "nemo_rl_tree_forward", "nemo_rl_tree_logprobs", "verl_tree_forward"]
 
@@ -66,8 +66,10 @@ def nemo_rl_pass_forward(model: Any, input_ids: Any, position_ids: Any, layout: 
     """The logits ``[1, N, V]`` of one pass of a batch planned for prefix reuse: the
     ``forward=`` of the :func:`seqpack.prefix_reuse` step NeMo-RL's iterators run (a
     transformers ``model``, bare or under FSDP / DDP / PEFT, on the tree attention)."""
-    out = tree_model(model)(input_ids=input_ids[None], position_ids=position_ids[None], use_cache=False,
-                            **{TREE_KWARG: layout}, **model_kwargs)
+    hf_model = tree_model(model)
+    refuse_router_loss(hf_model, model_kwargs)
+    out = hf_model(input_ids=input_ids[None], position_ids=position_ids[None], use_cache=False,
+                   **{TREE_KWARG: layout}, **model_kwargs)
     return out.logits
 
 

@@ -265,23 +265,42 @@ class PrefixTreeBatch(TokenLayout):
                                  pad_tokens=self._num_pad_tokens, num_segments=self.num_segments,
                                  plain_attention_pairs=plain, tree_attention_pairs=tree)
 
+    def row_weights(self) -> np.ndarray:
+        """``[T]`` int64: how many logical rows hold each physical token (a shared
+        prompt token: its group's size; a pad token: 0). What the rows count a token
+        as, where a statistic over tokens must be the rows' (an MoE router's
+        load-balancing loss and per-expert counts).
+
+        >>> pack_prefix_tree([[1, 2, 3], [1, 2, 4]], pad_to_multiple_of=5).row_weights().tolist()
+        [2, 2, 1, 1, 0]
+        """
+        def build(t: "PrefixTreeBatch") -> np.ndarray:
+            out = np.bincount(t.logical_index, minlength=t.num_tokens).astype(np.int64)
+            out.flags.writeable = False
+            return out
+        return self.host_plan("row_weights", build)
+
     def hf_kwargs(self, device: Any = None) -> Dict[str, Any]:
         """What a transformers model registered with
         ``seqpack.frameworks.hf.register_tree()`` takes for this tree:
         ``model(**tree.hf_kwargs())`` (``input_ids`` and ``position_ids`` ``[1, T]``
-        int64 tensors on ``device``, and the tree for the attention); the same as
-        :func:`seqpack.frameworks.hf.tree_kwargs`. Imports torch.
+        int64 tensors on ``device``, the tree for the attention, and
+        ``attention_mask`` ``[1, T]`` float32, its :meth:`row_weights`: the attention
+        ignores it, and the losses transformers computes from it count each token
+        once per row that holds it, as the rows do: an MoE model's load-balancing
+        ``aux_loss``); the same as :func:`seqpack.frameworks.hf.tree_kwargs`. Imports torch.
 
         >>> tree = pack_prefix_tree([[1, 2, 3], [1, 2, 4]])
         >>> kwargs = tree.hf_kwargs()
-        >>> kwargs["input_ids"].tolist(), kwargs["position_ids"].tolist()
-        ([[1, 2, 3, 4]], [[0, 1, 2, 2]])
+        >>> kwargs["input_ids"].tolist(), kwargs["position_ids"].tolist(), kwargs["attention_mask"].tolist()
+        ([[1, 2, 3, 4]], [[0, 1, 2, 2]], [[2.0, 2.0, 1.0, 1.0]])
         """
         import torch
 
         ids = torch.tensor(self.input_ids, dtype=torch.long, device=device)[None]  # copies: the arrays are read-only
         pos = torch.tensor(self.position_ids, dtype=torch.long, device=device)[None]
-        return {"input_ids": ids, "position_ids": pos, HF_TREE_KWARG: self}
+        weights = torch.tensor(self.row_weights(), dtype=torch.float32, device=device)[None]
+        return {"input_ids": ids, "position_ids": pos, "attention_mask": weights, HF_TREE_KWARG: self}
 
     # ---- value semantics -----------------------------------------------------------
     def __eq__(self, other: object) -> Any:

@@ -136,11 +136,12 @@ def test_tree_kwargs():
     kw = hf.tree_kwargs(tree)
     assert kw["input_ids"].tolist() == [[1, 2, 3, 4]] and kw["position_ids"].tolist() == [[0, 1, 2, 2]]
     assert kw["input_ids"].dtype == kw["position_ids"].dtype == torch.long and kw["prefix_tree"] is tree
+    assert kw["attention_mask"].tolist() == [[2.0, 2.0, 1.0, 1.0]]  # each token's rows: an MoE aux loss's weights
     with pytest.raises(TypeError, match="tree must be a PrefixTreeBatch"):
         hf.tree_kwargs([[1, 2]])
     same = tree.hf_kwargs()  # the method the layout contract names
     assert same.keys() == kw.keys() and same["prefix_tree"] is tree
-    assert all(torch.equal(same[k], kw[k]) for k in ("input_ids", "position_ids"))
+    assert all(torch.equal(same[k], kw[k]) for k in ("input_ids", "position_ids", "attention_mask"))
 
 
 def test_tree_attention_errors(name):
@@ -148,11 +149,12 @@ def test_tree_attention_errors(name):
     model = tiny("llama", name)
     attn = model.model.layers[0].self_attn
     kw = hf.tree_kwargs(tree)
-    with torch.no_grad():  # an all-ones mask pads nothing: accepted, the same logits
-        torch.testing.assert_close(model(**kw, attention_mask=torch.ones(1, 4, dtype=torch.long)).logits,
-                                   model(**kw).logits)
+    with torch.no_grad():  # an all-ones mask pads nothing, the row weights neither: accepted, the same logits
+        torch.testing.assert_close(model(**{**kw, "attention_mask": torch.ones(1, 4, dtype=torch.long)}).logits,
+                                   model(**{**kw, "attention_mask": None}).logits)
+        torch.testing.assert_close(model(**kw).logits, model(**{**kw, "attention_mask": None}).logits)
     with pytest.raises(ValueError, match="no padding attention_mask"):
-        model(**kw, attention_mask=torch.tensor([[1, 1, 1, 0]]))
+        model(**{**kw, "attention_mask": torch.tensor([[1, 1, 1, 0]])})
     with pytest.raises(ValueError, match="one row of the layout's 4 physical tokens"):
         model(input_ids=torch.tensor([[1, 2, 3]]), prefix_tree=tree)
     q = torch.zeros(1, 4, 4, 8, dtype=torch.float64)

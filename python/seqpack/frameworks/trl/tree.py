@@ -47,6 +47,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from .._completion_trees import completion_tree, to_completions
 from ...tensors.prefix_passes import split_prefix_tree
+from ..hf_moe import balancing_loss
 from .choice import PathChoice
 from .window import after_training_step, window_logps
 
@@ -121,11 +122,14 @@ def _tree_forward(self, *args: Any, seqpack_tree: Any = None, labels: Any = None
     from ...tensors.prefix_tree import HF_TREE_KWARG
     from ...training.ops import token_logprobs
 
-    tree, scored, entropy = seqpack_tree
+    tree, scored, entropy, *aux = seqpack_tree  # aux: (True,) for an MoE model's load-balancing loss
     head = _head_of(self)
     kwargs["use_cache"] = False
     kwargs[HF_TREE_KWARG] = tree
-    hidden = getattr(self, head.get("backbone_attr", "base_model"))(*args, **kwargs).last_hidden_state[0]
+    if aux and aux[0]:
+        kwargs["output_router_logits"] = True
+    backbone = getattr(self, head.get("backbone_attr", "base_model"))(*args, **kwargs)
+    hidden = backbone.last_hidden_state[0]
     lm_head = self.get_output_embeddings()
     weight, bias = lm_head.weight, lm_head.bias
     if hasattr(weight, "full_tensor"):  # FSDP2's DTensor, gathered as TRL's head does
@@ -144,7 +148,12 @@ def _tree_forward(self, *args: Any, seqpack_tree: Any = None, labels: Any = None
                              bias=None if bias is None else bias.to(dtype),
                              temperature=head["temperature"] / head["logit_scale"], return_entropy=entropy,
                              scored=scored)
-    return {"log_probs": out.logprobs, "entropy": out.entropy}
+    result = {"log_probs": out.logprobs, "entropy": out.entropy}
+    if aux and aux[0]:  # the rows' load-balancing loss: each token counted once per row that holds it
+        from ..hf_moe import tree_aux_loss
+
+        result["aux_loss"] = tree_aux_loss(self, backbone.router_logits, tree)
+    return result
 
 
 def _installed(model: Any) -> bool:
@@ -219,8 +228,9 @@ def _fallback_reason(hf_model: Any, prompt_learning: bool, compute_aux_loss: boo
     vision = [k for k in _VISION if extra.get(k) is not None]
     if vision:
         return "vision", f"vision inputs ({', '.join(vision)})"
-    if compute_aux_loss:
-        return "moe_aux_loss", "the MoE load-balancing loss (compute_aux_loss: TRL's router loss is over the padded rows)"
+    if compute_aux_loss and balancing_loss(hf_model) is None:
+        return "moe_aux_loss", (f"the MoE load-balancing loss of {type(hf_model).__name__} (compute_aux_loss), a "
+                                "family without transformers' load_balancing_loss_func to count per row")
     if prompt_learning:
         return "prompt_learning", "a prompt-learning PEFT adapter (it changes the model's inputs)"
     head = _head_of(hf_model)
@@ -273,7 +283,9 @@ def _make_method(original: Any) -> Any:
         hf_model, prompt_learning = _hf_model(self, model)
         reason = _fallback_reason(hf_model, prompt_learning, compute_aux_loss, extra, longest)
         c = int(logits_to_keep)
-        if torch.is_grad_enabled():  # a training micro-batch: its accumulation window in passes, where that pays
+        # a training micro-batch: its accumulation window in passes, where that pays (an MoE load-balancing loss,
+        # a product of means over the batch, does not split over passes)
+        if torch.is_grad_enabled() and not compute_aux_loss:
             def usable(inputs: Dict[str, Any]) -> bool:  # a buffered micro-batch of the window, as this one
                 mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
                 return _fallback_reason(hf_model, prompt_learning, compute_aux_loss, inputs,
@@ -301,7 +313,7 @@ def _make_method(original: Any) -> Any:
         # batch_size), a prompt whose rows fall in several chunks is forwarded once:
         # the whole batch's tree in passes of at most a chunk's tokens (prefix reuse).
         whole = passes = None
-        if len(chunks) > 1 and not torch.is_grad_enabled():
+        if len(chunks) > 1 and not torch.is_grad_enabled() and not compute_aux_loss:
             whole = completion_tree(input_ids, attention_mask, c)
             if whole is not None and whole[0].num_tokens < tree_tokens:
                 passes = split_prefix_tree(whole[0], batch_size * input_ids.shape[1])
@@ -315,17 +327,20 @@ def _make_method(original: Any) -> Any:
             if passes is not None:
                 _COUNTS["prefix_reuse_batches"] = _COUNTS.get("prefix_reuse_batches", 0) + 1
                 return _in_passes(self, model, passes, whole, (rows, c), bool(compute_entropy))
-            logps, entropies = [], []
+            logps, entropies, aux = [], [], []
             for b, (tree, scored, source, target) in chunks:
                 kw = tree.hf_kwargs(input_ids.device)
                 with self.accelerator.autocast():
                     out = model(input_ids=kw["input_ids"], position_ids=kw["position_ids"],
-                                seqpack_tree=(tree, scored, bool(compute_entropy)))
+                                seqpack_tree=(tree, scored, bool(compute_entropy), bool(compute_aux_loss)))
                 lp, ent = to_completions((out["log_probs"], out["entropy"]), source, target, (b, c))
                 logps.append(lp)
                 if ent is not None:
                     entropies.append(ent)
-            return torch.cat(logps), (torch.cat(entropies) if compute_entropy else None), None
+                if compute_aux_loss:  # each chunk's rows' value, TRL's mean over its chunks
+                    aux.append(out["aux_loss"])
+            return (torch.cat(logps), (torch.cat(entropies) if compute_entropy else None),
+                    torch.stack(aux).mean() if compute_aux_loss else None)
 
         if _POLICY["trees"] == "always":
             return tree_path()
