@@ -114,8 +114,10 @@ def completion_logprobs(model: Any, input_ids: Any, attention_mask: Any, complet
     rows = torch.from_numpy(scored_targets(tree, scored)[0])
     device = input_ids.device if hasattr(input_ids, "device") else None
     kw = tree.hf_kwargs(device)
-    out = model(input_ids=kw["input_ids"], position_ids=kw["position_ids"], use_cache=False,
-                logits_to_keep=rows.to(kw["input_ids"].device), **{HF_TREE_KWARG: tree}, **model_kwargs)
+    # attention_mask: the tree's row weights (an MoE model's load-balancing loss counted per row)
+    out = model(input_ids=kw["input_ids"], position_ids=kw["position_ids"], attention_mask=kw["attention_mask"],
+                use_cache=False, logits_to_keep=rows.to(kw["input_ids"].device), **{HF_TREE_KWARG: tree},
+                **model_kwargs)
     logits = out.logits[0]
     res = tree_token_logprobs(logits, tree, temperature=temperature, return_entropy=return_entropy, scored=scored)
     lp, ent = to_completions((res.logprobs, res.entropy), source, target, (int(input_ids.shape[0]),
