@@ -37,13 +37,10 @@ def tiny_moe(kind, seed=0):
 
 
 def padded(rows):
-    width = max(len(r) for r in rows)
-    ids = torch.zeros(len(rows), width, dtype=torch.long)
-    mask = torch.zeros(len(rows), width, dtype=torch.long)
-    for i, r in enumerate(rows):
-        ids[i, :len(r)] = torch.tensor(r)
-        mask[i, :len(r)] = 1
-    return ids, mask
+    """The rows right-padded, and their attention mask."""
+    pad = torch.nn.utils.rnn.pad_sequence
+    return (pad([torch.tensor(r) for r in rows], batch_first=True),
+            pad([torch.ones(len(r), dtype=torch.long) for r in rows], batch_first=True))
 
 
 def run(model, **kwargs):
