@@ -110,6 +110,12 @@ def tree_attention_forward(module, query, key, value, attention_mask, dropout: f
         if kwargs.get(sink) is not None:
             raise ValueError(f"seqpack tree attention has no attention sinks ({sink}, GPT-OSS): run such a model "
                              f"without a tree")
+    config = getattr(module, "config", None)
+    for name in ("expert_capacity", "router_capacity"):  # Switch Transformers' and NLLB-MoE's token dropping
+        if getattr(config, name, None):
+            raise ValueError(f"{name} = {getattr(config, name)}: capacity-limited routing drops tokens by the "
+                             "batch's own counts, and a tree holds a shared token once where the rows hold it once "
+                             "each, so it would drop other tokens than the rows: run such a model without a tree")
     if not (is_causal if is_causal is not None else getattr(module, "is_causal", True)):
         raise ValueError("seqpack tree attention is causal (ancestors and self); the module asked for non-causal")
     if isinstance(attention_mask, _DeferredMask):

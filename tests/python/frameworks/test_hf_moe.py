@@ -111,3 +111,13 @@ def test_passes_refuse_the_load_balancing_loss():
     with torch.no_grad():
         for mb in seqpack.prefix_reuse(passes, forward=hf.pass_forward):
             mb.forward(model)
+
+
+def test_capacity_limited_routing_is_refused_by_name():
+    # transformers' decoder MoE families route every token (no capacity): a tree drops nothing the rows keep.
+    # Token dropping (Switch Transformers' expert_capacity) counts the batch's tokens: refused on a tree.
+    model = tiny_moe("qwen3_moe")
+    tree = seqpack.pack_prefix_tree(ROWS, group_ids=GROUPS)
+    model.config.expert_capacity = 4
+    with pytest.raises(ValueError, match="expert_capacity = 4: capacity-limited routing drops tokens"):
+        model(**hf.tree_kwargs(tree))
