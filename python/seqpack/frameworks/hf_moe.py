@@ -80,11 +80,18 @@ def balancing_loss(model: Any) -> Any:
     """The load-balancing loss function of ``model``'s family (transformers'
     ``load_balancing_loss_func`` in its modeling module, which weights tokens by the
     mask it is given), or None where the family has none."""
+    import inspect
     import sys
 
-    module = sys.modules.get(type(model).__module__)
-    fn = getattr(module, "load_balancing_loss_func", None)
-    return fn if callable(fn) and hasattr(model, "num_experts_per_tok") else None
+    for cls in type(model).__mro__:  # FSDP2 swaps the class for one made in torch's module: its base is the family
+        fn = getattr(sys.modules.get(cls.__module__), "load_balancing_loss_func", None)
+        if callable(fn):
+            names = list(inspect.signature(fn).parameters)[:4]
+            if names == ["gate_logits", "num_experts", "top_k", "attention_mask"] and hasattr(
+                    model, "num_experts_per_tok"):
+                return fn
+            return None  # another signature (Doge's num_keys): not the one counted here
+    return None
 
 
 def tree_aux_loss(model: Any, router_logits: Any, layout: Any) -> Any:
@@ -101,7 +108,10 @@ def tree_aux_loss(model: Any, router_logits: Any, layout: Any) -> Any:
     if not hasattr(layout, "row_weights"):
         raise ValueError("the load-balancing loss is a product of means over the whole batch: it is counted per row "
                          f"on a whole tree, not on {type(layout).__name__} (a pass of a tree split under a cap)")
+    from ..tensors._device import host_to_device
+
     device = router_logits[0].device
-    weights = torch.tensor(layout.row_weights(), dtype=torch.float32, device=device)[None]
+    weights = layout.host_plan(("row_weights", str(device)), lambda t: host_to_device(
+        [t.row_weights()[None]], device)[0])  # no host sync (the forward is queued)
     experts = getattr(model, "num_experts", None) or getattr(model.config, "num_local_experts", None)
     return fn(tuple(router_logits), experts, model.num_experts_per_tok, weights)

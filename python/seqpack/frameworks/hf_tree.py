@@ -53,10 +53,19 @@ class _DeferredMask:
     call, made on first use (by an attention call without a tree) and kept for the
     other layers of that forward. A call with a tree never builds it."""
 
-    __slots__ = ("_build", "_kwargs", "_mask", "_built")
+    __slots__ = ("_build", "_kwargs", "_mask", "_built", "_tree_ok")
 
     def __init__(self, build: Callable[..., Any], kwargs: Dict[str, Any]) -> None:
         self._build, self._kwargs, self._mask, self._built = build, kwargs, None, False
+        self._tree_ok: Optional[bool] = None
+
+    def fits(self, layout: Any) -> bool:
+        """Whether the padding mask is none, all ones, or the tree's row weights (zero
+        exactly at its pad tokens); checked once per forward (every layer shares it)."""
+        if self._tree_ok is None:
+            padding = self.padding
+            self._tree_ok = padding is None or bool(padding.all()) or _row_weights_of(padding, layout)
+        return self._tree_ok
 
     @property
     def padding(self) -> Any:
@@ -119,8 +128,7 @@ def tree_attention_forward(module, query, key, value, attention_mask, dropout: f
     if not (is_causal if is_causal is not None else getattr(module, "is_causal", True)):
         raise ValueError("seqpack tree attention is causal (ancestors and self); the module asked for non-causal")
     if isinstance(attention_mask, _DeferredMask):
-        padding = attention_mask.padding
-        if padding is not None and not bool(padding.all()) and not _row_weights_of(padding, prefix_tree):
+        if not attention_mask.fits(prefix_tree):
             raise ValueError("seqpack tree attention takes no padding attention_mask (the tree is the mask; its pad "
                              "tokens see only themselves): pass attention_mask=None, or the tree's row weights "
                              "(tree_kwargs(tree)'s)")
@@ -281,21 +289,25 @@ def pass_forward(model: Any, input_ids: Any, position_ids: Any, layout: Any, **k
         raise ValueError(f"{type(model).__name__} runs {_implementation(model)!r} attention: switch it to seqpack's "
                          "tree attention first (seqpack.integrations.hf.use_tree_attention(model), or load it with "
                          "attn_implementation=seqpack.integrations.hf.register_tree())")
-    refuse_router_loss(model, kwargs)
-    out = model(input_ids=input_ids[None], position_ids=position_ids[None], **{TREE_KWARG: layout}, **kwargs)
+    out = model(input_ids=input_ids[None], position_ids=position_ids[None], **{TREE_KWARG: layout},
+                **without_router_loss(model, kwargs))
     logits = out.logits if hasattr(out, "logits") else out[0]
     return logits[0]
 
 
-def refuse_router_loss(model: Any, kwargs: Dict[str, Any]) -> None:
-    """A pass of a tree split under a cap holds part of the batch's tokens; an MoE
-    model's load-balancing loss is a product of means over the whole batch, so on a
-    pass it would be another loss: refused by name."""
-    config = getattr(getattr(model, "module", model), "config", None)
-    if kwargs.get("output_router_logits", getattr(config, "output_router_logits", False)):
+def without_router_loss(model: Any, kwargs: Dict[str, Any]) -> Dict[str, Any]:
+    """The model's kwargs for a pass of a tree split under a cap, which gives its
+    logits only: an MoE model's router loss is not computed (``output_router_logits``
+    off), and asking for it is refused by name - the load-balancing loss is a product
+    of means over the whole batch, which does not split over passes."""
+    if kwargs.get("output_router_logits"):
         raise ValueError("an MoE load-balancing loss (output_router_logits) is a product of means over the whole "
                          "batch and does not split over the passes of a tree run under a cap: run it on whole trees "
-                         "(prefix reuse off), or pass output_router_logits=False")
+                         "(prefix reuse off)")
+    config = getattr(getattr(model, "module", model), "config", None)
+    if getattr(config, "output_router_logits", None) is not None:
+        return {**kwargs, "output_router_logits": False}
+    return kwargs
 
 
 def tree_kwargs(tree: Any, device: Any = None) -> Dict[str, Any]:

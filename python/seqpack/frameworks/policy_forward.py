@@ -32,7 +32,7 @@ from typing import Any, Dict, Optional
 import numpy as np
 
 from ._completion_trees import completion_logprobs
-from .hf_tree import TREE_KWARG, refuse_router_loss, use_tree_attention
+from .hf_tree import TREE_KWARG, use_tree_attention, without_router_loss
 
 __all__ = ["tree_model", "nemo_rl_tree_forward", "nemo_rl_tree_logprobs", "verl_tree_forward"]
 
@@ -59,7 +59,7 @@ def nemo_rl_tree_forward(model: Any, mb: Any, **model_kwargs: Any) -> Any:
     ``next_token_logits`` (with ``mb.data``). ``model_kwargs`` go to the model."""
     tree = _tree_of(mb)
     kw = tree.hf_kwargs(_device(model))
-    return tree_model(model)(**kw, use_cache=False, **model_kwargs).logits
+    return tree_model(model)(**{**kw, "use_cache": False, **model_kwargs}).logits
 
 
 def nemo_rl_pass_forward(model: Any, input_ids: Any, position_ids: Any, layout: Any, **model_kwargs: Any) -> Any:
@@ -67,9 +67,8 @@ def nemo_rl_pass_forward(model: Any, input_ids: Any, position_ids: Any, layout: 
     ``forward=`` of the :func:`seqpack.prefix_reuse` step NeMo-RL's iterators run (a
     transformers ``model``, bare or under FSDP / DDP / PEFT, on the tree attention)."""
     hf_model = tree_model(model)
-    refuse_router_loss(hf_model, model_kwargs)
     out = hf_model(input_ids=input_ids[None], position_ids=position_ids[None], use_cache=False,
-                   **{TREE_KWARG: layout}, **model_kwargs)
+                   **{TREE_KWARG: layout}, **without_router_loss(hf_model, model_kwargs))
     return out.logits
 
 

@@ -285,7 +285,7 @@ class PrefixTreeBatch(TokenLayout):
         ``seqpack.frameworks.hf.register_tree()`` takes for this tree:
         ``model(**tree.hf_kwargs())`` (``input_ids`` and ``position_ids`` ``[1, T]``
         int64 tensors on ``device``, the tree for the attention, and
-        ``attention_mask`` ``[1, T]`` float32, its :meth:`row_weights`: the attention
+        ``attention_mask`` ``[1, T]`` int64, its :meth:`row_weights`: the attention
         ignores it, and the losses transformers computes from it count each token
         once per row that holds it, as the rows do: an MoE model's load-balancing
         ``aux_loss``); the same as :func:`seqpack.frameworks.hf.tree_kwargs`. Imports torch.
@@ -293,13 +293,13 @@ class PrefixTreeBatch(TokenLayout):
         >>> tree = pack_prefix_tree([[1, 2, 3], [1, 2, 4]])
         >>> kwargs = tree.hf_kwargs()
         >>> kwargs["input_ids"].tolist(), kwargs["position_ids"].tolist(), kwargs["attention_mask"].tolist()
-        ([[1, 2, 3, 4]], [[0, 1, 2, 2]], [[2.0, 2.0, 1.0, 1.0]])
+        ([[1, 2, 3, 4]], [[0, 1, 2, 2]], [[2, 2, 1, 1]])
         """
         import torch
 
         ids = torch.tensor(self.input_ids, dtype=torch.long, device=device)[None]  # copies: the arrays are read-only
         pos = torch.tensor(self.position_ids, dtype=torch.long, device=device)[None]
-        weights = torch.tensor(self.row_weights(), dtype=torch.float32, device=device)[None]
+        weights = torch.tensor(self.row_weights(), dtype=torch.long, device=device)[None]  # exact under any cast
         return {"input_ids": ids, "position_ids": pos, "attention_mask": weights, HF_TREE_KWARG: self}
 
     # ---- value semantics -----------------------------------------------------------

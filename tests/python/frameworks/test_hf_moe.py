@@ -99,18 +99,23 @@ def test_the_row_weights_and_what_the_attention_takes():
         model(**{**kw, "attention_mask": wrong})
     with pytest.raises(ValueError, match="router_logits must be"):
         hf.router_counts(torch.zeros(3, 4), 2, tree)
+    from seqpack.frameworks.hf_moe import balancing_loss
+
+    # FSDP2's fully_shard swaps the model's class for one made in torch's module
+    sharded = tiny_moe("qwen3_moe")
+    sharded.__class__ = type("FSDPQwen3MoeForCausalLM", (type(model),), {"__module__": "torch.distributed.fsdp"})
+    assert balancing_loss(model) is not None and balancing_loss(sharded) is balancing_loss(model)
 
 
-def test_passes_refuse_the_load_balancing_loss():
-    model = tiny_moe("qwen3_moe")
+def test_passes_run_without_the_load_balancing_loss_and_refuse_it_when_asked():
+    model = tiny_moe("qwen3_moe")  # output_router_logits=True in its config: off in a pass (its logits only)
     passes = seqpack.split_prefix_tree(seqpack.pack_prefix_tree(ROWS, group_ids=GROUPS), 6)
-    with pytest.raises(ValueError, match="does not split over the passes"):
-        for mb in seqpack.prefix_reuse(passes, forward=hf.pass_forward):
-            mb.forward(model)
-    model.config.output_router_logits = False  # without it, the passes run
     with torch.no_grad():
         for mb in seqpack.prefix_reuse(passes, forward=hf.pass_forward):
             mb.forward(model)
+    with pytest.raises(ValueError, match="does not split over the passes"):
+        for mb in seqpack.prefix_reuse(passes, forward=hf.pass_forward):
+            mb.forward(model, output_router_logits=True)
 
 
 def test_capacity_limited_routing_is_refused_by_name():

@@ -136,7 +136,7 @@ def test_tree_kwargs():
     kw = hf.tree_kwargs(tree)
     assert kw["input_ids"].tolist() == [[1, 2, 3, 4]] and kw["position_ids"].tolist() == [[0, 1, 2, 2]]
     assert kw["input_ids"].dtype == kw["position_ids"].dtype == torch.long and kw["prefix_tree"] is tree
-    assert kw["attention_mask"].tolist() == [[2.0, 2.0, 1.0, 1.0]]  # each token's rows: an MoE aux loss's weights
+    assert kw["attention_mask"].tolist() == [[2, 2, 1, 1]]  # each token's rows: an MoE aux loss's weights
     with pytest.raises(TypeError, match="tree must be a PrefixTreeBatch"):
         hf.tree_kwargs([[1, 2]])
     same = tree.hf_kwargs()  # the method the layout contract names
