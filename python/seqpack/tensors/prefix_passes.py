@@ -292,6 +292,17 @@ class PrefixPasses:
         """``[passes]`` own tokens of each pass (each <= ``max_tokens``)."""
         return np.array([p.own.shape[0] for p in self.passes], dtype=np.int64)
 
+    def differs_from(self, order: Any, tokens: Any) -> Optional[str]:
+        """How these passes differ from a plan's (its run ``order`` and each run pass's
+        ``tokens``, :class:`~seqpack.planning.PrefixReusePlan` ``pass_order[r]`` /
+        ``pass_tokens[r]``), or None: the check that a batch is the rows it was planned on."""
+        at = [i for _, i in self.order]
+        mine = self.tokens()[at].tolist()
+        if list(self.order) == list(order) and mine == list(tokens):
+            return None
+        return (f"they split into passes {list(self.order)} of {mine} tokens, the plan's are {list(order)} of "
+                f"{list(tokens)}")
+
     def context_pairs(self) -> np.ndarray:
         """``[passes]`` attention pairs each pass reads from earlier passes' K/V."""
         return np.array([p.num_context_pairs for p in self.passes], dtype=np.int64)

@@ -147,12 +147,9 @@ def _passes(plan: "StepPlan", m: int, s: int, tree: Any, shard: ShardRecord) -> 
     if tree is None:  # a rank with no rows in this batch: dummies only
         return [None] * plan.num_micro_batches[m]
     passes = split_prefix_tree(tree, plan.max_tokens)
-    at = [i for _, i in passes.order]
-    check(list(passes.order) == planned.pass_order[s] and passes.tokens()[at].tolist() == planned.pass_tokens[s],
-          f"step_plan's passes of mini-batch {m}, rank {s} are {planned.pass_order[s]} of "
-          f"{planned.pass_tokens[s]} tokens, but its rows' {FOREST_RULE['input_key']!r} split into "
-          f"{list(passes.order)} of {passes.tokens()[at].tolist()}: the data's tokens are not those the plan's "
-          "forest was made of")
+    why = passes.differs_from(planned.pass_order[s], planned.pass_tokens[s])
+    check(why is None, f"step_plan's mini-batch {m}, rank {s}: its rows' {FOREST_RULE['input_key']!r}: {why}; the "
+                       "data's tokens are not those the plan's forest was made of")
     shard.micro_batch_passes[m] = passes
     ran = [passes.passes[i] for _, i in passes.order]
     return ran + [None] * (plan.num_micro_batches[m] - len(ran))

@@ -61,11 +61,10 @@ def pass_micro_batches(batch: Any, meta: Mapping[str, Any], plan: Any, groups: O
     tree = PrefixTreeBatch.from_padded(cols["input_ids"], cols["attention_mask"], group_ids=groups)
     passes = split_prefix_tree(tree, cap)
     planned = plan.prefix_reuse
-    at = [i for _, i in passes.order]
-    if list(passes.order) != planned.pass_order[0] or passes.tokens()[at].tolist() != planned.pass_tokens[0]:
-        raise ValueError(f"prefix_reuse: the rows' tokens split into passes {list(passes.order)} of "
-                         f"{passes.tokens()[at].tolist()} tokens, the plan's are {planned.pass_order[0]} of "
-                         f"{planned.pass_tokens[0]}: the mini-batch is not the rows the plan was made on")
+    why = passes.differs_from(planned.pass_order[0], planned.pass_tokens[0])
+    if why:
+        raise ValueError(f"prefix_reuse: the rows' tokens: {why}; the mini-batch is not the rows the plan was "
+                         "made on")
     step = prefix_reuse(passes, memory=memory, forward=nemo_rl_pass_forward, pad_to_multiple_of=multiple)
     n, count = tree.num_rows, plan.num_micro_batches
     first, lengths = _spans(cols["attention_mask"])

@@ -142,19 +142,14 @@ def _local(model: Any) -> Any:
             return model
 
 
-def _agreed(ok: bool, device: Any) -> bool:
+def _agreed(ok: bool) -> bool:
     """Whether every rank runs its window in passes: the data decide it (what pays,
     what a tree can take), and the ranks' forwards and gradient reductions must match,
     so one all-reduce (min) over the default group decides, before any collective of
     the window."""
-    import torch
-    import torch.distributed as dist
+    from ..._dist import active, all_reduce_int
 
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return ok
-    flag = torch.tensor([1 if ok else 0], dtype=torch.int64, device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    return bool(flag.item())
+    return bool(all_reduce_int(int(ok), "min")) if active() else ok
 
 
 def _average_gradients(model: Any, local: Any) -> None:
@@ -261,7 +256,7 @@ def window_logps(trainer: Any, model: Any, input_ids: Any, attention_mask: Any, 
     if j != 0:
         return None  # a window starts at its first micro-batch
     plan = _plan(trainer, input_ids, c, k, micro_trees, always, usable)
-    if not _agreed(plan is not None, input_ids.device):
+    if not _agreed(plan is not None):
         return None
     ids, found, ids_all, passes = plan  # passes of a micro-batch's padded tokens at most
     b = int(input_ids.shape[0])

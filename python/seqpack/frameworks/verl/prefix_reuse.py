@@ -91,11 +91,10 @@ def pass_micro_batches(rows_batch: Any, cap: int, group_key: Optional[str], plan
         groups = group_codes(rows_batch[group_key])
     tree = pack_prefix_tree([values[cu[r]:cu[r + 1]] for r in range(lengths.shape[0])], group_ids=groups)
     passes = split_prefix_tree(tree, cap)
-    at = [i for _, i in passes.order]
-    if list(passes.order) != planned.pass_order[0] or passes.tokens()[at].tolist() != planned.pass_tokens[0]:
-        raise ValueError(f"prefix_reuse: the rows' tokens split into passes {list(passes.order)} of "
-                         f"{passes.tokens()[at].tolist()} tokens, the plan's are {planned.pass_order[0]} of "
-                         f"{planned.pass_tokens[0]}: the batch's input_ids are not the rows the plan was made on")
+    why = passes.differs_from(planned.pass_order[0], planned.pass_tokens[0])
+    if why:
+        raise ValueError(f"prefix_reuse: the rows' tokens: {why}; the batch's input_ids are not the rows the plan "
+                         "was made on")
     source = _Steps(prefix_reuse(passes, forward=nemo_rl_pass_forward))
     starts = _response_starts(rows_batch, lengths)
     out = []
