@@ -180,7 +180,10 @@ def _dispatch(module, query, key, value, attention_mask, *args: Any, fallback: s
     """The registered function: the tree's attention when ``prefix_tree`` is given,
     else ``fallback``'s with the mask it would have had."""
     tree = kwargs.pop(TREE_KWARG, None)
-    if tree is not None:
+    # A module that declares itself non-causal is an encoder inside the model (a VLM's
+    # vision tower, reached by the kwargs the model hands its image encoder): it runs
+    # its own attention; the tree is the language model's.
+    if tree is not None and getattr(module, "is_causal", True) is not False:
         return tree_attention_forward(module, query, key, value, attention_mask, *args, prefix_tree=tree,
                                       backend=backend, **kwargs)
     if isinstance(attention_mask, _DeferredMask):
@@ -310,7 +313,8 @@ def without_router_loss(model: Any, kwargs: Dict[str, Any]) -> Dict[str, Any]:
     return kwargs
 
 
-def tree_kwargs(tree: Any, device: Any = None) -> Dict[str, Any]:
+def tree_kwargs(tree: Any, device: Any = None, *, model: Any = None, attention_mask: Any = None,
+                **multimodal: Any) -> Dict[str, Any]:
     """What to pass to ``model(**tree_kwargs(tree))`` for a model loaded with the
     implementation :func:`register_tree` registered: ``input_ids`` and
     ``position_ids`` ``[1, T]`` (int64; the position of a token is its depth, so
@@ -321,7 +325,21 @@ def tree_kwargs(tree: Any, device: Any = None) -> Dict[str, Any]:
     The logits ``[1, T, V]`` are per physical token: take each row's with
     ``logits[0, tree.logical_index]`` or its log-probs with
     :func:`seqpack.token_logprobs` (not ``labels=``: the shifted loss of
-    transformers would read the DFS order as one sequence)."""
+    transformers would read the DFS order as one sequence).
+
+    A vision-language model's rows (Qwen2-VL, Qwen2.5-VL, Qwen3-VL): pass ``model``
+    and the padded batch's ``pixel_values`` / ``image_grid_thw`` (videos:
+    ``pixel_values_videos`` / ``video_grid_thw`` / ``second_per_grid_ts``) and
+    ``mm_token_type_ids`` ``[B, S]`` (its rows' tokens where ``attention_mask``
+    ``[B, S]`` is non-zero; without it, each row's first tokens). The call then
+    encodes each distinct image once, in tree order, with the M-RoPE
+    ``position_ids`` ``[3, 1, T]`` each physical token has in its rows
+    (:mod:`seqpack.frameworks.hf_vlm`; build the tree with its ``image_keys``)."""
     from ..tensors.layout_kinds import as_tree
 
-    return as_tree(tree).hf_kwargs(device)
+    tree = as_tree(tree)
+    if any(value is not None for value in multimodal.values()):
+        from .hf_vlm import multimodal_kwargs
+
+        return multimodal_kwargs(tree, model, device, attention_mask, **multimodal)
+    return tree.hf_kwargs(device)

@@ -93,17 +93,29 @@ def _int64_array(value: Any, name: str) -> np.ndarray:
 
 
 def _build(tokens: np.ndarray, cu: np.ndarray, group_ids: Any, min_shared_tokens: Any, pad_to_multiple_of: Any,
-           pad_token_id: Any) -> "PrefixTreeBatch":
+           pad_token_id: Any, keys: Any = None) -> "PrefixTreeBatch":
     min_shared = as_positive_int(min_shared_tokens, "min_shared_tokens", allow_zero=True)
     multiple = as_positive_int(pad_to_multiple_of, "pad_to_multiple_of")
     pad = as_int64(pad_token_id, "pad_token_id")
-    arrays = _core.build_prefix_tree(tokens, cu, group_array(group_ids, cu.shape[0] - 1), min_shared, multiple, pad)
+    if keys is not None and keys.shape != tokens.shape:
+        raise ValueError(f"keys must hold one key per token ({tokens.shape[0]} tokens), got {keys.shape[0]}")
+    by = tokens if keys is None else keys
+    arrays = _core.build_prefix_tree(by, cu, group_array(group_ids, cu.shape[0] - 1), min_shared, multiple, pad)
     num_pad = int(arrays.pop("num_pad_tokens"))
+    if keys is not None:  # the trie of the keys; its tokens are the rows' ids, which shared keys must agree on
+        ids = arrays["input_ids"]
+        real = ids.shape[0] - num_pad
+        ids[:real] = tokens[arrays["first_logical"][:real]]
+        clash = np.flatnonzero(ids[arrays["logical_index"]] != tokens)
+        if clash.size:
+            raise ValueError(f"keys share logical token {int(clash[0])} with a token of another id "
+                             f"({int(tokens[clash[0]])} vs {int(ids[arrays['logical_index'][clash[0]]])}): tokens "
+                             f"with equal keys must have equal ids")
     return PrefixTreeBatch._trusted(arrays, num_pad)
 
 
 def pack_prefix_tree(rows: Any, *, group_ids: Any = None, min_shared_tokens: Any = 1, pad_to_multiple_of: Any = 1,
-                     pad_token_id: Any = 0) -> "PrefixTreeBatch":
+                     pad_token_id: Any = 0, keys: Any = None) -> "PrefixTreeBatch":
     """The prefix tree of ``rows`` (a list of 1-D token sequences: lists, NumPy
     arrays or tensors of integers), as the module docstring describes.
 
@@ -111,13 +123,27 @@ def pack_prefix_tree(rows: Any, *, group_ids: Any = None, min_shared_tokens: Any
     (e.g. one group per prompt of a GRPO batch). ``min_shared_tokens`` (>= 0; 0 acts
     as 1): two rows share their common prefix only when it is at least this long.
     ``pad_to_multiple_of``: the physical length is rounded up to a multiple of it
-    with ``pad_token_id`` tokens, each its own root.
+    with ``pad_token_id`` tokens, each its own root. ``keys``: rows of the same
+    lengths whose equal prefixes are shared instead of the tokens' (a token's key
+    tells what it stands for: the placeholder tokens of two different images have
+    one id and two keys, :func:`seqpack.frameworks.hf_vlm.image_keys`); tokens
+    sharing a key must have one id.
 
     >>> pack_prefix_tree([[1, 2, 3], [1, 2, 4]]).input_ids.tolist()
     [1, 2, 3, 4]
+    >>> pack_prefix_tree([[9, 9, 3], [9, 9, 4]], keys=[[-1, -1, 3], [-2, -2, 4]]).input_ids.tolist()
+    [9, 9, 3, 9, 9, 4]
     """
     tokens, cu = rows_flat(rows)
-    return _build(tokens, cu, group_ids, min_shared_tokens, pad_to_multiple_of, pad_token_id)
+    return _build(tokens, cu, group_ids, min_shared_tokens, pad_to_multiple_of, pad_token_id,
+                  None if keys is None else _keys_flat(rows_flat(keys), cu, "keys"))
+
+
+def _keys_flat(flat: Tuple[np.ndarray, np.ndarray], cu: np.ndarray, name: str) -> np.ndarray:
+    keys, key_cu = flat
+    if not np.array_equal(key_cu, cu):
+        raise ValueError(f"{name} must have the rows' lengths {np.diff(cu).tolist()}, got {np.diff(key_cu).tolist()}")
+    return keys
 
 
 class PrefixTreeBatch(TokenLayout):
@@ -169,12 +195,14 @@ class PrefixTreeBatch(TokenLayout):
 
     @classmethod
     def from_padded(cls, input_ids: Any, attention_mask: Any, *, group_ids: Any = None, min_shared_tokens: Any = 1,
-                    pad_to_multiple_of: Any = 1, pad_token_id: Any = 0) -> "PrefixTreeBatch":
+                    pad_to_multiple_of: Any = 1, pad_token_id: Any = 0, keys: Any = None) -> "PrefixTreeBatch":
         """The tree of padded rows ``input_ids`` [B, S] whose real tokens are where
         ``attention_mask`` [B, S] (bool or 0/1 integers) is non-zero, in column order:
-        left padding, right padding (as verl and NeMo-RL hold rollouts) or holes."""
-        return _build(*padded_rows(input_ids, attention_mask), group_ids, min_shared_tokens, pad_to_multiple_of,
-                      pad_token_id)
+        left padding, right padding (as verl and NeMo-RL hold rollouts) or holes.
+        ``keys`` [B, S]: see :func:`pack_prefix_tree`."""
+        tokens, cu = padded_rows(input_ids, attention_mask)
+        return _build(tokens, cu, group_ids, min_shared_tokens, pad_to_multiple_of, pad_token_id,
+                      None if keys is None else _keys_flat(padded_rows(keys, attention_mask), cu, "keys"))
 
     @classmethod
     def from_packed(cls, input_ids: Any, cu_seqlens: Any, *, group_ids: Any = None, min_shared_tokens: Any = 1,
