@@ -30,7 +30,7 @@ def _host(x: Any, dtype=None) -> np.ndarray:
     return np.asarray(x.detach().cpu() if hasattr(x, "detach") else x, dtype=dtype)
 
 
-def completion_tree(input_ids: Any, attention_mask: Any, completion_length: int):
+def completion_tree(input_ids: Any, attention_mask: Any, completion_length: int, keys: Any = None):
     """The tree of padded rows and where its log-probs go in the ``[B, C]`` output
     (``C = completion_length``, the last columns): ``(tree, scored, source,
     target)`` - ``scored`` ``[N]`` the logical tokens whose next token is a real
@@ -38,6 +38,8 @@ def completion_tree(input_ids: Any, attention_mask: Any, completion_length: int)
     ``b * C + j`` positions they fill. Host (NumPy) arrays; ``source`` / ``target``
     int64. Returns None when a real completion token has nothing before it in its
     row (TRL and verl score it from a pad token's hidden state; a tree cannot).
+    ``keys`` [B, S]: what the rows share by (a VLM's images:
+    :func:`seqpack.frameworks.hf_vlm.image_keys`); default the ids.
 
     >>> import torch
     >>> ids = torch.tensor([[0, 7, 8, 1, 2], [0, 7, 8, 3, 0]])   # prompt "7 8", completions "1 2" and "3"
@@ -65,7 +67,7 @@ def completion_tree(input_ids: Any, attention_mask: Any, completion_length: int)
     scored[:-1] = completion[1:] & same_row[1:]
     source = np.flatnonzero(scored)
     target = rows[source + 1] * c + (cols[source + 1] - (s - c))
-    return PrefixTreeBatch.from_padded(ids, mask), scored, source, target.astype(np.int64)
+    return PrefixTreeBatch.from_padded(ids, mask, keys=keys), scored, source, target.astype(np.int64)
 
 
 def to_completions(values: Sequence[Optional[Any]], source: np.ndarray, target: np.ndarray,

@@ -99,8 +99,6 @@ def tree_aux_loss(model: Any, router_logits: Any, layout: Any) -> Any:
     :meth:`~seqpack.PrefixTreeBatch.row_weights`): the rows' value, from the
     ``router_logits`` of one forward on the tree (what the model computes itself when
     called with :func:`~seqpack.frameworks.hf_tree.tree_kwargs`)."""
-    import torch
-
     fn = balancing_loss(model)
     if fn is None:
         raise ValueError(f"{type(model).__name__} has no transformers load-balancing loss (load_balancing_loss_func) "

@@ -69,7 +69,7 @@ def tiny_vlm(family: str = "qwen2_vl", *, dtype: Any = None, seed: int = 0, hidd
 
 def vlm_grpo_batch(prompts: Sequence[Sequence[Tuple[int, ...]]], group_size: int, *, family: str = "qwen2_vl",
                    completion: Tuple[int, int] = (2, 8), text: int = 4, dtype: Any = None, seed: int = 0,
-                   images: Optional[Dict[Tuple[int, ...], Any]] = None) -> Dict[str, Any]:
+                   images: Optional[Dict[Tuple[int, ...], Any]] = None, trl: bool = False) -> Dict[str, Any]:
     """A padded GRPO batch as a Qwen-VL processor and a trainer hold it:
     ``input_ids`` / ``attention_mask`` / ``mm_token_type_ids`` ``[B, S]`` (right
     padding), ``pixel_values`` / ``image_grid_thw`` (each row's images, in row order;
@@ -80,7 +80,12 @@ def vlm_grpo_batch(prompts: Sequence[Sequence[Tuple[int, ...]]], group_size: int
     patch as a frame after a timestamp token); ``h``, ``w`` even. Each prompt's rows
     share its items' pixels (drawn per ``(prompt, item)``; ``images`` maps an item's
     shape to fixed pixels instead, to repeat one image across prompts). ``text``
-    tokens follow the items; completions have ``completion`` = (min, max) tokens."""
+    tokens follow the items; completions have ``completion`` = (min, max) tokens.
+
+    ``trl=True``: TRL's GRPO layout instead - prompts left-padded to one width, each
+    completion after its prompt, right-padded - with ``num_images`` (per row) and
+    ``logits_to_keep`` (the completion columns), as its
+    ``_get_per_token_logps_and_entropies`` takes them."""
     import torch
 
     g = torch.Generator().manual_seed(seed)
@@ -109,16 +114,19 @@ def vlm_grpo_batch(prompts: Sequence[Sequence[Tuple[int, ...]]], group_size: int
         kinds += [0] * text
         for _ in range(group_size):
             c = int(torch.randint(completion[0], completion[1] + 1, (1,), generator=g))
-            rows.append((p, ids + [int(x) for x in torch.randint(20, 100, (c,), generator=g)], kinds + [0] * c))
-    width = max(len(r) for _, r, _ in rows)
+            rows.append((p, ids, kinds, [int(x) for x in torch.randint(20, 100, (c,), generator=g)]))
+    prompt_width = max(len(ids) for _, ids, _, _ in rows) if trl else 0
+    width = max(len(ids) + len(c) + prompt_width - (len(ids) if trl else 0) for _, ids, _, c in rows)
     out = {"input_ids": torch.zeros(len(rows), width, dtype=torch.long),
            "attention_mask": torch.zeros(len(rows), width, dtype=torch.long),
            "mm_token_type_ids": torch.zeros(len(rows), width, dtype=torch.long)}
     picked, picked_grid, picked_video, picked_video_grid = [], [], [], []
-    for b, (p, ids, kinds) in enumerate(rows):
-        out["input_ids"][b, :len(ids)] = torch.tensor(ids)
-        out["attention_mask"][b, :len(ids)] = 1
-        out["mm_token_type_ids"][b, :len(ids)] = torch.tensor(kinds)
+    for b, (p, ids, kinds, c) in enumerate(rows):
+        start = prompt_width - len(ids) if trl else 0  # TRL: prompts left-padded, completions after them
+        end = start + len(ids) + len(c)
+        out["input_ids"][b, start:end] = torch.tensor(ids + c)
+        out["attention_mask"][b, start:end] = 1
+        out["mm_token_type_ids"][b, start:start + len(ids)] = torch.tensor(kinds)
         picked += pixels.get(p, [])
         picked_grid += grids.get(p, [])
         picked_video += videos.get(p, [])
@@ -131,4 +139,7 @@ def vlm_grpo_batch(prompts: Sequence[Sequence[Tuple[int, ...]]], group_size: int
         out["video_grid_thw"] = torch.tensor(picked_video_grid)
         if family == "qwen2_5_vl":
             out["second_per_grid_ts"] = torch.ones(len(picked_video_grid))
+    if trl:
+        out["num_images"] = [len(grids.get(p, [])) for p, *_ in rows]
+        out["logits_to_keep"] = width - prompt_width
     return out

@@ -21,6 +21,24 @@ from seqpack.testing.tiny_vlm import FAMILIES, IMAGE, tiny_vlm, vlm_grpo_batch  
 PROMPTS = [[(4, 4)], [(4, 6), (2, 2)], [(2, 4, 4)], []]  # images, two images, a video, text only
 
 
+@pytest.fixture
+def fp64_norms(monkeypatch):
+    """The families' RMSNorms in fp64 (transformers computes them in fp32 even in an
+    fp64 model): exact in the forward either way, but their backward sums a shared
+    token's gradient in fp32 once on the tree and per row on the padded batch, a 1e-7
+    difference; in fp64 throughout they agree to ~1e-15."""
+    import importlib
+
+    def forward(self, x):
+        return self.weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+
+    for family in FAMILIES:
+        module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+        for name in dir(module):
+            if name.endswith("RMSNorm"):
+                monkeypatch.setattr(getattr(module, name), "forward", forward)
+
+
 @functools.lru_cache(maxsize=None)
 def model_of(family):
     model = tiny_vlm(family, dtype=torch.float64, attn_implementation=hf.register_tree())
@@ -51,7 +69,7 @@ def logits_and_grads(model, kwargs, select, weight):
 
 @pytest.mark.parametrize("pad", [1, 8])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_logits_and_gradients_equal_the_padded_rows(family, pad):
+def test_logits_and_gradients_equal_the_padded_rows(family, pad, fp64_norms):
     model = model_of(family)
     batch = vlm_grpo_batch(PROMPTS, 3, family=family, dtype=torch.float64)
     mask = batch["attention_mask"].bool()
@@ -64,11 +82,11 @@ def test_logits_and_gradients_equal_the_padded_rows(family, pad):
     got, grads = logits_and_grads(model, kwargs, lambda x: x[0, index], weight)
     torch.testing.assert_close(got, rows, rtol=0, atol=1e-10)
     assert grads.keys() == rows_grads.keys() and any("visual" in n for n in grads)
-    # transformers' RMSNorm runs in fp32 even in an fp64 model, and a shared token's
-    # gradient is summed over its rows before that cast where the rows cast each
-    # row's: the gradients agree to fp32's rounding, relative to each tensor's largest
+    # the vision towers apply their rotary embedding in fp32 (q.float()), where the
+    # tree sums an image's gradient over its rows before that cast and the rows after
     for name, grad in rows_grads.items():
-        assert (grads[name] - grad).abs().max() <= 1e-6 * grad.abs().max(), name
+        err = float((grads[name] - grad).abs().max() / grad.abs().max())
+        assert err <= (1e-7 if "visual" in name else 1e-12), (name, err)
     # each prompt's image and video encoded once (the rows: three times)
     assert kwargs["pixel_values"].shape[0] == batch["pixel_values"].shape[0] // 3
     assert kwargs["pixel_values_videos"].shape[0] == batch["pixel_values_videos"].shape[0] // 3

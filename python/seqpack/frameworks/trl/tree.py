@@ -45,9 +45,14 @@ import warnings
 import weakref
 from typing import Any, Dict, List, Optional, Tuple
 
+import numpy as np
+
+from ...tensors.prefix_tree import HF_TREE_KWARG
 from .._completion_trees import completion_tree, to_completions
 from ...tensors.prefix_passes import split_prefix_tree
 from ..hf_moe import balancing_loss
+from ..hf_tree import tree_kwargs
+from ..hf_vlm import image_keys, vision_family
 from .choice import PathChoice
 from .window import after_training_step, window_logps
 
@@ -58,6 +63,8 @@ METHOD = "_get_per_token_logps_and_entropies"
 _TRAINERS = (("trl.trainer.grpo_trainer", "GRPOTrainer"), ("trl.trainer.rloo_trainer", "RLOOTrainer"))
 _VISION = ("pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask", "spatial_shapes", "num_tiles",
            "image_sizes", "token_type_ids", "mm_token_type_ids", "image_position_ids")
+# what a tree takes of them, from a Qwen-VL-style model (hf_vlm): each distinct image once
+_VLM_TREE = ("pixel_values", "image_grid_thw", "num_images", "mm_token_type_ids")
 _ORIGINAL: Dict[Tuple[str, ...], Any] = {}  # (module, class[, "training_step"]) -> TRL's method, while patched
 _BASE_INIT: Dict[str, Any] = {}  # "init": _BaseTrainer.__init__, while patched
 _MODELS: "weakref.WeakSet[Any]" = weakref.WeakSet()  # models whose forward and attention the patch changed
@@ -119,7 +126,6 @@ def _tree_forward(self, *args: Any, seqpack_tree: Any = None, labels: Any = None
         return self._seqpack_trl_forward(*args, **kwargs)
     import torch
 
-    from ...tensors.prefix_tree import HF_TREE_KWARG
     from ...training.ops import token_logprobs
 
     tree, scored, entropy, *aux = seqpack_tree  # aux: (True,) for an MoE model's load-balancing loss
@@ -222,12 +228,21 @@ def _has_sinks(model: Any) -> bool:
     return _SINKS[model]
 
 
+def _vision(extra: Dict[str, Any]) -> List[str]:
+    """The vision inputs TRL passes with this batch."""
+    return [k for k in _VISION if extra.get(k) is not None]
+
+
 def _fallback_reason(hf_model: Any, prompt_learning: bool, compute_aux_loss: bool, extra: Dict[str, Any],
                      longest: int) -> Optional[Tuple[str, str]]:
     """(its kind, the reason) why this batch runs on TRL's path, or None."""
-    vision = [k for k in _VISION if extra.get(k) is not None]
+    vision = _vision(extra)
     if vision:
-        return "vision", f"vision inputs ({', '.join(vision)})"
+        other = [k for k in vision if k not in _VLM_TREE]
+        if other or vision_family(hf_model) is None:
+            return "vision", (f"vision inputs ({', '.join(other or vision)}) of {type(hf_model).__name__}, which a tree "
+                              "takes from Qwen-VL-style models only (get_rope_index; pixel_values, image_grid_thw, "
+                              "mm_token_type_ids)")
     if compute_aux_loss and balancing_loss(hf_model) is None:
         return "moe_aux_loss", (f"the MoE load-balancing loss of {type(hf_model).__name__} (compute_aux_loss), a "
                                 "family without transformers' load_balancing_loss_func to count per row")
@@ -284,12 +299,14 @@ def _make_method(original: Any) -> Any:
         reason = _fallback_reason(hf_model, prompt_learning, compute_aux_loss, extra, longest)
         c = int(logits_to_keep)
         # a training micro-batch: its accumulation window in passes, where that pays (an MoE load-balancing loss,
-        # a product of means over the batch, does not split over passes)
-        if torch.is_grad_enabled() and not compute_aux_loss:
+        # a product of means over the batch, does not split over passes; a pass carries no images)
+        vision = bool(_vision(extra))
+        if torch.is_grad_enabled() and not compute_aux_loss and not vision:
             def usable(inputs: Dict[str, Any]) -> bool:  # a buffered micro-batch of the window, as this one
                 mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
-                return _fallback_reason(hf_model, prompt_learning, compute_aux_loss, inputs,
-                                        int(mask.sum(1).max()) if mask.numel() else 0) is None
+                return not _vision(inputs) and _fallback_reason(
+                    hf_model, prompt_learning, compute_aux_loss, inputs,
+                    int(mask.sum(1).max()) if mask.numel() else 0) is None
 
             served = window_logps(self, model, input_ids, attention_mask, c, bool(compute_entropy), usable,
                                   _micro_tree_tokens(c), _POLICY["trees"] == "always", _in_window)
@@ -300,24 +317,29 @@ def _make_method(original: Any) -> Any:
             return trl_path()
         rows = input_ids.shape[0]
         batch_size = batch_size or rows
+        # a VLM batch: the images' placeholder tokens keyed by content, so rows share an
+        # image's tokens only where they hold that image
+        keys = image_keys(hf_model, input_ids, attention_mask, **_images(extra, 0, rows, rows)) if vision else None
         chunks = []
         for start in range(0, rows, batch_size):
             end = min(start + batch_size, rows)
-            found = completion_tree(input_ids[start:end], attention_mask[start:end], c)
+            found = completion_tree(input_ids[start:end], attention_mask[start:end], c,
+                                    keys=None if keys is None else keys[start:end])
             if found is None:
                 _warn_once("no_prompt", "a row whose first completion token has no prompt token before it")
                 return trl_path()
-            chunks.append((end - start, found))
-        tree_tokens = sum(found[0].num_tokens for _, found in chunks)
+            chunks.append((start, end, found))
+        tree_tokens = sum(found[0].num_tokens for *_, found in chunks)
         # Without gradients (the old-policy and reference log-probs, chunked by TRL's
         # batch_size), a prompt whose rows fall in several chunks is forwarded once:
-        # the whole batch's tree in passes of at most a chunk's tokens (prefix reuse).
+        # the whole batch's tree in passes of at most a chunk's tokens (prefix reuse;
+        # not for images, which a pass does not carry).
         whole = passes = None
-        if len(chunks) > 1 and not torch.is_grad_enabled() and not compute_aux_loss:
+        if len(chunks) > 1 and not torch.is_grad_enabled() and not compute_aux_loss and not vision:
             whole = completion_tree(input_ids, attention_mask, c)
             if whole is not None and whole[0].num_tokens < tree_tokens:
                 passes = split_prefix_tree(whole[0], batch_size * input_ids.shape[1])
-                chunks, tree_tokens = [(rows, whole)], whole[0].num_tokens
+                chunks, tree_tokens = [(0, rows, whole)], whole[0].num_tokens
 
         def tree_path():
             _install(hf_model)
@@ -328,12 +350,17 @@ def _make_method(original: Any) -> Any:
                 _COUNTS["prefix_reuse_batches"] = _COUNTS.get("prefix_reuse_batches", 0) + 1
                 return _in_passes(self, model, passes, whole, (rows, c), bool(compute_entropy))
             logps, entropies, aux = [], [], []
-            for b, (tree, scored, source, target) in chunks:
-                kw = tree.hf_kwargs(input_ids.device)
+            for start, end, (tree, scored, source, target) in chunks:
+                if vision:  # each distinct image once, the rows' M-RoPE positions
+                    kw = tree_kwargs(tree, input_ids.device, model=hf_model, attention_mask=attention_mask[start:end],
+                                     **_images(extra, start, end, rows))
+                    kw = {k: v for k, v in kw.items() if k not in ("attention_mask", HF_TREE_KWARG)}
+                else:
+                    kw = tree.hf_kwargs(input_ids.device)
+                    kw = {"input_ids": kw["input_ids"], "position_ids": kw["position_ids"]}
                 with self.accelerator.autocast():
-                    out = model(input_ids=kw["input_ids"], position_ids=kw["position_ids"],
-                                seqpack_tree=(tree, scored, bool(compute_entropy), bool(compute_aux_loss)))
-                lp, ent = to_completions((out["log_probs"], out["entropy"]), source, target, (b, c))
+                    out = model(**kw, seqpack_tree=(tree, scored, bool(compute_entropy), bool(compute_aux_loss)))
+                lp, ent = to_completions((out["log_probs"], out["entropy"]), source, target, (end - start, c))
                 logps.append(lp)
                 if ent is not None:
                     entropies.append(ent)
@@ -353,8 +380,8 @@ def _make_method(original: Any) -> Any:
         work_trl, work_tree = choice.work(
             rows=rows, columns=input_ids.shape[1],
             head_positions=rows * (input_ids.shape[1] if device == "cpu" else c + 1),  # TRL's head off Triton: all
-            tree_tokens=tree_tokens, tree_pairs=sum(found[0].metrics().tree_attention_pairs for _, found in chunks),
-            scored=sum(int(found[1].sum()) for _, found in chunks))
+            tree_tokens=tree_tokens, tree_pairs=sum(found[0].metrics().tree_attention_pairs for *_, found in chunks),
+            scored=sum(int(found[1].sum()) for *_, found in chunks))
         path, out, mark = choice.run(device, torch.is_grad_enabled(), work_trl, work_tree, trl_path, tree_path,
                                      hf_model.get_input_embeddings())
         if path == "trl":
@@ -366,6 +393,24 @@ def _make_method(original: Any) -> Any:
         "(seqpack.integrations.trl.patch(shared_prefix=True)); TRL's own for what a tree cannot take.")
     _get_per_token_logps_and_entropies._seqpack_original = original
     return _get_per_token_logps_and_entropies
+
+
+def _images(extra: Dict[str, Any], start: int, end: int, rows: int) -> Dict[str, Any]:
+    """The vision inputs of rows ``start:end`` (of ``rows``) as TRL slices them for a
+    chunk: each row's ``num_images`` images, ``prod(grid_thw)`` pixel rows each."""
+    types = extra.get("mm_token_type_ids")
+    out = {"mm_token_type_ids": None if types is None else types[start:end]}
+    pixels, grid, counts = extra.get("pixel_values"), extra.get("image_grid_thw"), extra.get("num_images")
+    if pixels is None or (start, end) == (0, rows):
+        return {**out, "pixel_values": pixels, "image_grid_thw": grid}
+    if counts is None:
+        raise ValueError("pixel_values without num_images (each row's image count) cannot be cut into chunks")
+    first = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+    patch_rows = np.concatenate([[0], np.cumsum(grid.prod(-1).cpu().numpy())]).astype(np.int64)
+    a, b = int(first[start]), int(first[end])
+    if a == b:  # rows without images (TRL would hand the model empty pixels)
+        return {**out, "pixel_values": None, "image_grid_thw": None}
+    return {**out, "pixel_values": pixels[int(patch_rows[a]):int(patch_rows[b])], "image_grid_thw": grid[a:b]}
 
 
 def _in_passes(trainer: Any, model: Any, passes: Any, found: Any, shape: Tuple[int, int], entropy: bool) -> Any:
