@@ -88,7 +88,8 @@ def to_completions(values: Sequence[Optional[Any]], source: np.ndarray, target: 
 
 
 def completion_logprobs(model: Any, input_ids: Any, attention_mask: Any, completion_length: int, *,
-                        temperature: Any = 1.0, return_entropy: bool = False, found: Any = None, **model_kwargs: Any):
+                        temperature: Any = 1.0, return_entropy: bool = False, found: Any = None,
+                        multimodal: Any = None, **model_kwargs: Any):
     """``[B, C]`` log-probs (and entropies) of the completion tokens of padded rows,
     from a transformers causal LM run once on their prefix tree: ``model(input_ids
     [1, T], position_ids [1, T] (depths), prefix_tree=tree, logits_to_keep=rows)``
@@ -98,28 +99,39 @@ def completion_logprobs(model: Any, input_ids: Any, attention_mask: Any, complet
     column is padding. The model must run a tree implementation
     (:func:`seqpack.frameworks.hf_tree.use_tree_attention`).
 
-    ``found``: :func:`completion_tree` of the same rows, when the caller built it already.
+    ``found``: :func:`completion_tree` of the same rows, when the caller built it already
+    (for a VLM, with the rows keyed by :func:`~seqpack.frameworks.hf_vlm.image_keys`).
+    ``multimodal``: a VLM's inputs of the rows (``pixel_values``, ``image_grid_thw``,
+    ..., optionally their M-RoPE ``position_ids``), each distinct image encoded once
+    (:func:`seqpack.frameworks.hf_tree.tree_kwargs`).
 
     Raises ValueError where a real completion token has no token before it."""
     import torch
 
-    from ..tensors.prefix_tree import HF_TREE_KWARG
     from ..tensors.tree_plans import scored_targets
     from ..training.logprobs_tree import tree_token_logprobs
 
     if found is None:
-        found = completion_tree(input_ids, attention_mask, completion_length)
+        keys = None
+        if multimodal:
+            from .hf_vlm import image_keys
+
+            keys = image_keys(model, input_ids, attention_mask, **multimodal)
+        found = completion_tree(input_ids, attention_mask, completion_length, keys=keys)
     if found is None:
         raise ValueError("a row's first completion (response) token has no prompt token before it: its log-prob "
                          "would come from a pad token's hidden state; give every row a prompt")
     tree, scored, source, target = found
     rows = torch.from_numpy(scored_targets(tree, scored)[0])
     device = input_ids.device if hasattr(input_ids, "device") else None
-    kw = tree.hf_kwargs(device)
+    if multimodal:
+        from .hf_tree import tree_kwargs
+
+        kw = tree_kwargs(tree, device, model=model, attention_mask=attention_mask, **multimodal)
+    else:
+        kw = tree.hf_kwargs(device)
     # attention_mask: the tree's row weights (an MoE model's load-balancing loss counted per row)
-    out = model(input_ids=kw["input_ids"], position_ids=kw["position_ids"], attention_mask=kw["attention_mask"],
-                use_cache=False, logits_to_keep=rows.to(kw["input_ids"].device), **{HF_TREE_KWARG: tree},
-                **model_kwargs)
+    out = model(**kw, use_cache=False, logits_to_keep=rows.to(kw["input_ids"].device), **model_kwargs)
     logits = out.logits[0]
     res = tree_token_logprobs(logits, tree, temperature=temperature, return_entropy=return_entropy, scored=scored)
     lp, ent = to_completions((res.logprobs, res.entropy), source, target, (int(input_ids.shape[0]),

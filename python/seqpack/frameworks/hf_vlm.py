@@ -42,7 +42,7 @@ __all__ = ["image_keys", "multimodal_kwargs", "vision_family"]
 _MEDIA = {1: ("image", "pixel_values", "image_grid_thw"), 2: ("video", "pixel_values_videos", "video_grid_thw")}
 _VIDEO_VALUES = ("second_per_grid_ts",)  # one value per video (Qwen2.5-VL's seconds per temporal patch)
 KNOWN = frozenset({"pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "mm_token_type_ids",
-                   *_VIDEO_VALUES})
+                   "position_ids", *_VIDEO_VALUES})
 
 
 def _unwrapped(model: Any) -> Any:
@@ -259,6 +259,7 @@ def image_keys(model: Any, input_ids: Any, attention_mask: Any, **multimodal: An
 
     owner = _family(model)
     inputs = _inputs(multimodal)
+    inputs.pop("position_ids", None)  # where tokens sit, not what they are
     ids = _host(input_ids).astype(np.int64)
     mask = _host(attention_mask).astype(bool)
     if ids.ndim != 2 or mask.shape != ids.shape:
@@ -288,9 +289,13 @@ def multimodal_kwargs(tree: Any, model: Any, device: Any = None, attention_mask:
     ``multimodal`` are the rows' inputs as the padded batch holds them (items in row
     order; ``mm_token_type_ids`` ``[B, S]`` with the rows' tokens where
     ``attention_mask`` ``[B, S]`` is non-zero, or each row's first tokens without
-    one). Raises ValueError, naming the row, where the placeholder tokens and the
-    grids disagree, or where rows share the tokens of different items (build the
-    tree with :func:`image_keys`)."""
+    one). ``position_ids``, optional: the rows' M-RoPE positions already computed,
+    ``[3, N]`` or verl's ``[4, N]`` (text positions first) at the rows' ``N`` logical
+    tokens in order (verl's nested ``position_ids.values()``), used instead of the
+    model's ``get_rope_index``. Raises ValueError, naming the row, where the
+    placeholder tokens and the grids disagree, where rows share the tokens of
+    different items (build the tree with :func:`image_keys`) or give a shared token
+    different positions."""
     import torch
 
     owner = _family(model)
@@ -341,8 +346,35 @@ def multimodal_kwargs(tree: Any, model: Any, device: Any = None, attention_mask:
             if kind == 2 and name in inputs:
                 kwargs[name] = torch.as_tensor(inputs[name]).reshape(-1).cpu()[picked].to(dev)
     kwargs["mm_token_type_ids"] = torch.from_numpy(physical_types)[None].to(dev)
-    kwargs["position_ids"] = _mrope_positions(owner, tree, ids, types, inputs, grids).to(dev)
+    given = inputs.get("position_ids")
+    positions = _mrope_positions(owner, tree, ids, types, inputs, grids) if given is None else \
+        _given_positions(tree, given)
+    kwargs["position_ids"] = positions.to(dev)
     return kwargs
+
+
+def _given_positions(tree: Any, given: Any) -> Any:
+    """``[3, 1, T]`` from the rows' positions ``[3 | 4, N]`` per logical token (the
+    M-RoPE rows: the last three), checked equal wherever rows share a token."""
+    import torch
+
+    rows = torch.as_tensor(given).detach().cpu().to(torch.long)
+    n = tree.num_logical_tokens
+    if rows.dim() != 2 or rows.shape[0] not in (3, 4) or rows.shape[1] != n:
+        raise ValueError(f"position_ids must be the rows' M-RoPE positions [3, N] or [4, N] at their N = {n} "
+                         f"logical tokens, got {tuple(rows.shape)}")
+    rows = rows[-3:]
+    real = tree.num_tokens - tree.num_pad_tokens
+    first = torch.from_numpy(tree.first_logical[:real].copy())
+    out = torch.zeros(3, 1, tree.num_tokens, dtype=torch.long)
+    out[:, 0, :real] = rows[:, first]
+    logical = torch.from_numpy(tree.logical_index.copy())
+    clash = (out[:, 0, logical] != rows).any(0).nonzero()
+    if clash.numel():
+        at = int(clash[0, 0])
+        raise ValueError(f"position_ids give logical token {at} other positions than the row that first holds its "
+                         f"physical token {int(logical[at])}: rows that share a token must agree on its position")
+    return out
 
 
 def _mrope_positions(owner: Any, tree: Any, ids: np.ndarray, types: np.ndarray, inputs: Dict[str, Any],

@@ -278,3 +278,82 @@ def test_prefix_reuse_needs_the_prompts_to_split_the_loss_mask():
     del td["prompts"]
     with pytest.raises(ValueError, match="needs 'prompts' \\(nested, or padded with 'attention_mask'\\)"):
         sv.rearrange_micro_batches(td, 12, shared_prefix=True, prefix_reuse=True)
+
+
+def vlm_engine_td(model, batch):
+    """A Qwen2-VL micro-batch as verl's engine holds it: nested ``input_ids``, nested
+    ``position_ids`` ``[4, len]`` per row (text positions, then M-RoPE, as verl's
+    dataset computes them), ``multi_modal_inputs`` one dict per row (its images)."""
+    mask = batch["attention_mask"].bool()
+    mrope, _ = model.model.get_rope_index(batch["input_ids"], mm_token_type_ids=batch["mm_token_type_ids"],
+                                          image_grid_thw=batch["image_grid_thw"], attention_mask=batch["attention_mask"])
+    counts = (batch["input_ids"] == model.config.image_token_id).sum(1) * 4  # patches per row (merge 2 x 2)
+    starts = torch.cat([torch.zeros(1, dtype=torch.long), counts.cumsum(0)])
+    grids = iter(batch["image_grid_thw"])
+    rows, positions, inputs = [], [], []
+    for b in range(mask.shape[0]):
+        n = int(mask[b].sum())
+        rows.append(batch["input_ids"][b, :n])
+        positions.append(torch.cat([torch.arange(n)[None], mrope[:, b, :n]]))
+        own = []
+        while sum(int(g.prod()) for g in own) < int(counts[b]):
+            own.append(next(grids))
+        inputs.append({"pixel_values": batch["pixel_values"][starts[b]:starts[b + 1]],
+                       "image_grid_thw": torch.stack(own)} if own else None)
+    return tensordict.TensorDict({
+        "input_ids": torch.nested.as_nested_tensor(rows, layout=torch.jagged),
+        "position_ids": torch.nested.as_nested_tensor(positions, layout=torch.jagged),
+        "multi_modal_inputs": tensordict.NonTensorStack(*inputs),
+        "temperature": tensordict.NonTensorData(0.7), "calculate_entropy": tensordict.NonTensorData(True),
+    }, batch_size=[mask.shape[0]])
+
+
+def test_tree_forward_step_takes_a_vlms_multi_modal_inputs_exact_in_fp64():
+    """Issue 53: a Qwen2-VL micro-batch (images, verl's M-RoPE position ids) runs on
+    its tree, each prompt's image encoded once, equal to each row alone; verl's
+    stock reasons still route what a tree cannot take."""
+    from seqpack.testing.tiny_vlm import tiny_vlm, vlm_grpo_batch
+
+    model = tiny_vlm("qwen2_vl", dtype=torch.float64)
+    for p in model.parameters():  # larger than the default init: every input moves the log-probs visibly
+        torch.nn.init.normal_(p, std=0.2)
+    batch = vlm_grpo_batch([[(4, 4)], [(4, 6), (2, 2)], []], 3, dtype=torch.float64)
+    td = vlm_engine_td(model, batch)
+    encoded = []
+    hook = model.model.visual.register_forward_hook(lambda m, a, o: encoded.append(a[0].shape[0]))
+    out = seqpack_engine.tree_forward_step(model, td)
+    hook.remove()
+    assert encoded == [batch["pixel_values"].shape[0] // 3]  # one vision pass, each prompt's images once
+    for b in range(td.batch_size[0]):
+        row = td["input_ids"][b]
+        mm = td["multi_modal_inputs"][b] or {}
+        logits = model(input_ids=row[None], position_ids=td["position_ids"][b][1:, None], **mm).logits[0]
+        lp = torch.log_softmax(logits / 0.7, -1)
+        ref = lp[:-1].gather(-1, row[1:, None])[:, 0]
+        got, ent = out["log_probs"][b].detach(), out["entropy"][b].detach()
+        assert (got[:-1] - ref).abs().max() < 1e-12 and got[-1] == 0
+        assert (ent[:-1] - -(lp.exp() * lp).sum(-1)[:-1]).abs().max() < 1e-12
+    # the positions verl computed are the ones used: the images' height and width swapped change the log-probs
+    shifted = td.clone()
+    shifted["position_ids"] = torch.nested.as_nested_tensor([p[[0, 1, 3, 2]] for p in td["position_ids"].unbind()],
+                                                            layout=torch.jagged)
+    moved = seqpack_engine.tree_forward_step(model, shifted)["log_probs"].values()
+    assert (moved - out["log_probs"].values()).abs().max() > 1e-6
+
+
+def test_the_engine_sends_vlm_micro_batches_to_trees_by_what_the_model_takes():
+    impl = pytest.importorskip("verl.workers.engine.fsdp.transformer_impl", reason="verl's engine needs codetiming")
+    from seqpack.testing.tiny_vlm import tiny_vlm, vlm_grpo_batch
+
+    model = tiny_vlm("qwen2_vl", dtype=torch.float64)
+    td = vlm_engine_td(model, vlm_grpo_batch([[(4, 4)]], 2, dtype=torch.float64))
+    engine = object.__new__(impl.FSDPEngineWithLMHead)
+    engine.module = model
+    assert seqpack_engine._tree_reason(engine, td) is None
+    engine.module = tiny_qwen2()
+    assert "without get_rope_index" in seqpack_engine._tree_reason(engine, td)
+    engine.module = model
+    other = td.clone()
+    other["multi_modal_inputs"] = tensordict.NonTensorStack(
+        *[{**d, "pixel_attention_mask": torch.ones(1)} for d in td["multi_modal_inputs"]])
+    assert seqpack_engine._tree_reason(engine, other) == "multi-modal inputs ['pixel_attention_mask']"

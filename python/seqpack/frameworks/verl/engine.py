@@ -143,11 +143,41 @@ def tree_forward_step(module: Any, micro_batch: Any, *, temperature: Any = None,
     return _tree_outputs(module, micro_batch, temperature, calculate_entropy)
 
 
-def _completion_tree(ids: Any, mask: Any) -> Any:
-    """The rows' tree, every token after a row's first scored (None for 1-token rows)."""
+def _completion_tree(ids: Any, mask: Any, module: Any = None, multimodal: Any = None) -> Any:
+    """The rows' tree, every token after a row's first scored (None for 1-token rows);
+    a VLM's rows keyed by their images."""
     from .._completion_trees import completion_tree
 
-    return completion_tree(ids, mask.long(), ids.shape[1] - 1) if ids.shape[1] > 1 else None
+    if ids.shape[1] < 2:
+        return None
+    keys = None
+    if multimodal:
+        from ..hf_vlm import image_keys
+
+        keys = image_keys(module, ids, mask.long(), **multimodal)
+    return completion_tree(ids, mask.long(), ids.shape[1] - 1, keys=keys)
+
+
+def _multimodal(micro_batch: Any) -> Dict[str, Any]:
+    """A VLM micro-batch's inputs as verl's engine hands them to the model
+    (``multi_modal_inputs``: one dict per row, concatenated in row order, as
+    ``extract_multi_modal_inputs`` does) with the rows' M-RoPE ``position_ids``
+    ``[4, N]`` (the nested ``position_ids``' values); {} for a text micro-batch."""
+    import torch
+
+    out: Dict[str, Any] = {}
+    if "multi_modal_inputs" in micro_batch.keys():
+        collected: Dict[str, List[Any]] = {}
+        for inputs in micro_batch["multi_modal_inputs"]:
+            inputs = getattr(inputs, "data", inputs)  # NonTensorData
+            for key, value in (inputs or {}).items():
+                if value is not None:
+                    collected.setdefault(key, []).append(value)
+        out = {key: torch.cat(values) for key, values in collected.items()}
+    pos = micro_batch["position_ids"] if "position_ids" in micro_batch.keys() else None
+    if pos is not None and pos.dim() == 3:
+        out["position_ids"] = pos.values()
+    return out
 
 
 def _tree_outputs(module: Any, micro_batch: Any, temperature: Any, calculate_entropy: Optional[bool],
@@ -159,6 +189,7 @@ def _tree_outputs(module: Any, micro_batch: Any, temperature: Any, calculate_ent
     from ..policy_forward import tree_model
 
     ids, mask, _ = _rows(micro_batch)
+    multimodal = _multimodal(micro_batch)
     t = _temperature(micro_batch, temperature)
     entropy = bool(_meta(micro_batch, "calculate_entropy", False)) if calculate_entropy is None else calculate_entropy
     tree_model(module)
@@ -172,8 +203,10 @@ def _tree_outputs(module: Any, micro_batch: Any, temperature: Any, calculate_ent
         return out
     # every token after a row's first is a "completion" token of the padded rows: column
     # j of the result is token j + 1 given the tokens before it, i.e. position j's output
+    if found is None and multimodal:
+        found = _completion_tree(ids, mask, module, multimodal)
     lp, ent = completion_logprobs(module, ids, mask.long(), ids.shape[1] - 1, temperature=t,
-                                  return_entropy=entropy, found=found)
+                                  return_entropy=entropy, found=found, multimodal=multimodal or None)
     for key, value in (("log_probs", lp), ("entropy", ent)):
         if value is None:
             continue
@@ -198,16 +231,20 @@ def _tree_reason(engine: Any, micro_batch: Any) -> Optional[str]:
         return "Ulysses sequence parallelism"
     if _meta(micro_batch, "use_fused_kernels", False):
         return "fused kernels"
-    if "multi_modal_inputs" in micro_batch.keys():
-        return "multi-modal inputs"
     for key in ("calculate_sum_pi_squared", "distillation_use_topk"):
         if _meta(micro_batch, key, False):
             return key
     if any(k.startswith("teacher_") for k in micro_batch.keys()):
         return "distillation"
     pos = micro_batch["position_ids"] if "position_ids" in micro_batch.keys() else None
-    if pos is not None and pos.dim() != 2:
-        return "3-D position ids (M-RoPE)"
+    if "multi_modal_inputs" in micro_batch.keys() or (pos is not None and pos.dim() != 2):
+        from ..hf_vlm import KNOWN, vision_family
+
+        if vision_family(engine.module) is None:
+            return "multi-modal inputs or 3-D position ids (M-RoPE) of a model without get_rope_index"
+        unknown = sorted(set(_multimodal(micro_batch)) - KNOWN)
+        if unknown:
+            return f"multi-modal inputs {unknown}"
     if _meta(micro_batch, "pad_to_length", None):
         return "pad_to_length"
     return None
@@ -221,9 +258,12 @@ def _forward_step(original: Any):
             raise ValueError(f"prefix_reuse: a pass micro-batch cannot run on verl's own forward ({reason}): patch "
                              "with prefix_reuse=False for such batches")
         found = None
+        if passes and _multimodal(micro_batch):
+            raise ValueError("prefix_reuse: a pass carries no images; run a VLM's batches with prefix_reuse=False "
+                             "(each micro-batch on its tree encodes every distinct image once)")
         if reason is None and not passes:  # the tree is built once: to price the micro-batch, then to run it
             ids, mask, _ = _rows(micro_batch)
-            found = _completion_tree(ids, mask)
+            found = _completion_tree(ids, mask, self.module, _multimodal(micro_batch))
             if found is None or found[0].num_tokens > TREE_MAX_SHARE * int(mask.sum()):
                 reason = "shares too little"
         name = reason or ("prefix_reuse" if passes else "tree")
