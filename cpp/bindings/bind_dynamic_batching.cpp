@@ -48,8 +48,7 @@ void init_dynamic_batching(py::module_& m) {
         LengthsArg arg(lengths, "input_lengths");
         std::optional<ForestArgs> f;
         if (!forest.is_none()) {  // PrefixForest._core_args(): the plan is over its trees
-          const py::tuple t = forest.cast<py::tuple>();
-          f.emplace(t[0], t[1], t[2], t[3], t[4].cast<int64_t>());
+          f.emplace(forest.cast<py::tuple>());
         }
         DynamicBatchingOptions o{shards, batch_size, max_tokens, round, max_seqlen, pp_size};
         DynamicBatchingPlan plan;

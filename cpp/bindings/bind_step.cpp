@@ -27,8 +27,9 @@ MicroBatchOrder order_of(const std::string& order) {
 std::optional<ForestArgs> forest_of(py::handle forest) {
   if (forest.is_none()) return std::nullopt;
   const auto t = forest.cast<py::tuple>();
-  if (t.size() != 5) throw py::value_error("forest: (row_length, row_order, adjacent_lcp, tree_of_row, num_trees)");
-  return std::optional<ForestArgs>(std::in_place, t[0], t[1], t[2], t[3], t[4].cast<int64_t>());
+  if (t.size() != 5 && t.size() != 6)
+    throw py::value_error("forest: (row_length, row_order, adjacent_lcp, tree_of_row, num_trees[, items])");
+  return std::optional<ForestArgs>(std::in_place, t);
 }
 
 // {"mini_batches": [{begin, end, num_micro_batches, cells, costs, tokens, padded (static

@@ -124,6 +124,7 @@ ForestItems forest_items(const ForestView& f, int64_t max_tokens, std::span<cons
     items.tree.push_back(s.tree(lo));
     items.tokens.push_back(s.run_tokens(lo, hi));
     items.pairs.push_back(s.run_pairs(lo, hi));
+    items.work.push_back(s.run_work(lo, hi));
     total += items.tokens.back();
   }
   items.duplicated_tokens = total - s.physical_tokens();

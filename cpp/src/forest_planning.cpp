@@ -21,11 +21,15 @@ namespace {
 
 constexpr const char* kFn = "plan_micro_batches";
 
+// Tokens, or attention_coeff * tokens + 2 * pairs - tokens plus the work items held
+// (a VLM's images, each once: prefix_forest.hpp).
 int64_t workload(const ForestPlanOptions& o, const SubsetCost& c) {
   if (o.attention_coeff <= 0) return c.tokens;
-  return checked_add(kFn, "a micro-batch workload (attention_coeff * tokens + 2 * pairs - tokens)",
-                     checked_mul(kFn, "attention_coeff * tokens", o.attention_coeff, c.tokens),
-                     checked_mul(kFn, "2 * pairs", 2, c.pairs) - c.tokens);
+  const char* what = "a micro-batch workload (attention_coeff * tokens + 2 * pairs - tokens + work items)";
+  return checked_add(kFn, what,
+                     checked_add(kFn, what, checked_mul(kFn, "attention_coeff * tokens", o.attention_coeff, c.tokens),
+                                 checked_mul(kFn, "2 * pairs", 2, c.pairs) - c.tokens),
+                     c.work);
 }
 
 // Rebalances the parts of `bins` (one tree's positions in one micro-batch) on the

@@ -20,9 +20,11 @@ using detail::ForestSubset;
 
 constexpr const char* kFn = "plan_step";
 
+// The cost model on a cell's physical tokens, pairs (2 pairs - tokens: the s² of a
+// plain row) and work items (a VLM's images, in pair units).
 double cell_cost(const StepCost& c, const SubsetCost& t) {
   return c.per_micro_batch + c.per_token * static_cast<double>(t.tokens) +
-         c.per_token_squared * static_cast<double>(2 * t.pairs - t.tokens);
+         c.per_token_squared * (static_cast<double>(2 * t.pairs - t.tokens) + static_cast<double>(t.work));
 }
 
 // Cells of positions (rank-major, K per rank) as a mini-batch's step, costed exactly.
@@ -57,7 +59,7 @@ std::pair<ForestBins, int64_t> plan_items(const ForestSubset& s, const ForestBin
     std::sort(sorted.begin(), sorted.end());
     const SubsetCost c = s.cost(sorted);
     tokens[k] = c.tokens;
-    squares[k] = 2 * c.pairs - c.tokens;
+    squares[k] = 2 * c.pairs - c.tokens + c.work;
   }
   StepOptions one = o;
   one.mini_batches = 1;
@@ -97,7 +99,7 @@ std::pair<ForestBins, int64_t> ranks_of_trees(const ForestSubset& s, const StepO
   std::vector<double> work(trees);
   for (size_t t = 0; t < trees; ++t) {
     const auto a = static_cast<size_t>(starts[t]), b = static_cast<size_t>(starts[t + 1]);
-    work[t] = cell_cost(o.cost, {s.run_tokens(a, b), s.run_pairs(a, b)}) - o.cost.per_micro_batch;
+    work[t] = cell_cost(o.cost, s.run_cost(a, b)) - o.cost.per_micro_batch;
   }
   std::vector<size_t> order(trees);
   std::iota(order.begin(), order.end(), size_t{0});
@@ -152,7 +154,7 @@ double mini_batch_bound(const ForestSubset& s, const StepOptions& o) {
   double work = 0.0;
   for (size_t t = 0; t + 1 < starts.size(); ++t) {
     const auto a = static_cast<size_t>(starts[t]), b = static_cast<size_t>(starts[t + 1]);
-    work += cell_cost(o.cost, {s.run_tokens(a, b), s.run_pairs(a, b)}) - o.cost.per_micro_batch;
+    work += cell_cost(o.cost, s.run_cost(a, b)) - o.cost.per_micro_batch;
   }
   const int64_t cells = std::max<int64_t>(1, ceil_div(s.physical_tokens(), o.max_tokens));
   const int64_t k_min = round_up(kFn, std::max(o.min_micro_batches, ceil_div(cells, o.dp_size)), o.multiple_of);

@@ -64,6 +64,11 @@ class ForestSubset {
   // each later row adds.
   int64_t run_tokens(size_t a, size_t b) const { return fresh_[b] - fresh_[a] + lcp_[a]; }
   int64_t run_pairs(size_t a, size_t b) const { return pairs_[b] - pairs_[a] + ForestLcp::pairs(lcp_[a]); }
+  // Its work items (prefix_forest.hpp): the first row's all, then what each later row adds.
+  int64_t run_work(size_t a, size_t b) const {
+    return work_[b] - work_[a] + forest_.item_work_upto(row_[a], lcp_[a]);
+  }
+  SubsetCost run_cost(size_t a, size_t b) const { return {run_tokens(a, b), run_pairs(a, b), run_work(a, b)}; }
 
   // Tokens and pairs of a set of positions, sorted ascending and distinct.
   SubsetCost cost(std::span<const int64_t> sorted) const {
@@ -73,6 +78,7 @@ class ForestSubset {
       const int64_t len = length(p), shared = j == 0 ? 0 : lcp(static_cast<size_t>(sorted[j - 1]), p);
       c.tokens += len - shared;
       c.pairs += ForestLcp::pairs(len) - ForestLcp::pairs(shared);
+      c.work += forest_.item_work_upto(row_[p], len) - forest_.item_work_upto(row_[p], shared);
     }
     return c;
   }
@@ -101,6 +107,7 @@ class ForestSubset {
     lcp_.resize(n);
     fresh_.assign(n + 1, 0);
     pairs_.assign(n + 1, 0);
+    work_.assign(n + 1, 0);
     for (size_t p = 0; p < n; ++p) {
       row_[p] = forest_.row_order[static_cast<size_t>(ranks_[p])];
       lcp_[p] = p == 0 ? 0 : index_->lcp(ranks_[p - 1], ranks_[p]);  // 0 across trees
@@ -108,6 +115,7 @@ class ForestSubset {
       const int64_t len = length(p);
       fresh_[p + 1] = fresh_[p] + len - lcp_[p];
       pairs_[p + 1] = pairs_[p] + ForestLcp::pairs(len) - ForestLcp::pairs(lcp_[p]);
+      work_[p + 1] = work_[p] + forest_.item_work_upto(row_[p], len) - forest_.item_work_upto(row_[p], lcp_[p]);
     }
     tree_starts_.push_back(static_cast<int64_t>(n));
   }
@@ -119,6 +127,7 @@ class ForestSubset {
   std::vector<int64_t> lcp_;          // [n] lcp with the previous position (0 at a tree's start)
   std::vector<int64_t> fresh_;        // [n + 1] prefix sums of len - lcp
   std::vector<int64_t> pairs_;        // [n + 1] prefix sums of P(len) - P(lcp)
+  std::vector<int64_t> work_;         // [n + 1] prefix sums of the work items each row adds
   std::vector<int64_t> tree_starts_;  // [trees + 1]
 };
 

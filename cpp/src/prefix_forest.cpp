@@ -40,6 +40,39 @@ std::vector<int64_t> preorder(const std::vector<int64_t>& parent) {
   return pre;
 }
 
+// The work items of a view (prefix_forest.hpp), checked.
+void check_items(const char* fn, const ForestView& f) {
+  const size_t n = f.row_length.size();
+  if (f.item_offsets.empty()) {
+    if (!f.item_end.empty() || !f.item_work.empty())
+      throw_invalid(fn, "forest: work items need item_offsets (one per row + 1)");
+    return;
+  }
+  if (f.item_offsets.size() != n + 1 || f.item_offsets[0] != 0)
+    throw_invalid(fn, "forest: item_offsets must hold one offset per row + 1 (" + std::to_string(n + 1) +
+                          "), starting at 0");
+  const int64_t items = f.item_offsets[n];
+  if (items < 0 || f.item_end.size() != static_cast<size_t>(items) || f.item_work.size() != f.item_end.size())
+    throw_invalid(fn, "forest: item_end and item_work must hold item_offsets[-1] = " + std::to_string(items) +
+                          " entries");
+  for (size_t r = 0; r < n; ++r)
+    if (f.item_offsets[r + 1] < f.item_offsets[r]) throw_invalid(fn, "forest: item_offsets must never decrease");
+  int64_t total = 0;
+  for (size_t r = 0; r < n; ++r) {
+    const int64_t begin = f.item_offsets[r], end = f.item_offsets[r + 1];
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t at = f.item_end[static_cast<size_t>(i)], work = f.item_work[static_cast<size_t>(i)];
+      if (at < 1 || at > f.row_length[r] || (i > begin && at < f.item_end[static_cast<size_t>(i) - 1]))
+        throw_invalid(fn, "forest: item_end[" + std::to_string(i) + "] = " + std::to_string(at) + " of row " +
+                              std::to_string(r) + " must be in [1, " + std::to_string(f.row_length[r]) +
+                              "] and not before the row's previous item");
+      if (work < 0 || work > (int64_t{1} << 61) - total)
+        throw_invalid(fn, "forest: item_work[" + std::to_string(i) + "] must be >= 0, the total below 2^61");
+      total += work;
+    }
+  }
+}
+
 }  // namespace
 
 PrefixForest build_prefix_forest(std::span<const int64_t> tokens, Lengths cu, std::span<const int64_t> group_ids,
@@ -125,6 +158,7 @@ void check_forest(const char* fn, const ForestView& f) {
       throw_invalid(fn, "forest: adjacent_lcp[" + std::to_string(i) + "] = " + std::to_string(lcp) +
                             " must be in [0, " + std::to_string(bound) + "]");
   }
+  check_items(fn, f);
 }
 
 void forest_subset_costs(const ForestView& f, std::span<const int64_t> rows, Lengths offsets,
@@ -155,8 +189,10 @@ void forest_subset_costs(const ForestView& f, std::span<const int64_t> rows, Len
     for (size_t j = 0; j < ranks.size(); ++j) {
       const int64_t len = lcp.length(f.row_order[static_cast<size_t>(ranks[j])]);
       const int64_t shared = j == 0 ? 0 : lcp.lcp(ranks[j - 1], ranks[j]);
+      const int64_t row = f.row_order[static_cast<size_t>(ranks[j])];
       cost.tokens += len - shared;
       cost.pairs += detail::ForestLcp::pairs(len) - detail::ForestLcp::pairs(shared);
+      cost.work += f.item_work_upto(row, len) - f.item_work_upto(row, shared);
     }
     out[k] = cost;
   }

@@ -32,6 +32,7 @@ struct ForestItems {
   IndexGroups rows;             // the rows of each item (CSR), in depth-first order
   std::vector<int64_t> tokens;  // physical tokens of each item (<= the cap)
   std::vector<int64_t> pairs;   // visible attention pairs of each item
+  std::vector<int64_t> work;    // the work items each item holds (prefix_forest.hpp), each once
   std::vector<int64_t> tree;    // the tree each item is (part of)
   int64_t duplicated_tokens = 0;  // sum of the items' tokens - the forest's physical tokens
 };

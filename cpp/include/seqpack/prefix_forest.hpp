@@ -50,9 +50,35 @@ PrefixForest build_prefix_forest(std::span<const int64_t> tokens, Lengths cu_seq
                                  std::span<const int64_t> group_ids, int64_t min_shared_tokens = 1);
 
 // A forest held elsewhere (arrays that came back from Python, a pickle).
+//
+// Work items (optional): work attached to a run of a row's tokens that a set of rows
+// pays once when it holds those tokens once - a VLM's image, whose vision tower runs
+// once per micro-batch whose tree holds its placeholder tokens. Row r's items are
+// [item_offsets[r], item_offsets[r + 1]) (item_offsets: R + 1 entries, or empty for
+// none), item k ending at token item_end[k] of its row (ascending within a row) and
+// weighing item_work[k] (in the planner's pair units: what per_token_squared
+// multiplies). A row adds the items that end past what it shares with the rows
+// before it, as it adds tokens:
+//
+//   rows (depth-first)   tokens        items (end: work)   lcp   adds
+//   a = s I I I q x      6             4: 9                0     9
+//   b = s I I I q y      6             4: 9                5     0   (its image is a's)
+//   c = s J J J q z      6             4: 7                1     7   (another image)
 struct ForestView {
   std::span<const int64_t> row_length, row_order, adjacent_lcp, tree_of_row;
   int64_t num_trees = 0;
+  std::span<const int64_t> item_offsets = {}, item_end = {}, item_work = {};
+
+  // The work of row r's items that end within its first k tokens.
+  int64_t item_work_upto(int64_t row, int64_t k) const {
+    if (item_offsets.empty()) return 0;
+    int64_t work = 0;
+    for (int64_t i = item_offsets[static_cast<size_t>(row)]; i < item_offsets[static_cast<size_t>(row) + 1]; ++i) {
+      if (item_end[static_cast<size_t>(i)] > k) break;
+      work += item_work[static_cast<size_t>(i)];
+    }
+    return work;
+  }
 };
 
 inline ForestView view_of(const PrefixForest& f) {
@@ -61,11 +87,14 @@ inline ForestView view_of(const PrefixForest& f) {
 
 // Checks that a view is consistent: lengths >= 0, row_order a permutation of the
 // rows, each tree contiguous in it, adjacent_lcp in [0, both rows' lengths] and 0 at
-// the start of each tree, tree ids in [0, num_trees). O(R).
+// the start of each tree, tree ids in [0, num_trees); work items as described above
+// (ends in [1, the row's length], ascending within a row; work >= 0; the forest's
+// total work below 2^61). O(R + items).
 void check_forest(const char* fn, const ForestView& forest);
 
 struct SubsetCost {
   int64_t tokens = 0, pairs = 0;
+  int64_t work = 0;  // the work items the subset holds, each once
   bool operator==(const SubsetCost&) const = default;
 };
 

@@ -50,7 +50,8 @@ struct StepOptions {
   std::optional<uint64_t> seed;   // breaks ties among equal lengths; none: by index
   // Per sequence, what stands in for s² in the attention term (empty: s² itself): a
   // prefix-tree item of `s` physical tokens puts 2·pairs − s there (its visible
-  // attention pairs; exactly s² for a plain row), at most s². One per length.
+  // attention pairs; exactly s² for a plain row, at most s²) plus the work items it
+  // holds (a VLM's images, prefix_forest.hpp), which can pass s². One per length, >= 0.
   Lengths squares = {};
   // Sequences per mini-batch, in order (each >= 1, summing to the number of
   // sequences, mini_batches entries), instead of the near-equal split; empty: split.

@@ -257,6 +257,32 @@ def image_keys(model: Any, input_ids: Any, attention_mask: Any, **multimodal: An
     processor gives them. A tensor on the device of ``input_ids``."""
     import torch
 
+    ids, mask, found = padded_items(model, input_ids, attention_mask, multimodal)
+    keyed = ids[mask]
+    for (_, _, _, tokens), cls in zip(found.items, found.classes):
+        keyed[tokens] = -1 - cls
+    out = ids.copy()
+    out[mask] = keyed
+    return torch.from_numpy(out).to(input_ids.device if hasattr(input_ids, "device") else "cpu")
+
+
+class RowItems:
+    """The images and videos of padded rows (:func:`padded_items`): ``items``, one
+    ``(kind, k, row, logical token indices)`` per item in row order (``kind`` 1 an
+    image, 2 a video; ``k`` its index among its kind), ``classes`` [items] one id per
+    distinct content, ``grids`` {kind: [n, 3] grid_thw}, ``cu`` the rows' offsets
+    into their logical tokens, ``owner`` the model's module with the family rules."""
+
+    __slots__ = ("owner", "items", "classes", "grids", "cu")
+
+    def __init__(self, owner: Any, items: List[Tuple], classes: np.ndarray, grids: Dict[int, Any],
+                 cu: np.ndarray) -> None:
+        self.owner, self.items, self.classes, self.grids, self.cu = owner, items, classes, grids, cu
+
+
+def padded_items(model: Any, input_ids: Any, attention_mask: Any,
+                 multimodal: Dict[str, Any]) -> Tuple[np.ndarray, np.ndarray, RowItems]:
+    """The host ``[B, S]`` ids and mask of padded VLM rows, and their items."""
     owner = _family(model)
     inputs = _inputs(multimodal)
     inputs.pop("position_ids", None)  # where tokens sit, not what they are
@@ -264,18 +290,11 @@ def image_keys(model: Any, input_ids: Any, attention_mask: Any, **multimodal: An
     mask = _host(attention_mask).astype(bool)
     if ids.ndim != 2 or mask.shape != ids.shape:
         raise ValueError(f"input_ids and attention_mask must be [B, S] of one shape, got {ids.shape} and {mask.shape}")
-    flat = ids[mask]
     cu = np.concatenate([[0], np.cumsum(mask.sum(1))]).astype(np.int64)
     grids = _grids(inputs)
-    types = _token_types(owner, flat, cu, inputs, mask)
+    types = _token_types(owner, ids[mask], cu, inputs, mask)
     items = _items(types, cu, grids, int(owner.config.vision_config.spatial_merge_size))
-    classes = _content_classes(items, inputs, grids)
-    keyed = flat.copy()
-    for (_, _, _, tokens), cls in zip(items, classes):
-        keyed[tokens] = -1 - cls
-    out = ids.copy()
-    out[mask] = keyed
-    return torch.from_numpy(out).to(input_ids.device if hasattr(input_ids, "device") else "cpu")
+    return ids, mask, RowItems(owner, items, _content_classes(items, inputs, grids), grids, cu)
 
 
 def multimodal_kwargs(tree: Any, model: Any, device: Any = None, attention_mask: Any = None,

@@ -151,7 +151,7 @@ def plan_dynamic_batching(
         if rule != "nemo_rl":
             warnings.warn(f"plan_dynamic_batching: rule={rule!r} is not used with forest= (the forest plan has the "
                           "fewest micro-batches, then the fewest physical tokens)", stacklevel=2)
-        core_forest = checked_forest(forest, lengths)._core_args()
+        core_forest = checked_forest(forest, lengths)._core_forest()
     shards = as_positive_int(shards, "shards")
     width = 0 if max_seqlen is None else as_positive_int(max_seqlen, "max_seqlen")
     if width and lengths.size and lengths.max() > width:

@@ -55,7 +55,7 @@ def plan_forest_micro_batches(forest: Any, lengths: Any, max_tokens: int, min_nu
     :class:`~seqpack.MicroBatchPlan`."""
     forest = checked_forest(forest, lengths)
     raw = _core.plan_forest_micro_batches(*forest._core_args(), max_tokens, min_num, multiple_of, attention_coeff,
-                                          order == "small_at_ends", bool(whole_trees))
+                                          order == "small_at_ends", bool(whole_trees), items=forest._core_items())
     total = sum(raw["tokens"])
     return dict(micro_batches=raw["groups"], tokens=raw["tokens"], workloads=raw["workloads"],
                 max_tokens=max_tokens, lower_bound=raw["lower_bound"], method=raw["method"], order=order,
@@ -81,4 +81,4 @@ def first_fit_trie(forest: Any, max_tokens: Any, row_indices: Any = None) -> Lis
     cap = as_positive_int(max_tokens, "max_tokens")
     rows = np.arange(forest.num_rows, dtype=np.int64) if row_indices is None else forest._row_ids(row_indices,
                                                                                                    "row_indices")
-    return _core.first_fit_trie(*forest._core_args(), cap, rows)
+    return _core.first_fit_trie(*forest._core_args(), cap, rows, items=forest._core_items())

@@ -64,10 +64,10 @@ class PrefixForest:
     :meth:`from_padded` or :meth:`from_packed`; holds read-only int64 NumPy arrays,
     compares by value, pickles and deep-copies through them (checked when rebuilt)."""
 
-    __slots__ = ("_arrays", "_num_trees", "_num_nodes", "_trees", "_position")
+    __slots__ = ("_arrays", "_num_trees", "_num_nodes", "_trees", "_position", "_items")
 
     def __init__(self, *, row_length: Any, row_order: Any, adjacent_lcp: Any, tree_of_row: Any, num_trees: Any,
-                 num_nodes: Any) -> None:
+                 num_nodes: Any, work_items: Any = None) -> None:
         given = dict(row_length=row_length, row_order=row_order, adjacent_lcp=adjacent_lcp, tree_of_row=tree_of_row)
         arrays = {}
         for name in _ARRAYS:
@@ -75,33 +75,39 @@ class PrefixForest:
             arr.flags.writeable = False
             arrays[name] = arr
         trees = as_positive_int(num_trees, "num_trees", allow_zero=True)
-        _core.check_prefix_forest(*(arrays[k] for k in _ARRAYS), trees)
+        items = _items_csr(work_items, arrays["row_length"].shape[0])
+        _core.check_prefix_forest(*(arrays[k] for k in _ARRAYS), trees, items)
         nodes = as_positive_int(num_nodes, "num_nodes", allow_zero=True)
         self._arrays, self._num_trees, self._trees, self._position = arrays, trees, None, None
+        self._items = items
         if nodes != int(self.subset_costs([np.arange(len(arrays["row_length"]))])[0][0]):
             raise ValueError(f"num_nodes = {nodes} is not the physical tokens of these rows")
         self._num_nodes = nodes
 
     # ---- constructors -------------------------------------------------------------
     @classmethod
-    def from_rows(cls, rows: Any, *, group_ids: Any = None, min_shared_tokens: Any = 1) -> "PrefixForest":
+    def from_rows(cls, rows: Any, *, group_ids: Any = None, min_shared_tokens: Any = 1, keys: Any = None,
+                  work_items: Any = None) -> "PrefixForest":
         """The forest of ``rows`` (a list of 1-D token sequences: lists, NumPy arrays
         or tensors of integers), with :func:`~seqpack.pack_prefix_tree`'s sharing
-        options."""
-        return _build(*rows_flat(rows), group_ids, min_shared_tokens)
+        options (``keys``: what the rows share by, as there). ``work_items``: see
+        :attr:`work_items`."""
+        return _build(*rows_flat(rows if keys is None else keys), group_ids, min_shared_tokens, work_items)
 
     @classmethod
     def from_padded(cls, input_ids: Any, attention_mask: Any, *, group_ids: Any = None,
-                    min_shared_tokens: Any = 1) -> "PrefixForest":
+                    min_shared_tokens: Any = 1, keys: Any = None, work_items: Any = None) -> "PrefixForest":
         """The forest of padded rows (left or right padding, as
         :meth:`PrefixTreeBatch.from_padded <seqpack.PrefixTreeBatch.from_padded>`)."""
-        return _build(*padded_rows(input_ids, attention_mask), group_ids, min_shared_tokens)
+        return _build(*padded_rows(input_ids if keys is None else keys, attention_mask), group_ids,
+                      min_shared_tokens, work_items)
 
     @classmethod
     def from_packed(cls, input_ids: Any, cu_seqlens: Any, *, group_ids: Any = None,
-                    min_shared_tokens: Any = 1) -> "PrefixForest":
+                    min_shared_tokens: Any = 1, keys: Any = None, work_items: Any = None) -> "PrefixForest":
         """The forest of rows packed back to back (``input_ids`` [N], ``cu_seqlens`` [R + 1])."""
-        return _build(*packed_rows(input_ids, cu_seqlens), group_ids, min_shared_tokens)
+        return _build(*packed_rows(input_ids if keys is None else keys, cu_seqlens), group_ids, min_shared_tokens,
+                      work_items)
 
     # ---- the forest ---------------------------------------------------------------
     lengths = property(lambda self: self._arrays["row_length"], doc="Each row's logical length [R].")
@@ -119,6 +125,30 @@ class PrefixForest:
     @property
     def num_trees(self) -> int:
         return self._num_trees
+
+    @property
+    def work_items(self) -> Any:
+        """``(item_row, item_end, item_work)`` int64 arrays [I], or None: work attached
+        to runs of the rows' tokens that a set of rows pays once when its tree holds
+        those tokens once, like its tokens (a VLM's image: the vision tower's work,
+        :func:`seqpack.frameworks.hf_vlm.vision_forest`). Item ``k`` belongs to row
+        ``item_row[k]``, ends at its token ``item_end[k]`` and weighs
+        ``item_work[k]`` in the cost model's pair units (what ``per_token_squared``
+        multiplies: a plain row of ``s`` tokens weighs ``s**2``). A set of rows
+        holds an item when one of its rows does; the rows that share the item's
+        tokens share the item. Plans count it with an attention-aware cost
+        (``attention_coeff``, a cost model with ``per_token_squared``); a token cap
+        does not see it.
+
+        >>> f = PrefixForest.from_rows([[7, 9, 9, 1], [7, 9, 9, 2], [7, 8, 8, 3]],
+        ...                             work_items=([0, 1, 2], [3, 3, 3], [50, 50, 40]))
+        >>> f.subset_work([[0, 1], [0, 2], [1]]).tolist()   # rows 0 and 1 share "7 9 9": one image
+        [50, 90, 50]
+        """
+        if self._items is None:
+            return None
+        offsets, end, work = self._items
+        return (np.repeat(np.arange(self.num_rows, dtype=np.int64), np.diff(offsets)), end, work)
 
     @property
     def num_physical_tokens(self) -> int:
@@ -183,9 +213,16 @@ class PrefixForest:
         _, first, tree = np.unique(self.tree_ids[rows], return_index=True, return_inverse=True)
         renumber = np.empty(first.shape[0], dtype=np.int64)
         renumber[np.argsort(first, kind="stable")] = np.arange(first.shape[0], dtype=np.int64)
+        items = None
+        if self._items is not None:  # the chosen rows' items, renumbered
+            item_row, item_end, item_work = self.work_items
+            local = np.full(self.num_rows, -1, dtype=np.int64)
+            local[rows] = np.arange(rows.shape[0], dtype=np.int64)
+            keep = local[item_row] >= 0
+            items = (local[item_row[keep]], item_end[keep], item_work[keep])
         return PrefixForest(row_length=self.lengths[rows], row_order=order, adjacent_lcp=lcp,
                             tree_of_row=renumber[tree.reshape(-1)], num_trees=first.shape[0],
-                            num_nodes=self.physical_tokens(rows))
+                            num_nodes=self.physical_tokens(rows), work_items=items)
 
     def subset_costs(self, subsets: Iterable[Any]) -> Tuple[np.ndarray, np.ndarray]:
         """(physical tokens [K], visible pairs [K]) of each subset of rows (row ids;
@@ -194,7 +231,17 @@ class PrefixForest:
         offsets = np.zeros(len(parts) + 1, dtype=np.int64)
         np.cumsum([p.shape[0] for p in parts], out=offsets[1:])
         rows = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
-        return _core.forest_subset_costs(*self._core_args(), rows, offsets)
+        tokens, pairs, _ = _core.forest_subset_costs(*self._core_args(), rows, offsets)
+        return tokens, pairs
+
+    def subset_work(self, subsets: Iterable[Any]) -> np.ndarray:
+        """The work items ([K] int64, :attr:`work_items`) each subset of rows holds,
+        each once; zeros without work items."""
+        parts = [self._row_ids(s, f"subsets[{k}]") for k, s in enumerate(_subset_list(subsets))]
+        offsets = np.zeros(len(parts) + 1, dtype=np.int64)
+        np.cumsum([p.shape[0] for p in parts], out=offsets[1:])
+        rows = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+        return _core.forest_subset_costs(*self._core_args(), rows, offsets, items=self._items)[2]
 
     def physical_tokens(self, row_indices: Any) -> int:
         """Physical tokens of the prefix tree of these rows (their distinct prefixes)."""
@@ -236,15 +283,24 @@ class PrefixForest:
         cap = as_positive_int(max_tokens, "max_tokens")
         wanted = as_positive_int(min_items, "min_items", allow_zero=True)
         subset = None if row_indices is None else self._row_ids(row_indices, "row_indices")
-        d = _core.forest_items(*self._core_args(), cap, subset, wanted)
+        d = _core.forest_items(*self._core_args(), cap, subset, wanted, items=self._items)
         physical = self.num_physical_tokens if subset is None else self.physical_tokens(subset)
         rows = [np.asarray(r, dtype=np.int64) for r in d["rows"]]
         tokens, pairs, tree = d["tokens"], d["pairs"], d["tree"]
         return ForestItems(rows=rows, tokens=tokens, pairs=pairs, tree=tree,
-                           duplicated_tokens=int(tokens.sum()) - physical, physical_tokens=physical)
+                           duplicated_tokens=int(tokens.sum()) - physical, physical_tokens=physical,
+                           work=d["work"])
 
     def _core_args(self) -> tuple:
         return (*(self._arrays[k] for k in _ARRAYS), self._num_trees)
+
+    def _core_items(self) -> Any:
+        """The work items as the core takes them (CSR per row), or None."""
+        return self._items
+
+    def _core_forest(self) -> tuple:
+        """The forest as one tuple (plan_step, dynamic batching)."""
+        return (*self._core_args(), self._items)
 
     def _row_ids(self, value: Any, name: str) -> np.ndarray:
         ids = int_array(value, name, 1)
@@ -259,12 +315,14 @@ class PrefixForest:
         if not isinstance(other, PrefixForest):
             return NotImplemented
         return (self._num_trees, self._num_nodes) == (other._num_trees, other._num_nodes) and all(
-            np.array_equal(self._arrays[k], other._arrays[k]) for k in _ARRAYS)
+            np.array_equal(self._arrays[k], other._arrays[k]) for k in _ARRAYS) and _items_equal(
+            self._items, other._items)
 
     __hash__ = None  # type: ignore[assignment]
 
     def __reduce__(self):
-        return (_rebuild, ({k: np.array(v) for k, v in self._arrays.items()}, self._num_trees, self._num_nodes))
+        return (_rebuild, ({k: np.array(v) for k, v in self._arrays.items()}, self._num_trees, self._num_nodes,
+                           None if self._items is None else tuple(np.array(a) for a in self.work_items)))
 
     def __repr__(self) -> str:
         return (f"PrefixForest(num_rows={self.num_rows}, num_trees={self.num_trees}, "
@@ -279,9 +337,10 @@ class ForestItems(ValueEquality):
     forest's physical tokens over the items' sum (1.0 when no tree was split)."""
 
     def __init__(self, *, rows: List[np.ndarray], tokens: np.ndarray, pairs: np.ndarray, tree: np.ndarray,
-                 duplicated_tokens: int, physical_tokens: int) -> None:
+                 duplicated_tokens: int, physical_tokens: int, work: Any = None) -> None:
         self.rows, self.tokens, self.pairs, self.tree = rows, tokens, pairs, tree
         self.duplicated_tokens, self.physical_tokens = duplicated_tokens, physical_tokens
+        self.work = np.zeros(len(rows), dtype=np.int64) if work is None else work
 
     @property
     def num_items(self) -> int:
@@ -297,10 +356,41 @@ class ForestItems(ValueEquality):
                 f"duplicated_tokens={self.duplicated_tokens})")
 
 
-def _build(tokens: np.ndarray, cu: np.ndarray, group_ids: Any, min_shared_tokens: Any) -> PrefixForest:
+def _build(tokens: np.ndarray, cu: np.ndarray, group_ids: Any, min_shared_tokens: Any,
+           work_items: Any = None) -> PrefixForest:
     min_shared = as_positive_int(min_shared_tokens, "min_shared_tokens", allow_zero=True)
     arrays = _core.build_prefix_forest(tokens, cu, group_array(group_ids, cu.shape[0] - 1), min_shared)
-    return PrefixForest(**arrays)
+    return PrefixForest(**arrays, work_items=work_items)
+
+
+def _items_csr(work_items: Any, rows: int) -> Any:
+    """``(item_row, item_end, item_work)`` as the core's read-only CSR
+    ``(item_offsets [R + 1], item_end, item_work)``, items sorted by row then end; None
+    for none."""
+    if work_items is None:
+        return None
+    if not isinstance(work_items, (tuple, list)) or len(work_items) != 3:
+        raise TypeError(f"work_items must be (item_row, item_end, item_work), got {type_name(work_items)}")
+    row, end, work = (int_array(a, name, 1) for a, name in zip(work_items, ("item_row", "item_end", "item_work")))
+    if not row.shape == end.shape == work.shape:
+        raise ValueError(f"work_items: item_row, item_end and item_work must have one length, got {row.shape[0]}, "
+                         f"{end.shape[0]} and {work.shape[0]}")
+    if row.size and (row.min() < 0 or row.max() >= rows):
+        raise ValueError(f"work_items: item_row must hold row ids in [0, {rows}), got {int(row.min())}..."
+                         f"{int(row.max())}")
+    order = np.lexsort((end, row))
+    offsets = np.zeros(rows + 1, dtype=np.int64)
+    np.cumsum(np.bincount(row, minlength=rows), out=offsets[1:])
+    out = (offsets, np.ascontiguousarray(end[order]), np.ascontiguousarray(work[order]))
+    for a in out:
+        a.flags.writeable = False
+    return out
+
+
+def _items_equal(a: Any, b: Any) -> bool:
+    if a is None or b is None:
+        return a is b
+    return all(np.array_equal(x, y) for x, y in zip(a, b))
 
 
 def _subset_list(subsets: Any) -> Sequence[Any]:
@@ -309,6 +399,6 @@ def _subset_list(subsets: Any) -> Sequence[Any]:
     return list(subsets)
 
 
-def _rebuild(arrays: dict, num_trees: int, num_nodes: int) -> PrefixForest:
-    return PrefixForest(**arrays, num_trees=num_trees, num_nodes=num_nodes)
+def _rebuild(arrays: dict, num_trees: int, num_nodes: int, work_items: Any = None) -> PrefixForest:
+    return PrefixForest(**arrays, num_trees=num_trees, num_nodes=num_nodes, work_items=work_items)
 

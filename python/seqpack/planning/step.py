@@ -402,7 +402,7 @@ def plan_step(
     raw = _core.plan_step(
         lengths, dp_size, max_tokens, cost.per_micro_batch, cost.per_token, cost.per_token_squared,
         sync=opts.sync, mini_batches=opts.mini_batches, min_micro_batches=opts.min_micro_batches,
-        multiple_of=opts.multiple_of, seed=opts.seed, forest=None if forest is None else forest._core_args(),
+        multiple_of=opts.multiple_of, seed=opts.seed, forest=None if forest is None else forest._core_forest(),
         whole_trees=opts.whole_trees, per_kv_token=cost.per_kv_token, per_collective=cost.per_collective,
         cp_size=opts.cp_size, hybrid=opts.hybrid_cp, min_degree=opts.min_cp_degree,
         micro_batch_order=opts.micro_batch_order, buckets=buckets)
