@@ -35,7 +35,8 @@ SCRIPTS = [("bench_loss.py", "Packed SFT loss"), ("bench_train.py", "Training st
            ("bench_stream_memory.py", "Step shapes and the CUDA caching allocator"),
            ("bench_prefix_reuse.py", "Prefix reuse"),
            ("bench_trl_window.py", "TRL GRPO optimizer step, groups larger than the per-device batch"),
-           ("bench_moe_tree.py", "MoE GRPO batch with the load-balancing loss")]
+           ("bench_moe_tree.py", "MoE GRPO batch with the load-balancing loss"),
+           ("bench_vlm_tree.py", "VLM GRPO batch (Qwen2-VL)")]
 
 
 def _quick_run(script, tmp_dir):

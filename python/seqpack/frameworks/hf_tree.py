@@ -293,16 +293,26 @@ def pass_forward(model: Any, input_ids: Any, position_ids: Any, layout: Any, **k
                          "tree attention first (seqpack.integrations.hf.use_tree_attention(model), or load it with "
                          "attn_implementation=seqpack.integrations.hf.register_tree())")
     out = model(input_ids=input_ids[None], position_ids=position_ids[None], **{TREE_KWARG: layout},
-                **without_router_loss(model, kwargs))
+                **pass_model_kwargs(model, kwargs))
     logits = out.logits if hasattr(out, "logits") else out[0]
     return logits[0]
 
 
-def without_router_loss(model: Any, kwargs: Dict[str, Any]) -> Dict[str, Any]:
+_IMAGES = ("pixel_values", "pixel_values_videos", "image_grid_thw", "video_grid_thw")
+
+
+def pass_model_kwargs(model: Any, kwargs: Dict[str, Any]) -> Dict[str, Any]:
     """The model's kwargs for a pass of a tree split under a cap, which gives its
     logits only: an MoE model's router loss is not computed (``output_router_logits``
     off), and asking for it is refused by name - the load-balancing loss is a product
-    of means over the whole batch, which does not split over passes."""
+    of means over the whole batch, which does not split over passes. Images are
+    refused by name: a pass holds some of a prompt's placeholder tokens and reads the
+    others' K/V, so it has no whole image to encode (run a VLM's batch on whole trees)."""
+    images = [k for k in _IMAGES if kwargs.get(k) is not None]
+    if images:
+        raise ValueError(f"{', '.join(images)}: a pass of a tree split under a cap carries no images (its prompt's "
+                         "placeholder tokens may sit in an earlier pass): run a VLM's batch on whole trees "
+                         "(hf.tree_kwargs, prefix reuse off)")
     if kwargs.get("output_router_logits"):
         raise ValueError("an MoE load-balancing loss (output_router_logits) is a product of means over the whole "
                          "batch and does not split over the passes of a tree run under a cap: run it on whole trees "

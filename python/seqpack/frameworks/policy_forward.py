@@ -32,7 +32,7 @@ from typing import Any, Dict, Optional
 import numpy as np
 
 from ._completion_trees import completion_logprobs
-from .hf_tree import TREE_KWARG, use_tree_attention, without_router_loss
+from .hf_tree import TREE_KWARG, use_tree_attention, pass_model_kwargs
 
 __all__ = ["tree_model", "nemo_rl_tree_forward", "nemo_rl_tree_logprobs", "verl_tree_forward"]
 
@@ -68,7 +68,7 @@ def nemo_rl_pass_forward(model: Any, input_ids: Any, position_ids: Any, layout: 
     transformers ``model``, bare or under FSDP / DDP / PEFT, on the tree attention)."""
     hf_model = tree_model(model)
     out = hf_model(input_ids=input_ids[None], position_ids=position_ids[None], use_cache=False,
-                   **{TREE_KWARG: layout}, **without_router_loss(hf_model, model_kwargs))
+                   **{TREE_KWARG: layout}, **pass_model_kwargs(hf_model, model_kwargs))
     return out.logits
 
 

@@ -29,11 +29,11 @@ PATCH_DIM = CHANNELS * TEMPORAL * PATCH * PATCH  # one row of pixel_values
 
 
 def tiny_vlm(family: str = "qwen2_vl", *, dtype: Any = None, seed: int = 0, hidden: int = 32, layers: int = 2,
-             attn_implementation: Optional[str] = None) -> Any:
+             vision_hidden: int = 16, vision_layers: int = 2, attn_implementation: Optional[str] = None) -> Any:
     """A randomly initialised ``<family>ForConditionalGeneration`` (``FAMILIES``):
-    ``layers`` text layers of width ``hidden``, a two-block vision tower of patch 2
-    and merge 2, placeholder ids ``IMAGE`` / ``VIDEO``, in ``dtype`` (default fp32),
-    in eval mode."""
+    ``layers`` text layers of width ``hidden``, a vision tower of ``vision_layers``
+    blocks of width ``vision_hidden``, patch 2 and merge 2, placeholder ids ``IMAGE``
+    / ``VIDEO``, in ``dtype`` (default fp32), in eval mode."""
     import torch
     import transformers
 
@@ -46,18 +46,18 @@ def tiny_vlm(family: str = "qwen2_vl", *, dtype: Any = None, seed: int = 0, hidd
     text = dict(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
                 num_attention_heads=heads, num_key_value_heads=max(1, heads // 2), rope_parameters=rope,
                 max_position_embeddings=4096, bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    vision = dict(depth=2, num_heads=2, patch_size=PATCH, spatial_merge_size=MERGE, temporal_patch_size=TEMPORAL,
-                  in_channels=CHANNELS)
+    vision = dict(depth=vision_layers, num_heads=max(2, vision_hidden // 32), patch_size=PATCH,
+                  spatial_merge_size=MERGE, temporal_patch_size=TEMPORAL, in_channels=CHANNELS)
     if family == "qwen2_vl":
-        vision.update(embed_dim=16, hidden_size=hidden, mlp_ratio=2)
+        vision.update(embed_dim=vision_hidden, hidden_size=hidden, mlp_ratio=2)
     elif family == "qwen2_5_vl":
-        vision.update(hidden_size=16, out_hidden_size=hidden, intermediate_size=32, window_size=8,
-                      fullatt_block_indexes=[1], tokens_per_second=2)
+        vision.update(hidden_size=vision_hidden, out_hidden_size=hidden, intermediate_size=2 * vision_hidden,
+                      window_size=8, fullatt_block_indexes=[vision_layers - 1], tokens_per_second=2)
     else:
         text.update(head_dim=head_dim)
         rope["mrope_interleaved"] = True
-        vision.update(hidden_size=16, out_hidden_size=hidden, intermediate_size=32, num_position_embeddings=64,
-                      deepstack_visual_indexes=[0])
+        vision.update(hidden_size=vision_hidden, out_hidden_size=hidden, intermediate_size=2 * vision_hidden,
+                      num_position_embeddings=64, deepstack_visual_indexes=[0])
     config = transformers.AutoConfig.for_model(family, text_config=text, vision_config=vision, image_token_id=IMAGE,
                                                video_token_id=VIDEO, vision_start_token_id=VISION_START,
                                                vision_end_token_id=VISION_END, tie_word_embeddings=False)

@@ -229,3 +229,15 @@ def test_grpo_forests_with_images_of_different_sizes(prompts, seed, pad):
     assert kwargs.get("pixel_values", torch.zeros(0)).shape[0] == patches
     assert np.array_equal(tree.row_weights()[:tree.num_tokens - tree.num_pad_tokens] > 0,
                           np.ones(tree.num_tokens - tree.num_pad_tokens, dtype=bool))
+
+
+def test_passes_refuse_images_by_name():
+    """A pass of a tree split under a cap may hold part of a prompt's placeholder
+    tokens and read the rest's K/V: it has no whole image to encode."""
+    model = model_of("qwen2_vl")
+    batch = vlm_grpo_batch([[(4, 4)]], 3, dtype=torch.float64)
+    passes = seqpack.split_prefix_tree(tree_of(model, batch), 12)
+    with pytest.raises(ValueError, match="pixel_values, image_grid_thw: a pass of a tree split under a cap carries "
+                                         "no images"):
+        for mb in seqpack.prefix_reuse(passes, forward=hf.pass_forward):
+            mb.forward(model, pixel_values=batch["pixel_values"], image_grid_thw=batch["image_grid_thw"])
