@@ -84,9 +84,10 @@ ForestCpItems forest_cp_items(const ForestView& f, Lengths mini_batch_rows, int6
       out.rows.push_group(members);
       const int64_t tokens = s.run_tokens(a, b);
       out.items.tokens.push_back(tokens);
+      // the s² stand-in: 2 pairs - tokens, plus the work items the tree holds (a VLM's images)
       out.items.squares.push_back(checked_add(kFn, "a tree's attention work",
                                               checked_mul(kFn, "a tree's attention work", 2, s.run_pairs(a, b)),
-                                              -tokens));
+                                              s.run_work(a, b) - tokens));
       for (int64_t d = 1; d <= cp_size; d *= 2) {
         const std::vector<int64_t> bounds = cp_work_bounds(work, d);
         int64_t longest = 0;

@@ -281,6 +281,33 @@ def group_codes(values: Any) -> List[int]:
         raise TypeError(f"group labels must be hashable (one per row): {exc}") from None
 
 
+def image_groups(multi_modal_inputs: Any) -> List[int]:
+    """One group per distinct content of the rows' multimodal inputs (verl's
+    ``multi_modal_inputs``: one dict of tensors per row, or None): rows whose images
+    differ never share a token in a plan, so it never counts two images' placeholder
+    tokens (one id) as one. The tree the rows run on is keyed by image content and
+    shares the text before different images too: never more tokens than planned."""
+    import hashlib
+
+    keys = []
+    for inputs in multi_modal_inputs:
+        inputs = getattr(inputs, "data", inputs) or {}
+        digest = hashlib.blake2b(digest_size=16)
+        for name in sorted(inputs):
+            value = inputs[name]
+            if value is None:
+                continue
+            if hasattr(value, "detach"):  # a tensor's bytes, any dtype (bf16 too)
+                import torch
+
+                value = value.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
+            host = np.ascontiguousarray(value)
+            digest.update(f"{name}{tuple(getattr(inputs[name], 'shape', host.shape))}{inputs[name].dtype}".encode())
+            digest.update(host.tobytes())
+        keys.append(digest.hexdigest())
+    return group_codes(keys)
+
+
 def coupled_trees(forest: Any, group: int, cap: int, group_name: str, cap_name: str) -> None:
     """Checks a forest whose rows a loss couples, ``group`` consecutive rows at a
     time (DPO's chosen and rejected, a reward model's candidates): planned with
@@ -320,6 +347,9 @@ def padded_forest(cols: Mapping[str, Any], group_key: Optional[str], *, missing_
         if group_key not in cols:
             raise ValueError(f"group_key {group_key!r} is not a column of the batch")
         groups = group_codes(cols[group_key])
+    if cols.get("multi_modal_inputs") is not None:  # a VLM's rows: share only with rows holding the same images
+        images = image_groups(cols["multi_modal_inputs"])
+        groups = images if groups is None else group_codes(list(zip(groups, images)))
     ids = cols["input_ids"]
     if is_nested(ids):  # verl's engine rows: real tokens only, offsets per row
         return PrefixForest.from_packed(ids.values(), ids.offsets(), group_ids=groups), groups

@@ -204,45 +204,62 @@ def _pixel_offsets(inputs: Dict[str, Any], kind: int, grid: np.ndarray) -> np.nd
 
 def _content_classes(items: List[Tuple], inputs: Dict[str, Any], grids: Dict[int, Optional[np.ndarray]]) -> np.ndarray:
     """[items] an id per distinct content: two items get one id exactly when they are
-    of one kind with equal grid, pixels (bit for bit) and per-video values. Bucketed
-    by an integer fingerprint of the bits (exact, deterministic on any device), then
-    compared within a bucket."""
+    of one kind with equal grid, pixels (bit for bit: NaN pixels compare too) and
+    per-video values. Items are bucketed by an integer fingerprint of their bits
+    (exact, deterministic on any device), each checked against its bucket's first
+    item in one comparison for the whole batch (one host sync per kind); an item a
+    fingerprint matched by chance gets its own id."""
     import torch
 
-    classes = np.full(len(items), -1, dtype=np.int64)
-    reps: Dict[Tuple, List[Tuple[int, Any]]] = {}
+    classes = np.arange(len(items), dtype=np.int64)
     for kind, (_, pixels_key, _) in _MEDIA.items():
         grid = grids.get(kind)
         if grid is None:
             continue
         offsets = _pixel_offsets(inputs, kind, grid)
         pixels = inputs[pixels_key].detach()
+        device = pixels.device
         bits = pixels.contiguous().view(torch.int16 if pixels.element_size() == 2 else torch.int32)
-        bits = bits.view(pixels.shape[0], -1).to(torch.int64)
-        item_of_row = torch.repeat_interleave(torch.arange(grid.shape[0], device=pixels.device),
-                                              torch.from_numpy(np.prod(grid, axis=1)).to(pixels.device))
-        local = torch.arange(pixels.shape[0], device=pixels.device) - torch.from_numpy(offsets[:-1]).to(
-            pixels.device)[item_of_row]
-        row_sums = bits.sum(1)
-        prints = torch.zeros(grid.shape[0], 2, dtype=torch.int64, device=pixels.device)
+        bits = bits.view(pixels.shape[0], -1)
+        counts = torch.from_numpy(np.prod(grid, axis=1)).to(device)
+        item_of_row = torch.repeat_interleave(torch.arange(grid.shape[0], device=device), counts)
+        local = torch.arange(pixels.shape[0], device=device) - torch.from_numpy(offsets[:-1]).to(device)[item_of_row]
+        row_sums = bits.sum(1, dtype=torch.int64)
+        prints = torch.zeros(grid.shape[0], 2, dtype=torch.int64, device=device)
         prints[:, 0].index_add_(0, item_of_row, row_sums)
         prints[:, 1].index_add_(0, item_of_row, row_sums * (local + 1))
         prints = prints.cpu().numpy()
         values = {name: _host(inputs[name]).reshape(-1) for name in _VIDEO_VALUES if kind == 2 and name in inputs}
+        first: Dict[Tuple, int] = {}  # fingerprint -> the first item (its index in items) with it
+        same: List[Tuple[int, int]] = []  # (item, its bucket's first item) to confirm
         for i, (item_kind, k, _, _) in enumerate(items):
             if item_kind != kind:
                 continue
-            key = (kind, tuple(grid[k].tolist()), tuple(prints[k].tolist()),
-                   tuple(float(v[k]) for v in values.values()))
-            rows = bits[offsets[k]:offsets[k + 1]]  # the bits: NaN pixels compare too
-            bucket = reps.setdefault(key, [])
-            for cls, other in bucket:
-                if torch.equal(rows, other):
-                    classes[i] = cls
-                    break
-            else:
-                classes[i] = i
-                bucket.append((i, rows))
+            key = (tuple(grid[k].tolist()), tuple(prints[k].tolist()), tuple(float(v[k]) for v in values.values()))
+            rep = first.setdefault(key, i)
+            if rep != i:
+                same.append((i, rep))
+        if not same:
+            continue
+        ks = [(items[i][1], items[rep][1]) for i, rep in same]
+        rows_a = np.concatenate([np.arange(offsets[k], offsets[k + 1]) for k, _ in ks])
+        rows_b = np.concatenate([np.arange(offsets[r], offsets[r + 1]) for _, r in ks])
+        pair_of_row = np.repeat(np.arange(len(ks)), [offsets[k + 1] - offsets[k] for k, _ in ks])
+        differ = (bits[torch.from_numpy(rows_a).to(device)] != bits[torch.from_numpy(rows_b).to(device)]).any(1)
+        bad = torch.zeros(len(ks), dtype=torch.int64, device=device).index_add_(
+            0, torch.from_numpy(pair_of_row).to(device), differ.to(torch.int64)).cpu().numpy()
+        for (i, rep), wrong in zip(same, bad):
+            if not wrong:
+                classes[i] = classes[rep]
+            # else: a fingerprint collision; the item keeps its own id (a repeat of it is compared below)
+        for (i, rep), wrong in zip(same, bad):  # collisions: exact pairwise among the bucket's others
+            if wrong:
+                for j, other in same:
+                    if j < i and classes[j] == j and other == rep and torch.equal(
+                            bits[offsets[items[i][1]]:offsets[items[i][1] + 1]],
+                            bits[offsets[items[j][1]]:offsets[items[j][1] + 1]]):
+                        classes[i] = j
+                        break
     return classes
 
 
@@ -258,12 +275,7 @@ def image_keys(model: Any, input_ids: Any, attention_mask: Any, **multimodal: An
     import torch
 
     ids, mask, found = padded_items(model, input_ids, attention_mask, multimodal)
-    keyed = ids[mask]
-    for (_, _, _, tokens), cls in zip(found.items, found.classes):
-        keyed[tokens] = -1 - cls
-    out = ids.copy()
-    out[mask] = keyed
-    return torch.from_numpy(out).to(input_ids.device if hasattr(input_ids, "device") else "cpu")
+    return torch.from_numpy(found.keys(ids, mask)).to(input_ids.device if hasattr(input_ids, "device") else "cpu")
 
 
 class RowItems:
@@ -278,6 +290,20 @@ class RowItems:
     def __init__(self, owner: Any, items: List[Tuple], classes: np.ndarray, grids: Dict[int, Any],
                  cu: np.ndarray) -> None:
         self.owner, self.items, self.classes, self.grids, self.cu = owner, items, classes, grids, cu
+
+    def keys(self, ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
+        """:func:`image_keys` of the padded rows these items are of (host int64)."""
+        keyed = ids[mask]
+        for (_, _, _, tokens), cls in zip(self.items, self.classes):
+            keyed[tokens] = -1 - cls
+        out = ids.copy()
+        out[mask] = keyed
+        return out
+
+    def grid_of(self, i: int) -> np.ndarray:
+        """Item ``i``'s grid_thw."""
+        kind, k = self.items[i][0], self.items[i][1]
+        return self.grids[kind][k]
 
 
 def padded_items(model: Any, input_ids: Any, attention_mask: Any,

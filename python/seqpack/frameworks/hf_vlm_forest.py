@@ -17,9 +17,9 @@ differ in size::
     a token-balanced plan puts A's rows with B's; the vision-aware one sees A's image
 
 The FLOPs are :meth:`CostModel.from_model <seqpack.CostModel.from_model>`'s count for
-each tower, read from the model's config: the vision blocks (patches attend to every
-patch of their image; Qwen2.5-VL's windowed blocks are counted as full, an upper
-bound) per patch and per patch pair, over the language model's cost per pair.
+each tower, read from the model's config: the vision blocks per patch and per pair of
+patches that attend to each other (those of one temporal patch; Qwen2.5-VL's windowed
+blocks are counted as full, an upper bound), over the language model's cost per pair.
 
 Importing this module does not import torch.
 """
@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["vision_forest", "vision_work"]
+__all__ = ["vision_flops", "vision_forest", "vision_work"]
 
 
 def _towers(owner: Any) -> Any:
@@ -51,17 +51,28 @@ def _towers(owner: Any) -> Any:
     return tower, language
 
 
-def vision_work(model: Any, patches: Any) -> np.ndarray:
-    """The vision tower's forward + backward work on images of ``patches`` patches
-    each (``prod(grid_thw)``), in the language model's pair units (what a cost
-    model's ``per_token_squared`` multiplies; a plain row of ``s`` tokens weighs
-    about ``s**2``): int64, rounded up."""
+def vision_flops(model: Any, grid_thw: Any) -> np.ndarray:
+    """The vision tower's forward + backward FLOPs on items of these ``grid_thw``
+    ([n, 3]: temporal, height and width patches): per patch, its blocks' projections
+    and MLP; per pair of patches of one temporal patch, attention (the towers attend
+    within each temporal patch: ``t·(h·w)²`` pairs; Qwen2.5-VL's windowed blocks are
+    counted as full, an upper bound). float64 [n]."""
     from .hf_vlm import _family
 
-    tower, language = _towers(_family(model))
-    p = np.asarray(patches, dtype=np.float64)
-    return np.ceil((tower.per_token * p + tower.per_token_squared * p * p) / language.per_token_squared).astype(
-        np.int64)
+    tower, _ = _towers(_family(model))
+    grid = np.asarray(grid_thw, dtype=np.float64).reshape(-1, 3)
+    t, hw = grid[:, 0], grid[:, 1] * grid[:, 2]
+    return tower.per_token * t * hw + tower.per_token_squared * t * hw * hw
+
+
+def vision_work(model: Any, grid_thw: Any) -> np.ndarray:
+    """:func:`vision_flops` in the language model's pair units (what a cost model's
+    ``per_token_squared`` multiplies; a plain row of ``s`` tokens weighs about
+    ``s**2``): int64 [n], rounded up."""
+    from .hf_vlm import _family
+
+    _, language = _towers(_family(model))
+    return np.ceil(vision_flops(model, grid_thw) / language.per_token_squared).astype(np.int64)
 
 
 def vision_forest(model: Any, input_ids: Any, attention_mask: Any, *, group_ids: Any = None,
@@ -78,15 +89,9 @@ def vision_forest(model: Any, input_ids: Any, attention_mask: Any, *, group_ids:
     from .hf_vlm import padded_items
 
     ids, mask, found = padded_items(model, input_ids, attention_mask, multimodal)
-    keyed = ids[mask]
-    rows, ends, patches = [], [], []
-    for (kind, k, row, tokens), cls in zip(found.items, found.classes):
-        keyed[tokens] = -1 - cls
-        rows.append(row)
-        ends.append(int(tokens[-1]) + 1 - int(found.cu[row]))  # the item's end within its row
-        patches.append(int(np.prod(found.grids[kind][k])))
-    keys = ids.copy()
-    keys[mask] = keyed
-    work = vision_work(model, patches) if patches else np.zeros(0, dtype=np.int64)
-    return PrefixForest.from_padded(keys, mask, group_ids=group_ids, min_shared_tokens=min_shared_tokens,
-                                    work_items=(rows, ends, work) if patches else None)
+    rows = [row for _, _, row, _ in found.items]
+    ends = [int(tokens[-1]) + 1 - int(found.cu[row]) for _, _, row, tokens in found.items]  # within its row
+    grids = [found.grid_of(i) for i in range(len(found.items))]
+    return PrefixForest.from_padded(found.keys(ids, mask), mask, group_ids=group_ids,
+                                    min_shared_tokens=min_shared_tokens,
+                                    work_items=(rows, ends, vision_work(model, grids)) if grids else None)

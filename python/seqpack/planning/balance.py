@@ -250,6 +250,9 @@ def plan_micro_batches(
             raise ValueError("prefix_reuse=True needs forest= (it runs a PrefixForest's trees in passes), and "
                              "neither whole_trees=True nor group_ids (rows a loss couples meet in no one micro-batch "
                              "when their tree runs in passes)")
+        from .prefix_forest import refuse_work_items_in_passes
+
+        refuse_work_items_in_passes(forest)
         return _with_passes(forest, lengths, max_tokens, as_positive_int(min_num, "min_num"),
                             as_positive_int(multiple_of, "multiple_of"), _coeff(attention_coeff), order)
     if group_ids is not None:

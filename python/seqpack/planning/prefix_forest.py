@@ -90,9 +90,17 @@ class PrefixForest:
                   work_items: Any = None) -> "PrefixForest":
         """The forest of ``rows`` (a list of 1-D token sequences: lists, NumPy arrays
         or tensors of integers), with :func:`~seqpack.pack_prefix_tree`'s sharing
-        options (``keys``: what the rows share by, as there). ``work_items``: see
+        options (``keys``: rows of the same lengths the rows share by, as there; the
+        forest keeps no token, so it reads only the keys). ``work_items``: see
         :attr:`work_items`."""
-        return _build(*rows_flat(rows if keys is None else keys), group_ids, min_shared_tokens, work_items)
+        if keys is None:
+            return _build(*rows_flat(rows), group_ids, min_shared_tokens, work_items)
+        flat_keys, key_cu = rows_flat(keys)
+        _, cu = rows_flat(rows)
+        if not np.array_equal(key_cu, cu):
+            raise ValueError(f"keys must have the rows' lengths {np.diff(cu).tolist()}, got "
+                             f"{np.diff(key_cu).tolist()}")
+        return _build(flat_keys, cu, group_ids, min_shared_tokens, work_items)
 
     @classmethod
     def from_padded(cls, input_ids: Any, attention_mask: Any, *, group_ids: Any = None,
@@ -136,7 +144,9 @@ class PrefixForest:
         ``item_work[k]`` in the cost model's pair units (what ``per_token_squared``
         multiplies: a plain row of ``s`` tokens weighs ``s**2``). A set of rows
         holds an item when one of its rows does; the rows that share the item's
-        tokens share the item. Plans count it with an attention-aware cost
+        tokens share the item, so each of them must list it (as ``vision_forest``
+        does: the forest counts the one of the first such row in depth-first order).
+        Plans count it with an attention-aware cost
         (``attention_coeff``, a cost model with ``per_token_squared``); a token cap
         does not see it.
 
@@ -385,6 +395,14 @@ def _items_csr(work_items: Any, rows: int) -> Any:
     for a in out:
         a.flags.writeable = False
     return out
+
+
+def refuse_work_items_in_passes(forest: Any) -> None:
+    """Prefix reuse runs trees in passes, which carry no work items (a pass holds part
+    of a prompt's image tokens and reads the rest's K/V: it has no image to encode)."""
+    if forest is not None and forest.work_items is not None:
+        raise ValueError("prefix_reuse=True: the forest has work items (a VLM's images), which passes of a tree "
+                         "split under the cap do not carry: plan a VLM's batch without prefix reuse")
 
 
 def _items_equal(a: Any, b: Any) -> bool:

@@ -397,6 +397,9 @@ def plan_step(
     else:
         lengths = as_lengths(lengths, "lengths")
     if opts.prefix_reuse:
+        from .prefix_forest import refuse_work_items_in_passes
+
+        refuse_work_items_in_passes(forest)
         return _with_passes(lengths, dp_size, max_tokens, opts, forest)
     # One core call: the planner the options name, its costs, the order and the shapes (step_planner.hpp).
     raw = _core.plan_step(

@@ -206,11 +206,13 @@ class PrefixTreeBatch(TokenLayout):
 
     @classmethod
     def from_packed(cls, input_ids: Any, cu_seqlens: Any, *, group_ids: Any = None, min_shared_tokens: Any = 1,
-                    pad_to_multiple_of: Any = 1, pad_token_id: Any = 0) -> "PrefixTreeBatch":
+                    pad_to_multiple_of: Any = 1, pad_token_id: Any = 0, keys: Any = None) -> "PrefixTreeBatch":
         """The tree of rows packed back to back: ``input_ids`` [N] (or [1, N]) and
-        ``cu_seqlens`` [R + 1] (starting at 0, non-decreasing, ending at N)."""
-        return _build(*packed_rows(input_ids, cu_seqlens), group_ids, min_shared_tokens, pad_to_multiple_of,
-                      pad_token_id)
+        ``cu_seqlens`` [R + 1] (starting at 0, non-decreasing, ending at N).
+        ``keys`` [N]: see :func:`pack_prefix_tree`."""
+        tokens, cu = packed_rows(input_ids, cu_seqlens)
+        return _build(tokens, cu, group_ids, min_shared_tokens, pad_to_multiple_of, pad_token_id,
+                      None if keys is None else _keys_flat(packed_rows(keys, cu), cu, "keys"))
 
     # ---- the layout ---------------------------------------------------------------
     input_ids = property(lambda self: self._arrays["input_ids"], doc="Physical token ids [T].")

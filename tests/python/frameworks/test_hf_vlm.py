@@ -241,3 +241,45 @@ def test_passes_refuse_images_by_name():
                                          "no images"):
         for mb in seqpack.prefix_reuse(passes, forward=hf.pass_forward):
             mb.forward(model, pixel_values=batch["pixel_values"], image_grid_thw=batch["image_grid_thw"])
+
+
+def test_images_whose_fingerprints_collide_stay_apart():
+    """Two images whose rows hold the same values in another order have one integer
+    fingerprint (row sums): the comparison keeps them apart; a repeat of the second
+    joins it."""
+    model = model_of("qwen2_vl")
+    batch = vlm_grpo_batch([[(4, 4)], [(4, 4)], [(4, 4)]], 1, dtype=torch.float64, seed=4)
+    a = batch["pixel_values"][:16].clone()
+    batch["pixel_values"][16:32] = a.flip(1)  # each row's values reversed: the same row sums
+    batch["pixel_values"][32:48] = a.flip(1)
+    keys = hf_vlm.image_keys(model, batch["input_ids"], batch["attention_mask"], **multimodal(batch))
+    image = batch["input_ids"] == IMAGE
+    first, second, third = (set(keys[b][image[b]].tolist()) for b in range(3))
+    assert first != second == third
+
+
+def test_images_reach_the_model_in_tree_order_not_row_order():
+    """Row 2 continues row 0's prompt with a second image C after row 1's prompt (image
+    B): the rows hold A, B, A, C; the tree lays out A, then C under it, then B - the
+    order the model fills the placeholders - and the logits are the rows'."""
+    from seqpack.testing.tiny_vlm import PATCH_DIM, VISION_END as VE, VISION_START as VS
+
+    model = model_of("qwen2_vl")
+    prompt = [1, VS] + [IMAGE] * 4 + [VE, 30, 31]
+    rows = [prompt + [40, 41], [2, VS] + [IMAGE] * 6 + [VE, 32, 42], prompt + [43, VS, IMAGE, VE, 44]]
+    width = max(map(len, rows))
+    ids = torch.tensor([r + [0] * (width - len(r)) for r in rows])
+    mask = (ids != 0).long()
+    g = torch.Generator().manual_seed(5)
+    a, b, c = (torch.randn(n, PATCH_DIM, generator=g, dtype=torch.float64) for n in (16, 24, 4))
+    batch = {"input_ids": ids, "attention_mask": mask, "mm_token_type_ids": (ids == IMAGE).long(),
+             "pixel_values": torch.cat([a, b, a, c]),
+             "image_grid_thw": torch.tensor([[1, 4, 4], [1, 4, 6], [1, 4, 4], [1, 2, 2]])}
+    tree = tree_of(model, batch)
+    kwargs = tree_call(model, batch, tree)
+    assert kwargs["image_grid_thw"].tolist() == [[1, 4, 4], [1, 2, 2], [1, 4, 6]]
+    assert torch.equal(kwargs["pixel_values"], torch.cat([a, c, b]))
+    with torch.no_grad():
+        ref = model(**batch).logits[mask.bool()]
+        got = model(**kwargs).logits[0, torch.from_numpy(tree.logical_index.copy())]
+    torch.testing.assert_close(got, ref, rtol=0, atol=1e-10)

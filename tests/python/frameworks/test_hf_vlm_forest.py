@@ -29,12 +29,11 @@ def test_the_forest_is_the_keyed_trees_with_each_image_once(family):
     keys = hf_vlm.image_keys(model, ids, mask, **mm)
     assert forest.num_physical_tokens == seqpack.PrefixTreeBatch.from_padded(ids, mask, keys=keys).num_tokens
     rows, ends, work = forest.work_items
-    patches = [16, 16, 16, 24, 24, 24, 4, 4, 4, 32, 32, 32]  # per row, in row order: prompt 1 has two images
+    a, b, c, video = [1, 4, 4], [1, 4, 6], [1, 2, 2], [2, 4, 4]  # prompt 1 holds two images, prompt 2 a video
     assert rows.tolist() == [0, 1, 2, 3, 3, 4, 4, 5, 5, 6, 7, 8]
-    assert work.tolist() == vision_work(model, [16, 16, 16, 24, 4, 24, 4, 24, 4, 32, 32, 32]).tolist()
-    assert sorted(patches) == sorted([16] * 3 + [24] * 3 + [4] * 3 + [32] * 3)
+    assert work.tolist() == vision_work(model, [a, a, a, b, c, b, c, b, c, video, video, video]).tolist()
     # each prompt's rows hold its images once; two prompts' rows hold both
-    one = vision_work(model, [16, 24, 4, 32])
+    one = vision_work(model, [a, b, c, video])
     assert forest.subset_work([[0, 1, 2], [3, 4, 5], [6, 7], [0, 3], [9, 10, 11]]).tolist() == [
         one[0], one[1] + one[2], one[3], one[0] + one[1] + one[2], 0]
     # the item ends where its row's placeholder tokens end
@@ -43,10 +42,15 @@ def test_the_forest_is_the_keyed_trees_with_each_image_once(family):
 
 
 def test_vision_work_grows_with_patches_and_their_squares():
+    from seqpack.frameworks.hf_vlm_forest import vision_flops
+
     model = tiny_vlm("qwen2_vl")
-    w = vision_work(model, [4, 16, 64, 256])
+    w = vision_work(model, [[1, 2, 2], [1, 4, 4], [1, 8, 8], [1, 16, 16]])
     assert (np.diff(w) > 0).all() and w[3] / w[2] > 4  # attention within an image: more than linear
     assert w.dtype == np.int64
+    # a video's patches attend within their temporal patch: t frames cost t times one, not t² times
+    frame, video = vision_flops(model, [[1, 16, 16], [4, 16, 16]])
+    assert video == pytest.approx(4 * frame)
 
 
 def test_a_plan_keeps_a_large_images_prompt_apart():

@@ -17,17 +17,9 @@ import seqpack.frameworks.trl as seqpack_trl  # noqa: E402
 from seqpack.frameworks.trl import tree as trl_tree  # noqa: E402
 from seqpack.testing.tiny_vlm import IMAGE, VOCAB, tiny_vlm, vlm_grpo_batch  # noqa: E402
 from test_hf_vlm import fp64_norms  # noqa: E402,F401  (the fixture)
-from test_trl_tree import _ExactHead, rel, trainer  # noqa: E402
+from test_trl_tree import _ExactHead, _restore_trl, rel, trainer  # noqa: E402,F401  (_restore_trl: autouse)
 
 INPUTS = ("pixel_values", "image_grid_thw", "num_images", "mm_token_type_ids")
-
-
-@pytest.fixture(autouse=True)
-def _restore_trl():
-    seqpack_trl.unpatch()
-    trl_tree._WARNED.clear()
-    yield
-    seqpack_trl.unpatch()
 
 
 def vlm(dtype=torch.float64):
@@ -158,3 +150,23 @@ def test_grpo_steps_with_images_run_on_trees(monkeypatch, tmp_path):
     assert counts["tree_batches"] >= 2 and counts["trl_batches"] == 0 and counts["tokens_saved"] > 0
     assert len(got) == len(ref) == 2
     torch.testing.assert_close(torch.tensor(got), torch.tensor(ref), rtol=0, atol=1e-4)
+
+
+def test_a_chunk_without_images_runs_without_pixels():
+    """TRL cuts its batch into chunks of ``batch_size`` rows; a chunk of text-only
+    prompts gets no pixels (TRL's own path hands the model an empty pixel tensor and
+    fails): the chunked log-probs equal the whole batch's."""
+    t = trainer("grpo", model=vlm(), bf16=False)
+    batch = vlm_grpo_batch([[(4, 4)], []], 4, dtype=torch.float64, trl=True)
+    seqpack_trl.patch(shared_prefix=True, trees="always")
+    with torch.no_grad():
+        whole = run_no_grad(t, batch, batch_size=None)
+        chunked = run_no_grad(t, batch, batch_size=4)
+    torch.testing.assert_close(chunked, whole, rtol=0, atol=1e-12)
+
+
+def run_no_grad(t, batch, batch_size):
+    lp, _, _ = t._get_per_token_logps_and_entropies(t.model, batch["input_ids"], batch["attention_mask"],
+                                                    batch["logits_to_keep"], batch_size=batch_size,
+                                                    **{k: batch[k] for k in INPUTS})
+    return lp

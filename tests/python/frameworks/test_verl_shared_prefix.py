@@ -169,3 +169,24 @@ def test_the_engine_module_in_external_lib_turns_prefix_reuse_on():
     batch, _, _ = verl_batch([30, 30], [[5, 5, 5], [6, 6]])
     with pytest.raises(ValueError, match="passes on verl's engine TensorDicts"):  # test_verl_engine.py runs them
         rearrange_micro_batches(batch, **cfg.rearrange_kwargs("actor"))
+
+
+def test_rows_with_different_images_are_planned_apart():
+    """verl's VLM rows (``multi_modal_inputs``, one dict per row): two prompts of one
+    text whose images differ have the same placeholder ids; the plan's forest shares
+    nothing between them (the tree the rows run on, keyed by image, never holds more),
+    and rows of one image share their prompt as before."""
+    from seqpack.frameworks._batch import padded_forest
+
+    batch, rows, _ = verl_batch([6, 6], [[3, 3], [2, 2]], seed=3)
+    del batch["uid"]
+    same_text = batch["input_ids"][0].clone()
+    batch["input_ids"][2:] = torch.where(batch["attention_mask"][2:] > 0, same_text, batch["input_ids"][2:])
+    image = [{"pixel_values": torch.full((4, 3), float(k)), "image_grid_thw": torch.tensor([[1, 2, 2]])}
+             for k in (0, 0, 1, 1)]
+    plain, _ = padded_forest(batch, None, missing_group_ok=True)
+    keyed, groups = padded_forest({**batch, "multi_modal_inputs": np.array(image, dtype=object)}, None,
+                                  missing_group_ok=True)
+    assert groups == [0, 0, 1, 1]
+    assert keyed.num_trees == 2 and plain.num_trees == 1
+    assert keyed.physical_tokens([0, 1]) == plain.physical_tokens([0, 1])

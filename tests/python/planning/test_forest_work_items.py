@@ -144,3 +144,42 @@ def test_bad_work_items_are_refused_by_name(items, error, match):
     rows, groups, _ = four_trees()
     with pytest.raises(error, match=match):
         PrefixForest.from_rows(rows, group_ids=groups, work_items=items)
+
+
+def test_items_of_a_split_tree_carry_the_prefix_work_in_each_part():
+    """A tree larger than the cap is cut into parts, each carrying its prefix, and with
+    it the prefix's work item: each part's work, and the whole's once."""
+    rows = [[7, 9, 9, k, k] for k in range(1, 7)]  # one prompt "7 9 9" (an image ends at 3), 6 responses
+    items = (list(range(6)), [3] * 6, [100] * 6)
+    forest = PrefixForest.from_rows(rows, work_items=items)
+    parts = forest.items(9)  # 3 + 2 per response: 3 responses a part
+    assert parts.num_items == 2 and parts.work.tolist() == [100, 100]
+    assert forest.subset_work([range(6)]).tolist() == [100]
+    assert PrefixForest.from_rows(rows).items(9).work.tolist() == [0, 0]
+
+
+def test_cp_step_costs_count_the_items_and_prefix_reuse_refuses_them():
+    rows, groups, items = four_trees()
+    lengths = [len(r) for r in rows]
+    cost = seqpack.CostModel(0.0, 1.0, 1.0)
+    vision = PrefixForest.from_rows(rows, group_ids=groups, work_items=items)
+    plain = PrefixForest.from_rows(rows, group_ids=groups)
+    with_cp = seqpack.plan_step(lengths, 2, 28, cost=cost, forest=vision, cp_size=2)
+    without = seqpack.plan_step(lengths, 2, 28, cost=cost, forest=plain, cp_size=2)
+    # the heavy tree's image counted (split over its CP pair), and that tree kept alone
+    assert with_cp.predicted_time > 10_000 / 2 > without.predicted_time
+    assert [0, 1, 2] in [cell for mini in with_cp.assignment for rank in mini for cell in rank]
+    with pytest.raises(ValueError, match="prefix_reuse=True: the forest has work items"):
+        seqpack.plan_micro_batches(lengths, 8, forest=vision, prefix_reuse=True)
+    with pytest.raises(ValueError, match="prefix_reuse=True: the forest has work items"):
+        seqpack.plan_step(lengths, 2, 8, forest=vision, prefix_reuse=True)
+
+
+def test_keys_decide_the_sharing_and_must_match_the_rows():
+    rows = [[9, 9, 1], [9, 9, 2]]
+    assert PrefixForest.from_rows(rows).num_physical_tokens == 4
+    assert PrefixForest.from_rows(rows, keys=[[-1, -1, 1], [-2, -2, 2]]).num_physical_tokens == 6
+    with pytest.raises(ValueError, match="keys must have the rows' lengths"):
+        PrefixForest.from_rows(rows, keys=[[1], [1, 2, 3, 4]])
+    tree = seqpack.PrefixTreeBatch.from_packed([9, 9, 1, 9, 9, 2], [0, 3, 6], keys=[-1, -1, 1, -2, -2, 2])
+    assert tree.input_ids.tolist() == [9, 9, 1, 9, 9, 2]

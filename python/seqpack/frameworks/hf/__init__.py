@@ -26,7 +26,9 @@ Prefix trees (``docs/prefix_tree.md``, :mod:`seqpack.frameworks.hf_tree`, its na
 here too): ``register_tree()`` adds ``"seqpack_tree"``, :func:`seqpack.attention`
 when ``model(**tree_kwargs(tree))`` passes the tree down to every attention call and
 the model's usual attention (SDPA) for every other call; an MoE model's router
-statistics on a tree are the rows' (:mod:`seqpack.frameworks.hf_moe`, ``router_counts``).
+statistics on a tree are the rows' (:mod:`seqpack.frameworks.hf_moe`, ``router_counts``);
+a VLM's images are encoded once per tree (``tree_kwargs(tree, model=, pixel_values=,
+...)``, rows keyed by ``image_keys``: :mod:`seqpack.frameworks.hf_vlm`).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ import numpy as np
 
 from ..._lengths import as_int64, as_positive_int, as_real
 from ..hf_moe import router_counts  # noqa: F401
+from ..hf_vlm import image_keys  # noqa: F401
 from ..hf_tree import (TREE_KWARG, TREE_NAME, pass_forward, register_tree, restore_attention,  # noqa: F401
                       tree_attention_forward, tree_kwargs, tree_name, use_tree_attention)
 

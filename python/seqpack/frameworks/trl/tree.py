@@ -52,7 +52,7 @@ from .._completion_trees import completion_tree, to_completions
 from ...tensors.prefix_passes import split_prefix_tree
 from ..hf_moe import balancing_loss
 from ..hf_tree import tree_kwargs
-from ..hf_vlm import image_keys, vision_family
+from ..hf_vlm import padded_items, vision_family
 from .choice import PathChoice
 from .window import after_training_step, window_logps
 
@@ -319,7 +319,15 @@ def _make_method(original: Any) -> Any:
         batch_size = batch_size or rows
         # a VLM batch: the images' placeholder tokens keyed by content, so rows share an
         # image's tokens only where they hold that image
-        keys = image_keys(hf_model, input_ids, attention_mask, **_images(extra, 0, rows, rows)) if vision else None
+        keys = found_images = None
+        if vision:
+            try:
+                ids_host, mask_host, found_images = padded_items(hf_model, input_ids, attention_mask,
+                                                                 _images(extra, 0, rows, rows))
+            except ValueError as exc:  # e.g. TRL dropped a truncated tool image's pixels but kept its placeholders
+                _warn_once("vision", f"vision inputs a tree cannot place ({exc})")
+                return trl_path()
+            keys = found_images.keys(ids_host, mask_host)
         chunks = []
         for start in range(0, rows, batch_size):
             end = min(start + batch_size, rows)
@@ -377,11 +385,13 @@ def _make_method(original: Any) -> Any:
         if choice is None:
             choice = self._seqpack_path_choice = PathChoice.of_model(hf_model)
         device = input_ids.device.type
+        vision_trl, vision_tree = _vision_flops(hf_model, found_images, [(start, end) for start, end, _ in chunks])
         work_trl, work_tree = choice.work(
             rows=rows, columns=input_ids.shape[1],
             head_positions=rows * (input_ids.shape[1] if device == "cpu" else c + 1),  # TRL's head off Triton: all
             tree_tokens=tree_tokens, tree_pairs=sum(found[0].metrics().tree_attention_pairs for *_, found in chunks),
             scored=sum(int(found[1].sum()) for *_, found in chunks))
+        work_trl, work_tree = work_trl + vision_trl, work_tree + vision_tree
         path, out, mark = choice.run(device, torch.is_grad_enabled(), work_trl, work_tree, trl_path, tree_path,
                                      hf_model.get_input_embeddings())
         if path == "trl":
@@ -393,6 +403,23 @@ def _make_method(original: Any) -> Any:
         "(seqpack.integrations.trl.patch(shared_prefix=True)); TRL's own for what a tree cannot take.")
     _get_per_token_logps_and_entropies._seqpack_original = original
     return _get_per_token_logps_and_entropies
+
+
+def _vision_flops(model: Any, found: Any, chunks: List[Tuple[int, int]]) -> Tuple[float, float]:
+    """The vision tower's FLOPs on TRL's path (every row's images) and on the trees
+    (each chunk's distinct images); 0, 0 for a text batch."""
+    if found is None or not found.items:
+        return 0.0, 0.0
+    from ..hf_vlm_forest import vision_flops
+
+    flops = vision_flops(model, [found.grid_of(i) for i in range(len(found.items))])
+    rows = np.asarray([row for _, _, row, _ in found.items])
+    tree = 0.0
+    for start, end in chunks:
+        inside = np.flatnonzero((rows >= start) & (rows < end))
+        _, first = np.unique(found.classes[inside], return_index=True)
+        tree += float(flops[inside[first]].sum())
+    return float(flops.sum()), tree
 
 
 def _images(extra: Dict[str, Any], start: int, end: int, rows: int) -> Dict[str, Any]:

@@ -158,10 +158,28 @@ def _completion_tree(ids: Any, mask: Any, module: Any = None, multimodal: Any = 
     return completion_tree(ids, mask.long(), ids.shape[1] - 1, keys=keys)
 
 
+# verl's per-row multimodal keys a tree reads (concatenated in row order) and those it
+# leaves (mm_token_type_ids: per row, of the prompt only; the tree derives the types
+# from the model's placeholder ids)
+_MM_TAKEN = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
+_MM_LEFT = ("mm_token_type_ids",)
+
+
+def _multimodal_keys(micro_batch: Any) -> List[str]:
+    """The keys of a micro-batch's ``multi_modal_inputs`` (a non-None value in some row)."""
+    keys: Dict[str, None] = {}
+    if "multi_modal_inputs" in micro_batch.keys():
+        for inputs in micro_batch["multi_modal_inputs"]:
+            for key, value in (getattr(inputs, "data", inputs) or {}).items():
+                if value is not None:
+                    keys[key] = None
+    return list(keys)
+
+
 def _multimodal(micro_batch: Any) -> Dict[str, Any]:
     """A VLM micro-batch's inputs as verl's engine hands them to the model
-    (``multi_modal_inputs``: one dict per row, concatenated in row order, as
-    ``extract_multi_modal_inputs`` does) with the rows' M-RoPE ``position_ids``
+    (``multi_modal_inputs``: one dict per row, the images concatenated in row order,
+    as ``extract_multi_modal_inputs`` does) with the rows' M-RoPE ``position_ids``
     ``[4, N]`` (the nested ``position_ids``' values); {} for a text micro-batch."""
     import torch
 
@@ -169,13 +187,12 @@ def _multimodal(micro_batch: Any) -> Dict[str, Any]:
     if "multi_modal_inputs" in micro_batch.keys():
         collected: Dict[str, List[Any]] = {}
         for inputs in micro_batch["multi_modal_inputs"]:
-            inputs = getattr(inputs, "data", inputs)  # NonTensorData
-            for key, value in (inputs or {}).items():
-                if value is not None:
+            for key, value in (getattr(inputs, "data", inputs) or {}).items():  # NonTensorData or a dict
+                if value is not None and key in _MM_TAKEN:
                     collected.setdefault(key, []).append(value)
         out = {key: torch.cat(values) for key, values in collected.items()}
     pos = micro_batch["position_ids"] if "position_ids" in micro_batch.keys() else None
-    if pos is not None and pos.dim() == 3:
+    if out and pos is not None and pos.dim() == 3:
         out["position_ids"] = pos.values()
     return out
 
@@ -238,11 +255,11 @@ def _tree_reason(engine: Any, micro_batch: Any) -> Optional[str]:
         return "distillation"
     pos = micro_batch["position_ids"] if "position_ids" in micro_batch.keys() else None
     if "multi_modal_inputs" in micro_batch.keys() or (pos is not None and pos.dim() != 2):
-        from ..hf_vlm import KNOWN, vision_family
+        from ..hf_vlm import vision_family
 
         if vision_family(engine.module) is None:
             return "multi-modal inputs or 3-D position ids (M-RoPE) of a model without get_rope_index"
-        unknown = sorted(set(_multimodal(micro_batch)) - KNOWN)
+        unknown = sorted(set(_multimodal_keys(micro_batch)) - set(_MM_TAKEN) - set(_MM_LEFT))
         if unknown:
             return f"multi-modal inputs {unknown}"
     if _meta(micro_batch, "pad_to_length", None):
@@ -258,7 +275,7 @@ def _forward_step(original: Any):
             raise ValueError(f"prefix_reuse: a pass micro-batch cannot run on verl's own forward ({reason}): patch "
                              "with prefix_reuse=False for such batches")
         found = None
-        if passes and _multimodal(micro_batch):
+        if passes and set(_multimodal_keys(micro_batch)) & set(_MM_TAKEN):
             raise ValueError("prefix_reuse: a pass carries no images; run a VLM's batches with prefix_reuse=False "
                              "(each micro-batch on its tree encodes every distinct image once)")
         if reason is None and not passes:  # the tree is built once: to price the micro-batch, then to run it
