@@ -26,7 +26,8 @@ struct ForestArgs {
   }
   // A forest as one tuple: (row_length, row_order, adjacent_lcp, tree_of_row, num_trees, items).
   explicit ForestArgs(const py::tuple& t)
-      : ForestArgs(t[0], t[1], t[2], t[3], t[4].cast<int64_t>(), t.size() > 5 ? py::object(t[5]) : py::object(py::none())) {}
+      : ForestArgs(t[0], t[1], t[2], t[3], t[4].cast<int64_t>(),
+                   t.size() > 5 ? py::object(t[5]) : py::object(py::none())) {}
   ForestView view() const {
     ForestView v{length.view(), order.view(), lcp.view(), tree.view(), num_trees};
     if (item_offsets) {

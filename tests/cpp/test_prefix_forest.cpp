@@ -133,4 +133,46 @@ TEST(PrefixForest, ForeignForestsAndBadSubsetsThrow) {
   EXPECT_TRUE(ThrowsInvalid([&] { build_prefix_forest(in.tokens, Vec{0, 3}, {}); }, {"cu_seqlens"}));
 }
 
+// The header's work-item example: a and b share "s I I I q" (their image), c only "s".
+TEST(PrefixForest, WorkItemsCountOncePerSetThatHoldsTheirTokens) {
+  const Flat in = flatten_rows({{1, 9, 9, 9, 2, 3}, {1, 9, 9, 9, 2, 4}, {1, 8, 8, 8, 2, 5}});
+  const PrefixForest f = build_prefix_forest(in.tokens, in.cu, {});
+  const Vec offsets{0, 1, 2, 3}, ends{4, 4, 4}, work{9, 9, 7};
+  ForestView v = view_of(f);
+  v.item_offsets = offsets;
+  v.item_end = ends;
+  v.item_work = work;
+  Vec rows, cuts{0};
+  for (const Vec& s : std::vector<Vec>{{0, 1}, {0, 2}, {2}, {0, 1, 2}, {}}) {
+    rows.insert(rows.end(), s.begin(), s.end());
+    cuts.push_back(static_cast<int64_t>(rows.size()));
+  }
+  std::vector<SubsetCost> out(5);
+  forest_subset_costs(v, rows, cuts, out);
+  EXPECT_EQ(out[0].work, 9);
+  EXPECT_EQ(out[1].work, 16);
+  EXPECT_EQ(out[2].work, 7);
+  EXPECT_EQ(out[3].work, 16);
+  EXPECT_EQ(out[4].work, 0);
+  EXPECT_EQ(v.item_work_upto(0, 3), 0);  // the image ends at token 4
+  EXPECT_EQ(v.item_work_upto(0, 4), 9);
+  auto items = [&](const Vec& o, const Vec& e, const Vec& w) {
+    ForestView b = view_of(f);
+    b.item_offsets = o;
+    b.item_end = e;
+    b.item_work = w;
+    return b;
+  };
+  const Vec o3{0, 1, 2, 3}, o2{0, 1, 2}, e2{4, 4}, w2{1, 1}, ones{1, 1, 1}, fours{4, 4, 4};
+  const Vec e_zero{4, 0, 4}, e_past{4, 7, 4}, o_twice{0, 2, 2, 3}, e_back{4, 3, 4}, w_neg{1, -1, 1}, o_down{0, 2, 1, 3};
+  EXPECT_TRUE(ThrowsInvalid([&] { check_forest("t", items(o2, e2, w2)); }, {"item_offsets", "one offset per row"}));
+  EXPECT_TRUE(ThrowsInvalid([&] { check_forest("t", items(o3, e_zero, ones)); }, {"item_end[1] = 0"}));
+  EXPECT_TRUE(ThrowsInvalid([&] { check_forest("t", items(o3, e_past, ones)); }, {"item_end[1] = 7", "[1, 6]"}));
+  EXPECT_TRUE(ThrowsInvalid([&] { check_forest("t", items(o_twice, e_back, ones)); },
+                            {"item_end[1] = 3", "previous item"}));
+  EXPECT_TRUE(ThrowsInvalid([&] { check_forest("t", items(o3, fours, w_neg)); }, {"item_work[1]", ">= 0"}));
+  EXPECT_TRUE(ThrowsInvalid([&] { check_forest("t", items(o_down, fours, ones)); }, {"never decrease"}));
+  EXPECT_TRUE(ThrowsInvalid([&] { check_forest("t", items(o3, e2, w2)); }, {"item_end and item_work"}));
+}
+
 }  // namespace
