@@ -7,7 +7,8 @@
 // longest row must throw), and the forest planners (forest_planning.hpp): every row
 // once, every micro-batch's physical tokens within the cap and recomputed, the count
 // admissible, never worse than AReaL's first-fit tries; the step and the dynamic
-// batching plans within the cap with equal counts.
+// batching plans within the cap with equal counts; work items drawn freely, refused
+// when inconsistent, counted at most once per listing row.
 #include <numeric>
 #include <tuple>
 
@@ -177,6 +178,34 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
           g.push_group(std::vector<int64_t>(first + r.start, first + r.end));
           FUZZ_REQUIRE(costs_of(g).front().tokens <= cap);
         }
+    }
+
+    // Work items (a VLM's images), drawn freely: an inconsistent set is refused by
+    // check_forest, never read out of bounds; a consistent one costs each subset at
+    // most the items its rows list, and nothing without rows.
+    std::vector<int64_t> item_offsets{0}, item_end, item_work;
+    for (int64_t r = 0; r < n_rows; ++r) {
+      for (int64_t k = in.in_range(0, 2); k > 0; --k) {
+        item_end.push_back(in.flag() ? in.edgy(8) : in.in_range(1, 8));
+        item_work.push_back(in.flag() ? in.edgy(1000) : in.in_range(0, 1000));
+      }
+      item_offsets.push_back(in.flag() ? in.edgy(static_cast<int64_t>(item_end.size()) + 1)
+                                       : static_cast<int64_t>(item_end.size()));
+    }
+    ForestView with_items = view;
+    with_items.item_offsets = item_offsets;
+    with_items.item_end = item_end;
+    with_items.item_work = item_work;
+    std::vector<SubsetCost> worked(static_cast<size_t>(n_subsets));
+    forest_subset_costs(with_items, rows, offsets, worked);
+    for (int64_t k = 0; k < n_subsets; ++k) {
+      int64_t listed = 0;
+      for (int64_t i = offsets[k]; i < offsets[k + 1]; ++i) {
+        const auto r = static_cast<size_t>(rows[static_cast<size_t>(i)]);
+        for (int64_t j = item_offsets[r]; j < item_offsets[r + 1]; ++j) listed += item_work[static_cast<size_t>(j)];
+      }
+      FUZZ_REQUIRE(worked[k].work >= 0 && worked[k].work <= listed);
+      FUZZ_REQUIRE(worked[k].tokens == out[k].tokens && worked[k].pairs == out[k].pairs);
     }
   });
 }
