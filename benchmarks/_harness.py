@@ -152,6 +152,19 @@ def start(doc: str, name: str, title: str, repeat: Optional[int] = None) -> "tup
     return args, log
 
 
+def torch_start(doc: str, name: str, *modules: Any, repeat: int = 3) -> "tuple[argparse.Namespace, CsvLog]":
+    """A torch benchmark's start: :func:`torch_cpu_arguments` parsed, the torch thread
+    count set, the environment (torch and each of ``modules``' version) announced and
+    its CSV log ``name``. Returns ``(args, log)``."""
+    import torch
+
+    args = torch_cpu_arguments(doc, repeat=repeat).parse_args()
+    torch.set_num_threads(args.threads)
+    env = announce(environment(), torch)
+    env.update({module.__name__: module.__version__ for module in modules})  # the CSV's last columns
+    return args, CsvLog(name, env, args.csv)
+
+
 def format_table(title: str, columns: List[str], rows: Iterable[List[Any]], note: str = "") -> str:
     try:
         from seqpack.tools.report import Table

@@ -18,7 +18,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _harness import CsvLog, alternating, announce, environment, format_table, torch_cpu_arguments  # noqa: E402
+from _harness import alternating, format_table, torch_start  # noqa: E402
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -74,14 +74,10 @@ def tree_step(model, rows):
 
 
 def main() -> int:
-    parser = torch_cpu_arguments(__doc__, repeat=3)
-    args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    env = announce(environment(), torch)
     import transformers
 
-    env["transformers"] = transformers.__version__
-    log = CsvLog("moe_tree", env, args.csv)
+    args, log = torch_start(__doc__, "moe_tree", transformers)
+
     model = model_of(args.quick)
     vocab = model.config.vocab_size
     cases = [(4, 24, 8)] if args.quick else [(8, 256, 64), (16, 512, 64)]

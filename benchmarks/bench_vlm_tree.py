@@ -25,7 +25,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _harness import CsvLog, alternating, announce, environment, format_table, torch_cpu_arguments  # noqa: E402
+from _harness import alternating, format_table, torch_start  # noqa: E402
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -71,18 +71,14 @@ def tree_step(model, batch, tree):
 
 
 def main() -> int:
-    parser = torch_cpu_arguments(__doc__, repeat=3)
-    args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    env = announce(environment(), torch)
     import transformers
+
+    args, log = torch_start(__doc__, "vlm_tree", transformers)
 
     import seqpack
     from seqpack.frameworks import hf_vlm
     from seqpack.testing.tiny_vlm import vlm_grpo_batch
 
-    env["transformers"] = transformers.__version__
-    log = CsvLog("vlm_tree", env, args.csv)
     model = model_of(args.quick)
     # (G, each prompt's image (h, w) in patches, text tokens, completion max)
     cases = [(4, [(4, 4), (4, 6)], 8, 8)] if args.quick else \
