@@ -36,7 +36,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
-__all__ = ["image_keys", "multimodal_kwargs", "vision_family"]
+__all__ = ["image_keys", "vision_family"]
 
 # token type (mm_token_type_ids) -> (name, pixels, grid)
 _MEDIA = {1: ("image", "pixel_values", "image_grid_thw"), 2: ("video", "pixel_values_videos", "video_grid_thw")}

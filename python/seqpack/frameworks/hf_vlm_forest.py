@@ -79,7 +79,7 @@ def vision_forest(model: Any, input_ids: Any, attention_mask: Any, *, group_ids:
                   min_shared_tokens: Any = 1, **multimodal: Any) -> Any:
     """The :class:`~seqpack.PrefixForest` of padded VLM rows (the batch as the
     processor gives it: ``pixel_values``, ``image_grid_thw``, ...; see
-    :func:`~seqpack.frameworks.hf_vlm.multimodal_kwargs`) for the planners: rows share
+    :func:`seqpack.frameworks.hf_tree.tree_kwargs`) for the planners: rows share
     an image's tokens exactly when they hold that image, and each image is a work item
     of :func:`vision_work`, counted once per micro-batch whose tree holds it. Plan with
     an attention-aware cost (``plan_micro_batches(..., forest=, attention_coeff=)``,
